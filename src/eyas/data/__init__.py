@@ -1,0 +1,1 @@
+"""Chats -> token ids + assistant-only loss masks (see prepare.py)."""

@@ -1,0 +1,175 @@
+"""The target model: loading, identity hashes, and the hidden states EAGLE-3 learns from.
+
+Layer-id convention used everywhere inside eyas ("hf-input"): id i = the INPUT to decoder layer i =
+`output_hidden_states[i]` (index 0 = embeddings). This is vLLM's convention; SGLang's ids are
+ours minus one (id k = OUTPUT of layer k). Export converts explicitly (export/).
+
+Shape legend: B batch, T tokens, D hidden size, A number of aux layers, V vocab.
+
+`forward_capture` is the fast path: forward pre-hooks on the chosen decoder layers and a forward hook
+on the final norm, running the base model only (no lm_head, no list of all layers). The independent
+reference path used by `eyas verify` is `reference_hidden_states`: `output_hidden_states=True` on
+the full causal LM, one sample at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.errors import EyasError
+
+CONVENTION = "hf-input"  # id i = input to decoder layer i = output_hidden_states[i]
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """EAGLE-3's low/mid/high: the inputs to layers 2, N//2 and N-3."""
+    if num_layers < 4:
+        raise EyasError(f"the target has {num_layers} layers; EAGLE-3's default aux layers need at least 4")
+    return [2, num_layers // 2, num_layers - 3]
+
+
+def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
+    """Aux ids must be inputs to existing layers: 1 <= i <= N-1 (i = N would be the final output)."""
+    for i in layer_ids:
+        if not 0 <= i < num_layers:
+            raise EyasError(
+                f"--layers: id {i} is out of range for a target with {num_layers} layers "
+                f"(ids are inputs to decoder layers, 0..{num_layers - 1}, convention {CONVENTION})"
+            )
+    return list(layer_ids)
+
+
+def _text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def num_layers_of(config) -> int:
+    return int(_text_config(config).num_hidden_layers)
+
+
+def hidden_size_of(config) -> int:
+    return int(_text_config(config).hidden_size)
+
+
+def load_tokenizer(path: str | Path):
+    from transformers import AutoTokenizer
+
+    from eyas.defaults import resolve_target
+
+    path = resolve_target(path)
+    try:
+        tok = AutoTokenizer.from_pretrained(path)
+    except Exception as exc:  # transformers raises many types here
+        raise EyasError(f"target `{path}`: cannot load a tokenizer ({type(exc).__name__}: {exc})") from exc
+    return tok
+
+
+def load_target(path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a causal LM from a local HF directory ('default' = the embedded SmolLM2), eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    from eyas.defaults import resolve_target
+
+    path = resolve_target(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except Exception as exc:
+        raise EyasError(f"target `{path}`: cannot load the model ({type(exc).__name__}: {exc})") from exc
+    return model.to(device).eval()
+
+
+def model_identity(path: str | Path) -> dict[str, Any]:
+    """Path plus a hash of config.json and of the weights' index (names, shapes, dtypes, sizes)."""
+    from eyas.defaults import resolve_target
+
+    path = resolve_target(path)
+    config_bytes = (path / "config.json").read_bytes()
+    h = hashlib.sha256()
+    for f in sorted(path.glob("*.safetensors")) + sorted(path.glob("*.bin")):
+        h.update(f.name.encode())
+        h.update(str(f.stat().st_size).encode())
+        if f.suffix == ".safetensors":
+            with open(f, "rb") as fh:  # the safetensors header is the index: names, dtypes, shapes, offsets
+                n = int.from_bytes(fh.read(8), "little")
+                h.update(fh.read(n))
+    return {
+        "path": str(path.resolve()),
+        "config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+        "weights_index_sha256": h.hexdigest(),
+    }
+
+
+def tokenizer_hash(tokenizer) -> str:
+    """Hash of the vocabulary, special tokens and chat template: equal hashes tokenise identically."""
+    vocab = sorted(tokenizer.get_vocab().items())
+    payload = {
+        "vocab": vocab,
+        "special": sorted(map(str, tokenizer.all_special_tokens)),
+        "chat_template": getattr(tokenizer, "chat_template", None),
+        "class": type(tokenizer).__name__.replace("Fast", ""),
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _decoder_parts(model):
+    """(layers, final_norm) of a Hugging Face causal LM."""
+    base = model.get_decoder() if hasattr(model, "get_decoder") else getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    norm = getattr(base, "norm", None)
+    if layers is None or norm is None:
+        raise EyasError(
+            f"{type(model).__name__}: cannot find decoder `layers` and final `norm`; eyas supports "
+            "Hugging Face decoder-only models laid out as model.layers / model.norm"
+        )
+    return base, layers, norm
+
+
+@torch.no_grad()
+def forward_capture(
+    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, layer_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the base model once; return (aux_BTAD, final_BTD) for the given layer ids.
+
+    aux_BTAD[:, :, a] is the input to decoder layer layer_ids[a] (pre-norm residual stream);
+    final_BTD is the output of the final norm (teacher logits = lm_head(final_BTD)).
+    """
+    base, layers, norm = _decoder_parts(model)
+    captured: dict[int, torch.Tensor] = {}
+    handles = []
+
+    def pre_hook(idx):
+        def hook(module, args, kwargs):
+            hs = args[0] if args else kwargs["hidden_states"]
+            captured[idx] = hs
+        return hook
+
+    def norm_hook(module, args, output):
+        captured[-1] = output
+
+    try:
+        for i in layer_ids:
+            handles.append(layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True))
+        handles.append(norm.register_forward_hook(norm_hook))
+        base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    aux_BTAD = torch.stack([captured[i] for i in layer_ids], dim=2)
+    return aux_BTAD, captured[-1]
+
+
+@torch.no_grad()
+def reference_hidden_states(model, input_ids_T: torch.Tensor, *, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The independent slow path: one unbatched sample, `output_hidden_states`, eager.
+
+    Returns (aux_TAD, final_TD). Hugging Face's last hidden_states entry is already post-norm.
+    """
+    out = model(input_ids=input_ids_T[None], output_hidden_states=True, use_cache=False)
+    hs = out.hidden_states
+    aux_TAD = torch.stack([hs[i][0] for i in layer_ids], dim=1)
+    return aux_TAD, hs[-1][0]
