@@ -43,6 +43,11 @@ COMMANDS = [
 ]
 
 
+@app.callback()
+def _root() -> None:
+    """Train EAGLE-3 draft models on verified target hidden states."""
+
+
 def emit(summary: dict) -> None:
     print(json.dumps(summary, sort_keys=True, default=str), flush=True)
 

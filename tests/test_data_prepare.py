@@ -1,0 +1,134 @@
+"""`eyas prepare` end to end: summary, split, skip counting, policies and bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from eyas.data.prepare import PrepareConfig, is_eval, prepare
+from eyas.data.prepared import PreparedDataset
+from eyas.errors import EyasError
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def conv(i, answer="hello there", n_turns=1):
+    msgs = []
+    for k in range(n_turns):
+        msgs += [{"role": "user", "content": f"question {i}.{k}"}, {"role": "assistant", "content": f"{answer} {i}.{k}"}]
+    return {"id": f"c{i}", "messages": msgs}
+
+
+def test_prepare_writes_dataset_with_masks_and_counts(tmp_path, tiny_target_dir):
+    rows = [conv(i) for i in range(40)] + [
+        {"id": "empty", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": ""}]},
+        {"id": "noans", "messages": [{"role": "user", "content": "q"}]},
+        {"id": "odd", "messages": [{"role": "user", "content": "q"}, {"role": "wizard", "content": "a"}]},
+    ]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "p", eval_fraction=0.25))
+    assert s["samples_kept"] == 40 and s["skipped"] == {"empty_turn": 1, "no_assistant_turn": 1, "unknown_role": 1}
+    ds = PreparedDataset(tmp_path / "p")
+    train, ev = ds.split("train"), ds.split("eval")
+    assert len(train) + len(ev) == 40 and len(ev) == s["eval_samples"] and 0 < len(ev) < 40
+    assert {x.id for x in ev} == {f"c{i}" for i in range(40) if is_eval(f"c{i}", 0.25, 0)}
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    sample = train[0]
+    i = int(sample.id[1:])
+    assert tok.decode(sample.input_ids[sample.loss_mask]) == f"hello there {i}.0<|im_end|>"
+    assert s["tokens"] == int(sum(ds.split(n).lengths.sum() for n in ("train", "eval")))
+    assert s["assistant_tokens"] == int(sum(x.loss_mask.sum() for n in ("train", "eval") for x in ds.split(n)))
+    est = s["capture_disk_estimate"]
+    assert est["bf16_bytes"] == s["tokens"] * 4 * 64 * 2 and est["fp8_bytes"] * 2 == est["bf16_bytes"]
+    assert ds.tokenizer_hash and ds.meta["target"]["config_sha256"]
+
+
+def test_length_policies(tmp_path, tiny_target_dir):
+    rows = [conv(0, answer="word " * 200), conv(1)]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "d", max_length=64, length_policy="drop", eval_fraction=0))
+    assert s["samples_kept"] == 1 and s["skipped"] == {"too_long": 1}
+    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "t", max_length=64, eval_fraction=0))
+    assert s["samples_kept"] == 2 and s["samples_truncated_to_max_length"] == 1
+    assert int(PreparedDataset(tmp_path / "t").split("train").lengths.max()) == 64
+
+
+def test_truncated_answer_drop_policy(tmp_path, tiny_target_dir):
+    row = conv(0)
+    row["messages"][1]["truncated"] = True
+    src = write_jsonl(tmp_path / "c.jsonl", [row, conv(1)])
+    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "p", truncated_answers="drop", eval_fraction=0))
+    assert s["skipped"] == {"truncated_answer": 1}
+
+
+def test_split_is_deterministic_and_stable():
+    ids = [f"s{i}" for i in range(2000)]
+    a = [i for i in ids if is_eval(i, 0.1, 0)]
+    assert a == [i for i in ids if is_eval(i, 0.1, 0)]
+    assert 120 < len(a) < 280
+    assert a != [i for i in ids if is_eval(i, 0.1, 1)]
+
+
+def test_bad_options_and_inputs(tmp_path, tiny_target_dir):
+    with pytest.raises(EyasError, match="--length-policy"):
+        PrepareConfig(out=tmp_path / "x", length_policy="cut")
+    with pytest.raises(EyasError, match="--max-length"):
+        PrepareConfig(out=tmp_path / "x", max_length=1)
+    no_tpl = tmp_path / "notpl"
+    import shutil
+
+    shutil.copytree(tiny_target_dir, no_tpl)
+    for f in no_tpl.glob("chat_template*"):
+        f.unlink()
+    cfg_path = no_tpl / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg.pop("chat_template", None)
+    cfg_path.write_text(json.dumps(cfg))
+    src = write_jsonl(tmp_path / "c.jsonl", [conv(0)])
+    with pytest.raises(EyasError, match="chat template"):
+        prepare(PrepareConfig(source=str(src), target=str(no_tpl), out=tmp_path / "p"))
+    notok = tmp_path / "notok"
+    notok.mkdir()
+    (notok / "config.json").write_text((tiny_target_dir / "config.json").read_text())
+    with pytest.raises(EyasError, match="tokenizer"):
+        prepare(PrepareConfig(source=str(src), target=str(notok), out=tmp_path / "p"))
+    with pytest.raises(EyasError, match="not a directory"):
+        prepare(PrepareConfig(source=str(src), target=str(tmp_path / "nomodel"), out=tmp_path / "p"))
+
+
+def test_existing_output_is_not_overwritten_and_failed_run_leaves_nothing(tmp_path, tiny_target_dir):
+    src = write_jsonl(tmp_path / "c.jsonl", [conv(0)])
+    out = tmp_path / "p"
+    prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=out))
+    with pytest.raises(EyasError, match="already exists"):
+        prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=out))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(conv(0)) + "\n{broken\n")
+    with pytest.raises(EyasError, match="line 2"):
+        prepare(PrepareConfig(source=str(bad), target=str(tiny_target_dir), out=tmp_path / "q"))
+    assert not (tmp_path / "q").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".q")] == []
+
+
+def test_cli_prints_json_summary_last_and_errors_cleanly(tmp_path, tiny_target_dir):
+    src = write_jsonl(tmp_path / "c.jsonl", [conv(i) for i in range(3)])
+    r = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--source", str(src), "--target", str(tiny_target_dir),
+                        "--out", str(tmp_path / "p")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    assert summary["samples_kept"] == 3
+    r = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--source", str(tmp_path / "missing.jsonl"),
+                        "--target", str(tiny_target_dir), "--out", str(tmp_path / "q")], capture_output=True, text=True)
+    assert r.returncode == 2 and "missing.jsonl" in r.stderr and "does not exist" in r.stderr
+    h = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--help"], capture_output=True, text=True)
+    for opt in ("--out", "--source", "--target", "--max-length", "--length-policy", "--eval-fraction", "--seed",
+                "--limit", "--truncated-answers", "--hf-split", "--aux-layers", "--overwrite"):
+        assert opt in h.stdout
