@@ -116,3 +116,19 @@ def test_property_masked_tokens_are_exactly_assistant_turns(smol_tokenizer, llam
         assert masked_text(tok, r) == expected
         # the rendered ids are the template's own tokenisation
         assert r.input_ids == tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
+
+
+def test_content_holding_special_token_text_is_located(smol_tokenizer):
+    conv = [{"role": "user", "content": "end it"}, {"role": "assistant", "content": "Done<|endoftext|>"}]
+    r = render(smol_tokenizer, conv)
+    assert masked_text(smol_tokenizer, r) == "Done<|endoftext|><|im_end|>"
+
+
+def test_long_text_prefix_tokenisation_matches_full(smol_tokenizer):
+    long = " ".join(f"word{i}" for i in range(3000))
+    conv = [{"role": "user", "content": "go"}, {"role": "assistant", "content": long},
+            {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]
+    full = render(smol_tokenizer, conv)
+    cut = render(smol_tokenizer, conv, max_tokens=256)
+    assert len(full.input_ids) > len(cut.input_ids) > 256
+    assert cut.input_ids[:256] == full.input_ids[:256] and cut.loss_mask[:256] == full.loss_mask[:256]

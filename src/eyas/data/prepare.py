@@ -108,7 +108,8 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         if cfg.truncated_answers == "drop" and any(m.get("truncated") for m in item.messages):
             skipped[TRUNCATED_ANSWER] += 1
             continue
-        r = render(tokenizer, item.messages, truncated_answers=cfg.truncated_answers, special_ids=specials)
+        r = render(tokenizer, item.messages, truncated_answers=cfg.truncated_answers, special_ids=specials,
+                   max_tokens=cfg.max_length)
         ids, mask = r.input_ids, r.loss_mask
         if len(ids) > cfg.max_length:
             if cfg.length_policy == "drop":

@@ -54,15 +54,17 @@ def _special_ids(tokenizer) -> set[int]:
 
 
 def _locate(text: str, content: str, cursor: int, special_spans: list[tuple[int, int]]) -> tuple[int, int] | None:
-    """First occurrence of content (or its trimmed form) at or after cursor that overlaps no
-    special token's text: `d` must not match inside `<|im_end|>`."""
+    """First occurrence of content (or its trimmed form) at or after cursor that does not cut
+    through a special token's text: `d` must not match inside `<|im_end|>`."""
     for candidate in (content, content.strip()):
         if not candidate:
             continue
         start = text.find(candidate, cursor)
         while start >= 0:
             end = start + len(candidate)
-            if not any(a < end and start < b for a, b in special_spans):
+            # A match may contain whole special tokens (content can hold `<|endoftext|>`) but must
+            # not start or end inside one.
+            if not any(a < start < b or a < end < b for a, b in special_spans):
                 return start, end
             start = text.find(candidate, start + 1)
     return None
@@ -74,16 +76,28 @@ def render(
     *,
     truncated_answers: str = "keep",
     special_ids: set[int] | None = None,
+    max_tokens: int | None = None,
 ) -> Rendered:
     """Render `messages` (roles system/user/assistant) to ids and the assistant-only loss mask.
 
     truncated_answers: for assistant turns marked {"truncated": true} (cut at a token limit by
     `eyas regenerate`): "keep" supervises the content but not the end-of-turn token (the answer
     did not end there), "mask" supervises none of the turn. ("drop" is handled by the caller.)
+    max_tokens: the caller keeps at most this many tokens; very long texts are then tokenised only
+    up to a character prefix that provably yields more than that many whole tokens (the result may
+    be longer than max_tokens, never shorter than the full text's first max_tokens tokens).
     """
     plain = [{"role": m["role"], "content": m["content"]} for m in messages]
     text = tokenizer.apply_chat_template(plain, tokenize=False)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    enc = None
+    if max_tokens is not None and len(text) > 16 * max_tokens:
+        # Only the word that the cut splits can tokenise differently; 64 tokens of margin keep it
+        # well past max_tokens.
+        enc = tokenizer(text[: 16 * max_tokens], add_special_tokens=False, return_offsets_mapping=True)
+        if len(enc["input_ids"]) <= max_tokens + 64:
+            enc = None
+    if enc is None:
+        enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids: list[int] = enc["input_ids"]
     offsets: list[tuple[int, int]] = enc["offset_mapping"]
     specials = special_ids if special_ids is not None else _special_ids(tokenizer)
@@ -103,6 +117,8 @@ def render(
             if prefix is not None and text.startswith(prefix) and len(prefix) >= cursor:
                 cursor = len(prefix)
         found = _locate(text, msg["content"], cursor, special_spans)
+        if found is None and offsets and cursor >= offsets[-1][1]:
+            break  # past the tokenised prefix: later turns fall beyond max_tokens anyway
         if found is None:
             raise EyasError(
                 f"the chat template does not reproduce turn {k} ({msg['role']}) verbatim; "
