@@ -1,0 +1,233 @@
+"""`eyas capture`, the transformers backend: prepared samples -> target forward -> verified store.
+
+Steps, in the order a reader of the log sees them:
+  1. settings: target identity, tokenizer hash (must equal the prepared dataset's), layer ids checked
+     against the target's layer count, the samples to capture (`limit` = the first n of the split);
+  2. open the store: create it, or resume it when it was written with the same settings (else an
+     error naming what differs); committed samples are skipped;
+  3. disk: estimate the bytes still needed and refuse with the figures when the disk lacks room;
+  4. capture: batches by length under the token budget through CapturePipeline;
+  5. before marking the store complete, check the prepared dataset has not changed meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.capture.batching import make_batch, plan_batches
+from eyas.capture.pipeline import CapturePipeline
+from eyas.common import human_bytes, log, progress
+from eyas.errors import EyasError
+from eyas.store.format import HEADER_BYTES, stored_dtype
+from eyas.store.writer import StoreSpec, StoreWriter, check_free_space
+
+MODEL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(kw_only=True)
+class CaptureSettings:
+    """Everything `eyas capture` takes (the CLI maps its options onto these fields)."""
+
+    target: str
+    """Local Hugging Face model directory, or `default` (the embedded SmolLM2)."""
+    data: Path
+    """Prepared dataset directory (written by `eyas prepare`)."""
+    split: str = "train"
+    """Split of the prepared dataset to capture."""
+    out: Path
+    """Store directory; an existing store with the same settings is resumed."""
+    layers: list[int] | None = None
+    """Aux layer ids (convention hf-input); None = EAGLE-3's default [2, N//2, N-3]."""
+    dtype: str = "bf16"
+    """Stored dtype: bf16, fp8 (e4m3 + a scale per token and layer) or fp32."""
+    device: str = "cpu"
+    """Where the target runs: cpu, cuda or cuda:K."""
+    model_dtype: str = "auto"
+    """Dtype the target runs in: bf16, fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
+    token_budget: int = 16384
+    """Most tokens (batch x padded length) per forward."""
+    shard_bytes: int = 1 << 30
+    """A shard is committed once it holds at least this many bytes."""
+    limit: int | None = None
+    """Capture only the first `limit` samples of the split."""
+    queue_depth: int = 3
+    """Batches in flight between the forward and the disk (pinned host buffers on CUDA)."""
+
+    def __post_init__(self):
+        stored_dtype(self.dtype)
+        if self.model_dtype not in ("auto", *MODEL_DTYPES):
+            raise EyasError(f"--model-dtype: `{self.model_dtype}`; choose bf16, fp32 or auto")
+        if self.token_budget <= 0:
+            raise EyasError(f"--token-budget: {self.token_budget} must be positive")
+        if self.shard_bytes <= 0:
+            raise EyasError(f"--shard-bytes: {self.shard_bytes} must be positive")
+        if self.limit is not None and self.limit <= 0:
+            raise EyasError(f"--limit: {self.limit} must be positive")
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise EyasError(f"--device: `{self.device}`; choose cpu or cuda[:K]")
+        if self.device.startswith("cuda") and not torch.cuda.is_available():
+            raise EyasError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
+
+    @property
+    def resolved_model_dtype(self) -> str:
+        if self.model_dtype != "auto":
+            return self.model_dtype
+        return "bf16" if self.device.startswith("cuda") else "fp32"
+
+
+def parse_layers(text: str | None) -> list[int] | None:
+    if text is None or text.strip() in ("", "default"):
+        return None
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise EyasError(f"--layers: `{text}` is not a comma-separated list of integers (e.g. 2,15,27)") from None
+
+
+def parse_bytes(text: str | int) -> int:
+    """'1GB', '512MiB', '4096' -> bytes."""
+    if isinstance(text, int):
+        return text
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    s = text.strip().lower().replace(" ", "")
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    try:
+        value = float(num)
+    except ValueError:
+        value = -1
+    if unit not in units or value <= 0:
+        raise EyasError(f"--shard-bytes: `{text}` is not a size such as 1GB, 512MiB or 1000000")
+    return int(value * units[unit])
+
+
+def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str, Any]]:
+    """Resolve the target and dataset into the store's spec. Returns (spec, prepared split, context)."""
+    from transformers import AutoConfig
+
+    from eyas.data.prepared import PreparedDataset
+    from eyas.defaults import resolve_target
+    from eyas.target import (
+        CONVENTION, default_aux_layers, hidden_size_of, load_tokenizer, model_identity, num_layers_of,
+        tokenizer_hash, validate_layer_ids,
+    )
+
+    target_dir = resolve_target(settings.target)
+    config = AutoConfig.from_pretrained(target_dir)
+    n_layers, d = num_layers_of(config), hidden_size_of(config)
+    layers = validate_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layers(n_layers)
+    if len(set(layers)) != len(layers):
+        raise EyasError(f"--layers: {layers} repeats an id")
+    tok = load_tokenizer(target_dir)
+    tok_hash = tokenizer_hash(tok)
+    prepared = PreparedDataset(settings.data)
+    if prepared.tokenizer_hash is not None and prepared.tokenizer_hash != tok_hash:
+        raise EyasError(
+            f"--data {settings.data} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) than "
+            f"the target {target_dir} (hash {tok_hash[:12]}); prepare the data with this target's tokenizer"
+        )
+    split = prepared.split(settings.split)
+    n = len(split) if settings.limit is None else min(settings.limit, len(split))
+    spec = StoreSpec(
+        aux_layer_ids=layers, hidden_size=d, dtype=settings.dtype, convention=CONVENTION,
+        target=model_identity(target_dir), tokenizer_hash=tok_hash,
+        prepared={"path": str(Path(settings.data).resolve()), "split": settings.split, "fingerprint": split.fingerprint,
+                  "limit": settings.limit, "samples": n},
+        model_dtype=settings.resolved_model_dtype,
+        producer={"backend": "transformers", "device": settings.device, "num_layers": n_layers,
+                  "torch": torch.__version__},
+    )
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    return spec, split, {"target_dir": target_dir, "num_layers": n_layers, "pad_token_id": pad, "n": n}
+
+
+def run_capture(settings: CaptureSettings) -> dict[str, Any]:
+    """Capture (or resume) a store; returns the summary the CLI prints."""
+    from eyas.target import load_target
+
+    spec, split, ctx = store_spec_for(settings)
+    n = ctx["n"]
+    lengths = [int(x) for x in split.lengths[:n]]
+    writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
+    try:
+        done = writer.committed_ids
+        todo = [i for i in range(n) if split.ids[i] not in done]
+        todo_tokens = sum(lengths[i] for i in todo)
+        need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (1 + todo_tokens * spec.bytes_per_token // settings.shard_bytes)
+        disk = check_free_space(Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)")
+        log(
+            f"eyas capture: {ctx['target_dir']} ({ctx['num_layers']} layers, D={spec.hidden_size}, {spec.model_dtype}) on "
+            f"{settings.device}; aux layers {spec.aux_layer_ids} ({spec.convention}) + final; {settings.split}: {n} samples, "
+            f"{len(done)} already stored, {len(todo)} to capture ({todo_tokens} tokens, about {human_bytes(need)} as {spec.dtype}, "
+            f"{human_bytes(disk['free_bytes'])} free)"
+        )
+        stats = None
+        if todo:
+            model = load_target(ctx["target_dir"], device=settings.device, dtype=MODEL_DTYPES[spec.model_dtype])
+            plan = plan_batches([lengths[i] for i in todo], settings.token_budget)
+            over = [todo[j] for b in plan for j in b if lengths[todo[j]] > settings.token_budget]
+            if over:
+                log(f"eyas capture: {len(over)} samples are longer than --token-budget {settings.token_budget}; each runs alone")
+            max_rows = max(sum(lengths[todo[j]] for j in b) for b in plan)
+            pipe = CapturePipeline(model, layer_ids=spec.aux_layer_ids, dtype=spec.dtype, hidden_size=spec.hidden_size,
+                                   max_rows=max_rows, queue_depth=settings.queue_depth)
+
+            def batches():
+                for b in plan:
+                    idx = [todo[j] for j in b]
+                    yield make_batch([split.ids[i] for i in idx], [split[i].input_ids for i in idx], pad_token_id=ctx["pad_token_id"])
+
+            bar = progress(todo_tokens, "capture", unit="tok")
+            try:
+                stats = pipe.run(batches(), writer, on_batch=lambda b: bar.update(b.rows))
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    writer.close(complete=False)  # commit what was fully written: a resume skips it
+                raise
+            finally:
+                bar.close()
+        _check_prepared_unchanged(settings, spec)
+        writer.commit()
+        stored = writer.committed_ids
+        missing = [split.ids[i] for i in range(n) if split.ids[i] not in stored]
+        if missing:
+            raise EyasError(f"internal: {len(missing)} samples were not stored (e.g. {missing[:3]}); rerun to resume")
+        manifest = writer.close(complete=True)
+    except BaseException:
+        writer.abort()
+        raise
+    totals = manifest["totals"]
+    summary = {
+        "store": str(Path(settings.out)), "status": manifest["status"], "dtype": spec.dtype, "model_dtype": spec.model_dtype,
+        "aux_layer_ids": spec.aux_layer_ids, "convention": spec.convention, "hidden_size": spec.hidden_size,
+        "samples": totals["samples"], "tokens": totals["tokens"], "shards": totals["shards"], "bytes": totals["bytes"],
+        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2), "resumed_samples": n - len(todo),
+        "captured_samples": len(todo), "captured_tokens": todo_tokens,
+    }
+    if stats is not None:
+        summary.update({
+            "seconds": round(stats.seconds, 3), "tokens_per_s": round(stats.rows / max(stats.seconds, 1e-9), 1),
+            "batches": stats.batches, "padding_fraction": round(1 - stats.rows / max(stats.padded_tokens, 1), 4),
+            "writer_busy_s": round(stats.writer_busy_s, 3), "waited_for_disk_s": round(stats.main_wait_s, 3),
+        })
+    log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token")}))
+    return summary
+
+
+def _check_prepared_unchanged(settings: CaptureSettings, spec: StoreSpec) -> None:
+    from eyas.data.prepared import PreparedDataset
+
+    now = PreparedDataset(settings.data).meta["splits"].get(settings.split, {}).get("fingerprint")
+    if now != spec.prepared["fingerprint"]:
+        raise EyasError(
+            f"--data {settings.data} changed while it was being captured (split {settings.split} fingerprint "
+            f"{spec.prepared['fingerprint'][:12]} -> {str(now)[:12]}); the store keeps its committed shards but is "
+            "not marked complete: capture into a new --out"
+        )

@@ -1,0 +1,478 @@
+"""The EAGLE-3 draft model, laid out exactly as SGLang and vLLM serve it.
+
+Architecture (FIELD.md section 1). For one draft step at position t:
+
+    feature_BTD  = fc(aux_BT3D)                      first step: the target's low/mid/high states
+                 | hidden_prenorm of the previous step  later steps: the draft's own output
+    x_BT2D       = cat(input_layernorm(embed(token)), hidden_norm(feature))   embedding first
+    attn_BTD     = o_proj(attention(q/k/v_proj(x_BT2D), RoPE))               q/k/v map 2D -> heads
+    h_BTD        = feature + attn                     the residual is the feature BEFORE hidden_norm
+    hidden_BTD   = h + mlp(post_attention_layernorm(h))                      SwiGLU
+    logits_BTV   = lm_head(norm(hidden_BTD))          over the DRAFT vocabulary (V = draft vocab)
+
+The state_dict uses SGLang's key names (`fc.weight`, `midlayer.self_attn.q_proj.weight`, ...,
+`norm.weight`, `lm_head.weight`, `embed_tokens.weight`, buffers `d2t` int64 offsets and `t2d`
+bool), so exporting is a rename-free copy. `embed_tokens` is the target's, copied in and frozen.
+
+API for callers (training, speculative decoding, export):
+    DrafterConfig.from_target_config(hf_cfg, draft_vocab_size=, aux_layer_ids=)
+    drafter.project_aux(aux_BTAD)                       -> feature_BTD   (fc; first step only)
+    drafter.forward_step(ids_BT, feature_BTD, pos_BT, attention_mask=, cache=)
+                                                        -> (hidden_prenorm_BTD, logits_BTV)
+    drafter.compute_logits(hidden_prenorm_BTD)          -> logits_BTV over the draft vocab
+    drafter.draft_to_target(draft_ids)                  -> target ids (via d2t offsets)
+    drafter.save(dir, target=...), Eagle3Drafter.load(dir)
+The training-time-test loop (drafter/ttt.py) uses the lower-level `midlayer.project_qkv` /
+`midlayer.finish` pair so it can run its own attention.
+
+Shape legend: B batch, T new tokens, S keys (cached + new), D hidden size, A aux layers,
+H query heads, K key/value heads, d head dim, V draft vocab, Vt target vocab.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from eyas.errors import EyasError
+
+SCHEMA = "eyas.drafter/1"
+CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
+SUPPORTED_ROPE = ("default", "linear", "llama3")
+
+
+# ----------------------------------------------------------------------------------------------
+# config
+
+
+@dataclass(kw_only=True)
+class DrafterConfig:
+    """Every dimension of the drafter; defaults come from the target (`from_target_config`)."""
+
+    hidden_size: int
+    """Width D of the draft layer (the target's hidden size by default)."""
+    num_attention_heads: int
+    """Query heads H."""
+    num_key_value_heads: int
+    """Key/value heads K (grouped-query attention when K < H)."""
+    head_dim: int
+    """Per-head width d (q/k/v project 2D -> H*d / K*d, o_proj maps H*d -> D)."""
+    intermediate_size: int
+    """SwiGLU inner width (the target's by default)."""
+    rms_norm_eps: float = 1e-6
+    """Epsilon of every RMSNorm."""
+    rope_theta: float = 10000.0
+    """RoPE base."""
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
+    """The target's HF RoPE dict (`rope_type` default | linear | llama3 and their fields)."""
+    max_position_embeddings: int = 2048
+    """Longest position the RoPE settings are meant for (the target's)."""
+    vocab_size: int
+    """The TARGET vocabulary size Vt (embedding rows; t2d length)."""
+    draft_vocab_size: int
+    """Rows of lm_head V (d2t length); <= vocab_size."""
+    target_hidden_size: int
+    """Width of each target hidden state in aux (fc input = len(aux_layer_ids) * this)."""
+    aux_layer_ids: list[int]
+    """Target layers whose states feed fc, low/mid/high, in `layer_convention`."""
+    layer_convention: str = "hf-input"
+    """'hf-input': id i = INPUT to decoder layer i = HF output_hidden_states[i] (SGLang's id = i - 1)."""
+    target_num_layers: int
+    """Decoder layers of the target (checked against stores and targets)."""
+    target_model_type: str = "llama"
+    """The target's HF model_type (recorded for export)."""
+
+    def __post_init__(self):
+        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                     "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size",
+                     "target_num_layers"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v <= 0:
+                raise ValueError(f"DrafterConfig.{name} must be a positive int, got {v!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"DrafterConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}")
+        if self.draft_vocab_size > self.vocab_size:
+            raise ValueError(
+                f"DrafterConfig.draft_vocab_size={self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
+        if not self.aux_layer_ids:
+            raise ValueError("DrafterConfig.aux_layer_ids is empty")
+        if self.layer_convention != "hf-input":
+            raise ValueError(f"DrafterConfig.layer_convention must be 'hf-input', got {self.layer_convention!r}")
+        rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE:
+            raise ValueError(f"DrafterConfig.rope_parameters: rope_type {rope_type!r} is not supported "
+                             f"(supported: {', '.join(SUPPORTED_ROPE)})")
+        self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
+
+    @property
+    def fc_in_features(self) -> int:
+        return len(self.aux_layer_ids) * self.target_hidden_size
+
+    @classmethod
+    def from_target_config(cls, cfg, *, draft_vocab_size: int | None = None,
+                           aux_layer_ids: list[int] | None = None, **overrides) -> "DrafterConfig":
+        """Defaults from a target's HF config (object or dict): same width, heads, MLP and RoPE."""
+        from eyas.target import default_aux_layers, validate_layer_ids
+
+        if not isinstance(cfg, dict):
+            text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+            cfg = text.to_dict()
+        hidden = int(cfg["hidden_size"])
+        heads = int(cfg["num_attention_heads"])
+        n_layers = int(cfg["num_hidden_layers"])
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)) or 10000.0)
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        aux = validate_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids else default_aux_layers(n_layers)
+        vocab = int(cfg["vocab_size"])
+        values = dict(
+            hidden_size=hidden,
+            num_attention_heads=heads,
+            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            intermediate_size=int(cfg["intermediate_size"]),
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            rope_theta=theta,
+            rope_parameters=rope,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            vocab_size=vocab,
+            draft_vocab_size=int(draft_vocab_size or min(32000, vocab)),
+            target_hidden_size=hidden,
+            aux_layer_ids=aux,
+            target_num_layers=n_layers,
+            target_model_type=str(cfg.get("model_type", "llama")),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in names})
+
+
+# ----------------------------------------------------------------------------------------------
+# building blocks
+
+
+class RMSNorm(nn.Module):
+    """Llama RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(dtype)
+
+
+def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
+    """Inverse frequencies [d/2] for the target's RoPE (default, linear or llama3 scaling)."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    p = cfg.rope_parameters
+    kind = p.get("rope_type", "default")
+    if kind == "linear":
+        inv = inv / float(p["factor"])
+    elif kind == "llama3":
+        factor, lo, hi = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
+        old = float(p["original_max_position_embeddings"])
+        low_wavelen, high_wavelen = old / lo, old / hi
+        wavelen = 2 * math.pi / inv
+        scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv = torch.where(medium, smoothed, scaled)
+    return inv.float()
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, position_ids_BT: torch.Tensor, dtype: torch.dtype):
+    """cos/sin [B, 1, T, d] for `apply_rope` (HF's rotate-half layout)."""
+    freqs = position_ids_BT[..., None].float() * inv_freq.to(position_ids_BT.device)  # B T d/2
+    emb = torch.cat([freqs, freqs], dim=-1)[:, None]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x_BHTd: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x_BHTd.shape[-1] // 2
+    rotated = torch.cat([-x_BHTd[..., half:], x_BHTd[..., :half]], dim=-1)
+    return x_BHTd * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        D, H, K, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * D, H * d, bias=False)
+        self.k_proj = nn.Linear(2 * D, K * d, bias=False)
+        self.v_proj = nn.Linear(2 * D, K * d, bias=False)
+        self.o_proj = nn.Linear(H * d, D, bias=False)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        D, I = cfg.hidden_size, cfg.intermediate_size
+        self.gate_proj = nn.Linear(D, I, bias=False)
+        self.up_proj = nn.Linear(D, I, bias=False)
+        self.down_proj = nn.Linear(I, D, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MidLayer(nn.Module):
+    """The single decoder layer; attention itself is left to the caller (step or TTT)."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin):
+        """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k)."""
+        B, T, _ = embeds_BTD.shape
+        H, K, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
+        x_BT2D = torch.cat([self.input_layernorm(embeds_BTD), self.hidden_norm(feature_BTD)], dim=-1)
+        attn = self.self_attn
+        q = attn.q_proj(x_BT2D).view(B, T, H, d).transpose(1, 2)
+        k = attn.k_proj(x_BT2D).view(B, T, K, d).transpose(1, 2)
+        v = attn.v_proj(x_BT2D).view(B, T, K, d).transpose(1, 2)
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+    def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor) -> torch.Tensor:
+        """o_proj, residual from the (un-normalised) feature, then the MLP block -> hidden_prenorm_BTD."""
+        B, H, T, d = attn_BHTd.shape
+        h = feature_BTD + self.self_attn.o_proj(attn_BHTd.transpose(1, 2).reshape(B, T, H * d))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+@dataclass
+class DrafterCache:
+    """Keys/values of earlier draft tokens for incremental drafting (chain or tree).
+
+    k, v: [B, K, S, d] (None when empty). `crop(n)` keeps the first n positions (rollback after a
+    rejected draft). The caller owns position ids and the attention mask over the S keys.
+    """
+
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else int(self.k.shape[2])
+
+    def append(self, k_BKTd: torch.Tensor, v_BKTd: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        self.k = k_BKTd if self.k is None else torch.cat([self.k, k_BKTd], dim=2)
+        self.v = v_BKTd if self.v is None else torch.cat([self.v, v_BKTd], dim=2)
+        return self.k, self.v
+
+    def crop(self, n: int) -> None:
+        if self.k is not None:
+            self.k, self.v = self.k[:, :, :n], self.v[:, :, :n]
+
+
+def repeat_kv(x_BKTd: torch.Tensor, groups: int) -> torch.Tensor:
+    return x_BKTd if groups == 1 else x_BKTd.repeat_interleave(groups, dim=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# the drafter
+
+
+class Eagle3Drafter(nn.Module):
+    """fc + one Llama layer + norm + lm_head over the draft vocab; state_dict in SGLang's layout."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)  # the target's, frozen
+        self.fc = nn.Linear(cfg.fc_in_features, cfg.hidden_size, bias=False)
+        self.midlayer = MidLayer(cfg)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        # a plain fp32 tensor, not a buffer: `.to(bfloat16)` must not round the RoPE frequencies
+        self.inv_freq = rope_inv_freq(cfg)
+        self.reset_parameters()
+
+    # -- setup --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """Normal(0, 0.02) linears, unit norms; the identity vocab map until `set_vocab`."""
+        gen = None
+        if seed is not None:
+            gen = torch.Generator(device="cpu").manual_seed(seed)
+        for mod in self.modules():
+            if isinstance(mod, nn.Linear):
+                w = torch.empty(mod.weight.shape).normal_(0.0, 0.02, generator=gen)
+                mod.weight.copy_(w)
+            elif isinstance(mod, RMSNorm):
+                mod.weight.fill_(1.0)
+        self.embed_tokens.weight.copy_(torch.empty(self.embed_tokens.weight.shape).normal_(0.0, 0.02, generator=gen))
+        V = self.config.draft_vocab_size
+        self.set_vocab(torch.arange(V))
+
+    @torch.no_grad()
+    def set_vocab(self, used_target_ids: torch.Tensor) -> None:
+        """Install the draft vocab: `used_target_ids` [V] ascending target ids -> d2t offsets, t2d mask."""
+        used = torch.as_tensor(used_target_ids, dtype=torch.int64).cpu()
+        V, Vt = self.config.draft_vocab_size, self.config.vocab_size
+        if used.shape != (V,) or (used[1:] <= used[:-1]).any() or used.min() < 0 or used.max() >= Vt:
+            raise ValueError(f"set_vocab: need {V} strictly ascending target ids in [0, {Vt}), got shape "
+                             f"{tuple(used.shape)}")
+        self.d2t.copy_(used - torch.arange(V))
+        t2d = torch.zeros(Vt, dtype=torch.bool)
+        t2d[used] = True
+        self.t2d.copy_(t2d)
+
+    @torch.no_grad()
+    def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None,
+                         final_norm_weight: torch.Tensor | None = None) -> None:
+        """Copy the target's embedding (frozen); optionally start lm_head from the target's rows of the
+        draft vocab and `norm` from its final norm (a better start than random; EAGLE-3 keeps both trainable)."""
+        if tuple(embed_weight.shape) != tuple(self.embed_tokens.weight.shape):
+            raise EyasError(f"target embedding has shape {tuple(embed_weight.shape)}, the drafter expects "
+                            f"{tuple(self.embed_tokens.weight.shape)} (vocab x hidden)")
+        self.embed_tokens.weight.copy_(embed_weight)
+        if lm_head_weight is not None:
+            self.lm_head.weight.copy_(lm_head_weight[self.used_target_ids().to(lm_head_weight.device)])
+        if final_norm_weight is not None:
+            self.norm.weight.copy_(final_norm_weight)
+
+    def used_target_ids(self) -> torch.Tensor:
+        """[V] target id of each draft id (ascending)."""
+        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocab ids to target ids: target = draft + d2t[draft]."""
+        return draft_ids + self.d2t[draft_ids]
+
+    # -- compute ------------------------------------------------------------------------------
+
+    def project_aux(self, aux: torch.Tensor) -> torch.Tensor:
+        """aux_BTAD (or already concatenated aux_BT(A*D), low/mid/high order) -> feature_BTD via fc."""
+        if aux.dim() == 4:
+            aux = aux.flatten(-2)
+        if aux.shape[-1] != self.config.fc_in_features:
+            raise ValueError(f"aux width {aux.shape[-1]} != {len(self.config.aux_layer_ids)} aux layers x "
+                             f"target hidden {self.config.target_hidden_size}")
+        return self.fc(aux.to(self.fc.weight.dtype) if not torch.is_autocast_enabled(aux.device.type) else aux)
+
+    def compute_logits(self, hidden_prenorm_BTD: torch.Tensor) -> torch.Tensor:
+        """Draft-vocab logits [B, T, V] from the pre-norm hidden state."""
+        return self.lm_head(self.norm(hidden_prenorm_BTD))
+
+    def rope(self, position_ids_BT: torch.Tensor, dtype: torch.dtype):
+        return rope_cos_sin(self.inv_freq, position_ids_BT, dtype)
+
+    def forward_step(
+        self,
+        input_ids_BT: torch.Tensor,
+        feature_BTD: torch.Tensor,
+        position_ids_BT: torch.Tensor,
+        *,
+        attention_mask: torch.Tensor | None = None,
+        cache: DrafterCache | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One draft forward over T new tokens -> (hidden_prenorm_BTD, logits_BTV).
+
+        input_ids_BT: target-vocab token ids (token x_{t+1} paired with feature of position t).
+        feature_BTD:  fc(aux) for tokens following target states, or an earlier hidden_prenorm.
+        position_ids_BT: RoPE positions (EAGLE: the position of the feature; +1 per draft depth).
+        cache: keys/values of earlier tokens; the new ones are appended to it (S = cached + T).
+        attention_mask: bool [T, S] or [B, T, S], True = may attend. None = causal over the
+            cache plus the new tokens (query i sees all cached keys and new keys 0..i).
+        """
+        emb = self.embed_tokens(input_ids_BT)
+        dtype = emb.dtype if not torch.is_autocast_enabled(emb.device.type) else torch.get_autocast_dtype(emb.device.type)
+        cos, sin = self.rope(position_ids_BT, dtype)
+        q, k, v = self.midlayer.project_qkv(emb, feature_BTD, cos, sin)
+        T = q.shape[2]
+        if cache is not None:
+            k, v = cache.append(k, v)
+        S = k.shape[2]
+        if attention_mask is None:
+            attention_mask = torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        if attention_mask.dim() == 3:
+            attention_mask = attention_mask[:, None]
+        g = self.config.num_attention_heads // self.config.num_key_value_heads
+        out = F.scaled_dot_product_attention(q, repeat_kv(k, g).to(q.dtype), repeat_kv(v, g).to(q.dtype),
+                                             attn_mask=attention_mask)
+        hidden = self.midlayer.finish(out, feature_BTD)
+        return hidden, self.compute_logits(hidden)
+
+    # -- files --------------------------------------------------------------------------------
+
+    def save(self, out_dir: str | Path, *, target: dict[str, Any] | None = None,
+             extra: dict[str, Any] | None = None) -> Path:
+        """Write config.json (every DrafterConfig field + target identity) and model.safetensors."""
+        from safetensors.torch import save_file
+
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
+        save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt", "schema": SCHEMA})
+        meta = {"schema": SCHEMA, "drafter": self.config.to_dict(), "target": target or {}, **(extra or {})}
+        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+        return out
+
+    @classmethod
+    def load(cls, path: str | Path, *, device: str | torch.device = "cpu",
+             dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
+        """Load a drafter saved by `save`; checks that every SGLang key is present with its shape."""
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
+        if not cfg_file.exists() or not w_file.exists():
+            raise EyasError(f"{path} is not an eyas drafter directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
+                            "train one with `eyas train`")
+        meta = json.loads(cfg_file.read_text())
+        if meta.get("schema") != SCHEMA:
+            raise EyasError(f"{cfg_file}: schema {meta.get('schema')!r}, expected {SCHEMA!r}")
+        model = cls(DrafterConfig.from_dict(meta["drafter"]))
+        sd = load_file(str(w_file))
+        want = model.state_dict()
+        missing = sorted(set(want) - set(sd))
+        unexpected = sorted(set(sd) - set(want))
+        bad = [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)]
+        if missing or unexpected or bad:
+            raise EyasError(f"{w_file}: missing keys {missing[:5]}, unexpected {unexpected[:5]}, "
+                            f"wrong shapes {bad[:5]}; the file does not match its config.json")
+        model.load_state_dict(sd)
+        model.target_meta = meta.get("target", {})
+        return model.to(device=device, dtype=dtype)  # d2t (int64) and t2d (bool) keep their dtypes
+
+    def num_trainable_params(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def load_config(path: str | Path) -> tuple[DrafterConfig, dict[str, Any]]:
+    """(DrafterConfig, full config.json) of a saved drafter without loading weights."""
+    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
+    return DrafterConfig.from_dict(meta["drafter"]), meta

@@ -1,0 +1,366 @@
+"""Training-time test (TTT): the EAGLE-3 loss, unrolled over several draft steps.
+
+Notation for one sample of T tokens x_0..x_{T-1} with loss mask m_t (True on assistant tokens):
+f_t = fc(aux_t), the target's low/mid/high states after reading x_0..x_t; p_j = the target's
+distribution for x_{j+1} (softmax of lm_head(final_j) restricted to the draft vocab); h^k_t = the
+drafter's pre-norm output at step k, position t.
+
+Step k at position t (k = 0..K-1):
+    feature   f_t (k = 0)  |  h^{k-1}_t (k > 0)
+    token     x_{t+1+k}                       (ground truth, shifted one more per step)
+    position  t + k                           (RoPE id: one further per step)
+    teacher   p_{t+1+k}                       (the target's distribution for x_{t+2+k})
+    valid     m_{t+2+k}  and  argmax(target logits_{t+1+k}) is in the draft vocab
+              (t + 2 + k <= T - 1; later positions have nothing to predict)
+
+Worked example, T = 6, x = [s u A B C E], m = [0 0 1 1 1 1] (A, B, C, E are the answer):
+
+    t              0    1    2    3    4    5
+    step 0 token   u    A    B    C    E    -       features f_0..f_4
+           teacher p1   p2   p3   p4   p5   -
+           target  A    B    C    E    -    -       (the token p_{t+1} predicts)
+           mask    1    1    1    1    0    0       = m_2..m_5, then nothing
+    step 1 token   A    B    C    E    -    -       features h0_0..h0_3, positions 1..4
+           teacher p2   p3   p4   p5   -    -
+           mask    1    1    1    0    0    0       = m_3..m_5
+    step 2 token   B    C    E    -    -    -
+           mask    1    1    0    0    0    0       = m_4..m_5
+
+The FIRST answer token A is supervised (step 0, t = 0). A known bug elsewhere shifts tokens and
+teachers but leaves the mask at m_t, which drops A and B from step 0 and supervises past the end.
+
+Attention: a query at step k, position t sees the step-0 keys at positions <= t (causal) plus the
+keys of steps 1..k at position t only (one diagonal per step), under ONE softmax.
+- `attention="reference"`: a dense bool mask over [T, (k+1)T] keys (simple, O(k T^2) memory).
+- `attention="fast"`: flash attention over the step-0 keys (causal) returning its log-sum-exp,
+  plus the k diagonal scores as row-wise dot products, merged by one logsumexp. Backward runs the
+  flash backward with the MERGED output and log-sum-exp (the split-KV identity), so no T x T (let
+  alone T x T x steps) tensor is ever built. CUDA uses aten's flash kernels, CPU its flash kernel;
+  `check_fast_attention` compares against the reference on the current device.
+
+Loss: per step, soft cross-entropy -sum_v p(v) log q(v) over valid positions; loss_k = its sum over
+the global batch divided by the number of LOSS-MASK positions of step k in the global batch
+(sum_t m_{t+2+k}; known before any forward, so micro-batches and ranks normalise identically);
+total = sum_k w_k loss_k with w_k = 0.8**k by default.
+
+Shape legend: B batch, T tokens, D hidden, A aux layers, H heads, K kv heads, d head dim,
+V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from eyas.drafter.model import Eagle3Drafter, repeat_kv
+
+
+@dataclass(kw_only=True)
+class TTTConfig:
+    steps: int = 7
+    """Draft steps unrolled in training (K)."""
+    decay: float = 0.8
+    """Step k's loss weight is decay**k."""
+    attention: str = "fast"
+    """'fast' (flash + diagonal merge) or 'reference' (dense mask; tests and tiny runs)."""
+
+    def __post_init__(self):
+        if self.steps < 1:
+            raise ValueError(f"--ttt-steps must be >= 1, got {self.steps}")
+        if not 0 < self.decay <= 1:
+            raise ValueError(f"TTT decay must be in (0, 1], got {self.decay}")
+        if self.attention not in ("fast", "reference"):
+            raise ValueError(f"TTT attention must be 'fast' or 'reference', got {self.attention!r}")
+
+    @property
+    def weights(self) -> list[float]:
+        return [self.decay**k for k in range(self.steps)]
+
+
+# ----------------------------------------------------------------------------------------------
+# teacher
+
+
+@dataclass
+class Teacher:
+    probs_BTV: torch.Tensor
+    """fp32 softmax of the target's logits restricted to the draft vocab, at every position."""
+    top_BT: torch.Tensor
+    """Draft id of the target's argmax over the draft vocab."""
+    in_vocab_BT: torch.Tensor
+    """True where the target's full-vocab argmax is in the draft vocab."""
+
+
+@torch.no_grad()
+def teacher_from_final(final_BTD: torch.Tensor, head_weight_VtD: torch.Tensor, used_V: torch.Tensor,
+                       t2d_Vt: torch.Tensor, *, chunk_rows: int = 2048) -> Teacher:
+    """Teacher logits = target lm_head(final) computed on the fly, in row chunks so the full-vocab
+    logits exist for at most `chunk_rows` positions at a time."""
+    B, T, D = final_BTD.shape
+    flat = final_BTD.reshape(B * T, D).to(head_weight_VtD.dtype)
+    probs, tops, inv = [], [], []
+    for a in range(0, B * T, chunk_rows):
+        logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
+        inv.append(t2d_Vt[logits.argmax(-1)])
+        restricted = logits.index_select(1, used_V).float()
+        tops.append(restricted.argmax(-1))
+        probs.append(torch.softmax(restricted, dim=-1))
+    return Teacher(torch.cat(probs).view(B, T, -1), torch.cat(tops).view(B, T), torch.cat(inv).view(B, T))
+
+
+def step_mask(loss_mask_BT: torch.Tensor, k: int) -> torch.Tensor:
+    """m_{t+2+k} for t in [0, T-1-k): the loss mask of step k (before the vocab filter)."""
+    B, T = loss_mask_BT.shape
+    n = max(T - 1 - k, 0)
+    shifted = loss_mask_BT[:, 2 + k:].bool()
+    return torch.cat([shifted, shifted.new_zeros(B, n - shifted.shape[1])], dim=1)
+
+
+def step_denominators(loss_mask_BT: torch.Tensor, steps: int) -> torch.Tensor:
+    """[K] float: number of loss-mask positions per step (the normaliser, summed over a global batch)."""
+    return torch.stack([step_mask(loss_mask_BT, k).sum() for k in range(steps)]).double()
+
+
+# ----------------------------------------------------------------------------------------------
+# attention over causal step-0 keys + one diagonal per later step
+
+
+def reference_attention(q_BHTd, keys, values) -> torch.Tensor:
+    """Dense-mask reference. keys/values: lists of [B, H, T, d], index 0 causal, the rest diagonal."""
+    T = q_BHTd.shape[2]
+    dev = q_BHTd.device
+    blocks = [torch.ones(T, T, dtype=torch.bool, device=dev).tril()]
+    blocks += [torch.eye(T, dtype=torch.bool, device=dev)] * (len(keys) - 1)
+    mask = torch.cat(blocks, dim=1)
+    return F.scaled_dot_product_attention(q_BHTd, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
+
+
+def _math_fwd(q, k, v, scale):
+    T = q.shape[2]
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype)
+    return out, lse, None
+
+
+def _math_bwd(dout, q, k, v, out, lse, scale, aux):
+    T = q.shape[2]
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    p = torch.exp(s - lse[..., None])
+    do = dout.float()
+    dv = p.transpose(-1, -2) @ do
+    dp = do @ v.float().transpose(-1, -2)
+    D = (do * out.float()).sum(-1, keepdim=True)
+    ds = p * (dp - D) * scale
+    return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(k.dtype), dv.to(v.dtype)
+
+
+def _cpu_flash_fwd(q, k, v, scale):
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True, scale=scale)
+    return out, lse, None
+
+
+def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, aux):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, True, scale=scale)
+
+
+def _cuda_flash_fwd(q, k, v, scale):
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False, scale=scale)
+    out, lse, cum_q, cum_k, max_q, max_k, rng_state, unused = res[:8]
+    return out, lse, (cum_q, cum_k, max_q, max_k, rng_state, unused)
+
+
+def _cuda_flash_bwd(dout, q, k, v, out, lse, scale, aux):
+    cum_q, cum_k, max_q, max_k, rng_state, unused = aux
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
+
+
+KERNELS = {"math": (_math_fwd, _math_bwd), "cpu-flash": (_cpu_flash_fwd, _cpu_flash_bwd),
+           "cuda-flash": (_cuda_flash_fwd, _cuda_flash_bwd)}
+
+
+def pick_kernel(q: torch.Tensor) -> str:
+    if q.device.type == "cuda":
+        ok = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+        return "cuda-flash" if ok else "math"
+    if q.device.type == "cpu":
+        return "cpu-flash"
+    return "math"
+
+
+class _CausalPlusDiagonals(torch.autograd.Function):
+    """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kd, vd, kernel, scale):
+        fwd, _ = KERNELS[kernel]
+        out_c, lse_c, aux = fwd(q, k0, v0, scale)
+        T = q.shape[2]
+        lse_c32 = lse_c[..., :T].float()  # some kernels pad the lse's last dim
+        if kd.shape[3]:
+            s = torch.einsum("bhtd,bhtjd->bhtj", q.float(), kd.float()) * scale
+            lse = torch.logsumexp(torch.cat([lse_c32[..., None], s], -1), -1)
+            p = torch.exp(s - lse[..., None])
+            out = torch.exp(lse_c32 - lse)[..., None] * out_c.float() + torch.einsum("bhtj,bhtjd->bhtd", p, vd.float())
+            out = out.to(q.dtype)
+        else:
+            lse, out = lse_c32, out_c
+        lse_k = lse_c.clone()
+        lse_k[..., :T] = lse.to(lse_c.dtype)
+        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse_k)
+        ctx.kernel, ctx.scale, ctx.aux = kernel, scale, aux
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, kd, vd, out, lse_k = ctx.saved_tensors
+        _, bwd = KERNELS[ctx.kernel]
+        dout = dout.contiguous().to(q.dtype)
+        # flash backward with the MERGED out/lse gives the causal keys' share of the joint softmax
+        dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
+        if not kd.shape[3]:
+            return dq, dk0, dv0, None, None, None, None
+        T = q.shape[2]
+        lse = lse_k[..., :T].float()
+        do, qf = dout.float(), q.float()
+        s = torch.einsum("bhtd,bhtjd->bhtj", qf, kd.float()) * ctx.scale
+        p = torch.exp(s - lse[..., None])
+        D = (do * out.float()).sum(-1, keepdim=True)
+        dp = torch.einsum("bhtd,bhtjd->bhtj", do, vd.float())
+        ds = p * (dp - D) * ctx.scale
+        dq = (dq.float() + torch.einsum("bhtj,bhtjd->bhtd", ds, kd.float())).to(q.dtype)
+        dkd = (ds[..., None] * qf[:, :, :, None, :]).to(kd.dtype)
+        dvd = (p[..., None] * do[:, :, :, None, :]).to(vd.dtype)
+        return dq, dk0, dv0, dkd, dvd, None, None
+
+
+def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None) -> torch.Tensor:
+    """Same result as `reference_attention`, O(T) extra memory per diagonal."""
+    kernel = kernel or pick_kernel(q_BHTd)
+    scale = 1.0 / math.sqrt(q_BHTd.shape[-1])
+    B, H, T, d = q_BHTd.shape
+    if len(keys) > 1:
+        kd, vd = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
+    else:
+        kd = vd = q_BHTd.new_zeros(B, H, T, 0, d)
+    return _CausalPlusDiagonals.apply(q_BHTd, keys[0], values[0], kd, vd, kernel, scale)
+
+
+def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
+                         steps: int = 3, seed: int = 0) -> float:
+    """Max abs difference of output and grads between fast and reference on random inputs."""
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    mk = lambda: torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    q = mk()
+    ks, vs = [mk() for _ in range(steps)], [mk() for _ in range(steps)]
+    dout = torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype)
+    worst = 0.0
+    results = []
+    for fn in (reference_attention, fast_attention):
+        out = fn(q, ks, vs)
+        grads = torch.autograd.grad(out, [q, *ks, *vs], dout)
+        results.append([out, *grads])
+    for a, b in zip(*results):
+        worst = max(worst, float((a.detach().float() - b.detach().float()).abs().max()))
+    return worst
+
+
+# ----------------------------------------------------------------------------------------------
+# the unrolled loss
+
+
+@dataclass
+class TTTOutput:
+    loss: torch.Tensor
+    """Scalar: sum_k w_k * ce_sum_k / denominators_k (differentiable)."""
+    ce_sum: torch.Tensor
+    """[K] summed soft CE over valid positions (detached, fp64)."""
+    correct: torch.Tensor
+    """[K] valid positions where the draft's top-1 equals the target's."""
+    valid: torch.Tensor
+    """[K] valid positions (loss mask and target argmax in the draft vocab)."""
+    accepted: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """Sum over step-0-valid positions of the simulated chain accepted length."""
+    rounds: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
+    """Number of step-0-valid positions (simulated drafting rounds)."""
+
+
+def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: torch.Tensor, *, steps: int,
+               attention: str = "fast"):
+    """Yield (k, hidden_prenorm_BTD) for k = 0..steps-1 (positions t >= T-1-k carry no meaning).
+
+    Step k feeds token x_{t+1+k} at RoPE position t+k with feature fc(aux_t) (k = 0) or the
+    previous step's hidden state; attention: causal step-0 keys + the diagonal keys of steps 1..k.
+    """
+    B, T = input_ids_BT.shape
+    dev = input_ids_BT.device
+    groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
+    attn_fn = fast_attention if attention == "fast" else reference_attention
+    feature = drafter.project_aux(aux_BTAD)
+    positions = torch.arange(T, device=dev)[None].expand(B, T)
+    keys, values = [], []
+    for k in range(steps):
+        tokens = torch.cat([input_ids_BT[:, 1 + k:], input_ids_BT.new_zeros(B, min(1 + k, T))], dim=1)[:, :T]
+        emb = drafter.embed_tokens(tokens)
+        cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
+        cos, sin = drafter.rope(positions + k, cdtype)
+        q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin)
+        keys.append(repeat_kv(kk, groups))
+        values.append(repeat_kv(vv, groups))
+        hidden = drafter.midlayer.finish(attn_fn(q, keys, values), feature)
+        yield k, hidden
+        feature = hidden
+
+
+def ttt_loss(
+    drafter: Eagle3Drafter,
+    *,
+    input_ids_BT: torch.Tensor,
+    loss_mask_BT: torch.Tensor,
+    aux_BTAD: torch.Tensor,
+    teacher: Teacher,
+    cfg: TTTConfig,
+    denominators: torch.Tensor | None = None,
+) -> TTTOutput:
+    """Unroll K draft steps over one batch and return the weighted loss and per-step statistics.
+
+    `denominators` [K]: the loss-mask counts of the GLOBAL batch (all micro-batches and ranks);
+    default this batch's own (`step_denominators`).
+    """
+    B, T = input_ids_BT.shape
+    K = cfg.steps
+    dev = input_ids_BT.device
+    if denominators is None:
+        denominators = step_denominators(loss_mask_BT, K)
+    denominators = denominators.to(dev).clamp_min(1)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    ce_sums, corrects, valids = [zero] * K, [zero] * K, [zero] * K
+    chain_alive = None  # [B, n] step-0 positions whose simulated chain is still fully accepted
+    accepted, rounds = zero, zero
+    for k, hidden in ttt_unroll(drafter, input_ids_BT, aux_BTAD, steps=K, attention=cfg.attention):
+        n = T - 1 - k  # positions with a teacher at this step
+        if n <= 0:
+            break
+        logits = drafter.compute_logits(hidden[:, :n]).float()  # [B, n, V]
+        valid = step_mask(loss_mask_BT, k) & teacher.in_vocab_BT[:, 1 + k:]
+        ce = -(teacher.probs_BTV[:, 1 + k:] * torch.log_softmax(logits, -1)).sum(-1)  # [B, n]
+        ce_sum = (ce * valid).sum()
+        loss = loss + cfg.weights[k] * ce_sum / denominators[k].float()
+        with torch.no_grad():
+            hit = (logits.argmax(-1) == teacher.top_BT[:, 1 + k:]) & valid
+            ce_sums[k], corrects[k], valids[k] = ce_sum.detach().double(), hit.sum().double(), valid.sum().double()
+            if k == 0:
+                chain_alive, rounds = hit, valid.sum().double()
+            else:
+                chain_alive = chain_alive[:, :n] & hit
+            accepted = accepted + chain_alive.sum().double()
+    return TTTOutput(loss=loss, ce_sum=torch.stack(ce_sums), correct=torch.stack(corrects),
+                     valid=torch.stack(valids), accepted=accepted, rounds=rounds)

@@ -1,0 +1,335 @@
+"""In-process regeneration engines for a transformers target.
+
+`StaticEngine` (the fast path): a fixed batch of B rows over `StaticLM`'s static KV cache. Each
+loop iteration (1) refills finished rows with new prompts (prefilled in groups of similar length),
+(2) runs `sync_every` decode steps, each one CUDA-graph replay on GPU (eager on CPU), with all
+per-row bookkeeping (position, token count, stop test, output buffer) done on the device, and (3)
+reads back one small tensor to learn which rows finished. Continuous refill keeps the batch full
+while conversations are answered turn by turn. Graphs are captured per attention-length bucket
+(powers of two up to max_len), so short rows do not pay for attention over the whole cache.
+
+`GenerateEngine` (fallback and reference): static batches through Hugging Face `generate`, for
+architectures `StaticLM` does not support, and the baseline the benchmark and tests compare with.
+
+Both render prompts with the target's chat template (`add_generation_prompt=True`) and count a
+prompt that leaves no room for an answer within `max_len` as a context overflow.
+
+Shape legend: B batch rows, N rows being prefilled, L prompt length, C output columns, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from eyas.common import log
+from eyas.regen.requests import CONTEXT_OVERFLOW, Deliver, Pull, Request, Result
+from eyas.regen.sampling import Sampling, choose, vocab_keys
+from eyas.regen.static_lm import StaticLM, unsupported_reason
+
+
+def stop_ids(model, tokenizer) -> list[int]:
+    """End-of-answer ids: the generation config's eos ids (what `generate` stops on) plus the tokenizer's."""
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), model.config):
+        eos = getattr(src, "eos_token_id", None) if src is not None else None
+        if isinstance(eos, int):
+            ids.add(eos)
+        elif eos:
+            ids.update(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    if not ids:
+        raise ValueError("the target defines no end-of-sequence token (generation_config / tokenizer eos_token_id)")
+    return sorted(ids)
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of `messages` + the assistant header, with the target's own chat template."""
+    text = tokenizer.apply_chat_template(
+        [{"role": m["role"], "content": m["content"]} for m in messages], add_generation_prompt=True, tokenize=False
+    )
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+@dataclass
+class _Prepared:
+    req: Request
+    ids: list[int]
+    limit: int
+
+
+class _LocalBase:
+    def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int):
+        self.model, self.tokenizer, self.sampling, self.max_len = model, tokenizer, sampling, max_len
+        self.stop = stop_ids(model, tokenizer)
+        self.device = next(model.parameters()).device
+        self.new_tokens = 0
+        self.pending: list[_Prepared] = []
+
+    def _admit(self, reqs: list[Request], deliver: Deliver) -> None:
+        """Render each request; overflowing prompts are answered at once as failures."""
+        for req in reqs:
+            ids = render_prompt(self.tokenizer, req.messages)
+            room = self.max_len - len(ids)
+            if room < 1:
+                deliver(Result(req.key, prompt_tokens=len(ids), failure=CONTEXT_OVERFLOW,
+                               detail=f"prompt of {len(ids)} tokens leaves no room within max_len {self.max_len}"))
+                continue
+            self.pending.append(_Prepared(req, ids, min(req.max_new_tokens, room)))
+
+    def _result(self, p: _Prepared, tokens: list[int]) -> Result:
+        ended = bool(tokens) and tokens[-1] in self.stop
+        body = tokens[:-1] if ended else tokens
+        self.new_tokens += len(tokens)
+        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        return Result(p.req.key, text=text, prompt_tokens=len(p.ids), new_tokens=len(tokens),
+                      truncated=not ended, token_ids=body)
+
+
+class StaticEngine(_LocalBase):
+    """Batched decode over a static KV cache with continuous refill; CUDA graphs on GPU."""
+
+    def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
+                 use_graphs: bool | None = None, sync_every: int | None = None, prefill_tokens: int | None = None,
+                 refill_fraction: float = 0.125):
+        super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
+        on_cuda = self.device.type == "cuda"
+        self.lm = StaticLM(model, batch=batch, max_len=max_len)
+        self.batch = batch
+        self.use_graphs = on_cuda if use_graphs is None else use_graphs
+        self.sync_every = sync_every or (8 if on_cuda else 1)
+        self.prefill_tokens = prefill_tokens or (32768 if on_cuda else 2048)
+        self.refill_min = max(1, int(batch * refill_fraction)) if on_cuda else 1
+        self.cols = max_new_tokens + 1  # last column is where finished rows write (discarded)
+        dev = self.device
+        self.vkeys_V = vocab_keys(self.lm.lm_head.out_features, dev)
+        self.stop_E = torch.tensor(self.stop, dtype=torch.long, device=dev)
+        self.tok_B = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.pos_B = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.seed_B = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.ngen_B = torch.zeros(batch, dtype=torch.long, device=dev)
+        self.limit_B = torch.ones(batch, dtype=torch.long, device=dev)
+        self.done_B = torch.ones(batch, dtype=torch.bool, device=dev)  # every row starts free
+        self.out_BC = torch.zeros(batch, self.cols, dtype=torch.long, device=dev)
+        self.spans = self._spans(max_len)
+        self.graphs: dict[int, Any] = {}
+        self.steps = 0
+        self.capture_s = 0.0
+        self._ngen = [1] * batch
+        if self.use_graphs:
+            self._capture_all()
+
+    @staticmethod
+    def _spans(max_len: int) -> list[int]:
+        spans, s = [], 256
+        while s < max_len:
+            spans.append(s)
+            s *= 2
+        return spans + [max_len]
+
+    # -- one decode step, all on the device ------------------------------------------------------
+    def _step(self, span: int) -> None:
+        logits_BV = self.lm.decode(self.tok_B, self.pos_B, span)
+        nxt_B = choose(logits_BV, sampling=self.sampling, seed_B=self.seed_B, pos_B=self.pos_B, vkeys_V=self.vkeys_V)
+        active_B = ~self.done_B
+        col_B = torch.where(active_B, self.ngen_B, self.cols - 1)
+        self.out_BC.scatter_(1, col_B[:, None], nxt_B[:, None])
+        self.ngen_B.add_(active_B.long())
+        stop_B = (nxt_B[:, None] == self.stop_E[None, :]).any(-1) | (self.ngen_B >= self.limit_B)
+        self.done_B.logical_or_(active_B & stop_B)
+        self.pos_B.add_((~self.done_B).long())
+        self.tok_B.copy_(torch.where(active_B, nxt_B, self.tok_B))
+
+    @torch.no_grad()
+    def _capture_all(self) -> None:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up (every row is free: writes go to discarded slots)
+            for span in self.spans:
+                self._step(span)
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        for span in sorted(self.spans, reverse=True):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self._step(span)
+            self.graphs[span] = graph
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        log(f"regen: captured {len(self.graphs)} decode graphs (spans {self.spans}) in {self.capture_s:.1f} s")
+
+    # -- refill ----------------------------------------------------------------------------------
+    def _prefill(self, rows: list[int], items: list[_Prepared], deliver: Deliver, host: dict) -> None:
+        """Prefill `items` into `rows` in groups of similar length; choose each first token."""
+        order = sorted(range(len(items)), key=lambda i: len(items[i].ids))
+        start = 0
+        while start < len(order):
+            L = len(items[order[start]].ids)
+            end = start + 1
+            while end < len(order):
+                L_next = max(L, len(items[order[end]].ids))
+                if L_next * (end - start + 1) > self.prefill_tokens:
+                    break
+                L, end = L_next, end + 1
+            group = order[start:end]
+            self._prefill_group([rows[i] for i in group], [items[i] for i in group], L, deliver, host)
+            start = end
+
+    def _prefill_group(self, rows: list[int], items: list[_Prepared], L: int, deliver: Deliver, host: dict) -> None:
+        dev, N = self.device, len(items)
+        ids_NL = torch.full((N, L), self.stop[0], dtype=torch.long)
+        for n, p in enumerate(items):
+            ids_NL[n, : len(p.ids)] = torch.tensor(p.ids)
+        lens_N = torch.tensor([len(p.ids) for p in items], dtype=torch.long, device=dev)
+        rows_N = torch.tensor(rows, dtype=torch.long, device=dev)
+        seed_N = torch.tensor([p.req.seed for p in items], dtype=torch.long, device=dev)
+        limit_N = torch.tensor([p.limit for p in items], dtype=torch.long, device=dev)
+        logits_NV = self.lm.prefill(rows_N, ids_NL.to(dev), lens_N)
+        first_N = choose(logits_NV, sampling=self.sampling, seed_B=seed_N, pos_B=lens_N - 1, vkeys_V=self.vkeys_V)
+        done_N = (first_N[:, None] == self.stop_E[None, :]).any(-1) | (limit_N <= 1)
+        self.tok_B[rows_N] = first_N
+        self.pos_B[rows_N] = lens_N
+        self.seed_B[rows_N] = seed_N
+        self.limit_B[rows_N] = limit_N
+        self.ngen_B[rows_N] = 1
+        self.out_BC[rows_N, 0] = first_N
+        self.done_B[rows_N] = done_N
+        first, done = first_N.tolist(), done_N.tolist()
+        for row, p, tok, fin in zip(rows, items, first, done):
+            if fin:  # answered by its first token: the row stays free
+                deliver(self._result(p, [tok]))
+            else:
+                host[row] = p
+                self._ngen[row] = 1
+
+    # -- the loop --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def run(self, pull: Pull, deliver: Deliver) -> None:
+        host: dict[int, _Prepared] = {}  # row -> request decoding there
+        while True:
+            free = [r for r in range(self.batch) if r not in host]
+            if free and (len(free) >= self.refill_min or not host):
+                if len(self.pending) < len(free):
+                    self._admit(pull(len(free) - len(self.pending)), deliver)
+                take, self.pending = self.pending[: len(free)], self.pending[len(free):]
+                if take:
+                    self._prefill(free[: len(take)], take, deliver, host)
+            if not host:
+                if self.pending:
+                    continue
+                more = pull(self.batch)  # deliveries above may have produced next turns
+                if not more:
+                    return
+                self._admit(more, deliver)
+                continue
+            span = self._span_for(host)
+            for _ in range(self.sync_every):
+                if self.use_graphs:
+                    self.graphs[span].replay()
+                else:
+                    self._step(span)
+            self.steps += self.sync_every
+            state = torch.stack([self.done_B.long(), self.ngen_B]).cpu()
+            done, ngen = state[0].tolist(), state[1].tolist()
+            self._ngen = ngen
+            finished = [r for r in host if done[r]]
+            if finished:
+                out = self.out_BC[torch.tensor(finished, device=self.device)].cpu().tolist()
+                for r, row_out in zip(finished, out):
+                    deliver(self._result(host.pop(r), row_out[: ngen[r]]))
+
+    def _span_for(self, host: dict[int, _Prepared]) -> int:
+        """Smallest captured span covering every active row for the next sync_every steps.
+
+        After ngen generated tokens a row feeds position len(prompt) + ngen - 1; it never passes
+        len(prompt) + limit - 1 (< max_len). ngen is as of the last read-back (1 right after prefill),
+        so the bound holds without a sync."""
+        need = 0
+        for r, p in host.items():
+            ngen = max(self._ngen[r], 1)
+            need = max(need, min(len(p.ids) + ngen - 1 + self.sync_every, len(p.ids) + p.limit))
+        for s in self.spans:
+            if s >= need:
+                return s
+        return self.spans[-1]
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "static", "cuda_graphs": self.use_graphs, "sync_every": self.sync_every,
+                "graph_capture_s": round(self.capture_s, 2), **self.lm.describe()}
+
+
+class GenerateEngine(_LocalBase):
+    """Static batches (sorted by prompt length, left-padded) through Hugging Face `generate`."""
+
+    def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, batch: int):
+        super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
+        self.batch = batch
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.stop[0]
+
+    @torch.no_grad()
+    def generate_batch(self, items: list[_Prepared]) -> list[list[int]]:
+        """Generated ids per item (including the stop token when one was produced)."""
+        L = max(len(p.ids) for p in items)
+        ids = torch.full((len(items), L), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), L), dtype=torch.long)
+        for n, p in enumerate(items):
+            ids[n, L - len(p.ids):] = torch.tensor(p.ids)
+            mask[n, L - len(p.ids):] = 1
+        kwargs: dict[str, Any] = dict(do_sample=False)
+        if not self.sampling.greedy:
+            kwargs = dict(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0)
+            torch.manual_seed(items[0].req.seed)
+        out = self.model.generate(
+            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
+            max_new_tokens=max(p.limit for p in items), eos_token_id=self.stop, pad_token_id=self.pad_id,
+            **kwargs,
+        )[:, L:].tolist()
+        results = []
+        for p, row in zip(items, out):
+            row = row[: p.limit]
+            for j, t in enumerate(row):
+                if t in self.stop:
+                    row = row[: j + 1]
+                    break
+            results.append(row)
+        return results
+
+    def run(self, pull: Pull, deliver: Deliver) -> None:
+        while True:
+            if len(self.pending) < self.batch:
+                self._admit(pull(self.batch - len(self.pending)), deliver)
+            if not self.pending:
+                more = pull(self.batch)
+                if not more:
+                    return
+                self._admit(more, deliver)
+                continue
+            self.pending.sort(key=lambda p: len(p.ids))
+            take, self.pending = self.pending[: self.batch], self.pending[self.batch:]
+            for p, toks in zip(take, self.generate_batch(take)):
+                deliver(self._result(p, toks))
+
+    def describe(self) -> dict[str, Any]:
+        return {"engine": "generate", "batch": self.batch, "max_len": self.max_len}
+
+
+def make_local_engine(model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
+                      engine: str = "auto", **static_kwargs):
+    """`engine`: 'static' (error if unsupported), 'generate', or 'auto' (static when supported)."""
+    if engine not in ("auto", "static", "generate"):
+        raise ValueError(f"--engine must be auto, static, generate or server, got {engine!r}")
+    reason = unsupported_reason(model, max_len)
+    if engine == "generate" or (engine == "auto" and reason is not None):
+        if engine == "auto":
+            log(f"regen: the static-cache engine does not support this target ({reason}); using transformers generate")
+        return GenerateEngine(model, tokenizer, sampling=sampling, max_len=max_len, batch=batch)
+    if reason is not None:
+        raise ValueError(f"--engine static: {reason}; use --engine generate")
+    return StaticEngine(model, tokenizer, sampling=sampling, max_len=max_len, batch=batch,
+                        max_new_tokens=max_new_tokens, **static_kwargs)

@@ -1,0 +1,176 @@
+"""The regenerated chat dataset on disk, committed in chunks so a killed run resumes exactly.
+
+Layout of the output directory (schema "eyas.chats/1", read by `eyas prepare`):
+    chats.jsonl  one conversation per line: {"id", "messages": [{"role", "content",
+                 "truncated": true (assistant turns cut at the token limit only)}]}
+    done.jsonl   one line per source conversation decided (written or skipped), with its source
+                 index, id, status, reason and answer tokens: what resume skips, and what the counts
+                 in meta.json are rebuilt from
+    meta.json    target identity, sampling settings, source, counts, `complete`, and `committed`:
+                 the byte lengths of chats.jsonl and done.jsonl at the last commit
+
+A commit appends whole lines to both files, fsyncs them, then atomically replaces meta.json. On
+resume both files are cut back to the committed lengths, so a record written after the last commit
+(possibly torn by a kill) is dropped and its conversation redone: nothing is duplicated and no
+partial record survives. Settings that change the answers (target, sampling, limits, source) must
+match the run being resumed; otherwise the error says to pick a new --out or pass --overwrite.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from eyas.common import atomic_write_json, fsync_dir
+from eyas.errors import EyasError
+
+SCHEMA = "eyas.chats/1"
+CHATS, DONE, META = "chats.jsonl", "done.jsonl", "meta.json"
+
+
+def _cut(path: Path, size: int) -> None:
+    if not path.exists():
+        if size:
+            raise EyasError(f"{path} is missing but meta.json says {size} bytes were committed; start over with --overwrite")
+        path.touch()
+        return
+    actual = path.stat().st_size
+    if actual < size:
+        raise EyasError(f"{path} has {actual} bytes but {size} were committed (file damaged); start over with --overwrite")
+    if actual > size:
+        with open(path, "r+b") as f:
+            f.truncate(size)
+            os.fsync(f.fileno())
+
+
+class ChatsWriter:
+    """Append-only chats + decisions with chunked, atomic commits; resumable."""
+
+    def __init__(self, out: Path, *, settings: dict[str, Any], extra_meta: dict[str, Any], overwrite: bool = False):
+        self.out = Path(out)
+        self.settings = settings
+        self.extra_meta = dict(extra_meta)
+        self.done: dict[int, str] = {}  # source index -> id
+        self.decisions: list[dict[str, Any]] = []  # every done.jsonl line (for the counts)
+        self.elapsed_before = 0.0
+        self.resumed = False
+        meta_path = self.out / META
+        if self.out.exists() and overwrite:
+            shutil.rmtree(self.out)
+        if self.out.exists() and any(self.out.iterdir()):
+            if not meta_path.is_file():
+                raise EyasError(f"--out {self.out} exists and is not a regenerate output (no meta.json); choose a new directory")
+            self._resume(json.loads(meta_path.read_text()))
+        else:
+            self.out.mkdir(parents=True, exist_ok=True)
+            for name in (CHATS, DONE):
+                (self.out / name).touch()
+            self.committed = {"chats_bytes": 0, "done_bytes": 0}
+            self.created = time.time()
+            self._write_meta(complete=False)
+        self._chats_buf: list[str] = []
+        self._done_buf: list[str] = []
+
+    def _resume(self, meta: dict[str, Any]) -> None:
+        if meta.get("schema") != SCHEMA:
+            raise EyasError(f"{self.out / META}: schema {meta.get('schema')!r}, expected {SCHEMA!r}; choose a new --out")
+        old = meta.get("settings", {})
+        if old != self.settings:
+            diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+            raise EyasError(
+                f"--out {self.out} holds a run with different settings ({', '.join(diff)}); "
+                "rerun with the same settings to resume, pass --overwrite to start over, or choose a new --out"
+            )
+        self.committed = dict(meta["committed"])
+        self.created = meta.get("created", time.time())
+        self.elapsed_before = float(meta.get("elapsed_s", 0.0))
+        _cut(self.out / CHATS, self.committed["chats_bytes"])
+        _cut(self.out / DONE, self.committed["done_bytes"])
+        with open(self.out / DONE, encoding="utf-8") as f:
+            for line in f:
+                rec = json.loads(line)
+                self.done[int(rec["index"])] = rec["id"]
+                self.decisions.append(rec)
+        self.resumed = True
+
+    # -- recording -------------------------------------------------------------------------------
+    def check_source(self, index: int, conv_id: str) -> bool:
+        """True when this source conversation was already decided (and it is the same one)."""
+        seen = self.done.get(index)
+        if seen is None:
+            return False
+        if seen != conv_id:
+            raise EyasError(
+                f"resume: source conversation {index} is now `{conv_id}` but the run being resumed recorded `{seen}`; "
+                "the source changed. Pass --overwrite to start over or choose a new --out"
+            )
+        return True
+
+    def add(self, index: int, conv_id: str, record: dict[str, Any] | None, *, reason: str | None = None,
+            failures: list[str] = (), tokens: int = 0, turns: int = 0, truncated: int = 0) -> None:
+        """Buffer one decided conversation: `record` to write, or None (skipped for `reason`)."""
+        decision = {"index": index, "id": conv_id, "status": "written" if record is not None else "skipped",
+                    "reason": reason, "failures": list(failures), "tokens": tokens, "turns": turns, "truncated": truncated}
+        if record is not None:
+            self._chats_buf.append(json.dumps(record, ensure_ascii=False) + "\n")
+        self._done_buf.append(json.dumps(decision) + "\n")
+        self.decisions.append(decision)
+        self.done[index] = conv_id
+
+    @property
+    def buffered(self) -> int:
+        return len(self._done_buf)
+
+    def commit(self, *, elapsed_s: float, complete: bool = False) -> None:
+        for name, buf, key in ((CHATS, self._chats_buf, "chats_bytes"), (DONE, self._done_buf, "done_bytes")):
+            if buf:
+                data = "".join(buf).encode("utf-8")
+                with open(self.out / name, "ab") as f:
+                    f.write(data)
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.committed[key] += len(data)
+            buf.clear()
+        self._write_meta(complete=complete, elapsed_s=elapsed_s)
+        fsync_dir(self.out)
+
+    # -- meta ------------------------------------------------------------------------------------
+    def counts(self) -> dict[str, Any]:
+        skipped = Counter(d["reason"] for d in self.decisions if d["status"] == "skipped")
+        failures = Counter(f for d in self.decisions for f in d.get("failures", []))
+        written = [d for d in self.decisions if d["status"] == "written"]
+        return {
+            "conversations": len(self.decisions),
+            "written": len(written),
+            "skipped": dict(sorted(skipped.items())),
+            "failed_turns": dict(sorted(failures.items())),
+            "assistant_turns": sum(d["turns"] for d in written),
+            "truncated_turns": sum(d["truncated"] for d in written),
+            "answer_tokens": sum(d["tokens"] for d in self.decisions),
+        }
+
+    def _write_meta(self, *, complete: bool, elapsed_s: float = 0.0) -> None:
+        meta = {
+            "schema": SCHEMA,
+            "complete": complete,
+            "settings": self.settings,
+            **self.extra_meta,
+            "counts": self.counts(),
+            "committed": self.committed,
+            "created": self.created,
+            "updated": time.time(),
+            "elapsed_s": round(self.elapsed_before + elapsed_s, 3),
+        }
+        atomic_write_json(self.out / META, meta)
+
+
+def read_chats(out: Path) -> list[dict[str, Any]]:
+    """The committed records of an output directory (for tests and tools)."""
+    meta = json.loads((Path(out) / META).read_text())
+    data = (Path(out) / CHATS).read_bytes()[: meta["committed"]["chats_bytes"]]
+    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line]

@@ -1,0 +1,223 @@
+"""`regenerate(config)`: source chats -> the target's own answers, turn by turn, resumable.
+
+Order of work: validate options -> count the source (for progress/ETA; an empty source is an error
+before anything is written) -> open or resume the output -> build the engine (in-process static
+cache, transformers generate, or servers) -> drive it -> summary dict.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from eyas.common import log
+from eyas.errors import EyasError
+
+ENGINES = ("auto", "static", "generate", "server")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+@dataclass(kw_only=True)
+class RegenConfig:
+    """Everything `eyas regenerate` takes."""
+
+    out: Path
+    """Output directory (chats.jsonl + meta.json); an existing run with the same settings resumes."""
+    source: str = "sharegpt"
+    """Chats to answer again (see eyas.data.sources)."""
+    target: str = "default"
+    """Target model directory; with servers, the model they serve (identity and tokenizer)."""
+    engine: str = "auto"
+    """auto (server if URLs are given, else static when supported, else generate), static, generate, server."""
+    max_new_tokens: int = 1024
+    """Answer token limit per turn."""
+    max_turns: int | None = None
+    """Keep only the first N user turns."""
+    max_len: int = 2048
+    """Context for prompt + answer (local engines): a prompt with no room left is a context overflow."""
+    temperature: float = 0.0
+    """0 = greedy."""
+    top_p: float = 1.0
+    """Nucleus mass when sampling."""
+    seed: int = 0
+    """Sampling seed (per answer streams derive from it)."""
+    limit: int | None = None
+    """Read at most this many source records."""
+    hf_split: str | None = None
+    """Split of a saved DatasetDict."""
+    batch_size: int = 0
+    """Rows decoded together (local engines); 0 = auto (8 on CPU; on GPU up to 512 as memory allows)."""
+    device: str = "auto"
+    """auto (cuda if available), cpu, cuda, cuda:N."""
+    dtype: str = "auto"
+    """auto (the target's own dtype; float32 on CPU), float32, bfloat16, float16."""
+    continue_after_truncated: bool = False
+    """Keep answering later turns after an answer cut at the limit."""
+    overwrite: bool = False
+    """Start over in an existing --out."""
+    server_urls: list[str] = field(default_factory=list)
+    """OpenAI-compatible servers."""
+    server_model: str | None = None
+    """Served model name (default: first from /v1/models)."""
+    concurrency: int = 64
+    """Server requests in flight."""
+    retries: int = 4
+    """Retries per server request on transient errors."""
+    request_timeout: float = 600.0
+    """Seconds per server request."""
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+        if self.engine not in ENGINES:
+            raise EyasError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
+        if self.engine == "auto":
+            self.engine = "server" if self.server_urls else "auto"
+        if self.engine == "server" and not self.server_urls:
+            raise EyasError("--engine server needs at least one --server-url")
+        if self.dtype not in DTYPES:
+            raise EyasError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.max_len < 2:
+            raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
+        if self.batch_size < 0:
+            raise EyasError(f"--batch-size must be >= 0 (0 = auto), got {self.batch_size}")
+        if self.limit is not None and self.limit < 1:
+            raise EyasError(f"--limit must be >= 1, got {self.limit}")
+
+
+def _torch_dtype(name: str, config_dtype, device: str):
+    import torch
+
+    if name == "auto":
+        if device == "cpu":
+            return torch.float32
+        dt = config_dtype if isinstance(config_dtype, torch.dtype) else getattr(torch, str(config_dtype or "float32"), None)
+        return dt if dt in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
+    return getattr(torch, name)
+
+
+def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
+    """8 on CPU; on GPU the largest multiple of 8 up to 512 whose KV cache fits in half the free memory."""
+    import torch
+
+    if not device.startswith("cuda"):
+        return 8
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    per_row = 2 * cfg.num_hidden_layers * kv * head_dim * max_len * torch.empty(0, dtype=dtype).element_size()
+    free, _ = torch.cuda.mem_get_info(torch.device(device))
+    rows = int(0.5 * free // per_row) // 8 * 8
+    if rows < 8:
+        raise EyasError(f"a KV cache of --max-len {max_len} needs {per_row / 2**20:.0f} MiB a row; "
+                        f"{free / 2**30:.1f} GiB free is too little: lower --max-len or --batch-size")
+    return min(512, rows)
+
+
+def _count(config: RegenConfig) -> int:
+    from eyas.data.sources import iter_conversations
+
+    return sum(1 for _ in iter_conversations(config.source, limit=config.limit, hf_split=config.hf_split))
+
+
+def _build_local(config: RegenConfig, sampling):
+    import torch
+
+    from eyas.regen.local import make_local_engine
+    from eyas.target import load_target, load_tokenizer
+
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    from transformers import AutoConfig
+
+    from eyas.defaults import resolve_target
+
+    cfg = AutoConfig.from_pretrained(resolve_target(config.target))
+    dtype = _torch_dtype(config.dtype, getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None), device)
+    tokenizer = load_tokenizer(config.target)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise EyasError(f"target `{config.target}`: the tokenizer has no chat template; regenerate renders prompts with it")
+    model = load_target(config.target, device=device, dtype=dtype)
+    batch = config.batch_size or auto_batch(model, max_len=config.max_len, device=device, dtype=dtype)
+    engine = make_local_engine(model, tokenizer, sampling=sampling, max_len=config.max_len, batch=batch,
+                               max_new_tokens=config.max_new_tokens,
+                               engine="auto" if config.engine == "auto" else config.engine)
+    return engine, {"device": device, "dtype": str(dtype).removeprefix("torch.")}
+
+
+def regenerate(config: RegenConfig) -> dict[str, Any]:
+    from eyas.data.sources import iter_conversations
+    from eyas.regen.driver import RegenOptions, Regenerator
+    from eyas.regen.output import ChatsWriter
+    from eyas.regen.sampling import Sampling
+    from eyas.target import model_identity, tokenizer_hash, load_tokenizer
+
+    try:
+        sampling = Sampling(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+        options = RegenOptions(max_new_tokens=config.max_new_tokens, max_turns=config.max_turns,
+                               continue_after_truncated=config.continue_after_truncated)
+    except ValueError as exc:
+        raise EyasError(str(exc)) from None
+
+    total = _count(config)
+    if total == 0:
+        raise EyasError(f"--source {config.source}: no records (empty dataset); nothing to regenerate")
+    identity = model_identity(config.target)
+    identity["tokenizer_sha256"] = tokenizer_hash(load_tokenizer(config.target))
+    settings = {
+        "target": identity,
+        "sampling": sampling.as_dict(),
+        "max_new_tokens": config.max_new_tokens,
+        "max_turns": config.max_turns,
+        "max_len": config.max_len if config.engine != "server" else None,
+        "continue_after_truncated": config.continue_after_truncated,
+        "source": {"spec": str(config.source), "hf_split": config.hf_split},
+    }
+
+    if config.engine == "server":
+        from eyas.regen.server import ServerEngine, ServerOptions
+
+        try:
+            sopt = ServerOptions(urls=list(config.server_urls), model=config.server_model, concurrency=config.concurrency,
+                                 retries=config.retries, timeout_s=config.request_timeout)
+        except ValueError as exc:
+            raise EyasError(str(exc)) from None
+        engine, placement = ServerEngine(sopt, sampling=sampling), {}
+        options.max_in_flight = max(options.max_in_flight, 4 * config.concurrency)
+    else:
+        try:
+            engine, placement = _build_local(config, sampling)
+        except ValueError as exc:
+            if isinstance(exc, EyasError):
+                raise
+            raise EyasError(str(exc)) from None
+        options.max_in_flight = max(options.max_in_flight, 4 * getattr(engine, "batch", 1))
+
+    info_out: list = []
+    writer = ChatsWriter(config.out, settings=settings, overwrite=config.overwrite, extra_meta={
+        "engine": {**engine.describe(), **placement}, "source_info": {"spec": str(config.source), "limit": config.limit,
+                                                                      "records": total}})
+    if writer.resumed:
+        log(f"regen: resuming {config.out}: {len(writer.done):,} of {total:,} conversations already decided")
+    items = enumerate(iter_conversations(config.source, limit=config.limit, hf_split=config.hf_split, info_out=info_out))
+    driver = Regenerator(items, writer, sampling=sampling, options=options, total=total)
+    t0 = time.perf_counter()
+    driver.run(engine)
+    elapsed = time.perf_counter() - t0
+    if info_out:
+        writer.extra_meta["source_info"].update(path=info_out[0].path, format=info_out[0].format,
+                                                truncated=info_out[0].truncated, notes=info_out[0].notes)
+        driver.commit(complete=True)
+    counts = writer.counts()
+    return {
+        "out": str(config.out),
+        "resumed": writer.resumed,
+        "engine": engine.describe().get("engine"),
+        **counts,
+        "tokens_this_run": driver.tokens,
+        "tokens_per_s": round(driver.tokens / elapsed, 1) if elapsed > 0 else None,
+        "elapsed_s": round(elapsed, 2),
+        "config": {k: v for k, v in asdict(config).items() if k not in ("out",)},
+    }

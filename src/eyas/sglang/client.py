@@ -1,0 +1,493 @@
+"""Capture from running SGLang servers: preflight, send prompts, verify every dump, ingest.
+
+The server side is the eyas plugin (plugin.py) writing one dump per request into a directory this
+process can read (default /dev/shm/eyas-dumps on the server host). The client:
+
+1. preflight, per URL: reads `/server_info` (older servers: `/get_server_info`) and refuses, with
+   the reason and the flags that fix it, when the plugin is missing or inactive, its layer ids
+   differ from the ones asked for, a speculative draft is loaded, or a prompt prefix could be served
+   from the radix cache with no per-request bypass; then one probe request proves that dumps
+   appear in the dump directory this process reads.
+2. sends each sample as `input_ids` with max_new_tokens 1 (concurrency bounded per URL; several
+   URLs = data parallel), with a rid `eyas.<L>.<tag>` that tells the plugin the prompt length;
+3. checks every sample: cached_tokens == 0, prompt_tokens == L, dump status complete, dumped
+   token count == L, positions 0..L-1 all present, dumped token ids == the sample's ids, layer ids;
+4. ingests verified samples into the store (eyas.store.StoreWriter, the same store as the
+   transformers backend) and deletes each dump once read, so /dev/shm holds only in-flight samples;
+   resumes from the store's committed ids; retries transient HTTP errors with exponential backoff;
+   counts and lists rejected samples (a rerun of the same command retries them).
+
+Per-request radix-cache bypass (`cache_bypass`): `salt` sends a unique `cache_salt` (SGLang
+>= 0.5.22 namespaces the radix tree by it: no prefix can match; nothing extra is computed);
+`logprob` sends return_logprob with logprob_start_len 0 (caps the prefix match at 0 on every 0.5.x,
+but computes input logprobs: slower); `none` requires --disable-radix-cache on the server.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import hashlib
+import json
+import os
+import random
+import shutil
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from eyas.common import log, progress
+from eyas.errors import EyasError
+from eyas.sglang.core import (
+    CONVENTION,
+    Dump,
+    make_rid,
+    parse_rid,
+    read_dump,
+    sglang_layer_ids,
+)
+
+CACHE_BYPASS = ("auto", "salt", "logprob", "none")
+PLUGIN_FLAGS = ("install eyas into the server's Python environment (`pip install eyas`: it registers the "
+                "`sglang.srt.plugins` entry point `eyas_capture`), start the server with EYAS_CAPTURE=1 "
+                "EYAS_CAPTURE_LAYERS=<ids> in its environment, and do not leave it out of SGLANG_PLUGINS")
+
+
+class TransientHTTPError(Exception):
+    """Connection failures, timeouts, 5xx and 429: worth retrying."""
+
+
+class PermanentHTTPError(Exception):
+    """A 4xx answer (bad request, prompt too long): retrying will not help."""
+
+
+def http_json(method: str, url: str, body: dict | None = None, *, timeout: float = 60.0) -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        detail = exc.read()[:300].decode(errors="replace")
+        if exc.code >= 500 or exc.code == 429:
+            raise TransientHTTPError(f"HTTP {exc.code} from {url}: {detail}") from None
+        raise PermanentHTTPError(f"HTTP {exc.code} from {url}: {detail}") from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        raise TransientHTTPError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
+
+
+def get_server_info(url: str, *, timeout: float = 30.0) -> dict[str, Any]:
+    """`GET /server_info`, falling back to the older `/get_server_info` when the first is absent."""
+    url = url.rstrip("/")
+    try:
+        return http_json("GET", f"{url}/server_info", timeout=timeout)
+    except PermanentHTTPError:
+        return http_json("GET", f"{url}/get_server_info", timeout=timeout)
+
+
+def plugin_state(info: dict[str, Any]) -> dict[str, Any] | None:
+    """The eyas plugin's status inside a server-info answer (None: the plugin is not loaded)."""
+    for st in info.get("internal_states") or []:
+        if isinstance(st, dict) and isinstance(st.get("eyas_capture"), dict):
+            return st["eyas_capture"]
+    got = info.get("eyas_capture")
+    return got if isinstance(got, dict) else None
+
+
+def _version_tuple(v: Any) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in str(v).split(".post")[0].split(".")[:3])
+    except ValueError:
+        return (0,)
+
+
+# ----------------------------------------------------------------------------- preflight
+
+
+@dataclass(kw_only=True)
+class ServerPlan:
+    """One server, checked: how to talk to it and where its dumps appear."""
+
+    url: str
+    version: str
+    bypass: str
+    """Per-request radix-cache bypass in use: salt, logprob or none (radix cache disabled)."""
+    dump_dir: Path
+    status: dict[str, Any]
+    info: dict[str, Any] = field(repr=False, default_factory=dict)
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.status.get("model", {}).get("hidden_size") or 0)
+
+
+def choose_bypass(info: dict[str, Any], requested: str) -> str:
+    """The radix-cache bypass to use, or an EyasError naming the flags when none is safe."""
+    if requested not in CACHE_BYPASS:
+        raise EyasError(f"--sglang-cache-bypass: {requested!r}, expected one of {', '.join(CACHE_BYPASS)}")
+    radix_off = bool(info.get("disable_radix_cache", False))
+    if requested == "none":
+        if not radix_off:
+            raise EyasError(
+                "the server's radix cache is on (disable_radix_cache = false) and --sglang-cache-bypass none was "
+                "given: a prompt sharing a prefix with an earlier one would be captured without that prefix. "
+                "Restart the server with --disable-radix-cache, or use --sglang-cache-bypass salt (SGLang >= 0.5.22) "
+                "or logprob")
+        return "none"
+    if requested == "auto":
+        if radix_off:
+            return "none"
+        return "salt" if _version_tuple(info.get("version")) >= (0, 5, 22) else "logprob"
+    return requested
+
+
+def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = "auto",
+              dump_dir: str | Path | None = None, timeout: float = 30.0) -> ServerPlan:
+    """Read the server's info and refuse with the reason and the fix (see the module docstring)."""
+    url = url.rstrip("/")
+    try:
+        info = get_server_info(url, timeout=timeout)
+    except (TransientHTTPError, PermanentHTTPError) as exc:
+        raise EyasError(f"--url {url}: cannot read the server's info ({exc}); is the SGLang server up?") from None
+    if not isinstance(info, dict):
+        raise EyasError(f"--url {url}: /server_info returned {type(info).__name__}, expected a JSON object")
+    version = str(info.get("version", "?"))
+    status = plugin_state(info)
+    if status is None:
+        raise EyasError(f"--url {url}: the eyas capture plugin is not loaded in this server (SGLang {version}: no "
+                        f"`eyas_capture` in /server_info internal_states). To fix: {PLUGIN_FLAGS}")
+    if not status.get("enabled", False):
+        raise EyasError(f"--url {url}: the eyas plugin is loaded but capture is not active on the model "
+                        f"(last error: {status.get('last_error') or 'none'}); check the server log for `eyas capture`")
+    if info.get("speculative_algorithm"):
+        raise EyasError(f"--url {url}: the server runs speculative decoding ({info['speculative_algorithm']}); "
+                        "start a capture server without --speculative-algorithm")
+    have = [int(i) for i in status.get("layer_ids", [])]
+    if layer_ids is not None and list(layer_ids) != have:
+        raise EyasError(
+            f"--url {url}: the server captures layers {have} ({CONVENTION}; SGLang ids {sglang_layer_ids(have)}) but "
+            f"{list(layer_ids)} were asked for. Restart the server with EYAS_CAPTURE_LAYERS="
+            f"{','.join(map(str, layer_ids))}, or pass --layers {','.join(map(str, have))}")
+    bypass = choose_bypass(info, cache_bypass)
+    ddir = Path(dump_dir) if dump_dir is not None else Path(status.get("dump_dir", ""))
+    if not ddir.is_dir():
+        raise EyasError(f"--url {url}: the dump directory {ddir} (reported by the plugin: {status.get('dump_dir')}) is "
+                        "not visible here. Run the client on the server's host, or point EYAS_DUMP_DIR on the server "
+                        "and --sglang-dump-dir here at one shared directory")
+    return ServerPlan(url=url, version=version, bypass=bypass, dump_dir=ddir, status=status, info=info)
+
+
+# ----------------------------------------------------------------------------- one request
+
+
+def build_request(input_ids: Sequence[int], rid: str, bypass: str) -> dict[str, Any]:
+    body: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "rid": rid,
+                            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    if bypass == "salt":
+        body["cache_salt"] = rid
+    elif bypass == "logprob":
+        body.update(return_logprob=True, logprob_start_len=0)
+    return body
+
+
+def wait_for_dump(dump_dir: Path, rid: str, *, timeout: float) -> Dump | None:
+    """The dump of `rid`, read whole, or None if it did not appear within `timeout` seconds."""
+    path = dump_dir / rid
+    deadline = time.monotonic() + timeout
+    delay = 0.002
+    while True:
+        if (path / "meta.json").is_file():
+            return read_dump(path)
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(delay)
+        delay = min(delay * 2, 0.1)
+
+
+def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump | None, *,
+                 layer_ids: Sequence[int], hidden_size: int | None = None) -> str | None:
+    """Why this sample cannot be trusted, or None when every check passes."""
+    L = int(input_ids.shape[0])
+    cached = int(meta_info.get("cached_tokens", 0) or 0)
+    if cached != 0:
+        return f"cached_tokens = {cached}: a prefix was served from the radix cache"
+    prompt = meta_info.get("prompt_tokens")
+    if prompt is None or int(prompt) != L:
+        return f"prompt_tokens = {prompt}, sent {L} input ids"
+    if dump is None:
+        return "no dump appeared (plugin writer behind or dump dir not shared?)"
+    m = dump.meta
+    if m.get("status") != "complete":
+        return f"plugin rejected it: {m.get('reason') or m.get('status')}"
+    if int(m.get("num_tokens", -1)) != L:
+        return f"dump holds {m.get('num_tokens')} tokens, expected {L}"
+    if list(m.get("layer_ids", [])) != list(layer_ids) or m.get("convention") != CONVENTION:
+        return f"dump has layers {m.get('layer_ids')} ({m.get('convention')}), expected {list(layer_ids)} ({CONVENTION})"
+    covered = sorted((int(a), int(b)) for a, b in m.get("positions_covered", []))
+    end = 0
+    for a, b in covered:
+        if a != end:
+            return f"positions {end}..{a - 1} missing from the dump"
+        end = b
+    if end != L:
+        return f"dump covers positions 0..{end - 1}, expected 0..{L - 1}"
+    if dump.positions_L is not None and not torch.equal(dump.positions_L.to(torch.int64), torch.arange(L)):
+        return "dumped positions are not 0..L-1"
+    A = len(layer_ids)
+    if dump.aux_LAD is None or dump.aux_LAD.shape[:2] != (L, A) or dump.final_LD.shape[0] != L:
+        return f"dump shapes aux {tuple(dump.aux_LAD.shape) if dump.aux_LAD is not None else None}, final " \
+               f"{tuple(dump.final_LD.shape) if dump.final_LD is not None else None}, expected [{L}, {A}, H], [{L}, H]"
+    if hidden_size and dump.aux_LAD.shape[2] != hidden_size:
+        return f"dump hidden size {dump.aux_LAD.shape[2]}, the server's model has {hidden_size}"
+    if dump.input_ids_L is not None and not torch.equal(dump.input_ids_L.to(torch.int64), input_ids.to(torch.int64)):
+        return "dumped token ids differ from the sample's input ids"
+    if not (torch.isfinite(dump.aux_LAD).all() and torch.isfinite(dump.final_LD).all()):
+        return "non-finite values (NaN/Inf) in the dump"
+    return None
+
+
+@dataclass(kw_only=True)
+class Outcome:
+    sample_id: str
+    tokens: int
+    aux_LAD: torch.Tensor | None = None
+    final_LD: torch.Tensor | None = None
+    reason: str | None = None
+    retries: int = 0
+    dump_dtype: str | None = None
+    pieces: int = 0
+    """EXTEND forwards the prompt took on the server (> 1: chunked prefill was stitched)."""
+
+
+def remove_dump(dump_dir: Path, rid: str) -> None:
+    shutil.rmtree(dump_dir / rid, ignore_errors=True)
+
+
+def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: str, *, layer_ids: Sequence[int],
+                max_retries: int = 5, backoff_s: float = 1.0, request_timeout_s: float = 600.0,
+                dump_wait_s: float = 60.0, sleep=time.sleep) -> Outcome:
+    """Send one sample (retrying transient HTTP errors), then read, check and delete its dump."""
+    L = int(input_ids.shape[0])
+    retries = 0
+    while True:
+        rid = make_rid(L, f"{tag}-{retries}")
+        remove_dump(plan.dump_dir, rid)
+        try:
+            out = http_json("POST", f"{plan.url}/generate", build_request(input_ids.tolist(), rid, plan.bypass),
+                            timeout=request_timeout_s)
+            break
+        except TransientHTTPError as exc:
+            remove_dump(plan.dump_dir, rid)
+            if retries >= max_retries:
+                return Outcome(sample_id=sample_id, tokens=L, reason=f"HTTP failed {retries + 1} times: {exc}", retries=retries)
+            sleep(min(backoff_s * 2 ** retries, 30.0) * (0.5 + random.random() / 2))
+            retries += 1
+        except PermanentHTTPError as exc:
+            remove_dump(plan.dump_dir, rid)
+            return Outcome(sample_id=sample_id, tokens=L, reason=str(exc), retries=retries)
+    if isinstance(out, list):
+        out = out[0] if out else {}
+    meta_info = (out or {}).get("meta_info", {})
+    dump = None
+    try:
+        if int(meta_info.get("cached_tokens", 0) or 0) == 0:
+            dump = wait_for_dump(plan.dump_dir, rid, timeout=dump_wait_s)
+        reason = check_sample(input_ids, meta_info, dump, layer_ids=layer_ids, hidden_size=plan.hidden_size)
+    finally:
+        remove_dump(plan.dump_dir, rid)
+    if reason is not None:
+        return Outcome(sample_id=sample_id, tokens=L, reason=reason, retries=retries)
+    return Outcome(sample_id=sample_id, tokens=L, aux_LAD=dump.aux_LAD, final_LD=dump.final_LD, retries=retries,
+                   dump_dtype=dump.meta.get("dtype"), pieces=int(dump.meta.get("pieces", 0)))
+
+
+def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int], tag: str,
+          dump_wait_s: float = 60.0, request_timeout_s: float = 120.0, max_retries: int = 5,
+          backoff_s: float = 1.0) -> Outcome:
+    """One real request through the whole path; an EyasError explains what is wrong."""
+    res = capture_one(plan, "probe", input_ids, tag, layer_ids=layer_ids, max_retries=max_retries,
+                      backoff_s=backoff_s, request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s)
+    if res.reason is not None:
+        hint = ""
+        if "no dump appeared" in res.reason:
+            hint = (f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host where "
+                    "the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share EYAS_DUMP_DIR")
+        raise EyasError(f"--url {plan.url}: the probe request failed: {res.reason}.{hint}")
+    return res
+
+
+# ----------------------------------------------------------------------------- the store
+
+
+def _job_tag(out_store: Path, split: str) -> str:
+    return hashlib.sha256(f"{Path(out_store).resolve()}|{split}".encode()).hexdigest()[:10]
+
+
+def remove_stale_dumps(dump_dir: Path, job: str) -> int:
+    """Delete dumps a crashed run of this job left behind (their samples are re-sent)."""
+    n = 0
+    for p in list(dump_dir.iterdir()) if dump_dir.is_dir() else []:
+        if parse_rid(p.name) is not None and p.name.split(".", 2)[2].startswith(job + "-"):
+            shutil.rmtree(p, ignore_errors=True)
+            n += 1
+    return n
+
+
+def _model_dtype(name: str | None) -> str | None:
+    """The store's model_dtype (bf16 | fp32: what `eyas verify` recomputes in) for a dump's dtype.
+
+    An fp16 server is recorded as bf16 (the closest dtype the numbers check runs in, with the
+    16-bit tolerance); the exact dtype goes into the producer record."""
+    return {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32"}.get(name or "", name)
+
+
+def open_store(out_store: Path, *, prepared, split: str, layer_ids: Sequence[int], hidden_size: int, dtype: str,
+               target: str | Path | None, model_dtype: str | None, limit: int | None, producer: dict[str, Any]):
+    from eyas.store.writer import StoreSpec, StoreWriter
+
+    identity = None
+    if target is not None:
+        from eyas.target import model_identity
+
+        identity = model_identity(target)
+    sp = prepared.split(split)
+    spec = StoreSpec(
+        aux_layer_ids=list(layer_ids), hidden_size=hidden_size, dtype=dtype, convention=CONVENTION,
+        target=identity, tokenizer_hash=prepared.tokenizer_hash,
+        prepared={"path": str(Path(prepared.root).resolve()), "split": split, "fingerprint": sp.fingerprint,
+                  "limit": limit, "samples": len(sp) if limit is None else min(limit, len(sp))},
+        model_dtype=model_dtype, producer=producer,
+    )
+    return StoreWriter(out_store, spec)
+
+
+def capture_from_sglang(
+    urls: Sequence[str],
+    prepared: str | Path,
+    split: str,
+    out_store: str | Path,
+    layer_ids: Sequence[int] | None,
+    *,
+    target: str | Path | None = None,
+    dump_dir: str | Path | None = None,
+    concurrency: int = 16,
+    cache_bypass: str = "auto",
+    dtype: str = "bf16",
+    limit: int | None = None,
+    max_retries: int = 5,
+    backoff_s: float = 1.0,
+    request_timeout_s: float = 600.0,
+    dump_wait_s: float = 60.0,
+    mark_complete_with_rejections: bool = False,
+) -> dict[str, Any]:
+    """Capture `split` of a prepared dataset from SGLang servers into the store at `out_store`.
+
+    `layer_ids` are eyas ids (hf-input); None = whatever the servers capture (they must agree).
+    `target` (a local HF directory of the served model) records its identity in the store, which
+    `eyas verify` needs for its numbers check. Returns the summary dict (rejected samples listed).
+    """
+    from eyas.data.prepared import PreparedDataset
+
+    if not urls:
+        raise EyasError("--url: give at least one SGLang server URL")
+    if concurrency < 1:
+        raise EyasError(f"--concurrency: {concurrency}, expected >= 1")
+    t0 = time.time()
+    ds = PreparedDataset(prepared)
+    sp = ds.split(split)
+    n_total = len(sp) if limit is None else min(limit, len(sp))
+
+    plans = [preflight(u, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir) for u in urls]
+    layer_ids = [int(i) for i in plans[0].status["layer_ids"]] if layer_ids is None else list(layer_ids)
+    for p in plans[1:]:
+        if p.status["layer_ids"] != layer_ids or p.hidden_size != plans[0].hidden_size:
+            raise EyasError(f"--url {p.url} captures layers {p.status['layer_ids']} of a model with hidden size "
+                            f"{p.hidden_size}; {plans[0].url} captures {layer_ids} with {plans[0].hidden_size}: "
+                            "all servers must serve the same model with the same EYAS_CAPTURE_LAYERS")
+    job = _job_tag(Path(out_store), split)
+    for p in {str(p.dump_dir): p for p in plans}.values():
+        if (n := remove_stale_dumps(p.dump_dir, job)):
+            log(f"eyas: removed {n} dumps left in {p.dump_dir} by an interrupted run")
+
+    # One probe per server: proves the dump path end to end and gives the hidden size and dtype.
+    # Random ids within the range the data uses (valid for the vocabulary), so that the probe does not
+    # leave a prefix of a real sample in a server's radix cache.
+    first = sp[0].input_ids if n_total else torch.arange(100, 116)
+    probe_ids = torch.randint(int(first.min()), int(first.max()) + 1, (16,), generator=torch.Generator().manual_seed(
+        int.from_bytes(os.urandom(4), "little")))
+    probes = [probe(p, probe_ids, layer_ids=layer_ids, tag=f"{job}-probe{i}", dump_wait_s=dump_wait_s,
+                    max_retries=max_retries, backoff_s=backoff_s) for i, p in enumerate(plans)]
+    hidden = int(probes[0].aux_LAD.shape[2])
+    server_dtype = _model_dtype(probes[0].dump_dtype)
+
+    writer = open_store(Path(out_store), prepared=ds, split=split, layer_ids=layer_ids, hidden_size=hidden,
+                        dtype=dtype, target=target, model_dtype=server_dtype, limit=limit,
+                        producer={"backend": "sglang", "urls": [p.url for p in plans],
+                                  "sglang_version": plans[0].version, "cache_bypass": [p.bypass for p in plans],
+                                  "plugin": plans[0].status.get("plugin_version"), "server_dtype": probes[0].dump_dtype,
+                                  "num_layers": plans[0].status.get("model", {}).get("num_layers"),
+                                  "model_class": plans[0].status.get("model", {}).get("class")})
+    done_ids = writer.committed_ids
+    todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
+    log(f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
+        f"({n_total - len(todo)} already in {out_store}); layers {layer_ids} ({CONVENTION}), "
+        f"bypass {[p.bypass for p in plans]}")
+
+    rejected: list[dict[str, Any]] = []
+    captured = tokens = 0
+    retries = sum(p.retries for p in probes)
+    inflight = concurrency * len(plans)
+    bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
+    ok = False
+    try:
+        with cf.ThreadPoolExecutor(max_workers=inflight) as pool:
+            futures: set[cf.Future] = set()
+            it = iter(enumerate(todo))
+
+            def submit_next() -> bool:
+                nxt = next(it, None)
+                if nxt is None:
+                    return False
+                k, i = nxt
+                s = sp[i]
+                futures.add(pool.submit(capture_one, plans[k % len(plans)], s.id, s.input_ids, f"{job}-{i}",
+                                        layer_ids=layer_ids, max_retries=max_retries, backoff_s=backoff_s,
+                                        request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s))
+                return True
+
+            while len(futures) < inflight and submit_next():
+                pass
+            while futures:
+                finished, futures = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                for f in finished:
+                    res: Outcome = f.result()
+                    retries += res.retries
+                    if res.reason is not None:
+                        rejected.append({"id": res.sample_id, "tokens": res.tokens, "reason": res.reason})
+                        log(f"eyas: rejected {res.sample_id}: {res.reason}")
+                    else:
+                        writer.add(res.sample_id, res.aux_LAD, res.final_LD)
+                        captured += 1
+                        tokens += res.tokens
+                    bar.update(res.tokens)
+                    submit_next()
+        ok = True
+    finally:
+        bar.close()
+        for p in {str(p.dump_dir): p for p in plans}.values():
+            remove_stale_dumps(p.dump_dir, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
+        complete = ok and (not rejected or mark_complete_with_rejections)
+        manifest = writer.close(complete=complete)  # commits verified samples even after an error
+    elapsed = time.time() - t0
+    return {
+        "backend": "sglang", "store": str(out_store), "split": split, "urls": [p.url for p in plans],
+        "layer_ids": layer_ids, "convention": CONVENTION, "sglang_layer_ids": sglang_layer_ids(layer_ids),
+        "samples": n_total, "already_committed": n_total - len(todo), "captured": captured, "tokens": tokens,
+        "rejected_count": len(rejected), "rejected": rejected, "retries": retries,
+        "cache_bypass": [p.bypass for p in plans], "store_complete": manifest.get("status") == "complete",
+        "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+    }

@@ -1,0 +1,422 @@
+"""The SGLang capture plugin's core: split packed forwards per request, stitch, write dumps.
+
+Pure torch and the standard library: nothing here imports sglang, so the same code runs inside a
+real SGLang scheduler process (through eyas/sglang/plugin.py, the only version-specific module), in
+the stand-in server that CI runs (eyas/sglang/standin.py), and in unit tests.
+
+One EXTEND forward of the server packs several requests' new tokens into one row dimension:
+
+    rids                  ["eyas.5.a", "other", "eyas.3.b"]
+    extend_prefix_lens    [0, 7, 2]           tokens of the request already in the KV cache
+    extend_seq_lens       [3, 1, 1]           new tokens in this forward, one run of rows each
+    rows (T = 5 + padding) a a a o b  p p     padding rows (CUDA graph buckets) come last
+
+Rows of request r are rows[start_r : start_r + extend_seq_lens[r]], at absolute positions
+prefix_r .. prefix_r + len_r - 1. A chunked prompt arrives over several forwards (interleaved with
+other requests); pieces are stitched by absolute position and a sample is written once all of its
+prompt tokens are present. The prompt length travels in the request id, chosen by the client
+(`make_rid`): `eyas.<L>.<tag>`; requests whose rid does not parse are not ours and are skipped.
+
+A request whose FIRST piece starts at a non-zero prefix was partly served from the prefix cache:
+the forward never computed the cached rows, so the sample is written as `rejected` with the reason
+(never as complete). Exactly one rank writes: attention-TP rank 0 on the last pipeline rank (the
+residual stream is replicated across TP ranks).
+
+Dump layout, one directory per request, renamed into place only when whole (never partial):
+
+    <dump_dir>/<rid>/meta.json           schema, rid, status, reason, num_tokens, positions covered,
+                                         layer ids + convention, dtype, shapes, pieces, writer ranks
+    <dump_dir>/<rid>/tensors.safetensors aux [L, A, H], final [L, H], input_ids int64 [L],
+                                         positions int64 [L]   (complete dumps only)
+
+Shape legend: T packed rows of one forward, L tokens of one request, A aux layers, H hidden size.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+DUMP_SCHEMA = "eyas.sglang-dump/1"
+STATUS_SCHEMA = "eyas.sglang-plugin/1"
+DEFAULT_DUMP_DIR = "/dev/shm/eyas-dumps"
+CONVENTION = "hf-input"  # the same as eyas.target.CONVENTION (not imported: keeps this module light)
+TENSORS_FILE = "tensors.safetensors"
+META_FILE = "meta.json"
+
+_RID_RE = re.compile(r"^eyas\.(\d+)\.([A-Za-z0-9_-]{1,96})$")
+
+
+# ----------------------------------------------------------------------------- request ids
+
+
+def make_rid(num_tokens: int, tag: str) -> str:
+    """The request id that tells the plugin a request is ours and how many prompt tokens it has."""
+    if num_tokens < 1:
+        raise ValueError(f"num_tokens: expected >= 1, got {num_tokens}")
+    rid = f"eyas.{int(num_tokens)}.{tag}"
+    if not _RID_RE.match(rid):
+        raise ValueError(f"tag {tag!r}: use 1-96 characters from [A-Za-z0-9_-]")
+    return rid
+
+
+def parse_rid(rid: Any) -> int | None:
+    """Prompt length encoded in an eyas rid, or None when the request is not ours."""
+    if not isinstance(rid, str):
+        return None
+    m = _RID_RE.match(rid)
+    return int(m.group(1)) if m else None
+
+
+def sglang_layer_ids(layer_ids: Sequence[int]) -> list[int]:
+    """eyas ids (input to layer i) -> SGLang/EAGLE-3 config ids (output of layer i - 1)."""
+    return [int(i) - 1 for i in layer_ids]
+
+
+def eyas_layer_ids(sglang_ids: Sequence[int]) -> list[int]:
+    """SGLang/EAGLE-3 config ids (output of layer k) -> eyas ids (input to layer k + 1)."""
+    return [int(k) + 1 for k in sglang_ids]
+
+
+# ----------------------------------------------------------------------------- one forward
+
+
+@dataclass(kw_only=True)
+class ForwardInfo:
+    """What the plugin reads from one EXTEND forward (all rows packed; padding rows at the end)."""
+
+    rids: Sequence[Any]
+    """Request ids, one per request in the batch (ForwardBatch.rids)."""
+    extend_prefix_lens: Sequence[int]
+    """Tokens of each request already in the KV cache before this forward."""
+    extend_seq_lens: Sequence[int]
+    """New tokens of each request in this forward, in row order."""
+    aux: torch.Tensor | Sequence[torch.Tensor]
+    """Aux hidden states: one [T, A, H] tensor, or A tensors of [T, H] (SGLang's list form)."""
+    final_TD: torch.Tensor
+    """Final hidden state after the last norm, [T, H]."""
+    positions_T: torch.Tensor | None = None
+    """Absolute position of every row (checked against prefix + offset when given)."""
+    input_ids_T: torch.Tensor | None = None
+    """Token id of every row (stored in the dump so the client can match it to its sample)."""
+    attn_tp_rank: int = 0
+    """This process's rank in the attention tensor-parallel group."""
+    pp_rank: int = 0
+    """This process's pipeline-parallel rank."""
+    pp_size: int = 1
+    """Number of pipeline stages."""
+
+    def is_writer(self) -> bool:
+        """Exactly one rank writes: attention-TP rank 0 on the last pipeline rank."""
+        return self.attn_tp_rank == 0 and self.pp_rank == self.pp_size - 1
+
+
+def _aux_rows(aux, a: int, b: int) -> torch.Tensor:
+    """Rows a..b of the aux states as [n, A, H], whatever form the model returned them in."""
+    if isinstance(aux, torch.Tensor):
+        if aux.dim() != 3:
+            raise ValueError(f"aux: expected [T, A, H], got shape {tuple(aux.shape)}")
+        return aux[a:b]
+    return torch.stack([x[a:b] for x in aux], dim=1)
+
+
+def _num_rows(aux) -> int:
+    return int(aux.shape[0]) if isinstance(aux, torch.Tensor) else min(int(x.shape[0]) for x in aux)
+
+
+@dataclass
+class _Piece:
+    start: int  # absolute position of the first row
+    aux_LAD: torch.Tensor
+    final_LD: torch.Tensor
+    input_ids_L: torch.Tensor | None
+    positions_L: torch.Tensor | None
+
+
+@dataclass
+class _Pending:
+    num_tokens: int
+    pieces: list[_Piece] = field(default_factory=list)
+    covered: int = 0  # positions 0..covered-1 present
+    first_seen: float = 0.0
+    last_seen: float = 0.0
+
+
+@dataclass(kw_only=True)
+class CompletedSample:
+    """A request whose prompt tokens are all present (or a rejected one, with its reason)."""
+
+    rid: str
+    num_tokens: int
+    status: str  # "complete" | "rejected"
+    reason: str = ""
+    aux_LAD: torch.Tensor | None = None
+    final_LD: torch.Tensor | None = None
+    input_ids_L: torch.Tensor | None = None
+    positions_L: torch.Tensor | None = None
+    """Positions the server reported for the rows (None when it reported none)."""
+    pieces: int = 0
+    positions_covered: list[list[int]] = field(default_factory=list)
+
+
+class CaptureCore:
+    """Per-request stitching state of one server process. Call `observe` for every EXTEND forward.
+
+    `observe` copies only the rows of eyas requests to the CPU (one copy per request piece), keeps
+    partial prompts keyed by rid, and returns the samples that became complete or were rejected in
+    this forward. Nothing is returned on a non-writer rank, and no tensor is touched there.
+    """
+
+    def __init__(self, *, stale_after_s: float = 900.0, max_rejected_memory: int = 100_000):
+        self.stale_after_s = stale_after_s
+        self._pending: dict[str, _Pending] = {}
+        self._rejected: dict[str, float] = {}  # rid -> time; later pieces of a rejected rid are ignored
+        self._max_rejected = max_rejected_memory
+        self.stats = {"forwards": 0, "pieces": 0, "complete": 0, "rejected": 0}
+
+    def pending_rids(self) -> list[str]:
+        return list(self._pending)
+
+    def observe(self, info: ForwardInfo, *, now: float | None = None) -> list[CompletedSample]:
+        if not info.is_writer():
+            return []
+        now = time.time() if now is None else now
+        out: list[CompletedSample] = self._evict_stale(now)
+        rids, prefix, lens = list(info.rids), list(info.extend_prefix_lens), list(info.extend_seq_lens)
+        if not (len(rids) == len(prefix) == len(lens)):
+            raise ValueError(f"forward with {len(rids)} rids, {len(prefix)} prefix lens, {len(lens)} seq lens")
+        ours = [i for i, r in enumerate(rids) if parse_rid(r) is not None]
+        if not ours:
+            return out
+        self.stats["forwards"] += 1
+        total = sum(int(n) for n in lens)
+        starts = [0]
+        for n in lens[:-1]:
+            starts.append(starts[-1] + int(n))
+        # Padding rows come after the real ones: fewer rows than tokens means this forward's
+        # tensors do not hold every request's rows (e.g. sequence-sharded), so nothing is trusted.
+        rows = min(_num_rows(info.aux), int(info.final_TD.shape[0]))
+        short = rows < total
+        for i in ours:
+            rid, n, p, a = str(rids[i]), int(lens[i]), int(prefix[i]), starts[i]
+            num_tokens = parse_rid(rid)
+            if rid in self._rejected:
+                continue
+            if short:
+                out.append(self._reject(rid, num_tokens, f"the forward holds {rows} rows for {total} tokens "
+                                                         "(rows scattered across ranks: sequence parallel or context parallel?)", now))
+                continue
+            pos = None
+            if info.positions_T is not None and n > 0:
+                pos = info.positions_T[a:a + n].to("cpu", torch.int64)
+                want = torch.arange(p, p + n, dtype=torch.int64)
+                if not torch.equal(pos, want):
+                    out.append(self._reject(rid, num_tokens, f"rows hold positions {pos[:4].tolist()}... but the "
+                                                             f"forward says prefix {p}, length {n}", now))
+                    continue
+            done = self._add_piece(rid, num_tokens, p, a, n, info, pos, now)
+            if done is not None:
+                out.append(done)
+        return out
+
+    # --- internals
+
+    def _add_piece(self, rid, num_tokens, p, a, n, info: ForwardInfo, pos, now) -> CompletedSample | None:
+        st = self._pending.get(rid)
+        if st is not None and p == 0 and st.covered > 0:
+            st = None  # the server restarted this prompt (e.g. retracted): start over
+        if st is None:
+            if p != 0:
+                return self._reject(rid, num_tokens, f"first forward started at prefix {p}: {p} prompt tokens "
+                                                     "were served from the prefix cache and never computed", now)
+            st = _Pending(num_tokens=num_tokens, first_seen=now)
+            self._pending[rid] = st
+        if p != st.covered:
+            self._pending.pop(rid, None)
+            return self._reject(rid, num_tokens, f"piece at positions {p}..{p + n - 1} does not continue the "
+                                                 f"{st.covered} positions already present", now)
+        if p + n > num_tokens:
+            self._pending.pop(rid, None)
+            return self._reject(rid, num_tokens, f"{p + n} positions for a request of {num_tokens} prompt tokens "
+                                                 "(a decode step or a wrong rid length)", now)
+        st.last_seen = now
+        if n > 0:
+            ids = info.input_ids_T[a:a + n].to("cpu", torch.int64) if info.input_ids_T is not None else None
+            st.pieces.append(_Piece(p, _aux_rows(info.aux, a, a + n).to("cpu"), info.final_TD[a:a + n].to("cpu"), ids, pos))
+            st.covered += n
+            self.stats["pieces"] += 1
+        if st.covered < num_tokens:
+            return None
+        del self._pending[rid]
+        self.stats["complete"] += 1
+        ids = pos = None
+        if all(pc.input_ids_L is not None for pc in st.pieces):
+            ids = torch.cat([pc.input_ids_L for pc in st.pieces])
+        if all(pc.positions_L is not None for pc in st.pieces):
+            pos = torch.cat([pc.positions_L for pc in st.pieces])
+        return CompletedSample(
+            rid=rid, num_tokens=num_tokens, status="complete",
+            aux_LAD=torch.cat([pc.aux_LAD for pc in st.pieces]),
+            final_LD=torch.cat([pc.final_LD for pc in st.pieces]),
+            input_ids_L=ids, positions_L=pos, pieces=len(st.pieces),
+            positions_covered=[[pc.start, pc.start + pc.final_LD.shape[0]] for pc in st.pieces],
+        )
+
+    def _reject(self, rid, num_tokens, reason, now) -> CompletedSample:
+        self._pending.pop(rid, None)
+        self._rejected[rid] = now
+        if len(self._rejected) > self._max_rejected:
+            for old in sorted(self._rejected, key=self._rejected.get)[: len(self._rejected) // 2]:
+                del self._rejected[old]
+        self.stats["rejected"] += 1
+        return CompletedSample(rid=rid, num_tokens=num_tokens, status="rejected", reason=reason)
+
+    def _evict_stale(self, now) -> list[CompletedSample]:
+        out = []
+        for rid, st in list(self._pending.items()):
+            if now - st.last_seen > self.stale_after_s:
+                out.append(self._reject(rid, st.num_tokens, f"only {st.covered} of {st.num_tokens} positions arrived "
+                                                            f"within {self.stale_after_s:.0f} s (request aborted?)", now))
+        return out
+
+
+# ----------------------------------------------------------------------------- dumps on disk
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+def write_dump(dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequence[int],
+               writer: dict[str, Any] | None = None) -> Path:
+    """Write one sample atomically: a hidden temporary directory renamed to `<dump_dir>/<rid>`."""
+    from safetensors.torch import save_file
+
+    dump_dir = Path(dump_dir)
+    dump_dir.mkdir(parents=True, exist_ok=True)
+    final = dump_dir / sample.rid
+    tmp = dump_dir / f".{sample.rid}.{os.getpid()}.{threading.get_ident()}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    meta: dict[str, Any] = {
+        "schema": DUMP_SCHEMA, "rid": sample.rid, "status": sample.status, "reason": sample.reason,
+        "num_tokens": sample.num_tokens, "layer_ids": list(map(int, layer_ids)), "convention": CONVENTION,
+        "sglang_layer_ids": sglang_layer_ids(layer_ids), "pieces": sample.pieces,
+        "positions_covered": sample.positions_covered, "writer": writer or {}, "created": time.time(),
+    }
+    try:
+        if sample.status == "complete":
+            aux, final_ = sample.aux_LAD.contiguous(), sample.final_LD.contiguous()
+            tensors = {"aux": aux, "final": final_}
+            if sample.positions_L is not None:
+                tensors["positions"] = sample.positions_L.contiguous()
+            if sample.input_ids_L is not None:
+                tensors["input_ids"] = sample.input_ids_L.contiguous()
+            save_file(tensors, str(tmp / TENSORS_FILE))
+            meta.update(dtype=_dtype_name(aux), shapes={k: list(v.shape) for k, v in tensors.items()})
+        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        if final.exists():  # a re-sent request: replace the old dump whole
+            shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+@dataclass(kw_only=True)
+class Dump:
+    """A dump read back by the client."""
+
+    path: Path
+    meta: dict[str, Any]
+    aux_LAD: torch.Tensor | None = None
+    final_LD: torch.Tensor | None = None
+    input_ids_L: torch.Tensor | None = None
+    positions_L: torch.Tensor | None = None
+
+    @property
+    def status(self) -> str:
+        return self.meta.get("status", "?")
+
+
+def read_dump(path: str | Path, *, tensors: bool = True) -> Dump:
+    """Read a dump directory written by `write_dump` (raises FileNotFoundError if absent)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    meta = json.loads((path / META_FILE).read_text())
+    d = Dump(path=path, meta=meta)
+    if tensors and meta.get("status") == "complete":
+        t = load_file(str(path / TENSORS_FILE))
+        d.aux_LAD, d.final_LD = t["aux"], t["final"]
+        d.input_ids_L, d.positions_L = t.get("input_ids"), t.get("positions")
+    return d
+
+
+class DumpWriter:
+    """Writes completed samples, optionally on a background thread (the server must not block on disk).
+
+    With `threaded=True` a bounded queue feeds one thread; `flush()` waits until everything queued
+    is on disk. Write errors are counted and kept (`errors`), never raised into the server's forward.
+    """
+
+    def __init__(self, dump_dir: str | Path, *, layer_ids: Sequence[int], writer: dict[str, Any] | None = None,
+                 threaded: bool = False, max_queue: int = 64):
+        self.dump_dir = Path(dump_dir)
+        self.layer_ids = list(layer_ids)
+        self.writer = writer or {}
+        self.errors: list[str] = []
+        self.written = 0
+        self._q: queue.Queue | None = None
+        if threaded:
+            self._q = queue.Queue(maxsize=max_queue)
+            threading.Thread(target=self._loop, name="eyas-dump-writer", daemon=True).start()
+
+    def submit(self, samples: Sequence[CompletedSample]) -> None:
+        for s in samples:
+            if self._q is None:
+                self._write(s)
+            else:
+                self._q.put(s)
+
+    def flush(self) -> None:
+        if self._q is not None:
+            self._q.join()
+
+    def _write(self, s: CompletedSample) -> None:
+        try:
+            write_dump(self.dump_dir, s, layer_ids=self.layer_ids, writer=self.writer)
+            self.written += 1
+        except Exception as exc:  # a full /dev/shm must not take the server down
+            self.errors.append(f"{s.rid}: {type(exc).__name__}: {exc}")
+
+    def _loop(self) -> None:
+        assert self._q is not None
+        while True:
+            s = self._q.get()
+            try:
+                self._write(s)
+            finally:
+                self._q.task_done()
+
+
+def plugin_status(*, layer_ids: Sequence[int], dump_dir: str | Path, sglang_version: str | None,
+                  plugin_version: str, model: dict[str, Any] | None = None,
+                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+    """What the plugin reports in `/server_info` (internal_states[i]["eyas_capture"])."""
+    return {
+        "schema": STATUS_SCHEMA, "plugin_version": plugin_version, "sglang_version": sglang_version,
+        "layer_ids": list(map(int, layer_ids)), "convention": CONVENTION,
+        "sglang_layer_ids": sglang_layer_ids(layer_ids), "dump_dir": str(dump_dir),
+        "model": model or {}, **(extra or {}),
+    }

@@ -1,0 +1,343 @@
+"""A stand-in for an SGLang server with the eyas plugin: what CI runs instead of real SGLang.
+
+No machine of ours can run SGLang (CI has no GPU; the GPU image's Python/torch do not match the
+wheels), so the client and `eyas verify-server` are tested against this local HTTP server. It
+implements the parts of SGLang's contract the client relies on:
+
+- `POST /generate` with `input_ids`, `rid`, `sampling_params.max_new_tokens`, `cache_salt`,
+  `return_logprob` + `logprob_start_len`; the answer's `meta_info` has `prompt_tokens`,
+  `cached_tokens`, `completion_tokens`; the one new token is the real model's argmax;
+- `GET /server_info` (or only the older `/get_server_info`, `legacy_info_path=True`) with
+  `disable_radix_cache`, `chunked_prefill_size`, `version`, ... and `internal_states[0]` carrying
+  the plugin's `eyas_capture` status (absent with `plugin=False`);
+- a scheduler thread that batches requests into EXTEND forwards under a token budget, splits long
+  prompts into chunks (chunked prefill) interleaved with other requests, pads the packed rows to a
+  bucket (as CUDA graphs do), and optionally keeps a radix cache: a new prompt's longest common
+  prefix with earlier prompts (same cache_salt, capped at L-1, and at logprob_start_len when
+  return_logprob is set) is "cached" and never computed, exactly the case the plugin must reject.
+
+Hidden states are real: each piece's rows come from `eyas.target.forward_capture` on the target
+(recomputing the prefix instead of keeping a KV cache; same numbers). Dumps are written by the
+plugin's own write path (core.CaptureCore + core.DumpWriter on a thread), once per simulated TP rank.
+
+Run by hand: `python -m eyas.sglang.standin --target DIR --port 30000 [--chunk 64] [--radix]`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import threading
+import time
+import uuid
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.sglang.core import (
+    DEFAULT_DUMP_DIR,
+    CaptureCore,
+    DumpWriter,
+    ForwardInfo,
+    plugin_status,
+)
+
+STANDIN_VERSION = "0.5.23"
+
+
+@dataclass(kw_only=True)
+class StandinConfig:
+    target: str | Path
+    """Hugging Face model directory to serve (a tiny random model in tests)."""
+    layer_ids: list[int] | None = None
+    """Aux layers the 'plugin' captures (eyas convention); None = 2, N//2, N-3."""
+    dump_dir: str | Path = DEFAULT_DUMP_DIR
+    """Where the plugin write path puts dumps."""
+    chunked_prefill_size: int = -1
+    """Tokens per prefill chunk (-1 = off), as SGLang's --chunked-prefill-size."""
+    max_forward_tokens: int = 512
+    """Token budget of one EXTEND forward (several requests share it)."""
+    disable_radix_cache: bool = True
+    """False: keep a radix cache of earlier prompts and serve matching prefixes from it."""
+    plugin: bool = True
+    """False: behave like a server without the eyas plugin (no dumps, no status)."""
+    version: str = STANDIN_VERSION
+    """The `version` reported in server info."""
+    pad_rows_to: int = 8
+    """Pad each forward's packed rows to a multiple of this (CUDA-graph bucket padding)."""
+    tp_size: int = 1
+    """Simulated TP ranks: every rank's core sees the forward; only rank 0 may write."""
+    fail_first: int = 0
+    """Answer HTTP 503 to the first N /generate calls (to exercise retries)."""
+    legacy_info_path: bool = False
+    """Serve only the older /get_server_info (404 on /server_info)."""
+    speculative_algorithm: str | None = None
+    """Reported in server info (a capture server must have none)."""
+    batch_wait_s: float = 0.01
+    """How long the scheduler waits to gather requests into one forward."""
+
+
+@dataclass
+class _Req:
+    rid: str
+    ids: list[int]
+    salt: str | None
+    logprob_start: int | None
+    done: threading.Event = field(default_factory=threading.Event)
+    prefix: int = 0  # tokens matched in the radix cache
+    computed: int = 0  # positions computed so far (absolute)
+    result: dict[str, Any] | None = None
+
+
+class StandinServer:
+    """The server: `start()`, `.url`, `close()` (or use as a context manager)."""
+
+    def __init__(self, cfg: StandinConfig, *, host: str = "127.0.0.1", port: int = 0):
+        from eyas.target import default_aux_layers, load_target, num_layers_of
+
+        self.cfg = cfg
+        self.model = load_target(cfg.target)
+        n = num_layers_of(self.model.config)
+        self.layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_aux_layers(n)
+        self.num_layers = n
+        self.dump_dir = Path(cfg.dump_dir)
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        self.cores = [CaptureCore() for _ in range(cfg.tp_size)]
+        self.writer = DumpWriter(self.dump_dir, layer_ids=self.layer_ids, threaded=True,
+                                 writer={"attn_tp_rank": 0, "pp_rank": 0, "pp_size": 1, "standin": True})
+        self.radix: list[tuple[str | None, list[int]]] = []
+        self.queue: queue.Queue[_Req] = queue.Queue()
+        self.forwards: list[dict[str, Any]] = []  # (rids, prefix, lens) of each forward, for tests
+        self.generate_calls = 0
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.httpd = ThreadingHTTPServer((host, port), self._handler())
+        self.httpd.daemon_threads = True
+        self.url = f"http://{host}:{self.httpd.server_address[1]}"
+
+    # -- lifecycle
+
+    def start(self) -> "StandinServer":
+        threading.Thread(target=self.httpd.serve_forever, name="standin-http", daemon=True).start()
+        threading.Thread(target=self._schedule_loop, name="standin-scheduler", daemon=True).start()
+        return self
+
+    def close(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.writer.flush()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- server info
+
+    def server_info(self) -> dict[str, Any]:
+        cfg = self.cfg
+        state: dict[str, Any] = {"effective_max_running_requests_per_dp": 64}
+        if cfg.plugin:
+            text = self.model.config
+            state["eyas_capture"] = plugin_status(
+                layer_ids=self.layer_ids, dump_dir=self.dump_dir, sglang_version=cfg.version, plugin_version="1",
+                model={"class": type(self.model).__name__, "num_layers": self.num_layers,
+                       "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size)},
+                extra={"enabled": True, "ranks": {"attn_tp_rank": 0, "pp_rank": 0, "pp_size": 1},
+                       "stats": dict(self.cores[0].stats), "standin": True},
+            )
+        return {
+            "model_path": str(cfg.target), "version": cfg.version, "disable_radix_cache": cfg.disable_radix_cache,
+            "chunked_prefill_size": cfg.chunked_prefill_size, "enable_mixed_chunk": False, "tp_size": cfg.tp_size,
+            "dp_size": 1, "pp_size": 1, "enable_dp_attention": False, "page_size": 1,
+            "speculative_algorithm": cfg.speculative_algorithm, "internal_states": [state],
+        }
+
+    # -- HTTP
+
+    def _handler(self):
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _send(self, code: int, obj: Any) -> None:
+                body = json.dumps(obj).encode()
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                legacy = server.cfg.legacy_info_path
+                if self.path == "/get_server_info" or (self.path == "/server_info" and not legacy):
+                    self._send(200, server.server_info())
+                elif self.path == "/health":
+                    self._send(200, {})
+                else:
+                    self._send(404, {"detail": "Not Found"})
+
+            def do_POST(self):
+                if self.path != "/generate":
+                    return self._send(404, {"detail": "Not Found"})
+                n = int(self.headers.get("Content-Length", 0))
+                try:
+                    body = json.loads(self.rfile.read(n))
+                except json.JSONDecodeError as exc:
+                    return self._send(400, {"error": f"bad JSON: {exc}"})
+                with server._lock:
+                    server.generate_calls += 1
+                    fail = server.generate_calls <= server.cfg.fail_first
+                if fail:
+                    return self._send(503, {"error": "simulated overload"})
+                code, obj = server.generate(body)
+                self._send(code, obj)
+
+        return Handler
+
+    def generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
+        ids = body.get("input_ids")
+        if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
+            return 400, {"error": "input_ids: expected a non-empty list of ints (text prompts are not supported here)"}
+        vocab = int(self.model.config.vocab_size)
+        if max(ids) >= vocab or min(ids) < 0:
+            return 400, {"error": f"input_ids out of range for vocab {vocab}"}
+        sp = body.get("sampling_params") or {}
+        if int(sp.get("max_new_tokens", 1)) != 1:
+            return 400, {"error": "the stand-in serves max_new_tokens 1 only"}
+        logprob_start = int(body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
+        req = _Req(rid=str(body.get("rid") or uuid.uuid4().hex), ids=ids, salt=body.get("cache_salt"),
+                   logprob_start=logprob_start if logprob_start is not None and logprob_start >= 0 else None)
+        self.queue.put(req)
+        req.done.wait()
+        return 200, req.result
+
+    # -- scheduler
+
+    def _match_prefix(self, req: _Req) -> int:
+        """SGLang's rule: longest cached prefix (same salt), at most L-1, at most logprob_start_len."""
+        if self.cfg.disable_radix_cache:
+            return 0
+        best = 0
+        for salt, seq in self.radix:
+            if salt != req.salt:
+                continue
+            k = 0
+            for a, b in zip(seq, req.ids):
+                if a != b:
+                    break
+                k += 1
+            best = max(best, k)
+        cap = len(req.ids) - 1
+        if req.logprob_start is not None:
+            cap = min(cap, req.logprob_start)
+        return max(0, min(best, cap))
+
+    def _schedule_loop(self) -> None:
+        running: list[_Req] = []
+        while not self._stop.is_set():
+            try:
+                timeout = 0.0 if running else 0.05
+                first = self.queue.get(timeout=timeout) if timeout else self.queue.get_nowait()
+                time.sleep(self.cfg.batch_wait_s)
+                new = [first]
+                while True:
+                    try:
+                        new.append(self.queue.get_nowait())
+                    except queue.Empty:
+                        break
+                for r in new:
+                    r.prefix = r.computed = self._match_prefix(r)
+                running += new
+            except queue.Empty:
+                pass
+            if running:
+                try:
+                    running = self._forward(running)
+                except Exception as exc:  # answer every request rather than hang the clients
+                    for r in running:
+                        r.result = {"error": f"{type(exc).__name__}: {exc}"}
+                        r.done.set()
+                    running = []
+
+    def _forward(self, running: list[_Req]) -> list[_Req]:
+        """One EXTEND forward over as many pieces as the token budget allows."""
+        from eyas.target import forward_capture
+
+        budget, chunk = self.cfg.max_forward_tokens, self.cfg.chunked_prefill_size
+        pieces: list[tuple[_Req, int, int]] = []  # (req, start, length)
+        for r in running:
+            if budget <= 0:
+                break
+            n = len(r.ids) - r.computed
+            if chunk > 0:
+                n = min(n, chunk)
+            n = min(n, budget)
+            pieces.append((r, r.computed, n))
+            budget -= n
+        aux, final, pos, toks = [], [], [], []
+        for r, start, n in pieces:
+            ids = torch.tensor(r.ids[: start + n], dtype=torch.long)[None]
+            a_BTAD, f_BTD = forward_capture(self.model, ids, layer_ids=self.layer_ids)
+            aux.append(a_BTAD[0, start:]), final.append(f_BTD[0, start:])
+            pos.append(torch.arange(start, start + n)), toks.append(ids[0, start:])
+            r.computed += n
+        T = sum(n for _, _, n in pieces)
+        pad = (-T) % max(1, self.cfg.pad_rows_to)
+        if pad:  # padded rows hold garbage, as a replayed CUDA graph's do
+            aux.append(torch.full((pad,) + aux[0].shape[1:], 1e4)), final.append(torch.full((pad, final[0].shape[1]), 1e4))
+            pos.append(torch.zeros(pad, dtype=torch.long)), toks.append(torch.zeros(pad, dtype=torch.long))
+        info = dict(rids=[r.rid for r, _, _ in pieces], extend_prefix_lens=[s for _, s, _ in pieces],
+                    extend_seq_lens=[n for _, _, n in pieces], aux=torch.cat(aux), final_TD=torch.cat(final),
+                    positions_T=torch.cat(pos), input_ids_T=torch.cat(toks))
+        self.forwards.append({k: info[k] for k in ("rids", "extend_prefix_lens", "extend_seq_lens")})
+        if self.cfg.plugin:
+            for rank, core in enumerate(self.cores):  # every TP rank's plugin sees the forward
+                self.writer.submit(core.observe(ForwardInfo(**info, attn_tp_rank=rank)))
+            self.writer.flush()  # as in SGLang, the dump may lag the forward; flushing keeps tests simple
+        still = []
+        for r in running:
+            if r.computed < len(r.ids):
+                still.append(r)
+                continue
+            final_last = final[[p[0] for p in pieces].index(r)][-1]
+            next_id = int(torch.argmax(self.model.lm_head(final_last)))
+            if not self.cfg.disable_radix_cache:
+                self.radix.append((r.salt, list(r.ids)))
+            r.result = {"text": "", "output_ids": [next_id], "meta_info": {
+                "id": r.rid, "prompt_tokens": len(r.ids), "cached_tokens": r.prefix, "completion_tokens": 1,
+                "finish_reason": {"type": "length", "length": 1}}}
+            r.done.set()
+        return still
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--target", required=True)
+    ap.add_argument("--port", type=int, default=30000)
+    ap.add_argument("--dump-dir", default=DEFAULT_DUMP_DIR)
+    ap.add_argument("--layers", default=None, help="comma-separated eyas layer ids")
+    ap.add_argument("--chunk", type=int, default=-1)
+    ap.add_argument("--radix", action="store_true", help="keep a radix cache (disable_radix_cache = false)")
+    a = ap.parse_args()
+    cfg = StandinConfig(target=a.target, dump_dir=a.dump_dir, chunked_prefill_size=a.chunk,
+                        disable_radix_cache=not a.radix,
+                        layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None)
+    srv = StandinServer(cfg, port=a.port).start()
+    print(f"stand-in SGLang server at {srv.url} (dumps in {srv.dump_dir})", flush=True)
+    try:
+        threading.Event().wait()
+    except KeyboardInterrupt:
+        srv.close()
+
+
+if __name__ == "__main__":
+    main()

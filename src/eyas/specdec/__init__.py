@@ -1,0 +1,14 @@
+"""Speculative decoding: the drafter as a function, exact replay of greedy decoding, acceptance metrics.
+
+- `checkpoint`: read a drafter from an eyas, SGLang or vLLM/speculators directory into one spec
+  (`DraftSpec`) and one weight layout (SGLang's key names), aux layer ids in eyas's convention.
+- `functional`: the EAGLE-3 draft step written over those weights (step-0 pass over target features,
+  tree/chain expansion steps with a KV buffer and an ancestor mask).
+- `replay`: replay speculative decoding against a recorded greedy continuation (the fast path), chain
+  and EAGLE-2 dynamic tree, batched over sequences in lock step.
+- `reference`: a straightforward real speculative decoding loop (the slow path the replay is tested
+  against): target verification with the real model, drafter recomputed from scratch every round.
+- `metrics`: acceptance length, per-position rates, accepted/drafted, with written definitions.
+- `generate`: evaluation prompts (MT-bench two turns) and batched greedy target generation.
+- `report`: report.json, report.md and the acceptance-by-position plot.
+"""

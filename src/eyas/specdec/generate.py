@@ -1,0 +1,165 @@
+"""Evaluation prompts and the target's batched greedy continuation of them.
+
+Prompts: MT-bench's 80 questions by default, both turns; the second turn is rendered after the
+target's OWN first answer, so each question yields two sequences. A prompts file is JSONL, one record
+per line: {"id": ..., "turns": ["first user message", "follow-up", ...]} (turns answered in order,
+like MT-bench) or {"id": ..., "prompt": "one user message"}.
+
+Generation is Hugging Face `generate` at temperature 0 on left-padded batches sorted by length (its
+cost is per step, not per row, so large batches are nearly free). A continuation ends after the first
+EOS token (kept) or at max_new_tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from eyas.common import log, progress
+from eyas.errors import EyasError
+
+
+@dataclass
+class Conversation:
+    id: str
+    turns: list[str]  # user messages, answered in order
+
+
+@dataclass
+class Sequence:
+    """One evaluated continuation: prompt ids + the target's greedy answer."""
+
+    id: str
+    turn: int  # 1-based
+    prompt_ids: list[int]
+    generated_ids: list[int] = field(default_factory=list)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.generated_ids
+
+
+def load_prompts(source: str, *, limit: int | None = None) -> list[Conversation]:
+    """'mtbench' (the embedded MT-bench questions) or a JSONL file path."""
+    if source == "mtbench":
+        from eyas.defaults import mtbench_path
+
+        path = mtbench_path()
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise EyasError(f"--prompts {source}: not a file and not 'mtbench'")
+    convs = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EyasError(f"--prompts {path}:{n}: not JSON ({exc}); expected one object per line") from exc
+        turns = rec.get("turns") if isinstance(rec, dict) else None
+        if turns is None and isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+            turns = [rec["prompt"]]
+        if not turns or not all(isinstance(t, str) and t for t in turns):
+            raise EyasError(f"--prompts {path}:{n}: needs \"turns\": [str, ...] or \"prompt\": str")
+        cid = rec.get("question_id", rec.get("id", n))
+        convs.append(Conversation(id=str(cid), turns=list(turns)))
+    if not convs:
+        raise EyasError(f"--prompts {path}: no prompts found")
+    return convs[:limit] if limit else convs
+
+
+def render(tokenizer, messages: list[dict[str, str]]) -> list[int]:
+    """Chat-template ids of `messages` plus the assistant generation prompt."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise EyasError("the target's tokenizer has no chat template; eval renders prompts with it")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]
+
+
+def eos_ids_of(model, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    for src in (getattr(model, "generation_config", None), getattr(model, "config", None), tokenizer):
+        e = getattr(src, "eos_token_id", None)
+        if e is None:
+            continue
+        ids.update([int(e)] if isinstance(e, int) else [int(x) for x in e])
+    return ids
+
+
+def context_length(model) -> int:
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    return int(getattr(cfg, "max_position_embeddings", 1 << 30))
+
+
+def check_fits(seq: Sequence, *, max_new_tokens: int, context: int) -> None:
+    need = len(seq.prompt_ids) + max_new_tokens
+    if need > context:
+        raise EyasError(
+            f"prompt {seq.id} turn {seq.turn}: {len(seq.prompt_ids)} prompt tokens + --max-new-tokens {max_new_tokens} "
+            f"= {need} exceeds the target's context of {context} tokens; shorten the prompt, lower "
+            "--max-new-tokens, or drop it from --prompts"
+        )
+
+
+@torch.no_grad()
+def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
+                    batch_size: int) -> list[list[int]]:
+    """Greedy continuations (EOS kept, nothing after it) for each prompt, in input order."""
+    device = next(model.parameters()).device
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[list[int]] = [[] for _ in prompts]
+    bar = progress(len(prompts), "generate", "seq")
+    for start in range(0, len(order), batch_size):
+        idx = order[start:start + batch_size]
+        width = max(len(prompts[i]) for i in idx)
+        ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(idx), width), dtype=torch.long)
+        for row, i in enumerate(idx):  # left padding: every row's next token is at the same column
+            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]):] = 1
+        gen = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
+            do_sample=False, num_beams=1, eos_token_id=sorted(eos_ids), pad_token_id=pad_id,
+            temperature=None, top_p=None, top_k=None,
+        )[:, width:].tolist()
+        for row, i in enumerate(idx):
+            toks = gen[row]
+            cut = next((j + 1 for j, t in enumerate(toks) if t in eos_ids), len(toks))
+            out[i] = toks[:cut]
+        bar.update(len(idx))
+    bar.close()
+    return out
+
+
+def generate_conversations(model, tokenizer, convs: list[Conversation], *, max_new_tokens: int,
+                           batch_size: int) -> list[Sequence]:
+    """All turns of all conversations; turn n+1 is rendered after the target's own answer to turn n."""
+    eos = eos_ids_of(model, tokenizer)
+    if not eos:
+        raise EyasError("the target defines no eos_token_id; cannot tell where an answer ends")
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    context = context_length(model)
+    history: list[list[dict[str, str]]] = [[] for _ in convs]
+    seqs: list[Sequence] = []
+    for turn in range(max(len(c.turns) for c in convs)):
+        live = [i for i, c in enumerate(convs) if turn < len(c.turns)]
+        batch = []
+        for i in live:
+            history[i].append({"role": "user", "content": convs[i].turns[turn]})
+            seq = Sequence(id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]))
+            check_fits(seq, max_new_tokens=max_new_tokens, context=context)
+            batch.append(seq)
+        log(f"eval: generating turn {turn + 1} for {len(batch)} prompts ({max_new_tokens} new tokens max)")
+        answers = greedy_generate(model, [s.prompt_ids for s in batch], max_new_tokens=max_new_tokens,
+                                  eos_ids=eos, pad_id=pad, batch_size=batch_size)
+        for i, seq, ans in zip(live, batch, answers):
+            seq.generated_ids = ans
+            history[i].append({"role": "assistant", "content": tokenizer.decode(ans, skip_special_tokens=True)})
+        seqs += batch
+    return seqs

@@ -1,0 +1,414 @@
+"""StoreWriter: append samples to a store in atomically committed shards; resume after a crash.
+
+Any producer of hidden states uses it: `eyas capture` (the transformers backend) and ingesters of
+other engines' dumps. The contract:
+
+- `StoreWriter(path, spec)` creates the store, or reopens an existing one written with the same
+  spec (target, tokenizer, prepared dataset, layers, dtype) and resumes it; anything else is an
+  EyasError naming the field that differs. On reopen, leftovers of a killed run (a `.shard-*.tmp`,
+  or a renamed shard the manifest never listed) are deleted: their samples were never committed.
+- `writer.committed_ids` is the set of sample ids already in committed shards: skip them.
+- `add(sample_id, aux_TAD, final_TD)` (any float dtype, any device) or the fast
+  `add_packed(ids, lengths, hidden_NLD, scale_NL)` (rows already in the stored dtype, on the CPU).
+  Rows stream into the open shard's temporary file; once it holds >= shard_bytes it is committed:
+  header written, fsync, rename to `shard-NNNNN.safetensors`, directory fsync, then the manifest is
+  rewritten atomically. A sample never spans two shards.
+- `close(complete=True)` commits the last shard and marks the store complete.
+
+A failed write (a full disk) deletes the open temporary shard and raises EyasError: the store stays
+valid up to its last committed shard and the same command resumes it. Writeback of each batch is
+started at once (posix_fadvise DONTNEED), so the fsync at commit waits only for the last batch.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import datetime as _dt
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from eyas.common import atomic_write_bytes, fsync_dir, human_bytes, log
+from eyas.errors import EyasError
+from eyas.store.format import (
+    CHECKSUM, HEADER_BYTES, MANIFEST, SCHEMA, bytes_per_token, encode_rows, shard_header, stored_dtype,
+)
+
+SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
+TMP_RE = re.compile(r"^\.shard-\d{5,}\.safetensors\..*\.tmp$")
+
+# Fields of the spec that must be equal for a store to be resumed (value -> what it protects).
+_RESUME_KEYS = ("target", "tokenizer_hash", "prepared", "aux_layer_ids", "convention", "dtype", "hidden_size", "model_dtype")
+
+
+@dataclass(kw_only=True)
+class StoreSpec:
+    """What a store holds; written into its manifest and checked when a store is resumed."""
+
+    aux_layer_ids: list[int]
+    """Aux layer ids in `convention`; stored in this order as slots 0..A-1."""
+    hidden_size: int
+    """D, the target's hidden size."""
+    dtype: str = "bf16"
+    """Stored dtype: bf16, fp8 (e4m3, a scale per token and slot) or fp32."""
+    convention: str = "hf-input"
+    """Layer-id convention of aux_layer_ids (hf-input: id i = input to decoder layer i)."""
+    target: dict[str, Any] | None = None
+    """Target identity (eyas.target.model_identity): path, config and weights-index hashes."""
+    tokenizer_hash: str | None = None
+    """eyas.target.tokenizer_hash of the target's tokenizer."""
+    prepared: dict[str, Any] | None = None
+    """The prepared dataset captured: {path, split, fingerprint, limit, samples}."""
+    model_dtype: str | None = None
+    """The dtype the target ran in (bf16, fp32); the numbers check recomputes in it."""
+    producer: dict[str, Any] = field(default_factory=dict)
+    """Free-form: backend, device, versions (not checked on resume)."""
+
+    def __post_init__(self):
+        stored_dtype(self.dtype)
+        if not self.aux_layer_ids:
+            raise ValueError("aux_layer_ids: empty; a store needs at least one aux layer")
+        if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids):
+            raise ValueError(f"aux_layer_ids: {self.aux_layer_ids} has repeated ids")
+        if self.hidden_size <= 0:
+            raise ValueError(f"hidden_size: {self.hidden_size} must be positive")
+
+    @property
+    def slots(self) -> int:
+        return len(self.aux_layer_ids) + 1
+
+    @property
+    def bytes_per_token(self) -> int:
+        return bytes_per_token(self.dtype, slots=self.slots, hidden_size=self.hidden_size)
+
+
+_NOT_IDENTITY = ("path", "limit", "samples")
+
+
+def _identity(value):
+    # A moved model or dataset directory is the same artifact: compare hashes, not paths; a larger
+    # --limit extends the same capture.
+    return {k: v for k, v in value.items() if k not in _NOT_IDENTITY} if isinstance(value, dict) else value
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def manifest_bytes(manifest: dict[str, Any]) -> bytes:
+    """JSON with one line per sample and per shard: readable, and cheap to rewrite per commit."""
+    head = {k: v for k, v in manifest.items() if k not in ("samples", "shards")}
+    body = json.dumps(head, indent=2, sort_keys=True)[:-2]
+    lines = [body + ","]
+    for key in ("shards", "samples"):
+        rows = manifest.get(key, [])
+        inner = ",\n".join("    " + json.dumps(r, sort_keys=True) for r in rows)
+        lines.append(f'  "{key}": [\n{inner}\n  ],' if rows else f'  "{key}": [],')
+    lines[-1] = lines[-1][:-1]
+    return ("\n".join(lines) + "\n}\n").encode()
+
+
+def check_free_space(path: Path, need_bytes: int, *, what: str) -> dict[str, int]:
+    """Refuse with the figures when the file system holding `path` has less than need + 1% + 64 MB."""
+    probe = path if path.exists() else path.parent
+    while not probe.exists():
+        probe = probe.parent
+    free = shutil.disk_usage(probe).free
+    margin = need_bytes // 100 + (64 << 20)
+    if need_bytes + margin > free:
+        raise EyasError(
+            f"not enough disk space for {what} at {path}: needs about {human_bytes(need_bytes)} "
+            f"(+{human_bytes(margin)} margin) but {human_bytes(free)} is free on {probe}; free space, "
+            "choose another --out, or store fp8 (--dtype fp8, about half the bytes)"
+        )
+    return {"need_bytes": need_bytes, "free_bytes": free}
+
+
+def _write_all(f, data) -> None:
+    """One place for data writes (tests inject a full disk here)."""
+    f.write(data)
+
+
+def _sample_digest(hidden_u8, scale_u8) -> str:
+    h = hashlib.sha256(hidden_u8)
+    if scale_u8 is not None:
+        h.update(scale_u8)
+    return h.hexdigest()
+
+
+class StoreWriter:
+    """Append samples to a store at `path` in committed shards (see the module docstring)."""
+
+    def __init__(self, path: str | Path, spec: StoreSpec, *, shard_bytes: int = 1 << 30, hash_threads: int | None = None):
+        if shard_bytes <= 0:
+            raise ValueError(f"shard_bytes: {shard_bytes} must be positive")
+        self.path = Path(path)
+        self.spec = spec
+        self.shard_bytes = shard_bytes
+        self._sd = stored_dtype(spec.dtype)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self._lock = open(self.path / ".lock", "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise EyasError(f"{self.path}: another process is writing this store (lock held on .lock); wait for it or choose another --out") from None
+        self.manifest = self._open_or_create()
+        self._ids: set[str] = {s["id"] for s in self.manifest["samples"]}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=hash_threads or min(8, os.cpu_count() or 1))
+        self._file = None  # the open temporary shard
+        self._tmp_path: Path | None = None
+        self._pending: list[dict[str, Any]] = []
+        self._pending_scales: list[torch.Tensor] = []
+        self._rows = 0
+        self._closed = False
+
+    # -- opening -----------------------------------------------------------------------------
+
+    def _open_or_create(self) -> dict[str, Any]:
+        mpath = self.path / MANIFEST
+        spec = asdict(self.spec)
+        if not mpath.exists():
+            stray = [p.name for p in self.path.iterdir() if p.name != ".lock" and not TMP_RE.match(p.name)]
+            if stray:
+                raise EyasError(f"{self.path} exists and is not an eyas store (has {stray[:5]}, no {MANIFEST}); choose another --out")
+            self._remove_leftovers(set())
+            manifest = {"schema": SCHEMA, "status": "in_progress", "created": _now(), "updated": _now(),
+                        "checksum": CHECKSUM, "slots": self.spec.slots,
+                        "bytes_per_token": self.spec.bytes_per_token, **spec, "shards": [], "samples": []}
+            atomic_write_bytes(mpath, manifest_bytes(manifest))
+            return manifest
+        try:
+            manifest = json.loads(mpath.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise EyasError(f"{mpath}: unreadable manifest ({exc}); the store cannot be resumed: remove {self.path} and capture again") from exc
+        if manifest.get("schema") != SCHEMA:
+            raise EyasError(f"{mpath}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
+        for key in _RESUME_KEYS:
+            if _identity(manifest.get(key)) != _identity(spec[key]):
+                raise EyasError(
+                    f"{self.path} was written with a different {key}: the store has {json.dumps(manifest.get(key))[:300]}, "
+                    f"this run has {json.dumps(spec[key])[:300]}; rerun with the store's settings, or choose another --out"
+                )
+        committed = {s["name"] for s in manifest["shards"]}
+        self._remove_leftovers(committed)
+        for name in committed:
+            if not (self.path / name).is_file():
+                raise EyasError(f"{self.path}: committed shard {name} is missing; the store is damaged: remove it and capture again")
+        if manifest.get("status") == "complete":
+            manifest["status"] = "in_progress"  # reopened for appending; close(complete=True) sets it back
+        manifest["target"], manifest["prepared"], manifest["producer"] = spec["target"], spec["prepared"], spec["producer"]
+        return manifest
+
+    def _remove_leftovers(self, committed: set[str]) -> None:
+        for p in self.path.iterdir():
+            m = SHARD_RE.match(p.name)
+            if TMP_RE.match(p.name) or (m and p.name not in committed):
+                log(f"eyas: {self.path}: removing {p.name}, left by an interrupted run (its samples were never committed)")
+                p.unlink()
+
+    # -- properties ----------------------------------------------------------------------------
+
+    @property
+    def committed_ids(self) -> set[str]:
+        return {s["id"] for s in self.manifest["samples"]}
+
+    @property
+    def committed_samples(self) -> int:
+        return len(self.manifest["samples"])
+
+    @property
+    def committed_bytes(self) -> int:
+        return sum(s["bytes"] for s in self.manifest["shards"])
+
+    # -- adding --------------------------------------------------------------------------------
+
+    def add(self, sample_id: str, aux_TAD: torch.Tensor, final_TD: torch.Tensor) -> None:
+        """Add one sample: aux states [T, A, D] (slots in aux_layer_ids order) and final [T, D]."""
+        a, d = len(self.spec.aux_layer_ids), self.spec.hidden_size
+        if aux_TAD.ndim != 3 or aux_TAD.shape[1:] != (a, d):
+            raise ValueError(f"sample {sample_id}: aux has shape {tuple(aux_TAD.shape)}, expected [T, {a}, {d}]")
+        if final_TD.shape != (aux_TAD.shape[0], d):
+            raise ValueError(f"sample {sample_id}: final has shape {tuple(final_TD.shape)}, expected [{aux_TAD.shape[0]}, {d}]")
+        hidden_TLD = torch.cat([aux_TAD, final_TD.unsqueeze(1).to(aux_TAD.dtype)], dim=1)
+        rows, scale = encode_rows(hidden_TLD, self.spec.dtype)
+        self.add_packed([sample_id], [aux_TAD.shape[0]], rows.cpu(), None if scale is None else scale.cpu())
+
+    def add_packed(self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None) -> None:
+        """Add samples whose rows lie back to back in `hidden_NLD` (stored dtype, CPU, contiguous).
+
+        The tensors may be reused by the caller once this returns (the scales are copied).
+        """
+        if self._closed:
+            raise RuntimeError("StoreWriter is closed")
+        n = sum(int(t) for t in lengths)
+        self._check_packed(ids, lengths, n, hidden_NLD, scale_NL)
+        try:
+            if self._file is None:
+                self._open_shard()
+            hidden_u8 = hidden_NLD.view(torch.uint8).reshape(-1).numpy()
+            scale_u8 = scale_NL.view(torch.uint8).reshape(-1).numpy() if scale_NL is not None else None
+            rb, sb = hidden_u8.size // n, (scale_u8.size // n if scale_u8 is not None else 0)
+            starts = [0]
+            for t in lengths:
+                starts.append(starts[-1] + int(t))
+            digests = [
+                self._pool.submit(_sample_digest, hidden_u8[a * rb:b * rb], scale_u8[a * sb:b * sb] if scale_u8 is not None else None)
+                for a, b in zip(starts[:-1], starts[1:])
+            ]
+            offset = self._file.tell()
+            _write_all(self._file, hidden_u8)
+            self._kick_writeback(offset, hidden_u8.size)
+            for sid, t, a, fut in zip(ids, lengths, starts, digests):
+                self._pending.append({"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: fut.result()})
+                self._ids.add(str(sid))
+            if scale_NL is not None:
+                self._pending_scales.append(scale_NL.clone())
+            self._rows += n
+            if self._rows * rb >= self.shard_bytes:
+                self.commit()
+        except OSError as exc:
+            self._abort_shard()
+            self._ids = self.committed_ids
+            raise self._write_error(exc) from exc
+
+    def _check_packed(self, ids, lengths, n, hidden_NLD, scale_NL) -> None:
+        if len(ids) != len(lengths) or not ids:
+            raise ValueError(f"add_packed: {len(ids)} ids but {len(lengths)} lengths")
+        want = (n, self.spec.slots, self.spec.hidden_size)
+        if tuple(hidden_NLD.shape) != want or hidden_NLD.dtype != self._sd.torch_dtype:
+            raise ValueError(f"add_packed: hidden is {tuple(hidden_NLD.shape)} {hidden_NLD.dtype}, expected {list(want)} {self._sd.torch_dtype}")
+        if hidden_NLD.device.type != "cpu" or not hidden_NLD.is_contiguous():
+            raise ValueError("add_packed: hidden must be a contiguous CPU tensor")
+        if self._sd.scaled != (scale_NL is not None) or (scale_NL is not None and tuple(scale_NL.shape) != want[:2]):
+            raise ValueError(f"add_packed: dtype {self.spec.dtype} needs {'a scale [N, L]' if self._sd.scaled else 'no scale'}")
+        if min(int(t) for t in lengths) <= 0:
+            raise ValueError(f"add_packed: empty sample among {list(ids)[:5]}")
+        for sid in ids:
+            if str(sid) in self._ids:
+                raise ValueError(f"sample `{sid}` was already added to {self.path}; a sample is stored exactly once")
+        if len(set(map(str, ids))) != len(ids):
+            raise ValueError("add_packed: repeated ids in one call")
+
+    # -- shards --------------------------------------------------------------------------------
+
+    def _shard_name(self) -> str:
+        return f"shard-{len(self.manifest['shards']):05d}.safetensors"
+
+    def _open_shard(self) -> None:
+        name = self._shard_name()
+        self._tmp_path = self.path / f".{name}.{os.getpid()}.tmp"
+        self._file = open(self._tmp_path, "wb")
+        _write_all(self._file, b"\0" * HEADER_BYTES)  # the header is written at commit, when N is known
+        self._rows = 0
+
+    def _kick_writeback(self, offset: int, length: int) -> None:
+        # Start writing these pages to disk now (Linux: fadvise DONTNEED starts async writeback and
+        # drops clean pages), so the fsync at commit waits for one batch rather than a whole shard.
+        if hasattr(os, "posix_fadvise"):
+            self._file.flush()
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self._file.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
+
+    def commit(self) -> None:
+        """Commit the open shard (no-op when nothing is pending)."""
+        if self._file is None or not self._pending:
+            return
+        try:
+            f = self._file
+            if self._pending_scales:
+                _write_all(f, torch.cat(self._pending_scales).view(torch.uint8).reshape(-1).numpy())
+            size = f.tell()
+            f.seek(0)
+            f.write(shard_header(rows=self._rows, slots=self.spec.slots, hidden_size=self.spec.hidden_size, dtype=self.spec.dtype))
+            f.flush()
+            os.fsync(f.fileno())
+            f.close()
+            self._file = None
+            name = self._shard_name()
+            os.replace(self._tmp_path, self.path / name)
+            fsync_dir(self.path)
+        except OSError as exc:
+            self._abort_shard()
+            self._ids = self.committed_ids
+            raise self._write_error(exc) from exc
+        index = len(self.manifest["shards"])
+        for rec in self._pending:
+            rec["shard"] = index
+        self.manifest["shards"].append({"name": name, "bytes": size, "rows": self._rows, "samples": len(self._pending)})
+        self.manifest["samples"].extend(self._pending)
+        self._pending, self._pending_scales, self._rows = [], [], 0
+        self._write_manifest()
+
+    def _write_manifest(self) -> None:
+        self.manifest["updated"] = _now()
+        self.manifest["totals"] = {
+            "samples": len(self.manifest["samples"]),
+            "tokens": sum(s["tokens"] for s in self.manifest["samples"]),
+            "bytes": self.committed_bytes,
+            "shards": len(self.manifest["shards"]),
+        }
+        atomic_write_bytes(self.path / MANIFEST, manifest_bytes(self.manifest))
+
+    def _abort_shard(self) -> None:
+        if self._file is not None:
+            with contextlib.suppress(OSError):
+                self._file.close()
+            self._file = None
+        if self._tmp_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._tmp_path.unlink()
+        self._pending, self._pending_scales, self._rows = [], [], 0
+
+    def _write_error(self, exc: OSError) -> EyasError:
+        what = "the disk is full" if exc.errno == errno.ENOSPC else f"a write failed ({exc})"
+        return EyasError(
+            f"{self.path}: {what}; the open shard was discarded and the store is valid up to its last committed "
+            f"shard ({self.committed_samples} samples, {human_bytes(self.committed_bytes)}); free space and rerun "
+            "the same command to resume"
+        )
+
+    # -- closing -------------------------------------------------------------------------------
+
+    def close(self, *, complete: bool = False) -> dict[str, Any]:
+        """Commit what is pending; with complete=True mark the store complete. Returns the manifest."""
+        if self._closed:
+            return self.manifest
+        try:
+            self.commit()
+            if complete:
+                self.manifest["status"] = "complete"
+            self._write_manifest()
+        finally:
+            self.abort()
+        return self.manifest
+
+    def abort(self) -> None:
+        """Drop the uncommitted shard and release the store (committed shards stay valid)."""
+        if self._closed:
+            return
+        self._abort_shard()
+        self._pool.shutdown(wait=True)
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._lock, fcntl.LOCK_UN)
+            self._lock.close()
+        self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()

@@ -1,0 +1,92 @@
+"""Process-group setup for `eyas train` under torchrun (or alone): rank, world, device.
+
+Launched plainly, world = 1 and nothing is initialised. Under torchrun (WORLD_SIZE > 1) the
+backend is NCCL on CUDA and gloo on CPU. Parallelism is applied from outside the model
+(`wrap_model`): DDP by default, FSDP2 (`fully_shard`) with --fsdp.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from eyas.errors import EyasError
+
+
+@dataclass
+class Dist:
+    rank: int
+    world: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def enabled(self) -> bool:
+        return self.world > 1
+
+
+def setup(device: str) -> Dist:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise EyasError(f"--device {device}: CUDA is not available here; use --device cpu")
+        dev = torch.device("cuda", local if world > 1 or device == "cuda" else torch.device(device).index or 0)
+        torch.cuda.set_device(dev)
+    elif device == "cpu":
+        dev = torch.device("cpu")
+    else:
+        raise EyasError(f"--device: `{device}` is not one of auto, cpu, cuda, cuda:N")
+    if world > 1 and not torch.distributed.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        torch.distributed.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+    return Dist(rank, world, local, dev)
+
+
+def teardown(d: Dist) -> None:
+    if d.enabled and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.enabled:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
+    return t
+
+
+def broadcast_object(obj, d: Dist):
+    if not d.enabled:
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool) -> torch.nn.Module:
+    """DDP (world > 1), FSDP2 (--fsdp: parameters sharded, bf16 compute, fp32 reduce) or as is."""
+    if fsdp:
+        if not d.enabled:
+            raise EyasError("--fsdp needs several processes: launch with `torchrun --nproc_per_node N -m eyas train ...`")
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32)
+        # only modules whose forward() runs can be their own FSDP unit (the mid layer is driven
+        # through project_qkv/finish, so it belongs to the root unit)
+        fully_shard(module.drafter.lm_head, mp_policy=mp)
+        fully_shard(module, mp_policy=mp)
+        return module
+    if d.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [d.device.index] if d.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, broadcast_buffers=False)
+    return module

@@ -1,0 +1,484 @@
+"""`eyas train`: the training loop for the EAGLE-3 drafter (one process, one GPU or N under torchrun).
+
+Order of work, each block labelled below:
+  1. processes and devices (train/dist.py)          5. optimizer (AdamW 0.9/0.95), warmup + cosine
+  2. data: offline store or online target           6. parallelism: DDP, or FSDP2 with --fsdp
+  3. checks before any step (store vs target, ...)  7. resume: model, optimizer, scheduler, step, RNG
+  4. draft vocabulary and the drafter               8. loop: accumulate, clip, step, log, eval, save
+The final drafter is written with `Eagle3Drafter.save` to <out>/drafter.
+
+Numerics: fp32 master weights; on CUDA the forward runs under bf16 autocast (FSDP2: bf16 params,
+fp32 gradient reduction). Loss normalisation uses the GLOBAL batch's loss-mask counts per TTT step
+(drafter/ttt.py), so a step is the same whatever the split into ranks and micro-batches.
+
+Simulated acceptance length (eval): for each supervised position (one simulated drafting round),
+accepted = the number of leading TTT steps whose draft top-1 equals the target's top-1 (inputs are
+the data tokens, as in training); tau = 1 + mean accepted (the 1 is the target's bonus token).
+It equals greedy chain-drafting tau when the data are the target's own greedy outputs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from eyas.common import log
+from eyas.errors import EyasError
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    target: str = "default"
+    """Target model directory (HF layout) or 'default'."""
+    out: Path
+    """Run directory: metrics.jsonl, curves.png, checkpoints/, drafter/."""
+    store: Path | None = None
+    """Offline: an `eyas capture` store of the training split."""
+    data: Path | None = None
+    """Online: a prepared dataset; the target runs on every batch."""
+    aux_layers: list[int] | None = None
+    """Online: target layer ids for fc (hf-input convention; default 2, N//2, N-3). Offline: the store's."""
+    eval_store: Path | None = None
+    """Offline eval states; without it, `eval_samples` of the store are held out of training."""
+    steps: int | None = None
+    """Optimizer steps (overrides epochs)."""
+    epochs: float = 1.0
+    """Passes over the training split when steps is not given."""
+    batch_size: int = 1
+    """Samples per micro-batch per process."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 1e-4
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine floor as a fraction of lr."""
+    warmup_steps: int | None = None
+    """Linear warmup steps (default 2% of the run, at least 1)."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    grad_clip: float = 0.5
+    """Clip the global gradient norm to this (0 = off)."""
+    ttt_steps: int = 7
+    """Training-time-test steps."""
+    ttt_decay: float = 0.8
+    """Step k's loss weight = decay**k."""
+    draft_vocab: int | None = None
+    """Draft vocabulary size (default min(32000, target vocab))."""
+    max_length: int = 2048
+    """Samples are truncated to this many tokens."""
+    eval_every: int = 0
+    """Evaluate every N steps (0 = only at the end)."""
+    eval_samples: int = 64
+    """Samples of the eval split used per evaluation."""
+    save_every: int = 0
+    """Checkpoint every N steps (0 = only at the end)."""
+    resume: str | None = None
+    """A checkpoint file, or 'auto' = the latest in <out>/checkpoints."""
+    device: str = "auto"
+    """auto, cpu, cuda, cuda:N (under torchrun each rank uses cuda:LOCAL_RANK)."""
+    precision: str = "auto"
+    """bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer state with FSDP2 (needs torchrun)."""
+    attention: str = "fast"
+    """TTT attention: fast (flash + diagonals) or reference (dense mask)."""
+    init_head: bool = True
+    """Start lm_head and the final norm from the target's (draft-vocab rows)."""
+    seed: int = 0
+    """Seeds weights and data order."""
+    overwrite: bool = False
+    """Allow an --out that already holds a finished run."""
+
+    def __post_init__(self):
+        if (self.store is None) == (self.data is None):
+            raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
+        for name in ("batch_size", "grad_accum", "max_length", "eval_samples"):
+            if getattr(self, name) < 1:
+                raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.steps is not None and self.steps < 1:
+            raise EyasError(f"--steps must be >= 1, got {self.steps}")
+        if self.epochs <= 0:
+            raise EyasError(f"--epochs must be > 0, got {self.epochs}")
+        if self.lr <= 0:
+            raise EyasError(f"--lr must be > 0, got {self.lr}")
+        if self.precision not in ("auto", "bf16", "fp32"):
+            raise EyasError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
+        if self.ttt_steps < 1:
+            raise EyasError(f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+
+
+class TTTModule(nn.Module):
+    """The drafter plus its TTT loss as one forward(), so DDP/FSDP2 hooks see every use."""
+
+    def __init__(self, drafter, ttt_cfg):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_cfg = ttt_cfg
+
+    def forward(self, input_ids_BT, loss_mask_BT, aux_BTAD, probs_BTV, top_BT, in_vocab_BT, denominators):
+        from eyas.drafter.ttt import Teacher, ttt_loss
+
+        out = ttt_loss(self.drafter, input_ids_BT=input_ids_BT, loss_mask_BT=loss_mask_BT, aux_BTAD=aux_BTAD,
+                       teacher=Teacher(probs_BTV, top_BT, in_vocab_BT), cfg=self.ttt_cfg, denominators=denominators)
+        stats = torch.cat([out.ce_sum, out.correct, out.valid, out.accepted.view(1), out.rounds.view(1)])
+        return out.loss, stats
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def _fmt_rate(x: float) -> str:
+    return f"{x / 1000:.1f}k" if x >= 1000 else f"{x:.0f}"
+
+
+def _fmt_eta(s: float) -> str:
+    return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m" if s >= 60 else f"{s:.0f}s"
+
+
+# ----------------------------------------------------------------------------------------------
+
+
+def run(cfg: TrainConfig) -> dict[str, Any]:
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.drafter.ttt import TTTConfig, step_denominators, teacher_from_final
+    from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
+    from eyas.train import checkpoint as ck
+    from eyas.train import dist as dd
+    from eyas.train.data import OnlineSource, Plan, StoreSource, open_store, read_target_tensors, store_order
+    from eyas.train.metrics import MetricsWriter, plot_curves
+
+    torch.manual_seed(cfg.seed)
+    # -- 1. processes and devices -------------------------------------------------------------
+    d = dd.setup(cfg.device)
+    dev = d.device
+    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and dev.type == "cuda")
+    out = Path(cfg.out)
+    final_dir = out / "drafter"
+    if final_dir.exists() and not cfg.overwrite and cfg.resume is None:
+        raise EyasError(f"{final_dir} already exists (a finished run): pass --overwrite, --resume auto, or another --out")
+
+    # -- 2. data ------------------------------------------------------------------------------
+    from eyas.defaults import resolve_target
+    from eyas.target import load_target, load_tokenizer, model_identity, num_layers_of, tokenizer_hash
+
+    target_dir = resolve_target(cfg.target)
+    from transformers import AutoConfig
+
+    tcfg = AutoConfig.from_pretrained(target_dir)
+    tok_hash = tokenizer_hash(load_tokenizer(target_dir))
+    target_id = model_identity(target_dir)
+    tcfg_text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    n_layers, hidden = num_layers_of(tcfg), int(tcfg_text.hidden_size)
+    target_model = None
+    if cfg.store is not None:
+        reader, split, man = open_store(cfg.store)
+        # -- 3. checks before any step --
+        _check_store(man, cfg.store, n_layers=n_layers, hidden=hidden, tok_hash=tok_hash, target_id=target_id)
+        aux_ids = list(man["aux_layer_ids"])
+        order = store_order(reader, split)
+        if not reader.complete:
+            log(f"warning: store {cfg.store} is not complete (capture still running or interrupted); "
+                f"training on its {len(order)} committed samples")
+        state_dtype = torch.bfloat16 if bf16 else torch.float32
+        if cfg.eval_store is not None:
+            ereader, esplit, eman = open_store(cfg.eval_store)
+            _check_store(eman, cfg.eval_store, n_layers=n_layers, hidden=hidden, tok_hash=tok_hash, target_id=target_id)
+            eval_src = StoreSource(ereader, esplit, store_order(ereader, esplit)[: cfg.eval_samples],
+                                   max_length=cfg.max_length, dtype=state_dtype)
+            train_order = order
+        else:
+            g = torch.Generator().manual_seed(cfg.seed + 7)
+            perm = torch.randperm(len(order), generator=g).tolist()
+            n_hold = min(cfg.eval_samples, len(order) // 10)
+            hold = set(perm[:n_hold])
+            train_order = [o for i, o in enumerate(order) if i not in hold]
+            eval_src = StoreSource(reader, split, [order[i] for i in perm[:n_hold]], max_length=cfg.max_length,
+                                   dtype=state_dtype) if n_hold else None
+            log(f"offline: no --eval-store; holding out {n_hold} of {len(order)} store samples for eval")
+        train_src = StoreSource(reader, split, train_order, max_length=cfg.max_length, dtype=state_dtype)
+        data_fp = {"store": man.get("prepared", {}).get("fingerprint"), "samples": len(train_order)}
+        tensors = read_target_tensors(target_dir)
+    else:
+        from eyas.data.prepared import PreparedDataset
+
+        ds = PreparedDataset(cfg.data)
+        if ds.tokenizer_hash and ds.tokenizer_hash != tok_hash:
+            raise EyasError(f"--data {cfg.data} was tokenised with another tokenizer (hash {ds.tokenizer_hash[:12]}) "
+                            f"than target {target_dir} ({tok_hash[:12]}); run `eyas prepare --target {cfg.target}` again")
+        split = ds.split("train")
+        aux_ids = None
+        target_model = load_target(target_dir, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
+        for p in target_model.parameters():
+            p.requires_grad_(False)
+        tensors = {"embed": target_model.get_input_embeddings().weight.detach(),
+                   "lm_head": target_model.get_output_embeddings().weight.detach()}
+        norm = getattr(getattr(target_model, "model", None), "norm", None)
+        if norm is not None:
+            tensors["final_norm"] = norm.weight.detach()
+        data_fp = {"data": split.fingerprint, "samples": len(split)}
+        train_src = None  # built once aux ids are known
+        esplit = ds.split("eval") if "eval" in ds.split_names else None
+    n_train = len(train_src) if train_src is not None else len(split)
+    if n_train == 0:
+        raise EyasError(f"the training split is empty ({cfg.store or cfg.data}); prepare/capture some samples first")
+
+    # -- 4. draft vocabulary and the drafter ----------------------------------------------------
+    vocab_size = int(tcfg_text.vocab_size)
+    if cfg.store is not None and cfg.aux_layers and list(cfg.aux_layers) != aux_ids:
+        raise EyasError(f"--aux-layers {cfg.aux_layers} differs from the store's {aux_ids}; offline training uses "
+                        "the layers the store holds (drop --aux-layers or capture those layers)")
+    dcfg = DrafterConfig.from_target_config(tcfg, draft_vocab_size=cfg.draft_vocab,
+                                            aux_layer_ids=aux_ids or cfg.aux_layers)
+    if cfg.store is None:
+        aux_ids = dcfg.aux_layer_ids
+        train_src = OnlineSource(split, list(range(len(split))), model=target_model, layer_ids=aux_ids,
+                                 max_length=cfg.max_length)
+        eval_src = (OnlineSource(esplit, list(range(min(len(esplit), cfg.eval_samples))), model=target_model,
+                                 layer_ids=aux_ids, max_length=cfg.max_length) if esplit is not None and len(esplit) else None)
+    if tensors["embed"].shape != (vocab_size, dcfg.hidden_size):
+        raise EyasError(f"target {target_dir}: embedding {tuple(tensors['embed'].shape)} does not match its config "
+                        f"(vocab {vocab_size} x hidden {dcfg.hidden_size})")
+    counts = count_assistant_tokens((train_src.item(i) for i in range(len(train_src))), vocab_size)
+    if int(counts.sum()) == 0:
+        raise EyasError(f"the training split has no loss-masked (assistant) tokens ({cfg.store or cfg.data}); nothing to learn")
+    vocab = build_draft_vocab(counts, dcfg.draft_vocab_size)
+    drafter = Eagle3Drafter(dcfg)
+    drafter.reset_parameters(seed=cfg.seed)
+    drafter.set_vocab(vocab.used)
+    drafter.init_from_target(tensors["embed"].float().cpu(),
+                             tensors["lm_head"].float().cpu() if cfg.init_head else None,
+                             tensors.get("final_norm").float().cpu() if cfg.init_head and "final_norm" in tensors else None)
+    drafter.to(dev)
+    head_w = tensors["lm_head"].to(dev, torch.bfloat16 if bf16 else torch.float32)
+    used, t2d = drafter.used_target_ids(), drafter.t2d
+    del tensors
+    ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention)
+    if d.is_main:
+        log(f"draft vocab: {vocab.size} of {vocab_size} target ids, coverage {vocab.coverage():.4f} of "
+            f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
+
+    # -- 5. optimizer and schedule -------------------------------------------------------------
+    plan = Plan(n=len(train_src), micro_batch=cfg.batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
+    total = cfg.steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
+    warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total // 50)
+    module = TTTModule(drafter, ttt_cfg)
+    module = dd.wrap_model(module, d, fsdp=cfg.fsdp, bf16=bf16)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
+                            fused=dev.type == "cuda" and not cfg.fsdp)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
+
+    # -- 7. resume ------------------------------------------------------------------------------
+    identity = {"drafter": dcfg.to_dict(), "ttt": asdict(ttt_cfg) | {"attention": None}, "global_batch": plan.global_batch,
+                "data": data_fp, "seed": cfg.seed, "draft_vocab_sha": _vocab_sha(vocab.used)}
+    ckdir = out / "checkpoints"
+    start = 0
+    if cfg.resume:
+        path = ck.latest_checkpoint(ckdir) if cfg.resume == "auto" else Path(cfg.resume)
+        if path is None:
+            log(f"--resume auto: no checkpoint in {ckdir}; starting from step 0")
+        else:
+            state = ck.load_checkpoint(path)
+            ck.check_identity(state["identity"], identity, path)
+            ck.restore(state, model=module, optimizer=opt, scheduler=sched)
+            start = int(state["step"])
+            if d.is_main:
+                log(f"resumed from {path} at step {start}")
+            del state
+
+    # -- 8. loop ---------------------------------------------------------------------------------
+    metrics = MetricsWriter(out / "metrics.jsonl", enabled=d.is_main, append=start > 0)
+    K = ttt_cfg.steps
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else _Null()
+    world_scale = float(d.world)  # DDP/FSDP average gradients; our loss is already a global mean
+    t_run, tok_run = time.perf_counter(), 0
+    last: dict[str, Any] = {}
+    evals: list[dict] = []
+
+    def forward_batch(batch, denoms):
+        teacher = teacher_from_final(batch.final_BTD, head_w, used, t2d)
+        with amp:
+            return module(batch.input_ids_BT, batch.loss_mask_BT, batch.aux_BTAD, teacher.probs_BTV,
+                          teacher.top_BT, teacher.in_vocab_BT, denoms)
+
+    for step in range(start, total):
+        t0 = time.perf_counter()
+        micro = plan.micro_indices(step, d.rank)
+        all_items = [train_src.item(i) for i in plan.step_indices(step)]
+        denoms = step_denominators(_pad_masks([it.loss_mask for it in all_items]), K).to(dev)
+        stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=dev)
+        tokens = torch.zeros((), dtype=torch.float64, device=dev)
+        for m, idx in enumerate(micro):
+            items = [train_src.item(i) for i in idx] or [_dummy(all_items[0])]
+            batch = train_src.batch(items, dev)
+            sync = m == len(micro) - 1
+            ctx = module.no_sync() if (d.enabled and not cfg.fsdp and not sync) else _Null()
+            if cfg.fsdp:
+                module.set_requires_gradient_sync(sync)
+            with ctx:
+                loss, st = forward_batch(batch, denoms)
+                (loss * world_scale).backward()
+            stats += st.double()
+            tokens += batch.tokens if idx else 0
+        gnorm = _clip(module, params, cfg.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        dd.all_reduce_sum(stats, d)
+        dd.all_reduce_sum(tokens, d)
+        ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
+        den = denoms.double().clamp_min(1)
+        loss_k = (ce / den).tolist()
+        loss_v = sum(w * l for w, l in zip(ttt_cfg.weights, loss_k))
+        acc_k = (correct / valid.clamp_min(1)).tolist()
+        dt = time.perf_counter() - t0
+        tok_run += int(tokens)
+        rate = tok_run / (time.perf_counter() - t_run)
+        eta = (total - step - 1) * (time.perf_counter() - t_run) / (step + 1 - start)
+        last = {"step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
+                "lr": sched.get_last_lr()[0], "grad_norm": gnorm, "tokens": int(tokens), "step_s": dt,
+                "tokens_per_s": rate}
+        metrics.write(last)
+        if d.is_main:
+            accs = " ".join(f"{a:.2f}" for a in acc_k[:min(K, 4)])
+            log(f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {_fmt_rate(rate)} tok/s | "
+                f"eta {_fmt_eta(eta)}")
+        done = step + 1 == total
+        if eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done):
+            ev = evaluate(module, eval_src, forward_batch=forward_batch, K=K, weights=ttt_cfg.weights, d=d,
+                          batch_size=cfg.batch_size, device=dev)
+            ev["step"] = step + 1
+            evals.append(ev)
+            metrics.write({"eval": True, **ev})
+            if d.is_main:
+                log(f"eval  {step + 1:05d} | loss {ev['loss']:.3f} | acc "
+                    + " ".join(f"{a:.2f}" for a in ev["acc_per_step"]) + f" | tau {ev['acceptance_length']:.2f}")
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
+            p = ck.save_checkpoint(ckdir / f"step-{step + 1:06d}.pt", model=module, optimizer=opt, scheduler=sched,
+                                   step=step + 1, identity=identity, extra={"world": d.world}, is_main=d.is_main)
+            if p is not None:
+                log(f"checkpoint {p}")
+
+    # -- final drafter ----------------------------------------------------------------------------
+    model_sd, _ = ck.full_state(module, opt)
+    summary: dict[str, Any] = {}
+    if d.is_main:
+        final = Eagle3Drafter(dcfg)
+        final.load_state_dict({k.removeprefix("drafter."): v for k, v in model_sd.items()})
+        final.save(final_dir, target={**target_id, "tokenizer_hash": tok_hash},
+                   extra={"training": {"steps": total, "global_batch": plan.global_batch, "lr": cfg.lr,
+                                       "ttt_steps": K, "source": "store" if cfg.store else "online",
+                                       "vocab": vocab.report()}})
+        plot_curves(out / "metrics.jsonl", out / "curves.png")
+        summary = {"out": str(out), "drafter": str(final_dir), "steps": total, "world": d.world,
+                   "final_loss": last.get("loss"), "acc_per_step": last.get("acc_per_step"),
+                   "tokens_per_s": last.get("tokens_per_s"), "vocab": vocab.report(),
+                   "eval": evals[-1] if evals else None, "metrics": str(out / "metrics.jsonl"),
+                   "plot": str(out / "curves.png")}
+    dd.teardown(d)
+    return summary
+
+
+@torch.no_grad()
+def evaluate(module, src, *, forward_batch, K: int, weights, d, batch_size: int, device) -> dict[str, Any]:
+    """Per-step top-1 accuracy, loss and simulated acceptance length on the eval source (sharded by rank)."""
+    from eyas.drafter.ttt import step_denominators
+
+    was = module.training
+    module.eval()
+    stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=device)
+    den = torch.zeros(K, dtype=torch.float64, device=device)
+    mine = list(range(d.rank, len(src), d.world))
+    n_batches = math.ceil(len(src) / (batch_size * d.world))
+    for b in range(n_batches):  # equal count on every rank (collectives inside FSDP forward)
+        idx = mine[b * batch_size:(b + 1) * batch_size]
+        items = [src.item(i) for i in idx] or [_dummy(src.item(0))]
+        batch = src.batch(items, device)
+        dn = step_denominators(batch.loss_mask_BT, K).to(device)
+        _, st = forward_batch(batch, dn)
+        stats += st.double()
+        den += dn
+    from eyas.train.dist import all_reduce_sum
+
+    all_reduce_sum(stats, d)
+    all_reduce_sum(den, d)
+    module.train(was)
+    ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
+    accepted, rounds = float(stats[3 * K]), float(stats[3 * K + 1])
+    loss_k = (ce / den.clamp_min(1)).tolist()
+    return {"loss": sum(w * l for w, l in zip(weights, loss_k)), "loss_per_step": loss_k,
+            "acc_per_step": (correct / valid.clamp_min(1)).tolist(),
+            "acceptance_length": 1.0 + accepted / max(rounds, 1.0), "rounds": int(rounds), "samples": len(src)}
+
+
+def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, target_id: dict) -> None:
+    from eyas.target import CONVENTION
+
+    if int(man.get("hidden_size", -1)) != hidden:
+        raise EyasError(f"store {path} holds hidden size {man.get('hidden_size')}, target has {hidden}: "
+                        "it was captured from another model; pass the matching --target or capture again")
+    if man.get("convention", CONVENTION) != CONVENTION:
+        raise EyasError(f"store {path}: layer convention {man.get('convention')!r}, expected {CONVENTION!r}")
+    ids = list(man.get("aux_layer_ids") or [])
+    if not ids or max(ids) >= n_layers:
+        raise EyasError(f"store {path} holds aux layers {ids}, which do not fit a target with {n_layers} layers: "
+                        "it was captured from another model")
+    if man.get("tokenizer_hash") and man["tokenizer_hash"] != tok_hash:
+        raise EyasError(f"store {path} was captured with another tokenizer (hash {man['tokenizer_hash'][:12]}) than "
+                        f"the target's ({tok_hash[:12]}); pass the matching --target or capture again")
+    t = man.get("target") or {}
+    if t.get("config_sha256") and t["config_sha256"] != target_id["config_sha256"]:
+        raise EyasError(f"store {path} was captured from target {t.get('path')} whose config differs from "
+                        f"{target_id['path']}; pass the matching --target or capture again")
+    if t.get("weights_index_sha256") and t["weights_index_sha256"] != target_id["weights_index_sha256"]:
+        log(f"warning: store {path} was captured from a target whose weight files differ from {target_id['path']}")
+
+
+def _vocab_sha(used: torch.Tensor) -> str:
+    import hashlib
+
+    return hashlib.sha256(used.numpy().tobytes()).hexdigest()[:16]
+
+
+def _pad_masks(masks):
+    T = max(m.shape[0] for m in masks)
+    out = torch.zeros(len(masks), T, dtype=torch.bool)
+    for i, m in enumerate(masks):
+        out[i, : m.shape[0]] = m
+    return out
+
+
+def _dummy(item):
+    """A sample with an empty loss mask: keeps a rank with no data in the collectives, adds nothing."""
+    from eyas.train.data import Item
+
+    return Item(item.id, item.input_ids, torch.zeros_like(item.loss_mask))
+
+
+def _clip(module, params, max_norm: float) -> float:
+    if max_norm > 0:
+        n = torch.nn.utils.clip_grad_norm_(params, max_norm)
+        return float(n.full_tensor() if hasattr(n, "full_tensor") else n)  # FSDP2 returns a DTensor
+    grads = [p.grad for p in params if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+
+
+class _Null:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *a):
+        return False

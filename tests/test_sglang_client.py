@@ -1,0 +1,202 @@
+"""`capture_from_sglang` and `eyas verify-server` end to end, against the stand-in server.
+
+The stand-in (eyas/sglang/standin.py) speaks SGLang's /generate and server-info contract and writes
+dumps of real hidden states (a tiny random Llama) through the plugin's own core. These tests are
+what CI runs in place of a real SGLang server.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.errors import CheckFailed, EyasError
+from eyas.sglang.client import capture_from_sglang, preflight
+from eyas.sglang.standin import StandinConfig, StandinServer
+
+LENGTHS = [5, 12, 23, 40, 9, 31, 17, 26]
+LAYERS = [2, 3, 4]  # eyas convention, on the 6-layer tiny target (default would be 2, 3, 3 -> repeats)
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, smol_tokenizer):
+    """8 samples of random ids; samples 5 and 7 share a 20-token prefix with sample 3."""
+    from eyas.data.prepared import write_prepared
+    from eyas.target import tokenizer_hash
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(100, 40000, (n,), generator=g) for n in LENGTHS]
+    seqs[5][:20] = seqs[3][:20]
+    seqs[7][:20] = seqs[3][:20]
+    out = tmp_path_factory.mktemp("prep") / "data"
+    samples = [(f"s{i}", s.tolist(), [True] * len(s)) for i, s in enumerate(seqs)]
+    write_prepared(out, {"train": samples, "eval": []}, {"tokenizer_hash": tokenizer_hash(smol_tokenizer)})
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    from eyas.target import load_target
+
+    return load_target(tiny_target_dir)
+
+
+def serve(tiny_target_dir, tmp_path, **kw) -> StandinServer:
+    kw.setdefault("layer_ids", LAYERS)
+    return StandinServer(StandinConfig(target=tiny_target_dir, dump_dir=tmp_path / "dumps", **kw))
+
+
+def check_store_against_reference(store, prepared, model, n=len(LENGTHS)):
+    from eyas.data.prepared import PreparedDataset
+    from eyas.store.reader import StoreReader
+    from eyas.target import forward_capture
+
+    reader = StoreReader(store)
+    split = PreparedDataset(prepared).split("train")
+    assert sorted(reader.sample_ids) == sorted(split.ids[:n])
+    for i in range(n):
+        s = split[i]
+        aux, final = reader.get(s.id, torch.float32)
+        ref_aux, ref_final = forward_capture(model, s.input_ids[None], layer_ids=LAYERS)
+        torch.testing.assert_close(aux, ref_aux[0], rtol=1e-2, atol=1e-2)  # stored as bf16
+        torch.testing.assert_close(final, ref_final[0], rtol=1e-2, atol=1e-2)
+
+
+def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, tiny_model, prepared, tmp_path):
+    with serve(tiny_target_dir, tmp_path, chunked_prefill_size=8, max_forward_tokens=24, tp_size=2) as srv:
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
+                                  concurrency=4)
+        forwards = srv.forwards
+    assert out["captured"] == len(LENGTHS) and out["rejected_count"] == 0 and out["store_complete"]
+    assert out["tokens"] == sum(LENGTHS) and out["cache_bypass"] == ["none"]
+    # the server really did batch several requests and stitch chunks
+    assert any(len(f["rids"]) > 1 for f in forwards)
+    assert any(p > 0 for f in forwards for p in f["extend_prefix_lens"])
+    check_store_against_reference(tmp_path / "store", prepared, tiny_model)
+    assert list((tmp_path / "dumps").iterdir()) == []  # every dump deleted once ingested
+
+
+def test_ingested_store_passes_eyas_verify(tiny_target_dir, prepared, tmp_path):
+    from eyas.store.verify import verify_store
+
+    with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
+        capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir)
+    summary = verify_store(tmp_path / "store", numbers=3)
+    assert summary["ok"] and summary["samples"] == len(LENGTHS)
+
+
+def test_radix_cache_needs_a_bypass_and_salt_or_logprob_work(tiny_target_dir, tiny_model, prepared, tmp_path):
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=16) as srv:
+        with pytest.raises(EyasError, match="--disable-radix-cache"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "s0", LAYERS, cache_bypass="none")
+        for bypass in ("auto", "logprob"):
+            out = capture_from_sglang([srv.url], prepared, "train", tmp_path / f"s-{bypass}", LAYERS,
+                                      cache_bypass=bypass, concurrency=1)
+            assert out["rejected_count"] == 0, out["rejected"]
+            assert out["cache_bypass"] == ["salt" if bypass == "auto" else "logprob"]
+    check_store_against_reference(tmp_path / "s-auto", prepared, tiny_model)
+
+
+def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(tiny_target_dir, tiny_model, prepared, tmp_path):
+    # The server caches prefixes but reports the cache as off: samples 5 and 7 (sharing 20 tokens
+    # with sample 3, sent before them one at a time) come back with cached_tokens > 0.
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
+        srv.cfg.disable_radix_cache = False
+        info = srv.server_info
+        srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
+    assert out["captured"] == 6 and not out["store_complete"]
+    assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
+    assert all("cached_tokens = 20" in r["reason"] for r in out["rejected"])
+    # a rerun against an honest server resumes: only the two rejected samples are sent
+    with serve(tiny_target_dir, tmp_path) as srv:
+        again = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
+    assert again["already_committed"] == 6 and again["captured"] == 2 and again["store_complete"]
+    check_store_against_reference(tmp_path / "store", prepared, tiny_model)
+
+
+def test_plugin_rejection_reaches_the_client(tiny_target_dir, prepared, tmp_path):
+    # cached_tokens reported as 0 but the forward started at a prefix: only the plugin can tell.
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
+        info, gen = srv.server_info, srv.generate
+
+        def lying_generate(body):
+            code, obj = gen(body)
+            if code == 200:
+                obj["meta_info"]["cached_tokens"] = 0
+            return code, obj
+
+        srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+        srv.generate = lying_generate
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
+    reasons = {r["id"]: r["reason"] for r in out["rejected"]}
+    assert sorted(reasons) == ["s5", "s7"]
+    assert all("plugin rejected it" in r and "prefix 20" in r for r in reasons.values())
+
+
+def test_preflight_refusals(tiny_target_dir, tmp_path):
+    with serve(tiny_target_dir, tmp_path, plugin=False) as srv:
+        with pytest.raises(EyasError, match="plugin is not loaded.*EYAS_CAPTURE=1"):
+            preflight(srv.url, LAYERS)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        with pytest.raises(EyasError, match="EYAS_CAPTURE_LAYERS=1,3,5"):
+            preflight(srv.url, [1, 3, 5])
+        with pytest.raises(EyasError, match="not visible here"):
+            preflight(srv.url, LAYERS, dump_dir=tmp_path / "nowhere")
+    with serve(tiny_target_dir, tmp_path, speculative_algorithm="EAGLE3") as srv:
+        with pytest.raises(EyasError, match="speculative"):
+            preflight(srv.url, LAYERS)
+    with pytest.raises(EyasError, match="cannot read the server's info"):
+        preflight("http://127.0.0.1:9", LAYERS)
+
+
+def test_legacy_info_path_retries_and_data_parallel(tiny_target_dir, prepared, tmp_path):
+    with serve(tiny_target_dir, tmp_path, legacy_info_path=True, fail_first=3) as a, \
+         serve(tiny_target_dir, tmp_path) as b:
+        out = capture_from_sglang([a.url, b.url], prepared, "train", tmp_path / "store", None, backoff_s=0.01,
+                                  concurrency=2)
+        assert a.generate_calls > 3 and b.generate_calls > 0  # both servers got work
+    assert out["layer_ids"] == LAYERS and out["captured"] == len(LENGTHS) and out["retries"] == 3
+
+
+def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, prepared, tmp_path):
+    from eyas.sglang.client import _job_tag
+
+    with serve(tiny_target_dir, tmp_path) as srv:
+        first = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3)
+        assert first["captured"] == 3
+        # a crashed run left a dump of this job behind; the next run removes it
+        stale = tmp_path / "dumps" / f"eyas.9.{_job_tag(tmp_path / 'store', 'train')}-4-0"
+        stale.mkdir()
+        (stale / "meta.json").write_text("{}")
+        with pytest.raises(EyasError, match="different prepared"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)  # limit differs
+        assert not stale.exists()
+        second = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3)
+    assert second["already_committed"] == 3 and second["captured"] == 0
+
+
+def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
+    from eyas.commands.verify_server import verify_server
+
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=32) as srv:
+        out = verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=str(tiny_target_dir),
+                            prompt_tokens=None, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+    assert out["ok"] and out["cache_bypass"] == "salt"
+    assert out["checks"]["unique_prompt"]["tokens"] == 51 and out["checks"]["unique_prompt"]["pieces"] == 2
+    nums = out["checks"]["numbers"]
+    assert nums["ok"] and max(nums["mean_rel_l2"].values()) < 1e-4
+
+
+def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, tmp_path):
+    from eyas.commands.verify_server import verify_server
+
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
+        info = srv.server_info
+        srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+        with pytest.raises(CheckFailed) as exc:
+            verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None,
+                          prompt_tokens=64, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+    checks = exc.value.summary["checks"]
+    assert checks["unique_prompt"]["ok"] and not checks["shared_prefix"]["ok"]
+    assert "cached_tokens" in checks["shared_prefix"]["reason_b"]

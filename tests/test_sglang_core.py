@@ -1,0 +1,192 @@
+"""The plugin's pure-torch core: split, stitch, reject, write -- with real tensors.
+
+Every test builds ground-truth per-request hidden states first, packs them the way SGLang packs an
+EXTEND forward (rows of several requests back to back, padding rows at the end), feeds the core,
+and compares what it wrote with the ground truth.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from eyas.sglang import core
+from eyas.sglang.core import CaptureCore, DumpWriter, ForwardInfo, make_rid, parse_rid, read_dump, write_dump
+
+A, H = 3, 8
+
+
+def truth(L: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "aux": torch.randn(L, A, H, generator=g),
+        "final": torch.randn(L, H, generator=g),
+        "ids": torch.randint(0, 1000, (L,), generator=g),
+    }
+
+
+def pack(pieces, *, pad: int = 0, aux_as_list: bool = False, **ranks) -> ForwardInfo:
+    """pieces: (rid, state dict, prefix, length); returns the packed forward."""
+    aux, final, pos, ids = [], [], [], []
+    for _, st, p, n in pieces:
+        aux.append(st["aux"][p:p + n]), final.append(st["final"][p:p + n])
+        pos.append(torch.arange(p, p + n)), ids.append(st["ids"][p:p + n])
+    if pad:
+        aux.append(torch.full((pad, A, H), float("nan"))), final.append(torch.full((pad, H), float("nan")))
+        pos.append(torch.zeros(pad, dtype=torch.long)), ids.append(torch.zeros(pad, dtype=torch.long))
+    aux_TAD = torch.cat(aux)
+    return ForwardInfo(
+        rids=[r for r, *_ in pieces], extend_prefix_lens=[p for _, _, p, _ in pieces],
+        extend_seq_lens=[n for *_, n in pieces],
+        aux=[aux_TAD[:, a] for a in range(A)] if aux_as_list else aux_TAD,
+        final_TD=torch.cat(final), positions_T=torch.cat(pos), input_ids_T=torch.cat(ids), **ranks,
+    )
+
+
+def assert_matches(sample, st):
+    assert sample.status == "complete", sample.reason
+    torch.testing.assert_close(sample.aux_LAD, st["aux"], rtol=0, atol=0)
+    torch.testing.assert_close(sample.final_LD, st["final"], rtol=0, atol=0)
+    assert torch.equal(sample.input_ids_L, st["ids"])
+    assert torch.equal(sample.positions_L, torch.arange(st["final"].shape[0]))
+
+
+def test_rid_round_trip_and_foreign_rids():
+    rid = make_rid(37, "job1-5-0")
+    assert rid == "eyas.37.job1-5-0" and parse_rid(rid) == 37
+    assert parse_rid("3f2a9c") is None and parse_rid(None) is None and parse_rid("eyas.x.tag") is None
+    with pytest.raises(ValueError):
+        make_rid(5, "bad/tag")
+    assert core.sglang_layer_ids([2, 15, 27]) == [1, 14, 26]
+    assert core.eyas_layer_ids([1, 14, 26]) == [2, 15, 27]
+
+
+@pytest.mark.parametrize("aux_as_list", [False, True])
+def test_several_requests_in_one_forward_with_padding(aux_as_list):
+    a, b, c = truth(5, 1), truth(3, 2), truth(4, 3)
+    ra, rb = make_rid(5, "a"), make_rid(3, "b")
+    info = pack([(ra, a, 0, 5), ("not-ours", c, 0, 4), (rb, b, 0, 3)], pad=4, aux_as_list=aux_as_list)
+    out = CaptureCore().observe(info)
+    assert [s.rid for s in out] == [ra, rb]
+    assert_matches(out[0], a)
+    assert_matches(out[1], b)
+    assert out[0].pieces == 1 and out[0].positions_covered == [[0, 5]]
+
+
+def test_chunked_prefill_interleaved_across_forwards():
+    a, b, c = truth(10, 4), truth(3, 5), truth(6, 6)
+    ra, rb, rc = make_rid(10, "a"), make_rid(3, "b"), make_rid(6, "c")
+    cc = CaptureCore()
+    f1 = cc.observe(pack([(ra, a, 0, 4), (rc, c, 0, 2)], pad=2))
+    f2 = cc.observe(pack([(rb, b, 0, 3), (ra, a, 4, 4), ("other", truth(8, 9), 7, 1)], pad=0))
+    assert f1 == [] and [s.rid for s in f2] == [rb]
+    assert sorted(cc.pending_rids()) == sorted([ra, rc])
+    f3 = cc.observe(pack([(rc, c, 2, 4), (ra, a, 8, 2)], pad=6))
+    got = {s.rid: s for s in f3}
+    assert_matches(got[ra], a)
+    assert_matches(got[rc], c)
+    assert got[ra].pieces == 3 and got[ra].positions_covered == [[0, 4], [4, 8], [8, 10]]
+    assert cc.pending_rids() == []
+
+
+def test_prefix_cache_hit_is_rejected_and_never_completed():
+    a = truth(8, 7)
+    ra = make_rid(8, "hit")
+    cc = CaptureCore()
+    out = cc.observe(pack([(ra, a, 5, 3)]))  # 5 tokens came from the radix cache
+    assert len(out) == 1 and out[0].status == "rejected"
+    assert "prefix 5" in out[0].reason and "prefix cache" in out[0].reason
+    assert out[0].aux_LAD is None
+    # a later piece of the same rid must not resurrect it
+    assert cc.observe(pack([(ra, a, 0, 8)])) == []
+    assert cc.stats["rejected"] == 1 and cc.stats["complete"] == 0
+
+
+def test_non_writer_ranks_write_nothing_and_touch_no_tensor():
+    a = truth(4, 8)
+    ra = make_rid(4, "tp")
+
+    class Poison(list):
+        def __getitem__(self, k):
+            raise AssertionError("a non-writer rank read the tensors")
+
+    for ranks in ({"attn_tp_rank": 1}, {"attn_tp_rank": 3}, {"pp_rank": 0, "pp_size": 2}):
+        info = pack([(ra, a, 0, 4)], **ranks)
+        info.aux = Poison([info.aux])
+        assert CaptureCore().observe(info) == []
+    out = CaptureCore().observe(pack([(ra, a, 0, 4)], attn_tp_rank=0, pp_rank=1, pp_size=2))
+    assert_matches(out[0], a)
+
+
+def test_inconsistent_forwards_are_rejected():
+    a = truth(6, 10)
+    ra = make_rid(6, "x")
+    # rows hold other positions than the forward claims
+    info = pack([(ra, a, 0, 6)])
+    info.positions_T = torch.arange(6) + 1
+    assert "positions" in CaptureCore().observe(info)[0].reason
+    # fewer rows than tokens (rows scattered over ranks)
+    info = pack([(ra, a, 0, 6)])
+    info.final_TD = info.final_TD[:3]
+    assert "rows" in CaptureCore().observe(info)[0].reason
+    # a gap between pieces
+    cc = CaptureCore()
+    cc.observe(pack([(ra, a, 0, 2)]))
+    assert "does not continue" in cc.observe(pack([(ra, a, 3, 3)]))[0].reason
+    # more positions than the rid says
+    rb = make_rid(4, "y")
+    assert "4 prompt tokens" in CaptureCore().observe(pack([(rb, a, 0, 6)]))[0].reason
+
+
+def test_restart_from_zero_and_stale_eviction():
+    a = truth(6, 11)
+    ra = make_rid(6, "r")
+    cc = CaptureCore(stale_after_s=10)
+    cc.observe(pack([(ra, a, 0, 3)]), now=0.0)
+    assert cc.observe(pack([(ra, a, 0, 6)]), now=1.0)[0].status == "complete"  # re-prefilled whole
+    rb = make_rid(6, "s")
+    cc.observe(pack([(rb, a, 0, 2)]), now=2.0)
+    out = cc.observe(pack([("other", a, 0, 1)]), now=20.0)  # rb aborted: evicted with a reason
+    assert [s.rid for s in out] == [rb] and "2 of 6 positions" in out[0].reason
+
+
+def test_write_and_read_dump_round_trip_bf16(tmp_path):
+    a = truth(7, 12)
+    a["aux"], a["final"] = a["aux"].bfloat16(), a["final"].bfloat16()
+    s = CaptureCore().observe(pack([(make_rid(7, "w"), a, 0, 7)]))[0]
+    path = write_dump(tmp_path, s, layer_ids=[2, 4, 5], writer={"attn_tp_rank": 0})
+    d = read_dump(path)
+    meta = json.loads((path / "meta.json").read_text())
+    assert meta["num_tokens"] == 7 and meta["layer_ids"] == [2, 4, 5] and meta["sglang_layer_ids"] == [1, 3, 4]
+    assert meta["convention"] == "hf-input" and meta["dtype"] == "bfloat16" and meta["shapes"]["aux"] == [7, A, H]
+    assert d.aux_LAD.dtype == torch.bfloat16 and torch.equal(d.aux_LAD, a["aux"]) and torch.equal(d.final_LD, a["final"])
+    assert torch.equal(d.input_ids_L, a["ids"])
+    assert [p.name for p in tmp_path.iterdir()] == [s.rid]  # no temporary left behind
+
+
+def test_failed_write_leaves_no_partial_dump(tmp_path, monkeypatch):
+    import safetensors.torch
+
+    a = truth(4, 13)
+    s = CaptureCore().observe(pack([(make_rid(4, "f"), a, 0, 4)]))[0]
+
+    def boom(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    w = DumpWriter(tmp_path, layer_ids=[1, 2, 3])
+    w.submit([s])
+    assert w.written == 0 and "No space left" in w.errors[0]
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_rejected_dump_has_reason_and_no_tensors(tmp_path):
+    s = CaptureCore().observe(pack([(make_rid(8, "rej"), truth(8, 14), 5, 3)]))[0]
+    w = DumpWriter(tmp_path, layer_ids=[1, 2, 3], threaded=True)
+    w.submit([s])
+    w.flush()
+    d = read_dump(tmp_path / s.rid)
+    assert d.status == "rejected" and "prefix 5" in d.meta["reason"] and d.aux_LAD is None
+    assert not (tmp_path / s.rid / core.TENSORS_FILE).exists()

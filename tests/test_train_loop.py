@@ -1,0 +1,185 @@
+"""`eyas train` on CPU: offline == online, resume == uninterrupted, bad input stops before step 1."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from eyas.errors import EyasError
+
+AUX = [1, 3, 4]
+VOCAB_CAP = 512  # the tiny target's lm_head only scores ids < 512, so its argmax is in the draft vocab
+
+
+def _samples(n: int, prefix: str, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        T = int(torch.randint(10, 30, (1,), generator=g))
+        ids = torch.randint(0, 300, (T,), generator=g).tolist()
+        p = int(torch.randint(2, T // 2, (1,), generator=g))
+        out.append((f"{prefix}{i}", ids, [False] * p + [True] * (T - p)))
+    return out
+
+
+def write_store(path: Path, target_dir: Path, prep_dir: Path, split_name: str, *, aux=AUX, tok_hash=None, hidden=None):
+    from eyas.data.prepared import PreparedDataset
+    from eyas.store.writer import StoreSpec, StoreWriter
+    from eyas.target import forward_capture, load_target, model_identity
+
+    model = load_target(target_dir)
+    split = PreparedDataset(prep_dir).split(split_name)
+    spec = StoreSpec(aux_layer_ids=aux, hidden_size=hidden or model.config.hidden_size, dtype="fp32",
+                     target=model_identity(target_dir), tokenizer_hash=tok_hash, model_dtype="fp32",
+                     prepared={"path": str(prep_dir), "split": split_name, "fingerprint": split.fingerprint})
+    with StoreWriter(path, spec) as w:
+        for s in split:
+            aux_BTAD, final = forward_capture(model, s.input_ids[None], layer_ids=aux)
+            if hidden:
+                aux_BTAD, final = aux_BTAD[..., :hidden], final[..., :hidden]
+            w.add(s.id, aux_BTAD[0], final[0])
+        w.close(complete=True)
+    return path
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory, smol_tokenizer):
+    """A tiny target, a prepared dataset (16 train / 4 eval), and stores of both splits."""
+    from conftest import make_tiny_target
+    from safetensors.torch import load_file, save_file
+
+    from eyas.data.prepared import write_prepared
+    from eyas.target import tokenizer_hash
+
+    root = tmp_path_factory.mktemp("train_world")
+    target = make_tiny_target(root / "target", smol_tokenizer)
+    wf = target / "model.safetensors"
+    sd = load_file(str(wf))
+    sd["lm_head.weight"][VOCAB_CAP:] = 0
+    save_file(sd, str(wf), metadata={"format": "pt"})
+    th = tokenizer_hash(smol_tokenizer)
+    prep = write_prepared(root / "prep", {"train": _samples(16, "t", 0), "eval": _samples(4, "e", 1)},
+                          {"tokenizer_hash": th})
+    store = write_store(root / "store", target, prep, "train", tok_hash=th)
+    eval_store = write_store(root / "eval_store", target, prep, "eval", tok_hash=th)
+    return {"root": root, "target": target, "prep": prep, "store": store, "eval_store": eval_store, "tok_hash": th}
+
+
+def _cfg(world, out, **kw):
+    from eyas.train.loop import TrainConfig
+
+    base = dict(target=str(world["target"]), out=out, steps=3, batch_size=2, draft_vocab=VOCAB_CAP, lr=3e-3,
+                warmup_steps=1, max_length=64, eval_samples=4, device="cpu", aux_layers=AUX)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def _train_records(out: Path):
+    return [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if '"eval"' not in x]
+
+
+def test_offline_and_online_give_the_same_loss(world, tmp_path):
+    from eyas.train.loop import run
+
+    off = run(_cfg(world, tmp_path / "off", store=world["store"], eval_store=world["eval_store"], steps=2))
+    on = run(_cfg(world, tmp_path / "on", data=world["prep"], steps=2))
+    r_off, r_on = _train_records(tmp_path / "off"), _train_records(tmp_path / "on")
+    assert r_off[0]["loss"] > 0.5  # a real loss, not a masked-out zero
+    for a, b in zip(r_off, r_on):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+        assert a["acc_per_step"] == pytest.approx(b["acc_per_step"])
+    assert off["eval"]["acceptance_length"] == pytest.approx(on["eval"]["acceptance_length"], rel=1e-6)
+    assert off["vocab"]["coverage"] == 1.0
+    # the saved drafter loads and its config records the aux layers and target
+    from eyas.drafter.model import Eagle3Drafter
+
+    d = Eagle3Drafter.load(tmp_path / "on" / "drafter")
+    assert d.config.aux_layer_ids == AUX and d.config.draft_vocab_size == VOCAB_CAP
+    assert (tmp_path / "on" / "curves.png").stat().st_size > 1000
+
+
+def test_resume_reproduces_the_uninterrupted_run(world, tmp_path):
+    from eyas.train.loop import run
+
+    full = tmp_path / "full"
+    run(_cfg(world, full, data=world["prep"], steps=5, batch_size=2, grad_accum=2, eval_every=0))
+    part = tmp_path / "part"
+    run(_cfg(world, part, data=world["prep"], steps=5, batch_size=2, grad_accum=2, save_every=2))
+    # simulate a crash after step 4's checkpoint: drop step 5's checkpoint, the final drafter and metrics
+    (part / "checkpoints" / "step-000005.pt").unlink()
+    import shutil
+
+    shutil.rmtree(part / "drafter")
+    lines = (part / "metrics.jsonl").read_text().splitlines()
+    (part / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= 4) + "\n")
+    run(_cfg(world, part, data=world["prep"], steps=5, batch_size=2, grad_accum=2, resume="auto"))
+    a, b = _train_records(full), _train_records(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
+    assert a[-1]["loss"] < a[0]["loss"]  # it learns something
+    from safetensors.torch import load_file
+
+    wa, wb = load_file(str(full / "drafter" / "model.safetensors")), load_file(str(part / "drafter" / "model.safetensors"))
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-6)
+
+
+def test_checkpoint_from_another_config_is_refused(world, tmp_path):
+    from eyas.train.loop import run
+
+    out = tmp_path / "r"
+    run(_cfg(world, out, data=world["prep"], steps=1))
+    with pytest.raises(EyasError, match="another configuration"):
+        run(_cfg(world, out, data=world["prep"], steps=2, ttt_steps=3, resume="auto"))
+
+
+def test_bad_inputs_fail_before_training(world, tmp_path):
+    from eyas.data.prepared import write_prepared
+    from eyas.train.loop import run
+
+    # store with another hidden size than the target
+    bad = write_store(tmp_path / "narrow", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], hidden=32)
+    with pytest.raises(EyasError, match="hidden size"):
+        run(_cfg(world, tmp_path / "a", store=bad, aux_layers=None))
+    # store captured with another tokenizer
+    wrong_tok = write_store(tmp_path / "tok", world["target"], world["prep"], "eval", tok_hash="0" * 64)
+    with pytest.raises(EyasError, match="tokenizer"):
+        run(_cfg(world, tmp_path / "b", store=wrong_tok, aux_layers=None))
+    # store whose layer ids do not fit the target
+    deep = write_store(tmp_path / "deep", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], aux=[1, 2, 5])
+    man = json.loads((deep / "manifest.json").read_text())
+    man["aux_layer_ids"] = [1, 2, 40]
+    (deep / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(EyasError, match="layers"):
+        run(_cfg(world, tmp_path / "c", store=deep, aux_layers=None))
+    # empty training split
+    empty = write_prepared(tmp_path / "empty", {"train": [], "eval": _samples(2, "e", 3)}, {"tokenizer_hash": world["tok_hash"]})
+    with pytest.raises(EyasError, match="empty"):
+        run(_cfg(world, tmp_path / "d", data=empty))
+    # neither or both sources
+    with pytest.raises(EyasError, match="exactly one"):
+        _cfg(world, tmp_path / "e")
+    assert not (tmp_path / "a" / "metrics.jsonl").exists()
+
+
+def test_cli_progress_line_and_summary(world, tmp_path):
+    import subprocess
+    import sys
+
+    out = tmp_path / "cli"
+    res = subprocess.run(
+        [sys.executable, "-m", "eyas", "train", "--target", str(world["target"]), "--data", str(world["prep"]),
+         "--out", str(out), "--steps", "2", "--batch-size", "4", "--draft-vocab", str(VOCAB_CAP), "--aux-layers",
+         "1,3,4", "--device", "cpu", "--ttt-steps", "3"],
+        capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["steps"] == 2 and len(summary["acc_per_step"]) == 3
+    assert "step 00002/00002 | loss " in res.stderr and "tok/s | eta" in res.stderr
+    bad = subprocess.run([sys.executable, "-m", "eyas", "train", "--out", str(tmp_path / "x"), "--device", "cpu"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "exactly one of --store" in bad.stderr
