@@ -29,8 +29,7 @@ def test_plan_sorts_longest_first_and_packs():
 def test_make_batch_right_pads_and_indexes_real_rows():
     b = make_batch(["a", "b"], [torch.tensor([1, 2, 3]), torch.tensor([4, 5])], pad_token_id=0)
     assert b.input_ids_BT.tolist() == [[1, 2, 3], [4, 5, 0]]
-    assert b.attention_mask_BT.tolist() == [[1, 1, 1], [1, 1, 0]]
     assert b.rows_index.tolist() == [0, 1, 2, 3, 4]  # flat row 5 is the PAD: never stored
     assert b.input_ids_BT.reshape(-1)[b.rows_index].tolist() == [1, 2, 3, 4, 5]
     full = make_batch(["a", "b"], [torch.tensor([1, 2]), torch.tensor([3, 4])])
-    assert full.attention_mask_BT is None and full.rows_index is None and full.rows == 4
+    assert full.rows_index is None and full.rows == 4

@@ -7,7 +7,13 @@ import json
 import pytest
 import torch
 
-from eyas.drafter.model import DrafterCache, DrafterConfig, Eagle3Drafter, load_config, rope_inv_freq
+from eyas.drafter.model import (
+    DrafterCache,
+    DrafterConfig,
+    Eagle3Drafter,
+    load_config,
+    rope_inv_freq,
+)
 from eyas.errors import EyasError
 
 SGLANG_KEYS = {
@@ -79,10 +85,10 @@ def test_cache_and_masks_match_full_pass():
     ids = torch.randint(0, 100, (2, 7))
     feat = torch.randn(2, 7, 32)
     pos = torch.arange(7)[None].expand(2, 7)
-    h_full, l_full = m.forward_step(ids, feat, pos)
+    h_full, _ = m.forward_step(ids, feat, pos)
     cache = DrafterCache()
     h1, _ = m.forward_step(ids[:, :4], feat[:, :4], pos[:, :4], cache=cache)
-    h2, l2 = m.forward_step(ids[:, 4:], feat[:, 4:], pos[:, 4:], cache=cache)
+    h2, _ = m.forward_step(ids[:, 4:], feat[:, 4:], pos[:, 4:], cache=cache)
     torch.testing.assert_close(torch.cat([h1, h2], 1), h_full, atol=1e-5, rtol=1e-5)
     assert cache.length == 7
     # crop = rollback: re-running the last 3 after cropping to 4 gives the same again

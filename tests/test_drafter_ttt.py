@@ -7,9 +7,25 @@ import torch
 
 from eyas.drafter.model import DrafterCache, DrafterConfig, Eagle3Drafter
 from eyas.drafter.ttt import (
-    Teacher, TTTConfig, check_fast_attention, fast_attention, reference_attention, step_mask, teacher_from_final,
-    ttt_loss, ttt_unroll,
+    Teacher,
+    TTTConfig,
+    check_fast_attention,
+    fast_attention,
+    reference_attention,
+    step_mask,
+    teacher_from_final,
+    ttt_loss,
+    ttt_unroll,
 )
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops on a shared 2-core box: one intra-op thread is ~100x faster than two contending ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def tiny_drafter(seed=0, **kw) -> Eagle3Drafter:
@@ -30,7 +46,7 @@ def tiny_drafter(seed=0, **kw) -> Eagle3Drafter:
 def test_fast_attention_matches_dense_reference(kernel):
     g = torch.Generator().manual_seed(1)
     B, H, T, d, steps = 2, 3, 37, 16, 4
-    mk = lambda: torch.randn(B, H, T, d, generator=g, dtype=torch.float64 if kernel == "math" else torch.float32).requires_grad_()  # noqa: E731
+    mk = lambda: torch.randn(B, H, T, d, generator=g, dtype=torch.float64 if kernel == "math" else torch.float32).requires_grad_()
     q, ks, vs = mk(), [mk() for _ in range(steps)], [mk() for _ in range(steps)]
     dout = torch.randn(B, H, T, d, generator=g, dtype=q.dtype)
     for n in (1, steps):  # step 0 alone, and with diagonals

@@ -80,7 +80,8 @@ def test_ingested_store_passes_eyas_verify(tiny_target_dir, prepared, tmp_path):
     from eyas.store.verify import verify_store
 
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
-        capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir)
+        # no target given: the server's model_path is a directory here, so the store records it
+        capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
     summary = verify_store(tmp_path / "store", numbers=3)
     assert summary["ok"] and summary["samples"] == len(LENGTHS)
 
@@ -129,9 +130,13 @@ def test_plugin_rejection_reaches_the_client(tiny_target_dir, prepared, tmp_path
         srv.server_info = lambda: {**info(), "disable_radix_cache": True}
         srv.generate = lying_generate
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
-    reasons = {r["id"]: r["reason"] for r in out["rejected"]}
-    assert sorted(reasons) == ["s5", "s7"]
-    assert all("plugin rejected it" in r and "prefix 20" in r for r in reasons.values())
+        reasons = {r["id"]: r["reason"] for r in out["rejected"]}
+        assert sorted(reasons) == ["s5", "s7"]
+        assert all("plugin rejected it" in r and "prefix 20" in r for r in reasons.values())
+        # the same server, now described truthfully: the rerun bypasses the cache and completes the store
+        srv.server_info, srv.generate = info, gen
+        again = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
+    assert again["cache_bypass"] == ["salt"] and again["captured"] == 2 and again["store_complete"]
 
 
 def test_preflight_refusals(tiny_target_dir, tmp_path):
@@ -159,21 +164,46 @@ def test_legacy_info_path_retries_and_data_parallel(tiny_target_dir, prepared, t
     assert out["layer_ids"] == LAYERS and out["captured"] == len(LENGTHS) and out["retries"] == 3
 
 
-def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, prepared, tmp_path):
+def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, tiny_model, prepared, tmp_path):
     from eyas.sglang.client import _job_tag
 
     with serve(tiny_target_dir, tmp_path) as srv:
-        first = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3)
+        first = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3,
+                                    target=tiny_target_dir)
         assert first["captured"] == 3
         # a crashed run left a dump of this job behind; the next run removes it
         stale = tmp_path / "dumps" / f"eyas.9.{_job_tag(tmp_path / 'store', 'train')}-4-0"
         stale.mkdir()
         (stale / "meta.json").write_text("{}")
-        with pytest.raises(EyasError, match="different prepared"):
-            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)  # limit differs
+        with pytest.raises(EyasError, match="different dtype"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, dtype="fp32",
+                                target=tiny_target_dir)
         assert not stale.exists()
-        second = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3)
-    assert second["already_committed"] == 3 and second["captured"] == 0
+        second = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir)
+    assert second["already_committed"] == 3 and second["captured"] == 5 and second["store_complete"]
+    check_store_against_reference(tmp_path / "store", prepared, tiny_model)
+
+
+def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch):
+    from eyas.store.writer import StoreWriter
+
+    real_add, calls = StoreWriter.add, []
+
+    def crashing_add(self, *args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # the user's Ctrl-C (or any error) in the middle of ingestion
+        return real_add(self, *args, **kwargs)
+
+    with serve(tiny_target_dir, tmp_path) as srv:
+        monkeypatch.setattr(StoreWriter, "add", crashing_add)
+        with pytest.raises(KeyboardInterrupt):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
+        monkeypatch.setattr(StoreWriter, "add", real_add)
+        assert list((tmp_path / "dumps").iterdir()) == []
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
+    assert out["already_committed"] == 3 and out["captured"] == 5 and out["store_complete"]
+    check_store_against_reference(tmp_path / "store", prepared, tiny_model)
 
 
 def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
@@ -200,3 +230,64 @@ def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, t
     checks = exc.value.summary["checks"]
     assert checks["unique_prompt"]["ok"] and not checks["shared_prefix"]["ok"]
     assert "cached_tokens" in checks["shared_prefix"]["reason_b"]
+
+
+def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_dir, tmp_path, monkeypatch):
+    # A server that captures the OUTPUT of the named layers (SGLang's convention) while claiming
+    # eyas's (their input): shapes, counts and positions all pass; only the numbers can tell.
+    import eyas.target
+    from eyas.commands.verify_server import verify_server
+
+    real = eyas.target.forward_capture
+
+    def shifted(model, ids, mask=None, *, layer_ids):
+        return real(model, ids, mask, layer_ids=[i + 1 for i in layer_ids])
+
+    monkeypatch.setattr(eyas.target, "forward_capture", shifted)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        with pytest.raises(CheckFailed) as exc:
+            verify_server(url=srv.url, layers="2,3,4", dump_dir=None, cache_bypass="auto", target=str(tiny_target_dir),
+                          prompt_tokens=40, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+    checks = exc.value.summary["checks"]
+    assert checks["unique_prompt"]["ok"] and checks["shared_prefix"]["ok"] and not checks["numbers"]["ok"]
+    assert min(checks["numbers"]["mean_rel_l2"][k] for k in ("aux2", "aux3", "aux4")) > 0.05
+    assert checks["numbers"]["mean_rel_l2"]["final"] < 1e-4  # the final state is still right
+
+
+def test_check_sample_names_every_fault(tmp_path):
+    from eyas.sglang.client import check_sample
+    from eyas.sglang.core import CaptureCore, ForwardInfo, make_rid, read_dump, write_dump
+
+    L, ids = 6, torch.arange(10, 16)
+    g = torch.Generator().manual_seed(0)
+    aux, final = torch.randn(L, 3, 4, generator=g), torch.randn(L, 4, generator=g)
+
+    def dump(pieces=((0, 6),), ids_=ids, aux_=aux):
+        rid, cc = make_rid(L, f"t{len(list(tmp_path.iterdir()))}"), CaptureCore()
+        for a, n in pieces:
+            out = cc.observe(ForwardInfo(rids=[rid], extend_prefix_lens=[a], extend_seq_lens=[n], aux=aux_[a:a + n],
+                                         final_TD=final[a:a + n], positions_T=torch.arange(a, a + n),
+                                         input_ids_T=ids_[a:a + n]))
+        return read_dump(write_dump(tmp_path, out[0], layer_ids=LAYERS))
+
+    ok_meta = {"prompt_tokens": L, "cached_tokens": 0}
+    good = dump(((0, 4), (4, 2)))
+    assert check_sample(ids, ok_meta, good, layer_ids=LAYERS, hidden_size=4) is None
+    faults = {
+        "cached_tokens = 3": (ids, {"prompt_tokens": L, "cached_tokens": 3}, good, LAYERS),
+        "prompt_tokens = 5": (ids, {"prompt_tokens": 5, "cached_tokens": 0}, good, LAYERS),
+        "no dump appeared": (ids, ok_meta, None, LAYERS),
+        "plugin rejected it": (ids, ok_meta, dump(((2, 4),)), LAYERS),
+        "dump has layers": (ids, ok_meta, good, [1, 2, 3]),
+        "token ids differ": (ids + 1, ok_meta, good, LAYERS),
+        "non-finite": (ids, ok_meta, dump(aux_=aux.clone().index_fill_(0, torch.tensor([3]), float("nan"))), LAYERS),
+    }
+    for want, (i, m, d, lay) in faults.items():
+        assert want in check_sample(i, m, d, layer_ids=lay, hidden_size=4), want
+    assert "hidden size 4" in check_sample(ids, ok_meta, good, layer_ids=LAYERS, hidden_size=8)
+    gap = read_dump(good.path)
+    gap.meta["positions_covered"] = [[0, 4], [5, 6]]
+    assert "positions 4..4 missing" in check_sample(ids, ok_meta, gap, layer_ids=LAYERS, hidden_size=4)
+    short = read_dump(good.path)
+    short.meta["num_tokens"] = 5
+    assert "dump holds 5 tokens" in check_sample(ids, ok_meta, short, layer_ids=LAYERS, hidden_size=4)

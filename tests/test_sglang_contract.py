@@ -73,6 +73,10 @@ def test_semantics_the_plugin_relies_on(sglang_src):
     assert "self.model.layers_to_capture = [val + 1 for val in layer_ids]" in llama
     # the final norm runs before the logits processor, which gets every row and the aux states
     assert "residual_batch.final_norm(" in llama and "aux_hidden_states,\n                )" in llama
+    # a single /generate request keeps the rid the client chose (the plugin reads the length from it)
+    io = (srt / "managers/io_struct.py").read_text()
+    single = io[io.index("def _normalize_single_inputs"):][:1500]
+    assert "if self.rid is None:" in single and "cache_salt: Optional[Union[List[str], str]] = None" in io
     # rids are the requests' ids, one per request, in batch order
     assert "rids=[req.rid for req in batch.reqs]" in (srt / "model_executor/forward_batch_info.py").read_text()
     # plugins are loaded in the scheduler process, where the model runs

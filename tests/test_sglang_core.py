@@ -99,9 +99,11 @@ def test_prefix_cache_hit_is_rejected_and_never_completed():
     assert len(out) == 1 and out[0].status == "rejected"
     assert "prefix 5" in out[0].reason and "prefix cache" in out[0].reason
     assert out[0].aux_LAD is None
-    # a later piece of the same rid must not resurrect it
-    assert cc.observe(pack([(ra, a, 0, 8)])) == []
+    # a later piece of the same prompt must not resurrect it
+    assert cc.observe(pack([(ra, a, 6, 2)])) == []
     assert cc.stats["rejected"] == 1 and cc.stats["complete"] == 0
+    # the same rid sent again and prefilled from 0 (a client's rerun) is captured whole
+    assert_matches(cc.observe(pack([(ra, a, 0, 8)]))[0], a)
 
 
 def test_non_writer_ranks_write_nothing_and_touch_no_tensor():
@@ -184,9 +186,28 @@ def test_failed_write_leaves_no_partial_dump(tmp_path, monkeypatch):
 
 def test_rejected_dump_has_reason_and_no_tensors(tmp_path):
     s = CaptureCore().observe(pack([(make_rid(8, "rej"), truth(8, 14), 5, 3)]))[0]
-    w = DumpWriter(tmp_path, layer_ids=[1, 2, 3], threaded=True)
+    w = DumpWriter(tmp_path, layer_ids=[1, 2, 3], threads=2)
     w.submit([s])
     w.flush()
     d = read_dump(tmp_path / s.rid)
     assert d.status == "rejected" and "prefix 5" in d.meta["reason"] and d.aux_LAD is None
     assert not (tmp_path / s.rid / core.TENSORS_FILE).exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
+def test_all_finite_matches_isfinite(dtype):
+    x = torch.randn(50, 7).to(dtype) * 100
+    assert core.all_finite(x)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        y = x.clone()
+        y[13, 4] = bad
+        assert not core.all_finite(y) and not bool(torch.isfinite(y).all())
+    assert core.all_finite(torch.tensor([65504.0], dtype=dtype))  # largest fp16, finite everywhere
+
+
+def test_completed_samples_never_alias_the_servers_buffers():
+    a = truth(5, 15)
+    info = pack([(make_rid(5, "alias"), a, 0, 5)])
+    out = CaptureCore().observe(info)[0]
+    info.aux.fill_(7.0), info.final_TD.fill_(7.0), info.input_ids_T.fill_(7)  # the server reuses its buffers
+    assert_matches(out, a)

@@ -218,3 +218,17 @@ def test_entry_point_declared_for_sglang():
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     value = pyproject["project"]["entry-points"][plugin.ENTRY_POINT_GROUP]["eyas_capture"]
     assert pkgutil.resolve_name(value.replace(":", ".")) is plugin.register
+
+
+def test_register_refuses_an_sglang_without_the_hooks(monkeypatch):
+    monkeypatch.setenv("EYAS_CAPTURE", "1")
+    monkeypatch.setattr(plugin, "sglang_version", lambda: "0.5.99")
+    for name in list(sys.modules):
+        if name == "sglang" or name.startswith("sglang."):
+            monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "sglang", None)  # an install whose modules cannot be imported
+    with pytest.raises(plugin.PluginConfigError) as exc:
+        plugin.register()
+    msg = str(exc.value)
+    assert "SGLang 0.5.99" in msg and "pinned 0.5.23" in msg and "LogitsProcessor.forward" in msg
+    assert "ForwardBatch" in msg and "sglang==0.5.23" in msg

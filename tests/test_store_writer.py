@@ -200,3 +200,16 @@ def test_reader_random_access_and_truncated_shard(tmp_path):
         assert r.get(sid)[0].shape[1:] == (A, D)
     with pytest.raises(EyasError, match="truncated"):
         r.get(in_last[0])
+
+
+def test_chunked_writes_land_at_the_right_offsets(tmp_path, monkeypatch):
+    monkeypatch.setattr(writer_mod, "WRITE_CHUNK", 100)  # many chunks per sample, none aligned to rows
+    data = samples(4)
+    with StoreWriter(tmp_path / "s", spec("fp8")) as w:
+        for sid, aux, fin in data:
+            w.add(sid, aux, fin)
+    r = StoreReader(tmp_path / "s")
+    for sid, aux, fin in data:
+        q, scale = quantize_fp8(torch.cat([aux, fin[:, None]], 1))
+        hidden, got_scale = r.raw(sid)
+        assert torch.equal(hidden.view(torch.uint8), q.view(torch.uint8)) and torch.equal(got_scale, scale)

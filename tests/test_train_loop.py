@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -12,6 +13,15 @@ from eyas.errors import EyasError
 
 AUX = [1, 3, 4]
 VOCAB_CAP = 512  # the tiny target's lm_head only scores ids < 512, so its argmax is in the draft vocab
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """Tiny ops on a shared 2-core box: one intra-op thread is ~100x faster than two contending ones."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
 
 
 def _samples(n: int, prefix: str, seed: int):
@@ -59,6 +69,7 @@ def world(tmp_path_factory, smol_tokenizer):
     wf = target / "model.safetensors"
     sd = load_file(str(wf))
     sd["lm_head.weight"][VOCAB_CAP:] = 0
+    sd["lm_head.weight"][:VOCAB_CAP] *= 40  # a confident teacher (random init gives near-uniform logits)
     save_file(sd, str(wf), metadata={"format": "pt"})
     th = tokenizer_hash(smol_tokenizer)
     prep = write_prepared(root / "prep", {"train": _samples(16, "t", 0), "eval": _samples(4, "e", 1)},
@@ -175,11 +186,32 @@ def test_cli_progress_line_and_summary(world, tmp_path):
         [sys.executable, "-m", "eyas", "train", "--target", str(world["target"]), "--data", str(world["prep"]),
          "--out", str(out), "--steps", "2", "--batch-size", "4", "--draft-vocab", str(VOCAB_CAP), "--aux-layers",
          "1,3,4", "--device", "cpu", "--ttt-steps", "3"],
-        capture_output=True, text=True, timeout=300)
+        check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and len(summary["acc_per_step"]) == 3
     assert "step 00002/00002 | loss " in res.stderr and "tok/s | eta" in res.stderr
     bad = subprocess.run([sys.executable, "-m", "eyas", "train", "--out", str(tmp_path / "x"), "--device", "cpu"],
-                         capture_output=True, text=True, timeout=120)
+                         check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert bad.returncode == 2 and "exactly one of --store" in bad.stderr
+
+
+def test_plan_covers_every_sample_once_per_epoch():
+    from eyas.train.data import Plan
+
+    for world_size, micro, accum in ((1, 2, 1), (2, 1, 2), (3, 2, 1)):
+        plan = Plan(n=23, micro_batch=micro, accum=accum, world=world_size, seed=4)
+        seen = []
+        for step in range(plan.steps_per_epoch):
+            for rank in range(world_size):
+                for idx in plan.micro_indices(step, rank):
+                    seen += idx
+        assert sorted(seen) == list(range(23)), (world_size, micro, accum)  # no drop_last, no repeats
+        # the next epoch is another order of the same samples
+        nxt = plan.step_indices(plan.steps_per_epoch)
+        assert nxt != plan.step_indices(0)[: len(nxt)]
+    # one process with micro-batch 2 reads what two processes with micro-batch 1 read together
+    one = Plan(n=23, micro_batch=2, accum=1, world=1, seed=4)
+    two = Plan(n=23, micro_batch=1, accum=1, world=2, seed=4)
+    for step in range(5):
+        assert one.micro_indices(step, 0)[0] == two.micro_indices(step, 0)[0] + two.micro_indices(step, 1)[0]

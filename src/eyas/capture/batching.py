@@ -10,6 +10,12 @@ view are b*T + 0 .. b*T + len_b - 1. `rows_index` lists them in batch order, so 
 come out sample by sample, exactly the order the store writes them. Example, lengths [3, 2], T=3:
 
     input_ids_BT = [[a b c], [d e PAD]]   rows_index = [0 1 2 3 4]   (row 5, the PAD, is never stored)
+
+No attention mask is needed: attention is causal, so a real token never sees the pads that follow
+it, and the pad rows' outputs are dropped. Running without a mask lets SDPA use its causal (flash)
+kernel, and avoids the padding-mask paths some model implementations get wrong (DeepSeek-V3's MLA
+with SDPA fails on a padding mask in transformers 5.24). Tests check padded rows equal the
+unbatched reference for every supported family.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ class Batch:
     ids: list[str]  # sample ids, in row order
     lengths: list[int]  # real tokens per sample
     input_ids_BT: torch.Tensor  # int64, right-padded
-    attention_mask_BT: torch.Tensor | None  # None when no row is padded (lets SDPA use its causal kernel)
     rows_index: torch.Tensor | None  # int64 [N] flat indices of real rows; None when no padding
 
     @property
@@ -68,7 +73,6 @@ def make_batch(ids: Sequence[str], token_lists: Sequence[torch.Tensor], *, pad_t
     for row, toks in enumerate(token_lists):
         input_ids_BT[row, : toks.numel()] = toks
     if all(n == t for n in lengths):
-        return Batch(list(ids), lengths, input_ids_BT, None, None)
-    mask_BT = torch.arange(t)[None, :] < torch.tensor(lengths)[:, None]
+        return Batch(list(ids), lengths, input_ids_BT, None)
     rows_index = torch.cat([row * t + torch.arange(n) for row, n in enumerate(lengths)])
-    return Batch(list(ids), lengths, input_ids_BT, mask_BT.long(), rows_index)
+    return Batch(list(ids), lengths, input_ids_BT, rows_index)

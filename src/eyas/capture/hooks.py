@@ -34,6 +34,7 @@ def forward_capture_packed(
     """Return (hidden_NLD in the stored dtype, scale_NL float32 for fp8 else None), on the model's device.
 
     rows_index: flat indices (b*T + t) of the real rows in batch order, or None for all rows.
+    attention_mask_BT: None for right-padded batches (see batching.py: causal attention needs none).
     Slot a < A is the input to decoder layer layer_ids[a]; slot A is the final norm's output.
     """
     base, layers, norm = _decoder_parts(model)

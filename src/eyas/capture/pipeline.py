@@ -127,16 +127,16 @@ class CapturePipeline:
         return stats
 
     def _capture_one(self, batch: Batch, slot: int):
-        ids_BT, mask_BT, index = batch.input_ids_BT, batch.attention_mask_BT, batch.rows_index
+        ids_BT, index = batch.input_ids_BT, batch.rows_index
         if not self.cuda:
             hidden, scale = forward_capture_packed(
-                self.model, ids_BT.to(self.device), mask_BT, index, layer_ids=self.layer_ids, dtype=self.dtype
+                self.model, ids_BT.to(self.device), None, index, layer_ids=self.layer_ids, dtype=self.dtype
             )
             return None, slot, batch, hidden.contiguous(), None if scale is None else scale.contiguous()
         # Pinned inputs + non_blocking: no host sync before the forward is queued.
         move = lambda x: None if x is None else x.pin_memory().to(self.device, non_blocking=True)  # noqa: E731
         hidden_dev, scale_dev = forward_capture_packed(
-            self.model, move(ids_BT), move(mask_BT), move(index), layer_ids=self.layer_ids, dtype=self.dtype
+            self.model, move(ids_BT), None, move(index), layer_ids=self.layer_ids, dtype=self.dtype
         )
         n = batch.rows
         host_h, host_s = self._host[slot]

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -124,7 +123,7 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
     n_layers, d = num_layers_of(config), hidden_size_of(config)
     layers = validate_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layers(n_layers)
     if len(set(layers)) != len(layers):
-        raise EyasError(f"--layers: {layers} repeats an id")
+        log(f"eyas capture: aux layers {layers} repeat an id (a small target); each slot is stored as asked")
     tok = load_tokenizer(target_dir)
     tok_hash = tokenizer_hash(tok)
     prepared = PreparedDataset(settings.data)

@@ -9,7 +9,6 @@ See eyas/train/loop.py for the order of work and the metric definitions.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -17,39 +16,39 @@ import typer
 def train(
     out: Path = typer.Option(..., "--out", help="Run directory: metrics.jsonl, curves.png, checkpoints/, drafter/."),
     target: str = typer.Option("default", "--target", help="Target model directory (HF layout); `default` = embedded SmolLM2-135M-Instruct."),
-    store: Optional[Path] = typer.Option(None, "--store", help="Offline: hidden-state store from `eyas capture` (training split)."),
-    data: Optional[Path] = typer.Option(None, "--data", help="Online: prepared dataset; the target runs on every batch, nothing is written."),
-    aux_layers: Optional[str] = typer.Option(None, "--aux-layers", help="Online: comma-separated target layer ids for fc (inputs to those layers, hf-input convention); default 2,N//2,N-3. Offline uses the store's."),
-    eval_store: Optional[Path] = typer.Option(None, "--eval-store", help="Offline: store of eval states; without it --eval-samples store samples are held out."),
-    steps: Optional[int] = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
+    store: Path | None = typer.Option(None, "--store", help="Offline: hidden-state store from `eyas capture` (training split)."),
+    data: Path | None = typer.Option(None, "--data", help="Online: prepared dataset; the target runs on every batch, nothing is written."),
+    aux_layers: str | None = typer.Option(None, "--aux-layers", help="Online: comma-separated target layer ids for fc (inputs to those layers, hf-input convention); default 2,N//2,N-3. Offline uses the store's."),
+    eval_store: Path | None = typer.Option(None, "--eval-store", help="Offline: store of eval states; without it --eval-samples store samples are held out."),
+    steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training split when --steps is not given."),
     batch_size: int = typer.Option(1, "--batch-size", help="Samples per micro-batch per process (global batch = this x --grad-accum x processes)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches accumulated per optimizer step."),
     lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95)."),
-    warmup_steps: Optional[int] = typer.Option(None, "--warmup-steps", help="Linear warmup steps (default 2% of the run)."),
+    warmup_steps: int | None = typer.Option(None, "--warmup-steps", help="Linear warmup steps (default 2% of the run)."),
     min_lr_ratio: float = typer.Option(0.1, "--min-lr-ratio", help="Cosine decay floor as a fraction of --lr."),
     weight_decay: float = typer.Option(0.0, "--weight-decay", help="AdamW weight decay."),
     grad_clip: float = typer.Option(0.5, "--grad-clip", help="Global gradient-norm clip (0 = off)."),
     ttt_steps: int = typer.Option(7, "--ttt-steps", help="Training-time-test steps."),
     ttt_decay: float = typer.Option(0.8, "--ttt-decay", help="Loss weight of TTT step k = decay**k."),
-    draft_vocab: Optional[int] = typer.Option(None, "--draft-vocab", help="Draft vocabulary size (default min(32000, target vocab))."),
+    draft_vocab: int | None = typer.Option(None, "--draft-vocab", help="Draft vocabulary size (default min(32000, target vocab))."),
     max_length: int = typer.Option(2048, "--max-length", help="Truncate samples to this many tokens."),
     eval_every: int = typer.Option(0, "--eval-every", help="Evaluate every N steps (0 = at the end only)."),
     eval_samples: int = typer.Option(64, "--eval-samples", help="Eval samples per evaluation."),
     save_every: int = typer.Option(0, "--save-every", help="Checkpoint every N steps (0 = at the end only)."),
-    resume: Optional[str] = typer.Option(None, "--resume", help="Checkpoint file to resume from, or `auto` (latest in <out>/checkpoints)."),
+    resume: str | None = typer.Option(None, "--resume", help="Checkpoint file to resume from, or `auto` (latest in <out>/checkpoints)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N (torchrun: cuda:LOCAL_RANK)."),
     precision: str = typer.Option("auto", "--precision", help="bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."),
     fsdp: bool = typer.Option(False, "--fsdp", help="FSDP2: shard parameters, gradients and optimizer state across processes."),
     attention: str = typer.Option("fast", "--attention", help="TTT attention: `fast` (flash + diagonals) or `reference` (dense mask)."),
-    init_head: bool = typer.Option(True, "--init-head/--no-init-head", help="Start lm_head/norm from the target's draft-vocab rows."),
+    compile: bool = typer.Option(False, "--compile", help="torch.compile the drafter's per-step pieces (faster on GPU after a short compile)."),
+    init_head: bool = typer.Option(False, "--init-head/--no-init-head", help="Start lm_head/norm from the target's draft-vocab rows (default: random, as EAGLE-3)."),
     seed: int = typer.Option(0, "--seed", help="Seed for weights and data order."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run's drafter in --out."),
 ) -> dict:
     """Train an EAGLE-3 drafter with training-time test (offline --store or online --data)."""
-    from eyas.train.loop import TrainConfig, run
-
     from eyas.errors import EyasError
+    from eyas.train.loop import TrainConfig, run
 
     try:
         layer_ids = [int(x) for x in aux_layers.split(",")] if aux_layers else None
@@ -61,5 +60,5 @@ def train(
         weight_decay=weight_decay, grad_clip=grad_clip, ttt_steps=ttt_steps, ttt_decay=ttt_decay,
         draft_vocab=draft_vocab, max_length=max_length, eval_every=eval_every, eval_samples=eval_samples,
         save_every=save_every, resume=resume, device=device, precision=precision, fsdp=fsdp, attention=attention,
-        init_head=init_head, seed=seed, overwrite=overwrite,
+        init_head=init_head, compile=compile, seed=seed, overwrite=overwrite,
     ))

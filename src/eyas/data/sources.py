@@ -140,6 +140,27 @@ def read_jsonl_records(path: Path, info: SourceInfo) -> Iterator[Any]:
             yield record
 
 
+def read_eyas_chats(path: Path, info: SourceInfo) -> Iterator[Any]:
+    """An `eyas regenerate` directory: only the committed bytes of chats.jsonl (a run killed
+    mid-write may leave a torn last line beyond them)."""
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+        committed = int(meta["committed"]["chats_bytes"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise EyasError(f"{path}: an `eyas regenerate` directory without a readable meta.json ({exc})") from None
+    if not meta.get("complete", False):
+        info.notes.append(f"{path} is an unfinished `eyas regenerate` run: reading its {committed} committed bytes")
+    data = (path / "chats.jsonl").read_bytes()[:committed]
+    for lineno, line in enumerate(data.decode("utf-8").splitlines(), 1):
+        if line.strip():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise EyasError(f"{path / 'chats.jsonl'}: malformed JSON on line {lineno}: {exc.msg}") from None
+            info.records += 1
+            yield record
+
+
 def read_hf_records(path: Path, info: SourceInfo, hf_split: str | None) -> Iterator[Any]:
     try:
         import datasets
@@ -174,7 +195,7 @@ def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[It
     if path.is_dir():
         if (path / "chats.jsonl").is_file():
             info = SourceInfo(path=str(path), format="eyas-chats")
-            return read_jsonl_records(path / "chats.jsonl", info), info
+            return read_eyas_chats(path, info), info
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
             info = SourceInfo(path=str(path), format="hf-dataset")
             return read_hf_records(path, info, hf_split), info

@@ -119,7 +119,7 @@ class DrafterConfig:
 
     @classmethod
     def from_target_config(cls, cfg, *, draft_vocab_size: int | None = None,
-                           aux_layer_ids: list[int] | None = None, **overrides) -> "DrafterConfig":
+                           aux_layer_ids: list[int] | None = None, **overrides) -> DrafterConfig:
         """Defaults from a target's HF config (object or dict): same width, heads, MLP and RoPE."""
         from eyas.target import default_aux_layers, validate_layer_ids
 
@@ -158,7 +158,7 @@ class DrafterConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DrafterConfig":
+    def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in names})
 
@@ -324,29 +324,35 @@ class Eagle3Drafter(nn.Module):
     @torch.no_grad()
     def reset_parameters(self, seed: int | None = None) -> None:
         """Normal(0, 0.02) linears, unit norms; the identity vocab map until `set_vocab`."""
-        gen = None
-        if seed is not None:
-            gen = torch.Generator(device="cpu").manual_seed(seed)
+        # seeded: drawn on the CPU so the weights do not depend on the device; unseeded: in place
+        gen = None if seed is None else torch.Generator(device="cpu").manual_seed(seed)
+
+        def normal_(w: torch.Tensor) -> None:
+            if gen is None:
+                w.normal_(0.0, 0.02)
+            else:
+                w.copy_(torch.empty(w.shape, device="cpu").normal_(0.0, 0.02, generator=gen))
+
         for mod in self.modules():
             if isinstance(mod, nn.Linear):
-                w = torch.empty(mod.weight.shape).normal_(0.0, 0.02, generator=gen)
-                mod.weight.copy_(w)
+                normal_(mod.weight)
             elif isinstance(mod, RMSNorm):
                 mod.weight.fill_(1.0)
-        self.embed_tokens.weight.copy_(torch.empty(self.embed_tokens.weight.shape).normal_(0.0, 0.02, generator=gen))
-        V = self.config.draft_vocab_size
-        self.set_vocab(torch.arange(V))
+        normal_(self.embed_tokens.weight)
+        self.set_vocab(torch.arange(self.config.draft_vocab_size, device="cpu"))
 
     @torch.no_grad()
     def set_vocab(self, used_target_ids: torch.Tensor) -> None:
         """Install the draft vocab: `used_target_ids` [V] ascending target ids -> d2t offsets, t2d mask."""
         used = torch.as_tensor(used_target_ids, dtype=torch.int64).cpu()
+        if used.numel() > 1 and not bool((used[1:] > used[:-1]).all()):
+            raise ValueError("set_vocab: target ids must be strictly ascending")
         V, Vt = self.config.draft_vocab_size, self.config.vocab_size
         if used.shape != (V,) or (used[1:] <= used[:-1]).any() or used.min() < 0 or used.max() >= Vt:
             raise ValueError(f"set_vocab: need {V} strictly ascending target ids in [0, {Vt}), got shape "
                              f"{tuple(used.shape)}")
-        self.d2t.copy_(used - torch.arange(V))
-        t2d = torch.zeros(Vt, dtype=torch.bool)
+        self.d2t.copy_(used - torch.arange(V, device="cpu"))  # explicit devices: callers may run under
+        t2d = torch.zeros(Vt, dtype=torch.bool, device="cpu")  # a `with torch.device("cuda")` context
         t2d[used] = True
         self.t2d.copy_(t2d)
 
@@ -388,6 +394,9 @@ class Eagle3Drafter(nn.Module):
         return self.lm_head(self.norm(hidden_prenorm_BTD))
 
     def rope(self, position_ids_BT: torch.Tensor, dtype: torch.dtype):
+        """cos/sin [B, 1, T, d] for these positions (fp32 frequencies, cast to `dtype`)."""
+        if self.inv_freq.device != position_ids_BT.device:
+            self.inv_freq = self.inv_freq.to(position_ids_BT.device)
         return rope_cos_sin(self.inv_freq, position_ids_BT, dtype)
 
     def forward_step(
@@ -443,7 +452,7 @@ class Eagle3Drafter(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, *, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> "Eagle3Drafter":
+             dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
         """Load a drafter saved by `save`; checks that every SGLang key is present with its shape."""
         from safetensors.torch import load_file
 

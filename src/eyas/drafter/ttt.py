@@ -200,6 +200,11 @@ class _CausalPlusDiagonals(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k0, v0, kd, vd, kernel, scale):
+        with torch.autocast(q.device.type, enabled=False):  # the merge must stay in fp32
+            return _CausalPlusDiagonals._forward(ctx, q, k0, v0, kd, vd, kernel, scale)
+
+    @staticmethod
+    def _forward(ctx, q, k0, v0, kd, vd, kernel, scale):
         fwd, _ = KERNELS[kernel]
         out_c, lse_c, aux = fwd(q, k0, v0, scale)
         T = q.shape[2]
@@ -220,6 +225,11 @@ class _CausalPlusDiagonals(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            return _CausalPlusDiagonals._backward(ctx, dout)
+
+    @staticmethod
+    def _backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse_k = ctx.saved_tensors
         _, bwd = KERNELS[ctx.kernel]
         dout = dout.contiguous().to(q.dtype)
@@ -257,7 +267,7 @@ def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.
                          steps: int = 3, seed: int = 0) -> float:
     """Max abs difference of output and grads between fast and reference on random inputs."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    mk = lambda: torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()  # noqa: E731
+    mk = lambda: torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()
     q = mk()
     ks, vs = [mk() for _ in range(steps)], [mk() for _ in range(steps)]
     dout = torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype)
@@ -290,6 +300,23 @@ class TTTOutput:
     """Sum over step-0-valid positions of the simulated chain accepted length."""
     rounds: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     """Number of step-0-valid positions (simulated drafting rounds)."""
+
+
+def soft_ce(logits_BnV: torch.Tensor, probs_BnV: torch.Tensor) -> torch.Tensor:
+    """-sum_v p(v) log softmax(logits)(v), per position (fp32)."""
+    return -(probs_BnV * torch.log_softmax(logits_BnV.float(), -1)).sum(-1)
+
+
+def compile_drafter(drafter: Eagle3Drafter) -> Eagle3Drafter:
+    """torch.compile the per-step pieces (norms + q/k/v + RoPE; o_proj + residual + MLP; final norm +
+    lm_head; the soft cross-entropy): small graphs that compile in seconds and fuse the elementwise
+    work around the matmuls. The attention and the step loop stay eager."""
+    mid = drafter.midlayer
+    mid.project_qkv = torch.compile(mid.project_qkv)
+    mid.finish = torch.compile(mid.finish)
+    drafter.compute_logits = torch.compile(drafter.compute_logits)
+    drafter._soft_ce = torch.compile(soft_ce)
+    return drafter
 
 
 def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: torch.Tensor, *, steps: int,
@@ -334,7 +361,7 @@ def ttt_loss(
     `denominators` [K]: the loss-mask counts of the GLOBAL batch (all micro-batches and ranks);
     default this batch's own (`step_denominators`).
     """
-    B, T = input_ids_BT.shape
+    T = input_ids_BT.shape[1]
     K = cfg.steps
     dev = input_ids_BT.device
     if denominators is None:
@@ -351,7 +378,7 @@ def ttt_loss(
             break
         logits = drafter.compute_logits(hidden[:, :n]).float()  # [B, n, V]
         valid = step_mask(loss_mask_BT, k) & teacher.in_vocab_BT[:, 1 + k:]
-        ce = -(teacher.probs_BTV[:, 1 + k:] * torch.log_softmax(logits, -1)).sum(-1)  # [B, n]
+        ce = getattr(drafter, "_soft_ce", soft_ce)(logits, teacher.probs_BTV[:, 1 + k:])  # [B, n]
         ce_sum = (ce * valid).sum()
         loss = loss + cfg.weights[k] * ce_sum / denominators[k].float()
         with torch.no_grad():

@@ -15,8 +15,8 @@ assistant tokens whose id is in the draft vocab (the best top-1 accuracy any dra
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 import torch
 

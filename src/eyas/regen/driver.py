@@ -22,7 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator
 
-from eyas.common import log
+from eyas.common import log, progress
 from eyas.regen.output import ChatsWriter
 from eyas.regen.requests import EMPTY_ANSWER, Request, Result
 from eyas.regen.sampling import Sampling, request_seed
@@ -92,6 +92,7 @@ class Regenerator:
         self.tokens = 0
         self.decided = 0
         self.decided_before = len(writer.decisions)
+        self.bar = None
 
     # -- engine side -----------------------------------------------------------------------------
     def pull(self, n: int) -> list[Request]:
@@ -167,6 +168,9 @@ class Regenerator:
 
     def _decided(self) -> None:
         self.decided += 1
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s", refresh=False)
         now = time.perf_counter()
         if self.writer.buffered >= self.opt.commit_every or now - self.last_commit >= self.opt.commit_seconds:
             self.commit()
@@ -192,13 +196,17 @@ class Regenerator:
 
     def run(self, engine) -> None:
         """Drive `engine` to the end; on any exception commit what is decided, then re-raise."""
+        self.bar = progress(self.total, "regen", "conv")
+        self.bar.update(self.decided_before)
         try:
             engine.run(self.pull, self.deliver)
         except BaseException:
+            self.bar.close()
             self.commit()
             log(f"regen: stopped; {self.writer.counts()['conversations']:,} conversations committed "
                 "(rerun the same command to resume)")
             raise
+        self.bar.close()
         assert not self.open and not self.ready, (len(self.open), len(self.ready))
         self.commit(complete=True)
         log(self.progress_line())

@@ -95,15 +95,19 @@ class StaticEngine(_LocalBase):
 
     def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
                  use_graphs: bool | None = None, sync_every: int | None = None, prefill_tokens: int | None = None,
-                 refill_fraction: float = 0.125):
+                 refill_min: int | None = None, min_span: int = 256):
         super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
         on_cuda = self.device.type == "cuda"
-        self.lm = StaticLM(model, batch=batch, max_len=max_len)
+        # The cache length is rounded up to a multiple of 64 so every attention span keeps the key
+        # axis aligned for the fused kernels; answers still end within max_len (see _admit).
+        self.lm = StaticLM(model, batch=batch, max_len=-(-max_len // 64) * 64)
         self.batch = batch
         self.use_graphs = on_cuda if use_graphs is None else use_graphs
         self.sync_every = sync_every or (8 if on_cuda else 1)
         self.prefill_tokens = prefill_tokens or (32768 if on_cuda else 2048)
-        self.refill_min = max(1, int(batch * refill_fraction)) if on_cuda else 1
+        # On GPU, refill once an eighth of the rows are free: a prefill is an eager forward, so
+        # refilling row by row would cost more than the decode steps those rows sit idle.
+        self.refill_min = refill_min or (max(1, batch // 8) if on_cuda else 1)
         self.cols = max_new_tokens + 1  # last column is where finished rows write (discarded)
         dev = self.device
         self.vkeys_V = vocab_keys(self.lm.lm_head.out_features, dev)
@@ -115,17 +119,25 @@ class StaticEngine(_LocalBase):
         self.limit_B = torch.ones(batch, dtype=torch.long, device=dev)
         self.done_B = torch.ones(batch, dtype=torch.bool, device=dev)  # every row starts free
         self.out_BC = torch.zeros(batch, self.cols, dtype=torch.long, device=dev)
-        self.spans = self._spans(max_len)
+        self.spans = self._spans(self.lm.max_len, min_span)
         self.graphs: dict[int, Any] = {}
         self.steps = 0
+        self.span_steps: dict[int, int] = {}  # decode steps run per attention span
         self.capture_s = 0.0
         self._ngen = [1] * batch
+        self.capture_error: str | None = None
         if self.use_graphs:
-            self._capture_all()
+            try:
+                self._capture_all()
+            except Exception as exc:  # keep going eagerly: slower, still correct, and reported
+                self.graphs.clear()
+                self.use_graphs = False
+                self.capture_error = f"{type(exc).__name__}: {exc}"
+                log(f"regen: CUDA graph capture failed ({self.capture_error}); decoding eagerly")
 
     @staticmethod
-    def _spans(max_len: int) -> list[int]:
-        spans, s = [], 256
+    def _spans(max_len: int, min_span: int) -> list[int]:
+        spans, s = [], min_span
         while s < max_len:
             spans.append(s)
             s *= 2
@@ -235,6 +247,7 @@ class StaticEngine(_LocalBase):
                 else:
                     self._step(span)
             self.steps += self.sync_every
+            self.span_steps[span] = self.span_steps.get(span, 0) + self.sync_every
             state = torch.stack([self.done_B.long(), self.ngen_B]).cpu()
             done, ngen = state[0].tolist(), state[1].tolist()
             self._ngen = ngen
@@ -261,7 +274,8 @@ class StaticEngine(_LocalBase):
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "static", "cuda_graphs": self.use_graphs, "sync_every": self.sync_every,
-                "graph_capture_s": round(self.capture_s, 2), **self.lm.describe()}
+                "graph_capture_s": round(self.capture_s, 2), "capture_error": self.capture_error, "spans": self.spans,
+                **self.lm.describe()}
 
 
 class GenerateEngine(_LocalBase):
@@ -317,6 +331,24 @@ class GenerateEngine(_LocalBase):
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "generate", "batch": self.batch, "max_len": self.max_len}
+
+
+@torch.no_grad()
+def reference_generate(model, ids: list[int], *, sampling: Sampling, seed: int, limit: int, stop: list[int]) -> list[int]:
+    """The slow reference: one sequence, no cache, the full forward of Hugging Face at every step,
+    the same token choice. StaticEngine must produce exactly these ids (tests)."""
+    device = next(model.parameters()).device
+    vkeys = vocab_keys(model.get_output_embeddings().out_features, device)
+    seq, out = list(ids), []
+    while len(out) < limit:
+        logits = model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits[:, -1].float()
+        pos = torch.tensor([len(seq) - 1], device=device)
+        tok = int(choose(logits, sampling=sampling, seed_B=torch.tensor([seed], device=device), pos_B=pos, vkeys_V=vkeys)[0])
+        out.append(tok)
+        seq.append(tok)
+        if tok in stop:
+            break
+    return out
 
 
 def make_local_engine(model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,

@@ -60,7 +60,9 @@ class ChatsWriter:
         self.elapsed_before = 0.0
         self.resumed = False
         meta_path = self.out / META
-        if self.out.exists() and overwrite:
+        if self.out.exists() and overwrite and any(self.out.iterdir()):
+            if not meta_path.is_file():  # never delete a directory that is not ours
+                raise EyasError(f"--overwrite: {self.out} is not a regenerate output (no meta.json); refusing to delete it")
             shutil.rmtree(self.out)
         if self.out.exists() and any(self.out.iterdir()):
             if not meta_path.is_file():

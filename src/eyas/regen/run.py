@@ -7,6 +7,9 @@ cache, transformers generate, or servers) -> drive it -> summary dict.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -74,6 +77,8 @@ class RegenConfig:
             raise EyasError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "auto":
             self.engine = "server" if self.server_urls else "auto"
+        if self.server_urls and self.engine != "server":
+            raise EyasError(f"--server-url was given with --engine {self.engine}; use --engine server (or auto)")
         if self.engine == "server" and not self.server_urls:
             raise EyasError("--engine server needs at least one --server-url")
         if self.dtype not in DTYPES:
@@ -147,6 +152,22 @@ def _build_local(config: RegenConfig, sampling):
     return engine, {"device": device, "dtype": str(dtype).removeprefix("torch.")}
 
 
+@contextlib.contextmanager
+def _sigterm_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    old = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
 def regenerate(config: RegenConfig) -> dict[str, Any]:
     from eyas.data.sources import iter_conversations
     from eyas.regen.driver import RegenOptions, Regenerator
@@ -204,7 +225,8 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
     items = enumerate(iter_conversations(config.source, limit=config.limit, hf_split=config.hf_split, info_out=info_out))
     driver = Regenerator(items, writer, sampling=sampling, options=options, total=total)
     t0 = time.perf_counter()
-    driver.run(engine)
+    with _sigterm_as_interrupt():  # a preempted job commits what it finished before exiting
+        driver.run(engine)
     elapsed = time.perf_counter() - t0
     if info_out:
         writer.extra_meta["source_info"].update(path=info_out[0].path, format=info_out[0].format,

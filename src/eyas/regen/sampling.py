@@ -77,12 +77,13 @@ def hash32_py(x: int) -> int:
 
 
 def request_seed(seed: int, index: int, turn: int) -> int:
-    """The stream of one answer: a 32-bit key from (global seed, conversation index, turn)."""
-    h = hash32_py(seed & MASK32)
-    h = hash32_py(h ^ (seed >> 32) & MASK32)
-    h = hash32_py(h ^ (index & MASK32))
-    h = hash32_py(h ^ (index >> 32) & MASK32)
-    return hash32_py(h ^ (turn & MASK32))
+    """The stream of one answer: a 32-bit key from (global seed, conversation index, turn).
+
+    Each stage mixes in a different constant, so the hash's fixed point at 0 never shows."""
+    h = 0
+    for k, part in enumerate((seed & MASK32, seed >> 32, index & MASK32, index >> 32, turn & MASK32)):
+        h = hash32_py(h ^ part ^ ((0x9E3779B9 * (k + 1)) & MASK32))
+    return h
 
 
 def vocab_keys(vocab_size: int, device) -> torch.Tensor:

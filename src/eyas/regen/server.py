@@ -23,7 +23,6 @@ import json
 import os
 import random
 import threading
-import time
 import urllib.error
 import urllib.request
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait

@@ -21,6 +21,7 @@ H query heads, K kv heads, G = H/K, d head dim, V vocab.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -136,6 +137,19 @@ class StaticLM:
     def decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, span: int) -> torch.Tensor:
         """Feed tok_B at pos_B (writing the cache there), attend to keys [0, span) masked to
         <= pos_B, return next-token logits [B, V] float32. Fixed shapes, no host syncs."""
+        with self._decode_kernels():
+            return self._decode(tok_B, pos_B, span)
+
+    def _decode_kernels(self):
+        """On CUDA, pin decode attention to the memory-efficient kernel (masks, GQA-as-queries and
+        graph capture all supported), with math as the fallback; elsewhere, PyTorch's choice."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
+
+    def _decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, span: int) -> torch.Tensor:
         B = tok_B.shape[0]
         cos = self.cos_Sd[pos_B][:, None, None]  # B,1,1,d
         sin = self.sin_Sd[pos_B][:, None, None]

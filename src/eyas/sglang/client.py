@@ -45,6 +45,7 @@ from eyas.errors import EyasError
 from eyas.sglang.core import (
     CONVENTION,
     Dump,
+    all_finite,
     make_rid,
     parse_rid,
     read_dump,
@@ -52,6 +53,7 @@ from eyas.sglang.core import (
 )
 
 CACHE_BYPASS = ("auto", "salt", "logprob", "none")
+REJECTED_LISTED = 1000  # rejected samples listed in the summary (all are counted and logged on stderr)
 PLUGIN_FLAGS = ("install eyas into the server's Python environment (`pip install eyas`: it registers the "
                 "`sglang.srt.plugins` entry point `eyas_capture`), start the server with EYAS_CAPTURE=1 "
                 "EYAS_CAPTURE_LAYERS=<ids> in its environment, and do not leave it out of SGLANG_PLUGINS")
@@ -245,7 +247,7 @@ def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump 
         return f"dump hidden size {dump.aux_LAD.shape[2]}, the server's model has {hidden_size}"
     if dump.input_ids_L is not None and not torch.equal(dump.input_ids_L.to(torch.int64), input_ids.to(torch.int64)):
         return "dumped token ids differ from the sample's input ids"
-    if not (torch.isfinite(dump.aux_LAD).all() and torch.isfinite(dump.final_LD).all()):
+    if not (all_finite(dump.aux_LAD) and all_finite(dump.final_LD)):
         return "non-finite values (NaN/Inf) in the dump"
     return None
 
@@ -291,6 +293,9 @@ def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: 
             return Outcome(sample_id=sample_id, tokens=L, reason=str(exc), retries=retries)
     if isinstance(out, list):
         out = out[0] if out else {}
+    if isinstance(out, dict) and out.get("error") and not out.get("meta_info"):
+        remove_dump(plan.dump_dir, rid)
+        return Outcome(sample_id=sample_id, tokens=L, reason=f"server error: {str(out['error'])[:300]}", retries=retries)
     meta_info = (out or {}).get("meta_info", {})
     dump = None
     try:
@@ -351,9 +356,16 @@ def open_store(out_store: Path, *, prepared, split: str, layer_ids: Sequence[int
 
     identity = None
     if target is not None:
-        from eyas.target import model_identity
+        from eyas.target import load_tokenizer, model_identity, tokenizer_hash
 
         identity = model_identity(target)
+        tok_hash = tokenizer_hash(load_tokenizer(target))
+        if prepared.tokenizer_hash is not None and prepared.tokenizer_hash != tok_hash:
+            raise EyasError(f"--data {prepared.root} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) "
+                            f"than the target {target} (hash {tok_hash[:12]}); prepare the data with this target's tokenizer")
+    else:
+        log("eyas: no --target: the store will not record the model's identity, and `eyas verify` cannot check its "
+            "numbers; pass --target with the served model's directory (the server's model_path is used when it exists here)")
     sp = prepared.split(split)
     spec = StoreSpec(
         aux_layer_ids=list(layer_ids), hidden_size=hidden_size, dtype=dtype, convention=CONVENTION,
@@ -395,7 +407,11 @@ def capture_from_sglang(
     if not urls:
         raise EyasError("--url: give at least one SGLang server URL")
     if concurrency < 1:
-        raise EyasError(f"--concurrency: {concurrency}, expected >= 1")
+        raise EyasError(f"--sglang-concurrency: {concurrency}, expected >= 1")
+    if max_retries < 0:
+        raise EyasError(f"--sglang-max-retries: {max_retries}, expected >= 0")
+    if dump_wait_s <= 0 or request_timeout_s <= 0:
+        raise EyasError(f"--sglang-dump-wait {dump_wait_s} / --sglang-request-timeout {request_timeout_s}: expected > 0")
     t0 = time.time()
     ds = PreparedDataset(prepared)
     sp = ds.split(split)
@@ -409,6 +425,7 @@ def capture_from_sglang(
                             f"{p.hidden_size}; {plans[0].url} captures {layer_ids} with {plans[0].hidden_size}: "
                             "all servers must serve the same model with the same EYAS_CAPTURE_LAYERS")
     job = _job_tag(Path(out_store), split)
+    run = os.urandom(3).hex()  # rids differ between runs: a rerun never meets a server's memory of an earlier one
     for p in {str(p.dump_dir): p for p in plans}.values():
         if (n := remove_stale_dumps(p.dump_dir, job)):
             log(f"eyas: removed {n} dumps left in {p.dump_dir} by an interrupted run")
@@ -424,6 +441,10 @@ def capture_from_sglang(
     hidden = int(probes[0].aux_LAD.shape[2])
     server_dtype = _model_dtype(probes[0].dump_dtype)
 
+    if target is None:
+        served = plans[0].info.get("model_path")
+        if served and (Path(served) / "config.json").is_file():
+            target = served  # the server loads its model from a directory this host can read
     writer = open_store(Path(out_store), prepared=ds, split=split, layer_ids=layer_ids, hidden_size=hidden,
                         dtype=dtype, target=target, model_dtype=server_dtype, limit=limit,
                         producer={"backend": "sglang", "urls": [p.url for p in plans],
@@ -443,39 +464,47 @@ def capture_from_sglang(
     inflight = concurrency * len(plans)
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
+    futures: dict[cf.Future, int] = {}  # future -> index of its server
     try:
         with cf.ThreadPoolExecutor(max_workers=inflight) as pool:
-            futures: set[cf.Future] = set()
-            it = iter(enumerate(todo))
+            load = [0] * len(plans)  # requests in flight per server: the least loaded gets the next one
+            it = iter(todo)
 
             def submit_next() -> bool:
-                nxt = next(it, None)
-                if nxt is None:
+                i = next(it, None)
+                if i is None:
                     return False
-                k, i = nxt
+                k = min(range(len(plans)), key=load.__getitem__)
                 s = sp[i]
-                futures.add(pool.submit(capture_one, plans[k % len(plans)], s.id, s.input_ids, f"{job}-{i}",
-                                        layer_ids=layer_ids, max_retries=max_retries, backoff_s=backoff_s,
-                                        request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s))
+                futures[pool.submit(capture_one, plans[k], s.id, s.input_ids, f"{job}-{run}-{i}",
+                                    layer_ids=layer_ids, max_retries=max_retries, backoff_s=backoff_s,
+                                    request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s)] = k
+                load[k] += 1
                 return True
 
-            while len(futures) < inflight and submit_next():
-                pass
-            while futures:
-                finished, futures = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-                for f in finished:
-                    res: Outcome = f.result()
-                    retries += res.retries
-                    if res.reason is not None:
-                        rejected.append({"id": res.sample_id, "tokens": res.tokens, "reason": res.reason})
-                        log(f"eyas: rejected {res.sample_id}: {res.reason}")
-                    else:
-                        writer.add(res.sample_id, res.aux_LAD, res.final_LD)
-                        captured += 1
-                        tokens += res.tokens
-                    bar.update(res.tokens)
-                    submit_next()
-        ok = True
+            try:
+                while len(futures) < inflight and submit_next():
+                    pass
+                while futures:
+                    finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+                    for f in finished:
+                        load[futures.pop(f)] -= 1
+                        res: Outcome = f.result()
+                        retries += res.retries
+                        if res.reason is not None:
+                            rejected.append({"id": res.sample_id, "tokens": res.tokens, "reason": res.reason})
+                            log(f"eyas: rejected {res.sample_id}: {res.reason}")
+                        else:
+                            writer.add(res.sample_id, res.aux_LAD, res.final_LD)
+                            captured += 1
+                            tokens += res.tokens
+                        bar.update(res.tokens)
+                        submit_next()
+                ok = True
+            except BaseException:
+                for f in futures:
+                    f.cancel()  # requests not started yet; running ones end within their timeouts
+                raise
     finally:
         bar.close()
         for p in {str(p.dump_dir): p for p in plans}.values():
@@ -487,7 +516,7 @@ def capture_from_sglang(
         "backend": "sglang", "store": str(out_store), "split": split, "urls": [p.url for p in plans],
         "layer_ids": layer_ids, "convention": CONVENTION, "sglang_layer_ids": sglang_layer_ids(layer_ids),
         "samples": n_total, "already_committed": n_total - len(todo), "captured": captured, "tokens": tokens,
-        "rejected_count": len(rejected), "rejected": rejected, "retries": retries,
+        "rejected_count": len(rejected), "rejected": rejected[:REJECTED_LISTED], "retries": retries,
         "cache_bypass": [p.bypass for p in plans], "store_complete": manifest.get("status") == "complete",
         "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
     }

@@ -130,6 +130,11 @@ def _aux_rows(aux, a: int, b: int) -> torch.Tensor:
     return torch.stack([x[a:b] for x in aux], dim=1)
 
 
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy that never aliases the server's buffers (on a CPU server `.to("cpu")` would)."""
+    return t.to("cpu", copy=True)
+
+
 def _num_rows(aux) -> int:
     return int(aux.shape[0]) if isinstance(aux, torch.Tensor) else min(int(x.shape[0]) for x in aux)
 
@@ -207,31 +212,37 @@ class CaptureCore:
         # tensors do not hold every request's rows (e.g. sequence-sharded), so nothing is trusted.
         rows = min(_num_rows(info.aux), int(info.final_TD.shape[0]))
         short = rows < total
+        # one device-to-host copy each for the whole forward's positions and token ids
+        pos_all = info.positions_T[:total].to("cpu", torch.int64, copy=True) if info.positions_T is not None and not short else None
+        ids_all = info.input_ids_T[:total].to("cpu", torch.int64, copy=True) if info.input_ids_T is not None and not short else None
         for i in ours:
             rid, n, p, a = str(rids[i]), int(lens[i]), int(prefix[i]), starts[i]
             num_tokens = parse_rid(rid)
             if rid in self._rejected:
-                continue
+                if p != 0:
+                    continue  # a later piece of a prompt already rejected
+                del self._rejected[rid]  # the same rid sent again: a fresh prefill
             if short:
                 out.append(self._reject(rid, num_tokens, f"the forward holds {rows} rows for {total} tokens "
                                                          "(rows scattered across ranks: sequence parallel or context parallel?)", now))
                 continue
             pos = None
-            if info.positions_T is not None and n > 0:
-                pos = info.positions_T[a:a + n].to("cpu", torch.int64)
+            if pos_all is not None and n > 0:
+                pos = pos_all[a:a + n]
                 want = torch.arange(p, p + n, dtype=torch.int64)
                 if not torch.equal(pos, want):
                     out.append(self._reject(rid, num_tokens, f"rows hold positions {pos[:4].tolist()}... but the "
                                                              f"forward says prefix {p}, length {n}", now))
                     continue
-            done = self._add_piece(rid, num_tokens, p, a, n, info, pos, now)
+            ids = ids_all[a:a + n] if ids_all is not None else None
+            done = self._add_piece(rid, num_tokens, p, a, n, info, pos, ids, now)
             if done is not None:
                 out.append(done)
         return out
 
     # --- internals
 
-    def _add_piece(self, rid, num_tokens, p, a, n, info: ForwardInfo, pos, now) -> CompletedSample | None:
+    def _add_piece(self, rid, num_tokens, p, a, n, info: ForwardInfo, pos, ids, now) -> CompletedSample | None:
         st = self._pending.get(rid)
         if st is not None and p == 0 and st.covered > 0:
             st = None  # the server restarted this prompt (e.g. retracted): start over
@@ -251,8 +262,7 @@ class CaptureCore:
                                                  "(a decode step or a wrong rid length)", now)
         st.last_seen = now
         if n > 0:
-            ids = info.input_ids_T[a:a + n].to("cpu", torch.int64) if info.input_ids_T is not None else None
-            st.pieces.append(_Piece(p, _aux_rows(info.aux, a, a + n).to("cpu"), info.final_TD[a:a + n].to("cpu"), ids, pos))
+            st.pieces.append(_Piece(p, _host(_aux_rows(info.aux, a, a + n)), _host(info.final_TD[a:a + n]), ids, pos))
             st.covered += n
             self.stats["pieces"] += 1
         if st.covered < num_tokens:
@@ -291,6 +301,18 @@ class CaptureCore:
 
 
 # ----------------------------------------------------------------------------- dumps on disk
+
+
+_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
+                  torch.float32: (torch.int32, 0x7F800000)}
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN/Inf: an all-ones exponent, tested on the integer bits (2x faster than isfinite on CPU)."""
+    if t.dtype in _EXPONENT_BITS and t.is_contiguous():
+        itype, mask = _EXPONENT_BITS[t.dtype]
+        return bool(((t.view(itype) & mask) != mask).all())
+    return bool(torch.isfinite(t).all())
 
 
 def _dtype_name(t: torch.Tensor) -> str:
@@ -364,23 +386,28 @@ def read_dump(path: str | Path, *, tensors: bool = True) -> Dump:
 
 
 class DumpWriter:
-    """Writes completed samples, optionally on a background thread (the server must not block on disk).
+    """Writes completed samples, optionally on background threads (the server must not block on disk).
 
-    With `threaded=True` a bounded queue feeds one thread; `flush()` waits until everything queued
-    is on disk. Write errors are counted and kept (`errors`), never raised into the server's forward.
+    With `threads=N > 0` a bounded queue feeds N writer threads (a full queue makes `submit` wait:
+    back-pressure rather than unbounded memory); `flush()` waits until everything queued is on
+    disk. Write errors are counted and kept (`errors`), never raised into the server's forward.
     """
 
     def __init__(self, dump_dir: str | Path, *, layer_ids: Sequence[int], writer: dict[str, Any] | None = None,
-                 threaded: bool = False, max_queue: int = 64):
+                 threads: int = 0, max_queue: int = 64):
+        if threads < 0:
+            raise ValueError(f"threads: {threads}, expected >= 0")
         self.dump_dir = Path(dump_dir)
         self.layer_ids = list(layer_ids)
         self.writer = writer or {}
         self.errors: list[str] = []
         self.written = 0
+        self._count_lock = threading.Lock()
         self._q: queue.Queue | None = None
-        if threaded:
+        if threads:
             self._q = queue.Queue(maxsize=max_queue)
-            threading.Thread(target=self._loop, name="eyas-dump-writer", daemon=True).start()
+            for k in range(threads):
+                threading.Thread(target=self._loop, name=f"eyas-dump-writer-{k}", daemon=True).start()
 
     def submit(self, samples: Sequence[CompletedSample]) -> None:
         for s in samples:
@@ -396,9 +423,11 @@ class DumpWriter:
     def _write(self, s: CompletedSample) -> None:
         try:
             write_dump(self.dump_dir, s, layer_ids=self.layer_ids, writer=self.writer)
-            self.written += 1
+            with self._count_lock:
+                self.written += 1
         except Exception as exc:  # a full /dev/shm must not take the server down
-            self.errors.append(f"{s.rid}: {type(exc).__name__}: {exc}")
+            with self._count_lock:
+                self.errors.append(f"{s.rid}: {type(exc).__name__}: {exc}")
 
     def _loop(self) -> None:
         assert self._q is not None

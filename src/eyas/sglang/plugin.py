@@ -58,6 +58,7 @@ logger = logging.getLogger("eyas.sglang")
 PINNED_SGLANG = "0.5.23"
 SUPPORTED_RANGE = ">=0.5.22,<0.6"  # 0.5.22 passes the same contract check (its wheel was read too)
 PLUGIN_VERSION = "1"
+WRITER_THREADS = 4  # dump writers per writing rank (safetensors serialisation + tmpfs copy)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 
 # Every SGLang name the plugin relies on, as (module, qualified attribute, required parameters).
@@ -87,6 +88,7 @@ class PluginConfigError(SystemExit):
     would leave a capture server that silently captures nothing."""
 
     def __init__(self, message: str):
+        logger.error("eyas capture plugin: %s", message)
         super().__init__(f"eyas capture plugin: {message}")
 
 
@@ -356,7 +358,7 @@ def _on_init_attention_backends(runner, *args, **kwargs):
                 "layers_to_capture": list(getattr(inner, "layers_to_capture", []) or []),
                 "layers_to_capture_adjusted": adjusted}
     writer = {**st.ranks, "pid": os.getpid()}
-    st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threaded=True)
+    st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threads=WRITER_THREADS)
     st.enabled = True
     logger.info("eyas capture: layers %s (hf-input; SGLang ids %s), dump dir %s, ranks %s, writer=%s",
                 layer_ids, sglang_layer_ids(layer_ids), st.cfg.dump_dir, st.ranks,

@@ -107,7 +107,7 @@ class StandinServer:
         self.dump_dir = Path(cfg.dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
         self.cores = [CaptureCore() for _ in range(cfg.tp_size)]
-        self.writer = DumpWriter(self.dump_dir, layer_ids=self.layer_ids, threaded=True,
+        self.writer = DumpWriter(self.dump_dir, layer_ids=self.layer_ids, threads=2,
                                  writer={"attn_tp_rank": 0, "pp_rank": 0, "pp_size": 1, "standin": True})
         self.radix: list[tuple[str | None, list[int]]] = []
         self.queue: queue.Queue[_Req] = queue.Queue()

@@ -11,4 +11,7 @@
 - `metrics`: acceptance length, per-position rates, accepted/drafted, with written definitions.
 - `generate`: evaluation prompts (MT-bench two turns) and batched greedy target generation.
 - `report`: report.json, report.md and the acceptance-by-position plot.
+- `run`: `eyas eval` end to end (`EvalConfig`, `run_eval`, `evaluate_to`).
+
+Run: `eyas eval --drafter DIR --out REPORT_DIR` (MT-bench, SmolLM2 by default).
 """

@@ -80,6 +80,8 @@ class DraftSpec:
     """Layout the drafter was read from: eyas, sglang or speculators."""
     source_layer_ids: list[int] | None = field(default=None)
     """Layer ids exactly as written in the source config (its own convention), if any."""
+    target_model_type: str | None = None
+    """The target's HF model_type when known (SGLang converts DeepSeek ids differently)."""
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -175,14 +177,26 @@ def detect_format(cfg: dict[str, Any]) -> str:
     )
 
 
-def _spec_from_sglang(cfg: dict[str, Any], *, where: str, target_layers: int | None) -> DraftSpec:
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+
+
+def from_sglang_layer_ids(ids: list[int], target_model_type: str | None) -> list[int]:
+    """SGLang's ids -> ours. Llama & co: ours = k + 1. DeepSeek-V2/V3 in recent SGLang adds the 1 only when
+    the first id is 1 and otherwise uses the ids as they are (input-of-layer ids, like ours)."""
+    if target_model_type in DEEPSEEK_TYPES and ids and ids[0] != 1:
+        return list(ids)
+    return [k + 1 for k in ids]
+
+
+def _spec_from_sglang(cfg: dict[str, Any], *, where: str, target_layers: int | None,
+                      target_model_type: str | None = None) -> DraftSpec:
     _check_single_llama_layer(cfg, where=where)
     dims = _llama_dims(cfg, where=where)
     eagle = cfg.get("eagle_config") or {}
     sgl_ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     top_ids = cfg.get("eagle_aux_hidden_state_layer_ids")
-    if sgl_ids:  # SGLang: id k = output of layer k = input to layer k + 1
-        ours, source = [int(i) + 1 for i in sgl_ids], list(sgl_ids)
+    if sgl_ids:  # SGLang: id k = output of layer k = input to layer k + 1 (but see DeepSeek)
+        ours, source = from_sglang_layer_ids([int(i) for i in sgl_ids], target_model_type), list(sgl_ids)
     elif top_ids:  # vLLM reads this key from the same layout, in its own (= our) convention
         ours, source = [int(i) for i in top_ids], list(top_ids)
     else:
@@ -195,6 +209,7 @@ def _spec_from_sglang(cfg: dict[str, Any], *, where: str, target_layers: int | N
         norm_before_residual=bool(cfg.get("norm_before_residual", False)),
         source_format="sglang",
         source_layer_ids=source,
+        target_model_type=target_model_type,
     )
 
 
@@ -266,6 +281,7 @@ def spec_from_drafter_config(config) -> DraftSpec:
         norm_before_residual=False,
         source_format="eyas",
         source_layer_ids=[int(i) for i in c.aux_layer_ids],
+        target_model_type=getattr(c, "target_model_type", None),
     )
 
 
@@ -330,8 +346,10 @@ class DraftCheckpoint:
     path: Path
 
 
-def load_draft_checkpoint(directory: str | Path, *, target_layers: int | None = None) -> DraftCheckpoint:
-    """Read any supported drafter directory; `target_layers` supplies default aux ids when needed."""
+def load_draft_checkpoint(directory: str | Path, *, target_layers: int | None = None,
+                          target_model_type: str | None = None) -> DraftCheckpoint:
+    """Read any supported drafter directory; `target_layers` supplies default aux ids when needed,
+    `target_model_type` the conversion rule of SGLang ids (DeepSeek differs)."""
     directory = Path(directory)
     if not directory.is_dir():
         raise EyasError(f"--drafter {directory}: not a directory")
@@ -341,9 +359,11 @@ def load_draft_checkpoint(directory: str | Path, *, target_layers: int | None = 
     if fmt == "eyas":
         spec = _spec_from_eyas(directory)
     elif fmt == "sglang":
-        spec = _spec_from_sglang(cfg, where=where, target_layers=target_layers)
+        spec = _spec_from_sglang(cfg, where=where, target_layers=target_layers, target_model_type=target_model_type)
     else:
         spec = _spec_from_speculators(cfg, where=where, target_layers=target_layers)
+    if target_model_type and not spec.target_model_type:
+        spec.target_model_type = target_model_type
     weights = canonical_weights(read_weights(directory), where=where)
     complete_vocab_maps(spec, weights, where=where)
     check_shapes(spec, weights, where=where)

@@ -65,21 +65,25 @@ class FunctionalDrafter:
 
     # ---- RoPE -----------------------------------------------------------------------------------
     def _rope_frequencies(self):
-        """inv_freq for the spec's rope type, through transformers' own initialisers (llama3, yarn, ...)."""
+        """inv_freq for the spec's rope type: default/linear/llama3 as the training model computes them,
+        anything else (yarn, ...) through transformers' own initialisers."""
+        s = self.spec
+        rp = dict(s.rope_parameters)
+        rope_type = rp.get("rope_type", rp.get("type", "default"))
+        if rope_type in ("default", "linear", "llama3"):
+            from types import SimpleNamespace
+
+            from eyas.drafter.model import rope_inv_freq
+
+            cfg = SimpleNamespace(head_dim=s.head_dim, rope_theta=float(rp["rope_theta"]), rope_parameters={**rp, "rope_type": rope_type})
+            return rope_inv_freq(cfg).to(self.device), 1.0
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        s = self.spec
         cfg = LlamaConfig(
             hidden_size=s.num_attention_heads * s.head_dim, num_attention_heads=s.num_attention_heads,
-            head_dim=s.head_dim, max_position_embeddings=s.max_position_embeddings,
-            rope_parameters=dict(s.rope_parameters),
+            head_dim=s.head_dim, max_position_embeddings=s.max_position_embeddings, rope_parameters=rp,
         )
-        rope_type = s.rope_parameters.get("rope_type", "default")
-        if rope_type == "default":
-            base = float(s.rope_parameters["rope_theta"])
-            inv = 1.0 / (base ** (torch.arange(0, s.head_dim, 2, dtype=torch.float64) / s.head_dim))
-            return inv.float().to(self.device), 1.0
         inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, self.device)
         return inv.float().to(self.device), float(scaling)
 

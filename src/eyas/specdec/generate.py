@@ -26,6 +26,7 @@ from eyas.errors import EyasError
 class Conversation:
     id: str
     turns: list[str]  # user messages, answered in order
+    category: str | None = None  # MT-bench's category (writing, math, ...), if the record has one
 
 
 @dataclass
@@ -36,6 +37,7 @@ class Sequence:
     turn: int  # 1-based
     prompt_ids: list[int]
     generated_ids: list[int] = field(default_factory=list)
+    category: str | None = None
 
     @property
     def ids(self) -> list[int]:
@@ -66,7 +68,8 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[Conversation]
         if not turns or not all(isinstance(t, str) and t for t in turns):
             raise EyasError(f"--prompts {path}:{n}: needs \"turns\": [str, ...] or \"prompt\": str")
         cid = rec.get("question_id", rec.get("id", n))
-        convs.append(Conversation(id=str(cid), turns=list(turns)))
+        category = rec.get("category")
+        convs.append(Conversation(id=str(cid), turns=list(turns), category=str(category) if category else None))
     if not convs:
         raise EyasError(f"--prompts {path}: no prompts found")
     return convs[:limit] if limit else convs
@@ -111,7 +114,12 @@ def check_fits(seq: Sequence, *, max_new_tokens: int, context: int) -> None:
 def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
                     batch_size: int) -> list[list[int]]:
     """Greedy continuations (EOS kept, nothing after it) for each prompt, in input order."""
+    from transformers import GenerationConfig
+
     device = next(model.parameters()).device
+    # a fresh config: the model's own may carry sampling defaults (temperature, top_p) we must not inherit
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
+                              eos_token_id=sorted(eos_ids), pad_token_id=pad_id, use_cache=True)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
     bar = progress(len(prompts), "generate", "seq")
@@ -123,11 +131,7 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos
         for row, i in enumerate(idx):  # left padding: every row's next token is at the same column
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
-        gen = model.generate(
-            input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=max_new_tokens,
-            do_sample=False, num_beams=1, eos_token_id=sorted(eos_ids), pad_token_id=pad_id,
-            temperature=None, top_p=None, top_k=None,
-        )[:, width:].tolist()
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)[:, width:].tolist()
         for row, i in enumerate(idx):
             toks = gen[row]
             cut = next((j + 1 for j, t in enumerate(toks) if t in eos_ids), len(toks))
@@ -152,7 +156,7 @@ def generate_conversations(model, tokenizer, convs: list[Conversation], *, max_n
         batch = []
         for i in live:
             history[i].append({"role": "user", "content": convs[i].turns[turn]})
-            seq = Sequence(id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]))
+            seq = Sequence(id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]), category=convs[i].category)
             check_fits(seq, max_new_tokens=max_new_tokens, context=context)
             batch.append(seq)
         log(f"eval: generating turn {turn + 1} for {len(batch)} prompts ({max_new_tokens} new tokens max)")

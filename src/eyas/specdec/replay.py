@@ -191,7 +191,7 @@ def accepted_length(tree: DraftTree, expected_RD: torch.Tensor, valid_RD: torch.
         match = tree.selected & (tree.parent == cur[:, None]) & (tree.tokens == expected_RD[:, j : j + 1])
         match &= (alive & valid_RD[:, j])[:, None]
         hit = match.any(dim=1)
-        cur = torch.where(hit, match.to(torch.uint8).argmax(dim=1), cur)
+        cur = torch.where(hit, match.long().argmax(dim=1), cur)  # at most one match per row
         acc += hit.long()
         alive &= hit
     return acc

@@ -50,6 +50,11 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.ids)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Token count of each item (from the manifest: no shard is read), for length-bucketed sampling."""
+        return [rec["tokens"] for rec in self.store.manifest["samples"]]
+
     def __getitem__(self, i: int) -> dict[str, Any]:
         sid = self.ids[i]
         sample = self.split[self.split.index_of(sid)]

@@ -7,13 +7,14 @@ Two checks:
   every shard has the size its header and the manifest state (a truncated shard fails all its
   samples); each sample's sha256 matches; no NaN/Inf (for fp8 also in the scales).
 - numbers (a seeded random subset): recompute each sample alone with the independent reference
-  path `eyas.target.reference_hidden_states` (unbatched, eager, `output_hidden_states`) and compare
+  path `eyas.target.reference_hidden_states` (unbatched, no padding, `output_hidden_states` of the
+  full causal LM instead of hooks, eager PyTorch: no compilation or graphs) and compare
   every stored slot token by token: err_t = ||stored_t - ref_t|| / ||ref_t||. A sample fails when its
   worst err_t exceeds the tolerance. The worst error, its sample, slot and token are reported.
 
 Default tolerances (worst per-token relative L2 error), set by the stored dtype and the dtype the
 target ran in. Measured on the real SmolLM2 (4 chat samples of 71-88 tokens, batched capture vs the
-unbatched reference), worst error of a correct store:
+unbatched reference, both with the model's default SDPA attention), worst error of a correct store:
 
     stored \\ model    fp32 model            bf16 model
     fp32              3.6e-6  -> tol 1e-3   0.025 -> tol 0.10
@@ -122,10 +123,15 @@ def check_coverage(reader: StoreReader, split, *, threads: int | None = None) ->
             found["truncated_shard"].append(rec["id"])
         elif counts[rec["id"]] == 1:
             scan.append(rec["id"])
+    from eyas.common import progress
+
+    bar = progress(len(scan), "verify coverage", unit="sample")
     with concurrent.futures.ThreadPoolExecutor(max_workers=threads or min(8, os.cpu_count() or 1)) as pool:
         for sid, problems in zip(scan, pool.map(lambda s: _scan_sample(reader, s), scan)):
+            bar.update(1)
             for p in problems:
                 found[p].append(sid)
+    bar.close()
     failing = sorted({sid for ids in found.values() for sid in ids})
     return {
         "ok": not failing and not notes,
@@ -220,8 +226,9 @@ def verify_store(
     summary: dict[str, Any] = {"store": str(store), "dtype": reader.dtype, "model_dtype": m.get("model_dtype"),
                                "samples": coverage["stored_samples"], "tokens": coverage["stored_tokens"], "coverage": coverage}
     tol = tolerance if tolerance is not None else default_tolerance(reader.dtype, m.get("model_dtype"))
-    candidates = [sid for sid in reader.sample_ids if sid not in set(coverage["failing_samples"]) and sid in split._index]
-    subset = pick_subset(sorted(set(candidates), key=candidates.index), numbers, seed)
+    failed = set(coverage["failing_samples"])
+    candidates = list(dict.fromkeys(sid for sid in reader.sample_ids if sid not in failed and sid in split._index))
+    subset = pick_subset(candidates, numbers, seed)
     if subset:
         model = _load_reference_target(m, target, device)
         bar = progress(len(subset), "verify numbers", unit="sample")

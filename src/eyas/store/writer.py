@@ -44,6 +44,7 @@ from eyas.store.format import (
     CHECKSUM, HEADER_BYTES, MANIFEST, SCHEMA, bytes_per_token, encode_rows, shard_header, stored_dtype,
 )
 
+WRITE_CHUNK = 64 << 20  # bytes per write() call; writeback is started after each
 SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 TMP_RE = re.compile(r"^\.shard-\d{5,}\.safetensors\..*\.tmp$")
 
@@ -78,8 +79,6 @@ class StoreSpec:
         stored_dtype(self.dtype)
         if not self.aux_layer_ids:
             raise ValueError("aux_layer_ids: empty; a store needs at least one aux layer")
-        if len(set(self.aux_layer_ids)) != len(self.aux_layer_ids):
-            raise ValueError(f"aux_layer_ids: {self.aux_layer_ids} has repeated ids")
         if self.hidden_size <= 0:
             raise ValueError(f"hidden_size: {self.hidden_size} must be positive")
 
@@ -105,17 +104,21 @@ def _now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def manifest_bytes(manifest: dict[str, Any]) -> bytes:
-    """JSON with one line per sample and per shard: readable, and cheap to rewrite per commit."""
+def manifest_bytes(manifest: dict[str, Any], lines: dict[str, list[str]] | None = None) -> bytes:
+    """JSON with one line per sample and per shard: readable, and cheap to rewrite per commit.
+
+    `lines` may hold the already-serialised lines of "shards" and "samples" (the writer keeps them,
+    so a commit to a store of 100K samples joins strings instead of re-encoding every record).
+    """
     head = {k: v for k, v in manifest.items() if k not in ("samples", "shards")}
     body = json.dumps(head, indent=2, sort_keys=True)[:-2]
-    lines = [body + ","]
+    parts = [body + ","]
     for key in ("shards", "samples"):
-        rows = manifest.get(key, [])
-        inner = ",\n".join("    " + json.dumps(r, sort_keys=True) for r in rows)
-        lines.append(f'  "{key}": [\n{inner}\n  ],' if rows else f'  "{key}": [],')
-    lines[-1] = lines[-1][:-1]
-    return ("\n".join(lines) + "\n}\n").encode()
+        rows = lines[key] if lines is not None else [json.dumps(r, sort_keys=True) for r in manifest.get(key, [])]
+        inner = ",\n    ".join(rows)
+        parts.append(f'  "{key}": [\n    {inner}\n  ],' if rows else f'  "{key}": [],')
+    parts[-1] = parts[-1][:-1]
+    return ("\n".join(parts) + "\n}\n").encode()
 
 
 def check_free_space(path: Path, need_bytes: int, *, what: str) -> dict[str, int]:
@@ -163,8 +166,13 @@ class StoreWriter:
         except OSError:
             self._lock.close()
             raise EyasError(f"{self.path}: another process is writing this store (lock held on .lock); wait for it or choose another --out") from None
-        self.manifest = self._open_or_create()
+        try:
+            self.manifest = self._open_or_create()
+        except BaseException:
+            self._lock.close()  # releases the lock: the store was not touched
+            raise
         self._ids: set[str] = {s["id"] for s in self.manifest["samples"]}
+        self._lines = {k: [json.dumps(r, sort_keys=True) for r in self.manifest[k]] for k in ("shards", "samples")}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=hash_threads or min(8, os.cpu_count() or 1))
         self._file = None  # the open temporary shard
         self._tmp_path: Path | None = None
@@ -266,9 +274,13 @@ class StoreWriter:
                 self._pool.submit(_sample_digest, hidden_u8[a * rb:b * rb], scale_u8[a * sb:b * sb] if scale_u8 is not None else None)
                 for a, b in zip(starts[:-1], starts[1:])
             ]
-            offset = self._file.tell()
-            _write_all(self._file, hidden_u8)
-            self._kick_writeback(offset, hidden_u8.size)
+            for a in range(0, hidden_u8.size, WRITE_CHUNK):
+                # In chunks, each handed to writeback at once: the disk starts on a batch while the
+                # rest of it is still being copied into the page cache.
+                offset = self._file.tell()
+                chunk = hidden_u8[a:a + WRITE_CHUNK]
+                _write_all(self._file, chunk)
+                self._kick_writeback(offset, chunk.size)
             for sid, t, a, fut in zip(ids, lengths, starts, digests):
                 self._pending.append({"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: fut.result()})
                 self._ids.add(str(sid))
@@ -345,20 +357,24 @@ class StoreWriter:
         index = len(self.manifest["shards"])
         for rec in self._pending:
             rec["shard"] = index
-        self.manifest["shards"].append({"name": name, "bytes": size, "rows": self._rows, "samples": len(self._pending)})
+        shard = {"name": name, "bytes": size, "rows": self._rows, "samples": len(self._pending)}
+        self.manifest["shards"].append(shard)
         self.manifest["samples"].extend(self._pending)
+        self._lines["shards"].append(json.dumps(shard, sort_keys=True))
+        self._lines["samples"].extend(json.dumps(r, sort_keys=True) for r in self._pending)
         self._pending, self._pending_scales, self._rows = [], [], 0
         self._write_manifest()
 
     def _write_manifest(self) -> None:
         self.manifest["updated"] = _now()
+        shards = self.manifest["shards"]
         self.manifest["totals"] = {
             "samples": len(self.manifest["samples"]),
-            "tokens": sum(s["tokens"] for s in self.manifest["samples"]),
-            "bytes": self.committed_bytes,
-            "shards": len(self.manifest["shards"]),
+            "tokens": sum(s["rows"] for s in shards),
+            "bytes": sum(s["bytes"] for s in shards),
+            "shards": len(shards),
         }
-        atomic_write_bytes(self.path / MANIFEST, manifest_bytes(self.manifest))
+        atomic_write_bytes(self.path / MANIFEST, manifest_bytes(self.manifest, self._lines))
 
     def _abort_shard(self) -> None:
         if self._file is not None:

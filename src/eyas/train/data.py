@@ -98,8 +98,9 @@ class StoreSource(_TokenSource):
         super().__init__(split, order, max_length=max_length)
         self.reader, self.dtype = reader, dtype
 
-    def batch(self, items: list[Item], device) -> Batch:
-        ids, mask = self._token_batch(items, device)
+    def load(self, items: list[Item], *, pin: bool = False) -> Batch:
+        """The batch on the CPU (pinned when `pin`): safe to run in a background thread."""
+        ids, mask = self._token_batch(items, "cpu")
         auxs, finals = [], []
         for it in items:
             aux, final = self.reader.get(it.id, dtype=self.dtype)
@@ -109,27 +110,72 @@ class StoreSource(_TokenSource):
                                 f"dataset has {T} tokens; the store does not match its prepared dataset")
             auxs.append(aux[:T])
             finals.append(final[:T])
-        aux = _pad(auxs).to(device, non_blocking=True)
-        final = _pad(finals).to(device, non_blocking=True)
+        aux, final = _pad(auxs), _pad(finals)
+        if pin:
+            aux, final = aux.pin_memory(), final.pin_memory()
         return Batch(ids, mask, aux, final, sum(it.input_ids.shape[0] for it in items))
+
+    def batch(self, items: list[Item], device) -> Batch:
+        return to_device(self.load(items), device)
+
+
+def to_device(b: Batch, device) -> Batch:
+    nb = torch.device(device).type == "cuda"
+    return Batch(b.input_ids_BT.to(device, non_blocking=nb), b.loss_mask_BT.to(device, non_blocking=nb),
+                 b.aux_BTAD.to(device, non_blocking=nb), b.final_BTD.to(device, non_blocking=nb), b.tokens)
+
+
+class Prefetcher:
+    """Loads the next `depth` store batches in a background thread while the GPU trains.
+
+    `schedule` yields item lists in consumption order; `next_batch()` returns them in that order
+    on `device`. Sources without `load` (online: the target runs on the device) are not threaded.
+    """
+
+    def __init__(self, src, schedule, device, *, depth: int = 2):
+        import queue
+        import threading
+
+        self.src, self.device = src, torch.device(device)
+        self.threaded = hasattr(src, "load")
+        self._schedule = iter(schedule)
+        if self.threaded:
+            self._q: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._work, daemon=True)
+            self._thread.start()
+
+    def _work(self) -> None:
+        try:
+            for items in self._schedule:
+                if self._stop.is_set():
+                    return
+                self._q.put(self.src.load(items, pin=self.device.type == "cuda"))
+        except BaseException as exc:  # surfaced in the main thread
+            self._q.put(exc)
+
+    def next_batch(self) -> Batch:
+        if not self.threaded:
+            return self.src.batch(next(self._schedule), self.device)
+        got = self._q.get()
+        if isinstance(got, BaseException):
+            raise got
+        return to_device(got, self.device)
+
+    def close(self) -> None:
+        if self.threaded:
+            self._stop.set()
+            while not self._q.empty():
+                self._q.get_nowait()
 
 
 def open_store(path: Path):
-    """(StoreReader, PreparedSplit, manifest) with the prepared dataset's fingerprint checked."""
-    from eyas.data.prepared import PreparedDataset
-    from eyas.store.reader import StoreReader
+    """(StoreReader, PreparedSplit, manifest): the store joined with the prepared split it was
+    captured from (eyas.store.dataset.HiddenStateDataset checks the split's fingerprint)."""
+    from eyas.store.dataset import HiddenStateDataset
 
-    reader = StoreReader(path)
-    man = reader.manifest
-    prep = man.get("prepared") or {}
-    if not prep.get("path"):
-        raise EyasError(f"store {path}: its manifest names no prepared dataset; capture it with `eyas capture --data ...`")
-    ds = PreparedDataset(prep["path"])
-    split = ds.split(prep.get("split", "train"))
-    if prep.get("fingerprint") and prep["fingerprint"] != split.fingerprint:
-        raise EyasError(f"store {path} was captured from prepared split {prep['path']}:{split.name} with fingerprint "
-                        f"{prep['fingerprint'][:12]}, which now has {split.fingerprint[:12]}; capture again")
-    return reader, split, man
+    ds = HiddenStateDataset(path)
+    return ds.store, ds.split, ds.store.manifest
 
 
 def store_order(reader, split) -> list[int]:
@@ -196,7 +242,7 @@ def read_target_tensors(target_dir: Path) -> dict[str, torch.Tensor]:
     found: dict[str, tuple[Path, str]] = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
-            for key in fh.keys():
+            for key in fh.keys():  # noqa: SIM118  (safe_open is not a dict)
                 for name, suffix in (("embed", "embed_tokens.weight"), ("lm_head", "lm_head.weight"),
                                      ("final_norm", "model.norm.weight")):
                     if key.endswith(suffix) and ("layers." not in key) and name not in found:

@@ -1,0 +1,172 @@
+"""Eval speed and acceptance: MT-bench (80 questions x 2 turns) on SmolLM2, generation vs replay time.
+
+One run does what `eyas eval` does and reports where the time goes:
+  generation_s       the target's greedy answers (batched Hugging Face generate, 2 turns)
+  target_features_s  one target forward over every (prompt + answer) for the aux features
+  replay_chain_s     replayed chain drafting (k tokens per round), all sequences in lock step
+  replay_tree_s      replayed EAGLE-2 tree drafting (top-k / depth / tokens)
+  total_s            wall time of the whole evaluation, loading included
+plus tau (acceptance length, counting the bonus token) for chain and tree. Without --drafter a
+randomly initialised drafter is used (embedding, lm_head rows and final norm copied from the target):
+its tau is ~1, which makes every sequence take the maximum number of rounds, the replay's worst case.
+
+GPU (about 1 minute on one H200; the goal is < 2 minutes for all 160 sequences at 256 new tokens):
+
+    PYTHONPATH=src python benchmarks/eval_bench.py [--drafter DIR] [--target DIR|default]
+
+CPU check (a few sequences, short answers):
+
+    PYTHONPATH=src python benchmarks/eval_bench.py --limit 2 --max-new-tokens 32
+
+Progress goes to stderr; a table and, as the LAST stdout line, one JSON document of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def random_drafter(target_dir: str, out: Path, *, seed: int) -> Path:
+    import torch
+
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.target import load_target, model_identity
+
+    target = load_target(target_dir)
+    cfg = DrafterConfig.from_target_config(target.config)
+    model = Eagle3Drafter(cfg)
+    model.reset_parameters(seed=seed)
+    head = target.get_output_embeddings().weight.detach()
+    model.init_from_target(target.get_input_embeddings().weight.detach(), head, target.model.norm.weight.detach())
+    model.save(out, target=model_identity(target_dir))
+    del target
+    torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    return out
+
+
+def reference_check(cfg, records, report, n: int) -> dict:
+    """Replay vs the real loop on the first n sequences, at the eval's device and dtype."""
+    from eyas.specdec.generate import eos_ids_of
+    from eyas.specdec.reference import reference_decode
+    from eyas.specdec.run import load_drafter_for, resolve_device
+    from eyas.target import load_target, load_tokenizer
+
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    target = load_target(cfg.target, device=device, dtype=dtype)
+    _, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
+    eos = eos_ids_of(target, load_tokenizer(cfg.target))
+    out = {}
+    for name, tree in cfg.modes().items():
+        same_seq = same_rounds = 0
+        t0 = time.perf_counter()
+        for rec in records[:n]:
+            print(f"eval_bench: reference loop ({name}) on {rec['id']} turn {rec['turn']}", file=sys.stderr, flush=True)
+            gen, rounds = reference_decode(target, drafter, rec["prompt_ids"], layer_ids=report["drafter"]["aux_layer_ids"],
+                                           max_new_tokens=cfg.max_new_tokens, tree=tree, eos_ids=eos)
+            same_seq += gen == rec["generated_ids"]
+            same_rounds += rounds == rec[f"accepted_{name}"]
+        out[name] = {"sequences": min(n, len(records)), "same_output": same_seq, "same_accepted_counts": same_rounds,
+                     "seconds": round(time.perf_counter() - t0, 2)}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default=None, help="drafter directory (eyas, SGLang or speculators layout); default: random")
+    ap.add_argument("--target", default="default", help="target directory or 'default' (SmolLM2-135M-Instruct)")
+    ap.add_argument("--prompts", default="mtbench", help="'mtbench' or a JSONL prompts file")
+    ap.add_argument("--limit", type=int, default=None, help="first N conversations only")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--chain-k", type=int, default=7)
+    ap.add_argument("--tree-topk", type=int, default=10)
+    ap.add_argument("--tree-depth", type=int, default=6)
+    ap.add_argument("--tree-tokens", type=int, default=60)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--gen-batch-size", type=int, default=160)
+    ap.add_argument("--replay-tokens", type=int, default=131072)
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
+    ap.add_argument("--out", default=None, help="also write the eval report here")
+    ap.add_argument("--reference-check", type=int, default=0,
+                    help="re-decode the first N sequences with the real speculative decoding loop (specdec/reference.py) "
+                         "and count those whose output and accepted counts equal the replay's (slow: ~10-30 s each)")
+    args = ap.parse_args()
+
+    import torch
+
+    from eyas.defaults import resolve_target
+    from eyas.specdec.run import EvalConfig, run_eval
+
+    t_start = time.perf_counter()
+    target_dir = str(resolve_target(args.target))
+    with tempfile.TemporaryDirectory() as tmp:
+        drafter = Path(args.drafter) if args.drafter else random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
+        print(f"eval_bench: drafter {drafter}{' (random)' if not args.drafter else ''}", file=sys.stderr, flush=True)
+        cfg = EvalConfig(
+            drafter=drafter, target=target_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
+            chain_k=args.chain_k, tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
+            device=args.device, dtype=args.dtype, limit=args.limit, gen_batch_size=args.gen_batch_size,
+            replay_tokens=args.replay_tokens,
+        )
+        t0 = time.perf_counter()
+        report, records = run_eval(cfg)
+        total = time.perf_counter() - t0
+        check = reference_check(cfg, records, report, args.reference_check) if args.reference_check else None
+        if args.out:
+            from eyas.common import atomic_directory
+            from eyas.specdec.report import write_report
+
+            with atomic_directory(Path(args.out), overwrite=True) as d:
+                write_report(d, report, records)
+
+    t = report["timings"]
+    modes = report["modes"]
+    gen = report["generation"]
+    figures = {
+        "device": report["settings"]["device"],
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() and "cuda" in report["settings"]["device"] else None,
+        "dtype": report["settings"]["dtype"],
+        "drafter": "random" if not args.drafter else str(args.drafter),
+        "conversations": report["prompts"]["conversations"],
+        "sequences": gen["sequences"],
+        "prompt_tokens": gen["prompt_tokens"],
+        "generated_tokens": gen["generated_tokens"],
+        "max_new_tokens": args.max_new_tokens,
+        "load_s": t.get("load_s"),
+        "generation_s": t.get("generation_s"),
+        "generation_tokens_per_s": round(gen["generated_tokens"] / t["generation_s"], 1) if t.get("generation_s") else None,
+        "target_features_s": t.get("target_features_s"),
+        "replay_chain_s": t.get("replay_chain_s"),
+        "replay_tree_s": t.get("replay_tree_s"),
+        "eval_s": round(total, 3),
+        "total_s": round(time.perf_counter() - t_start, 3),
+        "tau_chain": modes.get("chain", {}).get("acceptance_length"),
+        "tau_tree": modes.get("tree", {}).get("acceptance_length"),
+        "rounds_chain": modes.get("chain", {}).get("rounds"),
+        "rounds_tree": modes.get("tree", {}).get("rounds"),
+        "chain": modes.get("chain", {}).get("settings"),
+        "tree": modes.get("tree", {}).get("settings"),
+        "reference_check": check,
+    }
+    print(f"{'stage':<22}{'seconds':>10}")
+    for key in ("load_s", "generation_s", "target_features_s", "replay_chain_s", "replay_tree_s", "eval_s", "total_s"):
+        v = figures[key]
+        print(f"{key:<22}{'-' if v is None else f'{v:10.2f}':>10}")
+    for name in ("chain", "tree"):
+        if figures[f"tau_{name}"] is not None:
+            print(f"tau {name:<18}{figures[f'tau_{name}']:10.3f}   ({figures[name]}, {figures[f'rounds_{name}']} rounds)")
+    print(f"{figures['sequences']} sequences, {figures['generated_tokens']} generated tokens")
+    if check:
+        for name, c in check.items():
+            print(f"reference check {name}: {c['same_accepted_counts']}/{c['sequences']} same accepted counts, "
+                  f"{c['same_output']}/{c['sequences']} same output")
+    print(json.dumps(figures))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,161 @@
+"""`eyas demo`: the whole pipeline on the embedded default, on CPU, in a few minutes.
+
+    prepare (ShareGPT, a few hundred chats) -> capture (SmolLM2 hidden states, bf16 store)
+    -> verify (coverage + numbers against the unbatched reference) -> train (EAGLE-3 drafter,
+    training-time test, offline from the store) -> eval (MT-bench greedy acceptance, chain and tree)
+    -> export (SGLang and vLLM layouts)
+
+Every stage is the library call its subcommand makes, so the demo exercises exactly what users run.
+A rerun resumes: a finished prepared dataset is reused, the capture resumes its store, training
+resumes from its last checkpoint, eval and export are redone. --overwrite starts from scratch.
+The drafter is small-data and short-trained: its acceptance shows the pipeline works end to end,
+not what a full run reaches (see benchmarks/RESULTS.md for that).
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.common import log
+from eyas.errors import CheckFailed, EyasError
+
+
+@dataclass(kw_only=True)
+class DemoConfig:
+    out: Path = Path("runs/demo")
+    """Directory for every stage's output."""
+    chats: int = 300
+    """ShareGPT records to prepare."""
+    max_length: int = 512
+    """Tokens per sample (short keeps the CPU run to minutes)."""
+    train_steps: int = 200
+    """Optimizer steps of the drafter."""
+    lr: float = 5e-4
+    """Peak learning rate (a short run wants a higher one than a long run's 1e-4)."""
+    ttt_steps: int = 7
+    """Training-time-test steps."""
+    eval_questions: int = 8
+    """MT-bench questions evaluated (2 turns each)."""
+    max_new_tokens: int = 64
+    """Greedy tokens per turn in the evaluation."""
+    device: str = "cpu"
+    """cpu or cuda."""
+    overwrite: bool = False
+    """Delete --out first."""
+
+    def __post_init__(self):
+        for name in ("chats", "max_length", "train_steps", "eval_questions", "max_new_tokens", "ttt_steps"):
+            if getattr(self, name) < 1:
+                raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+
+
+def run_demo(cfg: DemoConfig) -> dict[str, Any]:
+    from eyas.capture.run import CaptureSettings, run_capture
+    from eyas.data.prepare import PrepareConfig, prepare
+    from eyas.export.formats import export_drafter
+    from eyas.specdec.run import EvalConfig, evaluate_to
+    from eyas.store.verify import verify_store
+    from eyas.train.loop import TrainConfig, run as train
+
+    out = Path(cfg.out)
+    if cfg.overwrite and out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    times: dict[str, float] = {}
+    results: dict[str, Any] = {}
+
+    def stage(name: str, fn):
+        log(f"\n== eyas demo: {name} ==")
+        t0 = time.perf_counter()
+        results[name] = fn()
+        times[name] = round(time.perf_counter() - t0, 1)
+
+    prepared = out / "prepared"
+    if (prepared / "meta.json").is_file():
+        import json
+
+        stage("prepare", lambda: json.loads((prepared / "meta.json").read_text())["summary"])
+    else:
+        stage("prepare", lambda: prepare(PrepareConfig(
+            source="sharegpt", target="default", out=prepared, limit=cfg.chats, max_length=cfg.max_length,
+            eval_fraction=0.05)))
+    store = out / "store"
+    stage("capture", lambda: run_capture(CaptureSettings(
+        target="default", data=prepared, split="train", out=store, device=cfg.device, dtype="bf16")))
+
+    def verify():
+        try:
+            return verify_store(store, numbers=8, seed=0, tolerance=None, device=cfg.device, target=None, data=None)
+        except CheckFailed as exc:  # the demo must not go on to train on states that failed
+            raise EyasError(f"verification of {store} failed: {exc}") from None
+
+    stage("verify", verify)
+    stage("train", lambda: train(TrainConfig(
+        target="default", out=out / "train", store=store, steps=cfg.train_steps, lr=cfg.lr,
+        ttt_steps=cfg.ttt_steps, max_length=cfg.max_length, eval_every=max(cfg.train_steps // 4, 1),
+        eval_samples=16, save_every=max(cfg.train_steps // 4, 1), resume="auto", device=cfg.device,
+        seed=0)))
+    drafter = out / "train" / "drafter"
+    stage("eval", lambda: evaluate_to(out / "eval", EvalConfig(
+        drafter=drafter, target="default", prompts="mtbench", max_new_tokens=cfg.max_new_tokens,
+        limit=cfg.eval_questions, device=cfg.device), overwrite=True))
+    stage("export", lambda: {
+        fmt: export_drafter(drafter, fmt, out / "export" / fmt, overwrite=True) for fmt in ("sglang", "vllm")
+    })
+    summary = _summarise(results, times, out)
+    _print_table(summary)
+    return summary
+
+
+def _pick(d: dict, *keys, default=None):
+    for k in keys:
+        if isinstance(d, dict) and k in d:
+            return d[k]
+    return default
+
+
+def _summarise(results: dict[str, Any], times: dict[str, float], out: Path) -> dict[str, Any]:
+    p, c, v, t, e = (results[k] for k in ("prepare", "capture", "verify", "train", "eval"))
+    return {
+        "stage": "demo",
+        "out": str(out),
+        "seconds": times,
+        "data": {k: p.get(k) for k in ("samples_kept", "train_samples", "eval_samples", "tokens", "assistant_tokens", "skipped")},
+        "capture": c,
+        "verify": v,
+        "train": t,
+        "eval": e,
+        "export": {fmt: r.get("out") for fmt, r in results["export"].items()},
+    }
+
+
+def _print_table(s: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    e = s["eval"]
+    table = Table(title="eyas demo: the pipeline on the embedded default")
+    table.add_column("stage")
+    table.add_column("result")
+    table.add_column("seconds", justify="right")
+    d = s["data"]
+    table.add_row("prepare", f"{d['samples_kept']} chats ({d['train_samples']} train / {d['eval_samples']} eval), "
+                  f"{d['tokens']:,} tokens, {d['assistant_tokens']:,} supervised", str(s["seconds"]["prepare"]))
+    c = s["capture"]
+    table.add_row("capture", f"{_pick(c, 'samples', 'samples_total', default='?')} samples, "
+                  f"{_pick(c, 'tokens', 'tokens_total', default='?')} tokens -> {_pick(c, 'out', 'store', default='')}",
+                  str(s["seconds"]["capture"]))
+    v = s["verify"]
+    table.add_row("verify", f"ok={_pick(v, 'ok', 'passed', default='?')}, worst rel. error "
+                  f"{_pick(v, 'worst_rel_error', 'worst_relative_error', default='?')}", str(s["seconds"]["verify"]))
+    t = s["train"]
+    table.add_row("train", f"{_pick(t, 'steps', default='?')} steps, final loss {_pick(t, 'final_loss', 'loss', default='?')}",
+                  str(s["seconds"]["train"]))
+    table.add_row("eval", f"tau chain {_pick(e, 'tau_chain', default='?')}, tau tree {_pick(e, 'tau_tree', default='?')}",
+                  str(s["seconds"]["eval"]))
+    table.add_row("export", ", ".join(f"{k}: {p}" for k, p in s["export"].items()), str(s["seconds"]["export"]))
+    Console(stderr=True).print(table)

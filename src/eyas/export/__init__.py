@@ -1,0 +1,1 @@
+"""Export a drafter to the directory layouts SGLang and vLLM serve (see export/formats.py)."""

@@ -1,0 +1,284 @@
+"""`eyas eval` end to end: greedy target answers, target features, replayed chain and tree decoding, report.
+
+Stages, each timed: (1) load the target and the drafter (any layout) and check they belong together;
+(2) generate the target's greedy answers to every turn, batched; (3) per batch of sequences (sorted by
+length, up to --replay-tokens tokens), one target forward for the aux features, then the replay of
+every drafting mode; (4) metrics and the report.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from eyas.common import log
+from eyas.errors import EyasError
+from eyas.specdec.metrics import DEFINITIONS, summarize
+from eyas.specdec.replay import TreeConfig
+
+SCHEMA = "eyas.eval/1"
+
+
+@dataclass(kw_only=True)
+class EvalConfig:
+    """Settings of one evaluation (the CLI's options)."""
+
+    drafter: Path
+    """Drafter directory: eyas, SGLang or vLLM/speculators layout."""
+    target: str = "default"
+    """Target model directory, or 'default' for the embedded SmolLM2-135M-Instruct."""
+    prompts: str = "mtbench"
+    """'mtbench' (80 questions, 2 turns) or a JSONL file of {"turns": [...]} / {"prompt": ...}."""
+    max_new_tokens: int = 256
+    """Greedy tokens generated per turn."""
+    chain_k: int = 7
+    """Draft tokens per round in chain mode (0 = skip chain)."""
+    tree_topk: int = 10
+    """EAGLE-2 tree: children per node and nodes expanded per depth."""
+    tree_depth: int = 6
+    """EAGLE-2 tree: draft steps per round (0 = skip tree)."""
+    tree_tokens: int = 60
+    """EAGLE-2 tree: draft tokens submitted per round (root excluded)."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ..."""
+    dtype: str = "auto"
+    """'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
+    limit: int | None = None
+    """Evaluate only the first N conversations."""
+    gen_batch_size: int = 160
+    """Prompts per generate() call."""
+    replay_tokens: int = 131072
+    """Tokens (sequences x padded length) per replay batch."""
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.chain_k < 0 or self.tree_depth < 0:
+            raise ValueError(f"--chain-k and --tree-depth must be >= 0, got {self.chain_k} and {self.tree_depth}")
+        if self.chain_k == 0 and self.tree_depth == 0:
+            raise ValueError("--chain-k 0 and --tree-depth 0 leave nothing to evaluate")
+        if self.limit is not None and self.limit < 1:
+            raise ValueError(f"--limit must be >= 1, got {self.limit}")
+        if self.gen_batch_size < 1 or self.replay_tokens < 1:
+            raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+
+    def modes(self) -> dict[str, TreeConfig]:
+        out = {}
+        if self.chain_k:
+            out["chain"] = TreeConfig.chain(self.chain_k)
+        if self.tree_depth:
+            out["tree"] = TreeConfig(topk=self.tree_topk, depth=self.tree_depth, tokens=self.tree_tokens)
+        return out
+
+
+def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise EyasError(f"--device {device}: CUDA is not available on this machine")
+    if dtype == "auto":
+        dtype = "bfloat16" if dev.type == "cuda" else "float32"
+    return dev, getattr(torch, dtype)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def load_drafter_for(target, drafter_dir: Path, *, device, dtype):
+    """(checkpoint, FunctionalDrafter) after checking the drafter against the target."""
+    from eyas.specdec.checkpoint import check_against_target, load_draft_checkpoint
+    from eyas.specdec.functional import FunctionalDrafter
+    from eyas.target import num_layers_of
+
+    text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    ckpt = load_draft_checkpoint(drafter_dir, target_layers=num_layers_of(target.config),
+                                 target_model_type=getattr(text, "model_type", None))
+    check_against_target(ckpt.spec, target.config, where=str(drafter_dir))
+    embed = target.get_input_embeddings().weight.detach()
+    if "embed_tokens.weight" in ckpt.weights and tuple(ckpt.weights["embed_tokens.weight"].shape) != tuple(embed.shape):
+        raise EyasError(f"--drafter {drafter_dir}: embed_tokens {tuple(ckpt.weights['embed_tokens.weight'].shape)} "
+                        f"does not match the target's embedding {tuple(embed.shape)}")
+    drafter = FunctionalDrafter(ckpt.spec, ckpt.weights, device=device, dtype=dtype, embed_tokens=embed)
+    return ckpt, drafter
+
+
+def _batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Indices grouped so that len(group) x max length <= budget (longest first)."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
+            groups.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        groups.append(cur)
+    return groups
+
+
+@torch.no_grad()
+def replay_sequences(target, drafter, seqs, *, layer_ids: list[int], modes: dict[str, TreeConfig],
+                     replay_tokens: int, timings: dict[str, float]) -> dict[str, list[list[int]]]:
+    """Accepted counts per round, per sequence, per mode (sequences in input order)."""
+    from eyas.common import progress
+    from eyas.specdec.replay import DrafterProposer, replay_batch
+    from eyas.target import forward_capture
+
+    device = drafter.device
+    results = {name: [None] * len(seqs) for name in modes}
+    lengths = [len(s.ids) for s in seqs]
+    groups = _batches(lengths, replay_tokens)
+    bar = progress(len(seqs), "replay", "seq")
+    for group in groups:
+        L = max(lengths[i] for i in group)
+        ids = torch.zeros(len(group), L, dtype=torch.long)
+        for row, i in enumerate(group):
+            ids[row, : lengths[i]] = torch.tensor(seqs[i].ids)
+        ids = ids.to(device)
+        t0 = time.perf_counter()
+        aux, _ = forward_capture(target, ids, None, layer_ids=layer_ids)  # right padding: causal rows are exact
+        aux = aux.flatten(2)
+        _sync(device)
+        timings["target_features_s"] = timings.get("target_features_s", 0.0) + time.perf_counter() - t0
+        lens = torch.tensor([lengths[i] for i in group], device=device)
+        plens = torch.tensor([len(seqs[i].prompt_ids) for i in group], device=device)
+        for name, tree in modes.items():
+            t0 = time.perf_counter()
+            rounds = replay_batch(DrafterProposer(drafter), ids, aux, lengths_B=lens, prompt_lengths_B=plens, tree=tree)
+            _sync(device)
+            timings[f"replay_{name}_s"] = timings.get(f"replay_{name}_s", 0.0) + time.perf_counter() - t0
+            for row, i in enumerate(group):
+                results[name][i] = rounds[row]
+        del aux
+        bar.update(len(group))
+    bar.close()
+    return results
+
+
+def mode_summary(name: str, tree: TreeConfig, rounds: list[list[int]], seqs) -> dict[str, Any]:
+    s = summarize(rounds, depth=tree.depth, drafted_per_round=tree.tokens)
+    s["settings"] = f"k={tree.depth}" if tree.is_chain else f"topk={tree.topk} depth={tree.depth} tokens={tree.tokens}"
+    s["tree"] = asdict(tree)
+
+    def by(key) -> dict[str, Any]:
+        groups = sorted({key(q) for q in seqs}, key=str)
+        return {
+            str(g): {k: v for k, v in summarize([r for r, q in zip(rounds, seqs) if key(q) == g], depth=tree.depth,
+                                                 drafted_per_round=tree.tokens).items()
+                     if k in ("acceptance_length", "rounds", "accepted")}
+            for g in groups
+        }
+
+    if len({q.turn for q in seqs}) > 1:
+        s["per_turn"] = by(lambda q: q.turn)
+    if any(q.category for q in seqs):
+        s["per_category"] = by(lambda q: q.category or "-")
+    return s
+
+
+def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Run everything; returns (report, per-sequence records). Writes nothing."""
+    from eyas.defaults import resolve_target
+    from eyas.specdec.generate import generate_conversations, load_prompts
+    from eyas.target import CONVENTION, load_target, load_tokenizer, model_identity, tokenizer_hash
+
+    timings: dict[str, float] = {}
+    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    modes = cfg.modes()
+    t0 = time.perf_counter()
+    target_path = resolve_target(cfg.target)
+    tokenizer = load_tokenizer(target_path)
+    target = load_target(target_path, device=device, dtype=dtype)
+    ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
+    spec = ckpt.spec
+    for name, tree in modes.items():
+        if tree.topk > spec.draft_vocab_size:
+            raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens")
+    convs = load_prompts(cfg.prompts, limit=cfg.limit)
+    timings["load_s"] = time.perf_counter() - t0
+    log(f"eval: drafter {cfg.drafter} ({spec.source_format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
+        f"{len(convs)} conversations, device {device} {str(dtype).replace('torch.', '')}")
+
+    t0 = time.perf_counter()
+    seqs = generate_conversations(target, tokenizer, convs, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size)
+    _sync(device)
+    timings["generation_s"] = time.perf_counter() - t0
+    generated = sum(len(s.generated_ids) for s in seqs)
+    log(f"eval: generated {generated} tokens for {len(seqs)} sequences in {timings['generation_s']:.1f}s")
+
+    t0 = time.perf_counter()
+    rounds = replay_sequences(target, drafter, seqs, layer_ids=spec.aux_layer_ids, modes=modes,
+                              replay_tokens=cfg.replay_tokens, timings=timings)
+    timings["replay_total_s"] = time.perf_counter() - t0
+
+    summaries = {name: mode_summary(name, tree, rounds[name], seqs) for name, tree in modes.items()}
+    for name, s in summaries.items():
+        if not s["rounds"]:
+            log(f"eval: {name}: no drafting rounds (every answer ended after its first token)")
+            continue
+        log(f"eval: {name} ({s['settings']}): tau {s['acceptance_length']:.3f}, accepted/drafted "
+            f"{s['accepted_per_drafted']:.3f}, {s['rounds']} rounds")
+    from eyas.specdec.generate import eos_ids_of
+
+    eos = eos_ids_of(target, tokenizer)
+    report = {
+        "schema": SCHEMA,
+        "drafter": {
+            "path": str(Path(cfg.drafter).resolve()),
+            "format": spec.source_format,
+            "aux_layer_ids": spec.aux_layer_ids,
+            "convention": CONVENTION,
+            "source_layer_ids": spec.source_layer_ids,
+            "spec": spec.to_dict(),
+        },
+        "target": model_identity(target_path),
+        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "prompts": {"source": cfg.prompts, "conversations": len(convs), "limit": cfg.limit},
+        "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
+        | {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "temperature": 0},
+        "generation": {
+            "sequences": len(seqs),
+            "prompt_tokens": sum(len(s.prompt_ids) for s in seqs),
+            "generated_tokens": generated,
+            "ended_with_eos": sum(1 for s in seqs if s.generated_ids and s.generated_ids[-1] in eos),
+        },
+        "modes": summaries,
+        "definitions": DEFINITIONS,
+        "timings": {k: round(v, 3) for k, v in timings.items()},
+    }
+    records = [
+        {"id": s.id, "turn": s.turn, "category": s.category, "prompt_tokens": len(s.prompt_ids), "prompt_ids": s.prompt_ids, "generated_ids": s.generated_ids,
+         **{f"accepted_{name}": rounds[name][i] for name in modes}}
+        for i, s in enumerate(seqs)
+    ]
+    return report, records
+
+
+def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) -> dict[str, Any]:
+    """Run the evaluation and write the report directory atomically; returns the CLI summary."""
+    from eyas.common import atomic_directory
+    from eyas.specdec.report import write_report
+
+    out = Path(out)
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise EyasError(f"--out {out} already exists and is not empty: pass --overwrite to replace it, or choose another --out")
+    cfg.modes()  # validates the tree options before any work
+    report, records = run_eval(cfg)
+    with atomic_directory(out, overwrite=True) as tmp:  # never a half-written report
+        write_report(tmp, report, records)
+    summary = {"out": str(out), "sequences": report["generation"]["sequences"],
+               "generated_tokens": report["generation"]["generated_tokens"], "timings": report["timings"]}
+    for name, m in report["modes"].items():
+        r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731  (None: no rounds at all)
+        summary[f"tau_{name}"] = r4(m["acceptance_length"])
+        summary[f"accepted_per_drafted_{name}"] = r4(m["accepted_per_drafted"])
+    return summary

@@ -1,0 +1,140 @@
+"""`eyas eval` end to end: report contents, the three drafter layouts, bad input, MT-bench on SmolLM2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eyas.cli import app
+
+LAYERS = [1, 3, 4]
+
+
+def _make_drafter(target_dir, out, *, seed=0, **overrides):
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.target import load_target
+
+    target = load_target(target_dir)
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=500, aux_layer_ids=LAYERS, **overrides)
+    model = Eagle3Drafter(cfg)
+    model.reset_parameters(seed=seed)
+    if cfg.vocab_size == target.config.vocab_size and cfg.hidden_size == target.config.hidden_size:
+        model.init_from_target(target.get_input_embeddings().weight.detach(),
+                               target.get_output_embeddings().weight.detach(), target.model.norm.weight.detach())
+    model.save(out)
+    return out
+
+
+def _run(*args):
+    res = CliRunner().invoke(app, ["eval", *map(str, args)])
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny models: one intra-op thread is as fast and immune to a busy machine's oversubscription."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
+                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    return p
+
+
+def test_eval_report_and_all_three_layouts(tiny_target_dir, tmp_path, prompts_file):
+    src = _make_drafter(tiny_target_dir, tmp_path / "eyas")
+    common = ["--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 10,
+              "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8]
+    res, summary = _run("--drafter", src, "--out", tmp_path / "r_eyas", *common)
+    assert res.exit_code == 0, res.output
+    out = tmp_path / "r_eyas"
+    report = json.loads((out / "report.json").read_text())
+    assert {"report.json", "report.md", "acceptance.png", "sequences.jsonl"} <= {p.name for p in out.iterdir()}
+    assert (out / "acceptance.png").read_bytes()[:4] == b"\x89PNG"
+    assert report["drafter"]["format"] == "eyas" and report["drafter"]["aux_layer_ids"] == LAYERS
+    assert set(report["definitions"]) >= {"acceptance_length", "per_position_acceptance", "accepted_per_drafted"}
+    records = [json.loads(line) for line in (out / "sequences.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["turn"]) for r in records] == [("a", 1), ("2", 1), ("a", 2)]
+    for mode, depth, per_round in (("chain", 3, 3), ("tree", 3, 8)):
+        rounds = [a for r in records for a in r[f"accepted_{mode}"]]
+        m = report["modes"][mode]
+        assert m["rounds"] == len(rounds) and m["accepted"] == sum(rounds)
+        assert m["acceptance_length"] == pytest.approx(1 + sum(rounds) / len(rounds))
+        assert m["drafted"] == len(rounds) * per_round and len(m["per_position_acceptance"]) == depth
+        assert summary[f"tau_{mode}"] == pytest.approx(m["acceptance_length"], abs=1e-4)
+        for r in records:  # each round yields accepted + 1 tokens; the prefill one more; the last may lack a bonus
+            gen, acc = len(r["generated_ids"]), r[f"accepted_{mode}"]
+            assert sum(acc) + len(acc) in (gen - 1, gen)
+    assert report["generation"]["generated_tokens"] == sum(len(r["generated_ids"]) for r in records)
+    assert "tau (acceptance length)" in (out / "report.md").read_text()
+
+    # the same drafter in SGLang and vLLM/speculators layout: same layers, same replay
+    for fmt, layout in (("sglang", "sglang"), ("vllm", "speculators")):
+        assert CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", fmt, "--out", str(tmp_path / fmt)]).exit_code == 0
+        res, _ = _run("--drafter", tmp_path / fmt, "--out", tmp_path / f"r_{fmt}", *common)
+        assert res.exit_code == 0, res.output
+        other = json.loads((tmp_path / f"r_{fmt}" / "report.json").read_text())
+        assert other["drafter"]["format"] == layout and other["drafter"]["aux_layer_ids"] == LAYERS
+        theirs = [json.loads(line) for line in (tmp_path / f"r_{fmt}" / "sequences.jsonl").read_text().splitlines()]
+        assert theirs == records
+
+    # an existing report directory is not overwritten silently
+    res, _ = _run("--drafter", src, "--out", out, *common)
+    assert res.exit_code == 2 and "--overwrite" in res.output
+
+
+def test_eval_rejects_a_drafter_for_another_target(tiny_target_dir, tmp_path, prompts_file):
+    wrong_vocab = _make_drafter(tiny_target_dir, tmp_path / "v", vocab_size=32000)
+    res, _ = _run("--drafter", wrong_vocab, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o1")
+    assert res.exit_code == 2 and "vocabulary of 32000" in res.output and "49152" in res.output
+    wrong_hidden = _make_drafter(tiny_target_dir, tmp_path / "h", target_hidden_size=48)
+    res, _ = _run("--drafter", wrong_hidden, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o2")
+    assert res.exit_code == 2 and "width 48" in res.output and "hidden size is 64" in res.output
+
+
+def test_eval_rejects_prompts_longer_than_the_context(tiny_target_dir, tmp_path):
+    src = _make_drafter(tiny_target_dir, tmp_path / "d")
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"id": "big", "prompt": "word " * 2100}) + "\n")
+    res, _ = _run("--drafter", src, "--target", tiny_target_dir, "--prompts", long, "--out", tmp_path / "o",
+                  "--max-new-tokens", 8)
+    assert res.exit_code == 2 and "prompt big turn 1" in res.output and "context of 2048" in res.output
+
+
+def test_eval_rejects_bad_tree_options(tiny_target_dir, tmp_path, prompts_file):
+    src = _make_drafter(tiny_target_dir, tmp_path / "d")
+    res, _ = _run("--drafter", src, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o",
+                  "--tree-topk", 2, "--tree-depth", 2, "--tree-tokens", 100)
+    assert res.exit_code == 2 and "--tree-tokens" in res.output
+
+
+def test_eval_mtbench_two_turns_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
+    """The real default target: MT-bench's first question, turn 2 rendered after the target's own answer."""
+    src = _make_drafter(smol_dir, tmp_path / "d")
+    res, summary = _run("--drafter", src, "--limit", 1, "--max-new-tokens", 6, "--out", tmp_path / "o",
+                        "--tree-topk", 4, "--tree-depth", 3, "--tree-tokens", 10)
+    assert res.exit_code == 0, res.output
+    records = [json.loads(line) for line in (tmp_path / "o" / "sequences.jsonl").read_text().splitlines()]
+    assert [r["turn"] for r in records] == [1, 2] and records[0]["id"] == records[1]["id"] == "81"
+    from eyas.defaults import mtbench_path
+
+    question = json.loads(mtbench_path().read_text().splitlines()[0])
+    from eyas.specdec.generate import render
+
+    answer = smol_tokenizer.decode(records[0]["generated_ids"], skip_special_tokens=True)
+    turn2 = render(smol_tokenizer, [{"role": "user", "content": question["turns"][0]},
+                                    {"role": "assistant", "content": answer},
+                                    {"role": "user", "content": question["turns"][1]}])
+    assert records[1]["prompt_tokens"] == len(turn2)
+    assert summary["sequences"] == 2 and summary["generated_tokens"] == 12
+    report = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert set(report["modes"]["tree"]["per_category"]) == {"writing"}  # MT-bench question 81

@@ -1,0 +1,73 @@
+"""Issue 7, CPU part: `torchrun --nproc_per_node 2` (gloo) trains exactly like one process with the
+same global batch, with DDP and with FSDP2, and a 2-process checkpoint resumes in 1 process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_train_loop import AUX, VOCAB_CAP, _train_records, world  # noqa: F401  (fixture)
+
+
+def _args(world, out, *extra):  # noqa: F811
+    return ["train", "--target", str(world["target"]), "--data", str(world["prep"]), "--out", str(out),
+            "--draft-vocab", str(VOCAB_CAP), "--aux-layers", ",".join(map(str, AUX)), "--device", "cpu",
+            "--lr", "3e-3", "--warmup-steps", "1", "--max-length", "64", "--eval-samples", "4", *extra]
+
+
+def _run(cmd):
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=180, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def _torchrun(*args):
+    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                 "-m", "eyas", *args])
+
+
+def _weights(out):
+    from safetensors.torch import load_file
+
+    return load_file(str(out / "drafter" / "model.safetensors"))
+
+
+def test_two_processes_equal_one(world, tmp_path):  # noqa: F811
+    from test_train_loop import _cfg
+
+    from eyas.train.loop import run
+
+    torch.set_num_threads(1)
+    one = tmp_path / "one"
+    s_one = run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2))  # global batch 2
+    ddp = tmp_path / "ddp"
+    s_ddp = _torchrun(*_args(world, ddp, "--steps", "3", "--batch-size", "1", "--save-every", "2"))
+    fsdp = tmp_path / "fsdp"
+    s_fsdp = _torchrun(*_args(world, fsdp, "--steps", "3", "--batch-size", "1", "--fsdp"))
+    assert s_ddp["world"] == 2 and s_fsdp["world"] == 2
+    ref = _train_records(one)
+    assert s_one["eval"]["acc_per_step"][0] > 0  # a teacher the drafter can agree with
+    for s in (s_ddp, s_fsdp):  # eval is sharded over ranks and summed: same figures
+        assert s["eval"]["acc_per_step"] == pytest.approx(s_one["eval"]["acc_per_step"])
+        assert s["eval"]["acceptance_length"] == pytest.approx(s_one["eval"]["acceptance_length"])
+    for other in (ddp, fsdp):
+        got = _train_records(other)
+        assert len(got) == 3
+        for a, b in zip(ref, got):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (other.name, a["step"])
+            assert b["acc_per_step"] == pytest.approx(a["acc_per_step"])
+            assert b["tokens"] == a["tokens"]
+        wa, wb = _weights(one), _weights(other)
+        for k in wa:
+            torch.testing.assert_close(wb[k], wa[k], atol=1e-5, rtol=1e-4, msg=f"{other.name} {k}")
+    # the DDP run's step-2 checkpoint, resumed by ONE process, reproduces step 3
+    (ddp / "checkpoints" / "step-000003.pt").unlink()
+    lines = (ddp / "metrics.jsonl").read_text().splitlines()
+    (ddp / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= 2) + "\n")
+    run(_cfg(world, ddp, data=world["prep"], steps=3, batch_size=2, resume="auto", overwrite=True))
+    assert _train_records(ddp)[-1]["loss"] == pytest.approx(ref[-1]["loss"], rel=1e-5)
