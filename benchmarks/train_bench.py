@@ -125,6 +125,47 @@ def make_step(module, data, *, K: int, bf16: bool, device, forward=None, fsdp: b
     return step
 
 
+def loss_curve(c: dict, *, B: int, T: int, K: int, n_steps: int, dist, fsdp: bool, attention: str, seed: int = 0) -> list[float]:
+    """Train `n_steps` on ONE fixed synthetic global batch of B x world samples (identical for every
+    world size: rank r takes rows r*B..r*B+B-1), normalised by the global loss-mask counts and
+    gradients summed over ranks exactly as `eyas train` does. The curve must not depend on the
+    number of GPUs beyond bf16 noise."""
+    from eyas.drafter.ttt import step_denominators, teacher_from_final
+    from eyas.train.dist import all_reduce_sum
+
+    device, W = dist.device, dist.world
+    module, _, bf16 = build(c, B=1, T=8, K=K, device=device, attention=attention, seed=seed, dist=dist, fsdp=fsdp)
+    drafter = getattr(module, "module", module).drafter
+    G = B * W
+    g = torch.Generator(device="cpu").manual_seed(seed + 12345)
+    sdt = torch.bfloat16 if bf16 else torch.float32
+    ids = torch.randint(0, c["vocab_size"], (G, T), generator=g)
+    mask = torch.rand(G, T, generator=g) > 0.2
+    aux = torch.randn(G, T, len(c["aux_layer_ids"]), c["hidden_size"], generator=g) * 4
+    final = torch.randn(G, T, c["hidden_size"], generator=g)
+    head = (torch.randn(c["vocab_size"], c["hidden_size"], generator=g) * 0.05).to(device, sdt)
+    rows = slice(dist.rank * B, (dist.rank + 1) * B)
+    ids, lm, aux, final = (x[rows].to(device) for x in (ids, mask, aux, final))
+    aux, final = aux.to(sdt), final.to(sdt)
+    denoms = step_denominators(mask, K).to(device)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" and not fsdp)
+    weights = [0.8**k for k in range(K)]
+    curve = []
+    for i in range(n_steps):
+        teacher = teacher_from_final(final, head, drafter.used_target_ids(), drafter.t2d)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp):
+            loss, stats = module(ids, lm, aux, teacher.probs_BTV, teacher.top_BT, teacher.in_vocab_BT, denoms)
+        (loss * W).backward()
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        st = all_reduce_sum(stats.double(), dist)
+        curve.append(sum(w * float(ce) / max(float(dn), 1.0) for w, ce, dn in zip(weights, st[:K], denoms)))
+        log(f"[curve] step {i + 1}/{n_steps}: loss {curve[-1]:.5f}")
+    return curve
+
+
 def sync(device):
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -161,6 +202,9 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
     ap.add_argument("--attention", default="fast", choices=["fast", "reference"])
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
+    ap.add_argument("--curve", type=int, default=0,
+                    help="instead of timing: N steps on one fixed global batch of --batch x world samples; prints "
+                         "the loss per step (compare 1 GPU --batch 2 with 2 GPUs --batch 1)")
     ap.add_argument("--compile", default="auto", choices=["auto", "parts", "full", "all", "off"],
                     help="also time torch.compile: parts (per-step pieces, as `eyas train --compile`), full "
                          "(the whole TTT module), all (both); auto = parts on CUDA, off on CPU")
@@ -197,6 +241,16 @@ def main() -> None:
             log("fast attention disagrees with the reference on this device: falling back to --attention reference")
             args.attention = result["attention"] = "reference"
 
+    if args.curve:
+        curve = loss_curve(c, B=B, T=T, K=K, n_steps=args.curve, dist=dist, fsdp=args.fsdp, attention=args.attention)
+        dd.teardown(dist)
+        if dist.is_main:
+            result["loss_curve"] = curve
+            print("step  loss")
+            for i, v in enumerate(curve):
+                print(f"{i + 1:4d}  {v:.6f}")
+            print(json.dumps(result, sort_keys=True))
+        return
     kw = dict(B=B, T=T, K=K, device=device, attention=args.attention, dist=dist, fsdp=args.fsdp)
     module, data, bf16 = build(c, **kw)
     n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)

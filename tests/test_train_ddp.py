@@ -10,7 +10,7 @@ import sys
 
 import pytest
 import torch
-from test_train_loop import AUX, VOCAB_CAP, _train_records, world  # noqa: F401  (fixture)
+from test_train_loop import AUX, VOCAB_CAP, _one_thread, _train_records, world  # noqa: F401  (fixtures)
 
 
 def _args(world, out, *extra):  # noqa: F811
@@ -42,7 +42,6 @@ def test_two_processes_equal_one(world, tmp_path):  # noqa: F811
 
     from eyas.train.loop import run
 
-    torch.set_num_threads(1)
     one = tmp_path / "one"
     s_one = run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2))  # global batch 2
     ddp = tmp_path / "ddp"

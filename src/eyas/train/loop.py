@@ -252,8 +252,13 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if cfg.store is not None and cfg.aux_layers and list(cfg.aux_layers) != aux_ids:
         raise EyasError(f"--aux-layers {cfg.aux_layers} differs from the store's {aux_ids}; offline training uses "
                         "the layers the store holds (drop --aux-layers or capture those layers)")
-    dcfg = DrafterConfig.from_target_config(tcfg, draft_vocab_size=cfg.draft_vocab,
-                                            aux_layer_ids=aux_ids or cfg.aux_layers)
+    try:
+        dcfg = DrafterConfig.from_target_config(tcfg, draft_vocab_size=cfg.draft_vocab,
+                                                aux_layer_ids=aux_ids or cfg.aux_layers)
+    except EyasError:
+        raise
+    except ValueError as exc:  # DrafterConfig names the field; say which target it came from
+        raise EyasError(f"target {target_dir}: cannot build a drafter config ({exc})") from exc
     if cfg.store is None:
         aux_ids = dcfg.aux_layer_ids
         train_src = OnlineSource(split, list(range(len(split))), model=target_model, layer_ids=aux_ids,
