@@ -291,3 +291,22 @@ def test_check_sample_names_every_fault(tmp_path):
     short = read_dump(good.path)
     short.meta["num_tokens"] = 5
     assert "dump holds 5 tokens" in check_sample(ids, ok_meta, short, layer_ids=LAYERS, hidden_size=4)
+
+
+def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
+    """`eyas capture --backend sglang --url ...` is the same capture, from the command line."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
+        res = CliRunner().invoke(app, [
+            "capture", "--backend", "sglang", "--url", srv.url, "--data", str(prepared), "--out", str(tmp_path / "store"),
+            "--layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3"])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["captured"] == len(LENGTHS) and summary["rejected_count"] == 0
+    bad = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")])
+    assert bad.exit_code == 2 and "--url" in bad.output

@@ -151,7 +151,8 @@ def read_eyas_chats(path: Path, info: SourceInfo) -> Iterator[Any]:
     if not meta.get("complete", False):
         info.notes.append(f"{path} is an unfinished `eyas regenerate` run: reading its {committed} committed bytes")
     data = (path / "chats.jsonl").read_bytes()[:committed]
-    for lineno, line in enumerate(data.decode("utf-8").splitlines(), 1):
+    # Split on b"\n" only: str.splitlines() would also split inside content holding U+2028 or \x85.
+    for lineno, line in enumerate(data.decode("utf-8").split("\n"), 1):
         if line.strip():
             try:
                 record = json.loads(line)

@@ -175,4 +175,4 @@ def read_chats(out: Path) -> list[dict[str, Any]]:
     """The committed records of an output directory (for tests and tools)."""
     meta = json.loads((Path(out) / META).read_text())
     data = (Path(out) / CHATS).read_bytes()[: meta["committed"]["chats_bytes"]]
-    return [json.loads(line) for line in data.decode("utf-8").splitlines() if line]
+    return [json.loads(line) for line in data.decode("utf-8").split("\n") if line]  # not splitlines(): U+2028
