@@ -9,8 +9,16 @@ refill: the rate a real `eyas regenerate` run gets.
 Tokens = generated tokens up to and including the end-of-turn token (what the model computed for
 the answer); time excludes model loading and CUDA-graph capture (reported separately).
 
+Phase C (--multi-turn): the whole driver (Regenerator + ChatsWriter) over multi-turn chats, the
+way `eyas regenerate --max-turns 2` runs, with every answer allowed to continue after truncation so a
+random target still asks its second turns; reports the engine's occupancy, attention efficiency and
+prefill/decode/host time split (`StaticEngine.stats`). `--tiny` uses a tiny random llama on the
+target's tokenizer, the CPU proxy for the schedule (its answers always run to max_new_tokens).
+
 GPU (~2 min):  PYTHONPATH=src python benchmarks/regen_bench.py --target DIR [--chats FILE.jsonl[.gz]]
 CPU:           PYTHONPATH=src python benchmarks/regen_bench.py --small
+CPU proxy:     PYTHONPATH=src python benchmarks/regen_bench.py --multi-turn --tiny --big-batch 16 \
+                   --conversations 96 --max-new-tokens 512 --max-len 2048
 The last stdout line is one JSON document of the figures.
 """
 
@@ -21,6 +29,7 @@ import gzip
 import json
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -178,6 +187,52 @@ def phase_b(model, tok, prompts, *, batch, max_new, max_len, dtype_name) -> dict
     return out
 
 
+def tiny_target(tok, out: str) -> str:
+    """A tiny random llama on `tok` (the schedule, not the arithmetic, is what phase C measures)."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192,
+                                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
+                                      eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    return out
+
+
+def phase_c(model, tok, *, chats, conversations, batch, max_new, max_len, engine_kwargs) -> dict:
+    import tempfile
+
+    from eyas.data.sources import iter_conversations
+    from eyas.regen.driver import RegenOptions, Regenerator
+    from eyas.regen.output import ChatsWriter
+
+    log(f"bench C: driver + static engine, batch {batch}, {conversations} conversations x 2 turns, "
+        f"max_new_tokens {max_new}, max_len {max_len}, {engine_kwargs or 'default engine options'}")
+    eng = StaticEngine(model, tok, sampling=Sampling(), max_len=max_len, batch=batch, max_new_tokens=max_new,
+                       **engine_kwargs)
+    opts = RegenOptions(max_new_tokens=max_new, max_turns=2, continue_after_truncated=True, log_seconds=1e9)
+    opts.max_in_flight = max(opts.max_in_flight, 4 * batch)  # as run.py sets it
+    with tempfile.TemporaryDirectory() as out:
+        writer = ChatsWriter(Path(out), settings={"bench": True}, extra_meta={})
+        items = enumerate(iter_conversations(chats or "sharegpt", limit=conversations))
+        drv = Regenerator(items, writer, sampling=Sampling(), options=opts, total=conversations)
+        sync(eng.device)
+        t0 = time.perf_counter()
+        drv.run(eng)
+        sync(eng.device)
+        dt = time.perf_counter() - t0
+        counts = writer.counts()
+    stats = eng.stats()
+    out = {"batch": batch, "conversations": conversations, "max_new_tokens": max_new, "max_len": max_len,
+           "engine_options": engine_kwargs, "assistant_turns": counts.get("assistant_turns"), "tokens": drv.tokens,
+           "seconds": round(dt, 2), "tok_s": round(drv.tokens / dt, 1), "graph_capture_s": round(eng.capture_s, 2),
+           **stats}
+    log("  " + json.dumps(out))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="default", help="model directory (default: embedded SmolLM2)")
@@ -191,7 +246,15 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=None, help="GPU 256, small 24")
     ap.add_argument("--max-prompt-tokens", type=int, default=None, help="GPU 512, small 160")
     ap.add_argument("--no-self-check", action="store_true", help="skip generate vs itself at batch B/4 (the noise floor)")
+    ap.add_argument("--multi-turn", action="store_true", help="phase C only: the driver over 2-turn chats")
+    ap.add_argument("--tiny", action="store_true", help="phase C on a tiny random llama with the target's tokenizer")
+    ap.add_argument("--conversations", type=int, default=None, help="phase C conversations (GPU 3000, small 96)")
+    ap.add_argument("--max-len", type=int, default=2048, help="phase C context")
+    ap.add_argument("--engine-options", default="{}", help='phase C StaticEngine options as JSON, e.g. \'{"lanes": 1}\'')
     args = ap.parse_args()
+    if args.multi_turn:
+        multi_turn(args)
+        return
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
     gpu = device.type == "cuda"
@@ -233,6 +296,22 @@ def main() -> None:
     b = results["phase_b"]
     print(f"{'B':<6}{b['dtype']:<10}{b['batch']:>6}{'-':>16}{b['tok_s']:>12,.0f}{'':>9}{'':>11}")
     print(json.dumps(results))
+
+
+def multi_turn(args) -> None:
+    import tempfile
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu"))
+    gpu = device.type == "cuda"
+    tok = load_tokenizer(args.target)
+    with tempfile.TemporaryDirectory() as tmp:
+        target = tiny_target(tok, tmp) if args.tiny else args.target
+        model = load_target(target, device=device, dtype=torch.bfloat16 if gpu else torch.float32)
+        res = phase_c(model, tok, chats=args.chats, conversations=args.conversations or (3000 if gpu else 96),
+                      batch=args.big_batch or (512 if gpu else 16), max_new=args.max_new_tokens or 512,
+                      max_len=args.max_len, engine_kwargs=json.loads(args.engine_options))
+    print(json.dumps({"device": torch.cuda.get_device_name(device) if gpu else "cpu", "tiny": args.tiny,
+                      "phase_c": res}))
 
 
 if __name__ == "__main__":

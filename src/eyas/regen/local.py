@@ -68,6 +68,7 @@ class _LocalBase:
         self.stop = stop_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self.new_tokens = 0
+        self.requests = 0
         self.pending: list[_Prepared] = []
 
     def _admit(self, reqs: list[Request], deliver: Deliver) -> None:
@@ -85,6 +86,7 @@ class _LocalBase:
         ended = bool(tokens) and tokens[-1] in self.stop
         body = tokens[:-1] if ended else tokens
         self.new_tokens += len(tokens)
+        self.requests += 1
         text = self.tokenizer.decode(body, skip_special_tokens=True)
         return Result(p.req.key, text=text, prompt_tokens=len(p.ids), new_tokens=len(tokens),
                       truncated=not ended, token_ids=body)
@@ -125,6 +127,13 @@ class StaticEngine(_LocalBase):
         self.span_steps: dict[int, int] = {}  # decode steps run per attention span
         self.capture_s = 0.0
         self._ngen = [1] * batch
+        # Occupancy counters, accumulated on the device inside the step (no extra syncs): active
+        # rows per step, and keys those rows need (pos + 1) vs keys the span makes every row attend.
+        self.active_rows_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.needed_keys_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.attended_keys = 0
+        self.prefill_calls = self.prefill_rows = self.prefill_tokens = self.prefill_padded = 0
+        self.time_s = {"prefill": 0.0, "decode": 0.0, "host": 0.0}
         self.capture_error: str | None = None
         if self.use_graphs:
             try:
@@ -148,6 +157,8 @@ class StaticEngine(_LocalBase):
         logits_BV = self.lm.decode(self.tok_B, self.pos_B, span)
         nxt_B = choose(logits_BV, sampling=self.sampling, seed_B=self.seed_B, pos_B=self.pos_B, vkeys_V=self.vkeys_V)
         active_B = ~self.done_B
+        self.active_rows_1.add_(active_B.sum())
+        self.needed_keys_1.add_(((self.pos_B + 1) * active_B).sum())
         col_B = torch.where(active_B, self.ngen_B, self.cols - 1)
         self.out_BC.scatter_(1, col_B[:, None], nxt_B[:, None])
         self.ngen_B.add_(active_B.long())
@@ -173,6 +184,8 @@ class StaticEngine(_LocalBase):
                 self._step(span)
             self.graphs[span] = graph
         torch.cuda.synchronize()
+        self.active_rows_1.zero_()  # the warm-up steps are not work
+        self.needed_keys_1.zero_()
         self.capture_s = time.perf_counter() - t0
         log(f"regen: captured {len(self.graphs)} decode graphs (spans {self.spans}) in {self.capture_s:.1f} s")
 
@@ -195,6 +208,10 @@ class StaticEngine(_LocalBase):
 
     def _prefill_group(self, rows: list[int], items: list[_Prepared], L: int, deliver: Deliver, host: dict) -> None:
         dev, N = self.device, len(items)
+        self.prefill_calls += 1
+        self.prefill_rows += N
+        self.prefill_tokens += sum(len(p.ids) for p in items)
+        self.prefill_padded += N * L
         ids_NL = torch.full((N, L), self.stop[0], dtype=torch.long)
         for n, p in enumerate(items):
             ids_NL[n, : len(p.ids)] = torch.tensor(p.ids)
@@ -224,22 +241,31 @@ class StaticEngine(_LocalBase):
     @torch.no_grad()
     def run(self, pull: Pull, deliver: Deliver) -> None:
         host: dict[int, _Prepared] = {}  # row -> request decoding there
+        clock = time.perf_counter
+        t = self.time_s
         while True:
             free = [r for r in range(self.batch) if r not in host]
             if free and (len(free) >= self.refill_min or not host):
+                t0 = clock()
                 if len(self.pending) < len(free):
                     self._admit(pull(len(free) - len(self.pending)), deliver)
                 take, self.pending = self.pending[: len(free)], self.pending[len(free):]
+                t1 = clock()
+                t["host"] += t1 - t0
                 if take:
                     self._prefill(free[: len(take)], take, deliver, host)
+                t["prefill"] += clock() - t1
             if not host:
+                t0 = clock()
                 if self.pending:
                     continue
                 more = pull(self.batch)  # deliveries above may have produced next turns
                 if not more:
                     return
                 self._admit(more, deliver)
+                t["host"] += clock() - t0
                 continue
+            t0 = clock()
             span = self._span_for(host)
             for _ in range(self.sync_every):
                 if self.use_graphs:
@@ -248,14 +274,19 @@ class StaticEngine(_LocalBase):
                     self._step(span)
             self.steps += self.sync_every
             self.span_steps[span] = self.span_steps.get(span, 0) + self.sync_every
+            self.attended_keys += self.sync_every * self.batch * span
             state = torch.stack([self.done_B.long(), self.ngen_B]).cpu()
             done, ngen = state[0].tolist(), state[1].tolist()
             self._ngen = ngen
             finished = [r for r in host if done[r]]
             if finished:
                 out = self.out_BC[torch.tensor(finished, device=self.device)].cpu().tolist()
+            t1 = clock()
+            t["decode"] += t1 - t0
+            if finished:
                 for r, row_out in zip(finished, out):
                     deliver(self._result(host.pop(r), row_out[: ngen[r]]))
+            t["host"] += clock() - t1
 
     def _span_for(self, host: dict[int, _Prepared]) -> int:
         """Smallest captured span covering every active row for the next sync_every steps.
@@ -271,6 +302,30 @@ class StaticEngine(_LocalBase):
             if s >= need:
                 return s
         return self.spans[-1]
+
+    def stats(self) -> dict[str, Any]:
+        """Where the time went and how full the batch was (the figures a GPU run reports).
+
+        occupancy: active rows / batch per decode step. attention_efficiency: keys the active rows
+        need (their position + 1) / keys attended (rows x span): what span choice wastes.
+        host time is spent with the device idle unless `host_overlapped_s` says otherwise."""
+        active = int(self.active_rows_1.item())
+        needed = int(self.needed_keys_1.item())
+        slots = self.steps * self.batch
+        return {
+            "decode_steps": self.steps,
+            "occupancy": round(active / slots, 4) if slots else None,
+            "attention_efficiency": round(needed / self.attended_keys, 4) if self.attended_keys else None,
+            "span_steps": {str(k): v for k, v in sorted(self.span_steps.items())},
+            "requests": self.requests,
+            "new_tokens": self.new_tokens,
+            "prefill_calls": self.prefill_calls,
+            "prefill_rows": self.prefill_rows,
+            "prefill_tokens": self.prefill_tokens,
+            "prefill_padding": round(1 - self.prefill_tokens / self.prefill_padded, 4) if self.prefill_padded else None,
+            **{f"{k}_s": round(v, 3) for k, v in self.time_s.items()},
+            "host_ms_per_request": round(1000 * self.time_s["host"] / self.requests, 3) if self.requests else None,
+        }
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "static", "cuda_graphs": self.use_graphs, "sync_every": self.sync_every,
