@@ -17,6 +17,7 @@ target's tokenizer, the CPU proxy for the schedule (its answers always run to ma
 
 GPU (~2 min):  PYTHONPATH=src python benchmarks/regen_bench.py --target DIR [--chats FILE.jsonl[.gz]]
 CPU:           PYTHONPATH=src python benchmarks/regen_bench.py --small
+Schedule:      PYTHONPATH=src python benchmarks/regen_bench.py --simulate   (batch 512, 3000 chats, ~1 min CPU)
 CPU proxy:     PYTHONPATH=src python benchmarks/regen_bench.py --multi-turn --tiny --big-batch 16 \
                    --conversations 96 --max-new-tokens 512 --max-len 2048
 The last stdout line is one JSON document of the figures.
@@ -247,11 +248,16 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=None, help="GPU 512, small 160")
     ap.add_argument("--no-self-check", action="store_true", help="skip generate vs itself at batch B/4 (the noise floor)")
     ap.add_argument("--multi-turn", action="store_true", help="phase C only: the driver over 2-turn chats")
+    ap.add_argument("--simulate", action="store_true", help="phase S only: the refill schedule without a model")
+    ap.add_argument("--p-limit", type=float, default=0.54, help="phase S: fraction of answers cut at the limit")
     ap.add_argument("--tiny", action="store_true", help="phase C on a tiny random llama with the target's tokenizer")
     ap.add_argument("--conversations", type=int, default=None, help="phase C conversations (GPU 3000, small 96)")
     ap.add_argument("--max-len", type=int, default=2048, help="phase C context")
     ap.add_argument("--engine-options", default="{}", help='phase C StaticEngine options as JSON, e.g. \'{"lanes": 1}\'')
     args = ap.parse_args()
+    if args.simulate:
+        simulate(args)
+        return
     if args.multi_turn:
         multi_turn(args)
         return
@@ -296,6 +302,83 @@ def main() -> None:
     b = results["phase_b"]
     print(f"{'B':<6}{b['dtype']:<10}{b['batch']:>6}{'-':>16}{b['tok_s']:>12,.0f}{'':>9}{'':>11}")
     print(json.dumps(results))
+
+
+def simulate(args) -> None:
+    """Phase S (--simulate): the refill schedule at GPU scale without a model, using the engine's own
+    placement (`_place`) and span choice (`_spans_for`): ShareGPT prompt lengths (target tokenizer),
+    2 user turns, answers of max_new_tokens with probability --p-limit (else uniform below; a second
+    turn follows only an answer that was not cut, as `eyas regenerate` does by default). Reports
+    occupancy and attention efficiency per (lanes, lookahead): what `engine_stats` shows on GPU."""
+    import random
+    import types
+    from collections import deque
+
+    from eyas.data.sources import iter_conversations
+
+    tok = load_tokenizer(args.target)
+    convs = []
+    for c in iter_conversations(args.chats or "sharegpt", limit=args.conversations or 3000):
+        users = [m["content"] for m in getattr(c, "messages", []) if m["role"] == "user"][:2]
+        if users:
+            convs.append((len(render_prompt(tok, [{"role": "user", "content": users[0]}])),
+                          len(tok(users[1])["input_ids"]) + 10 if len(users) > 1 else None))
+    batch, max_new, max_len, sync_every = args.big_batch or 512, args.max_new_tokens or 512, args.max_len, 8
+    results = []
+    for lanes, lookahead in ((1, 1), (2, 1), (4, 1), (4, 512)):
+        rng = random.Random(0)
+        eng = types.SimpleNamespace(sync_every=sync_every, spans=StaticEngine._spans(-(-max_len // 64) * 64, 256))
+        eng.lanes = [(k * batch // lanes, (k + 1) * batch // lanes) for k in range(lanes)]
+        eng.lane_of = [k for k, (lo, hi) in enumerate(eng.lanes) for _ in range(lo, hi)]
+        eng._ngen = [1] * batch
+        src, window, pending, host, ngen = iter(range(len(convs))), [], deque(), {}, [0] * batch
+        steps = active = needed = attended = 0
+
+        def ask(ci, turn, plen):
+            p = types.SimpleNamespace(ids=range(plen), limit=min(max_new, max_len - plen), conv=ci, turn=turn)
+            if p.limit >= 1:
+                p.answer = p.limit if rng.random() < args.p_limit else rng.randint(min(30, p.limit), p.limit)
+                pending.append(p)
+
+        while True:
+            free = [r for r in range(batch) if r not in host]
+            if free and (len(free) >= batch // 8 or not host):
+                while len(pending) < len(free):
+                    while len(window) < lookahead and (nx := next(src, None)) is not None:
+                        window.append(nx)
+                    if not window:
+                        break
+                    ci = next((c for c in window if convs[c][1] is not None), window[0])
+                    window.remove(ci)
+                    ask(ci, 0, convs[ci][0])
+                take = [pending.popleft() for _ in range(min(len(free), len(pending)))]
+                for r, p in zip(StaticEngine._place(eng, free, take), take):
+                    host[r], ngen[r], eng._ngen[r] = p, 1, 1
+            if not host:
+                if not pending and not window:
+                    break
+                continue
+            key = StaticEngine._spans_for(eng, host)
+            for _ in range(sync_every):
+                steps += 1
+                attended += sum((hi - lo) * s for (lo, hi), s in zip(eng.lanes, key))
+                for r, p in host.items():
+                    if ngen[r] < p.answer:
+                        active, needed, ngen[r] = active + 1, needed + len(p.ids) + ngen[r], ngen[r] + 1
+            for r in list(host):
+                eng._ngen[r] = ngen[r]
+                p = host[r]
+                if ngen[r] >= p.answer:
+                    del host[r]
+                    if p.turn == 0 and convs[p.conv][1] is not None and p.answer < p.limit:
+                        ask(p.conv, 1, len(p.ids) + p.answer + convs[p.conv][1])
+        res = {"lanes": lanes, "lookahead": lookahead, "decode_steps": steps, "tokens": active,
+               "occupancy": round(active / (steps * batch), 4), "attention_efficiency": round(needed / attended, 4),
+               "keys_attended_per_token": round(attended / active, 1)}
+        log("  " + json.dumps(res))
+        results.append(res)
+    print(json.dumps({"simulate": {"batch": batch, "conversations": len(convs), "max_new_tokens": max_new,
+                                   "max_len": max_len, "p_limit": args.p_limit, "runs": results}}))
 
 
 def multi_turn(args) -> None:

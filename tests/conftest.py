@@ -12,6 +12,15 @@ import pytest
 import torch
 
 
+@pytest.fixture
+def one_torch_thread():
+    """Tiny matmuls on a 2-core machine: a second OpenMP thread only adds spin-wait stalls."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The real SmolLM2-135M-Instruct, converted once from the GGUF wheel and cached."""

@@ -12,13 +12,7 @@ from eyas.target import forward_capture, load_target, reference_hidden_states
 from tests.conftest import make_tiny_target
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # Tiny matmuls on a shared 2-core machine: a second OpenMP thread only adds spin-wait stalls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "deepseek_v3"]
 LAYERS = [1, 3, 4]  # of 6

@@ -22,13 +22,7 @@ from eyas.target import load_target, load_tokenizer, reference_hidden_states, to
 from tests.conftest import make_tiny_target
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # Tiny matmuls on a shared 2-core machine: a second OpenMP thread only adds spin-wait stalls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def make_prepared(path, tok_hash, n=12, seed=0, vocab=49152, max_len=40):

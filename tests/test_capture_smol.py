@@ -14,13 +14,7 @@ from eyas.store.verify import verify_store
 from eyas.target import load_target, reference_hidden_states, tokenizer_hash
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # Tiny matmuls on a shared 2-core machine: a second OpenMP thread only adds spin-wait stalls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHATS = [
     ("What is the capital of France?", "Paris is the capital of France."),

@@ -39,6 +39,9 @@ def test_cli_regenerate_then_prepare(chats, tiny_target_dir, tmp_path):
     assert summary["skipped"] == {"context_overflow": 1}
     assert summary["assistant_turns"] == 5  # random target: every first answer is truncated -> stop
     assert summary["truncated_turns"] == 5 and summary["answer_tokens"] == 25
+    stats = summary["engine_stats"]
+    assert stats["new_tokens"] == 25 and stats["requests"] == 5 and stats["decode_steps"] >= 5 * 4 / 3
+    assert 0 < stats["occupancy"] <= 1 and 0 < stats["attention_efficiency"] <= 1
     meta = json.loads((out / "meta.json").read_text())
     assert meta["settings"]["target"]["path"] == str(tiny_target_dir.resolve())
     assert meta["settings"]["sampling"]["greedy"] is True

@@ -200,3 +200,52 @@ def test_bounded_in_flight(source, tmp_path):
     drv.run(eng)
     assert eng.max_open <= 4
     assert Counter(r.key[0] for r in eng.prompts)[0] == 3  # c0's three turns
+
+
+def _two_turn_source(path, n):
+    recs = [_conv(i, [f"question {i} " + "word " * (3 * (i % 7)), f"and then {i}?"]) for i in range(n)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in recs))
+    return path
+
+
+def test_multi_turn_refill_keeps_batch_full(tiny_target_dir, smol_tokenizer, tmp_path):
+    """2 user turns a conversation, every answer runs to max_new_tokens (a random target): new
+    conversations and next turns must keep every row busy until the source runs dry."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from eyas.regen.local import StaticEngine
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
+    src = _two_turn_source(tmp_path / "src.jsonl", 24)
+    eng = StaticEngine(model, smol_tokenizer, sampling=Sampling(), max_len=256, batch=4, max_new_tokens=16,
+                       sync_every=4, refill_min=1)
+    writer = ChatsWriter(tmp_path / "o", settings=SETTINGS, extra_meta={})
+    opts = RegenOptions(max_new_tokens=16, max_turns=2, continue_after_truncated=True, max_in_flight=4)
+    drv = Regenerator(enumerate(iter_conversations(src)), writer, sampling=Sampling(), options=opts, total=24)
+    drv.run(eng)
+    stats = eng.stats()
+    assert stats["requests"] == 48 and writer.counts()["assistant_turns"] == 48
+    # A row is idle for at most the rest of a chunk after its answer ends (the answer's 15 decode
+    # steps end 1 step into a chunk of 4), plus the tail once no conversation is left to start.
+    assert stats["occupancy"] >= 0.85, stats
+    assert stats["decode_steps"] <= 48 * 16 / 4 + 2 * 16, stats
+
+
+def test_lookahead_starts_longer_conversations_first(source, tmp_path):
+    """Read ahead, the 3-turn conversations start first and the 1-turn ones last; in source order
+    with lookahead 1. The records do not depend on the order."""
+    firsts, recs = {}, {}
+    for lookahead in (1, 64):
+        eng = FakeEngine()
+        out = tmp_path / f"o{lookahead}"
+        _drive(source, out, engine=eng, options=RegenOptions(max_new_tokens=5, max_in_flight=5, lookahead=lookahead))
+        firsts[lookahead] = [r.key[0] for r in eng.prompts if r.key[1] == 0]
+        recs[lookahead] = {r["id"]: r for r in read_chats(out)}
+    assert firsts[1] == sorted(firsts[1])
+    assert firsts[64][:2] == [0, 3] and set(firsts[64][-3:]) == {1, 2, 4}, firsts[64]
+    assert sorted(firsts[64]) == firsts[1]
+    assert recs[64] == recs[1]
+    with pytest.raises(ValueError, match="lookahead"):
+        RegenOptions(lookahead=0)

@@ -22,13 +22,7 @@ from tests.test_capture_run import make_prepared
 from eyas.target import load_tokenizer, tokenizer_hash
 
 
-@pytest.fixture(autouse=True)
-def _one_torch_thread():
-    # Tiny matmuls on a shared 2-core machine: a second OpenMP thread only adds spin-wait stalls.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LAYERS = [1, 3, 4]
 

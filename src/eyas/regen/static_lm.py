@@ -134,11 +134,19 @@ class StaticLM:
         return self._logits(last_ND)
 
     # -- decode: one token per row (the function a CUDA graph captures) --------------------------
-    def decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, span: int) -> torch.Tensor:
+    def decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, span: int | tuple[int, ...],
+               lanes: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """Feed tok_B at pos_B (writing the cache there), attend to keys [0, span) masked to
-        <= pos_B, return next-token logits [B, V] float32. Fixed shapes, no host syncs."""
+        <= pos_B, return next-token logits [B, V] float32. Fixed shapes, no host syncs.
+
+        With `lanes` (row ranges [lo, hi) covering the batch in order) `span` is one span per lane:
+        each lane's rows attend over their own span, so rows with short contexts do not pay for the
+        longest row's. Everything but attention still runs on the whole batch at once."""
+        spans = (span,) if isinstance(span, int) else tuple(span)
+        lanes = lanes or [(0, tok_B.shape[0])]
+        assert len(spans) == len(lanes) and lanes[0][0] == 0 and lanes[-1][1] == tok_B.shape[0], (spans, lanes)
         with self._decode_kernels():
-            return self._decode(tok_B, pos_B, span)
+            return self._decode(tok_B, pos_B, spans, lanes)
 
     def _decode_kernels(self):
         """On CUDA, pin decode attention to the memory-efficient kernel (masks, GQA-as-queries and
@@ -149,11 +157,13 @@ class StaticLM:
 
         return sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
-    def _decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, span: int) -> torch.Tensor:
+    def _decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, spans: tuple[int, ...],
+                lanes: list[tuple[int, int]]) -> torch.Tensor:
         B = tok_B.shape[0]
         cos = self.cos_Sd[pos_B][:, None, None]  # B,1,1,d
         sin = self.sin_Sd[pos_B][:, None, None]
-        mask_B11S = (self.key_pos_S[:span][None, :] <= pos_B[:, None])[:, None, None, :]
+        masks = [(self.key_pos_S[:s][None, :] <= pos_B[lo:hi, None])[:, None, None, :]  # b,1,1,S per lane
+                 for (lo, hi), s in zip(lanes, spans)]
         write_BK1d = pos_B.view(B, 1, 1, 1).expand(B, self.kv_heads, 1, self.head_dim)
         x = self.embed(tok_B)[:, None]  # B,1,D
         for i, layer in enumerate(self.layers):
@@ -163,9 +173,11 @@ class StaticLM:
             q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
             self.cache_k[i].scatter_(2, write_BK1d, k)
             self.cache_v[i].scatter_(2, write_BK1d, v)
-            keys, values = self.cache_k[i][:, :, :span], self.cache_v[i][:, :, :span]
             q_BKGd = q.reshape(B, self.kv_heads, self.groups, self.head_dim)
-            o = F.scaled_dot_product_attention(q_BKGd, keys, values, attn_mask=mask_B11S, scale=attn.scaling)
+            parts = [F.scaled_dot_product_attention(q_BKGd[lo:hi], self.cache_k[i][lo:hi, :, :s],
+                                                    self.cache_v[i][lo:hi, :, :s], attn_mask=m, scale=attn.scaling)
+                     for (lo, hi), s, m in zip(lanes, spans, masks)]
+            o = parts[0] if len(parts) == 1 else torch.cat(parts, 0)
             x = x + attn.o_proj(o.reshape(B, 1, self.heads * self.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         return self._logits(x[:, 0])
