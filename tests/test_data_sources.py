@@ -9,7 +9,7 @@ import pytest
 
 from eyas.data.sources import (
     EMPTY_TURN, MALFORMED, NO_ASSISTANT, NON_TEXT, NOT_ALTERNATING, UNKNOWN_ROLE,
-    Conversation, Skipped, iter_conversations, load_mtbench, normalise,
+    Conversation, Skipped, iter_conversations, normalise,
 )
 from eyas.errors import EyasError
 
@@ -131,5 +131,8 @@ def test_malformed_record_is_skipped_not_fatal():
 
 
 def test_mtbench_has_80_two_turn_questions():
-    qs = load_mtbench()
-    assert len(qs) == 80 and all(len(q["turns"]) == 2 for q in qs)
+    from eyas.specdec.generate import load_prompts  # the loader `eyas eval` uses
+
+    qs = load_prompts("mtbench")
+    assert len(qs) == 80 and all(len(q.turns) == 2 for q in qs)
+    assert len({q.id for q in qs}) == 80 and {q.category for q in qs} >= {"writing", "coding", "math"}

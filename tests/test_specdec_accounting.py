@@ -110,10 +110,10 @@ def test_tree_config_names_the_bad_option(kwargs, flag):
 
 
 def test_replay_batches_respect_the_token_budget():
-    from eyas.specdec.run import _batches
+    from eyas.capture.batching import plan_batches  # what the replay batches with
 
     lengths = [5, 100, 40, 40, 7, 99, 1]
-    groups = _batches(lengths, 200)
+    groups = plan_batches(lengths, 200)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for g in groups:
         assert len(g) * max(lengths[i] for i in g) <= 200 or len(g) == 1

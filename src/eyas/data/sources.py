@@ -292,20 +292,3 @@ def iter_conversations(
         if count:
             item.id = f"{item.id}#{count}"
         yield item
-
-
-def load_mtbench(path: str | Path | None = None) -> list[dict[str, Any]]:
-    """The MT-bench questions: [{"question_id", "category", "turns": [str, str]}] (80 by default)."""
-    from eyas.defaults import mtbench_path
-
-    p = Path(path) if path is not None else mtbench_path()
-    info = SourceInfo(path=str(p), format="jsonl")
-    questions = []
-    for rec in read_jsonl_records(p, info):
-        turns = rec.get("turns")
-        if not isinstance(turns, list) or not all(isinstance(t, str) and t.strip() for t in turns) or not turns:
-            raise EyasError(f"{p}: question {rec.get('question_id')} has no list of text `turns`")
-        questions.append({"question_id": rec.get("question_id"), "category": rec.get("category"), "turns": turns})
-    if not questions:
-        raise EyasError(f"{p}: no questions")
-    return questions

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from eyas.common import log
+from eyas.capture.batching import plan_batches
 from eyas.errors import EyasError
 from eyas.specdec.metrics import DEFINITIONS, summarize
 from eyas.specdec.replay import TreeConfig
@@ -111,20 +112,6 @@ def load_drafter_for(target, drafter_dir: Path, *, device, dtype):
     return ckpt, drafter
 
 
-def _batches(lengths: list[int], budget: int) -> list[list[int]]:
-    """Indices grouped so that len(group) x max length <= budget (longest first)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    groups, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * lengths[cur[0]] > budget:
-            groups.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        groups.append(cur)
-    return groups
-
-
 @torch.no_grad()
 def replay_sequences(target, drafter, seqs, *, layer_ids: list[int], modes: dict[str, TreeConfig],
                      replay_tokens: int, timings: dict[str, float]) -> dict[str, list[list[int]]]:
@@ -136,7 +123,7 @@ def replay_sequences(target, drafter, seqs, *, layer_ids: list[int], modes: dict
     device = drafter.device
     results = {name: [None] * len(seqs) for name in modes}
     lengths = [len(s.ids) for s in seqs]
-    groups = _batches(lengths, replay_tokens)
+    groups = plan_batches(lengths, replay_tokens)
     bar = progress(len(seqs), "replay", "seq")
     for group in groups:
         L = max(lengths[i] for i in group)
