@@ -19,13 +19,7 @@ from eyas.drafter.ttt import (
 )
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread is ~100x faster than two contending ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_drafter(seed=0, **kw) -> Eagle3Drafter:

@@ -15,13 +15,7 @@ AUX = [1, 3, 4]
 VOCAB_CAP = 512  # the tiny target's lm_head only scores ids < 512, so its argmax is in the draft vocab
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny ops on a shared 2-core box: one intra-op thread is ~100x faster than two contending ones."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _samples(n: int, prefix: str, seed: int):

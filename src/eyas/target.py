@@ -129,6 +129,36 @@ def _decoder_parts(model):
     return base, layers, norm
 
 
+def run_hooked(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, *, layer_ids: list[int],
+               put) -> None:
+    """One base-model forward (no lm_head) calling `put(slot, hidden_BTD)` as states appear.
+
+    Slot a < A receives the input to decoder layer layer_ids[a] (a forward pre-hook), slot A the
+    final norm's output. The one hook mechanism behind `forward_capture` and the capture fast path
+    (capture/hooks.py), which gathers each slot straight into its stored layout.
+    """
+    base, layers, norm = _decoder_parts(model)
+    final = len(layer_ids)
+
+    def pre_hook(slot):
+        def hook(module, args, kwargs):
+            put(slot, args[0] if args else kwargs["hidden_states"])
+        return hook
+
+    def norm_hook(module, args, output):
+        put(final, output[0] if isinstance(output, tuple) else output)
+
+    handles = []
+    try:
+        for slot, i in enumerate(layer_ids):
+            handles.append(layers[i].register_forward_pre_hook(pre_hook(slot), with_kwargs=True))
+        handles.append(norm.register_forward_hook(norm_hook))
+        base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+
+
 @torch.no_grad()
 def forward_capture(
     model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None = None, *, layer_ids: list[int]
@@ -138,29 +168,10 @@ def forward_capture(
     aux_BTAD[:, :, a] is the input to decoder layer layer_ids[a] (pre-norm residual stream);
     final_BTD is the output of the final norm (teacher logits = lm_head(final_BTD)).
     """
-    base, layers, norm = _decoder_parts(model)
     captured: dict[int, torch.Tensor] = {}
-    handles = []
-
-    def pre_hook(idx):
-        def hook(module, args, kwargs):
-            hs = args[0] if args else kwargs["hidden_states"]
-            captured[idx] = hs
-        return hook
-
-    def norm_hook(module, args, output):
-        captured[-1] = output
-
-    try:
-        for i in layer_ids:
-            handles.append(layers[i].register_forward_pre_hook(pre_hook(i), with_kwargs=True))
-        handles.append(norm.register_forward_hook(norm_hook))
-        base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    aux_BTAD = torch.stack([captured[i] for i in layer_ids], dim=2)
-    return aux_BTAD, captured[-1]
+    run_hooked(model, input_ids_BT, attention_mask_BT, layer_ids=layer_ids, put=captured.__setitem__)
+    aux_BTAD = torch.stack([captured[a] for a in range(len(layer_ids))], dim=2)
+    return aux_BTAD, captured[len(layer_ids)]
 
 
 @torch.no_grad()

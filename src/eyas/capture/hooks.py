@@ -1,8 +1,8 @@
 """One forward of the target that writes the captured rows straight into their stored layout.
 
 `forward_capture_packed` is the capture fast path. Like `eyas.target.forward_capture` it runs the
-base model only (no lm_head) with forward pre-hooks on the aux layers and a forward hook on the
-final norm, but each hook immediately gathers the real (non-padding) rows of its layer into slot a
+base model only (no lm_head) through `eyas.target.run_hooked` (pre-hooks on the aux layers, a hook
+on the final norm), but each hook immediately gathers the real (non-padding) rows of its layer into slot a
 of one preallocated `hidden_NLD` buffer, already cast (bf16, fp32) or quantised (fp8, scale per row)
 to the stored dtype. So no [B, T, A, D] stack is ever built, padding rows are dropped on the device,
 each layer's activation can be freed as soon as the next layer runs, and the buffer is exactly the
@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from eyas.store.format import quantize_fp8, stored_dtype
-from eyas.target import _decoder_parts
+from eyas.target import run_hooked
 
 
 @torch.no_grad()
@@ -37,7 +37,6 @@ def forward_capture_packed(
     attention_mask_BT: None for right-padded batches (see batching.py: causal attention needs none).
     Slot a < A is the input to decoder layer layer_ids[a]; slot A is the final norm's output.
     """
-    base, layers, norm = _decoder_parts(model)
     sd = stored_dtype(dtype)
     b, t = input_ids_BT.shape
     n = b * t if rows_index is None else rows_index.numel()
@@ -60,21 +59,5 @@ def forward_capture_packed(
         else:
             out["hidden"][:, slot] = rows_ND
 
-    def pre_hook(slot):
-        def hook(module, args, kwargs):
-            put(slot, args[0] if args else kwargs["hidden_states"])
-        return hook
-
-    def norm_hook(module, args, output):
-        put(slots - 1, output[0] if isinstance(output, tuple) else output)
-
-    handles = []
-    try:
-        for slot, i in enumerate(layer_ids):
-            handles.append(layers[i].register_forward_pre_hook(pre_hook(slot), with_kwargs=True))
-        handles.append(norm.register_forward_hook(norm_hook))
-        base(input_ids=input_ids_BT, attention_mask=attention_mask_BT, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    run_hooked(model, input_ids_BT, attention_mask_BT, layer_ids=layer_ids, put=put)
     return out["hidden"], out.get("scale")

@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterable, Iterator
 
 from eyas.errors import EyasError
 
@@ -127,15 +127,21 @@ def _is_cut_off(text: str, pos: int) -> bool:
     return True
 
 
+def parse_jsonl(lines: Iterable[str], where: str | Path) -> Iterator[tuple[int, Any]]:
+    """(line number, record) for each non-blank line; a bad line is an error naming `where` and it."""
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            yield lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise EyasError(f"{where}: malformed JSON on line {lineno}: {exc.msg} (column {exc.colno})") from None
+
+
 def read_jsonl_records(path: Path, info: SourceInfo) -> Iterator[Any]:
+    # File iteration splits on newlines only, never inside content holding U+2028 or \x85.
     with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EyasError(f"{path}: malformed JSON on line {lineno}: {exc.msg} (column {exc.colno})") from None
+        for _, record in parse_jsonl(f, path):
             info.records += 1
             yield record
 
@@ -151,15 +157,10 @@ def read_eyas_chats(path: Path, info: SourceInfo) -> Iterator[Any]:
     if not meta.get("complete", False):
         info.notes.append(f"{path} is an unfinished `eyas regenerate` run: reading its {committed} committed bytes")
     data = (path / "chats.jsonl").read_bytes()[:committed]
-    # Split on b"\n" only: str.splitlines() would also split inside content holding U+2028 or \x85.
-    for lineno, line in enumerate(data.decode("utf-8").split("\n"), 1):
-        if line.strip():
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise EyasError(f"{path / 'chats.jsonl'}: malformed JSON on line {lineno}: {exc.msg}") from None
-            info.records += 1
-            yield record
+    # Split on "\n" only: str.splitlines() would also split inside content holding U+2028 or \x85.
+    for _, record in parse_jsonl(data.decode("utf-8").split("\n"), path / "chats.jsonl"):
+        info.records += 1
+        yield record
 
 
 def read_hf_records(path: Path, info: SourceInfo, hf_split: str | None) -> Iterator[Any]:

@@ -12,7 +12,6 @@ EOS token (kept) or at max_new_tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,14 +53,12 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[Conversation]
         path = Path(source)
         if not path.is_file():
             raise EyasError(f"--prompts {source}: not a file and not 'mtbench'")
+    from eyas.data.sources import parse_jsonl
+
     convs = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise EyasError(f"--prompts {path}:{n}: not JSON ({exc}); expected one object per line") from exc
+    with open(path, encoding="utf-8") as f:
+        records = list(parse_jsonl(f, f"--prompts {path}"))
+    for n, rec in records:
         turns = rec.get("turns") if isinstance(rec, dict) else None
         if turns is None and isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             turns = [rec["prompt"]]
