@@ -10,7 +10,9 @@ import sys
 
 import pytest
 import torch
-from test_train_loop import AUX, VOCAB_CAP, _one_thread, _train_records, world  # noqa: F401  (fixtures)
+from test_train_loop import AUX, VOCAB_CAP, _train_records, world  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _args(world, out, *extra):  # noqa: F811
