@@ -1,16 +1,28 @@
-"""Training throughput of the EAGLE-3 drafter: tokens/s, peak memory and MFU of one training step.
+"""Training throughput of the EAGLE-3 drafter: tokens/s, peak memory and MFU.
 
-Default (CUDA): the Llama-3.1-8B-shaped drafter (H 4096, 32 heads / 8 KV heads, head dim 128,
-intermediate 14336, target vocab 128256, draft vocab 32000, llama3 RoPE), TTT 7, batch 1 x 2048,
-from synthetic stored states (aux [T, 3, H] and final [T, H] in bf16, as read from a store). One
-step = exactly what `eyas train` runs per micro-batch: teacher logits from the target lm_head on the
-fly, the TTT forward/backward under bf16 autocast with fp32 master weights, grad clipping, fused
-AdamW. `--small` runs the SmolLM2-135M drafter shape on CPU.
+Two suites, one JSON document as the last stdout line (metric names of benchmarks/results.jsonl):
 
-    PYTHONPATH=src python benchmarks/train_bench.py            # GPU, < 3 min (eager, then compiled)
-    PYTHONPATH=src python benchmarks/train_bench.py --small    # CPU
+`--suite 8b` (default): the Llama-3.1-8B-shaped drafter (H 4096, 32 heads / 8 KV heads, head dim 128,
+intermediate 14336, target vocab 128256, draft vocab 32000, llama3 RoPE), TTT 7, one sample of 2048
+tokens per step, synthetic stored states (aux [T, 3, H] and final [T, H] in bf16, copied from pinned
+host memory every step as the store loader does). A step is what `eyas train` runs: the packed
+forward/backward with the fused chunked head loss (teacher logits from the target lm_head on the
+fly), bf16 autocast with fp32 master weights, grad clipping, fused AdamW, the LR scheduler and the
+per-step statistics read back to the host. In the same process: the earlier padded path with
+materialised teacher probabilities (`reference`), and SpecForge 0.2.0's own trainer on the same
+configuration when it is importable (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s,
+train_8b_vs_specforge.
+
+`--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
+the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
+`--budgets` tokens per batch: steady-state tokens/s from metrics.jsonl (after `--skip` steps),
+supervised (answer) tokens/s, the share of time the target took, and peak GPU memory. Metrics:
+train_smol_tok_s (real tokens, no padding), train_smol_supervised_tok_s, train_smol_peak_gb_128k.
+
+    PYTHONPATH=src python benchmarks/train_bench.py                       # GPU, 8B shape
+    PYTHONPATH=src python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep
+    PYTHONPATH=src python benchmarks/train_bench.py --small               # CPU, SmolLM2 drafter shape
     PYTHONPATH=src torchrun --standalone --nproc_per_node 2 benchmarks/train_bench.py [--fsdp]
-                                   # data parallel: every rank its own batch; tokens/s summed
 
 MFU counts matmul FLOPs per token (T tokens, K TTT steps, H hidden, Hq heads, d head dim, I inter,
 V draft vocab, Vt target vocab):
@@ -20,8 +32,7 @@ V draft vocab, Vt target vocab):
         12 * Hq * d * ((T + 1) / 2 + k)       (causal keys on average + k diagonal keys)
     once: fc 4 * 3H*H (no input gradient)  +  teacher lm_head 2 * H * Vt (forward only)
 MFU = tokens/s * FLOPs/token / peak, against the 989 TFLOP/s dense bf16 datasheet figure and
-the 756 TFLOP/s bf16 matmul rate measured on this H200 (FIELD.md section 9). The last stdout line
-is one JSON document.
+the 756 TFLOP/s bf16 matmul rate measured on an H200 of the device pool (2026-11-29).
 """
 
 from __future__ import annotations
@@ -34,7 +45,6 @@ import time
 import torch
 
 H200_PEAK, H200_MEASURED = 989e12, 756e12
-SPECFORGE_TOK_S = 14.6e3
 
 
 def log(msg: str) -> None:
@@ -65,11 +75,22 @@ def flops_per_token(c: dict, *, T: int, K: int) -> dict:
             "total": linears + attention + fc + teacher}
 
 
-def build(c: dict, *, B: int, T: int, K: int, device, attention: str, seed: int = 0, dist=None, fsdp: bool = False,
-          compile_parts: bool = False):
+def _synthetic(c: dict, *, B: int, T: int, device, seed: int, rank: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seed + 1 + 1000 * rank)  # each rank its own batch
+    bf16 = device.type == "cuda"
+    sdt = torch.bfloat16 if bf16 else torch.float32
+    # synthetic stored states: residual-stream-like aux, unit-RMS final, a target head with peaked logits
+    return {
+        "ids": torch.randint(0, c["vocab_size"], (B, T), generator=g),
+        "mask": torch.arange(T)[None].expand(B, T) >= T // 10,
+        "aux": (torch.randn(B, T, len(c["aux_layer_ids"]), c["hidden_size"], generator=g) * 4).to(sdt),
+        "final": torch.randn(B, T, c["hidden_size"], generator=g).to(sdt),
+        "head": (torch.randn(c["vocab_size"], c["hidden_size"], generator=g) * 0.05).to(device, sdt),
+    }
+
+
+def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
-    from eyas.drafter.ttt import TTTConfig
-    from eyas.train.loop import TTTModule
 
     torch.manual_seed(seed)
     cfg = DrafterConfig(**c)
@@ -80,90 +101,79 @@ def build(c: dict, *, B: int, T: int, K: int, device, attention: str, seed: int 
         from eyas.drafter.ttt import compile_drafter
 
         compile_drafter(drafter)
-    module = TTTModule(drafter, TTTConfig(steps=K, attention=attention)).to(device)
+    return drafter
+
+
+def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
+                   compile_parts: bool = False):
+    """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory."""
+    from eyas.drafter.ttt import TTTConfig
+    from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
+    from eyas.train.loop import PackedTTTModule, lr_lambda
+
+    drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
+    data = _synthetic(c, B=B, T=T, device=device, seed=seed, rank=dist.rank if dist is not None else 0)
+    module = PackedTTTModule(drafter, TTTConfig(steps=K), head_VtD=data["head"]).to(device)
     bf16 = device.type == "cuda"
     if dist is not None and dist.enabled:
         from eyas.train.dist import wrap_model
 
         module = wrap_model(module, dist, fsdp=fsdp, bf16=bf16)
-    sdt = torch.bfloat16 if bf16 else torch.float32
-    rank = dist.rank if dist is not None else 0
-    g = torch.Generator(device="cpu").manual_seed(seed + 1 + 1000 * rank)  # each rank its own batch
-    # synthetic stored states: residual-stream-like aux, unit-RMS final, a target head with peaked logits
-    data = {
-        "ids": torch.randint(0, cfg.vocab_size, (B, T), generator=g).to(device),
-        "mask": (torch.arange(T)[None].expand(B, T) >= T // 10).to(device),
-        "aux": (torch.randn(B, T, len(cfg.aux_layer_ids), cfg.hidden_size, generator=g) * 4).to(device, sdt),
-        "final": torch.randn(B, T, cfg.hidden_size, generator=g).to(device, sdt),
-        "head": (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.05).to(device, sdt),
-    }
-    return module, data, bf16
-
-
-def make_step(module, data, *, K: int, bf16: bool, device, forward=None, fsdp: bool = False):
-    from eyas.drafter.ttt import step_denominators, teacher_from_final
-
-    drafter = getattr(module, "module", module).drafter  # DDP wraps; FSDP2 shards in place
+    items = [Item(str(i), data["ids"][i], data["mask"][i]) for i in range(B)]
+    ids, mask, seg, rows = pack_tokens(items, steps=K, pad_to=None)
+    pin = device.type == "cuda"
+    host = PackedBatch(ids, seg, rows, data["aux"].flatten(0, 1), data["final"].flatten(0, 1), B * T, B * T,
+                       int(mask.sum()))
+    if pin:
+        host = PackedBatch(ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows],
+                           host.aux_NAD.pin_memory(), host.final_ND.pin_memory(), B * T, B * T, host.supervised)
+    denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" and not fsdp)
-    bf16_autocast = bf16 and not fsdp  # FSDP2 computes in bf16 through its mixed-precision policy
-    used, t2d = drafter.used_target_ids(), drafter.t2d
-    denoms = step_denominators(data["mask"], K).to(device)
-    fwd = forward or module
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup=10, total=10_000, min_ratio=0.1))
+    amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)
 
     def step():
-        teacher = teacher_from_final(data["final"], data["head"], used, t2d)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16_autocast):
-            loss, _stats = fwd(data["ids"], data["mask"], data["aux"], teacher.probs_BTV, teacher.top_BT,
-                              teacher.in_vocab_BT, denoms)
+        b = _packed_to(host, device)
+        with amp:
+            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, denoms.to(device))
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 0.5)  # a collective under FSDP2
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
+        sched.step()
         opt.zero_grad(set_to_none=True)
+        stats.tolist()  # the loop reads its statistics back every step
         return loss
 
     return step
 
 
-def loss_curve(c: dict, *, B: int, T: int, K: int, n_steps: int, dist, fsdp: bool, attention: str, seed: int = 0) -> list[float]:
-    """Train `n_steps` on ONE fixed synthetic global batch of B x world samples (identical for every
-    world size: rank r takes rows r*B..r*B+B-1), normalised by the global loss-mask counts and
-    gradients summed over ranks exactly as `eyas train` does. The curve must not depend on the
-    number of GPUs beyond bf16 noise."""
-    from eyas.drafter.ttt import step_denominators, teacher_from_final
-    from eyas.train.dist import all_reduce_sum
+def make_reference_step(c: dict, *, B: int, T: int, K: int, device, seed: int = 0):
+    """The earlier path: padded rows, teacher probabilities materialised for the whole batch."""
+    from eyas.drafter.ttt import TTTConfig, step_denominators, teacher_from_final
+    from eyas.train.loop import TTTModule
 
-    device, W = dist.device, dist.world
-    module, _, bf16 = build(c, B=1, T=8, K=K, device=device, attention=attention, seed=seed, dist=dist, fsdp=fsdp)
-    drafter = getattr(module, "module", module).drafter
-    G = B * W
-    g = torch.Generator(device="cpu").manual_seed(seed + 12345)
-    sdt = torch.bfloat16 if bf16 else torch.float32
-    ids = torch.randint(0, c["vocab_size"], (G, T), generator=g)
-    mask = torch.rand(G, T, generator=g) > 0.2
-    aux = torch.randn(G, T, len(c["aux_layer_ids"]), c["hidden_size"], generator=g) * 4
-    final = torch.randn(G, T, c["hidden_size"], generator=g)
-    head = (torch.randn(c["vocab_size"], c["hidden_size"], generator=g) * 0.05).to(device, sdt)
-    rows = slice(dist.rank * B, (dist.rank + 1) * B)
-    ids, lm, aux, final = (x[rows].to(device) for x in (ids, mask, aux, final))
-    aux, final = aux.to(sdt), final.to(sdt)
-    denoms = step_denominators(mask, K).to(device)
+    drafter = _drafter(c, device, seed=seed, compile_parts=False)
+    module = TTTModule(drafter, TTTConfig(steps=K)).to(device)
+    data = {k: v.to(device) for k, v in _synthetic(c, B=B, T=T, device=device, seed=seed).items()}
+    bf16 = device.type == "cuda"
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" and not fsdp)
-    weights = [0.8**k for k in range(K)]
-    curve = []
-    for i in range(n_steps):
-        teacher = teacher_from_final(final, head, drafter.used_target_ids(), drafter.t2d)
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp):
-            loss, stats = module(ids, lm, aux, teacher.probs_BTV, teacher.top_BT, teacher.in_vocab_BT, denoms)
-        (loss * W).backward()
+    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda")
+    used, t2d = drafter.used_target_ids(), drafter.t2d
+    denoms = step_denominators(data["mask"], K).to(device)
+
+    def step():
+        teacher = teacher_from_final(data["final"], data["head"], used, t2d)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, _stats = module(data["ids"], data["mask"], data["aux"], teacher.probs_BTV, teacher.top_BT,
+                                  teacher.in_vocab_BT, denoms)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         opt.zero_grad(set_to_none=True)
-        st = all_reduce_sum(stats.double(), dist)
-        curve.append(sum(w * float(ce) / max(float(dn), 1.0) for w, ce, dn in zip(weights, st[:K], denoms)))
-        log(f"[curve] step {i + 1}/{n_steps}: loss {curve[-1]:.5f}")
-    return curve
+        return loss
+
+    return step
 
 
 def sync(device):
@@ -191,129 +201,211 @@ def measure(step, *, warmup: int, steps: int, device, tokens_per_step: int, labe
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--small", action="store_true", help="SmolLM2-135M drafter shape (CPU-sized run)")
-    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    ap.add_argument("--seq", type=int, default=None, help="tokens per sample (default 2048; --small: 512)")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10 on CUDA, 3 on CPU)")
-    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
-    ap.add_argument("--attention", default="fast", choices=["fast", "reference"])
-    ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
-    ap.add_argument("--curve", type=int, default=0,
-                    help="instead of timing: N steps on one fixed global batch of --batch x world samples; prints "
-                         "the loss per step (compare 1 GPU --batch 2 with 2 GPUs --batch 1)")
-    ap.add_argument("--compile", default="auto", choices=["auto", "parts", "full", "all", "off"],
-                    help="also time torch.compile: parts (per-step pieces, as `eyas train --compile`), full "
-                         "(the whole TTT module), all (both); auto = parts on CUDA, off on CPU")
-    args = ap.parse_args()
-
-    from eyas.train import dist as dd
-
-    dist = dd.setup(args.device or "auto")  # torchrun: one process per GPU (NCCL) or per CPU slot (gloo)
-    device = dist.device
-    if not dist.is_main:
-        globals()["log"] = lambda msg: None
-    T = args.seq or (512 if args.small else 2048)
-    B, K = args.batch, args.ttt_steps
-    steps = args.steps or (10 if device.type == "cuda" else 3)
-    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
-    c = shapes(args.small)
-    fl = flops_per_token(c, T=T, K=K)
-    log(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
-    log(f"drafter H={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} I={c['intermediate_size']} "
-        f"V={c['draft_vocab_size']}/{c['vocab_size']}, batch {B} x {T}, TTT {K}; {fl['total'] / 1e9:.2f} GFLOP/token")
-
-    W = dist.world
-    result: dict = {"bench": "train", "device": str(device), "small": args.small, "batch": B, "seq": T, "ttt_steps": K,
-                    "world": W, "parallel": ("fsdp2" if args.fsdp else "ddp") if W > 1 else "none",
-                    "attention": args.attention, "gflop_per_token": fl["total"] / 1e9,
-                    "flops_breakdown_gflop": {k: v / 1e9 for k, v in fl.items()}}
-    if device.type == "cuda":
-        from eyas.drafter.ttt import check_fast_attention
-
-        err = check_fast_attention(device, torch.bfloat16)
-        result["fast_attention_check_max_abs_diff"] = err
-        log(f"fast attention vs dense reference on {device} (bf16, out + grads): max |diff| {err:.4f}")
-        if err > 0.1 and args.attention == "fast":
-            log("fast attention disagrees with the reference on this device: falling back to --attention reference")
-            args.attention = result["attention"] = "reference"
-
-    if args.curve:
-        curve = loss_curve(c, B=B, T=T, K=K, n_steps=args.curve, dist=dist, fsdp=args.fsdp, attention=args.attention)
-        dd.teardown(dist)
-        if dist.is_main:
-            result["loss_curve"] = curve
-            print("step  loss")
-            for i, v in enumerate(curve):
-                print(f"{i + 1:4d}  {v:.6f}")
-            print(json.dumps(result, sort_keys=True))
-        return
-    kw = dict(B=B, T=T, K=K, device=device, attention=args.attention, dist=dist, fsdp=args.fsdp)
-    module, data, bf16 = build(c, **kw)
-    n_params = sum(p.numel() for p in module.parameters() if p.requires_grad)
-    result["trainable_params_m"] = n_params / 1e6
-    runs = {}
-    step = make_step(module, data, K=K, bf16=bf16, device=device, fsdp=args.fsdp)
-    runs["eager"] = measure(step, warmup=warmup, steps=steps, device=device, tokens_per_step=W * B * T, label="eager")
-    del step, module, data
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-    mode = args.compile if args.compile != "auto" else ("parts" if device.type == "cuda" else "off")
-    todo = {"parts": ["parts"], "full": ["full"], "all": ["parts", "full"], "off": []}[mode]
-    for kind in todo:
-        module = data = cstep = None
-        try:
-            if kind == "parts":
-                module, data, bf16 = build(c, **kw, compile_parts=True)
-                cstep = make_step(module, data, K=K, bf16=bf16, device=device, fsdp=args.fsdp)
-            else:
-                module, data, bf16 = build(c, **kw)
-                cstep = make_step(module, data, K=K, bf16=bf16, device=device, fsdp=args.fsdp,
-                                  forward=torch.compile(module))
-            runs[f"compiled-{kind}"] = measure(cstep, warmup=warmup, steps=steps, device=device,
-                                               tokens_per_step=W * B * T, label=f"compiled-{kind}")
-        except Exception as exc:  # compile is an optimisation: report and keep the eager figures
-            log(f"torch.compile ({kind}) failed ({type(exc).__name__}: {str(exc)[:500]}); eager figures stand")
-            runs[f"compiled-{kind}"] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
-        finally:
-            module = data = cstep = None
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+def _finish_runs(runs: dict, fl: dict, W: int) -> None:
     for r in runs.values():
         if "tokens_per_s" in r:
             achieved = r["tokens_per_s"] * fl["total"]
             r["tflops"] = achieved / 1e12
             r["mfu_vs_989"] = achieved / (H200_PEAK * W)  # per GPU
             r["mfu_vs_756_measured"] = achieved / (H200_MEASURED * W)
-    best = max((k for k in runs if "tokens_per_s" in runs[k]), key=lambda k: runs[k]["tokens_per_s"])
-    result["runs"] = runs
-    result["best"] = best
-    result["tokens_per_s"] = runs[best]["tokens_per_s"]
-    result["mfu_vs_989"] = runs[best]["mfu_vs_989"]
-    result["peak_mem_gb"] = runs[best].get("peak_mem_gb")
-    if not args.small and device.type == "cuda" and W == 1:
-        result["specforge_tokens_per_s"] = SPECFORGE_TOK_S
-        result["specforge_mfu_same_formula"] = SPECFORGE_TOK_S * fl["total"] / H200_PEAK
-        result["speedup_vs_specforge"] = result["tokens_per_s"] / SPECFORGE_TOK_S
 
+
+def _try(label: str, runs: dict, fn) -> None:
+    """Run one measured variant; a failure is reported and the other variants stand."""
+    try:
+        runs[label] = fn()
+    except Exception as exc:  # an optional variant (compile, a peer) must not sink the benchmark
+        log(f"[{label}] failed ({type(exc).__name__}: {str(exc)[:500]})")
+        runs[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+    finally:
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def suite_8b(args, dist) -> dict:
+    device, W = dist.device, dist.world
+    T = args.seq or (512 if args.small else 2048)
+    B, K = args.batch, args.ttt_steps
+    steps = args.steps or (10 if device.type == "cuda" else 3)
+    warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
+    c = shapes(args.small)
+    fl = flops_per_token(c, T=T, K=K)
+    log(f"drafter H={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} I={c['intermediate_size']} "
+        f"V={c['draft_vocab_size']}/{c['vocab_size']}, batch {B} x {T}, TTT {K}; {fl['total'] / 1e9:.2f} GFLOP/token")
+    result: dict = {"suite": "8b" if not args.small else "small", "batch": B, "seq": T, "ttt_steps": K, "world": W,
+                    "parallel": ("fsdp2" if args.fsdp else "ddp") if W > 1 else "none",
+                    "gflop_per_token": fl["total"] / 1e9, "flops_breakdown_gflop": {k: v / 1e9 for k, v in fl.items()}}
+    if device.type == "cuda":
+        from eyas.drafter.ttt import check_fast_attention
+
+        from eyas.packing import check_varlen_kernel, pick_varlen_kernel
+
+        result["varlen_check_max_abs_diff"] = check_varlen_kernel(device, torch.bfloat16)
+        result["varlen_kernel"] = pick_varlen_kernel(torch.empty(1, 1, 1, c["head_dim"], device=device, dtype=torch.bfloat16))
+        log(f"packed attention kernel {result['varlen_kernel']}: max |diff| vs exact {result['varlen_check_max_abs_diff']:.4f}")
+        result["fast_attention_check_max_abs_diff"] = check_fast_attention(device, torch.bfloat16)
+        log(f"fast attention vs dense reference (bf16, out + grads): max |diff| {result['fast_attention_check_max_abs_diff']:.4f}")
+    runs: dict = {}
+    kw = dict(device=device, tokens_per_step=W * B * T)
+    _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp),
+                                       warmup=warmup, steps=steps, label="eyas", **kw))
+    if device.type == "cuda" and not args.no_compile:
+        _try("eyas-compiled", runs, lambda: measure(
+            make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, compile_parts=True),
+            warmup=warmup, steps=steps, label="eyas-compiled", **kw))
+    if W == 1 and not args.no_reference:
+        _try("eyas-reference-path", runs, lambda: measure(make_reference_step(c, B=B, T=T, K=K, device=device),
+                                                          warmup=warmup, steps=steps, label="reference", **kw))
+    if W == 1 and device.type == "cuda" and not args.no_specforge:
+        sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
+        try:
+            import specforge_peer
+
+            why = specforge_peer.specforge_available()
+        except Exception as exc:  # the peer harness itself missing or broken
+            why = f"{type(exc).__name__}: {exc}"
+        if why is None:
+            _try("specforge", runs, lambda: measure(
+                specforge_peer.build_specforge_step(c, seq=T, ttt_steps=K, device=device), warmup=warmup, steps=steps,
+                label="specforge", **kw))
+        else:
+            log(f"SpecForge not measured: {why}")
+            result["specforge_skipped"] = why
+    _finish_runs(runs, fl, W)
+    ours = [k for k in ("eyas", "eyas-compiled") if "tokens_per_s" in runs.get(k, {})]
+    result["runs"] = runs
+    if ours:
+        best = max(ours, key=lambda k: runs[k]["tokens_per_s"])
+        result["best"] = best
+        result["train_8b_tok_s"] = runs["eyas"].get("tokens_per_s")  # default options = eager
+        result["train_8b_best_tok_s"] = runs[best]["tokens_per_s"]
+        if "tokens_per_s" in runs.get("specforge", {}):
+            result["train_8b_vs_specforge"] = runs["eyas"]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
+            result["train_8b_best_vs_specforge"] = runs[best]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
+    if dist.is_main:
+        print(f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}")
+        for name, r in runs.items():
+            if "tokens_per_s" not in r:
+                print(f"{name:22s} failed: {r['error'][:80]}")
+                continue
+            print(f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
+                  f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} {r.get('peak_mem_gb') or 0:8.1f}")
+    return result
+
+
+def _steady(metrics_file, skip: int) -> dict:
+    recs = [json.loads(x) for x in open(metrics_file) if '"eval"' not in x]
+    tail = recs[skip:] or recs
+    secs = sum(r["step_s"] for r in tail)
+    return {"steps_timed": len(tail), "tokens_per_s": sum(r["tokens"] for r in tail) / secs,
+            "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in tail) / secs,
+            "useful_fraction": sum(r["tokens"] for r in tail) / max(1, sum(r["padded_tokens"] for r in tail)),
+            "target_share": tail[-1].get("target_share"), "final_loss": tail[-1]["loss"]}
+
+
+def suite_smol(args) -> dict:
+    """The real `eyas train` (online) on prepared data, per tokens-per-batch budget."""
+    import tempfile
+    from pathlib import Path
+
+    from eyas.train.loop import TrainConfig, run
+
+    budgets = [int(x) for x in args.budgets.split(",")]
+    result: dict = {"suite": "smol", "target": args.target, "budgets": budgets, "runs": {}}
+    work = Path(args.work or tempfile.mkdtemp(prefix="train_bench_"))
+    for di, data in enumerate(args.data):
+        for budget in budgets:
+            for compiled in ([False, True] if (args.compile_smol and budget == budgets[-1]) else [False]):
+                label = f"data{di}-{budget // 1024}k" + ("-compiled" if compiled else "")
+                steps = args.steps or max(12, min(40, (4 << 20) // budget))
+
+                def one():
+                    cuda = args.device in (None, "cuda") or str(args.device).startswith("cuda")
+                    if cuda:
+                        torch.cuda.reset_peak_memory_stats()
+                    t0 = time.perf_counter()
+                    summary = run(TrainConfig(
+                        target=args.target, data=Path(data), out=work / label, steps=steps, tokens_per_batch=budget,
+                        ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, device=args.device or "cuda",
+                        eval_samples=8, compile=compiled, max_length=min(2048, budget), overwrite=True, lr=1e-4))
+                    r = _steady(work / label / "metrics.jsonl", args.skip)
+                    r.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, wall_s=time.perf_counter() - t0,
+                             steps=steps, data=str(data), tokens_per_batch=budget, compiled=compiled,
+                             summary_tokens_per_s=summary.get("tokens_per_s"))
+                    log(f"[{label}] {r['tokens_per_s']:.0f} tok/s ({r['supervised_tokens_per_s']:.0f} supervised), "
+                        f"useful {r['useful_fraction']:.3f}, target share {r['target_share']}, "
+                        f"peak {r['peak_mem_gb']:.1f} GB")
+                    return r
+
+                _try(label, result["runs"], one)
+    ok = {k: r for k, r in result["runs"].items() if "tokens_per_s" in r and not r["compiled"]}
+    if ok:
+        best = max(ok, key=lambda k: ok[k]["tokens_per_s"])
+        result["best"] = best
+        result["train_smol_tok_s"] = ok[best]["tokens_per_s"]
+        result["train_smol_supervised_tok_s"] = ok[best]["supervised_tokens_per_s"]
+        for k, r in ok.items():
+            if r["tokens_per_batch"] >= 131072:
+                result["train_smol_peak_gb_128k"] = max(result.get("train_smol_peak_gb_128k", 0), r["peak_mem_gb"])
+    print(f"{'run':24s} {'tok/s':>9s} {'superv/s':>9s} {'useful':>7s} {'target':>7s} {'peak GB':>8s}")
+    for name, r in result["runs"].items():
+        if "tokens_per_s" not in r:
+            print(f"{name:24s} failed: {r['error'][:80]}")
+            continue
+        print(f"{name:24s} {r['tokens_per_s']:9.0f} {r['supervised_tokens_per_s']:9.0f} {r['useful_fraction']:7.3f} "
+              f"{(r['target_share'] or 0):7.2f} {r['peak_mem_gb']:8.1f}")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--suite", default="8b", choices=["8b", "smol"])
+    ap.add_argument("--small", action="store_true", help="8b suite with the SmolLM2-135M drafter shape (CPU-sized run)")
+    ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    ap.add_argument("--seq", type=int, default=None, help="tokens per sample (default 2048; --small: 512)")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--steps", type=int, default=None, help="timed steps (8b: default 10 on CUDA, 3 on CPU; smol: "
+                                                             "optimizer steps per run, default by budget)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
+    ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
+    ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
+    ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")
+    ap.add_argument("--no-specforge", action="store_true", help="8b: skip SpecForge even when importable")
+    ap.add_argument("--target", default=None, help="smol: the SmolLM2 target directory")
+    ap.add_argument("--data", action="append", default=[], help="smol: prepared dataset (repeatable)")
+    ap.add_argument("--budgets", default="4096,32768,65536,131072", help="smol: tokens per batch, comma-separated")
+    ap.add_argument("--compile-smol", action="store_true", help="smol: also run the last budget with --compile")
+    ap.add_argument("--draft-vocab", type=int, default=32000, help="smol: draft vocabulary size")
+    ap.add_argument("--skip", type=int, default=3, help="smol: steps left out of the steady-state rate")
+    ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
+    args = ap.parse_args()
+
+    if args.suite == "smol":
+        if not args.target or not args.data:
+            ap.error("--suite smol needs --target and at least one --data")
+        log(f"device {args.device or 'cuda'}, torch {torch.__version__}")
+        result = suite_smol(args)
+        print(json.dumps(result, sort_keys=True))
+        return
+    from eyas.train import dist as dd
+
+    dist = dd.setup(args.device or "auto")  # torchrun: one process per GPU (NCCL) or per CPU slot (gloo)
+    if not dist.is_main:
+        globals()["log"] = lambda msg: None
+    device = dist.device
+    log(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
+    result = suite_8b(args, dist)
     if dist.enabled:
         import torch.distributed as tdist
 
         tdist.barrier()
     dd.teardown(dist)
-    if not dist.is_main:
-        return
-    print(f"{'mode':16s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}")
-    for name, r in runs.items():
-        if "tokens_per_s" not in r:
-            print(f"{name:16s} failed: {r['error'][:80]}")
-            continue
-        print(f"{name:16s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
-              f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} {r.get('peak_mem_gb') or 0:8.1f}")
-    print(json.dumps(result, sort_keys=True))
+    if dist.is_main:
+        print(json.dumps(result, sort_keys=True))
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def test_cli_progress_line_and_summary(world, tmp_path):
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and len(summary["acc_per_step"]) == 3
-    assert "step 00002/00002 | loss " in res.stderr and "tok/s | eta" in res.stderr
+    assert "step 00002/00002 | loss " in res.stderr and "supervised) | useful " in res.stderr and "| eta" in res.stderr
     bad = subprocess.run([sys.executable, "-m", "eyas", "train", "--out", str(tmp_path / "x"), "--device", "cpu"],
                          check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert bad.returncode == 2 and "exactly one of --store" in bad.stderr
@@ -209,3 +209,39 @@ def test_plan_covers_every_sample_once_per_epoch():
     two = Plan(n=23, micro_batch=1, accum=1, world=2, seed=4)
     for step in range(5):
         assert one.micro_indices(step, 0)[0] == two.micro_indices(step, 0)[0] + two.micro_indices(step, 1)[0]
+
+
+def test_token_plan_covers_every_sample_once_within_budget():
+    from eyas.train.data import TokenPlan
+
+    g = torch.Generator().manual_seed(0)
+    lengths = torch.randint(1, 40, (57,), generator=g).tolist()
+    for world_size, accum in ((1, 1), (2, 1), (1, 3)):
+        plan = TokenPlan(lengths=lengths, tokens_per_batch=64, accum=accum, world=world_size, seed=2)
+        seen = []
+        for step in range(plan.steps_per_epoch):
+            for rank in range(world_size):
+                for idx in plan.micro_indices(step, rank):
+                    assert sum(lengths[i] for i in idx) <= 64
+                    seen += idx
+        assert sorted(seen) == list(range(57)), (world_size, accum)
+        # the epoch after is a new order of all samples, and step numbers keep counting through it
+        e1 = [i for s in range(plan.steps_per_epoch, plan.steps_per_epoch + plan._epoch_steps(1))
+              for i in plan.step_indices(s)]
+        assert sorted(e1) == list(range(57)) and e1 != seen
+    with pytest.raises(EyasError, match="tokens-per-batch"):
+        TokenPlan(lengths=[10, 80], tokens_per_batch=64, accum=1, world=1, seed=0)
+
+
+def test_token_batches_offline_equal_online(world, tmp_path):
+    """Packing by tokens: the same steps offline and online, every real token counted once."""
+    from eyas.train.loop import run
+
+    kw = dict(steps=3, tokens_per_batch=96, batch_size=1)
+    off = run(_cfg(world, tmp_path / "off", store=world["store"], eval_store=world["eval_store"], **kw))
+    on = run(_cfg(world, tmp_path / "on", data=world["prep"], **kw))
+    r_off, r_on = _train_records(tmp_path / "off"), _train_records(tmp_path / "on")
+    for a, b in zip(r_off, r_on):
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+        assert a["tokens"] == b["tokens"] and a["padded_tokens"] == 96 and a["tokens"] <= 96
+    assert off["tokens_per_batch"] == 96 and 0 < on["useful_fraction"] <= 1

@@ -22,7 +22,8 @@ def train(
     eval_store: Path | None = typer.Option(None, "--eval-store", help="Offline: store of eval states; without it --eval-samples store samples are held out."),
     steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training split when --steps is not given."),
-    batch_size: int = typer.Option(1, "--batch-size", help="Samples per micro-batch per process (global batch = this x --grad-accum x processes)."),
+    tokens_per_batch: int | None = typer.Option(None, "--tokens-per-batch", help="Tokens per micro-batch per process: samples packed end to end into one row of this many tokens (default 65536 on CUDA; on the CPU --batch-size samples per row)."),
+    batch_size: int = typer.Option(1, "--batch-size", help="Samples per micro-batch per process when --tokens-per-batch is not used (global batch = this x --grad-accum x processes)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches accumulated per optimizer step."),
     lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95)."),
     warmup_steps: int | None = typer.Option(None, "--warmup-steps", help="Linear warmup steps (default 2% of the run)."),
@@ -56,7 +57,7 @@ def train(
         raise EyasError(f"--aux-layers: expected comma-separated integers, got {aux_layers!r}") from None
     return run(TrainConfig(
         out=out, aux_layers=layer_ids, target=target, store=store, data=data, eval_store=eval_store, steps=steps, epochs=epochs,
-        batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
+        tokens_per_batch=tokens_per_batch, batch_size=batch_size, grad_accum=grad_accum, lr=lr, warmup_steps=warmup_steps, min_lr_ratio=min_lr_ratio,
         weight_decay=weight_decay, grad_clip=grad_clip, ttt_steps=ttt_steps, ttt_decay=ttt_decay,
         draft_vocab=draft_vocab, max_length=max_length, eval_every=eval_every, eval_samples=eval_samples,
         save_every=save_every, resume=resume, device=device, precision=precision, fsdp=fsdp, attention=attention,

@@ -128,11 +128,18 @@ def step_denominators(loss_mask_BT: torch.Tensor, steps: int) -> torch.Tensor:
 # attention over causal step-0 keys + one diagonal per later step
 
 
-def reference_attention(q_BHTd, keys, values) -> torch.Tensor:
-    """Dense-mask reference. keys/values: lists of [B, H, T, d], index 0 causal, the rest diagonal."""
+def reference_attention(q_BHTd, keys, values, *, seg=None) -> torch.Tensor:
+    """Dense-mask reference. keys/values: lists of [B, H, T, d], index 0 causal (within each
+    segment of a packed row when `seg` is given), the rest diagonal."""
     T = q_BHTd.shape[2]
     dev = q_BHTd.device
-    blocks = [torch.ones(T, T, dtype=torch.bool, device=dev).tril()]
+    if seg is None:
+        causal = torch.ones(T, T, dtype=torch.bool, device=dev).tril()
+    else:
+        from eyas.packing import segment_causal_mask
+
+        causal = segment_causal_mask(seg, dev)
+    blocks = [causal]
     blocks += [torch.eye(T, dtype=torch.bool, device=dev)] * (len(keys) - 1)
     mask = torch.cat(blocks, dim=1)
     return F.scaled_dot_product_attention(q_BHTd, torch.cat(keys, 2), torch.cat(values, 2), attn_mask=mask)
@@ -199,13 +206,13 @@ class _CausalPlusDiagonals(torch.autograd.Function):
     """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, kernel, scale):
+    def forward(ctx, q, k0, v0, kd, vd, kernel, scale, seg=None):
         with torch.autocast(q.device.type, enabled=False):  # the merge must stay in fp32
-            return _CausalPlusDiagonals._forward(ctx, q, k0, v0, kd, vd, kernel, scale)
+            return _CausalPlusDiagonals._forward(ctx, q, k0, v0, kd, vd, kernel, scale, seg)
 
     @staticmethod
-    def _forward(ctx, q, k0, v0, kd, vd, kernel, scale):
-        fwd, _ = KERNELS[kernel]
+    def _forward(ctx, q, k0, v0, kd, vd, kernel, scale, seg):
+        fwd, _ = _kernel_pair(kernel, seg)
         out_c, lse_c, aux = fwd(q, k0, v0, scale)
         T = q.shape[2]
         lse_c32 = lse_c[..., :T].float()  # some kernels pad the lse's last dim
@@ -220,7 +227,7 @@ class _CausalPlusDiagonals(torch.autograd.Function):
         lse_k = lse_c.clone()
         lse_k[..., :T] = lse.to(lse_c.dtype)
         ctx.save_for_backward(q, k0, v0, kd, vd, out, lse_k)
-        ctx.kernel, ctx.scale, ctx.aux = kernel, scale, aux
+        ctx.kernel, ctx.scale, ctx.aux, ctx.seg = kernel, scale, aux, seg
         return out
 
     @staticmethod
@@ -231,12 +238,12 @@ class _CausalPlusDiagonals(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, dout):
         q, k0, v0, kd, vd, out, lse_k = ctx.saved_tensors
-        _, bwd = KERNELS[ctx.kernel]
+        _, bwd = _kernel_pair(ctx.kernel, ctx.seg)
         dout = dout.contiguous().to(q.dtype)
         # flash backward with the MERGED out/lse gives the causal keys' share of the joint softmax
         dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
         if not kd.shape[3]:
-            return dq, dk0, dv0, None, None, None, None
+            return dq, dk0, dv0, None, None, None, None, None
         T = q.shape[2]
         lse = lse_k[..., :T].float()
         do, qf = dout.float(), q.float()
@@ -248,19 +255,34 @@ class _CausalPlusDiagonals(torch.autograd.Function):
         dq = (dq.float() + torch.einsum("bhtj,bhtjd->bhtd", ds, kd.float())).to(q.dtype)
         dkd = (ds[..., None] * qf[:, :, :, None, :]).to(kd.dtype)
         dvd = (p[..., None] * do[:, :, :, None, :]).to(vd.dtype)
-        return dq, dk0, dv0, dkd, dvd, None, None
+        return dq, dk0, dv0, dkd, dvd, None, None, None
 
 
-def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None) -> torch.Tensor:
-    """Same result as `reference_attention`, O(T) extra memory per diagonal."""
-    kernel = kernel or pick_kernel(q_BHTd)
+def _kernel_pair(kernel: str, seg):
+    """(fwd, bwd) of the step-0 attention: dense rows, or a packed row (`seg`: packing.Segments)."""
+    if seg is None:
+        return KERNELS[kernel]
+    from eyas.packing import VARLEN_KERNELS
+
+    fwd, bwd = VARLEN_KERNELS[kernel]
+    return (lambda q, k, v, scale: fwd(q, k, v, scale, seg),
+            lambda dout, q, k, v, out, lse, scale, aux: bwd(dout, q, k, v, out, lse, scale, seg, aux))
+
+
+def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None) -> torch.Tensor:
+    """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
+    row, B = 1) the step-0 keys are causal within each segment."""
+    if kernel is None:
+        from eyas.packing import pick_varlen_kernel
+
+        kernel = pick_varlen_kernel(q_BHTd) if seg is not None else pick_kernel(q_BHTd)
     scale = 1.0 / math.sqrt(q_BHTd.shape[-1])
     B, H, T, d = q_BHTd.shape
     if len(keys) > 1:
         kd, vd = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
     else:
         kd = vd = q_BHTd.new_zeros(B, H, T, 0, d)
-    return _CausalPlusDiagonals.apply(q_BHTd, keys[0], values[0], kd, vd, kernel, scale)
+    return _CausalPlusDiagonals.apply(q_BHTd, keys[0], values[0], kd, vd, kernel, scale, seg)
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
@@ -388,6 +410,196 @@ def ttt_loss(
                 chain_alive, rounds = hit, valid.sum().double()
             else:
                 chain_alive = chain_alive[:, :n] & hit
+            accepted = accepted + chain_alive.sum().double()
+    return TTTOutput(loss=loss, ce_sum=torch.stack(ce_sums), correct=torch.stack(corrects),
+                     valid=torch.stack(valids), accepted=accepted, rounds=rounds)
+
+
+# ----------------------------------------------------------------------------------------------
+# the fast path: packed rows, supervised rows only, a fused chunked head + soft cross-entropy
+#
+# Samples are laid end to end in one row (eyas.packing.Segments): step-0 attention is causal
+# within each sample, positions restart per sample, and the step-k shift x_{t+1+k} never crosses
+# a sample's end (those positions get token 0 and no loss). Only the positions that carry a loss
+# at step k (`supervised_rows`) go through the head, and the head's [rows x vocab] logits exist for
+# `chunk_rows` rows at a time: forward and backward are done chunk by chunk inside one autograd
+# Function, so peak memory grows with tokens x hidden, not tokens x vocab.
+
+
+def supervised_rows(loss_mask_N: torch.Tensor, ends_N: torch.Tensor, steps: int) -> list[torch.Tensor]:
+    """[K] int64 positions t that carry a loss at step k: m_{t+2+k} and t+2+k inside t's sample.
+
+    Host tensors in, host tensors out (computed by the data loader, before the batch reaches the GPU).
+    Their lengths are the step's loss-mask counts (the denominators of `ttt_loss`)."""
+    N = loss_mask_N.shape[0]
+    t = torch.arange(N)
+    mask = loss_mask_N.bool()
+    rows = []
+    for k in range(steps):
+        j = t + 2 + k
+        ok = (j < ends_N) & mask[j.clamp_max(N - 1)]
+        rows.append(t[ok])
+    return rows
+
+
+@dataclass
+class PackedTeacher:
+    final_ND: torch.Tensor
+    """The target's final (post-norm) states of the packed row, in the compute dtype."""
+    head_VD: torch.Tensor
+    """The target's lm_head rows of the draft vocab: teacher logits = final @ head_VD.T."""
+    top_N: torch.Tensor
+    """Draft id of the target's argmax over the draft vocab."""
+    in_vocab_N: torch.Tensor
+    """True where the target's full-vocab argmax is in the draft vocab."""
+
+
+@torch.no_grad()
+def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_used_VD: torch.Tensor,
+                   used_V: torch.Tensor, t2d_Vt: torch.Tensor, *, chunk_rows: int = 4096) -> PackedTeacher:
+    """Argmax flags over the full target vocab, in row chunks; no probabilities are stored (the
+    fused loss recomputes the draft-vocab teacher logits chunk by chunk)."""
+    flat = final_ND.to(head_weight_VtD.dtype)
+    tops, inv = [], []
+    for a in range(0, flat.shape[0], chunk_rows):
+        logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
+        inv.append(t2d_Vt[logits.argmax(-1)])
+        tops.append(logits.index_select(1, used_V).argmax(-1))
+    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv))
+
+
+class _HeadSoftCE(torch.autograd.Function):
+    """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
+    the forward (the loss is linear in its upstream gradient, so backward only scales them)."""
+
+    @staticmethod
+    def forward(ctx, x_nD, w_VD, f_nD, wt_VD, weight_n, top_n, chunk_rows, compute_dtype):
+        with torch.autocast(x_nD.device.type, enabled=False):
+            need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+            xb, wb = x_nD.to(compute_dtype), w_VD.to(compute_dtype)
+            fb, wtb = f_nD.to(compute_dtype), wt_VD.to(compute_dtype)
+            n = x_nD.shape[0]
+            total = torch.zeros((), dtype=torch.float32, device=x_nD.device)
+            hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
+            dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
+            dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
+            for a in range(0, n, chunk_rows):
+                b = min(n, a + chunk_rows)
+                s = (xb[a:b] @ wb.T).float()  # student logits [c, V]
+                p = (fb[a:b] @ wtb.T).float().softmax(-1)  # teacher probabilities [c, V]
+                lse = torch.logsumexp(s, -1)
+                w = weight_n[a:b].float()
+                total += ((lse - (p * s).sum(-1)) * w).sum()
+                hits[a:b] = s.argmax(-1) == top_n[a:b]
+                if need:
+                    g = s.sub_(lse[:, None]).exp_().sub_(p).mul_(w[:, None]).to(compute_dtype)  # dCE/ds
+                    if dx is not None:
+                        dx[a:b] = g @ wb
+                    if dw is not None:
+                        dw += (g.T @ xb[a:b]).float()
+            ctx.save_for_backward(*(t for t in (dx, dw) if t is not None))
+            ctx.has = (dx is not None, dw is not None)
+            ctx.dtypes = (x_nD.dtype, w_VD.dtype)
+            ctx.mark_non_differentiable(hits)
+            return total, hits
+
+    @staticmethod
+    def backward(ctx, g_total, g_hits):
+        saved = list(ctx.saved_tensors)
+        dx = saved.pop(0).mul(g_total).to(ctx.dtypes[0]) if ctx.has[0] else None
+        dw = saved.pop(0).mul(g_total).to(ctx.dtypes[1]) if ctx.has[1] else None
+        return dx, dw, None, None, None, None, None, None
+
+
+def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor, wt_VD: torch.Tensor,
+                 weight_n: torch.Tensor, top_n: torch.Tensor, *, chunk_rows: int = 4096,
+                 compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of weighted soft CE, top-1 hits [n]) of the draft head over rows x (already normed)
+    against the teacher logits f @ wt.T, never holding more than `chunk_rows` x V logits."""
+    if compute_dtype is None:
+        dev = x_nD.device.type
+        compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nD.dtype
+    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, weight_n, top_n, chunk_rows, compute_dtype)
+
+
+def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
+    """The plain version of `head_soft_ce`: whole [n, V] logits in fp32 (tests)."""
+    s = (x_nD.float() @ w_VD.float().T)
+    p = torch.softmax(f_nD.float() @ wt_VD.float().T, -1)
+    return (soft_ce(s, p) * weight_n.float()).sum()
+
+
+def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
+                      steps: int, attention: str = "fast"):
+    """`ttt_unroll` over one packed row: yield (k, hidden_prenorm_1ND). Step k feeds x_{t+1+k} when
+    t+1+k is inside t's sample (else token 0: such positions never carry a loss) at RoPE position
+    (t - start of t's sample) + k; step-0 keys are causal within each sample."""
+    N = input_ids_N.shape[0]
+    dev = input_ids_N.device
+    groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
+    feature = drafter.project_aux(aux_NAD[None])
+    t = torch.arange(N, device=dev)
+    keys, values = [], []
+    for k in range(steps):
+        j = t + 1 + k
+        tokens = torch.where(j < seg.ends_N, input_ids_N[j.clamp_max(N - 1)], 0)
+        emb = drafter.embed_tokens(tokens[None])
+        cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
+        cos, sin = drafter.rope((seg.positions_N + k)[None], cdtype)
+        q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin)
+        keys.append(repeat_kv(kk, groups))
+        values.append(repeat_kv(vv, groups))
+        if attention == "fast":
+            att = fast_attention(q, keys, values, seg=seg)
+        else:
+            att = reference_attention(q, keys, values, seg=seg)
+        hidden = drafter.midlayer.finish(att, feature)
+        yield k, hidden
+        feature = hidden
+
+
+def ttt_loss_packed(
+    drafter: Eagle3Drafter,
+    *,
+    input_ids_N: torch.Tensor,
+    seg,
+    rows: list[torch.Tensor],
+    aux_NAD: torch.Tensor,
+    teacher: PackedTeacher,
+    cfg: TTTConfig,
+    denominators: torch.Tensor,
+    chunk_rows: int = 4096,
+) -> TTTOutput:
+    """`ttt_loss` on a packed row: same loss, same statistics, same normalisation (`denominators`:
+    the global batch's loss-mask counts per step = the summed lengths of `rows`)."""
+    K = cfg.steps
+    dev = input_ids_N.device
+    N = input_ids_N.shape[0]
+    denominators = denominators.to(dev).clamp_min(1)
+    loss = torch.zeros((), dtype=torch.float32, device=dev)
+    zero = torch.zeros((), dtype=torch.float64, device=dev)
+    ce_sums, corrects, valids = [zero] * K, [zero] * K, [zero] * K
+    chain_alive = None  # [N] positions whose simulated chain is still fully accepted
+    accepted, rounds = zero, zero
+    for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention):
+        r = rows[k]
+        hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
+        if r.numel():
+            tr = r + 1 + k  # teacher row: p_{t+1+k}
+            valid = teacher.in_vocab_N[tr]
+            x = drafter.norm(hidden[0].index_select(0, r))
+            ce_sum, hits = head_soft_ce(x, drafter.lm_head.weight, teacher.final_ND.index_select(0, tr),
+                                        teacher.head_VD, valid, teacher.top_N[tr], chunk_rows=chunk_rows)
+            loss = loss + cfg.weights[k] * ce_sum / denominators[k].float()
+            with torch.no_grad():
+                hit_N[r] = hits & valid
+                ce_sums[k], corrects[k] = ce_sum.detach().double(), (hits & valid).sum().double()
+                valids[k] = valid.sum().double()
+        with torch.no_grad():
+            if k == 0:
+                chain_alive, rounds = hit_N, valids[0]
+            else:
+                chain_alive = chain_alive & hit_N
             accepted = accepted + chain_alive.sum().double()
     return TTTOutput(loss=loss, ce_sum=torch.stack(ce_sums), correct=torch.stack(corrects),
                      valid=torch.stack(valids), accepted=accepted, rounds=rounds)

@@ -259,3 +259,278 @@ def read_target_tensors(target_dir: Path) -> dict[str, torch.Tensor]:
             raise EyasError(f"target {target_dir}: config says tie_word_embeddings=false but there is no lm_head.weight")
         out["lm_head"] = out["embed"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# packed batches (the training layout): samples end to end in one row, see eyas/packing.py
+
+
+@dataclass
+class PackedBatch:
+    input_ids_N: torch.Tensor
+    seg: object
+    """eyas.packing.Segments of the row (the samples, then a padding segment if padded)."""
+    rows: list[torch.Tensor]
+    """[K] positions carrying a loss at TTT step k (drafter/ttt.py supervised_rows)."""
+    aux_NAD: torch.Tensor
+    final_ND: torch.Tensor
+    tokens: int
+    """Real (sample) tokens in the row."""
+    padded_tokens: int
+    """Tokens in the row including the padding tail (what the drafter computes on)."""
+    supervised: int
+    """Loss-mask positions of the samples (answer tokens)."""
+    target_timing: object = None
+    """(start, end) CUDA events around the online target forward, or its seconds on the CPU."""
+
+
+def pack_tokens(items: list[Item], *, steps: int, pad_to: int | None):
+    """(ids_N, mask_N, Segments, rows) on the host for `items` laid end to end (+ padding tail)."""
+    from eyas.drafter.ttt import supervised_rows
+    from eyas.packing import Segments, pad_lengths
+
+    lengths = pad_lengths([it.input_ids.shape[0] for it in items], pad_to)
+    pad = sum(lengths) - sum(it.input_ids.shape[0] for it in items)
+    ids = torch.cat([it.input_ids for it in items] + [torch.zeros(pad, dtype=torch.long)])
+    mask = torch.cat([it.loss_mask.bool() for it in items] + [torch.zeros(pad, dtype=torch.bool)])
+    seg = Segments.from_lengths(lengths)
+    return ids, mask, seg, supervised_rows(mask, seg.ends_N, steps)
+
+
+def _packed_to(b: PackedBatch, device) -> PackedBatch:
+    nb = torch.device(device).type == "cuda"
+    mv = lambda t: t.to(device, non_blocking=nb)  # noqa: E731
+    return PackedBatch(mv(b.input_ids_N), b.seg.to(device), [mv(r) for r in b.rows], mv(b.aux_NAD), mv(b.final_ND),
+                       b.tokens, b.padded_tokens, b.supervised, b.target_timing)
+
+
+def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int | None, pin: bool = False) -> PackedBatch:
+    """A packed batch of stored states on the host (safe in a background thread)."""
+    ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
+    auxs, finals = [], []
+    for it in items:
+        aux, final = src.reader.get(it.id, dtype=src.dtype)
+        T = it.input_ids.shape[0]
+        if aux.shape[0] < T:
+            raise EyasError(f"store {src.reader.path}: sample {it.id} has {aux.shape[0]} rows, the prepared "
+                            f"dataset has {T} tokens; the store does not match its prepared dataset")
+        auxs.append(aux[:T])
+        finals.append(final[:T])
+    pad = seg.total - sum(a.shape[0] for a in auxs)
+    if pad:
+        auxs.append(auxs[0].new_zeros(pad, *auxs[0].shape[1:]))
+        finals.append(finals[0].new_zeros(pad, *finals[0].shape[1:]))
+    aux, final = torch.cat(auxs), torch.cat(finals)
+    if pin:
+        aux, final, ids = aux.pin_memory(), final.pin_memory(), ids.pin_memory()
+        seg, rows = seg.pin_memory(), [r.pin_memory() for r in rows]
+    n = sum(it.input_ids.shape[0] for it in items)
+    return PackedBatch(ids, seg, rows, aux, final, n, seg.total, int(mask.sum()))
+
+
+def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, pad_to: int | None) -> PackedBatch:
+    """Run the target over the packed row on `device` (varlen attention where the model allows it,
+    else one padded forward whose real rows are gathered into the row)."""
+    from eyas.packing import packed_unsupported_reason, target_forward_packed
+    from eyas.target import forward_capture
+
+    ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
+    dev = torch.device(device)
+    nb = dev.type == "cuda"
+    ids_d, seg_d = ids.to(dev, non_blocking=nb), seg.to(dev)
+    if getattr(src, "_packed_ok", None) is None:
+        reason = packed_unsupported_reason(src.model)
+        src._packed_ok = reason is None
+        if reason:
+            from eyas.common import log
+
+            log(f"online target: packed forward unavailable ({reason}); using padded forwards")
+    if src._packed_ok:
+        aux, final = target_forward_packed(src.model, ids_d, seg_d, layer_ids=src.layer_ids)
+    else:
+        tok, _ = src._token_batch(items, dev)
+        lengths = torch.tensor([it.input_ids.shape[0] for it in items], device=dev)
+        attn = (torch.arange(tok.shape[1], device=dev)[None] < lengths[:, None]).long()
+        a, f = forward_capture(src.model, tok, attn, layer_ids=src.layer_ids)
+        keep = attn.bool()
+        aux, final = a[keep], f[keep]
+        pad = seg.total - aux.shape[0]
+        if pad:
+            aux = torch.cat([aux, aux.new_zeros(pad, *aux.shape[1:])])
+            final = torch.cat([final, final.new_zeros(pad, *final.shape[1:])])
+    n = sum(it.input_ids.shape[0] for it in items)
+    return PackedBatch(ids_d, seg_d, [r.to(dev, non_blocking=nb) for r in rows], aux, final, n, seg.total,
+                       int(mask.sum()))
+
+
+class PackedPrefetcher:
+    """Packed batches in consumption order, the next one prepared while the current one trains.
+
+    Offline: a background thread reads and packs stored states into pinned host memory.
+    Online on CUDA: the target's forward for batch i+1 is enqueued on a side stream before the
+    drafter's step on batch i, so the two overlap on the GPU; the side stream's start/end events
+    give the time the target took. Online on the CPU: sequential.
+    """
+
+    def __init__(self, src, schedule, device, *, steps: int, pad_to: int | None, depth: int = 2):
+        import queue
+        import threading
+
+        self.src, self.device, self.steps, self.pad_to = src, torch.device(device), steps, pad_to
+        self.offline = isinstance(src, StoreSource)
+        self._schedule = iter(schedule)
+        if self.offline:
+            self._q: queue.Queue = queue.Queue(maxsize=depth)
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._work, daemon=True)
+            self._thread.start()
+        else:
+            self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+            self._pending = None
+            self._launch()
+
+    # offline -------------------------------------------------------------------------------------
+    def _work(self) -> None:
+        try:
+            for items in self._schedule:
+                if self._stop.is_set():
+                    return
+                self._q.put(store_packed(self.src, items, steps=self.steps, pad_to=self.pad_to,
+                                         pin=self.device.type == "cuda"))
+        except BaseException as exc:  # surfaced in the main thread
+            self._q.put(exc)
+
+    # online --------------------------------------------------------------------------------------
+    def _launch(self) -> None:
+        import time
+
+        items = next(self._schedule, None)
+        if items is None:
+            self._pending = None
+            return
+        if self._stream is None:
+            t0 = time.perf_counter()
+            b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to)
+            b.target_timing = time.perf_counter() - t0
+            self._pending = b
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._stream.wait_stream(main)  # the target's weights and inputs are ready
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(self._stream):
+            start.record()
+            b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to)
+            end.record()
+        b.target_timing = (start, end)
+        self._pending = b
+
+    def next_batch(self) -> PackedBatch:
+        if self.offline:
+            got = self._q.get()
+            if isinstance(got, BaseException):
+                raise got
+            return _packed_to(got, self.device)
+        b = self._pending
+        if b is None:
+            raise StopIteration("the training schedule ran out of batches")
+        if self._stream is not None:
+            main = torch.cuda.current_stream(self.device)
+            main.wait_event(b.target_timing[1])
+            for t in (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows):
+                t.record_stream(main)  # made on the side stream, used (and freed) on the main one
+        self._launch()  # the next target forward overlaps this batch's drafter step
+        return b
+
+    def close(self) -> None:
+        if self.offline:
+            self._stop.set()
+            while not self._q.empty():
+                self._q.get_nowait()
+
+
+def target_seconds(b: PackedBatch) -> float:
+    """Seconds the online target took for this batch (0 offline); call after the step synchronised."""
+    t = b.target_timing
+    if t is None:
+        return 0.0
+    if isinstance(t, float):
+        return t
+    return t[0].elapsed_time(t[1]) / 1000.0
+
+
+@dataclass(kw_only=True)
+class TokenPlan:
+    """Like `Plan`, but a micro-batch is as many samples as fit in `tokens_per_batch` tokens.
+
+    Epoch e's permutation (seeded by (seed, e)) is cut greedily into micro-batches; micro-batch j of
+    the epoch goes to optimizer step j // (accum * world), accumulation slot and rank as in `Plan`.
+    No sample is dropped; the last step of an epoch may hold fewer micro-batches (empty lists).
+    """
+
+    lengths: list[int]
+    """Tokens of each sample of the training source (after truncation)."""
+    tokens_per_batch: int
+    accum: int
+    world: int
+    seed: int
+
+    def __post_init__(self):
+        self._epochs: dict[int, list[list[int]]] = {}
+        self._starts = [0]  # first step of each epoch computed so far
+        if self.lengths and max(self.lengths) > self.tokens_per_batch:
+            raise EyasError(f"--tokens-per-batch {self.tokens_per_batch} is smaller than a sample of "
+                            f"{max(self.lengths)} tokens; raise it to at least --max-length")
+
+    @property
+    def n(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def global_batch(self) -> str:
+        return f"{self.tokens_per_batch}tok x{self.accum * self.world}"
+
+    def micro_batches(self, epoch: int) -> list[list[int]]:
+        if epoch not in self._epochs:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            perm = torch.randperm(self.n, generator=g).tolist()
+            out, cur, used = [], [], 0
+            for i in perm:
+                n = self.lengths[i]
+                if cur and used + n > self.tokens_per_batch:
+                    out.append(cur)
+                    cur, used = [], 0
+                cur.append(i)
+                used += n
+            if cur:
+                out.append(cur)
+            self._epochs[epoch] = out
+        return self._epochs[epoch]
+
+    def _epoch_steps(self, epoch: int) -> int:
+        return math.ceil(len(self.micro_batches(epoch)) / (self.accum * self.world))
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self._epoch_steps(0)
+
+    def _locate(self, step: int) -> tuple[int, int]:
+        while len(self._starts) <= 1 or self._starts[-1] <= step:
+            e = len(self._starts) - 1
+            self._starts.append(self._starts[-1] + self._epoch_steps(e))
+        for e in range(len(self._starts) - 1):
+            if self._starts[e] <= step < self._starts[e + 1]:
+                return e, step - self._starts[e]
+        raise AssertionError(step)
+
+    def _slots(self, step: int) -> list[list[int]]:
+        e, i = self._locate(step)
+        S = self.accum * self.world
+        mbs = self.micro_batches(e)[i * S:(i + 1) * S]
+        return mbs + [[] for _ in range(S - len(mbs))]
+
+    def step_indices(self, step: int) -> list[int]:
+        return [i for mb in self._slots(step) for i in mb]
+
+    def micro_indices(self, step: int, rank: int) -> list[list[int]]:
+        slots = self._slots(step)
+        return [slots[m * self.world + rank] for m in range(self.accum)]

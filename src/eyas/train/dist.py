@@ -79,9 +79,8 @@ def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool) -> t
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32)
-        # only modules whose forward() runs can be their own FSDP unit (the mid layer is driven
-        # through project_qkv/finish, so it belongs to the root unit)
-        fully_shard(module.drafter.lm_head, mp_policy=mp)
+        # one unit: only modules whose forward() runs can be their own FSDP unit, and the mid layer
+        # (project_qkv/finish) and lm_head (read by the fused chunked loss) are driven from outside
         fully_shard(module, mp_policy=mp)
         return module
     if d.enabled:

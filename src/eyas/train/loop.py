@@ -31,6 +31,9 @@ from torch import nn
 from eyas.common import log
 from eyas.errors import EyasError
 
+DEFAULT_TOKENS_PER_BATCH = 65536
+"""Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given (benchmarks/train_bench.py)."""
+
 
 @dataclass(kw_only=True)
 class TrainConfig:
@@ -50,8 +53,12 @@ class TrainConfig:
     """Optimizer steps (overrides epochs)."""
     epochs: float = 1.0
     """Passes over the training split when steps is not given."""
+    tokens_per_batch: int | None = None
+    """Tokens per micro-batch per process: samples are packed end to end into one row of exactly
+    this many tokens (no attention across samples, a padding tail). Default: 65536 on CUDA; on the
+    CPU, `batch_size` samples per row."""
     batch_size: int = 1
-    """Samples per micro-batch per process."""
+    """Samples per micro-batch per process when packing by sample count (see tokens_per_batch)."""
     grad_accum: int = 1
     """Micro-batches per optimizer step."""
     lr: float = 1e-4
@@ -114,10 +121,42 @@ class TrainConfig:
             raise EyasError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
         if self.ttt_steps < 1:
             raise EyasError(f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+        if self.tokens_per_batch is not None and self.tokens_per_batch < self.max_length:
+            raise EyasError(f"--tokens-per-batch must be >= --max-length ({self.max_length}) so every sample fits "
+                            f"in a row, got {self.tokens_per_batch}")
+
+
+class PackedTTTModule(nn.Module):
+    """The drafter plus its packed TTT loss as one forward(), so DDP/FSDP2 hooks see every use.
+
+    The target's lm_head (`head_VtD`, frozen, not a parameter) turns the stored final states into
+    teacher logits inside the forward, chunk by chunk (drafter/ttt.py, fast path)."""
+
+    def __init__(self, drafter, ttt_cfg, *, head_VtD: torch.Tensor, chunk_rows: int = 4096):
+        super().__init__()
+        self.drafter = drafter
+        self.ttt_cfg = ttt_cfg
+        self.chunk_rows = chunk_rows
+        self.set_teacher_head(head_VtD)
+
+    def set_teacher_head(self, head_VtD: torch.Tensor) -> None:
+        used = self.drafter.used_target_ids().to(head_VtD.device)
+        self._head = (head_VtD, head_VtD.index_select(0, used), used, self.drafter.t2d.to(head_VtD.device))
+
+    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators):
+        from eyas.drafter.ttt import packed_teacher, ttt_loss_packed
+
+        head, head_used, used, t2d = self._head
+        teacher = packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows)
+        out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
+                              teacher=teacher, cfg=self.ttt_cfg, denominators=denominators,
+                              chunk_rows=self.chunk_rows)
+        stats = torch.cat([out.ce_sum, out.correct, out.valid, out.accepted.view(1), out.rounds.view(1)])
+        return out.loss, stats
 
 
 class TTTModule(nn.Module):
-    """The drafter plus its TTT loss as one forward(), so DDP/FSDP2 hooks see every use."""
+    """The reference path: padded rows and materialised teacher probabilities (tests, benchmarks)."""
 
     def __init__(self, drafter, ttt_cfg):
         super().__init__()
@@ -154,18 +193,20 @@ def _fmt_eta(s: float) -> str:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
-    from eyas.drafter.ttt import TTTConfig, step_denominators, teacher_from_final
+    from eyas.drafter.ttt import TTTConfig
     from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
     from eyas.train import checkpoint as ck
     from eyas.train import dist as dd
     from eyas.train.data import (
         OnlineSource,
+        PackedPrefetcher,
         Plan,
-        Prefetcher,
         StoreSource,
+        TokenPlan,
         open_store,
         read_target_tensors,
         store_order,
+        target_seconds,
     )
     from eyas.train.metrics import MetricsWriter, plot_curves
 
@@ -268,7 +309,12 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     if tensors["embed"].shape != (vocab_size, dcfg.hidden_size):
         raise EyasError(f"target {target_dir}: embedding {tuple(tensors['embed'].shape)} does not match its config "
                         f"(vocab {vocab_size} x hidden {dcfg.hidden_size})")
-    counts = count_assistant_tokens((train_src.item(i) for i in range(len(train_src))), vocab_size)
+    K = cfg.ttt_steps
+    train_items = [train_src.item(i) for i in range(len(train_src))]
+    counts = count_assistant_tokens(train_items, vocab_size)
+    den_table = _step_counts([it.loss_mask for it in train_items], K)  # [n, K] loss-mask positions per step
+    lengths = [int(it.input_ids.shape[0]) for it in train_items]
+    del train_items
     if int(counts.sum()) == 0:
         raise EyasError(f"the training split has no loss-masked (assistant) tokens ({cfg.store or cfg.data}); nothing to learn")
     vocab = build_draft_vocab(counts, dcfg.draft_vocab_size)
@@ -280,22 +326,37 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                              tensors.get("final_norm").float().cpu() if cfg.init_head and "final_norm" in tensors else None)
     drafter.to(dev)
     head_w = tensors["lm_head"].to(dev, torch.bfloat16 if bf16 else torch.float32)
-    used, t2d = drafter.used_target_ids(), drafter.t2d
     del tensors
     ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention)
+    if dev.type == "cuda" and cfg.attention == "fast":
+        from eyas.packing import check_varlen_kernel, pick_varlen_kernel
+
+        err = check_varlen_kernel(dev, torch.bfloat16 if bf16 else torch.float32)
+        if d.is_main:
+            probe = torch.empty(1, 1, 1, dcfg.head_dim, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
+            log(f"packed attention kernel: {pick_varlen_kernel(probe)} (check vs exact: max |diff| {err:.4f})")
     if d.is_main:
         log(f"draft vocab: {vocab.size} of {vocab_size} target ids, coverage {vocab.coverage():.4f} of "
             f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
 
     # -- 5. optimizer and schedule -------------------------------------------------------------
-    plan = Plan(n=len(train_src), micro_batch=cfg.batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
+    tokens_per_batch = cfg.tokens_per_batch or (DEFAULT_TOKENS_PER_BATCH if dev.type == "cuda" else None)
+    if tokens_per_batch is not None:
+        tokens_per_batch = max(tokens_per_batch, min(cfg.max_length, max(lengths)))
+        plan = TokenPlan(lengths=lengths, tokens_per_batch=tokens_per_batch, accum=cfg.grad_accum, world=d.world,
+                         seed=cfg.seed)
+    else:
+        plan = Plan(n=len(train_src), micro_batch=cfg.batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
+    if d.is_main:
+        log(f"batches: {'%d tokens' % tokens_per_batch if tokens_per_batch else '%d samples' % cfg.batch_size} per "
+            f"micro-batch (packed rows), {plan.steps_per_epoch} steps per epoch")
     total = cfg.steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total // 50)
     if cfg.compile:
         from eyas.drafter.ttt import compile_drafter
 
         compile_drafter(drafter)
-    module = TTTModule(drafter, ttt_cfg)
+    module = PackedTTTModule(drafter, ttt_cfg, head_VtD=head_w)
     module = dd.wrap_model(module, d, fsdp=cfg.fsdp, bf16=bf16)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
@@ -323,32 +384,30 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     # -- 8. loop ---------------------------------------------------------------------------------
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=d.is_main, append=start > 0)
-    K = ttt_cfg.steps
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else _Null()
     world_scale = float(d.world)  # DDP/FSDP average gradients; our loss is already a global mean
-    t_run, tok_run = time.perf_counter(), 0
+    t_run, tok_run, sup_run, pad_run, target_run = time.perf_counter(), 0, 0, 0, 0.0
     last: dict[str, Any] = {}
     evals: list[dict] = []
 
     def forward_batch(batch, denoms):
-        teacher = teacher_from_final(batch.final_BTD, head_w, used, t2d)
         with amp:
-            return module(batch.input_ids_BT, batch.loss_mask_BT, batch.aux_BTAD, teacher.probs_BTV,
-                          teacher.top_BT, teacher.in_vocab_BT, denoms)
+            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms)
 
     def micro_items(step):
         """[accum] item lists of this rank; a rank left without samples gets a loss-free dummy."""
         first = train_src.item(plan.step_indices(step)[0])
         return [[train_src.item(i) for i in idx] or [_dummy(first)] for idx in plan.micro_indices(step, d.rank)]
 
-    prefetch = Prefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev)
+    prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
+                                steps=K, pad_to=tokens_per_batch)
     for step in range(start, total):
         t0 = time.perf_counter()
         micro = plan.micro_indices(step, d.rank)
-        all_items = [train_src.item(i) for i in plan.step_indices(step)]
-        denoms = step_denominators(_pad_masks([it.loss_mask for it in all_items]), K).to(dev)
+        denoms = torch.from_numpy(den_table[plan.step_indices(step)].sum(0)).to(dev)
         stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=dev)
-        tokens = torch.zeros((), dtype=torch.float64, device=dev)
+        counts_t = torch.zeros(3, dtype=torch.float64, device=dev)  # real, padded, supervised tokens
+        batches = []
         for m, idx in enumerate(micro):
             batch = prefetch.next_batch()
             sync = m == len(micro) - 1
@@ -359,34 +418,44 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 loss, st = forward_batch(batch, denoms)
                 (loss * world_scale).backward()
             stats += st.double()
-            tokens += batch.tokens if idx else 0
+            if idx:
+                counts_t += torch.tensor([batch.tokens, batch.padded_tokens, batch.supervised], dtype=torch.float64,
+                                         device=dev)
+            batches.append(batch)
         gnorm = _clip(module, params, cfg.grad_clip)
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         dd.all_reduce_sum(stats, d)
-        dd.all_reduce_sum(tokens, d)
+        dd.all_reduce_sum(counts_t, d)
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
         den = denoms.double().clamp_min(1)
-        loss_k = (ce / den).tolist()
+        loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
         loss_v = sum(w * l for w, l in zip(ttt_cfg.weights, loss_k))
         acc_k = (correct / valid.clamp_min(1)).tolist()
+        tokens, padded, supervised = (int(x) for x in counts_t.tolist())
+        target_s = sum(target_seconds(b) for b in batches)
         dt = time.perf_counter() - t0
-        tok_run += int(tokens)
-        rate = tok_run / (time.perf_counter() - t_run)
-        eta = (total - step - 1) * (time.perf_counter() - t_run) / (step + 1 - start)
+        tok_run, pad_run, sup_run, target_run = tok_run + tokens, pad_run + padded, sup_run + supervised, target_run + target_s
+        wall = time.perf_counter() - t_run
+        rate = tok_run / wall
+        eta = (total - step - 1) * wall / (step + 1 - start)
         last = {"step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
-                "lr": sched.get_last_lr()[0], "grad_norm": gnorm, "tokens": int(tokens), "step_s": dt,
-                "tokens_per_s": rate}
+                "lr": sched.get_last_lr()[0], "grad_norm": gnorm, "tokens": tokens, "padded_tokens": padded,
+                "supervised_tokens": supervised, "step_s": dt, "tokens_per_s": rate,
+                "supervised_tokens_per_s": sup_run / wall, "useful_fraction": tok_run / max(pad_run, 1),
+                "target_share": target_run / wall if train_src is not None and cfg.store is None else 0.0}
         metrics.write(last)
         if d.is_main:
             accs = " ".join(f"{a:.2f}" for a in acc_k[:min(K, 4)])
-            log(f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {_fmt_rate(rate)} tok/s | "
-                f"eta {_fmt_eta(eta)}")
+            extra = f" | target {last['target_share']:.0%}" if cfg.store is None else ""
+            log(f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {_fmt_rate(rate)} tok/s "
+                f"({_fmt_rate(last['supervised_tokens_per_s'])} supervised) | useful {last['useful_fraction']:.2f}"
+                f"{extra} | eta {_fmt_eta(eta)}")
         done = step + 1 == total
         if eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done):
             ev = evaluate(module, eval_src, forward_batch=forward_batch, K=K, weights=ttt_cfg.weights, d=d,
-                          batch_size=cfg.batch_size, device=dev)
+                          tokens_per_batch=tokens_per_batch or cfg.batch_size * cfg.max_length, device=dev)
             ev["step"] = step + 1
             evals.append(ev)
             metrics.write({"eval": True, **ev})
@@ -414,7 +483,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         plot_curves(out / "metrics.jsonl", out / "curves.png")
         summary = {"out": str(out), "drafter": str(final_dir), "steps": total, "world": d.world,
                    "final_loss": last.get("loss"), "acc_per_step": last.get("acc_per_step"),
-                   "tokens_per_s": last.get("tokens_per_s"), "vocab": vocab.report(),
+                   "tokens_per_s": last.get("tokens_per_s"),
+                   "supervised_tokens_per_s": last.get("supervised_tokens_per_s"),
+                   "useful_fraction": last.get("useful_fraction"), "target_share": last.get("target_share"),
+                   "tokens_per_batch": tokens_per_batch, "vocab": vocab.report(),
                    "eval": evals[-1] if evals else None, "metrics": str(out / "metrics.jsonl"),
                    "plot": str(out / "curves.png")}
     dd.teardown(d)
@@ -428,26 +500,42 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
 
 @torch.no_grad()
-def evaluate(module, src, *, forward_batch, K: int, weights, d, batch_size: int, device) -> dict[str, Any]:
-    """Per-step top-1 accuracy, loss and simulated acceptance length on the eval source (sharded by rank)."""
-    from eyas.drafter.ttt import step_denominators
+def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch: int, device) -> dict[str, Any]:
+    """Per-step top-1 accuracy, loss and simulated acceptance length on the eval source (sharded by
+    rank, packed into rows of at most `tokens_per_batch` tokens)."""
+    from eyas.train.data import online_packed, store_packed, StoreSource, _packed_to
+    from eyas.train.dist import all_reduce_sum
 
     was = module.training
     module.eval()
     stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=device)
     den = torch.zeros(K, dtype=torch.float64, device=device)
-    mine = list(range(d.rank, len(src), d.world))
-    n_batches = math.ceil(len(src) / (batch_size * d.world))
-    for b in range(n_batches):  # equal count on every rank (collectives inside FSDP forward)
-        idx = mine[b * batch_size:(b + 1) * batch_size]
-        items = [src.item(i) for i in idx] or [_dummy(src.item(0))]
-        batch = src.batch(items, device)
-        dn = step_denominators(batch.loss_mask_BT, K).to(device)
+    mine = [src.item(i) for i in range(d.rank, len(src), d.world)]
+    rows, cur, used = [], [], 0
+    for it in mine:
+        n = int(it.input_ids.shape[0])
+        if cur and used + n > tokens_per_batch:
+            rows.append(cur)
+            cur, used = [], 0
+        cur.append(it)
+        used += n
+    if cur:
+        rows.append(cur)
+    n_rows = torch.tensor([len(rows)], dtype=torch.float64, device=device)
+    if d.enabled:  # equal count on every rank (collectives inside the FSDP forward)
+        import torch.distributed as tdist
+
+        tdist.all_reduce(n_rows, op=tdist.ReduceOp.MAX)
+    for b in range(int(n_rows)):
+        items = rows[b] if b < len(rows) else [_dummy(src.item(0))]
+        if isinstance(src, StoreSource):
+            batch = _packed_to(store_packed(src, items, steps=K, pad_to=None), device)
+        else:
+            batch = online_packed(src, items, device, steps=K, pad_to=None)
+        dn = torch.tensor([float(len(r)) for r in batch.rows], dtype=torch.float64, device=device)
         _, st = forward_batch(batch, dn)
         stats += st.double()
         den += dn
-    from eyas.train.dist import all_reduce_sum
-
     all_reduce_sum(stats, d)
     all_reduce_sum(den, d)
     module.train(was)
@@ -488,11 +576,16 @@ def _vocab_sha(used: torch.Tensor) -> str:
     return hashlib.sha256(used.numpy().tobytes()).hexdigest()[:16]
 
 
-def _pad_masks(masks):
-    T = max(m.shape[0] for m in masks)
-    out = torch.zeros(len(masks), T, dtype=torch.bool)
+def _step_counts(masks, K: int):
+    """[n, K] float64 numpy: loss-mask positions of each sample at each TTT step (m_{t+2+k} summed),
+    the per-sample terms of the loss normalisers."""
+    import numpy as np
+
+    out = np.zeros((len(masks), K), dtype=np.float64)
     for i, m in enumerate(masks):
-        out[i, : m.shape[0]] = m
+        c = m.to(torch.int64).flip(0).cumsum(0).flip(0)  # c[j] = sum(m[j:])
+        for k in range(K):
+            out[i, k] = float(c[2 + k]) if 2 + k < c.shape[0] else 0.0
     return out
 
 

@@ -1,0 +1,178 @@
+"""The fast training path (packed rows, supervised rows only, fused chunked head loss) against the
+plain reference (`ttt_loss` on right-padded rows with materialised teacher probabilities)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from eyas.drafter.ttt import (
+    Teacher,
+    TTTConfig,
+    head_soft_ce,
+    packed_teacher,
+    reference_attention,
+    reference_head_soft_ce,
+    step_denominators,
+    supervised_rows,
+    ttt_loss,
+    ttt_loss_packed,
+    fast_attention,
+)
+from eyas.packing import Segments, pad_lengths
+from tests.test_drafter_ttt import tiny_drafter
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+D, V = 32, 60
+
+
+def _samples(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in lengths:
+        ids = torch.randint(0, V, (n,), generator=g)
+        mask = torch.rand(n, generator=g) > 0.3
+        aux = torch.randn(n, 3, D, generator=g)
+        final = torch.randn(n, D, generator=g)
+        out.append((ids, mask, aux, final))
+    return out
+
+
+def _pad(xs):
+    T = max(x.shape[0] for x in xs)
+    out = xs[0].new_zeros((len(xs), T, *xs[0].shape[1:]))
+    for i, x in enumerate(xs):
+        out[i, : x.shape[0]] = x
+    return out
+
+
+def _head(seed=7, Vt=80):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(Vt, D, generator=g) * 0.7
+
+
+@pytest.mark.parametrize("kernel", ["math", "segments", "cpu-flash"])
+def test_varlen_attention_matches_block_diagonal_reference(kernel):
+    g = torch.Generator().manual_seed(0)
+    seg = Segments.from_lengths([5, 1, 9, 4])
+    mk = lambda: torch.randn(1, 4, 19, 8, generator=g).requires_grad_()  # noqa: E731
+    q, ks, vs = mk(), [mk() for _ in range(3)], [mk() for _ in range(3)]
+    dout = torch.randn(1, 4, 19, 8, generator=g)
+    ref = reference_attention(q, ks, vs, seg=seg)
+    fast = fast_attention(q, ks, vs, seg=seg, kernel=kernel)
+    torch.testing.assert_close(fast, ref, atol=1e-5, rtol=1e-5)
+    gr = torch.autograd.grad(ref, [q, *ks, *vs], dout)
+    gf = torch.autograd.grad(fast, [q, *ks, *vs], dout)
+    for a, b in zip(gf, gr):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    # and a query never sees another sample: changing sample 0's keys leaves sample 2's output alone
+    ks2 = [k.detach().clone() for k in ks]
+    ks2[0][:, :, :5] += 10
+    out2 = fast_attention(q.detach(), ks2, [v.detach() for v in vs], seg=seg, kernel=kernel)
+    torch.testing.assert_close(out2[:, :, 6:], fast.detach()[:, :, 6:])
+    assert not torch.allclose(out2[:, :, :5], fast.detach()[:, :, :5])
+
+
+def test_chunked_head_loss_and_grads_equal_plain_reference():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(37, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=True)
+    f, wt = torch.randn(37, D, generator=g), torch.randn(V, D, generator=g)
+    weight = (torch.rand(37, generator=g) > 0.2)
+    top = (f @ wt.T).argmax(-1)
+    ref = reference_head_soft_ce(x, w, f, wt, weight)
+    gx, gw = torch.autograd.grad(ref * 0.37, [x, w])
+    tot, hits = head_soft_ce(x, w, f, wt, weight, top, chunk_rows=8)
+    fx, fw = torch.autograd.grad(tot * 0.37, [x, w])
+    torch.testing.assert_close(tot, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(fx, gx, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(fw, gw, atol=1e-5, rtol=1e-4)
+    assert torch.equal(hits, (x @ w.T).argmax(-1) == top)
+
+
+def test_supervised_rows_stay_inside_samples():
+    # two samples [a b c d] [e f g]; mask on c, d (sample 0) and f, g (sample 1)
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
+    seg = Segments.from_lengths([4, 3])
+    rows = supervised_rows(mask, seg.ends_N, 3)
+    assert rows[0].tolist() == [0, 1, 4]  # t predicts x_{t+2}: c, d from 0, 1; g from 4 (f from 3 crosses)
+    assert rows[1].tolist() == [0]  # t+3 in-sample: d from 0; g would need t = 3 (other sample)
+    assert rows[2].tolist() == []
+
+
+@pytest.mark.parametrize("attention", ["reference", "fast"])
+def test_packed_loss_and_grads_equal_padded_reference(attention):
+    """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
+    gradients as the same samples right-padded in a batch through the reference `ttt_loss`."""
+    K = 4
+    samples = _samples([9, 3, 14])
+    head = _head()
+    ref_m, fast_m = (tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V) for _ in range(2))
+    used = torch.arange(V) + 5  # a draft vocab that misses some target ids (Vt = 80)
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[used] = True
+    for m in (ref_m, fast_m):
+        m.set_vocab(used)
+    # reference: padded batch, materialised teacher
+    ids, mask = _pad([s[0] for s in samples]), _pad([s[1] for s in samples])
+    aux, final = _pad([s[2] for s in samples]), _pad([s[3] for s in samples])
+    logits = final @ head.T
+    restricted = logits[..., used]
+    teacher = Teacher(torch.softmax(restricted, -1), restricted.argmax(-1), t2d[logits.argmax(-1)])
+    den = step_denominators(mask, K)
+    ref = ttt_loss(ref_m, input_ids_BT=ids, loss_mask_BT=mask, aux_BTAD=aux, teacher=teacher,
+                   cfg=TTTConfig(steps=K, attention="reference"), denominators=den)
+    ref.loss.backward()
+    # fast: one packed row with a padding tail
+    lengths = pad_lengths([s[0].shape[0] for s in samples], 30)
+    seg = Segments.from_lengths(lengths)
+    pad = lengths[-1]
+    ids_N = torch.cat([s[0] for s in samples] + [torch.zeros(pad, dtype=torch.long)])
+    mask_N = torch.cat([s[1] for s in samples] + [torch.zeros(pad, dtype=torch.bool)])
+    aux_N = torch.cat([s[2] for s in samples] + [torch.zeros(pad, 3, D)])
+    final_N = torch.cat([s[3] for s in samples] + [torch.zeros(pad, D)])
+    rows = supervised_rows(mask_N, seg.ends_N, K)
+    assert [len(r) for r in rows] == den.long().tolist()
+    pt = packed_teacher(final_N, head, head[used], used, t2d, chunk_rows=7)
+    out = ttt_loss_packed(fast_m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
+                          cfg=TTTConfig(steps=K, attention=attention), denominators=den, chunk_rows=5)
+    out.loss.backward()
+    torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
+    for name in ("ce_sum", "correct", "valid", "accepted", "rounds"):
+        torch.testing.assert_close(getattr(out, name).double(), getattr(ref, name).double(), atol=1e-4, rtol=1e-5,
+                                   msg=name)
+    assert float(ref.valid[0]) > 0
+    grads_r = {n: p.grad for n, p in ref_m.named_parameters() if p.grad is not None}
+    grads_f = {n: p.grad for n, p in fast_m.named_parameters() if p.grad is not None}
+    assert set(grads_r) == set(grads_f) and "lm_head.weight" in grads_f
+    for n in grads_r:
+        torch.testing.assert_close(grads_f[n], grads_r[n], atol=1e-4, rtol=1e-4, msg=n)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
+def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family):
+    """The online teacher over a packed row == each sample run alone through Hugging Face (fp32)."""
+    from eyas.packing import packed_unsupported_reason, target_forward_packed
+    from eyas.target import load_target, reference_hidden_states
+    from tests.conftest import make_tiny_target
+
+    model = load_target(make_tiny_target(tmp_path / family, smol_tokenizer, family=family))
+    assert packed_unsupported_reason(model) is None
+    g = torch.Generator().manual_seed(3)
+    lengths = [11, 1, 17, 6]
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+    seg = Segments.from_lengths(lengths)
+    layers = [1, 3, 4]
+    aux, final = target_forward_packed(model, torch.cat(seqs), seg, layer_ids=layers)
+    assert aux.shape == (sum(lengths), 3, model.config.hidden_size)
+    for s, (a, b) in enumerate(zip(seg.bounds[:-1], seg.bounds[1:])):
+        ra, rf = reference_hidden_states(model, seqs[s], layer_ids=layers)
+        torch.testing.assert_close(aux[a:b], ra, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(final[a:b], rf, atol=2e-5, rtol=1e-4)
+
+
+def test_varlen_kernel_check_passes_on_cpu():
+    from eyas.packing import check_varlen_kernel
+
+    assert check_varlen_kernel("cpu", torch.float32) < 1e-4
