@@ -250,6 +250,19 @@ def suite_8b(args, dist) -> dict:
         log(f"fast attention vs dense reference (bf16, out + grads): max |diff| {result['fast_attention_check_max_abs_diff']:.4f}")
     runs: dict = {}
     kw = dict(device=device, tokens_per_step=W * B * T)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp)
+        for _ in range(2):
+            step()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                step()
+            sync(device)
+        print(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
+                                        row_limit=args.profile))
+        return result
     _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp),
                                        warmup=warmup, steps=steps, label="eyas", **kw))
     if device.type == "cuda" and not args.no_compile:
@@ -372,6 +385,7 @@ def main() -> None:
                                                              "optimizer steps per run, default by budget)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
+    ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop")
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
     ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")
     ap.add_argument("--no-specforge", action="store_true", help="8b: skip SpecForge even when importable")

@@ -101,8 +101,8 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention", ["reference", "fast"])
-def test_packed_loss_and_grads_equal_padded_reference(attention):
+@pytest.mark.parametrize("attention,cache_bytes", [("reference", 0), ("fast", 0), ("fast", 1 << 20)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`."""
     K = 4
@@ -134,7 +134,8 @@ def test_packed_loss_and_grads_equal_padded_reference(attention):
     final_N = torch.cat([s[3] for s in samples] + [torch.zeros(pad, D)])
     rows = supervised_rows(mask_N, seg.ends_N, K)
     assert [len(r) for r in rows] == den.long().tolist()
-    pt = packed_teacher(final_N, head, head[used], used, t2d, chunk_rows=7)
+    pt = packed_teacher(final_N, head, head[used], used, t2d, chunk_rows=7, cache_bytes=cache_bytes)
+    assert (pt.logits_NV is not None) == (cache_bytes > 0)
     out = ttt_loss_packed(fast_m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
                           cfg=TTTConfig(steps=K, attention=attention), denominators=den, chunk_rows=5)
     out.loss.backward()

@@ -452,51 +452,97 @@ class PackedTeacher:
     """Draft id of the target's argmax over the draft vocab."""
     in_vocab_N: torch.Tensor
     """True where the target's full-vocab argmax is in the draft vocab."""
+    logits_NV: torch.Tensor | None = None
+    """The draft-vocab teacher logits of every row, kept when they fit `cache_bytes` (small
+    batches: no recomputation per TTT step); None = recomputed chunk by chunk."""
+
+
+TEACHER_CACHE_BYTES = 1 << 30
+"""Keep the draft-vocab teacher logits of a row when they take at most this much (1 GiB): memory
+stays bounded by a constant and by tokens x hidden beyond it."""
 
 
 @torch.no_grad()
 def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_used_VD: torch.Tensor,
-                   used_V: torch.Tensor, t2d_Vt: torch.Tensor, *, chunk_rows: int = 4096) -> PackedTeacher:
-    """Argmax flags over the full target vocab, in row chunks; no probabilities are stored (the
-    fused loss recomputes the draft-vocab teacher logits chunk by chunk)."""
+                   used_V: torch.Tensor, t2d_Vt: torch.Tensor, *, chunk_rows: int = 4096,
+                   cache_bytes: int = TEACHER_CACHE_BYTES) -> PackedTeacher:
+    """Argmax flags over the full target vocab, in row chunks; the draft-vocab logits are kept only
+    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk)."""
     flat = final_ND.to(head_weight_VtD.dtype)
-    tops, inv = [], []
-    for a in range(0, flat.shape[0], chunk_rows):
+    N, V = flat.shape[0], used_V.shape[0]
+    keep = N * V * flat.element_size() <= cache_bytes
+    tops, inv, kept = [], [], []
+    for a in range(0, N, chunk_rows):
         logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
         inv.append(t2d_Vt[logits.argmax(-1)])
-        tops.append(logits.index_select(1, used_V).argmax(-1))
-    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv))
+        restricted = logits.index_select(1, used_V)
+        tops.append(restricted.argmax(-1))
+        if keep:
+            kept.append(restricted)
+    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), torch.cat(kept) if keep else None)
+
+
+def _chunk_ce(s, t, w, top):
+    """Per chunk of rows: (sum_n w_n CE_n, top-1 hits, dCE/ds) from student logits s and teacher
+    logits t ([c, V], any float dtype); the gradient comes back in s's dtype."""
+    s32, t32 = s.float(), t.float()
+    p = torch.softmax(t32, -1)
+    lse = torch.logsumexp(s32, -1)
+    ce = lse - (p * s32).sum(-1)
+    g = (torch.exp(s32 - lse[:, None]) - p) * w[:, None]
+    return (ce * w).sum(), s32.argmax(-1) == top, g.to(s.dtype)
+
+
+_COMPILED_CHUNK: dict[str, object] = {}
+
+
+def _chunk_fn(device: torch.device):
+    """The chunk math compiled into a few fused kernels on CUDA (eager elsewhere, or if compiling fails)."""
+    if device.type != "cuda":
+        return _chunk_ce
+    fn = _COMPILED_CHUNK.get("cuda")
+    if fn is None:
+        try:
+            fn = torch.compile(_chunk_ce, dynamic=True)
+        except Exception:  # noqa: BLE001  (compilation is an optimisation)
+            fn = _chunk_ce
+        _COMPILED_CHUNK["cuda"] = fn
+    return fn
 
 
 class _HeadSoftCE(torch.autograd.Function):
     """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
-    the forward (the loss is linear in its upstream gradient, so backward only scales them)."""
+    the forward (the loss is linear in its upstream gradient, so backward only scales them).
+    Teacher logits: rows `t_idx` of the table `t_src` [N, V] when `wt_VD` is None, else
+    `t_src` [n, D] @ wt_VD.T recomputed per chunk."""
 
     @staticmethod
-    def forward(ctx, x_nD, w_VD, f_nD, wt_VD, weight_n, top_n, chunk_rows, compute_dtype):
+    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, weight_n, top_n, chunk_rows, compute_dtype):
         with torch.autocast(x_nD.device.type, enabled=False):
             need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             xb, wb = x_nD.to(compute_dtype), w_VD.to(compute_dtype)
-            fb, wtb = f_nD.to(compute_dtype), wt_VD.to(compute_dtype)
+            wtb = wt_VD.to(compute_dtype) if wt_VD is not None else None
             n = x_nD.shape[0]
             total = torch.zeros((), dtype=torch.float32, device=x_nD.device)
             hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
             dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
+            chunk = _chunk_fn(x_nD.device)
+            wf = weight_n.float()
             for a in range(0, n, chunk_rows):
                 b = min(n, a + chunk_rows)
-                s = (xb[a:b] @ wb.T).float()  # student logits [c, V]
-                p = (fb[a:b] @ wtb.T).float().softmax(-1)  # teacher probabilities [c, V]
-                lse = torch.logsumexp(s, -1)
-                w = weight_n[a:b].float()
-                total += ((lse - (p * s).sum(-1)) * w).sum()
-                hits[a:b] = s.argmax(-1) == top_n[a:b]
-                if need:
-                    g = s.sub_(lse[:, None]).exp_().sub_(p).mul_(w[:, None]).to(compute_dtype)  # dCE/ds
-                    if dx is not None:
-                        dx[a:b] = g @ wb
-                    if dw is not None:
-                        dw += (g.T @ xb[a:b]).float()
+                s = xb[a:b] @ wb.T  # student logits [c, V]
+                if wtb is None:
+                    t = t_src.index_select(0, t_idx[a:b])
+                else:
+                    t = t_src[a:b].to(compute_dtype) @ wtb.T
+                ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b])
+                total += ce
+                hits[a:b] = hit
+                if dx is not None:
+                    dx[a:b] = g @ wb
+                if dw is not None:
+                    dw += (g.T @ xb[a:b]).float()
             ctx.save_for_backward(*(t for t in (dx, dw) if t is not None))
             ctx.has = (dx is not None, dw is not None)
             ctx.dtypes = (x_nD.dtype, w_VD.dtype)
@@ -507,19 +553,24 @@ class _HeadSoftCE(torch.autograd.Function):
     def backward(ctx, g_total, g_hits):
         saved = list(ctx.saved_tensors)
         dx = saved.pop(0).mul(g_total).to(ctx.dtypes[0]) if ctx.has[0] else None
-        dw = saved.pop(0).mul(g_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return dx, dw, None, None, None, None, None, None
+        dw = saved.pop(0).mul_(g_total).to(ctx.dtypes[1]) if ctx.has[1] else None
+        return dx, dw, None, None, None, None, None, None, None
 
 
-def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor, wt_VD: torch.Tensor,
+def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | None, wt_VD: torch.Tensor | None,
                  weight_n: torch.Tensor, top_n: torch.Tensor, *, chunk_rows: int = 4096,
-                 compute_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 compute_dtype: torch.dtype | None = None, teacher_logits: torch.Tensor | None = None,
+                 teacher_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of weighted soft CE, top-1 hits [n]) of the draft head over rows x (already normed)
-    against the teacher logits f @ wt.T, never holding more than `chunk_rows` x V logits."""
+    against the teacher logits f @ wt.T (or rows `teacher_rows` of a `teacher_logits` table),
+    never holding more than `chunk_rows` x V logits."""
     if compute_dtype is None:
         dev = x_nD.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nD.dtype
-    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, weight_n, top_n, chunk_rows, compute_dtype)
+    if teacher_logits is not None:
+        return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, weight_n, top_n, chunk_rows,
+                                 compute_dtype)
+    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, None, weight_n, top_n, chunk_rows, compute_dtype)
 
 
 def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
@@ -588,8 +639,12 @@ def ttt_loss_packed(
             tr = r + 1 + k  # teacher row: p_{t+1+k}
             valid = teacher.in_vocab_N[tr]
             x = drafter.norm(hidden[0].index_select(0, r))
-            ce_sum, hits = head_soft_ce(x, drafter.lm_head.weight, teacher.final_ND.index_select(0, tr),
-                                        teacher.head_VD, valid, teacher.top_N[tr], chunk_rows=chunk_rows)
+            if teacher.logits_NV is not None:
+                ce_sum, hits = head_soft_ce(x, drafter.lm_head.weight, None, None, valid, teacher.top_N[tr],
+                                            chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV, teacher_rows=tr)
+            else:
+                ce_sum, hits = head_soft_ce(x, drafter.lm_head.weight, teacher.final_ND.index_select(0, tr),
+                                            teacher.head_VD, valid, teacher.top_N[tr], chunk_rows=chunk_rows)
             loss = loss + cfg.weights[k] * ce_sum / denominators[k].float()
             with torch.no_grad():
                 hit_N[r] = hits & valid
