@@ -42,7 +42,7 @@ def train(
     precision: str = typer.Option("auto", "--precision", help="bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."),
     fsdp: bool = typer.Option(False, "--fsdp", help="FSDP2: shard parameters, gradients and optimizer state across processes."),
     attention: str = typer.Option("fast", "--attention", help="TTT attention: `fast` (flash + diagonals) or `reference` (dense mask)."),
-    compile: bool = typer.Option(False, "--compile", help="torch.compile the drafter's per-step pieces (faster on GPU after a short compile)."),
+    compile: bool | None = typer.Option(None, "--compile/--no-compile", help="torch.compile the drafter's per-step pieces (default: on for CUDA, off on the CPU)."),
     init_head: bool = typer.Option(False, "--init-head/--no-init-head", help="Start lm_head/norm from the target's draft-vocab rows (default: random, as EAGLE-3)."),
     seed: int = typer.Option(0, "--seed", help="Seed for weights and data order."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace a finished run's drafter in --out."),

@@ -202,6 +202,47 @@ def pick_kernel(q: torch.Tensor) -> str:
     return "math"
 
 
+def _merge_fwd(q, kd, vd, out_c, lse_c32, scale: float):
+    """Merge J diagonal keys into the causal attention's (out, lse) under one softmax (fp32 math)."""
+    s = (q.float()[:, :, :, None, :] * kd.float()).sum(-1) * scale  # B,H,T,J
+    lse = torch.logsumexp(torch.cat([lse_c32[..., None], s], -1), -1)
+    p = torch.exp(s - lse[..., None])
+    out = torch.exp(lse_c32 - lse)[..., None] * out_c.float() + (p[..., None] * vd.float()).sum(-2)
+    return out.to(q.dtype), lse
+
+
+def _merge_bwd(q, kd, vd, out, lse, dout, dq_c, scale: float):
+    """Gradients through the diagonal keys; dq_c is the causal keys' share from the flash backward."""
+    qf, do, lse = q.float(), dout.float(), lse.float()
+    s = (qf[:, :, :, None, :] * kd.float()).sum(-1) * scale
+    p = torch.exp(s - lse[..., None])
+    D = (do * out.float()).sum(-1, keepdim=True)
+    dp = (do[:, :, :, None, :] * vd.float()).sum(-1)
+    ds = p * (dp - D) * scale
+    dq = (dq_c.float() + (ds[..., None] * kd.float()).sum(-2)).to(q.dtype)
+    dkd = (ds[..., None] * qf[:, :, :, None, :]).to(kd.dtype)
+    dvd = (p[..., None] * do[:, :, :, None, :]).to(vd.dtype)
+    return dq, dkd, dvd
+
+
+_COMPILED: dict[tuple[str, str], object] = {}
+
+
+def _fast(fn, device: torch.device):
+    """`fn` compiled into a few fused kernels on CUDA (eager elsewhere, or where compiling fails):
+    the fp32 elementwise math around the matmuls is memory-bound, and fusing it removes the
+    fp32 copies eager mode writes between steps."""
+    if device.type != "cuda":
+        return fn
+    key = (fn.__name__, device.type)
+    if key not in _COMPILED:
+        try:
+            _COMPILED[key] = torch.compile(fn, dynamic=True)
+        except Exception:  # noqa: BLE001  (compilation is an optimisation)
+            _COMPILED[key] = fn
+    return _COMPILED[key]
+
+
 class _CausalPlusDiagonals(torch.autograd.Function):
     """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T."""
 
@@ -217,11 +258,7 @@ class _CausalPlusDiagonals(torch.autograd.Function):
         T = q.shape[2]
         lse_c32 = lse_c[..., :T].float()  # some kernels pad the lse's last dim
         if kd.shape[3]:
-            s = torch.einsum("bhtd,bhtjd->bhtj", q.float(), kd.float()) * scale
-            lse = torch.logsumexp(torch.cat([lse_c32[..., None], s], -1), -1)
-            p = torch.exp(s - lse[..., None])
-            out = torch.exp(lse_c32 - lse)[..., None] * out_c.float() + torch.einsum("bhtj,bhtjd->bhtd", p, vd.float())
-            out = out.to(q.dtype)
+            out, lse = _fast(_merge_fwd, q.device)(q, kd, vd, out_c, lse_c32, scale)
         else:
             lse, out = lse_c32, out_c
         lse_k = lse_c.clone()
@@ -245,16 +282,7 @@ class _CausalPlusDiagonals(torch.autograd.Function):
         if not kd.shape[3]:
             return dq, dk0, dv0, None, None, None, None, None
         T = q.shape[2]
-        lse = lse_k[..., :T].float()
-        do, qf = dout.float(), q.float()
-        s = torch.einsum("bhtd,bhtjd->bhtj", qf, kd.float()) * ctx.scale
-        p = torch.exp(s - lse[..., None])
-        D = (do * out.float()).sum(-1, keepdim=True)
-        dp = torch.einsum("bhtd,bhtjd->bhtj", do, vd.float())
-        ds = p * (dp - D) * ctx.scale
-        dq = (dq.float() + torch.einsum("bhtj,bhtjd->bhtd", ds, kd.float())).to(q.dtype)
-        dkd = (ds[..., None] * qf[:, :, :, None, :]).to(kd.dtype)
-        dvd = (p[..., None] * do[:, :, :, None, :]).to(vd.dtype)
+        dq, dkd, dvd = _fast(_merge_bwd, q.device)(q, kd, vd, out, lse_k[..., :T], dout, dq, ctx.scale)
         return dq, dk0, dv0, dkd, dvd, None, None, None
 
 
@@ -493,23 +521,6 @@ def _chunk_ce(s, t, w, top):
     return (ce * w).sum(), s32.argmax(-1) == top, g.to(s.dtype)
 
 
-_COMPILED_CHUNK: dict[str, object] = {}
-
-
-def _chunk_fn(device: torch.device):
-    """The chunk math compiled into a few fused kernels on CUDA (eager elsewhere, or if compiling fails)."""
-    if device.type != "cuda":
-        return _chunk_ce
-    fn = _COMPILED_CHUNK.get("cuda")
-    if fn is None:
-        try:
-            fn = torch.compile(_chunk_ce, dynamic=True)
-        except Exception:  # noqa: BLE001  (compilation is an optimisation)
-            fn = _chunk_ce
-        _COMPILED_CHUNK["cuda"] = fn
-    return fn
-
-
 class _HeadSoftCE(torch.autograd.Function):
     """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
     the forward (the loss is linear in its upstream gradient, so backward only scales them).
@@ -527,7 +538,7 @@ class _HeadSoftCE(torch.autograd.Function):
             hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
             dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
-            chunk = _chunk_fn(x_nD.device)
+            chunk = _fast(_chunk_ce, x_nD.device)
             wf = weight_n.float()
             for a in range(0, n, chunk_rows):
                 b = min(n, a + chunk_rows)
