@@ -9,7 +9,7 @@ fixed, so the call is captured in a CUDA graph like the rest of the step; length
 device. Splits are merged by log-sum-exp weights (flash-decoding). `decode_reference` is the SDPA
 version over a span of the cache with a per-row mask: the CPU path and what the kernel is tested
 against. The kernel also runs on CPU under Triton's interpreter (TRITON_INTERPRET=1), so the tests
-exercise it without a GPU.
+exercise it without a GPU (the variable must be set before triton is imported).
 
 Prefill. Prompts are packed end to end, [T, heads, d], with int32 cumulative lengths: no padding.
 On CUDA in bf16/fp16 one varlen flash-attention call (PyTorch's own kernel) does every prompt;
@@ -20,8 +20,6 @@ T packed prompt tokens, N prompts, P splits.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -45,15 +43,18 @@ def triton_unavailable(device: torch.device) -> str | None:
     """None when the Triton decode kernel can run on `device`; else why not."""
     if TRITON_ERROR is not None:
         return f"triton is not importable ({TRITON_ERROR})"
-    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        return f"device {device.type}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1)"
+    interpreted = type(_decode_split).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
+    if device.type != "cuda" and not interpreted:
+        return f"device {device.type}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 when triton is imported)"
+    if device.type == "cuda" and interpreted:
+        return "TRITON_INTERPRET=1 runs the kernel on the host, not on CUDA"
     return None
 
 
 if triton is not None:
 
     @triton.jit
-    def _decode_split_kernel(Q, Kc, Vc, LEN, O, M, L, scale,
+    def _decode_split(Q, Kc, Vc, LEN, O, M, L, scale,
                              s_qb, s_qh, s_kb, s_kh, s_ks, s_ob, s_oh, s_op, s_mb, s_mh,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
                              BN: tl.constexpr, IEEE: tl.constexpr):
@@ -110,7 +111,7 @@ def decode_triton(q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tenso
     o_BHPd = torch.empty(B, H, P, D, device=q_BHd.device, dtype=torch.float32)
     m_BHP = torch.empty(B, H, P, device=q_BHd.device, dtype=torch.float32)
     l_BHP = torch.empty_like(m_BHP)
-    _decode_split_kernel[(B, K, P)](
+    _decode_split[(B, K, P)](
         q_BHd, k_BKSd, v_BKSd, len_B, o_BHPd, m_BHP, l_BHP, float(scale),
         q_BHd.stride(0), q_BHd.stride(1), k_BKSd.stride(0), k_BKSd.stride(1), k_BKSd.stride(2),
         o_BHPd.stride(0), o_BHPd.stride(1), o_BHPd.stride(2), m_BHP.stride(0), m_BHP.stride(1),
