@@ -229,3 +229,47 @@ def test_span_covers_every_row(tiny):
                    for r, p in host.items())
         assert last < span and (span == 32 or last >= span // 2 or span == eng.spans[0]), (last, span)
     assert len(chosen) >= 3
+
+
+def test_next_turn_takes_the_next_free_row(tiny):
+    """A conversation's next turn, made ready by delivering its answer, is queued ahead of first
+    turns already rendered ahead, and answers stay those of `generate`."""
+    from collections import deque
+
+    model, tok = tiny
+    eng = StaticEngine(model, tok, sampling=Sampling(), max_len=256, batch=2, max_new_tokens=5, prefetch=4)
+    firsts = deque(_requests(PROMPTS, 5))
+    ready: deque = deque()
+    started: list = []
+    results = {}
+    orig = eng._prefill_group
+
+    def spy(rows, items, host):
+        started.extend(p.req.key for p in items)
+        return orig(rows, items, host)
+
+    eng._prefill_group = spy
+
+    def pull(n):
+        out = []
+        while len(out) < n and (ready or firsts):
+            out.append((ready or firsts).popleft())
+        return out
+
+    def deliver(res):
+        results[res.key] = res
+        i, turn = res.key
+        if turn == 0:  # a second turn: the first exchange plus a follow-up
+            msgs = [{"role": "user", "content": PROMPTS[i]}, {"role": "assistant", "content": res.text},
+                    {"role": "user", "content": "More."}]
+            ready.append(Request((i, 1), msgs, 5, 2000 + i))
+
+    eng.run(pull, deliver)
+    assert len(results) == 2 * len(PROMPTS)
+    # 0 and 1 start, 2, 3 and 4 are rendered ahead; 2 and 3 take the rows 0 and 1 free (their
+    # answers are delivered while 2 and 3 decode); then every second turn goes before 4
+    assert started == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1), (4, 0), (4, 1)], started
+    ids = render_prompt(tok, [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": results[(0, 0)].text},
+                              {"role": "user", "content": "More."}])
+    ref = reference_generate(model, ids, sampling=Sampling(), seed=0, limit=5, stop=[tok.eos_token_id])
+    assert results[(0, 1)].token_ids == [t for t in ref if t != tok.eos_token_id]

@@ -77,8 +77,10 @@ class _LocalBase:
         self.requests = 0
         self.pending: list[_Prepared] = []
 
-    def _admit(self, reqs: list[Request], deliver: Deliver) -> None:
-        """Render each request; overflowing prompts are answered at once as failures."""
+    def _admit(self, reqs: list[Request], deliver: Deliver, *, front: bool = False) -> None:
+        """Render each request; overflowing prompts are answered at once as failures. `front`:
+        queue them ahead of the requests already pending (next turns of running conversations)."""
+        ready: list[_Prepared] = []
         for req in reqs:
             ids = render_prompt(self.tokenizer, req.messages)
             room = self.max_len - len(ids)
@@ -86,7 +88,8 @@ class _LocalBase:
                 deliver(Result(req.key, prompt_tokens=len(ids), failure=CONTEXT_OVERFLOW,
                                detail=f"prompt of {len(ids)} tokens leaves no room within max_len {self.max_len}"))
                 continue
-            self.pending.append(_Prepared(req, ids, min(req.max_new_tokens, room)))
+            ready.append(_Prepared(req, ids, min(req.max_new_tokens, room)))
+        self.pending = ready + self.pending if front else self.pending + ready
 
     def _result(self, p: _Prepared, tokens: list[int]) -> Result:
         ended = bool(tokens) and tokens[-1] in self.stop
@@ -264,9 +267,14 @@ class StaticEngine(_LocalBase):
         clock, t = time.perf_counter, self.time_s
 
         def deliver_finished() -> None:
+            """Deliver the answers read back, then pull at once what they made ready (each answer
+            has at most one next turn; the driver hands out next turns before new conversations)
+            and queue it first, so a conversation's next turn takes the next free row."""
             batch, finished[:] = list(finished), []
             for p, toks in batch:
                 deliver(self._result(p, toks))
+            if batch:
+                self._admit(pull(len(batch)), deliver, front=True)
 
         while True:
             free = [r for r in range(self.batch) if r not in host]
