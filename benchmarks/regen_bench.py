@@ -13,10 +13,12 @@ Parts (each runs on its own; a part that fails prints the reason and the others 
          rate (driver only), engine_stats (occupancy, attention efficiency, time per phase,
          prefill and decode tokens/s) and the engine description (which kernels ran).
   sdpa   the same command with `--attention sdpa` (masked attention over a span covering every
-         row, the previous decode path) on the first M chats, for comparison; skipped when the
-         2turn part took longer than --compare-budget seconds.
+         row, the previous decode path) on the first M chats, for comparison.
+  batch  the 2turn command with --batch-size 1024 (the default caps the batch at 512): whether a
+         larger batch is faster on this workload.
+  sdpa and batch are skipped when their estimated time would take the whole run past --budget.
 
-GPU (H200: ~2-3 min at the 40K tok/s target; --chats from benchmarks/stage_chats.py):
+GPU (H200: ~4 min at the 40K tok/s target, at most ~--budget 330 s plus one part's overrun; --chats from benchmarks/stage_chats.py):
     PYTHONPATH=src python benchmarks/regen_bench.py --target DIR --chats chats.jsonl.gz
 CPU proxy (tiny random llama on the target's tokenizer, a few minutes on one core):
     PYTHONPATH=src python benchmarks/regen_bench.py --small
@@ -148,8 +150,9 @@ def part_regenerate(args, target: str, source: str, device: str, tmp: Path, *, l
     cfg = RegenConfig(out=tmp / f"out_{name}", source=source, target=target, max_turns=args.max_turns,
                       max_new_tokens=args.max_new_tokens, limit=limit, overwrite=True,
                       device=device, **overrides)
+    flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items())
     log(f"bench {name}: eyas regenerate --source {source} --limit {limit} --max-turns {args.max_turns} "
-        f"--max-new-tokens {args.max_new_tokens} {' '.join(f'--{k} {v}' for k, v in overrides.items())}")
+        f"--max-new-tokens {args.max_new_tokens} {flags}")
     sync(device)
     t0 = time.perf_counter()
     summary = regenerate(cfg)
@@ -191,7 +194,7 @@ def main() -> None:
     ap.add_argument("--chats", default=None, help="JSONL(.gz) chats (benchmarks/stage_chats.py; default: embedded ShareGPT)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--small", action="store_true", help="CPU proxy: a tiny random llama, small sizes")
-    ap.add_argument("--parts", default="fp32,2turn,sdpa", help="comma-separated subset of fp32,2turn,sdpa")
+    ap.add_argument("--parts", default="fp32,2turn,sdpa,batch", help="comma-separated subset of fp32,2turn,sdpa,batch")
     ap.add_argument("--conversations", type=int, default=None, help="2turn chats (GPU 6000, small 24)")
     ap.add_argument("--max-turns", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=None, help="2turn answer limit (GPU 512, small 32)")
@@ -199,8 +202,10 @@ def main() -> None:
     ap.add_argument("--fp32-new-tokens", type=int, default=None, help="fp32 answer limit (GPU 128, small 16)")
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="fp32 prompts longer than this are skipped")
     ap.add_argument("--compare-chats", type=int, default=None, help="sdpa part chats (GPU 1000, small 8)")
-    ap.add_argument("--compare-budget", type=float, default=200.0,
-                    help="skip the sdpa part when the 2turn part took longer than this many seconds")
+    ap.add_argument("--extra-batch", type=int, default=None, help="batch part: --batch-size (GPU 1024, small 16)")
+    ap.add_argument("--budget", type=float, default=330.0,
+                    help="seconds for the whole benchmark: an optional part (sdpa, batch) whose estimate "
+                         "would pass it is skipped")
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     gpu = torch.device(device).type == "cuda"
@@ -210,6 +215,8 @@ def main() -> None:
     args.fp32_prompts = args.fp32_prompts or (4 if small else 64)
     args.fp32_new_tokens = args.fp32_new_tokens or (16 if small else 128)
     args.compare_chats = args.compare_chats or (8 if small else 1000)
+    args.extra_batch = args.extra_batch or (16 if small else 1024)
+    t_start = time.perf_counter()
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     import transformers
 
@@ -239,21 +246,31 @@ def main() -> None:
             attempt("fp32", part_fp32, args, target, source, device)
         if "2turn" in parts:
             attempt("2turn", part_regenerate, args, target, source, device, tmp, limit=args.conversations, name="2turn")
-        if "sdpa" in parts:
-            took = res.get("2turn", {}).get("wall_s")
-            if took is not None and took > args.compare_budget:
-                res["errors"]["sdpa"] = f"skipped: the 2turn part took {took} s > --compare-budget {args.compare_budget}"
-                log(f"bench sdpa: {res['errors']['sdpa']}")
-            else:
-                attempt("sdpa", part_regenerate, args, target, source, device, tmp, limit=args.compare_chats,
-                        name="sdpa", attention="sdpa")
+        # Optional parts run only when their estimated time still fits --budget (whole benchmark).
+        two_wall = res.get("2turn", {}).get("wall_s")
+        per_chat = two_wall / args.conversations if two_wall else None
+
+        def fits(part: str, estimate_s: float | None) -> bool:
+            spent = time.perf_counter() - t_start
+            if estimate_s is not None and spent + estimate_s > args.budget:
+                res["errors"][part] = f"skipped: ~{estimate_s:.0f} s more would pass --budget {args.budget:.0f} s"
+                log(f"bench {part}: {res['errors'][part]}")
+                return False
+            return True
+
+        if "sdpa" in parts and fits("sdpa", per_chat and 5 * per_chat * args.compare_chats):
+            attempt("sdpa", part_regenerate, args, target, source, device, tmp, limit=args.compare_chats,
+                    name="sdpa", attention="sdpa")
+        if "batch" in parts and args.extra_batch and fits("batch", two_wall):
+            attempt("batch", part_regenerate, args, target, source, device, tmp, limit=args.conversations,
+                    name="batch", batch_size=args.extra_batch)
 
     two, fp = res.get("2turn"), res.get("fp32")
     res["regen_2turn_tok_s"] = two["tok_s_wall"] if two else None
     res["regen_fp32_identical"] = fp["fraction_identical"] if fp else None
     print(f"{'part':<8}{'answers':>9}{'tokens':>11}{'wall s':>9}{'tok/s':>10}{'occup.':>8}{'attn eff':>9}"
           f"{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/step':>9}")
-    for name in ("2turn", "sdpa"):
+    for name in ("2turn", "sdpa", "batch"):
         r = res.get(name)
         if not r:
             print(f"{name:<8}  -- {res['errors'].get(name, 'not run')}")
