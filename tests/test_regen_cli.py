@@ -42,6 +42,8 @@ def test_cli_regenerate_then_prepare(chats, tiny_target_dir, tmp_path):
     stats = summary["engine_stats"]
     assert stats["new_tokens"] == 25 and stats["requests"] == 5 and stats["decode_steps"] >= 5 * 4 / 3
     assert 0 < stats["occupancy"] <= 1 and 0 < stats["attention_efficiency"] <= 1
+    assert stats["prefill_padding"] == 0.0 and stats["prefill_tokens"] > 0  # packed prompts, no padding
+    assert stats["decode_tokens"] == 25 - 5 and stats["decode_tok_s"] > 0 and stats["prefill_tok_s"] > 0
     meta = json.loads((out / "meta.json").read_text())
     assert meta["settings"]["target"]["path"] == str(tiny_target_dir.resolve())
     assert meta["settings"]["sampling"]["greedy"] is True
@@ -87,6 +89,10 @@ def test_empty_and_bad_inputs(tmp_path, tiny_target_dir):
     r = runner.invoke(app, ["regenerate", "--source", str(bad), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o"),
                             "--top-p", "0"])
     assert r.exit_code == 2 and "--top-p" in r.stderr
+    r = runner.invoke(app, ["regenerate", "--source", str(bad), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o"),
+                            "--attention", "flex"])
+    assert r.exit_code == 2 and "--attention" in r.stderr and "flex" in r.stderr
+    assert not (tmp_path / "o").exists()
 
 
 def test_sigterm_commits_finished_conversations_then_resume(chats, tiny_target_dir, tmp_path, monkeypatch):

@@ -22,7 +22,7 @@ def regenerate(
     limit: Optional[int] = typer.Option(None, "--limit", help="Read at most this many source records."),
     hf_split: Optional[str] = typer.Option(None, "--hf-split", help="Split to read when --source is a saved DatasetDict."),
     batch_size: int = typer.Option(0, "--batch-size", help="Rows decoded together (local engines); 0 = auto (8 on CPU, up to 512 on GPU)."),
-    lanes: int = typer.Option(1, "--lanes", help="Static engine: row ranges that each attend over their own span; 0 = auto (4 at batch >= 64). 1 is the schedule measured on the H200; more lanes cut attention work on multi-turn data but have not run on a GPU yet."),
+    attention: str = typer.Option("auto", "--attention", help="Static engine decode attention: auto (per-row Triton kernel on CUDA when triton is installed, else sdpa), triton, sdpa (masked, over a span covering every row)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (target's dtype on GPU, float32 on CPU), float32, bfloat16, float16."),
     continue_after_truncated: bool = typer.Option(False, "--continue-after-truncated", help="Answer later turns after an answer cut at --max-new-tokens (default: stop the conversation there)."),
@@ -39,7 +39,7 @@ def regenerate(
     return run(RegenConfig(
         out=out, source=source, target=target, engine=engine, max_new_tokens=max_new_tokens, max_turns=max_turns,
         max_len=max_len, temperature=temperature, top_p=top_p, seed=seed, limit=limit, hf_split=hf_split,
-        batch_size=batch_size, lanes=lanes, device=device, dtype=dtype, continue_after_truncated=continue_after_truncated,
+        batch_size=batch_size, attention=attention, device=device, dtype=dtype, continue_after_truncated=continue_after_truncated,
         overwrite=overwrite, server_urls=list(server_url or []), server_model=server_model, concurrency=concurrency,
         retries=retries, request_timeout=request_timeout,
     ))

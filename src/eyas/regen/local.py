@@ -1,18 +1,16 @@
 """In-process regeneration engines for a transformers target.
 
 `StaticEngine` (the fast path): a fixed batch of B rows over `StaticLM`'s static KV cache. Each
-loop iteration (1) refills finished rows with new prompts (prefilled in groups of similar length),
-(2) runs `sync_every` decode steps, each one CUDA-graph replay on GPU (eager on CPU), with all
-per-row bookkeeping (position, token count, stop test, output buffer) done on the device, and (3)
-reads back one small tensor to learn which rows finished. Continuous refill keeps the batch full
-while conversations are answered turn by turn. Graphs are captured per attention-length bucket
-(powers of two up to max_len) and per lane: the rows are cut into up to 4 lanes, each attending
-over its own span, with long contexts placed in the high lanes. With one span for the whole batch,
-a 2-turn ShareGPT run at batch 512 and max_len 2048 attends over 2048 keys at ~99% of steps while
-its rows need 18% of those keys (`regen_bench.py --simulate`; the single-turn benchmark at max_len
-768 never goes past span 768); 4 lanes attend 55% as many keys. Host work (detokenising answers,
-the driver's next turns, rendering prompts) runs while a decode chunk is in flight instead of with
-the device idle.
+loop iteration (1) refills finished rows with new prompts (packed without padding), (2) runs
+`sync_every` decode steps, each one CUDA-graph replay on GPU (eager on CPU), with all per-row
+bookkeeping (position, token count, stop test, output buffer) done on the device, and (3) reads
+back one small tensor to learn which rows finished. Continuous refill keeps the batch full across
+turns: an answer read back is delivered while the next chunk runs, the driver queues that
+conversation's next turn at once, and it enters the batch at the next refill. Decode attention
+reads each row's own keys (per-row lengths, one graph for all of them); where the Triton kernel is
+unavailable it falls back to SDPA over a span bucket covering every row (one graph per bucket).
+Host work (detokenising answers, the driver's next turns, rendering prompts) runs while a decode
+chunk is in flight instead of with the device idle.
 `stats()` reports occupancy, attention efficiency and the prefill/decode/host time split.
 
 `GenerateEngine` (fallback and reference): static batches through Hugging Face `generate`, for
@@ -21,13 +19,11 @@ architectures `StaticLM` does not support, and the baseline the benchmark and te
 Both render prompts with the target's chat template (`add_generation_prompt=True`) and count a
 prompt that leaves no room for an answer within `max_len` as a context overflow.
 
-Shape legend: B batch rows, N rows being prefilled, L prompt length, C output columns, V vocab.
+Shape legend: B batch rows, N rows being prefilled, T packed prompt tokens, C output columns, V vocab.
 """
 
 from __future__ import annotations
 
-import itertools
-import math
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,6 +31,7 @@ from typing import Any
 import torch
 
 from eyas.common import log
+from eyas.regen.attention import BLOCK_N
 from eyas.regen.requests import CONTEXT_OVERFLOW, Deliver, Pull, Request, Result
 from eyas.regen.sampling import Sampling, choose, vocab_keys
 from eyas.regen.static_lm import StaticLM, unsupported_reason
@@ -80,8 +77,10 @@ class _LocalBase:
         self.requests = 0
         self.pending: list[_Prepared] = []
 
-    def _admit(self, reqs: list[Request], deliver: Deliver) -> None:
-        """Render each request; overflowing prompts are answered at once as failures."""
+    def _admit(self, reqs: list[Request], deliver: Deliver, *, front: bool = False) -> None:
+        """Render each request; overflowing prompts are answered at once as failures. `front`:
+        queue them ahead of the requests already pending (next turns of running conversations)."""
+        ready: list[_Prepared] = []
         for req in reqs:
             ids = render_prompt(self.tokenizer, req.messages)
             room = self.max_len - len(ids)
@@ -89,7 +88,8 @@ class _LocalBase:
                 deliver(Result(req.key, prompt_tokens=len(ids), failure=CONTEXT_OVERFLOW,
                                detail=f"prompt of {len(ids)} tokens leaves no room within max_len {self.max_len}"))
                 continue
-            self.pending.append(_Prepared(req, ids, min(req.max_new_tokens, room)))
+            ready.append(_Prepared(req, ids, min(req.max_new_tokens, room)))
+        self.pending = ready + self.pending if front else self.pending + ready
 
     def _result(self, p: _Prepared, tokens: list[int]) -> Result:
         ended = bool(tokens) and tokens[-1] in self.stop
@@ -106,17 +106,18 @@ class StaticEngine(_LocalBase):
 
     def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
                  use_graphs: bool | None = None, sync_every: int | None = None, prefill_tokens: int | None = None,
-                 refill_min: int | None = None, min_span: int = 256, lanes: int | None = 1,
-                 prefetch: int | None = None):
+                 refill_min: int | None = None, min_span: int = 256, prefetch: int | None = None,
+                 attention: str = "auto", prefill: str = "auto"):
         super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
         on_cuda = self.device.type == "cuda"
         # The cache length is rounded up to a multiple of 64 so every attention span keeps the key
         # axis aligned for the fused kernels; answers still end within max_len (see _admit).
-        self.lm = StaticLM(model, batch=batch, max_len=-(-max_len // 64) * 64)
+        self.lm = StaticLM(model, batch=batch, max_len=-(-max_len // 64) * 64, attention=attention, prefill=prefill)
         self.batch = batch
         self.use_graphs = on_cuda if use_graphs is None else use_graphs
         self.sync_every = sync_every or (8 if on_cuda else 1)
-        self.prefill_tokens = prefill_tokens or (32768 if on_cuda else 2048)
+        # Packed prompt tokens per prefill call (no padding): bounds the activations of one call.
+        self.prefill_tokens = prefill_tokens or (65536 if on_cuda else 2048)
         # On GPU, refill once an eighth of the rows are free: a prefill is an eager forward, so
         # refilling row by row would cost more than the decode steps those rows sit idle.
         self.refill_min = refill_min or (max(1, batch // 8) if on_cuda else 1)
@@ -135,31 +136,24 @@ class StaticEngine(_LocalBase):
         self.limit_B = torch.ones(batch, dtype=torch.long, device=dev)
         self.done_B = torch.ones(batch, dtype=torch.bool, device=dev)  # every row starts free
         self.out_BC = torch.zeros(batch, self.cols, dtype=torch.long, device=dev)
-        self.spans = self._spans(self.lm.max_len, min_span)
-        # Lanes: the rows are cut into `lanes` ranges, each attending over its own span. New prompts
-        # go longest-first into the highest free lanes, and the spans are kept non-decreasing from
-        # lane to lane (a graph per non-decreasing tuple), so the short contexts gather in the low
-        # lanes and do not pay for the longest row's span (see _place, _spans_for).
-        n_lanes = lanes if lanes is not None else self._default_lanes(batch, len(self.spans))
-        if not 1 <= n_lanes <= batch:
-            raise ValueError(f"lanes must be in [1, batch {batch}], got {n_lanes}")
-        n_graphs = math.comb(len(self.spans) + n_lanes - 1, n_lanes)
-        if self.use_graphs and n_graphs > self.MAX_GRAPHS:
-            raise ValueError(f"lanes {n_lanes} with {len(self.spans)} spans would capture {n_graphs} CUDA graphs "
-                             f"(at most {self.MAX_GRAPHS}): use fewer lanes or a larger min_span")
-        self.lanes = [(k * batch // n_lanes, (k + 1) * batch // n_lanes) for k in range(n_lanes)]
-        self.lane_of = [k for k, (lo, hi) in enumerate(self.lanes) for _ in range(lo, hi)]
-        self.graphs: dict[tuple[int, ...], Any] = {}
+        # Per-row attention (triton): one graph, every row reads its own keys. SDPA: one graph per
+        # span bucket (powers of two from min_span up to the cache), the smallest covering all rows.
+        self.per_row = self.lm.attention == "triton"
+        self.spans = [self.lm.max_len] if self.per_row else self._spans(self.lm.max_len, min_span)
+        self.graphs: dict[int, Any] = {}
         self.steps = 0
-        self.span_steps: dict[tuple[int, ...], int] = {}  # decode steps run per span (one per lane)
+        self.span_steps: dict[int, int] = {}  # decode steps run per span
         self.capture_s = 0.0
         self._ngen = [1] * batch
         # Occupancy counters, accumulated on the device inside the step (no extra syncs): active
-        # rows per step, and keys those rows need (pos + 1) vs keys the spans make rows attend.
+        # rows per step, keys those rows need (pos + 1), and keys attention reads (per-row lengths
+        # rounded up to the kernel's tile, or rows x span).
         self.active_rows_1 = torch.zeros(1, dtype=torch.long, device=dev)
         self.needed_keys_1 = torch.zeros(1, dtype=torch.long, device=dev)
+        self.read_keys_1 = torch.zeros(1, dtype=torch.long, device=dev)
         self.attended_keys = 0
-        self.prefill_calls = self.prefill_rows = self.prefill_tokens_seen = self.prefill_padded = 0
+        self.prefill_calls = self.prefill_rows = self.prefill_tokens_seen = 0
+        self.decode_tokens = 0  # tokens produced by decode steps (a prefill produces each answer's first)
         self.time_s = {"prefill": 0.0, "decode": 0.0, "host": 0.0, "host_overlapped": 0.0}
         self.capture_error: str | None = None
         if self.use_graphs:
@@ -171,16 +165,6 @@ class StaticEngine(_LocalBase):
                 self.capture_error = f"{type(exc).__name__}: {exc}"
                 log(f"regen: CUDA graph capture failed ({self.capture_error}); decoding eagerly")
 
-    MAX_GRAPHS = 64
-
-    @classmethod
-    def _default_lanes(cls, batch: int, n_spans: int) -> int:
-        """4 lanes at a batch of 64 rows or more (fewer when that many span tuples would be too
-        many graphs); one lane for small batches, where a lane would be a handful of rows."""
-        if batch < 64:
-            return 1
-        return next(k for k in (4, 3, 2, 1) if math.comb(n_spans + k - 1, k) <= cls.MAX_GRAPHS)
-
     @staticmethod
     def _spans(max_len: int, min_span: int) -> list[int]:
         spans, s = [], min_span
@@ -190,12 +174,16 @@ class StaticEngine(_LocalBase):
         return spans + [max_len]
 
     # -- one decode step, all on the device ------------------------------------------------------
-    def _step(self, key: tuple[int, ...]) -> None:
-        logits_BV = self.lm.decode(self.tok_B, self.pos_B, key, self.lanes)
-        nxt_B = choose(logits_BV, sampling=self.sampling, seed_B=self.seed_B, pos_B=self.pos_B, vkeys_V=self.vkeys_V)
+    def _step(self, span: int) -> None:
         active_B = ~self.done_B
+        # A free row reads one key (its slot's first; the result is discarded), not its old length.
+        len_B = torch.where(active_B, self.pos_B + 1, 1)
+        logits_BV = self.lm.decode(self.tok_B, self.pos_B, len_B, span=span)
+        nxt_B = choose(logits_BV, sampling=self.sampling, seed_B=self.seed_B, pos_B=self.pos_B, vkeys_V=self.vkeys_V)
         self.active_rows_1.add_(active_B.sum())
         self.needed_keys_1.add_(((self.pos_B + 1) * active_B).sum())
+        if self.per_row:
+            self.read_keys_1.add_(((len_B + BLOCK_N - 1) // BLOCK_N * BLOCK_N).sum())
         col_B = torch.where(active_B, self.ngen_B, self.cols - 1)
         self.out_BC.scatter_(1, col_B[:, None], nxt_B[:, None])
         self.ngen_B.add_(active_B.long())
@@ -207,72 +195,49 @@ class StaticEngine(_LocalBase):
     @torch.no_grad()
     def _capture_all(self) -> None:
         t0 = time.perf_counter()
-        keys = list(itertools.combinations_with_replacement(self.spans, len(self.lanes)))  # non-decreasing
         pool = torch.cuda.graph_pool_handle()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up (every row is free: writes go to discarded slots)
-            for key in keys:
-                self._step(key)
+            for span in self.spans:
+                self._step(span)
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        for key in sorted(keys, key=sum, reverse=True):
+        for span in sorted(self.spans, reverse=True):
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=pool):
-                self._step(key)
-            self.graphs[key] = graph
+                self._step(span)
+            self.graphs[span] = graph
         torch.cuda.synchronize()
-        self.active_rows_1.zero_()  # the warm-up steps are not work
-        self.needed_keys_1.zero_()
+        for c in (self.active_rows_1, self.needed_keys_1, self.read_keys_1):  # the warm-up steps are not work
+            c.zero_()
         self.capture_s = time.perf_counter() - t0
-        log(f"regen: captured {len(self.graphs)} decode graphs (spans {self.spans}, {len(self.lanes)} lanes) "
+        log(f"regen: captured {len(self.graphs)} decode graph(s) ({self.lm.attention} attention, spans {self.spans}) "
             f"in {self.capture_s:.1f} s")
 
     # -- refill ----------------------------------------------------------------------------------
-    def _place(self, free: list[int], items: list[_Prepared]) -> list[int]:
-        """A free row for each item: the longest (prompt + limit) into the highest lanes. The spans
-        are non-decreasing over lanes, so a long context in a low lane would raise every lane above
-        it; sorting keeps them high. (A schedule simulation at batch 512 over ShareGPT 2-turn chats
-        put attended keys at 0.55 of one lane's with 4 lanes, 0.72 with 2.)"""
-        if len(self.lanes) == 1:
-            return free[: len(items)]
-        order = sorted(range(len(items)), key=lambda i: -(len(items[i].ids) + items[i].limit))
-        rows_high_first = sorted(free, key=lambda r: -self.lane_of[r])
-        rows = [0] * len(items)
-        for i, r in zip(order, rows_high_first):
-            rows[i] = r
-        return rows
-
     def _prefill(self, rows: list[int], items: list[_Prepared], deliver: Deliver, host: dict) -> None:
-        """Prefill `items` into `rows` in groups of similar length; choose each first token."""
-        order = sorted(range(len(items)), key=lambda i: len(items[i].ids))
+        """Prefill `items` into `rows`, packed without padding, in calls of at most prefill_tokens."""
         start = 0
-        while start < len(order):
-            L = len(items[order[start]].ids)
-            end = start + 1
-            while end < len(order):
-                L_next = max(L, len(items[order[end]].ids))
-                if L_next * (end - start + 1) > self.prefill_tokens:
-                    break
-                L, end = L_next, end + 1
-            group = order[start:end]
-            self._prefill_group([rows[i] for i in group], [items[i] for i in group], L, deliver, host)
+        while start < len(items):
+            end, tokens = start + 1, len(items[start].ids)
+            while end < len(items) and tokens + len(items[end].ids) <= self.prefill_tokens:
+                tokens += len(items[end].ids)
+                end += 1
+            self._prefill_group(rows[start:end], items[start:end], host)
             start = end
 
-    def _prefill_group(self, rows: list[int], items: list[_Prepared], L: int, deliver: Deliver, host: dict) -> None:
-        dev, N = self.device, len(items)
+    def _prefill_group(self, rows: list[int], items: list[_Prepared], host: dict) -> None:
+        dev = self.device
+        lens = [len(p.ids) for p in items]
         self.prefill_calls += 1
-        self.prefill_rows += N
-        self.prefill_tokens_seen += sum(len(p.ids) for p in items)
-        self.prefill_padded += N * L
-        ids_NL = torch.full((N, L), self.stop[0], dtype=torch.long)
-        for n, p in enumerate(items):
-            ids_NL[n, : len(p.ids)] = torch.tensor(p.ids)
-        lens_N = torch.tensor([len(p.ids) for p in items], dtype=torch.long, device=dev)
-        rows_N = torch.tensor(rows, dtype=torch.long, device=dev)
-        seed_N = torch.tensor([p.req.seed for p in items], dtype=torch.long, device=dev)
-        limit_N = torch.tensor([p.limit for p in items], dtype=torch.long, device=dev)
-        logits_NV = self.lm.prefill(rows_N, ids_NL.to(dev), lens_N)
+        self.prefill_rows += len(items)
+        self.prefill_tokens_seen += sum(lens)
+        ids_T = torch.tensor([t for p in items for t in p.ids], dtype=torch.long).to(dev, non_blocking=True)
+        meta = torch.tensor([lens, rows, [p.req.seed for p in items], [p.limit for p in items]],
+                            dtype=torch.long).to(dev, non_blocking=True)
+        lens_N, rows_N, seed_N, limit_N = meta
+        logits_NV = self.lm.prefill(rows, ids_T, lens)
         first_N = choose(logits_NV, sampling=self.sampling, seed_B=seed_N, pos_B=lens_N - 1, vkeys_V=self.vkeys_V)
         done_N = (first_N[:, None] == self.stop_E[None, :]).any(-1) | (limit_N <= 1)
         self.tok_B[rows_N] = first_N
@@ -293,17 +258,23 @@ class StaticEngine(_LocalBase):
     def run(self, pull: Pull, deliver: Deliver) -> None:
         """Refill -> launch sync_every steps -> (host work while they run) -> read back.
 
-        Host work (delivering answers, which makes the driver render next turns, and rendering
+        Host work (delivering answers, which makes the driver queue next turns, and rendering
         prompts ahead) runs while the device decodes; on GPU it is hidden behind the chunk. An
-        answer read back is delivered during the next chunk: its next turn enters a chunk later."""
+        answer read back is delivered during the next chunk, and its next turn is rendered then:
+        it joins the batch at the next refill, as any new conversation."""
         host: dict[int, _Prepared] = {}  # row -> request decoding there
         finished: list[tuple[_Prepared, list[int]]] = []  # read back, not yet delivered
         clock, t = time.perf_counter, self.time_s
 
         def deliver_finished() -> None:
+            """Deliver the answers read back, then pull at once what they made ready (each answer
+            has at most one next turn; the driver hands out next turns before new conversations)
+            and queue it first, so a conversation's next turn takes the next free row."""
             batch, finished[:] = list(finished), []
             for p, toks in batch:
                 deliver(self._result(p, toks))
+            if batch:
+                self._admit(pull(len(batch)), deliver, front=True)
 
         while True:
             free = [r for r in range(self.batch) if r not in host]
@@ -316,7 +287,7 @@ class StaticEngine(_LocalBase):
                 t1 = clock()
                 t["host"] += t1 - t0
                 if take:
-                    self._prefill(self._place(free, take), take, deliver, host)
+                    self._prefill(free[: len(take)], take, deliver, host)
                 t["prefill"] += clock() - t1
             if not host:
                 t0 = clock()
@@ -330,15 +301,16 @@ class StaticEngine(_LocalBase):
                 t["host"] += clock() - t0
                 continue
             t0 = clock()
-            key = self._spans_for(host)
+            span = self._span_for(host)
             for _ in range(self.sync_every):
                 if self.use_graphs:
-                    self.graphs[key].replay()
+                    self.graphs[span].replay()
                 else:
-                    self._step(key)
+                    self._step(span)
             self.steps += self.sync_every
-            self.span_steps[key] = self.span_steps.get(key, 0) + self.sync_every
-            self.attended_keys += self.sync_every * sum((hi - lo) * s for (lo, hi), s in zip(self.lanes, key))
+            self.span_steps[span] = self.span_steps.get(span, 0) + self.sync_every
+            if not self.per_row:
+                self.attended_keys += self.sync_every * self.batch * span
             t1 = clock()
             deliver_finished()
             if len(self.pending) < self.prefetch:
@@ -346,6 +318,7 @@ class StaticEngine(_LocalBase):
             t2 = clock()
             state = torch.stack([self.done_B.long(), self.ngen_B]).cpu()
             done, ngen = state[0].tolist(), state[1].tolist()
+            self.decode_tokens += sum(ngen[r] - self._ngen[r] for r in host)
             self._ngen = ngen
             rows = [r for r in host if done[r]]
             if rows:
@@ -354,46 +327,50 @@ class StaticEngine(_LocalBase):
             t["decode"] += (t1 - t0) + (clock() - t2)
             t["host_overlapped"] += t2 - t1
 
-    def _spans_for(self, host: dict[int, _Prepared]) -> tuple[int, ...]:
-        """Per lane, the smallest captured span covering its active rows for the next sync_every steps
-        (and every lane below it).
+    def _span_for(self, host: dict[int, _Prepared]) -> int:
+        """The smallest captured span covering every active row for the next sync_every steps (SDPA
+        attention; per-row attention has one span, the whole cache, and reads each row's own keys).
 
         After ngen generated tokens a row feeds position len(prompt) + ngen - 1; it never passes
         len(prompt) + limit - 1 (< max_len). ngen is as of the last read-back (1 right after prefill),
         so the bound holds without a sync."""
-        need = [0] * len(self.lanes)
-        for r, p in host.items():
-            ngen = max(self._ngen[r], 1)
-            k = self.lane_of[r]
-            need[k] = max(need[k], min(len(p.ids) + ngen - 1 + self.sync_every, len(p.ids) + p.limit))
-        for k in range(1, len(need)):  # non-decreasing: the tuples a graph was captured for
-            need[k] = max(need[k], need[k - 1])
-        return tuple(next((s for s in self.spans if s >= n), self.spans[-1]) for n in need)
+        if self.per_row:
+            return self.spans[0]
+        need = max(min(len(p.ids) + max(self._ngen[r], 1) - 1 + self.sync_every, len(p.ids) + p.limit)
+                   for r, p in host.items())
+        return next((s for s in self.spans if s >= need), self.spans[-1])
 
     def stats(self) -> dict[str, Any]:
         """How full the batch was and where the time went (the summary's `engine_stats`).
 
         occupancy: active rows / batch, averaged over decode steps. attention_efficiency: keys the
-        active rows need (position + 1) / keys attended (rows x their lane's span). host_s: host
-        work with the device idle; host_overlapped_s: host work while a decode chunk runs (hidden
-        on GPU; on CPU decode is synchronous, so it is not)."""
+        active rows need (position + 1) / keys attention read (per-row lengths rounded up to the
+        kernel's tile, or rows x span with SDPA). host_s: host work with the device idle;
+        host_overlapped_s: host work while a decode chunk runs (hidden on GPU; on CPU decode is
+        synchronous, so it is not). prefill_tok_s: prompt tokens per prefill second;
+        decode_tok_s: generated tokens per decode second (decode_s includes the read-backs)."""
         slots = self.steps * self.batch
         t = self.time_s
+        read = int(self.read_keys_1.item()) if self.per_row else self.attended_keys
         return {
             "batch": self.batch,
-            "lanes": len(self.lanes),
+            "decode_attention": self.lm.attention,
+            "prefill_attention": self.lm.prefill_kind,
             "decode_steps": self.steps,
             "occupancy": round(int(self.active_rows_1.item()) / slots, 4) if slots else None,
-            "attention_efficiency": (round(int(self.needed_keys_1.item()) / self.attended_keys, 4)
-                                     if self.attended_keys else None),
-            "span_steps": {"/".join(map(str, k)): v for k, v in sorted(self.span_steps.items())},
+            "attention_efficiency": round(int(self.needed_keys_1.item()) / read, 4) if read else None,
+            "span_steps": {str(k): v for k, v in sorted(self.span_steps.items())},
             "requests": self.requests,
             "new_tokens": self.new_tokens,
+            "decode_tokens": self.decode_tokens,
             "prefill_calls": self.prefill_calls,
             "prefill_rows": self.prefill_rows,
             "prefill_tokens": self.prefill_tokens_seen,
-            "prefill_padding": round(1 - self.prefill_tokens_seen / self.prefill_padded, 4) if self.prefill_padded else None,
+            "prefill_padding": 0.0 if self.prefill_calls else None,
             **{f"{k}_s": round(v, 3) for k, v in t.items()},
+            "prefill_tok_s": round(self.prefill_tokens_seen / t["prefill"], 1) if t["prefill"] > 0 else None,
+            "decode_tok_s": round(self.decode_tokens / t["decode"], 1) if t["decode"] > 0 else None,
+            "decode_ms_per_step": round(1e3 * t["decode"] / self.steps, 3) if self.steps else None,
             "host_us_per_token": round(1e6 * t["host"] / self.new_tokens, 2) if self.new_tokens else None,
             "host_overlapped_us_per_token": round(1e6 * t["host_overlapped"] / self.new_tokens, 2) if self.new_tokens else None,
         }
@@ -401,7 +378,7 @@ class StaticEngine(_LocalBase):
     def describe(self) -> dict[str, Any]:
         return {"engine": "static", "cuda_graphs": self.use_graphs, "sync_every": self.sync_every,
                 "graph_capture_s": round(self.capture_s, 2), "capture_error": self.capture_error, "spans": self.spans,
-                "lanes": len(self.lanes), **self.lm.describe()}
+                **self.lm.describe()}
 
 
 class GenerateEngine(_LocalBase):

@@ -19,6 +19,7 @@ from eyas.common import log
 from eyas.errors import EyasError
 
 ENGINES = ("auto", "static", "generate", "server")
+ATTENTIONS = ("auto", "triton", "sdpa")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
@@ -52,10 +53,9 @@ class RegenConfig:
     """Split of a saved DatasetDict."""
     batch_size: int = 0
     """Rows decoded together (local engines); 0 = auto (8 on CPU; on GPU up to 512 as memory allows)."""
-    lanes: int = 1
-    """Static engine: row ranges that each attend over their own span (0 = auto: 4 at batch >= 64).
-    1 is the schedule measured on the H200; more lanes cut attention work on multi-turn data
-    (benchmarks/regen_bench.py --simulate) but have not yet run on a GPU."""
+    attention: str = "auto"
+    """Static engine decode attention: auto (the per-row Triton kernel where it runs, else sdpa),
+    triton (error if unavailable), sdpa (masked attention over a span covering every row)."""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:N."""
     dtype: str = "auto"
@@ -89,8 +89,8 @@ class RegenConfig:
             raise EyasError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         if self.max_len < 2:
             raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
-        if self.lanes < 0:
-            raise EyasError(f"--lanes must be >= 0 (0 = auto), got {self.lanes}")
+        if self.attention not in ATTENTIONS:
+            raise EyasError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.batch_size < 0:
             raise EyasError(f"--batch-size must be >= 0 (0 = auto), got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
@@ -155,7 +155,7 @@ def _build_local(config: RegenConfig, sampling):
     engine = make_local_engine(model, tokenizer, sampling=sampling, max_len=config.max_len, batch=batch,
                                max_new_tokens=config.max_new_tokens,
                                engine="auto" if config.engine == "auto" else config.engine,
-                               lanes=config.lanes or None)
+                               **({"attention": config.attention} if config.attention != "auto" else {}))
     return engine, {"device": device, "dtype": str(dtype).removeprefix("torch.")}
 
 
