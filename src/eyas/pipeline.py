@@ -491,6 +491,10 @@ def run_pipeline(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _num(x: Any, digits: int) -> str:
+    return f"{x:,.{digits}f}" if isinstance(x, (int, float)) else str(x)
+
+
 def _print_table(s: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -502,7 +506,8 @@ def _print_table(s: dict[str, Any]) -> None:
         figures = {
             "regenerate": lambda r: f"{r.get('selected')} chats, {r.get('selected_answer_tokens')} answer tokens",
             "prepare": lambda r: f"{r.get('train_samples')} train / {r.get('eval_samples')} eval, {r.get('tokens')} tokens",
-            "train": lambda r: f"{r.get('steps')} steps, loss {r.get('final_loss')}, {r.get('tokens_per_s')} tok/s",
+            "train": lambda r: f"{r.get('steps')} steps, loss {_num(r.get('final_loss'), 3)}, "
+                               f"{_num(r.get('tokens_per_s'), 0)} tok/s",
             "eval": lambda r: f"tau chain {r.get('tau_chain')}, tree {r.get('tau_tree')}",
             "export": lambda r: ", ".join(f"{k}: {v}" for k, v in r.items() if k not in ("status", "seconds")),
         }[stage](r)
