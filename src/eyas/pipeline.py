@@ -311,7 +311,8 @@ def _eyas_made(stage: str, directory: Path) -> bool:
     if stage == "train":
         return (directory / "metrics.jsonl").is_file() or (directory / "checkpoints").is_dir()
     if stage == "export":
-        return all((d / "eyas_export.json").is_file() for d in directory.iterdir() if d.is_dir())
+        subdirs = [d for d in directory.iterdir() if d.is_dir()]
+        return bool(subdirs) and all((d / "eyas_export.json").is_file() for d in subdirs)
     name, prefix = _ARTIFACT[stage]
     try:
         return str(json.loads((directory / name).read_text()).get("schema", "")).startswith(prefix)
