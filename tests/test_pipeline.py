@@ -123,3 +123,19 @@ def test_shared_regeneration_selects_only_its_own_source_records(tmp_path):
     w2.commit(elapsed_s=1.0)
     with pytest.raises(EyasError, match="only 1 of the first 3"):
         _select_chats(tmp_path / "partial", 3, tmp_path / "p.jsonl")
+
+
+def test_shipped_recipes_name_only_real_options(tmp_path):
+    """Every key of both recipes is a field of its stage's config (a renamed option breaks here, not on a GPU)."""
+    from eyas.pipeline import load_config
+
+    gpu = load_config(RECIPES / "smollm2-gpu.toml", workdir=tmp_path / "g")
+    st = gpu["stages"]
+    assert list(st) == ["regenerate", "prepare", "train", "eval", "export"]
+    assert (st["regenerate"].max_turns, st["regenerate"].max_new_tokens) == (2, 512)
+    assert (st["train"].ttt_steps, st["train"].draft_vocab, str(st["train"].data)) == (7, 32000, str(tmp_path / "g" / "prepared"))
+    assert st["prepare"].source == str(tmp_path / "g" / "regenerate" / "chats.jsonl")
+    assert (st["eval"].prompts, st["eval"].chain_k, st["eval"].tree_tokens) == ("mtbench", 7, 60)
+    assert st["export"].formats == ["sglang", "vllm"]
+    assert load_config(SMOKE)["stages"]["train"].device == "cpu"
+    assert not (tmp_path / "g").exists()
