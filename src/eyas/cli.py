@@ -40,6 +40,7 @@ COMMANDS = [
     ("eval", "evaluate", "evaluate"),
     ("export", "export", "export"),
     ("demo", "demo", "demo"),
+    ("pipeline", "pipeline", "pipeline"),
 ]
 
 

@@ -1,0 +1,231 @@
+"""eyas vs SpecForge 0.2.0 on the same data and budget, both evaluated by the same `eyas eval` run settings.
+
+Order of work (each step resumes or is skipped when its output is already there):
+  1. capture   the prepared train split (e.g. a pipeline's <workdir>/prepared: the target's own answers)
+               into a bf16 eyas store, --samples conversations
+  2. eyas      `eyas train` OFFLINE from that store: --steps x --batch-size samples, --draft-vocab, TTT
+  3. convert   the store into SpecForge's offline files (benchmarks/specforge_convert.py) plus
+               vocab_mapping.pt from eyas's drafter: ONE draft vocabulary for both
+  4. specforge `specforge train` offline (data.hidden_states_path): the same steps, samples per step,
+               lr, TTT length, max length and grad clip; its draft config is the one eyas exports for
+               SGLang (same shape). Then its own exporter writes an SGLang directory.
+  5. eval      `eyas eval` on both drafters (SGLang layout for both), identical settings
+Both trainers see the same samples (all of the store) with the same batch size in samples, so the
+same tokens per step on average (the orders differ: each trainer shuffles with its own seed).
+What stays each trainer's own: its loss, schedule details (eyas: cosine to 10% of lr, 2% warmup;
+SpecForge: cosine, --warmup-ratio), data order and alignment of the mask (SpecForge shifts ids and
+teacher by one and keeps the mask unshifted; eyas follows drafter/ttt.py).
+
+SpecForge on the GPU machine (no SGLang needed for offline training):
+    pip install --no-deps specforge==0.2.0 && pip install pydantic pyyaml   (or --specforge-path DIR: an unpacked wheel)
+Its TargetHead reads `*.index.json` + the lm_head key from the target directory: a shadow directory
+of symlinks with a generated index is made when the target has a single safetensors file, and the
+tied embedding is named as the head when the target has no lm_head.weight (SmolLM2).
+
+GPU, one H200 (~9 min at the defaults: capture ~1 min, eyas train ~2-4 min, SpecForge train ~3-5 min,
+2 evals ~2.5 min); run the recipe first so <workdir>/prepared exists, and repeat the command if a
+device call ends early: every step resumes.
+
+    PYTHONPATH=src python benchmarks/specforge_side_by_side.py --prepared runs/smollm2-gpu/prepared \
+        --root runs/sbs --samples 3000 --steps 600 --batch-size 16 --draft-vocab 32000
+
+Progress on stderr; a table, then one JSON line on stdout (tau chain/tree of each, eyas/SpecForge ratios).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def step(name: str, done: bool) -> bool:
+    log(f"\n== side by side: {name}: {'SKIPPED (output present)' if done else 'running'} ==")
+    return not done
+
+
+def shadow_target(target_dir: Path, out: Path) -> tuple[Path, str]:
+    """(a directory SpecForge's TargetHead can read, the lm_head key to name)."""
+    from safetensors import safe_open
+
+    files = sorted(target_dir.glob("*.safetensors"))
+    keys: dict[str, str] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as h:
+            keys.update({k: f.name for k in h.keys()})
+    head = "lm_head.weight" if "lm_head.weight" in keys else "model.embed_tokens.weight"  # tied embeddings
+    if list(target_dir.glob("*.index.json")):
+        return target_dir, head
+    out.mkdir(parents=True, exist_ok=True)
+    for f in target_dir.iterdir():
+        link = out / f.name
+        if not link.exists():
+            link.symlink_to(f.resolve())
+    (out / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": keys}))
+    return out, head
+
+
+def specforge_env(args) -> dict | None:
+    env = dict(os.environ)
+    if args.specforge_path:
+        env["PYTHONPATH"] = str(args.specforge_path) + os.pathsep + env.get("PYTHONPATH", "")
+        sys.path.insert(0, str(args.specforge_path))
+    if importlib.util.find_spec("specforge") is None:
+        return None
+    env["PYTHONPATH"] = str(ROOT / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def run_specforge(args, *, features: Path, vocab_mapping: Path, draft_config: Path, target: Path, head_key: str,
+                  out: Path, env: dict) -> float:
+    import yaml
+
+    cfg = {
+        "run_id": "sbs",
+        "output_dir": str(out),
+        "model": {"target_model_path": str(target), "draft_model_config": str(draft_config),
+                  "vocab_mapping_path": str(vocab_mapping), "lm_head_key": head_key,
+                  "embedding_key": "model.embed_tokens.weight", "torch_dtype": "bfloat16"},
+        "data": {"hidden_states_path": str(features), "max_length": args.max_length,
+                 "cache_dir": str(out / "cache")},
+        "training": {"max_steps": args.steps, "num_epochs": 1000, "batch_size": args.batch_size,
+                     "learning_rate": args.lr, "warmup_ratio": args.warmup_ratio, "max_grad_norm": 0.5,
+                     "ttt_length": args.ttt_steps, "save_interval": args.steps, "log_interval": 20,
+                     "seed": args.seed},
+    }
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "specforge.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    cmd = [sys.executable, "-c", "import sys; from specforge.cli import main; sys.exit(main())", "train", "--config", str(path)]
+    log("    " + " ".join(cmd))
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True, env=env)
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prepared", type=Path, required=True, help="prepared dataset (`eyas prepare` / a pipeline's prepared/)")
+    ap.add_argument("--target", default="default")
+    ap.add_argument("--root", type=Path, default=Path("runs/sbs"))
+    ap.add_argument("--samples", type=int, default=3000, help="train-split conversations captured and used by both")
+    ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--batch-size", type=int, default=16, help="samples per optimizer step, both trainers")
+    ap.add_argument("--draft-vocab", type=int, default=32000)
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--warmup-ratio", type=float, default=0.02, help="SpecForge warmup (eyas: 2%% of steps)")
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--eval-limit", type=int, default=None, help="MT-bench questions (default all 80)")
+    ap.add_argument("--eval-max-new-tokens", type=int, default=256)
+    ap.add_argument("--specforge-path", type=Path, default=None, help="directory holding an unpacked specforge package")
+    args = ap.parse_args()
+
+    from eyas.capture.run import CaptureSettings, run_capture
+    from eyas.defaults import resolve_target
+    from eyas.export.formats import export_drafter
+    from eyas.specdec.run import EvalConfig, evaluate_to
+    from eyas.train.loop import TrainConfig, run as train
+    from specforge_convert import convert
+
+    root = args.root
+    root.mkdir(parents=True, exist_ok=True)
+    store, eyas_run, features = root / "store", root / "eyas-train", root / "specforge-features"
+    seconds: dict[str, float] = {}
+    result: dict = {"benchmark": "specforge_side_by_side", "settings": {k: str(v) if isinstance(v, Path) else v
+                                                                       for k, v in vars(args).items()}}
+
+    # -- 1. capture ------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    cap = run_capture(CaptureSettings(target=args.target, data=args.prepared, split="train", out=store,
+                                      device=args.device, dtype="bf16", limit=args.samples))
+    seconds["capture"] = round(time.perf_counter() - t0, 1)
+    result["data"] = {"samples": cap.get("samples"), "tokens": cap.get("tokens")}
+
+    # -- 2. eyas, offline ------------------------------------------------------------------------
+    drafter = eyas_run / "drafter"
+    if step("eyas train", (drafter / "config.json").is_file()):
+        t0 = time.perf_counter()
+        s = train(TrainConfig(target=args.target, out=eyas_run, store=store, eval_store=store, eval_samples=16,
+                              steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
+                              draft_vocab=args.draft_vocab, max_length=args.max_length, save_every=200,
+                              resume="auto", device=args.device, seed=args.seed))
+        seconds["eyas_train"] = round(time.perf_counter() - t0, 1)
+        result["eyas_train"] = {"tokens_per_s": s.get("tokens_per_s"), "final_loss": s.get("final_loss")}
+    eyas_sglang = root / "eyas-sglang"
+    if step("eyas export", (eyas_sglang / "config.json").is_file()):
+        export_drafter(drafter, "sglang", eyas_sglang, overwrite=False)
+
+    # -- 3. convert --------------------------------------------------------------------------------
+    t0 = time.perf_counter()
+    man = convert(store, features, max_length=args.max_length, drafter=drafter)
+    seconds["convert"] = round(time.perf_counter() - t0, 1)
+    result["data"]["specforge_files"] = man["samples"]
+
+    # -- 4. SpecForge --------------------------------------------------------------------------------
+    sf_run, sf_sglang = root / "specforge-run", root / "specforge-sglang"
+    env = specforge_env(args)
+    if env is None:
+        log("specforge is not importable (pip install --no-deps specforge==0.2.0 pydantic pyyaml, or --specforge-path): "
+            "SpecForge side skipped")
+        result["specforge_error"] = "specforge not installed"
+    elif step("specforge train + export", (sf_sglang / "config.json").is_file()):
+        cfg = json.loads((eyas_sglang / "config.json").read_text())
+        draft_config = root / "specforge-draft-config.json"
+        draft_config.write_text(json.dumps(cfg, indent=1))
+        target_dir, head_key = shadow_target(Path(resolve_target(args.target)), root / "specforge-target")
+        try:
+            seconds["specforge_train"] = round(run_specforge(
+                args, features=features, vocab_mapping=features / "vocab_mapping.pt", draft_config=draft_config,
+                target=target_dir, head_key=head_key, out=sf_run, env=env), 1)
+            subprocess.run([sys.executable, "-c", "import sys; from specforge.export.to_sglang import main; sys.exit(main())",
+                            "--checkpoint", str(sf_run), "--draft-config", str(draft_config),
+                            "--output-dir", str(sf_sglang), "--vocab-mapping", str(features / "vocab_mapping.pt")],
+                           check=True, env=env)
+        except subprocess.CalledProcessError as exc:
+            log(f"SpecForge failed ({exc}); the eyas side is still evaluated")
+            result["specforge_error"] = str(exc)
+
+    # -- 5. eval, same settings ----------------------------------------------------------------------
+    evals = {}
+    for name, d in (("eyas", eyas_sglang), ("specforge", sf_sglang)):
+        if not (d / "config.json").is_file():
+            continue
+        out = root / f"eval-{name}"
+        if step(f"eval {name}", (out / "report.json").is_file()):
+            t0 = time.perf_counter()
+            evaluate_to(out, EvalConfig(drafter=d, target=args.target, prompts="mtbench", limit=args.eval_limit,
+                                        max_new_tokens=args.eval_max_new_tokens, device=args.device), overwrite=True)
+            seconds[f"eval_{name}"] = round(time.perf_counter() - t0, 1)
+        rep = json.loads((out / "report.json").read_text())
+        evals[name] = {f"tau_{m}": round(v["acceptance_length"], 4) if v["acceptance_length"] is not None else None
+                       for m, v in rep["modes"].items()}
+    result["eval"] = evals
+    if "eyas" in evals and "specforge" in evals:
+        for m in ("tau_chain", "tau_tree"):
+            a, b = evals["eyas"].get(m), evals["specforge"].get(m)
+            result[f"{m}_vs_specforge"] = round(a / b, 4) if a and b else None
+    result["seconds"] = seconds
+    log("\n| drafter | tau chain | tau tree |\n|---|---|---|")
+    for name, e in evals.items():
+        log(f"| {name} | {e.get('tau_chain')} | {e.get('tau_tree')} |")
+    print(json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""`eyas pipeline`: the CPU smoke recipe end to end on a tiny random target, skip/rerun by fingerprint,
+errors in the file before any model loads, and the selection of a shared regeneration's chats."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from eyas.cli import app
+
+RECIPES = Path(__file__).resolve().parents[1] / "recipes"
+SMOKE = RECIPES / "smollm2-cpu-smoke.toml"
+
+
+def _run(*args: str):
+    res = CliRunner().invoke(app, ["pipeline", *args])
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)
+
+
+def _statuses(summary) -> dict[str, str]:
+    return {k: v["status"] for k, v in summary["stages"].items()}
+
+
+def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, tiny_target_dir, one_torch_thread):
+    work = tmp_path / "work"
+    base = [str(SMOKE), "--workdir", str(work), "--set", f"target={json.dumps(str(tiny_target_dir))}",
+            "--set", "regenerate.limit=6", "--set", "regenerate.max_new_tokens=12", "--set", "train.steps=2",
+            "--set", "train.draft_vocab=256"]
+    res, s = _run(*base)
+    assert res.exit_code == 0, res.output
+    assert _statuses(s) == dict.fromkeys(("regenerate", "prepare", "train", "eval", "export"), "ran")
+    assert s["stages"]["regenerate"]["selected"] == 6
+    assert s["stages"]["train"]["steps"] == 2
+    assert s["tau_chain"] >= 1.0 and s["tau_tree"] >= 1.0
+    for fmt in ("sglang", "vllm"):
+        assert (work / "export" / fmt / "config.json").is_file()
+    rec = json.loads((work / "train" / "stage.json").read_text())
+    assert rec["status"] == "complete" and rec["summary"]["steps"] == 2
+
+    # the same file again: every stage skipped, the figures carried over from the records
+    res, s2 = _run(*base)
+    assert res.exit_code == 0, res.output
+    assert set(_statuses(s2).values()) == {"skipped"}
+    assert s2["tau_tree"] == s["tau_tree"]
+
+    # one training option changed: train, eval and export rerun; regenerate and prepare are kept
+    mtime = (work / "prepared" / "meta.json").stat().st_mtime_ns
+    res, s3 = _run(*base, "--set", "train.lr=2e-3")
+    assert res.exit_code == 0, res.output
+    assert _statuses(s3) == {"regenerate": "skipped", "prepare": "skipped", "train": "rerun", "eval": "rerun",
+                             "export": "rerun"}
+    assert (work / "prepared" / "meta.json").stat().st_mtime_ns == mtime
+    assert json.loads((work / "train" / "stage.json").read_text())["options"]["lr"] == 2e-3
+    # the old run's checkpoints were cleared, not resumed from (a resume would have skipped every step)
+    assert len(list((work / "train" / "checkpoints").glob("*.pt"))) == 1
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--set", "train.lrr=1e-3"], "[train] unknown key `lrr`"),
+    (["--set", "evaluate.limit=1"], "unknown section [evaluate]"),
+    (["--set", "train.out=x"], "[train] `out` is filled in by the pipeline"),
+    (["--set", "eval.target=x"], "[eval] `target` is filled in by the pipeline"),
+    (["--set", 'train.steps="ten"'], "[train] `steps` = 'ten': expected"),
+    (["--set", "train.batch_size=0"], "[train] --batch-size must be >= 1"),
+    (["--set", "colour=1"], "unknown top-level key `colour`"),
+])
+def test_bad_keys_exit_2_naming_key_and_file_before_any_work(tmp_path, extra, needle):
+    work = tmp_path / "work"
+    res, _ = _run(str(SMOKE), "--workdir", str(work), *extra)
+    assert res.exit_code == 2, res.output
+    assert needle in res.stderr and str(SMOKE) in res.stderr
+    assert not work.exists()  # nothing written, no model loaded
+
+
+def test_a_stage_without_its_predecessor_and_a_missing_file_are_errors(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text('workdir = "w"\n[prepare]\n[eval]\n')
+    res, _ = _run(str(cfg))
+    assert res.exit_code == 2 and "[train] is missing" in res.stderr
+    res, _ = _run(str(tmp_path / "nope.toml"))
+    assert res.exit_code == 2 and "does not exist" in res.stderr
+
+
+def test_a_directory_eyas_did_not_write_is_never_replaced(tmp_path):
+    work = tmp_path / "work"
+    (work / "prepared").mkdir(parents=True)
+    mine = work / "prepared" / "notes.txt"
+    mine.write_text("mine")
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(f'workdir = "{work}"\n[prepare]\nlimit = 2\n')
+    res, _ = _run(str(cfg))
+    assert res.exit_code == 2 and "was not written by `eyas pipeline`" in res.stderr
+    assert mine.read_text() == "mine"
+
+
+def test_shared_regeneration_selects_only_its_own_source_records(tmp_path):
+    """A regenerate output grown to 5 source records, decided out of order, read by a pipeline whose
+    limit is 3: only records 0..2 that were written, in file order; fewer decided than asked is an error."""
+    from eyas.errors import EyasError
+    from eyas.pipeline import _select_chats
+    from eyas.regen.output import ChatsWriter
+
+    run = tmp_path / "regen"
+    w = ChatsWriter(run, settings={"s": 1}, extra_meta={"source_info": {"records": 5}})
+    for index in (3, 0, 4, 2, 1):
+        rec = {"id": f"c{index}", "messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}
+        if index == 2:
+            w.add(index, f"c{index}", None, reason="context_overflow")
+        else:
+            w.add(index, f"c{index}", rec, tokens=10 + index, turns=1)
+    w.commit(elapsed_s=1.0, complete=True)
+    sel = _select_chats(run, 3, tmp_path / "chats.jsonl")
+    ids = [json.loads(line)["id"] for line in (tmp_path / "chats.jsonl").read_text().splitlines()]
+    assert ids == ["c0", "c1"] and sel["conversations"] == 2 and sel["answer_tokens"] == 10 + 11
+    assert len(_select_chats(run, None, tmp_path / "all.jsonl")["sha256"]) == 64
+    assert (tmp_path / "all.jsonl").read_text().count("\n") == 4
+
+    w2 = ChatsWriter(tmp_path / "partial", settings={"s": 1}, extra_meta={"source_info": {"records": 5}})
+    w2.add(0, "c0", None, reason="x")
+    w2.commit(elapsed_s=1.0)
+    with pytest.raises(EyasError, match="only 1 of the first 3"):
+        _select_chats(tmp_path / "partial", 3, tmp_path / "p.jsonl")
+
+
+def test_shipped_recipes_name_only_real_options(tmp_path):
+    """Every key of both recipes is a field of its stage's config (a renamed option breaks here, not on a GPU)."""
+    from eyas.pipeline import load_config
+
+    gpu = load_config(RECIPES / "smollm2-gpu.toml", workdir=tmp_path / "g")
+    st = gpu["stages"]
+    assert list(st) == ["regenerate", "prepare", "train", "eval", "export"]
+    assert (st["regenerate"].max_turns, st["regenerate"].max_new_tokens) == (2, 512)
+    assert (st["train"].ttt_steps, st["train"].draft_vocab, str(st["train"].data)) == (7, 32000, str(tmp_path / "g" / "prepared"))
+    assert st["prepare"].source == str(tmp_path / "g" / "regenerate" / "chats.jsonl")
+    assert (st["eval"].prompts, st["eval"].chain_k, st["eval"].tree_tokens) == ("mtbench", 7, 60)
+    assert st["export"].formats == ["sglang", "vllm"]
+    assert load_config(SMOKE)["stages"]["train"].device == "cpu"
+    assert not (tmp_path / "g").exists()
