@@ -169,7 +169,11 @@ def part_regenerate(args, target: str, source: str, device: str, tmp: Path, *, l
     log(f"  {tokens:,} answer tokens in {wall:.1f} s wall = {tokens / wall:,.0f} tok/s "
         f"(driver only {summary['tokens_per_s']:,.0f} tok/s)")
     log("  engine_stats " + json.dumps(summary["engine_stats"]))
-    shutil.rmtree(tmp / f"out_{name}", ignore_errors=True)
+    if name == "2turn" and getattr(args, "keep", None):
+        shutil.move(str(tmp / f"out_{name}"), args.keep)  # the regenerated chats, for `eyas prepare`
+        out["kept"] = args.keep
+    else:
+        shutil.rmtree(tmp / f"out_{name}", ignore_errors=True)
     return out
 
 
@@ -191,6 +195,7 @@ def tiny_target(tok, out: Path) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="default", help="model directory (default: embedded SmolLM2)")
+    ap.add_argument("--keep", default=None, help="move the 2turn part's `eyas regenerate` output here (else deleted)")
     ap.add_argument("--chats", default=None, help="JSONL(.gz) chats (benchmarks/stage_chats.py; default: embedded ShareGPT)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--small", action="store_true", help="CPU proxy: a tiny random llama, small sizes")

@@ -257,15 +257,17 @@ def target_forward_packed(model, input_ids_N: torch.Tensor, seg: Segments, *, la
     """(aux_NAD, final_ND) for a packed row: aux[:, a] = input to decoder layer layer_ids[a]
     (pre-norm residual stream), final = the final norm's output; samples never see each other."""
     base = model.model
-    wanted = {i: a for a, i in enumerate(layer_ids)}
+    wanted: dict[int, list[int]] = {}  # layer -> aux slots (an id may be asked for twice)
+    for a, i in enumerate(layer_ids):
+        wanted.setdefault(i, []).append(a)
     N = input_ids_N.shape[0]
     x = base.embed_tokens(input_ids_N[None])  # 1, N, D
     cos, sin = base.rotary_emb(x, seg.positions_N[None])  # 1, N, d
     cos, sin = cos[:, None], sin[:, None]  # 1, 1, N, d
     aux = [None] * len(layer_ids)
     for i, layer in enumerate(base.layers):
-        if i in wanted:
-            aux[wanted[i]] = x[0]
+        for a in wanted.get(i, ()):
+            aux[a] = x[0]
         attn = layer.self_attn
         d = int(attn.head_dim)
         h = layer.input_layernorm(x)
