@@ -30,14 +30,15 @@ Import stand-ins (only inside this benchmark, never in eyas): SpecForge's packag
 module by module, never through `specforge.cli` or `specforge.training.trainer`, so sglang, yunchang,
 wandb, openai-harmony, datasets and pydantic are not needed. Two stand-ins exist, and neither
 changes what SpecForge computes:
-  * If an import on that path still reaches one of those optional packages and it is missing, an
-    empty placeholder module is installed for the duration of the import (its attributes raise when
-    used) and removed from sys.modules afterwards; each one is logged. None is needed for 0.2.0.
+  * If the import still fails on one of those optional packages (missing here), it is retried with
+    an empty placeholder for that package (its attributes raise when called), served only during
+    the import and removed from sys.modules afterwards; each one is logged. 0.2.0 needs none.
   * CPU only (the --tiny check): Triton cannot run on CPU. specforge.core.loss is imported with a
     placeholder `triton` that only satisfies its decorators, and OnlineEagle3Model's loss is bound to
     SpecForge's own reference `_compute_loss` from the same file, which computes the same value
-    (mean over positions of the masked soft cross-entropy). torch.compile is disabled on CPU
-    (SpecForge decorates its teacher and loss helpers with it; eager gives the same numbers).
+    (mean over positions of the masked soft cross-entropy); and torch.compile is off during a CPU
+    step (SpecForge compiles its teacher, loss, RoPE and RMSNorm helpers; eager gives the same
+    numbers). Both are set for the length of each CPU step only and undone after it.
 On CUDA neither stand-in is used: the real Triton kernel and the compiled helpers run.
 
 Run (SpecForge unpacked from its wheel on PYTHONPATH, e.g. pip install --no-deps --target DIR):
@@ -171,24 +172,41 @@ def _import_specforge() -> types.SimpleNamespace:
     if importlib.util.find_spec("specforge") is None:
         raise ImportError(f"specforge is not importable (install specforge=={SPECFORGE_VERSION} with "
                           "`pip install --no-deps --target DIR` and put DIR on PYTHONPATH)")
-    with _placeholders({n for n in OPTIONAL_PACKAGES if _missing(n)}):
-        if _missing("triton"):
-            # CPU only: the placeholder lives in sys.modules for this one import and is removed
-            # again, so torch keeps seeing no triton.
-            fake = _triton_placeholder()
-            sys.modules.update(fake)
-            try:
-                importlib.import_module("specforge.core.loss")
-            finally:
-                for name in fake:
-                    sys.modules.pop(name, None)
-        mods = {name.rsplit(".", 1)[-1]: importlib.import_module(name) for name in SPECFORGE_MODULES}
-        loss_mod = importlib.import_module("specforge.core.loss")
+    # First without any placeholder; only a missing optional package that the import path really
+    # reaches gets one, and the import is retried from scratch.
+    stand_ins: set[str] = set()
+    while True:
+        try:
+            with _placeholders(stand_ins):
+                mods, loss_mod = _import_modules()
+            break
+        except ModuleNotFoundError as exc:
+            root = (exc.name or "").split(".")[0]
+            if root not in OPTIONAL_PACKAGES or root in stand_ins or not _missing(root):
+                raise
+            stand_ins.add(root)
+            for name in [m for m in sys.modules if m == "specforge" or m.startswith("specforge.")]:
+                del sys.modules[name]
     version = _installed_version()
     if version is not None and version != SPECFORGE_VERSION:
         log(f"[specforge] warning: found specforge {version}, this peer was written against {SPECFORGE_VERSION}")
     _SF = types.SimpleNamespace(loss=loss_mod, version=version, **mods)
     return _SF
+
+
+def _import_modules() -> tuple[dict[str, types.ModuleType], types.ModuleType]:
+    if _missing("triton"):
+        # CPU only: the placeholder lives in sys.modules for this one import and is removed
+        # again, so torch keeps seeing no triton.
+        fake = _triton_placeholder()
+        sys.modules.update(fake)
+        try:
+            importlib.import_module("specforge.core.loss")
+        finally:
+            for name in fake:
+                sys.modules.pop(name, None)
+    mods = {name.rsplit(".", 1)[-1]: importlib.import_module(name) for name in SPECFORGE_MODULES}
+    return mods, importlib.import_module("specforge.core.loss")
 
 
 def _installed_version() -> str | None:
@@ -281,10 +299,6 @@ def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed:
     sf = _import_specforge()
     on_cuda = device.type == "cuda"
     backend = attention or ("flex_attention" if on_cuda else "sdpa")
-    if on_cuda:
-        sf.model.LogSoftmaxLoss = sf.loss.LogSoftmaxLoss  # the Triton kernel (undo any CPU binding)
-    else:
-        _cpu_mode(sf)
     dtype = torch.bfloat16  # SpecForge's torch_dtype default; parameters are bf16, no autocast
 
     # draft and training model, as build_eagle3_draft / build_eagle3_model do
@@ -338,8 +352,11 @@ def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed:
 
     strategy.forward_loss = recording_forward_loss
 
+    mode = contextlib.nullcontext if on_cuda else (lambda: _cpu_reference_mode(sf))
+
     def step() -> torch.Tensor:
-        core.train_step(batch)
+        with mode():
+            core.train_step(batch)
         return last["loss"]
 
     step.info = {"attention": backend, "teacher": teacher, "specforge_version": sf.version,
@@ -347,12 +364,13 @@ def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed:
     return step
 
 
-def _cpu_mode(sf) -> None:
-    """CPU check only: bind the loss to SpecForge's reference implementation (the Triton kernel
-    cannot run on CPU) and run its torch.compile-decorated helpers eagerly."""
+@contextlib.contextmanager
+def _cpu_reference_mode(sf):
+    """CPU only, for the length of one step: SpecForge's loss bound to its reference implementation
+    (its Triton kernel cannot run on CPU) and its torch.compile-decorated helpers run eagerly (the
+    same numbers, without a C++ compile on every shape). Both are undone when the step ends."""
     import torch._dynamo
 
-    torch._dynamo.config.disable = True
     reference = sf.loss._compute_loss
 
     class ReferenceLogSoftmaxLoss:
@@ -360,7 +378,13 @@ def _cpu_mode(sf) -> None:
         def apply(logits, target, position_mask):
             return reference(logits, target, position_mask)
 
+    kernel = sf.model.LogSoftmaxLoss
     sf.model.LogSoftmaxLoss = ReferenceLogSoftmaxLoss
+    try:
+        with torch._dynamo.config.patch(disable=True):
+            yield
+    finally:
+        sf.model.LogSoftmaxLoss = kernel
 
 
 # ---------------------------------------------------------------------------------------------
