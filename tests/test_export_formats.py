@@ -139,7 +139,9 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
         assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
         assert config["norm_before_residual"] is False  # vLLM's reader would default it to True
         spec_cfg = config["speculators_config"]
-        assert spec_cfg["verifier"]["name_or_path"] == json.loads((src / "config.json").read_text())["target"]["path"]
+        recorded = json.loads((src / "config.json").read_text())["target"]["path"]
+        assert spec_cfg["verifier"]["name_or_path"] == recorded  # no Hub id known: the local path, with a warning
+        assert config["eyas_verifier_path"] == recorded
         assert spec_cfg["verifier"]["architectures"] == ["LlamaForCausalLM"]
         assert spec_cfg["proposal_methods"][0]["speculative_tokens"] >= 1 and spec_cfg["algorithm"] == "eagle3"
         assert config["transformer_layer_config"]["num_hidden_layers"] == 1
@@ -258,3 +260,49 @@ def test_deepseek_first_layer_one_is_refused():
 
     with pytest.raises(EyasError, match="layer 1 first"):
         sglang_layer_ids([1, 30, 58], "deepseek_v3")
+
+
+def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_path):
+    """`vllm serve <export>` serves speculators_config.verifier.name_or_path: it must be a Hub repository id."""
+    src, _, _ = eyas_drafter
+    recorded = json.loads((src / "config.json").read_text())["target"]["path"]
+    _export(src, "vllm", tmp_path / "a", "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cfg["eyas_verifier_path"] is None
+    # a local target directory: the id comes from its config's _name_or_path, the path is kept beside it
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]}))
+    _export(src, "vllm", tmp_path / "b", "--verifier", str(target))
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"] == {"name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]}
+    assert cfg["eyas_verifier_path"] == str(target.resolve()) != recorded
+    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--out", str(tmp_path / "c"),
+                                   "--verifier", "not a/valid id"])
+    assert res.exit_code == 2 and "--verifier" in res.output
+
+
+def test_full_vocabulary_drafter_exports_without_vocab_maps(tiny_target_dir, tmp_path):
+    """Draft vocab == target vocab: SGLang leaves hot_token_id None, vLLM has no draft_id_to_target_id."""
+    from safetensors.torch import load_file
+
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.target import load_target
+
+    target = load_target(tiny_target_dir)
+    vocab = target.config.vocab_size
+    model = Eagle3Drafter(DrafterConfig.from_target_config(target.config, draft_vocab_size=vocab, aux_layer_ids=LAYERS))
+    model.reset_parameters(seed=1)
+    model.save(tmp_path / "d")
+    for fmt in ("sglang", "vllm"):
+        summary = _export(tmp_path / "d", fmt, tmp_path / fmt)
+        weights = load_file(str(tmp_path / fmt / "model.safetensors"))
+        assert summary["full_vocab"] is True and "d2t" not in weights and "t2d" not in weights
+        if fmt == "sglang":
+            loaded, skipped = sglang_load(weights)
+            assert skipped == [] and "hot_token_id" not in loaded
+        else:
+            _shards_complete(vllm_load(weights), VLLM_PARAMS - {"draft_id_to_target_id"})
+        back = load_draft_checkpoint(tmp_path / fmt)  # read back: the identity map is restored
+        assert not back.weights["d2t"].any() and bool(back.weights["t2d"].all())
