@@ -22,7 +22,7 @@ import torch
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from eyas.specdec.checkpoint import load_draft_checkpoint
+from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 
 LAYERS = [1, 3, 4]
@@ -110,8 +110,8 @@ def _export(src, fmt, out, *extra):
 
 def _logits(drafter: FunctionalDrafter, seed=0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, drafter.spec.vocab_size, (2, 9), generator=g)
-    aux = torch.randn(2, 9, len(drafter.spec.aux_layer_ids) * drafter.spec.target_hidden_size, generator=g)
+    ids = torch.randint(0, drafter.config.vocab_size, (2, 9), generator=g)
+    aux = torch.randn(2, 9, len(drafter.config.aux_layer_ids) * drafter.config.target_hidden_size, generator=g)
     out, _, _ = drafter.causal_forward(ids, drafter.fuse(aux), torch.arange(9).expand(2, 9) + 5)
     return drafter.logits(out), ids, aux
 
@@ -153,7 +153,7 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
     assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads, llama.intermediate_size) == (
         model.config.hidden_size, model.config.num_attention_heads, model.config.num_key_value_heads,
         model.config.intermediate_size)
-    assert llama.rope_parameters["rope_theta"] == pytest.approx(model.config.rope_theta)
+    assert llama.rope_parameters["rope_theta"] == pytest.approx(model.config.rope_parameters["rope_theta"])
 
     # 3. the ids written select the very tensors the drafter was trained on
     written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if fmt == "sglang" else config["eagle_aux_hidden_state_layer_ids"]
@@ -171,9 +171,9 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
     # 4. rebuilt from the exported directory alone: identical logits
     original = FunctionalDrafter(*_spec_weights(src))
     rebuilt_ckpt = load_draft_checkpoint(out)
-    assert rebuilt_ckpt.spec.source_format == ("sglang" if fmt == "sglang" else "speculators")
-    assert rebuilt_ckpt.spec.aux_layer_ids == LAYERS
-    rebuilt = FunctionalDrafter(rebuilt_ckpt.spec, rebuilt_ckpt.weights)
+    assert rebuilt_ckpt.provenance.format == ("sglang" if fmt == "sglang" else "speculators")
+    assert rebuilt_ckpt.config.aux_layer_ids == LAYERS
+    rebuilt = FunctionalDrafter(rebuilt_ckpt.config, rebuilt_ckpt.weights)
     want, ids2, aux2 = _logits(original)
     got, _, _ = _logits(rebuilt)
     assert torch.equal(want, got)
@@ -186,7 +186,7 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
 
 def _spec_weights(path):
     ck = load_draft_checkpoint(path)
-    return ck.spec, ck.weights
+    return ck.config, ck.weights
 
 
 def test_export_refuses_an_existing_directory(eyas_drafter, tmp_path):
@@ -205,7 +205,7 @@ def test_export_converts_between_engine_layouts_and_casts(eyas_drafter, tmp_path
     summary = _export(tmp_path / "sgl", "vllm", tmp_path / "vllm")  # SGLang layout in, speculators out
     assert summary["aux_layer_ids_written"] == LAYERS and summary["dtype"] == "bfloat16"
     a, b = load_draft_checkpoint(tmp_path / "sgl"), load_draft_checkpoint(tmp_path / "vllm")
-    assert a.spec.aux_layer_ids == b.spec.aux_layer_ids == LAYERS
+    assert a.config.aux_layer_ids == b.config.aux_layer_ids == LAYERS
     for k in a.weights:
         assert torch.equal(a.weights[k], b.weights[k]), k
     assert a.weights["fc.weight"].dtype == torch.bfloat16
@@ -243,23 +243,22 @@ def test_export_refuses_a_drafter_the_engines_cannot_size(tiny_target_dir, tmp_p
 @pytest.mark.parametrize("ours, written", [([2, 30, 58], [1, 29, 57]), ([3, 30, 58], [3, 30, 58])])
 def test_deepseek_ids_follow_sglangs_deepseek_rule(ours, written):
     """SGLang's DeepSeek-V2/V3: `if layer_ids[0] == 1: +1 else as is` (deepseek_v2.py set_eagle3_layers_to_capture)."""
-    from eyas.export.formats import sglang_layer_ids
-    from eyas.specdec.checkpoint import from_sglang_layer_ids
+    from eyas.drafter.layouts import engine_layer_ids, eyas_layer_ids
 
-    assert sglang_layer_ids(ours, "deepseek_v3") == written
+    assert engine_layer_ids(ours, "sglang", model_type="deepseek_v3") == written
     captured = [k + 1 for k in written] if written[0] == 1 else written  # the engine's rule
     assert captured == ours
-    assert from_sglang_layer_ids(written, "deepseek_v3") == ours
-    assert sglang_layer_ids(ours, "llama") == [i - 1 for i in ours]  # every other model: always + 1
-    assert from_sglang_layer_ids([i - 1 for i in ours], "llama") == ours
+    assert eyas_layer_ids(written, "sglang", model_type="deepseek_v3") == ours
+    assert engine_layer_ids(ours, "sglang", model_type="llama") == [i - 1 for i in ours]  # other models: always + 1
+    assert eyas_layer_ids([i - 1 for i in ours], "sglang", model_type="llama") == ours
 
 
 def test_deepseek_first_layer_one_is_refused():
+    from eyas.drafter.layouts import engine_layer_ids
     from eyas.errors import EyasError
-    from eyas.export.formats import sglang_layer_ids
 
     with pytest.raises(EyasError, match="layer 1 first"):
-        sglang_layer_ids([1, 30, 58], "deepseek_v3")
+        engine_layer_ids([1, 30, 58], "sglang", model_type="deepseek_v3")
 
 
 def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_path):

@@ -113,15 +113,15 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
 
     from eyas.data.prepared import PreparedDataset
     from eyas.defaults import resolve_target
+    from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
     from eyas.target import (
-        CONVENTION, default_aux_layers, hidden_size_of, load_tokenizer, model_identity, num_layers_of,
-        tokenizer_hash, validate_layer_ids,
+        CONVENTION, hidden_size_of, load_tokenizer, model_identity, num_layers_of, tokenizer_hash,
     )
 
     target_dir = resolve_target(settings.target)
     config = AutoConfig.from_pretrained(target_dir)
     n_layers, d = num_layers_of(config), hidden_size_of(config)
-    layers = validate_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layers(n_layers)
+    layers = check_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layer_ids(n_layers)
     if len(set(layers)) != len(layers):
         log(f"eyas capture: aux layers {layers} repeat an id (a small target); each slot is stored as asked")
     tok = load_tokenizer(target_dir)

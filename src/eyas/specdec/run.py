@@ -96,19 +96,19 @@ def _sync(device: torch.device) -> None:
 
 def load_drafter_for(target, drafter_dir: Path, *, device, dtype):
     """(checkpoint, FunctionalDrafter) after checking the drafter against the target."""
-    from eyas.specdec.checkpoint import check_against_target, load_draft_checkpoint
+    from eyas.drafter.layouts import check_against_target, read_drafter
     from eyas.specdec.functional import FunctionalDrafter
     from eyas.target import num_layers_of
 
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    ckpt = load_draft_checkpoint(drafter_dir, target_layers=num_layers_of(target.config),
+    ckpt = read_drafter(drafter_dir, target_layers=num_layers_of(target.config),
                                  target_model_type=getattr(text, "model_type", None))
-    check_against_target(ckpt.spec, target.config, where=str(drafter_dir))
+    check_against_target(ckpt.config, target.config, where=str(drafter_dir))
     embed = target.get_input_embeddings().weight.detach()
     if "embed_tokens.weight" in ckpt.weights and tuple(ckpt.weights["embed_tokens.weight"].shape) != tuple(embed.shape):
         raise EyasError(f"--drafter {drafter_dir}: embed_tokens {tuple(ckpt.weights['embed_tokens.weight'].shape)} "
                         f"does not match the target's embedding {tuple(embed.shape)}")
-    drafter = FunctionalDrafter(ckpt.spec, ckpt.weights, device=device, dtype=dtype, embed_tokens=embed)
+    drafter = FunctionalDrafter(ckpt.config, ckpt.weights, device=device, dtype=dtype, embed_tokens=embed)
     return ckpt, drafter
 
 
@@ -186,13 +186,13 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
-    spec = ckpt.spec
+    spec = ckpt.config
     for name, tree in modes.items():
         if tree.topk > spec.draft_vocab_size:
             raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens")
     convs = load_prompts(cfg.prompts, limit=cfg.limit)
     timings["load_s"] = time.perf_counter() - t0
-    log(f"eval: drafter {cfg.drafter} ({spec.source_format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
+    log(f"eval: drafter {cfg.drafter} ({ckpt.provenance.format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
         f"{len(convs)} conversations, device {device} {str(dtype).replace('torch.', '')}")
 
     t0 = time.perf_counter()
@@ -221,10 +221,10 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "schema": SCHEMA,
         "drafter": {
             "path": str(Path(cfg.drafter).resolve()),
-            "format": spec.source_format,
+            "format": ckpt.provenance.format,
             "aux_layer_ids": spec.aux_layer_ids,
             "convention": CONVENTION,
-            "source_layer_ids": spec.source_layer_ids,
+            "source_layer_ids": ckpt.provenance.layer_ids,
             "spec": spec.to_dict(),
         },
         "target": model_identity(target_path),
