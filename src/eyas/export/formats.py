@@ -106,8 +106,9 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
     drafter, out = Path(drafter), Path(out)
     if fmt not in FORMATS:
         raise EyasError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
-    if dtype not in ("keep", "bfloat16", "float16", "float32"):
-        raise EyasError(f"--dtype {dtype!r}: expected keep, bfloat16, float16 or float32")
+    from eyas.dtypes import MODEL_DTYPES, to_dtype
+
+    weights_dtype = None if dtype == "keep" else to_dtype(dtype, what="--dtype", allowed=MODEL_DTYPES)
     if speculative_tokens < 1:
         raise EyasError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
     if out.exists() and not overwrite:
@@ -124,7 +125,7 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
             f"'{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'` or export again with --verifier OWNER/NAME")
     with atomic_directory(out, overwrite=overwrite) as tmp:
         record = write_export(
-            ckpt, fmt, tmp, dtype=None if dtype == "keep" else getattr(torch, dtype),
+            ckpt, fmt, tmp, dtype=weights_dtype,
             verifier=hub or local, verifier_path=local, verifier_architectures=arch,
             speculative_tokens=speculative_tokens, source_meta={"target": recorded} if recorded else None,
         )

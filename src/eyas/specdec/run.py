@@ -17,6 +17,7 @@ import torch
 
 from eyas.common import log
 from eyas.capture.batching import plan_batches
+from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import EyasError
 from eyas.specdec.metrics import DEFINITIONS, summarize
 from eyas.specdec.replay import TreeConfig
@@ -66,8 +67,8 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.gen_batch_size < 1 or self.replay_tokens < 1:
             raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype != "auto":
+            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
 
     def modes(self) -> dict[str, TreeConfig]:
         out = {}
@@ -76,17 +77,6 @@ class EvalConfig:
         if self.tree_depth:
             out["tree"] = TreeConfig(topk=self.tree_topk, depth=self.tree_depth, tokens=self.tree_tokens)
         return out
-
-
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EyasError(f"--device {device}: CUDA is not available on this machine")
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    return dev, getattr(torch, dtype)
 
 
 def _sync(device: torch.device) -> None:
@@ -179,7 +169,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from eyas.target import CONVENTION, load_target, load_tokenizer, model_identity, tokenizer_hash
 
     timings: dict[str, float] = {}
-    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
     modes = cfg.modes()
     t0 = time.perf_counter()
     target_path = resolve_target(cfg.target)
