@@ -58,14 +58,6 @@ def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     return t
 
 
-def broadcast_object(obj, d: Dist):
-    if not d.enabled:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool) -> torch.nn.Module:
     """DDP (world > 1), FSDP2 (--fsdp: parameters sharded, bf16 compute, fp32 reduce) or as is."""
     if fsdp:
