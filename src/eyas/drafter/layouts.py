@@ -348,7 +348,7 @@ def canonical_weights(raw: dict[str, torch.Tensor], *, where: str) -> dict[str, 
 
 def complete_vocab_maps(config: DrafterConfig, weights: dict[str, torch.Tensor], *, where: str) -> None:
     """Fill d2t/t2d when a full-vocabulary drafter omits them; check that they agree."""
-    from eyas.drafter.vocab import vocab_maps
+    from eyas.drafter.vocab import target_ids_of, vocab_maps
 
     vd, v = config.draft_vocab_size, config.vocab_size
     if weights["lm_head.weight"].shape[0] != vd:
@@ -360,7 +360,7 @@ def complete_vocab_maps(config: DrafterConfig, weights: dict[str, torch.Tensor],
     d2t = weights["d2t"].to(torch.long)
     if d2t.shape != (vd,):
         raise EyasError(f"--drafter {where}: d2t has shape {tuple(d2t.shape)}, expected ({vd},)")
-    used = torch.arange(vd) + d2t
+    used = target_ids_of(d2t)
     if used.min() < 0 or used.max() >= v:
         raise EyasError(f"--drafter {where}: d2t maps draft ids outside the target vocabulary 0..{v - 1}")
     d2t, t2d = vocab_maps(used, v)

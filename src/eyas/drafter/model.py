@@ -368,7 +368,9 @@ class Eagle3Drafter(nn.Module):
 
     def used_target_ids(self) -> torch.Tensor:
         """[V] target id of each draft id (ascending)."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        from eyas.drafter.vocab import target_ids_of
+
+        return target_ids_of(self.d2t)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids: target = draft + d2t[draft]."""

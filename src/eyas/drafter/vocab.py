@@ -31,6 +31,11 @@ def vocab_maps(used_V: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, tor
     return d2t, t2d
 
 
+def target_ids_of(d2t_V: torch.Tensor) -> torch.Tensor:
+    """The inverse reading: [V] target id of each draft id = draft id + d2t[draft id]."""
+    return torch.arange(d2t_V.numel(), device=d2t_V.device) + d2t_V.to(torch.int64)
+
+
 @dataclass(kw_only=True)
 class DraftVocab:
     used: torch.Tensor
