@@ -32,7 +32,7 @@ V draft vocab, Vt target vocab):
         12 * Hq * d * ((T + 1) / 2 + k)       (causal keys on average + k diagonal keys)
     once: fc 4 * 3H*H (no input gradient)  +  teacher lm_head 2 * H * Vt (forward only)
 MFU = tokens/s * FLOPs/token / peak, against the 989 TFLOP/s dense bf16 datasheet figure and
-the 756 TFLOP/s bf16 matmul rate measured on an H200 of the device pool (2026-11-29).
+the 756 TFLOP/s bf16 matmul rate measured on an H200 with a plain torch.matmul loop (2026-11-29).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ def test_resume_after_limit_and_rerun_is_idempotent(tmp_path, tiny_target_dir, t
 
 def test_bad_input_is_refused_clearly(tmp_path, tiny_target_dir, tok_hash, smol_tokenizer):
     data = make_prepared(tmp_path / "p", tok_hash, n=4)
-    with pytest.raises(EyasError, match="--layers: id 6 is out of range for a target with 6 layers"):
+    with pytest.raises(EyasError, match=r"--layers: ids \[1, 6\] include \[6\], expected inputs to decoder layers 1..5"):
         run_capture(settings(tiny_target_dir, data, tmp_path / "s", layers=[1, 6]))
     run_capture(settings(tiny_target_dir, data, tmp_path / "s"))
     # A store written for another model is not resumed. (model_identity hashes the config and the

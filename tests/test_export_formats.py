@@ -22,7 +22,7 @@ import torch
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from eyas.specdec.checkpoint import load_draft_checkpoint
+from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 
 LAYERS = [1, 3, 4]
@@ -110,8 +110,8 @@ def _export(src, fmt, out, *extra):
 
 def _logits(drafter: FunctionalDrafter, seed=0):
     g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, drafter.spec.vocab_size, (2, 9), generator=g)
-    aux = torch.randn(2, 9, len(drafter.spec.aux_layer_ids) * drafter.spec.target_hidden_size, generator=g)
+    ids = torch.randint(0, drafter.config.vocab_size, (2, 9), generator=g)
+    aux = torch.randn(2, 9, len(drafter.config.aux_layer_ids) * drafter.config.target_hidden_size, generator=g)
     out, _, _ = drafter.causal_forward(ids, drafter.fuse(aux), torch.arange(9).expand(2, 9) + 5)
     return drafter.logits(out), ids, aux
 
@@ -139,7 +139,9 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
         assert config["architectures"] == ["Eagle3Speculator"] and config["speculators_model_type"] == "eagle3"
         assert config["norm_before_residual"] is False  # vLLM's reader would default it to True
         spec_cfg = config["speculators_config"]
-        assert spec_cfg["verifier"]["name_or_path"] == json.loads((src / "config.json").read_text())["target"]["path"]
+        recorded = json.loads((src / "config.json").read_text())["target"]["path"]
+        assert spec_cfg["verifier"]["name_or_path"] == recorded  # no Hub id known: the local path, with a warning
+        assert config["eyas_verifier_path"] == recorded
         assert spec_cfg["verifier"]["architectures"] == ["LlamaForCausalLM"]
         assert spec_cfg["proposal_methods"][0]["speculative_tokens"] >= 1 and spec_cfg["algorithm"] == "eagle3"
         assert config["transformer_layer_config"]["num_hidden_layers"] == 1
@@ -151,7 +153,7 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
     assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads, llama.intermediate_size) == (
         model.config.hidden_size, model.config.num_attention_heads, model.config.num_key_value_heads,
         model.config.intermediate_size)
-    assert llama.rope_parameters["rope_theta"] == pytest.approx(model.config.rope_theta)
+    assert llama.rope_parameters["rope_theta"] == pytest.approx(model.config.rope_parameters["rope_theta"])
 
     # 3. the ids written select the very tensors the drafter was trained on
     written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if fmt == "sglang" else config["eagle_aux_hidden_state_layer_ids"]
@@ -169,9 +171,9 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
     # 4. rebuilt from the exported directory alone: identical logits
     original = FunctionalDrafter(*_spec_weights(src))
     rebuilt_ckpt = load_draft_checkpoint(out)
-    assert rebuilt_ckpt.spec.source_format == ("sglang" if fmt == "sglang" else "speculators")
-    assert rebuilt_ckpt.spec.aux_layer_ids == LAYERS
-    rebuilt = FunctionalDrafter(rebuilt_ckpt.spec, rebuilt_ckpt.weights)
+    assert rebuilt_ckpt.provenance.format == ("sglang" if fmt == "sglang" else "speculators")
+    assert rebuilt_ckpt.config.aux_layer_ids == LAYERS
+    rebuilt = FunctionalDrafter(rebuilt_ckpt.config, rebuilt_ckpt.weights)
     want, ids2, aux2 = _logits(original)
     got, _, _ = _logits(rebuilt)
     assert torch.equal(want, got)
@@ -184,7 +186,7 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
 
 def _spec_weights(path):
     ck = load_draft_checkpoint(path)
-    return ck.spec, ck.weights
+    return ck.config, ck.weights
 
 
 def test_export_refuses_an_existing_directory(eyas_drafter, tmp_path):
@@ -203,7 +205,7 @@ def test_export_converts_between_engine_layouts_and_casts(eyas_drafter, tmp_path
     summary = _export(tmp_path / "sgl", "vllm", tmp_path / "vllm")  # SGLang layout in, speculators out
     assert summary["aux_layer_ids_written"] == LAYERS and summary["dtype"] == "bfloat16"
     a, b = load_draft_checkpoint(tmp_path / "sgl"), load_draft_checkpoint(tmp_path / "vllm")
-    assert a.spec.aux_layer_ids == b.spec.aux_layer_ids == LAYERS
+    assert a.config.aux_layer_ids == b.config.aux_layer_ids == LAYERS
     for k in a.weights:
         assert torch.equal(a.weights[k], b.weights[k]), k
     assert a.weights["fc.weight"].dtype == torch.bfloat16
@@ -241,20 +243,65 @@ def test_export_refuses_a_drafter_the_engines_cannot_size(tiny_target_dir, tmp_p
 @pytest.mark.parametrize("ours, written", [([2, 30, 58], [1, 29, 57]), ([3, 30, 58], [3, 30, 58])])
 def test_deepseek_ids_follow_sglangs_deepseek_rule(ours, written):
     """SGLang's DeepSeek-V2/V3: `if layer_ids[0] == 1: +1 else as is` (deepseek_v2.py set_eagle3_layers_to_capture)."""
-    from eyas.export.formats import sglang_layer_ids
-    from eyas.specdec.checkpoint import from_sglang_layer_ids
+    from eyas.drafter.layouts import engine_layer_ids, eyas_layer_ids
 
-    assert sglang_layer_ids(ours, "deepseek_v3") == written
+    assert engine_layer_ids(ours, "sglang", model_type="deepseek_v3") == written
     captured = [k + 1 for k in written] if written[0] == 1 else written  # the engine's rule
     assert captured == ours
-    assert from_sglang_layer_ids(written, "deepseek_v3") == ours
-    assert sglang_layer_ids(ours, "llama") == [i - 1 for i in ours]  # every other model: always + 1
-    assert from_sglang_layer_ids([i - 1 for i in ours], "llama") == ours
+    assert eyas_layer_ids(written, "sglang", model_type="deepseek_v3") == ours
+    assert engine_layer_ids(ours, "sglang", model_type="llama") == [i - 1 for i in ours]  # other models: always + 1
+    assert eyas_layer_ids([i - 1 for i in ours], "sglang", model_type="llama") == ours
 
 
 def test_deepseek_first_layer_one_is_refused():
+    from eyas.drafter.layouts import engine_layer_ids
     from eyas.errors import EyasError
-    from eyas.export.formats import sglang_layer_ids
 
     with pytest.raises(EyasError, match="layer 1 first"):
-        sglang_layer_ids([1, 30, 58], "deepseek_v3")
+        engine_layer_ids([1, 30, 58], "sglang", model_type="deepseek_v3")
+
+
+def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_path):
+    """`vllm serve <export>` serves speculators_config.verifier.name_or_path: it must be a Hub repository id."""
+    src, _, _ = eyas_drafter
+    recorded = json.loads((src / "config.json").read_text())["target"]["path"]
+    _export(src, "vllm", tmp_path / "a", "--verifier", "HuggingFaceTB/SmolLM2-135M-Instruct")
+    cfg = json.loads((tmp_path / "a" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"]["name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert cfg["eyas_verifier_path"] is None
+    # a local target directory: the id comes from its config's _name_or_path, the path is kept beside it
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]}))
+    _export(src, "vllm", tmp_path / "b", "--verifier", str(target))
+    cfg = json.loads((tmp_path / "b" / "config.json").read_text())
+    assert cfg["speculators_config"]["verifier"] == {"name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]}
+    assert cfg["eyas_verifier_path"] == str(target.resolve()) != recorded
+    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--out", str(tmp_path / "c"),
+                                   "--verifier", "not a/valid id"])
+    assert res.exit_code == 2 and "--verifier" in res.output
+
+
+def test_full_vocabulary_drafter_exports_without_vocab_maps(tiny_target_dir, tmp_path):
+    """Draft vocab == target vocab: SGLang leaves hot_token_id None, vLLM has no draft_id_to_target_id."""
+    from safetensors.torch import load_file
+
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.target import load_target
+
+    target = load_target(tiny_target_dir)
+    vocab = target.config.vocab_size
+    model = Eagle3Drafter(DrafterConfig.from_target_config(target.config, draft_vocab_size=vocab, aux_layer_ids=LAYERS))
+    model.reset_parameters(seed=1)
+    model.save(tmp_path / "d")
+    for fmt in ("sglang", "vllm"):
+        summary = _export(tmp_path / "d", fmt, tmp_path / fmt)
+        weights = load_file(str(tmp_path / fmt / "model.safetensors"))
+        assert summary["full_vocab"] is True and "d2t" not in weights and "t2d" not in weights
+        if fmt == "sglang":
+            loaded, skipped = sglang_load(weights)
+            assert skipped == [] and "hot_token_id" not in loaded
+        else:
+            _shards_complete(vllm_load(weights), VLLM_PARAMS - {"draft_id_to_target_id"})
+        back = load_draft_checkpoint(tmp_path / fmt)  # read back: the identity map is restored
+        assert not back.weights["d2t"].any() and bool(back.weights["t2d"].all())

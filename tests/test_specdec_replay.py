@@ -13,7 +13,7 @@ from collections import Counter
 import pytest
 import torch
 
-from eyas.specdec.checkpoint import load_draft_checkpoint
+from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.generate import greedy_generate
 from eyas.specdec.reference import reference_decode
@@ -48,7 +48,7 @@ def setup(tiny_target_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("drafter")
     model.save(out)
     ckpt = load_draft_checkpoint(out)
-    drafter = FunctionalDrafter(ckpt.spec, ckpt.weights)
+    drafter = FunctionalDrafter(ckpt.config, ckpt.weights)
     return target, drafter, prompts, gen, model
 
 

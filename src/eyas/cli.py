@@ -72,12 +72,7 @@ def _contract(fn):
 
 def _register() -> None:
     for name, module, func in COMMANDS:
-        try:
-            mod = importlib.import_module(f"eyas.commands.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"eyas.commands.{module}":
-                continue  # stage not built yet
-            raise
+        mod = importlib.import_module(f"eyas.commands.{module}")
         app.command(name)(_contract(getattr(mod, func)))
 
 

@@ -2,7 +2,8 @@
 
 Layer-id convention used everywhere inside eyas ("hf-input"): id i = the INPUT to decoder layer i =
 `output_hidden_states[i]` (index 0 = embeddings). This is vLLM's convention; SGLang's ids are
-ours minus one (id k = OUTPUT of layer k). Export converts explicitly (export/).
+ours minus one (id k = OUTPUT of layer k). The default ids, the valid range and the conversion to
+each engine's ids are in eyas.drafter.layouts.
 
 Shape legend: B batch, T tokens, D hidden size, A number of aux layers, V vocab.
 
@@ -21,27 +22,8 @@ from typing import Any
 
 import torch
 
+from eyas.drafter.layouts import CONVENTION  # noqa: F401  (id i = input to decoder layer i; re-exported)
 from eyas.errors import EyasError
-
-CONVENTION = "hf-input"  # id i = input to decoder layer i = output_hidden_states[i]
-
-
-def default_aux_layers(num_layers: int) -> list[int]:
-    """EAGLE-3's low/mid/high: the inputs to layers 2, N//2 and N-3."""
-    if num_layers < 4:
-        raise EyasError(f"the target has {num_layers} layers; EAGLE-3's default aux layers need at least 4")
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def validate_layer_ids(layer_ids: list[int], num_layers: int) -> list[int]:
-    """Aux ids must be inputs to existing layers: 1 <= i <= N-1 (i = N would be the final output)."""
-    for i in layer_ids:
-        if not 0 <= i < num_layers:
-            raise EyasError(
-                f"--layers: id {i} is out of range for a target with {num_layers} layers "
-                f"(ids are inputs to decoder layers, 0..{num_layers - 1}, convention {CONVENTION})"
-            )
-    return list(layer_ids)
 
 
 def _text_config(config):

@@ -23,11 +23,12 @@ import torch
 from eyas.capture.batching import make_batch, plan_batches
 from eyas.capture.pipeline import CapturePipeline
 from eyas.common import human_bytes, log, progress
+from eyas.dtypes import resolve_device, to_dtype
 from eyas.errors import EyasError
 from eyas.store.format import HEADER_BYTES, stored_dtype
 from eyas.store.writer import StoreSpec, StoreWriter, check_free_space
 
-MODEL_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+MODEL_DTYPES = ("bf16", "fp32")  # names in eyas.dtypes; the store records the short one
 
 
 @dataclass(kw_only=True)
@@ -61,7 +62,7 @@ class CaptureSettings:
 
     def __post_init__(self):
         stored_dtype(self.dtype)
-        if self.model_dtype not in ("auto", *MODEL_DTYPES):
+        if self.model_dtype not in ("auto", *MODEL_DTYPES):  # checked before any model loads
             raise EyasError(f"--model-dtype: `{self.model_dtype}`; choose bf16, fp32 or auto")
         if self.token_budget <= 0:
             raise EyasError(f"--token-budget: {self.token_budget} must be positive")
@@ -69,10 +70,9 @@ class CaptureSettings:
             raise EyasError(f"--shard-bytes: {self.shard_bytes} must be positive")
         if self.limit is not None and self.limit <= 0:
             raise EyasError(f"--limit: {self.limit} must be positive")
-        if not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise EyasError(f"--device: `{self.device}`; choose cpu or cuda[:K]")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise EyasError(f"--device {self.device}: CUDA is not available on this machine; use --device cpu")
+        if self.device == "auto":
+            raise EyasError("--device: `auto`; choose cpu or cuda[:K]")
+        resolve_device(self.device)
 
     @property
     def resolved_model_dtype(self) -> str:
@@ -113,15 +113,15 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
 
     from eyas.data.prepared import PreparedDataset
     from eyas.defaults import resolve_target
+    from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
     from eyas.target import (
-        CONVENTION, default_aux_layers, hidden_size_of, load_tokenizer, model_identity, num_layers_of,
-        tokenizer_hash, validate_layer_ids,
+        CONVENTION, hidden_size_of, load_tokenizer, model_identity, num_layers_of, tokenizer_hash,
     )
 
     target_dir = resolve_target(settings.target)
     config = AutoConfig.from_pretrained(target_dir)
     n_layers, d = num_layers_of(config), hidden_size_of(config)
-    layers = validate_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layers(n_layers)
+    layers = check_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layer_ids(n_layers)
     if len(set(layers)) != len(layers):
         log(f"eyas capture: aux layers {layers} repeat an id (a small target); each slot is stored as asked")
     tok = load_tokenizer(target_dir)
@@ -169,7 +169,7 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
         )
         stats = None
         if todo:
-            model = load_target(ctx["target_dir"], device=settings.device, dtype=MODEL_DTYPES[spec.model_dtype])
+            model = load_target(ctx["target_dir"], device=settings.device, dtype=to_dtype(spec.model_dtype, what="--model-dtype"))
             plan = plan_batches([lengths[i] for i in todo], settings.token_budget)
             over = [todo[j] for b in plan for j in b if lengths[todo[j]] > settings.token_budget]
             if over:

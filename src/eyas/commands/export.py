@@ -14,7 +14,7 @@ def export(
     out: Path = typer.Option(..., "--out", help="Directory to create."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing --out directory."),
     dtype: str = typer.Option("keep", "--dtype", help="Weights dtype: `keep` (as stored), `bfloat16`, `float16` or `float32`."),
-    verifier: Optional[str] = typer.Option(None, "--verifier", help="vllm format: the target's name or path written as speculators_config.verifier (default: the target recorded in the drafter)."),
+    verifier: Optional[str] = typer.Option(None, "--verifier", help="vllm format: the target's Hub repository id (owner/name), written as speculators_config.verifier.name_or_path so `vllm serve <out>` works; or a local target directory, whose config `_name_or_path` gives the id (default: the target recorded in the drafter). The local path is kept in `eyas_verifier_path`."),
     speculative_tokens: int = typer.Option(5, "--speculative-tokens", help="vllm format: default num_speculative_tokens written into the proposal method."),
     target_layers: Optional[int] = typer.Option(None, "--target-layers", help="Target layer count, only needed when a foreign drafter's config names no aux layer ids (the engines' default is then used)."),
 ) -> dict:

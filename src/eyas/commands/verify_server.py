@@ -97,14 +97,16 @@ def _compare_numbers(target, ids, res, layer_ids, *, tolerance, device, server_d
 
     if res.reason is not None:
         return {"ok": False, "reason": f"no sample to compare: {res.reason}"}
-    dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    from eyas.dtypes import is_low_precision, resolve_device
+
+    dev = resolve_device(device)
     model = load_target(target, device=dev, dtype=torch.float32)
     ref_aux, ref_final = reference_hidden_states(model, ids.to(dev), layer_ids=layer_ids)
     ref = torch.cat([ref_aux, ref_final[:, None]], dim=1).float().cpu()  # [L, A+1, H]
     got = torch.cat([res.aux_LAD, res.final_LD[:, None]], dim=1).float()
     if got.shape != ref.shape:
         return {"ok": False, "reason": f"dump shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"}
-    low_precision = server_dtype in ("bfloat16", "float16", "bf16", "fp16")
+    low_precision = is_low_precision(server_dtype)
     tol = tolerance if tolerance is not None else (0.05 if low_precision else 1e-3)
     rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1).clamp_min(1e-6)  # [L, A+1]
     cos = torch.nn.functional.cosine_similarity(got, ref, dim=-1)

@@ -1,6 +1,6 @@
 """The EAGLE-3 draft model, laid out exactly as SGLang and vLLM serve it.
 
-Architecture (FIELD.md section 1). For one draft step at position t:
+Architecture. For one draft step at position t:
 
     feature_BTD  = fc(aux_BT3D)                      first step: the target's low/mid/high states
                  | hidden_prenorm of the previous step  later steps: the draft's own output
@@ -21,7 +21,7 @@ API for callers (training, speculative decoding, export):
                                                         -> (hidden_prenorm_BTD, logits_BTV)
     drafter.compute_logits(hidden_prenorm_BTD)          -> logits_BTV over the draft vocab
     drafter.draft_to_target(draft_ids)                  -> target ids (via d2t offsets)
-    drafter.save(dir, target=...), Eagle3Drafter.load(dir)
+    drafter.save(dir, target=...), Eagle3Drafter.load(dir)   (the eyas layout, drafter/layouts.py)
 The training-time-test loop (drafter/ttt.py) uses the lower-level `midlayer.project_qkv` /
 `midlayer.finish` pair so it can run its own attention.
 
@@ -31,9 +31,8 @@ H query heads, K key/value heads, d head dim, V draft vocab, Vt target vocab.
 
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import InitVar, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -43,8 +42,6 @@ from torch import nn
 
 from eyas.errors import EyasError
 
-SCHEMA = "eyas.drafter/1"
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 
@@ -54,7 +51,11 @@ SUPPORTED_ROPE = ("default", "linear", "llama3")
 
 @dataclass(kw_only=True)
 class DrafterConfig:
-    """Every dimension of the drafter; defaults come from the target (`from_target_config`)."""
+    """Everything needed to build or run an EAGLE-3 draft layer, whatever layout it was read from.
+
+    Defaults come from the target (`from_target_config`); drafters read from SGLang or speculators
+    layouts fill the same fields (drafter/layouts.py), with where they came from kept apart.
+    """
 
     hidden_size: int
     """Width D of the draft layer (the target's hidden size by default)."""
@@ -68,10 +69,11 @@ class DrafterConfig:
     """SwiGLU inner width (the target's by default)."""
     rms_norm_eps: float = 1e-6
     """Epsilon of every RMSNorm."""
-    rope_theta: float = 10000.0
-    """RoPE base."""
-    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default"})
-    """The target's HF RoPE dict (`rope_type` default | linear | llama3 and their fields)."""
+    rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    """The target's HF RoPE dict: `rope_type` (default | linear | llama3 train; any type evaluates),
+    `rope_theta` and the type's fields."""
+    rope_theta: InitVar[float | None] = None
+    """Accepted for older configs and callers: folded into `rope_parameters["rope_theta"]`."""
     max_position_embeddings: int = 2048
     """Longest position the RoPE settings are meant for (the target's)."""
     vocab_size: int
@@ -84,18 +86,21 @@ class DrafterConfig:
     """Target layers whose states feed fc, low/mid/high, in `layer_convention`."""
     layer_convention: str = "hf-input"
     """'hf-input': id i = INPUT to decoder layer i = HF output_hidden_states[i] (SGLang's id = i - 1)."""
-    target_num_layers: int
-    """Decoder layers of the target (checked against stores and targets)."""
-    target_model_type: str = "llama"
-    """The target's HF model_type (recorded for export)."""
+    norm_before_residual: bool = False
+    """speculators' variant: the residual is the normalised feature. EAGLE-3, SGLang and eyas: False."""
+    target_num_layers: int | None = None
+    """Decoder layers of the target (checked against stores and targets); None when a foreign layout omits it."""
+    target_model_type: str | None = None
+    """The target's HF model_type when known (SGLang converts DeepSeek ids differently)."""
 
-    def __post_init__(self):
+    def __post_init__(self, rope_theta: float | None):
         for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size",
-                     "target_num_layers"):
+                     "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DrafterConfig.{name} must be a positive int, got {v!r}")
+        if self.target_num_layers is not None and (not isinstance(self.target_num_layers, int) or self.target_num_layers <= 0):
+            raise ValueError(f"DrafterConfig.target_num_layers must be a positive int, got {self.target_num_layers!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DrafterConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
@@ -107,10 +112,12 @@ class DrafterConfig:
             raise ValueError("DrafterConfig.aux_layer_ids is empty")
         if self.layer_convention != "hf-input":
             raise ValueError(f"DrafterConfig.layer_convention must be 'hf-input', got {self.layer_convention!r}")
-        rope_type = self.rope_parameters.get("rope_type", self.rope_parameters.get("type", "default"))
-        if rope_type not in SUPPORTED_ROPE:
-            raise ValueError(f"DrafterConfig.rope_parameters: rope_type {rope_type!r} is not supported "
-                             f"(supported: {', '.join(SUPPORTED_ROPE)})")
+        rope = dict(self.rope_parameters or {})
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+        if rope_theta is not None:
+            rope["rope_theta"] = float(rope_theta)
+        rope["rope_theta"] = float(rope.get("rope_theta") or 10000.0)
+        self.rope_parameters = rope
         self.aux_layer_ids = [int(i) for i in self.aux_layer_ids]
 
     @property
@@ -121,32 +128,18 @@ class DrafterConfig:
     def from_target_config(cls, cfg, *, draft_vocab_size: int | None = None,
                            aux_layer_ids: list[int] | None = None, **overrides) -> DrafterConfig:
         """Defaults from a target's HF config (object or dict): same width, heads, MLP and RoPE."""
-        from eyas.target import default_aux_layers, validate_layer_ids
+        from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids, llama_dims
 
         if not isinstance(cfg, dict):
             text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             cfg = text.to_dict()
-        hidden = int(cfg["hidden_size"])
-        heads = int(cfg["num_attention_heads"])
         n_layers = int(cfg["num_hidden_layers"])
-        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
-        theta = float(rope.pop("rope_theta", cfg.get("rope_theta", 10000.0)) or 10000.0)
-        rope.setdefault("rope_type", rope.pop("type", "default"))
-        aux = validate_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids else default_aux_layers(n_layers)
-        vocab = int(cfg["vocab_size"])
+        aux = check_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids else default_aux_layer_ids(n_layers)
+        dims = llama_dims(cfg, where="target", max_positions=2048)
         values = dict(
-            hidden_size=hidden,
-            num_attention_heads=heads,
-            num_key_value_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            intermediate_size=int(cfg["intermediate_size"]),
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=theta,
-            rope_parameters=rope,
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-            vocab_size=vocab,
-            draft_vocab_size=int(draft_vocab_size or min(32000, vocab)),
-            target_hidden_size=hidden,
+            **dims,
+            draft_vocab_size=int(draft_vocab_size or min(32000, dims["vocab_size"])),
+            target_hidden_size=dims["hidden_size"],
             aux_layer_ids=aux,
             target_num_layers=n_layers,
             target_model_type=str(cfg.get("model_type", "llama")),
@@ -159,7 +152,7 @@ class DrafterConfig:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> DrafterConfig:
-        names = {f.name for f in fields(cls)}
+        names = {f.name for f in fields(cls)} | {"rope_theta"}  # rope_theta: configs written before it moved
         return cls(**{k: v for k, v in d.items() if k in names})
 
 
@@ -185,9 +178,11 @@ class RMSNorm(nn.Module):
 def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:
     """Inverse frequencies [d/2] for the target's RoPE (default, linear or llama3 scaling)."""
     d = cfg.head_dim
-    inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     p = cfg.rope_parameters
+    inv = 1.0 / (float(p["rope_theta"]) ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
     kind = p.get("rope_type", "default")
+    if kind not in SUPPORTED_ROPE:
+        raise EyasError(f"rope_type {kind!r}: the training drafter supports {', '.join(SUPPORTED_ROPE)}")
     if kind == "linear":
         inv = inv / float(p["factor"])
     elif kind == "llama3":
@@ -347,13 +342,14 @@ class Eagle3Drafter(nn.Module):
         used = torch.as_tensor(used_target_ids, dtype=torch.int64).cpu()
         if used.numel() > 1 and not bool((used[1:] > used[:-1]).all()):
             raise ValueError("set_vocab: target ids must be strictly ascending")
+        from eyas.drafter.vocab import vocab_maps
+
         V, Vt = self.config.draft_vocab_size, self.config.vocab_size
         if used.shape != (V,) or (used[1:] <= used[:-1]).any() or used.min() < 0 or used.max() >= Vt:
             raise ValueError(f"set_vocab: need {V} strictly ascending target ids in [0, {Vt}), got shape "
                              f"{tuple(used.shape)}")
-        self.d2t.copy_(used - torch.arange(V, device="cpu"))  # explicit devices: callers may run under
-        t2d = torch.zeros(Vt, dtype=torch.bool, device="cpu")  # a `with torch.device("cuda")` context
-        t2d[used] = True
+        d2t, t2d = vocab_maps(used, Vt)  # CPU: callers may run under a `with torch.device("cuda")` context
+        self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
     @torch.no_grad()
@@ -372,7 +368,9 @@ class Eagle3Drafter(nn.Module):
 
     def used_target_ids(self) -> torch.Tensor:
         """[V] target id of each draft id (ascending)."""
-        return torch.arange(self.config.draft_vocab_size, device=self.d2t.device) + self.d2t
+        from eyas.drafter.vocab import target_ids_of
+
+        return target_ids_of(self.d2t)
 
     def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocab ids to target ids: target = draft + d2t[draft]."""
@@ -439,16 +437,10 @@ class Eagle3Drafter(nn.Module):
 
     def save(self, out_dir: str | Path, *, target: dict[str, Any] | None = None,
              extra: dict[str, Any] | None = None) -> Path:
-        """Write config.json (every DrafterConfig field + target identity) and model.safetensors."""
-        from safetensors.torch import save_file
+        """Write the eyas layout: config.json (every DrafterConfig field + target identity), model.safetensors."""
+        from eyas.drafter.layouts import write_eyas
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        sd = {k: v.detach().to("cpu").contiguous() for k, v in self.state_dict().items()}
-        save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt", "schema": SCHEMA})
-        meta = {"schema": SCHEMA, "drafter": self.config.to_dict(), "target": target or {}, **(extra or {})}
-        (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
-        return out
+        return write_eyas(out_dir, self.config, self.state_dict(), target=target, extra=extra)
 
     @classmethod
     def load(cls, path: str | Path, *, device: str | torch.device = "cpu",
@@ -456,15 +448,14 @@ class Eagle3Drafter(nn.Module):
         """Load a drafter saved by `save`; checks that every SGLang key is present with its shape."""
         from safetensors.torch import load_file
 
+        from eyas.drafter.layouts import WEIGHTS_FILE, read_eyas_config
+
         path = Path(path)
-        cfg_file, w_file = path / CONFIG_FILE, path / WEIGHTS_FILE
-        if not cfg_file.exists() or not w_file.exists():
-            raise EyasError(f"{path} is not an eyas drafter directory (needs {CONFIG_FILE} and {WEIGHTS_FILE}); "
-                            "train one with `eyas train`")
-        meta = json.loads(cfg_file.read_text())
-        if meta.get("schema") != SCHEMA:
-            raise EyasError(f"{cfg_file}: schema {meta.get('schema')!r}, expected {SCHEMA!r}")
-        model = cls(DrafterConfig.from_dict(meta["drafter"]))
+        w_file = path / WEIGHTS_FILE
+        config, _meta = read_eyas_config(path)
+        if not w_file.exists():
+            raise EyasError(f"{path} is not an eyas drafter directory (needs {WEIGHTS_FILE}); train one with `eyas train`")
+        model = cls(config)
         sd = load_file(str(w_file))
         want = model.state_dict()
         missing = sorted(set(want) - set(sd))
@@ -474,14 +465,8 @@ class Eagle3Drafter(nn.Module):
             raise EyasError(f"{w_file}: missing keys {missing[:5]}, unexpected {unexpected[:5]}, "
                             f"wrong shapes {bad[:5]}; the file does not match its config.json")
         model.load_state_dict(sd)
-        model.target_meta = meta.get("target", {})
         return model.to(device=device, dtype=dtype)  # d2t (int64) and t2d (bool) keep their dtypes
 
     def num_trainable_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
-
-def load_config(path: str | Path) -> tuple[DrafterConfig, dict[str, Any]]:
-    """(DrafterConfig, full config.json) of a saved drafter without loading weights."""
-    meta = json.loads((Path(path) / CONFIG_FILE).read_text())
-    return DrafterConfig.from_dict(meta["drafter"]), meta

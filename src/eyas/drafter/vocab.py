@@ -21,6 +21,21 @@ from dataclasses import dataclass
 import torch
 
 
+def vocab_maps(used_V: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The one derivation of the engines' maps from the draft vocabulary's target ids (ascending):
+    d2t [V] int64 offsets (target = draft + d2t[draft]) and t2d [Vt] bool membership. CPU tensors."""
+    used = torch.as_tensor(used_V, dtype=torch.int64).cpu()
+    d2t = used - torch.arange(used.numel(), dtype=torch.int64)
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def target_ids_of(d2t_V: torch.Tensor) -> torch.Tensor:
+    """The inverse reading: [V] target id of each draft id = draft id + d2t[draft id]."""
+    return torch.arange(d2t_V.numel(), device=d2t_V.device) + d2t_V.to(torch.int64)
+
+
 @dataclass(kw_only=True)
 class DraftVocab:
     used: torch.Tensor
@@ -34,13 +49,11 @@ class DraftVocab:
 
     @property
     def d2t(self) -> torch.Tensor:
-        return self.used - torch.arange(self.size, dtype=torch.int64)
+        return vocab_maps(self.used, self.counts.numel())[0]
 
     @property
     def t2d(self) -> torch.Tensor:
-        mask = torch.zeros(self.counts.numel(), dtype=torch.bool)
-        mask[self.used] = True
-        return mask
+        return vocab_maps(self.used, self.counts.numel())[1]
 
     def coverage(self) -> float:
         total = int(self.counts.sum())

@@ -20,7 +20,6 @@ from eyas.errors import EyasError
 
 ENGINES = ("auto", "static", "generate", "server")
 ATTENTIONS = ("auto", "triton", "sdpa")
-DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(kw_only=True)
@@ -85,8 +84,10 @@ class RegenConfig:
             raise EyasError(f"--server-url was given with --engine {self.engine}; use --engine server (or auto)")
         if self.engine == "server" and not self.server_urls:
             raise EyasError("--engine server needs at least one --server-url")
-        if self.dtype not in DTYPES:
-            raise EyasError(f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto":
+            from eyas.dtypes import MODEL_DTYPES, to_dtype
+
+            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
         if self.max_len < 2:
             raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
         if self.attention not in ATTENTIONS:
@@ -95,17 +96,6 @@ class RegenConfig:
             raise EyasError(f"--batch-size must be >= 0 (0 = auto), got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
             raise EyasError(f"--limit must be >= 1, got {self.limit}")
-
-
-def _torch_dtype(name: str, config_dtype, device: str):
-    import torch
-
-    if name == "auto":
-        if device == "cpu":
-            return torch.float32
-        dt = config_dtype if isinstance(config_dtype, torch.dtype) else getattr(torch, str(config_dtype or "float32"), None)
-        return dt if dt in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-    return getattr(torch, name)
 
 
 def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
@@ -138,15 +128,16 @@ def _build_local(config: RegenConfig, sampling):
     from eyas.regen.local import make_local_engine
     from eyas.target import load_target, load_tokenizer
 
-    device = config.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
     from transformers import AutoConfig
 
     from eyas.defaults import resolve_target
+    from eyas.dtypes import DTYPES, resolve_device_dtype
 
     cfg = AutoConfig.from_pretrained(resolve_target(config.target))
-    dtype = _torch_dtype(config.dtype, getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None), device)
+    own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # the target's own dtype, for auto
+    own = own if isinstance(own, torch.dtype) else DTYPES.get(str(own or "float32"), torch.float32)
+    dev, dtype = resolve_device_dtype(config.device, config.dtype, auto_dtype=own)
+    device = str(dev)
     tokenizer = load_tokenizer(config.target)
     if getattr(tokenizer, "chat_template", None) is None:
         raise EyasError(f"target `{config.target}`: the tokenizer has no chat template; regenerate renders prompts with it")

@@ -47,10 +47,12 @@ from typing import Any, Sequence
 
 import torch
 
+from eyas.drafter.layouts import CONVENTION, engine_layer_ids
+from eyas.drafter.layouts import eyas_layer_ids as _eyas_layer_ids
+
 DUMP_SCHEMA = "eyas.sglang-dump/1"
 STATUS_SCHEMA = "eyas.sglang-plugin/1"
 DEFAULT_DUMP_DIR = "/dev/shm/eyas-dumps"
-CONVENTION = "hf-input"  # the same as eyas.target.CONVENTION (not imported: keeps this module light)
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
 
@@ -79,13 +81,13 @@ def parse_rid(rid: Any) -> int | None:
 
 
 def sglang_layer_ids(layer_ids: Sequence[int]) -> list[int]:
-    """eyas ids (input to layer i) -> SGLang/EAGLE-3 config ids (output of layer i - 1)."""
-    return [int(i) - 1 for i in layer_ids]
+    """eyas ids (input to layer i) -> SGLang ids (output of layer i - 1), Llama rule (drafter.layouts)."""
+    return engine_layer_ids(layer_ids, "sglang")
 
 
 def eyas_layer_ids(sglang_ids: Sequence[int]) -> list[int]:
-    """SGLang/EAGLE-3 config ids (output of layer k) -> eyas ids (input to layer k + 1)."""
-    return [int(k) + 1 for k in sglang_ids]
+    """SGLang ids (output of layer k) -> eyas ids (input to layer k + 1), Llama rule (drafter.layouts)."""
+    return _eyas_layer_ids(sglang_ids, "sglang")
 
 
 # ----------------------------------------------------------------------------- one forward

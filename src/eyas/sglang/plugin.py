@@ -42,6 +42,8 @@ import os
 import threading
 from typing import Any
 
+from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
+from eyas.errors import EyasError
 from eyas.sglang.core import (
     DEFAULT_DUMP_DIR,
     CaptureCore,
@@ -335,10 +337,10 @@ def _on_init_attention_backends(runner, *args, **kwargs):
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(getattr(text, "num_hidden_layers", 0) or 0)
-    layer_ids = st.cfg.layer_ids or ([2, n // 2, n - 3] if n >= 4 else None)
-    if not layer_ids or max(layer_ids) > n - 1:
-        raise PluginConfigError(f"EYAS_CAPTURE_LAYERS={layer_ids}: {type(model).__name__} has {n} layers; ids must be "
-                                f"1..{n - 1} (eyas convention: input to decoder layer i)")
+    try:
+        layer_ids = check_layer_ids(st.cfg.layer_ids, n) if st.cfg.layer_ids else default_aux_layer_ids(n)
+    except EyasError as exc:
+        raise PluginConfigError(f"EYAS_CAPTURE_LAYERS={st.cfg.layer_ids}: {type(model).__name__} has {n} layers: {exc}") from exc
     if not hasattr(model, CONTRACT["model_method"]):
         raise PluginConfigError(f"{type(model).__name__} has no {CONTRACT['model_method']}: SGLang {sglang_version()} "
                                 "cannot capture EAGLE-3 aux hidden states for this architecture")

@@ -97,12 +97,13 @@ class StandinServer:
     """The server: `start()`, `.url`, `close()` (or use as a context manager)."""
 
     def __init__(self, cfg: StandinConfig, *, host: str = "127.0.0.1", port: int = 0):
-        from eyas.target import default_aux_layers, load_target, num_layers_of
+        from eyas.drafter.layouts import default_aux_layer_ids
+        from eyas.target import load_target, num_layers_of
 
         self.cfg = cfg
         self.model = load_target(cfg.target)
         n = num_layers_of(self.model.config)
-        self.layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_aux_layers(n)
+        self.layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_aux_layer_ids(n)
         self.num_layers = n
         self.dump_dir = Path(cfg.dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Speculative decoding: the drafter as a function, exact replay of greedy decoding, acceptance metrics.
 
-- `checkpoint`: read a drafter from an eyas, SGLang or vLLM/speculators directory into one spec
-  (`DraftSpec`) and one weight layout (SGLang's key names), aux layer ids in eyas's convention.
+- drafters are read by eyas.drafter.layouts (any of the three layouts, one `DrafterConfig`, weights
+  keyed by SGLang's names, aux layer ids in eyas's convention).
 - `functional`: the EAGLE-3 draft step written over those weights (step-0 pass over target features,
   tree/chain expansion steps with a KV buffer and an ancestor mask).
 - `replay`: replay speculative decoding against a recorded greedy continuation (the fast path), chain

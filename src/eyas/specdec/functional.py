@@ -3,7 +3,7 @@
 Why a second implementation beside eyas.drafter.model: decoding needs a step the training model does not
 have, a draft step whose queries attend to (a) the step-0 keys of the accepted prefix and (b) the keys
 of their own ancestors in a draft tree. Written over SGLang-named weights, it also runs drafters read
-from SGLang and vLLM/speculators checkpoints. tests/test_specdec_drafter.py checks it against
+from SGLang and vLLM/speculators checkpoints. tests/test_export_formats.py checks it against
 Eagle3Drafter's logits.
 
 Shape legend: B sequences, L positions, N queries per sequence, E tree slots, H draft hidden,
@@ -24,7 +24,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from eyas.specdec.checkpoint import DraftSpec
+from eyas.drafter.model import DrafterConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -43,9 +43,9 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class FunctionalDrafter:
     """An EAGLE-3 draft layer bound to weights, a device and a dtype; no autograd."""
 
-    def __init__(self, spec: DraftSpec, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
+    def __init__(self, config: DrafterConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
                  dtype: torch.dtype = torch.float32, embed_tokens: torch.Tensor | None = None):
-        self.spec = spec
+        self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
         w = {}
@@ -59,24 +59,21 @@ class FunctionalDrafter:
             w["embed_tokens.weight"] = embed_tokens.to(device=self.device, dtype=dtype)
         self.w = w
         self.d2t = weights["d2t"].to(device=self.device, dtype=torch.long)
-        self.eps = spec.rms_norm_eps
-        self.scale = 1.0 / math.sqrt(spec.head_dim)
+        self.eps = config.rms_norm_eps
+        self.scale = 1.0 / math.sqrt(config.head_dim)
         self._inv_freq, self._attention_scaling = self._rope_frequencies()
 
     # ---- RoPE -----------------------------------------------------------------------------------
     def _rope_frequencies(self):
-        """inv_freq for the spec's rope type: default/linear/llama3 as the training model computes them,
+        """inv_freq for the config's rope type: default/linear/llama3 as the training model computes them,
         anything else (yarn, ...) through transformers' own initialisers."""
-        s = self.spec
+        from eyas.drafter.model import SUPPORTED_ROPE, rope_inv_freq
+
+        s = self.config
         rp = dict(s.rope_parameters)
-        rope_type = rp.get("rope_type", rp.get("type", "default"))
-        if rope_type in ("default", "linear", "llama3"):
-            from types import SimpleNamespace
-
-            from eyas.drafter.model import rope_inv_freq
-
-            cfg = SimpleNamespace(head_dim=s.head_dim, rope_theta=float(rp["rope_theta"]), rope_parameters={**rp, "rope_type": rope_type})
-            return rope_inv_freq(cfg).to(self.device), 1.0
+        rope_type = rp["rope_type"]
+        if rope_type in SUPPORTED_ROPE:
+            return rope_inv_freq(s).to(self.device), 1.0
         from transformers import LlamaConfig
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
@@ -105,7 +102,7 @@ class FunctionalDrafter:
 
     def qkv(self, ids: torch.Tensor, feat: torch.Tensor, pos: torch.Tensor):
         """ids [B, N], feat [B, N, H], pos [B, N] -> q [B, k, N, d], key/value [B, kv, N, d], residual [B, N, H]."""
-        s, w = self.spec, self.w
+        s, w = self.config, self.w
         hidden = rms_norm(feat, w["midlayer.hidden_norm.weight"], self.eps)
         residual = hidden if s.norm_before_residual else feat
         x = torch.cat([rms_norm(self.embed(ids), w["midlayer.input_layernorm.weight"], self.eps), hidden], dim=-1)
@@ -127,7 +124,7 @@ class FunctionalDrafter:
         return h + mlp
 
     def attend(self, q, k, v, *, mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
-        gqa = self.spec.num_attention_heads != self.spec.num_key_value_heads
+        gqa = self.config.num_attention_heads != self.config.num_key_value_heads
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:

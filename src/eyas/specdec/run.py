@@ -17,6 +17,7 @@ import torch
 
 from eyas.common import log
 from eyas.capture.batching import plan_batches
+from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import EyasError
 from eyas.specdec.metrics import DEFINITIONS, summarize
 from eyas.specdec.replay import TreeConfig
@@ -66,8 +67,8 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.gen_batch_size < 1 or self.replay_tokens < 1:
             raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
-        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
-            raise ValueError(f"--dtype must be auto, bfloat16, float16 or float32, got {self.dtype!r}")
+        if self.dtype != "auto":
+            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
 
     def modes(self) -> dict[str, TreeConfig]:
         out = {}
@@ -78,17 +79,6 @@ class EvalConfig:
         return out
 
 
-def resolve_device(device: str, dtype: str) -> tuple[torch.device, torch.dtype]:
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise EyasError(f"--device {device}: CUDA is not available on this machine")
-    if dtype == "auto":
-        dtype = "bfloat16" if dev.type == "cuda" else "float32"
-    return dev, getattr(torch, dtype)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -96,19 +86,19 @@ def _sync(device: torch.device) -> None:
 
 def load_drafter_for(target, drafter_dir: Path, *, device, dtype):
     """(checkpoint, FunctionalDrafter) after checking the drafter against the target."""
-    from eyas.specdec.checkpoint import check_against_target, load_draft_checkpoint
+    from eyas.drafter.layouts import check_against_target, read_drafter
     from eyas.specdec.functional import FunctionalDrafter
     from eyas.target import num_layers_of
 
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    ckpt = load_draft_checkpoint(drafter_dir, target_layers=num_layers_of(target.config),
+    ckpt = read_drafter(drafter_dir, target_layers=num_layers_of(target.config),
                                  target_model_type=getattr(text, "model_type", None))
-    check_against_target(ckpt.spec, target.config, where=str(drafter_dir))
+    check_against_target(ckpt.config, target.config, where=str(drafter_dir))
     embed = target.get_input_embeddings().weight.detach()
     if "embed_tokens.weight" in ckpt.weights and tuple(ckpt.weights["embed_tokens.weight"].shape) != tuple(embed.shape):
         raise EyasError(f"--drafter {drafter_dir}: embed_tokens {tuple(ckpt.weights['embed_tokens.weight'].shape)} "
                         f"does not match the target's embedding {tuple(embed.shape)}")
-    drafter = FunctionalDrafter(ckpt.spec, ckpt.weights, device=device, dtype=dtype, embed_tokens=embed)
+    drafter = FunctionalDrafter(ckpt.config, ckpt.weights, device=device, dtype=dtype, embed_tokens=embed)
     return ckpt, drafter
 
 
@@ -179,20 +169,20 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from eyas.target import CONVENTION, load_target, load_tokenizer, model_identity, tokenizer_hash
 
     timings: dict[str, float] = {}
-    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
     modes = cfg.modes()
     t0 = time.perf_counter()
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
-    spec = ckpt.spec
+    spec = ckpt.config
     for name, tree in modes.items():
         if tree.topk > spec.draft_vocab_size:
             raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens")
     convs = load_prompts(cfg.prompts, limit=cfg.limit)
     timings["load_s"] = time.perf_counter() - t0
-    log(f"eval: drafter {cfg.drafter} ({spec.source_format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
+    log(f"eval: drafter {cfg.drafter} ({ckpt.provenance.format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
         f"{len(convs)} conversations, device {device} {str(dtype).replace('torch.', '')}")
 
     t0 = time.perf_counter()
@@ -221,10 +211,10 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "schema": SCHEMA,
         "drafter": {
             "path": str(Path(cfg.drafter).resolve()),
-            "format": spec.source_format,
+            "format": ckpt.provenance.format,
             "aux_layer_ids": spec.aux_layer_ids,
             "convention": CONVENTION,
-            "source_layer_ids": spec.source_layer_ids,
+            "source_layer_ids": ckpt.provenance.layer_ids,
             "spec": spec.to_dict(),
         },
         "target": model_identity(target_path),

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from eyas.dtypes import to_dtype
 from eyas.errors import EyasError
 
 SCHEMA = "eyas.store/1"
@@ -55,10 +56,10 @@ class StoredDtype:
     scaled: bool  # carries a per-token-and-slot scale tensor
 
 
-DTYPES: dict[str, StoredDtype] = {
-    "bf16": StoredDtype("bf16", torch.bfloat16, "BF16", 2, False),
-    "fp8": StoredDtype("fp8", torch.float8_e4m3fn, "F8_E4M3", 1, True),
-    "fp32": StoredDtype("fp32", torch.float32, "F32", 4, False),
+DTYPES: dict[str, StoredDtype] = {  # names from eyas.dtypes' vocabulary; only these three are stored
+    "bf16": StoredDtype("bf16", to_dtype("bf16"), "BF16", 2, False),
+    "fp8": StoredDtype("fp8", to_dtype("fp8"), "F8_E4M3", 1, True),
+    "fp32": StoredDtype("fp32", to_dtype("fp32"), "F32", 4, False),
 }
 
 

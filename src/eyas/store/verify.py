@@ -271,5 +271,7 @@ def _load_reference_target(manifest: dict[str, Any], target: str | None, device:
             )
     if manifest.get("tokenizer_hash") and tokenizer_hash(load_tokenizer(path)) != manifest["tokenizer_hash"]:
         raise EyasError(f"target {path}: its tokenizer differs from the one recorded in the store; pass --target with the original model")
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[manifest.get("model_dtype") or "fp32"]
+    from eyas.dtypes import to_dtype
+
+    dtype = to_dtype(manifest.get("model_dtype") or "fp32", what=f"store {manifest.get('model_dtype')!r} model_dtype")
     return load_target(path, device=device, dtype=dtype)

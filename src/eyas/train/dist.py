@@ -35,17 +35,12 @@ def setup(device: str) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise EyasError(f"--device {device}: CUDA is not available here; use --device cpu")
-        dev = torch.device("cuda", local if world > 1 or device == "cuda" else torch.device(device).index or 0)
+    from eyas.dtypes import resolve_device
+
+    dev = resolve_device(device)
+    if dev.type == "cuda":  # under torchrun each rank takes its LOCAL_RANK's GPU
+        dev = torch.device("cuda", local if world > 1 or dev.index is None else dev.index)
         torch.cuda.set_device(dev)
-    elif device == "cpu":
-        dev = torch.device("cpu")
-    else:
-        raise EyasError(f"--device: `{device}` is not one of auto, cpu, cuda, cuda:N")
     if world > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
         torch.distributed.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
@@ -61,14 +56,6 @@ def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.enabled:
         torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.SUM)
     return t
-
-
-def broadcast_object(obj, d: Dist):
-    if not d.enabled:
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
 
 
 def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Reading foreign drafter layouts: layer-id conventions, defaults, .bin weights, RoPE scaling, bad files."""
+"""drafter/layouts.py: reading foreign layouts (layer-id conventions, defaults, .bin weights, RoPE scaling, bad
+files), the one layer-id conversion and its inverse, the one default and range check."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from eyas.errors import EyasError
-from eyas.specdec.checkpoint import DraftSpec, load_draft_checkpoint
+from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 
 H, V, VD = 32, 100, 10
@@ -52,13 +53,13 @@ def _write(d, config, weights, *, bin=False):
 def test_sglang_ids_are_shifted_and_bin_weights_read(tmp_path):
     d = _write(tmp_path / "s", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}), _weights(), bin=True)
     ck = load_draft_checkpoint(d)
-    assert ck.spec.aux_layer_ids == [2, 15, 27] and ck.spec.source_layer_ids == [1, 14, 26]
-    assert ck.spec.source_format == "sglang" and ck.spec.norm_before_residual is False
+    assert ck.config.aux_layer_ids == [2, 15, 27] and ck.provenance.layer_ids == [1, 14, 26]
+    assert ck.provenance.format == "sglang" and ck.config.norm_before_residual is False
 
 
 def test_missing_ids_take_the_engine_default_and_need_the_target(tmp_path):
     d = _write(tmp_path / "s", _sglang_config(), _weights(with_embed=False))
-    assert load_draft_checkpoint(d, target_layers=32).spec.aux_layer_ids == [2, 16, 29]  # SGLang [1, 15, 28] + 1
+    assert load_draft_checkpoint(d, target_layers=32).config.aux_layer_ids == [2, 16, 29]  # SGLang [1, 15, 28] + 1
     with pytest.raises(EyasError, match="no aux layer ids"):
         load_draft_checkpoint(d)
 
@@ -83,27 +84,60 @@ def test_speculators_layout_and_norm_before_residual_default(tmp_path):
     base = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
             "draft_vocab_size": VD, "eagle_aux_hidden_state_layer_ids": [2, 5, 9]}
     ck = load_draft_checkpoint(_write(tmp_path / "a", base, w))
-    assert ck.spec.aux_layer_ids == [2, 5, 9] and ck.spec.norm_before_residual is True  # vLLM's default when absent
+    assert ck.config.aux_layer_ids == [2, 5, 9] and ck.config.norm_before_residual is True  # vLLM's default when absent
     ck2 = load_draft_checkpoint(_write(tmp_path / "b", {**base, "norm_before_residual": False}, w))
-    assert ck2.spec.norm_before_residual is False
+    assert ck2.config.norm_before_residual is False
     # the flag changes the computation: the residual is the normalised feature
-    a, b = FunctionalDrafter(ck.spec, ck.weights), FunctionalDrafter(ck2.spec, ck2.weights)
+    a, b = FunctionalDrafter(ck.config, ck.weights), FunctionalDrafter(ck2.config, ck2.weights)
     ids, feat = torch.tensor([[1, 2, 3]]), torch.randn(1, 3, H) * 5
     pos = torch.arange(3)[None]
     assert not torch.allclose(a.causal_forward(ids, feat, pos)[0], b.causal_forward(ids, feat, pos)[0])
 
 
-def test_llama3_rope_matches_the_training_model():
+def test_llama3_rope_old_and_new_keys_read_the_same():
+    """SGLang-era configs write rope_theta + rope_scaling {"type": ...}; newer ones rope_parameters."""
+    from eyas.drafter.layouts import rope_parameters_of
     from eyas.drafter.model import DrafterConfig, rope_inv_freq
 
-    rp = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
-    spec = DraftSpec(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-                     rms_norm_eps=1e-5, rope_parameters={**rp, "rope_theta": 5e5}, max_position_embeddings=131072,
-                     vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, aux_layer_ids=[1, 2, 3])
-    d = FunctionalDrafter(spec, {"d2t": torch.zeros(VD, dtype=torch.long), "embed_tokens.weight": torch.zeros(V, H)})
-    cfg = DrafterConfig(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-                        rope_theta=5e5, rope_parameters=rp, vocab_size=V, draft_vocab_size=VD, target_hidden_size=H,
-                        aux_layer_ids=[1, 2, 3], target_num_layers=6)
-    torch.testing.assert_close(d._inv_freq, rope_inv_freq(cfg), rtol=1e-6, atol=1e-7)
+    rp = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+    old = rope_parameters_of({"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **rp}})
+    new = rope_parameters_of({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **rp}})
+    assert old == new == {"rope_type": "llama3", "rope_theta": 5e5, **rp}
+    dims = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
+                vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, aux_layer_ids=[1, 2, 3])
+    cfg = DrafterConfig(**dims, rope_parameters=old)
+    legacy = DrafterConfig(**dims, rope_theta=5e5, rope_parameters={"rope_type": "llama3", **rp})  # pre-merge form
+    assert cfg == legacy
+    d = FunctionalDrafter(cfg, {"d2t": torch.zeros(VD, dtype=torch.long), "embed_tokens.weight": torch.zeros(V, H)})
+    torch.testing.assert_close(d._inv_freq, rope_inv_freq(legacy), rtol=1e-6, atol=1e-7)
     assert not torch.allclose(d._inv_freq, 1.0 / (5e5 ** (torch.arange(0, 16, 2) / 16)))  # scaling applied
+
+
+@pytest.mark.parametrize("model_type", ["llama", "qwen3", "deepseek_v3", None])
+@pytest.mark.parametrize("ours", [[2, 15, 27], [3, 15, 27], [1, 2, 3]])
+def test_layer_id_conversion_round_trips_for_every_engine(ours, model_type):
+    from eyas.drafter.layouts import engine_layer_ids, eyas_layer_ids
+
+    assert engine_layer_ids(ours, "vllm") == ours == eyas_layer_ids(ours, "vllm")
+    if model_type == "deepseek_v3" and ours[0] == 1:
+        with pytest.raises(EyasError, match="layer 1 first"):
+            engine_layer_ids(ours, "sglang", model_type=model_type)
+        return
+    written = engine_layer_ids(ours, "sglang", model_type=model_type)
+    assert eyas_layer_ids(written, "sglang", model_type=model_type) == ours
+    if model_type != "deepseek_v3":
+        assert written == [i - 1 for i in ours]
+    with pytest.raises(EyasError, match="embeddings"):
+        engine_layer_ids([0, *ours[1:]], "sglang", model_type=model_type)
+
+
+def test_default_aux_layers_and_the_one_range_check():
+    from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
+
+    assert default_aux_layer_ids(32) == [2, 16, 29] and default_aux_layer_ids(4) == [2, 2, 1]
+    with pytest.raises(EyasError, match="at least 4"):
+        default_aux_layer_ids(3)
+    assert check_layer_ids(["1", 5], 6) == [1, 5]
+    for bad in ([0, 2, 3], [1, 2, 6], []):
+        with pytest.raises(EyasError, match="1..5"):
+            check_layer_ids(bad, 6, what="--layers")
