@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from eyas.common import log
+from eyas.config_checks import check_device
 from eyas.errors import EyasError
 
 
@@ -99,21 +100,37 @@ class TrainConfig:
     """Allow an --out that already holds a finished run."""
 
     def __post_init__(self):
+        from eyas.common import check_out_path, require_owned
+        from eyas.config_checks import check_choice, check_number
+
         if (self.store is None) == (self.data is None):
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
         for name in ("batch_size", "grad_accum", "max_length", "eval_samples"):
-            if getattr(self, name) < 1:
-                raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.steps is not None and self.steps < 1:
-            raise EyasError(f"--steps must be >= 1, got {self.steps}")
-        if self.epochs <= 0:
-            raise EyasError(f"--epochs must be > 0, got {self.epochs}")
-        if self.lr <= 0:
-            raise EyasError(f"--lr must be > 0, got {self.lr}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise EyasError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.ttt_steps < 1:
-            raise EyasError(f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+            check_number(self, name, ge=1)
+        check_number(self, "steps", ge=1, optional=True)
+        check_number(self, "epochs", gt=0)
+        check_number(self, "lr", gt=0)
+        check_number(self, "min_lr_ratio", ge=0, le=1)
+        check_number(self, "warmup_steps", ge=0, optional=True)
+        check_number(self, "weight_decay", ge=0)
+        check_number(self, "grad_clip", ge=0)
+        check_number(self, "ttt_steps", ge=1)
+        check_number(self, "ttt_decay", gt=0, le=1)
+        check_number(self, "draft_vocab", ge=1, optional=True)
+        check_number(self, "eval_every", ge=0)
+        check_number(self, "save_every", ge=0)
+        check_choice(self, "precision", ("auto", "bf16", "fp32"))
+        check_choice(self, "attention", ("fast", "reference"))
+        check_device(self.device, option="--device")
+        if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
+            raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
+        for opt, p in (("--store", self.store), ("--data", self.data), ("--eval-store", self.eval_store)):
+            if p is not None and not Path(p).is_dir():
+                raise EyasError(f"{opt} {p} is not a directory (expected an eyas {opt[2:].replace('-', ' ')})")
+        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
+            raise EyasError(f"--resume {self.resume}: no such checkpoint file (or pass `--resume auto`)")
+        check_out_path(self.out)
+        require_owned(self.out)
 
 
 class TTTModule(nn.Module):
@@ -327,8 +344,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else _Null()
     world_scale = float(d.world)  # DDP/FSDP average gradients; our loss is already a global mean
     t_run, tok_run = time.perf_counter(), 0
-    last: dict[str, Any] = {}
-    evals: list[dict] = []
+    done_last, evals = metrics.last() if start > 0 else (None, [])  # a finished run's rerun reports its figures
+    last: dict[str, Any] = done_last or {}
 
     def forward_batch(batch, denoms):
         teacher = teacher_from_final(batch.final_BTD, head_w, used, t2d)
