@@ -192,6 +192,20 @@ def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--ou
     return p
 
 
+def claim_store_dir(path: Path, *, option: str = "--out") -> Path:
+    """Like claim_output_dir, but a store an older eyas wrote (manifest.json, no marker) is resumable."""
+    p = Path(path)
+    check_out_path(p, option=option)
+    if p.is_dir() and not is_owned(p) and not (p / "manifest.json").is_file():
+        require_owned(p, option=option)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        write_marker(p, kind="store")
+    except OSError as exc:
+        raise EyasError(f"{option} {p}: cannot create the store directory ({exc.strerror or exc})") from exc
+    return p
+
+
 def remove_owned_dir(path: Path, *, option: str = "--overwrite") -> None:
     """Delete an output directory eyas created; anything else is refused with its path named."""
     p = Path(path)
@@ -227,16 +241,68 @@ def read_text_file(path: Path, *, what: str) -> str:
     return text.removeprefix("\ufeff")
 
 
-def require_finite(tensors: dict[str, Any], *, what: str) -> None:
+def iter_text_lines(path: Path, *, what: str) -> Iterator[str]:
+    """Lines of a UTF-8 text file, streamed and split on "\\n" only (never inside content holding
+    U+2028); a line that is not UTF-8 is refused naming the file and the line."""
+    p = Path(path)
+    try:
+        f = open(p, "rb")
+    except OSError as exc:
+        raise EyasError(f"{what} {p}: cannot read it ({exc.strerror or exc})") from exc
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise EyasError(f"{what} {p}: line {lineno} is not UTF-8 text (invalid byte 0x{raw[exc.start]:02x}); "
+                                "convert the file to UTF-8 JSONL") from None
+            if "\x00" in line:
+                raise EyasError(f"{what} {p}: line {lineno} holds NUL bytes: it looks like a binary file, "
+                                "expected UTF-8 JSONL text")
+            yield line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def check_safetensors_dir(directory: Path, *, what: str) -> None:
+    """Every *.safetensors file in `directory` has a well-formed header whose tensors fit in the file,
+    and config.json (when present) is a JSON object; refused naming the file otherwise. Reads headers
+    only, so a garbage or truncated weights file fails before any model loads."""
+    d = Path(directory)
+    cfg = d / "config.json"
+    if cfg.is_file():
+        try:
+            obj = json.loads(read_text_file(cfg, what=f"{what} config"))
+        except json.JSONDecodeError as exc:
+            raise EyasError(f"{what} {cfg}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(obj, dict):
+            raise EyasError(f"{what} {cfg}: expected a JSON object, got {type(obj).__name__}")
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if size < 8 or n <= 1 or 8 + n > size or n > 100 << 20:
+                    raise ValueError("bad header length")
+                header = json.loads(fh.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + n + end > size:
+                raise ValueError(f"tensors need {8 + n + end} bytes, the file has {size} (truncated)")
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+            raise EyasError(f"{what} {f} is not a valid safetensors file ({exc}); it is damaged or not a weights "
+                            "file: write it again (train/export)") from None
+
+
+def require_finite(tensors: dict[str, Any], *, what: str, hint: str | None = None) -> None:
     """Raise EyasError naming the first tensors holding NaN/Inf (floating tensors only)."""
     import torch
 
     bad = [k for k, t in tensors.items()
            if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
     if bad:
-        raise EyasError(f"{what}: {len(bad)} tensor(s) hold NaN/Inf ({', '.join(bad[:4])}); nothing was saved. "
-                        "Training diverged or its input is corrupt: run `eyas verify` on the store, lower --lr, "
-                        "or resume from an earlier checkpoint")
+        hint = hint or ("nothing was saved. Training diverged or its input is corrupt: run `eyas verify` on the "
+                        "store, lower --lr, or resume from an earlier checkpoint")
+        raise EyasError(f"{what}: {len(bad)} tensor(s) hold NaN/Inf ({', '.join(bad[:4])}); {hint}")
 
 
 def disk_margin(job_bytes: int) -> int:

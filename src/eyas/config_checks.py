@@ -51,9 +51,13 @@ def check_value(value: Any, option: str, *, ge: float | None = None, gt: float |
 
 
 def check_choice(obj: Any, field: str, choices: Iterable[str], *, option: str | None = None) -> None:
-    value, choices = getattr(obj, field), tuple(choices)
+    check_in(getattr(obj, field), option or option_name(field), choices)
+
+
+def check_in(value: Any, option: str, choices: Iterable[str]) -> None:
+    choices = tuple(choices)
     if value not in choices:
-        raise EyasError(f"{option or option_name(field)} must be one of {', '.join(choices)}; got {value!r}")
+        raise EyasError(f"{option} must be one of {', '.join(choices)}; got {value!r}")
 
 
 def check_device(device: str, *, option: str = "--device") -> None:
