@@ -74,7 +74,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success rename it to `final`.
 
     A crash leaves only a `.tmp` sibling, never a half-written `final` that a later stage would
@@ -84,12 +84,12 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
-        write_marker(tmp)
+        write_marker(tmp, kind=kind)
         yield tmp
         if final.exists():
             if not overwrite:
                 raise FileExistsError(final)
-            require_owned(final, option="--overwrite")
+            require_owned(final, option="--overwrite", kind=kind)
             old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
             os.replace(final, old)
             os.replace(tmp, final)
@@ -133,20 +133,32 @@ def write_marker(directory: Path, *, kind: str | None = None) -> None:
         path.write_text(json.dumps({"created_by": "eyas", "kind": kind}) + "\n")
 
 
+def marker_kind(directory: Path) -> str | None:
+    try:
+        return json.loads((Path(directory) / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def is_owned(directory: Path) -> bool:
     """True when `directory` carries eyas's marker (or is empty: nothing of the user's to lose)."""
     d = Path(directory)
     return (d / MARKER).is_file() or (d.is_dir() and not any(d.iterdir()))
 
 
-def require_owned(directory: Path, *, option: str = "--out") -> None:
-    """Refuse to replace or write into a non-empty directory eyas did not create."""
+def require_owned(directory: Path, *, option: str = "--out", kind: str | None = None) -> None:
+    """Refuse to replace or write into a non-empty directory eyas did not create (or, with `kind`,
+    one eyas created for another stage: `regenerate --overwrite` must not delete a prepared dataset)."""
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise EyasError(f"{option} {d} is an existing file, not a directory: choose another path")
     if d.is_dir() and not is_owned(d):
         raise EyasError(f"{option}: {d} holds files eyas did not create (no {MARKER} marker); eyas never deletes or "
                         "overwrites those: choose another --out, or move the directory away yourself")
+    found = marker_kind(d) if d.is_dir() else None
+    if kind is not None and found is not None and found != kind:
+        raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to replace it: "
+                        "choose another --out")
 
 
 def check_out_path(path: Path | None, *, option: str = "--out") -> None:
@@ -206,12 +218,12 @@ def claim_store_dir(path: Path, *, option: str = "--out") -> Path:
     return p
 
 
-def remove_owned_dir(path: Path, *, option: str = "--overwrite") -> None:
-    """Delete an output directory eyas created; anything else is refused with its path named."""
+def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | None = None) -> None:
+    """Delete an output directory eyas created (for stage `kind`); anything else is refused, path named."""
     p = Path(path)
     if not p.exists():
         return
-    require_owned(p, option=option)
+    require_owned(p, option=option, kind=kind)
     shutil.rmtree(p)
 
 

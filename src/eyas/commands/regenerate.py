@@ -34,8 +34,26 @@ def regenerate(
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds to wait for one server answer."),
 ) -> dict:
     """Regenerate the assistant turns of a chat dataset with the target itself, turn by turn."""
+    from eyas.common import check_out_path, require_owned
+    from eyas.config_checks import check_device, check_url, check_value
+    from eyas.errors import EyasError
     from eyas.regen.run import RegenConfig, regenerate as run
 
+    # numbers and paths are checked here, before any source is read or model loaded
+    check_out_path(out)
+    if overwrite:
+        require_owned(out, option="--overwrite", kind="regenerate")
+    check_value(max_new_tokens, "--max-new-tokens", ge=1)
+    check_value(max_turns, "--max-turns", ge=1, optional=True)
+    check_value(temperature, "--temperature", ge=0)
+    check_value(top_p, "--top-p", gt=0, le=1)
+    check_value(concurrency, "--concurrency", ge=1)
+    check_value(retries, "--retries", ge=0)
+    check_value(request_timeout, "--request-timeout", gt=0)
+    if device != "auto" and not device.startswith("cuda") and device != "cpu":
+        raise EyasError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    check_device(device)
+    server_url = [check_url(u, option="--server-url") for u in (server_url or [])]
     return run(RegenConfig(
         out=out, source=source, target=target, engine=engine, max_new_tokens=max_new_tokens, max_turns=max_turns,
         max_len=max_len, temperature=temperature, top_p=top_p, seed=seed, limit=limit, hf_split=hf_split,
