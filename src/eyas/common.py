@@ -204,20 +204,6 @@ def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--ou
     return p
 
 
-def claim_store_dir(path: Path, *, option: str = "--out") -> Path:
-    """Like claim_output_dir, but a store an older eyas wrote (manifest.json, no marker) is resumable."""
-    p = Path(path)
-    check_out_path(p, option=option)
-    if p.is_dir() and not is_owned(p) and not (p / "manifest.json").is_file():
-        require_owned(p, option=option)
-    try:
-        p.mkdir(parents=True, exist_ok=True)
-        write_marker(p, kind="store")
-    except OSError as exc:
-        raise EyasError(f"{option} {p}: cannot create the store directory ({exc.strerror or exc})") from exc
-    return p
-
-
 def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | None = None) -> None:
     """Delete an output directory eyas created (for stage `kind`); anything else is refused, path named."""
     p = Path(path)

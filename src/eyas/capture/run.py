@@ -23,7 +23,7 @@ import torch
 
 from eyas.capture.batching import make_batch, plan_batches
 from eyas.capture.pipeline import CapturePipeline
-from eyas.common import check_out_path, claim_store_dir, human_bytes, is_owned, log, progress, require_owned
+from eyas.common import check_out_path, human_bytes, is_owned, log, progress, require_owned, write_marker
 from eyas.config_checks import check_device, check_number
 from eyas.errors import EyasError
 from eyas.store.format import HEADER_BYTES, stored_dtype
@@ -163,10 +163,10 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
     from eyas.target import load_target
 
     spec, split, ctx = store_spec_for(settings)
-    claim_store_dir(settings.out)
     n = ctx["n"]
     lengths = [int(x) for x in split.lengths[:n]]
     writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
+    write_marker(settings.out, kind="store")  # after the writer: it refuses a new store dir holding any file
     try:
         done = writer.committed_ids
         todo = [i for i in range(n) if split.ids[i] not in done]
