@@ -562,3 +562,26 @@ def test_overwrite_replaces_an_eyas_output_but_not_a_user_dir(tmp_path):
         remove_owned_dir(user)
     assert (user / "notes").read_text() == "x"
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_atomic_directory_removes_its_own_stale_temp_dirs(tmp_path):
+    from eyas.common import MARKER, atomic_directory
+
+    ours = tmp_path / ".out.abc123.tmp"  # a killed earlier write: carries the marker
+    ours.mkdir()
+    (ours / MARKER).write_text("{}")
+    theirs = tmp_path / ".out.zzz.tmp"  # same shape of name, but not eyas's
+    theirs.mkdir()
+    (theirs / "x").write_text("1")
+    with atomic_directory(tmp_path / "out") as t:
+        (t / "a").write_text("1")
+    assert not ours.exists() and (theirs / "x").read_text() == "1"
+
+
+def test_regenerate_that_writes_nothing_is_an_error(tmp_path, tiny_target_dir):
+    src = tmp_path / "user_only.jsonl"
+    src.write_text('{"conversations": [{"from": "human", "value": "Hi"}]}\n' * 2)
+    r = _run(["regenerate", "--source", src, "--target", tiny_target_dir, "--out", tmp_path / "o", "--device", "cpu",
+              "--max-new-tokens", "2"])
+    assert r.exit_code == 2, r.stderr
+    assert "none of its 2 conversations could be regenerated (skipped: no_assistant_turn: 2)" in r.stderr

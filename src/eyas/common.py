@@ -13,6 +13,7 @@ with its path named, so eyas never deletes or clobbers what it did not write.
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -24,6 +25,8 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from eyas.errors import EyasError
+
+glob_escape = glob.escape
 
 MARKER = ".eyas-output"
 """File eyas writes into every output directory it creates; only such directories are replaced."""
@@ -82,6 +85,9 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{glob_escape(final.name)}.*.tmp"):  # left by a killed earlier run
+        if stale.is_dir() and (stale / MARKER).is_file():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
         write_marker(tmp, kind=kind)

@@ -54,10 +54,15 @@ def regenerate(
         raise EyasError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}")
     check_device(device)
     server_url = [check_url(u, option="--server-url") for u in (server_url or [])]
-    return run(RegenConfig(
+    summary = run(RegenConfig(
         out=out, source=source, target=target, engine=engine, max_new_tokens=max_new_tokens, max_turns=max_turns,
         max_len=max_len, temperature=temperature, top_p=top_p, seed=seed, limit=limit, hf_split=hf_split,
         batch_size=batch_size, lanes=lanes, device=device, dtype=dtype, continue_after_truncated=continue_after_truncated,
         overwrite=overwrite, server_urls=list(server_url or []), server_model=server_model, concurrency=concurrency,
         retries=retries, request_timeout=request_timeout,
     ))
+    if summary.get("conversations") and not summary.get("written"):  # nothing usable must not look like success
+        reasons = ", ".join(f"{k}: {v}" for k, v in (summary.get("skipped") or {}).items()) or "none recorded"
+        raise EyasError(f"--source {source}: none of its {summary['conversations']} conversations could be regenerated "
+                        f"(skipped: {reasons}); it needs user turns followed by assistant turns. {out} holds no chats")
+    return summary
