@@ -29,7 +29,6 @@ import torch
 from torch import nn
 
 from eyas.common import log
-from eyas.config_checks import check_device
 from eyas.errors import EyasError
 
 
@@ -101,7 +100,7 @@ class TrainConfig:
 
     def __post_init__(self):
         from eyas.common import check_out_path, require_owned
-        from eyas.config_checks import check_choice, check_number
+        from eyas.config_checks import check_choice, check_device, check_number
 
         if (self.store is None) == (self.data is None):
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
@@ -121,7 +120,7 @@ class TrainConfig:
         check_number(self, "save_every", ge=0)
         check_choice(self, "precision", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
-        check_device(self.device, option="--device")
+        check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
         for opt, p in (("--store", self.store), ("--data", self.data), ("--eval-store", self.eval_store)):
