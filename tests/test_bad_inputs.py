@@ -585,3 +585,14 @@ def test_regenerate_that_writes_nothing_is_an_error(tmp_path, tiny_target_dir):
               "--max-new-tokens", "2"])
     assert r.exit_code == 2, r.stderr
     assert "none of its 2 conversations could be regenerated (skipped: no_assistant_turn: 2)" in r.stderr
+
+
+@pytest.mark.parametrize("name,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.float8_e4m3fn)])
+def test_raw_finite_bit_test_agrees_with_torch(name, dtype):
+    from eyas.store.reader import _all_finite
+
+    for v in (float("nan"), float("inf"), -float("inf"), 448.0, -0.0, 1e-30, 3.0e38):
+        x = torch.zeros(16)
+        x[5] = v
+        y = x.to(dtype)
+        assert _all_finite(y.view(torch.uint8).numpy(), name) == bool(torch.isfinite(y.float()).all()), (name, v)

@@ -144,11 +144,7 @@ class StoreReader:
                 raise EyasError(f"store {self.path}: sample {sample_id} fails its checksum (shard "
                                 f"{self.manifest['shards'][rec['shard']]['name']}): the data are corrupt; run "
                                 f"`eyas verify --store {self.path}` and capture the bad samples again")
-        hidden, scale = self.raw(sample_id)
-        sd = DTYPES[self.dtype]
-        ok = bool(torch.isfinite(hidden.float() if sd.scaled else hidden).all())
-        if scale is not None:
-            ok &= bool(torch.isfinite(scale).all())
+        ok = _all_finite(hidden_u8, self.dtype) and (scale_u8 is None or _all_finite(scale_u8, "fp32"))
         if not ok:
             raise EyasError(f"store {self.path}: sample {sample_id} holds NaN/Inf hidden states; training on it would "
                             f"make the drafter NaN. Run `eyas verify --store {self.path}` and capture it again")
@@ -158,6 +154,20 @@ class StoreReader:
         """(aux_TAD, final_TD) of one sample in `dtype`; aux slots follow `aux_layer_ids`."""
         hidden = self.get_hidden(sample_id, dtype)
         return hidden[:, :-1], hidden[:, -1]
+
+
+# exponent bits that mark NaN/Inf (all ones), per stored dtype: (view dtype, mask). fp8 e4m3fn has
+# no Inf, and its NaN is the all-ones exponent+mantissa pattern.
+_NONFINITE = {"bf16": (np.uint16, 0x7F80, 0x7F80), "fp32": (np.uint32, 0x7F800000, 0x7F800000),
+              "fp8": (np.uint8, 0x7F, 0x7F)}
+
+
+def _all_finite(raw_u8: np.ndarray, dtype: str) -> bool:
+    """No NaN/Inf in raw stored bytes, by a bit test on the exponent: a few times faster on the CPU
+    than torch.isfinite over bf16, which matters because training checks every sample once."""
+    view, mask, bad = _NONFINITE[dtype]
+    words = np.asarray(raw_u8).view(view)
+    return not bool(np.any((words & view(mask)) == view(bad)))
 
 
 _MANIFEST_FIELDS = {"dtype": str, "aux_layer_ids": list, "hidden_size": int, "samples": list, "shards": list}
