@@ -273,7 +273,8 @@ def test_unexpected_exception_is_one_line_exit_3_with_a_debug_hint(monkeypatch, 
     assert r.exit_code == 3
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in r.stderr
-    assert lines[0].startswith("internal error: RuntimeError: something unforeseen") and "EYAS_DEBUG=1" in lines[0]
+    assert lines[0].startswith("internal error: RuntimeError: something unforeseen (in `eyas prepare`)")
+    assert "EYAS_DEBUG=1" in lines[0]
     # with the debug switch the exception propagates (a traceback), by env var or flag
     r = _run(["prepare", "--out", bad["root"] / "guard"], env={"EYAS_DEBUG": "1"})
     assert isinstance(r.exception, RuntimeError)

@@ -66,7 +66,7 @@ def emit(summary: dict) -> None:
     print(json.dumps(summary, sort_keys=True, default=str), flush=True)
 
 
-def _contract(fn):
+def _contract(fn, name: str):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -98,7 +98,7 @@ def _contract(fn):
             if _debug():
                 raise
             msg = " ".join(str(exc).split())[:300]
-            print(f"internal error: {type(exc).__name__}: {msg} (in `eyas {fn.__name__}`). This is a bug or an input "
+            print(f"internal error: {type(exc).__name__}: {msg} (in `eyas {name}`). This is a bug or an input "
                   "eyas does not check yet; rerun with EYAS_DEBUG=1 (or `eyas --debug ...`) for the traceback and "
                   "report it", file=sys.stderr, flush=True)
             raise typer.Exit(INTERNAL_ERROR) from None
@@ -110,7 +110,7 @@ def _contract(fn):
 def _register() -> None:
     for name, module, func in COMMANDS:
         mod = importlib.import_module(f"eyas.commands.{module}")
-        app.command(name)(_contract(getattr(mod, func)))
+        app.command(name)(_contract(getattr(mod, func), name))
 
 
 _register()
