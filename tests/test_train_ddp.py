@@ -67,7 +67,7 @@ def test_two_processes_equal_one(world, tmp_path):  # noqa: F811
         for k in wa:
             torch.testing.assert_close(wb[k], wa[k], atol=1e-5, rtol=1e-4, msg=f"{other.name} {k}")
     # the DDP run's step-2 checkpoint, resumed by ONE process, reproduces step 3
-    (ddp / "checkpoints" / "step-000003.pt").unlink()
+    (ddp / "checkpoints" / "step-000003.safetensors").unlink()
     lines = (ddp / "metrics.jsonl").read_text().splitlines()
     (ddp / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= 2) + "\n")
     run(_cfg(world, ddp, data=world["prep"], steps=3, batch_size=2, resume="auto", overwrite=True))

@@ -113,16 +113,25 @@ def test_resume_reproduces_the_uninterrupted_run(world, tmp_path):
     run(_cfg(world, full, data=world["prep"], steps=5, batch_size=2, grad_accum=2, eval_every=0))
     part = tmp_path / "part"
     run(_cfg(world, part, data=world["prep"], steps=5, batch_size=2, grad_accum=2, save_every=2))
-    # simulate a crash after step 4's checkpoint: drop step 5's checkpoint, the final drafter and metrics
-    (part / "checkpoints" / "step-000005.pt").unlink()
+    # simulate a kill during step 5's checkpoint write: step 5's checkpoint is a torn temp file, no
+    # final drafter, and metrics.jsonl already holds step 5 (plus a torn line) that the resume must not repeat
+    ck5 = part / "checkpoints" / "step-000005.safetensors"
+    stale = part / "checkpoints" / ".step-000005.safetensors.abc123.tmp"
+    stale.write_bytes(ck5.read_bytes()[:100])
+    ck5.unlink()
     import shutil
 
     shutil.rmtree(part / "drafter")
-    lines = (part / "metrics.jsonl").read_text().splitlines()
-    (part / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= 4) + "\n")
+    with open(part / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')
     run(_cfg(world, part, data=world["prep"], steps=5, batch_size=2, grad_accum=2, resume="auto"))
+    assert not stale.exists()
     a, b = _train_records(full), _train_records(part)
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    # a rerun of the finished run reports the finished run's figures, not nulls
+    again = run(_cfg(world, part, data=world["prep"], steps=5, batch_size=2, grad_accum=2, resume="auto"))
+    assert again["final_loss"] == pytest.approx(b[-1]["loss"])
+    assert [r["step"] for r in _train_records(part)] == [1, 2, 3, 4, 5]
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
     assert a[-1]["loss"] < a[0]["loss"]  # it learns something

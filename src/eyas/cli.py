@@ -4,7 +4,10 @@ Each subcommand lives in eyas/commands/<name>.py as a typed function (its signat
 `typer.Option` help texts are the CLI) that returns a summary dict. This file registers them and
 applies the shared contract: the summary is printed as ONE JSON line, the last line of stdout;
 diagnostics and progress go to stderr; a user error (EyasError) prints `error: ...` on stderr and
-exits 2; a failed check (CheckFailed) prints its summary and exits 1.
+exits 2; a failed check (CheckFailed) prints its summary and exits 1. Any other exception is a
+bug or an unforeseen input: the guard prints one line naming it plus a hint, and exits 3 (set
+EYAS_DEBUG=1 or pass `eyas --debug ...` for the traceback). Exit 1 therefore always means "a check
+ran and failed", never "eyas crashed".
 
 Command modules import heavy libraries (torch, transformers) inside the function, so `eyas --help`
 stays fast.
@@ -15,6 +18,7 @@ from __future__ import annotations
 import functools
 import importlib
 import json
+import os
 import sys
 
 import typer
@@ -44,16 +48,26 @@ COMMANDS = [
 ]
 
 
+INTERNAL_ERROR = 3
+"""Exit status of an unexpected exception (exit 1 = a check failed, 2 = bad input)."""
+
+
 @app.callback()
-def _root() -> None:
+def _root(debug: bool = typer.Option(False, "--debug", help="Show the full traceback of an unexpected error.")) -> None:
     """Train EAGLE-3 draft models on verified target hidden states."""
+    if debug:
+        os.environ["EYAS_DEBUG"] = "1"
+
+
+def _debug() -> bool:
+    return os.environ.get("EYAS_DEBUG", "") not in ("", "0")
 
 
 def emit(summary: dict) -> None:
     print(json.dumps(summary, sort_keys=True, default=str), flush=True)
 
 
-def _contract(fn):
+def _contract(fn, name: str):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
@@ -65,6 +79,30 @@ def _contract(fn):
             print(f"check failed: {exc}", file=sys.stderr, flush=True)
             emit(exc.summary)
             raise typer.Exit(1) from None
+        except (typer.Exit, typer.Abort, SystemExit):
+            raise
+        except KeyboardInterrupt:
+            print("interrupted; rerun the same command to resume where it stopped", file=sys.stderr, flush=True)
+            raise typer.Exit(130) from None
+        except MemoryError:
+            print("error: out of memory; lower the batch size / --max-length or use a larger machine",
+                  file=sys.stderr, flush=True)
+            raise typer.Exit(INTERNAL_ERROR) from None
+        except OSError as exc:  # disk full, read-only filesystem, permissions: the environment, not a bug
+            if _debug():
+                raise
+            where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
+            print(f"error: {exc.strerror or exc}{where}; check free space and permissions, then rerun "
+                  "(the command resumes where it stopped)", file=sys.stderr, flush=True)
+            raise typer.Exit(2) from None
+        except Exception as exc:
+            if _debug():
+                raise
+            msg = " ".join(str(exc).split())[:300]
+            print(f"internal error: {type(exc).__name__}: {msg} (in `eyas {name}`). This is a bug or an input "
+                  "eyas does not check yet; rerun with EYAS_DEBUG=1 (or `eyas --debug ...`) for the traceback and "
+                  "report it", file=sys.stderr, flush=True)
+            raise typer.Exit(INTERNAL_ERROR) from None
         emit(summary if summary is not None else {})
 
     return wrapper
@@ -73,7 +111,7 @@ def _contract(fn):
 def _register() -> None:
     for name, module, func in COMMANDS:
         mod = importlib.import_module(f"eyas.commands.{module}")
-        app.command(name)(_contract(getattr(mod, func)))
+        app.command(name)(_contract(getattr(mod, func), name))
 
 
 _register()

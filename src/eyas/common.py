@@ -1,12 +1,19 @@
-"""Small helpers every stage uses: stderr logging, progress bars, atomic files, hashing.
+"""Small helpers every stage uses: stderr logging, progress bars, atomic files, hashing, and the
+checks that guard what eyas reads and writes.
 
 Results go to stdout as one JSON line (printed by the CLI); everything else goes to stderr so a
 pipeline can read the summary with `tail -n 1`.
+
+Ownership of outputs: every directory eyas creates as an output holds a marker file
+(`.eyas-output`, see `claim_output_dir`). `--overwrite` and resume only ever delete or rewrite a
+directory carrying the marker; a non-empty directory without it belongs to the user and is refused
+with its path named, so eyas never deletes or clobbers what it did not write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import glob
 import hashlib
 import json
 import os
@@ -16,6 +23,13 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterator
+
+from eyas.errors import EyasError
+
+glob_escape = glob.escape
+
+MARKER = ".eyas-output"
+"""File eyas writes into every output directory it creates; only such directories are replaced."""
 
 
 def log(msg: str) -> None:
@@ -63,7 +77,7 @@ def atomic_write_json(path: Path, obj: Any) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None = None) -> Iterator[Path]:
     """Yield a temporary sibling directory; on success rename it to `final`.
 
     A crash leaves only a `.tmp` sibling, never a half-written `final` that a later stage would
@@ -71,12 +85,17 @@ def atomic_directory(final: Path, *, overwrite: bool = False) -> Iterator[Path]:
     """
     final = Path(final)
     final.parent.mkdir(parents=True, exist_ok=True)
+    for stale in final.parent.glob(f".{glob_escape(final.name)}.*.tmp"):  # left by a killed earlier run
+        if stale.is_dir() and (stale / MARKER).is_file():
+            shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        write_marker(tmp, kind=kind)
         yield tmp
         if final.exists():
             if not overwrite:
                 raise FileExistsError(final)
+            require_owned(final, option="--overwrite", kind=kind)
             old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
             os.replace(final, old)
             os.replace(tmp, final)
@@ -107,3 +126,189 @@ def human_bytes(n: float) -> str:
             return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
         n /= 1000
     return f"{n:.1f} PB"
+
+
+# ----------------------------------------------------------------------------------------------
+# outputs: ownership marker, --out checks
+
+
+def write_marker(directory: Path, *, kind: str | None = None) -> None:
+    """Mark `directory` as created by eyas (idempotent)."""
+    path = Path(directory) / MARKER
+    if not path.exists():
+        path.write_text(json.dumps({"created_by": "eyas", "kind": kind}) + "\n")
+
+
+def marker_kind(directory: Path) -> str | None:
+    try:
+        return json.loads((Path(directory) / MARKER).read_text()).get("kind")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def is_owned(directory: Path) -> bool:
+    """True when `directory` carries eyas's marker (or is empty: nothing of the user's to lose)."""
+    d = Path(directory)
+    return (d / MARKER).is_file() or (d.is_dir() and not any(d.iterdir()))
+
+
+def require_owned(directory: Path, *, option: str = "--out", kind: str | None = None) -> None:
+    """Refuse to replace or write into a non-empty directory eyas did not create (or, with `kind`,
+    one eyas created for another stage: `regenerate --overwrite` must not delete a prepared dataset)."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise EyasError(f"{option} {d} is an existing file, not a directory: choose another path")
+    if d.is_dir() and not is_owned(d):
+        raise EyasError(f"{option}: {d} holds files eyas did not create (no {MARKER} marker); eyas never deletes or "
+                        "overwrites those: choose another --out, or move the directory away yourself")
+    found = marker_kind(d) if d.is_dir() else None
+    if kind is not None and found is not None and found != kind:
+        raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to replace it: "
+                        "choose another --out")
+
+
+def check_out_path(path: Path | None, *, option: str = "--out") -> None:
+    """Fail early (before any model loads) when `path` cannot become an output directory.
+
+    Refused: an existing file, a path under an existing file, and a location that is not writable
+    (permissions or a read-only filesystem).
+    """
+    if path is None:
+        return
+    p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise EyasError(f"{option} {p} is an existing file, not a directory: choose another path")
+    probe = p
+    while not probe.exists():
+        if probe.parent == probe:
+            break
+        probe = probe.parent
+    if probe.exists() and not probe.is_dir():
+        raise EyasError(f"{option} {p}: {probe} is a file, so no directory can be created under it")
+    if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
+        why = "a read-only filesystem" if _read_only_fs(probe) else "not writable by this user"
+        raise EyasError(f"{option} {p}: {probe} is {why}; choose a writable location")
+
+
+def _read_only_fs(path: Path) -> bool:
+    try:
+        return bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
+
+
+def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--out") -> Path:
+    """Check `path` (check_out_path + require_owned), create it and write the eyas marker."""
+    p = Path(path)
+    check_out_path(p, option=option)
+    require_owned(p, option=option)
+    try:
+        p.mkdir(parents=True, exist_ok=True)
+        write_marker(p, kind=kind)
+    except OSError as exc:
+        raise EyasError(f"{option} {p}: cannot create the output directory ({exc.strerror or exc})") from exc
+    return p
+
+
+def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | None = None) -> None:
+    """Delete an output directory eyas created (for stage `kind`); anything else is refused, path named."""
+    p = Path(path)
+    if not p.exists():
+        return
+    require_owned(p, option=option, kind=kind)
+    shutil.rmtree(p)
+
+
+# ----------------------------------------------------------------------------------------------
+# inputs
+
+
+def read_text_file(path: Path, *, what: str) -> str:
+    """A text input file read as UTF-8; binary or mis-encoded files are refused naming the byte offset."""
+    p = Path(path)
+    try:
+        data = p.read_bytes()
+    except IsADirectoryError:
+        raise EyasError(f"{what} {p} is a directory, expected a file") from None
+    except FileNotFoundError:
+        raise EyasError(f"{what} {p} does not exist") from None
+    except OSError as exc:
+        raise EyasError(f"{what} {p}: cannot read it ({exc.strerror or exc})") from exc
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EyasError(f"{what} {p} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+                        "convert it to UTF-8 JSON/JSONL") from None
+    if "\x00" in text:
+        raise EyasError(f"{what} {p} contains NUL bytes at offset {text.index(chr(0))}: it looks like a binary file, "
+                        "expected UTF-8 JSON/JSONL text")
+    return text.removeprefix("\ufeff")
+
+
+def iter_text_lines(path: Path, *, what: str) -> Iterator[str]:
+    """Lines of a UTF-8 text file, streamed and split on "\\n" only (never inside content holding
+    U+2028); a line that is not UTF-8 is refused naming the file and the line."""
+    p = Path(path)
+    try:
+        f = open(p, "rb")
+    except OSError as exc:
+        raise EyasError(f"{what} {p}: cannot read it ({exc.strerror or exc})") from exc
+    with f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise EyasError(f"{what} {p}: line {lineno} is not UTF-8 text (invalid byte 0x{raw[exc.start]:02x}); "
+                                "convert the file to UTF-8 JSONL") from None
+            if "\x00" in line:
+                raise EyasError(f"{what} {p}: line {lineno} holds NUL bytes: it looks like a binary file, "
+                                "expected UTF-8 JSONL text")
+            yield line.removeprefix("\ufeff") if lineno == 1 else line
+
+
+def check_safetensors_dir(directory: Path, *, what: str) -> None:
+    """Every *.safetensors file in `directory` has a well-formed header whose tensors fit in the file,
+    and config.json (when present) is a JSON object; refused naming the file otherwise. Reads headers
+    only, so a garbage or truncated weights file fails before any model loads."""
+    d = Path(directory)
+    cfg = d / "config.json"
+    if cfg.is_file():
+        try:
+            obj = json.loads(read_text_file(cfg, what=f"{what} config"))
+        except json.JSONDecodeError as exc:
+            raise EyasError(f"{what} {cfg}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(obj, dict):
+            raise EyasError(f"{what} {cfg}: expected a JSON object, got {type(obj).__name__}")
+    for f in sorted(d.glob("*.safetensors")):
+        size = f.stat().st_size
+        try:
+            with open(f, "rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                if size < 8 or n <= 1 or 8 + n > size or n > 100 << 20:
+                    raise ValueError("bad header length")
+                header = json.loads(fh.read(n))
+            if not isinstance(header, dict):
+                raise ValueError("header is not a JSON object")
+            end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+            if 8 + n + end > size:
+                raise ValueError(f"tensors need {8 + n + end} bytes, the file has {size} (truncated)")
+        except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
+            raise EyasError(f"{what} {f} is not a valid safetensors file ({exc}); it is damaged or not a weights "
+                            "file: write it again (train/export)") from None
+
+
+def require_finite(tensors: dict[str, Any], *, what: str, hint: str | None = None) -> None:
+    """Raise EyasError naming the first tensors holding NaN/Inf (floating tensors only)."""
+    import torch
+
+    bad = [k for k, t in tensors.items()
+           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    if bad:
+        hint = hint or ("nothing was saved. Training diverged or its input is corrupt: run `eyas verify` on the "
+                        "store, lower --lr, or resume from an earlier checkpoint")
+        raise EyasError(f"{what}: {len(bad)} tensor(s) hold NaN/Inf ({', '.join(bad[:4])}); {hint}")
+
+
+def disk_margin(job_bytes: int) -> int:
+    """Free space kept beyond a job's estimated size: 5% of the job, between 1 MiB and 1 GiB."""
+    return int(min(1 << 30, max(1 << 20, 0.05 * max(0, job_bytes))))

@@ -99,4 +99,32 @@ def resolve_target(target: str | os.PathLike) -> Path:
         raise EyasError(f"target `{target}` is not a directory: pass a local Hugging Face model directory or `default`")
     if not (path / "config.json").is_file():
         raise EyasError(f"target `{path}` has no config.json: it is not a Hugging Face model directory")
+    check_target_config(path)
     return path
+
+
+def check_target_config(path: Path) -> dict:
+    """The target's config.json must be a JSON object whose model_type this transformers knows."""
+    import json
+
+    from eyas.common import read_text_file
+
+    cfg_path = Path(path) / "config.json"
+    try:
+        cfg = json.loads(read_text_file(cfg_path, what="target config"))
+    except json.JSONDecodeError as exc:
+        raise EyasError(f"target config {cfg_path}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
+    if not isinstance(cfg, dict):
+        raise EyasError(f"target config {cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    model_type = cfg.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise EyasError(f"target config {cfg_path} has no `model_type`; it is not a Hugging Face model config")
+    if "auto_map" not in cfg:  # custom-code models name their own classes
+        from transformers import CONFIG_MAPPING
+
+        if model_type not in CONFIG_MAPPING:
+            import transformers
+
+            raise EyasError(f"target config {cfg_path}: model_type {model_type!r} is unknown to transformers "
+                            f"{transformers.__version__}; fix the config or upgrade transformers")
+    return cfg

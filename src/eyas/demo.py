@@ -14,13 +14,12 @@ not what a full run reaches (see benchmarks/RESULTS.md for that).
 
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from eyas.common import log
+from eyas.common import claim_output_dir, log, remove_owned_dir
 from eyas.errors import CheckFailed, EyasError
 
 
@@ -54,6 +53,15 @@ class DemoConfig:
         for name in ("chats", "max_length", "train_steps", "eval_questions", "max_new_tokens", "ttt_steps", "draft_vocab"):
             if getattr(self, name) < 1:
                 raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        from eyas.common import check_out_path, require_owned
+        from eyas.config_checks import check_device, check_number
+
+        check_number(self, "lr", gt=0)
+        if self.device not in ("cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise EyasError(f"--device must be cpu or cuda, got {self.device!r}")
+        check_device(self.device)
+        check_out_path(self.out)
+        require_owned(self.out, option="--overwrite" if self.overwrite else "--out")
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -65,9 +73,9 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from eyas.train.loop import TrainConfig, run as train
 
     out = Path(cfg.out)
-    if cfg.overwrite and out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True, exist_ok=True)
+    if cfg.overwrite:
+        remove_owned_dir(out)  # only a directory eyas created (its marker file); anything else is refused
+    claim_output_dir(out, kind="demo")
     times: dict[str, float] = {}
     results: dict[str, Any] = {}
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,11 +23,14 @@ import torch
 
 from eyas.capture.batching import make_batch, plan_batches
 from eyas.capture.pipeline import CapturePipeline
-from eyas.common import human_bytes, log, progress
+from eyas.common import check_out_path, human_bytes, is_owned, log, progress, require_owned, write_marker
+from eyas.config_checks import check_device, check_number
 from eyas.dtypes import resolve_device, to_dtype
 from eyas.errors import EyasError
 from eyas.store.format import HEADER_BYTES, stored_dtype
 from eyas.store.writer import StoreSpec, StoreWriter, check_free_space
+
+_DEVICE_OK = re.compile(r"^(cpu|cuda(:\d+)?)$").match
 
 MODEL_DTYPES = ("bf16", "fp32")  # names in eyas.dtypes; the store records the short one
 
@@ -70,9 +74,17 @@ class CaptureSettings:
             raise EyasError(f"--shard-bytes: {self.shard_bytes} must be positive")
         if self.limit is not None and self.limit <= 0:
             raise EyasError(f"--limit: {self.limit} must be positive")
-        if self.device == "auto":
-            raise EyasError("--device: `auto`; choose cpu or cuda[:K]")
-        resolve_device(self.device)
+        check_number(self, "queue_depth", ge=1)
+        if self.device == "auto" or not _DEVICE_OK(self.device):
+            raise EyasError(f"--device: `{self.device}`; choose cpu or cuda[:K]")
+        check_device(self.device)
+        if self.layers is not None and any(i < 0 for i in self.layers):
+            raise EyasError(f"--layers: layer ids must be >= 0, got {self.layers}")
+        if not Path(self.data).is_dir():
+            raise EyasError(f"--data {self.data} is not a directory; pass an `eyas prepare` output")
+        check_out_path(self.out)
+        if Path(self.out).is_dir() and not is_owned(self.out) and not (Path(self.out) / "manifest.json").is_file():
+            require_owned(self.out)
 
     @property
     def resolved_model_dtype(self) -> str:
@@ -155,6 +167,7 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
     n = ctx["n"]
     lengths = [int(x) for x in split.lengths[:n]]
     writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
+    write_marker(settings.out, kind="store")  # after the writer: it refuses a new store dir holding any file
     try:
         done = writer.committed_ids
         todo = [i for i in range(n) if split.ids[i] not in done]

@@ -39,9 +39,18 @@ def capture(
     from eyas.capture.run import CaptureSettings, parse_bytes, parse_layers, run_capture
     from eyas.errors import EyasError
 
+    from eyas.common import check_out_path
+    from eyas.config_checks import check_url
+
+    check_out_path(out)
     if backend == "sglang":
         if not url:
             raise EyasError("--backend sglang needs at least one --url of a running SGLang server (see docs/sglang.md)")
+        url = [check_url(u, option="--url") for u in url]
+        for name, value in (("--sglang-concurrency", sglang_concurrency), ("--sglang-max-retries", sglang_max_retries),
+                            ("--sglang-request-timeout", sglang_request_timeout), ("--sglang-dump-wait", sglang_dump_wait)):
+            if not value == value or value < (1 if name == "--sglang-concurrency" else 0):  # NaN or out of range
+                raise EyasError(f"{name} must be >= {1 if name == '--sglang-concurrency' else 0}, got {value}")
         from eyas.sglang.client import capture_from_sglang
 
         return capture_from_sglang(

@@ -19,7 +19,17 @@ def export(
     target_layers: Optional[int] = typer.Option(None, "--target-layers", help="Target layer count, only needed when a foreign drafter's config names no aux layer ids (the engines' default is then used)."),
 ) -> dict:
     """Export a drafter for serving, with the aux layer ids converted to the engine's convention."""
+    from eyas.common import check_out_path, check_safetensors_dir, require_owned
+    from eyas.config_checks import check_value
+    from eyas.errors import EyasError
     from eyas.export.formats import export_drafter
 
+    if not drafter.is_dir():
+        raise EyasError(f"--drafter {drafter} is not a directory (expected `eyas train`'s <out>/drafter)")
+    check_value(target_layers, "--target-layers", ge=1, optional=True)
+    check_out_path(out)
+    if overwrite:
+        require_owned(out, option="--overwrite")
+    check_safetensors_dir(drafter, what="--drafter")
     return export_drafter(drafter, format, out, overwrite=overwrite, dtype=dtype, verifier=verifier,
                           speculative_tokens=speculative_tokens, target_layers=target_layers)

@@ -34,12 +34,35 @@ def regenerate(
     request_timeout: float = typer.Option(600.0, "--request-timeout", help="Seconds to wait for one server answer."),
 ) -> dict:
     """Regenerate the assistant turns of a chat dataset with the target itself, turn by turn."""
+    from eyas.common import check_out_path, require_owned
+    from eyas.config_checks import check_device, check_url, check_value
+    from eyas.errors import EyasError
     from eyas.regen.run import RegenConfig, regenerate as run
 
-    return run(RegenConfig(
+    # numbers and paths are checked here, before any source is read or model loaded
+    check_out_path(out)
+    if overwrite:
+        require_owned(out, option="--overwrite", kind="regenerate")
+    check_value(max_new_tokens, "--max-new-tokens", ge=1)
+    check_value(max_turns, "--max-turns", ge=1, optional=True)
+    check_value(temperature, "--temperature", ge=0)
+    check_value(top_p, "--top-p", gt=0, le=1)
+    check_value(concurrency, "--concurrency", ge=1)
+    check_value(retries, "--retries", ge=0)
+    check_value(request_timeout, "--request-timeout", gt=0)
+    if device != "auto" and not device.startswith("cuda") and device != "cpu":
+        raise EyasError(f"--device must be auto, cpu, cuda or cuda:N; got {device!r}")
+    check_device(device)
+    server_url = [check_url(u, option="--server-url") for u in (server_url or [])]
+    summary = run(RegenConfig(
         out=out, source=source, target=target, engine=engine, max_new_tokens=max_new_tokens, max_turns=max_turns,
         max_len=max_len, temperature=temperature, top_p=top_p, seed=seed, limit=limit, hf_split=hf_split,
         batch_size=batch_size, attention=attention, device=device, dtype=dtype, continue_after_truncated=continue_after_truncated,
         overwrite=overwrite, server_urls=list(server_url or []), server_model=server_model, concurrency=concurrency,
         retries=retries, request_timeout=request_timeout,
     ))
+    if summary.get("conversations") and not summary.get("written"):  # nothing usable must not look like success
+        reasons = ", ".join(f"{k}: {v}" for k, v in (summary.get("skipped") or {}).items()) or "none recorded"
+        raise EyasError(f"--source {source}: none of its {summary['conversations']} conversations could be regenerated "
+                        f"(skipped: {reasons}); it needs user turns followed by assistant turns. {out} holds no chats")
+    return summary

@@ -17,6 +17,15 @@ def verify(
     data: Path = typer.Option(None, help="Prepared dataset directory if it moved since capture."),
 ) -> dict:
     """Check that every prepared sample is stored exactly once with the right numbers; exit 1 if not."""
+    from eyas.config_checks import check_device, check_value
+    from eyas.errors import EyasError
     from eyas.store.verify import verify_store
 
+    if not store.is_dir():
+        raise EyasError(f"--store {store} is not a directory (expected an `eyas capture` store)")
+    check_value(numbers, "--numbers", ge=0)
+    check_value(tolerance, "--tolerance", gt=0, optional=True)
+    if device == "auto":
+        raise EyasError("--device must be cpu or cuda[:K], got 'auto'")
+    check_device(device)
     return verify_store(store, numbers=numbers, seed=seed, tolerance=tolerance, device=device, target=target, data=data)

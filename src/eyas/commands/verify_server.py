@@ -35,10 +35,18 @@ def verify_server(
 
     import torch
 
+    from eyas.config_checks import check_device, check_in, check_url, check_value, parse_int_list
     from eyas.errors import CheckFailed, EyasError
     from eyas.sglang.client import capture_one, preflight
 
-    layer_ids = [int(x) for x in layers.split(",")] if layers else None
+    # every option is checked before the first request
+    url = check_url(url, option="--url")
+    layer_ids = parse_int_list(layers, option="--layers", min_value=0)
+    check_in(cache_bypass, "--sglang-cache-bypass", ("auto", "salt", "logprob", "none"))
+    check_value(prompt_tokens, "--prompt-tokens", ge=8, optional=True)
+    check_value(tolerance, "--tolerance", gt=0, optional=True)
+    check_value(dump_wait_s, "--dump-wait", ge=0)
+    check_device(device)
     plan = preflight(url, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir)
     layer_ids = [int(i) for i in plan.status["layer_ids"]]
     model_info = plan.status.get("model", {})

@@ -67,6 +67,17 @@ class PrepareConfig:
             raise EyasError(f"--truncated-answers must be keep, mask or drop, got {self.truncated_answers!r}")
         if self.limit is not None and self.limit < 1:
             raise EyasError(f"--limit must be >= 1, got {self.limit}")
+        from eyas.common import check_out_path, require_owned
+        from eyas.config_checks import check_number
+
+        check_number(self, "eval_fraction", ge=0, lt=1)
+        check_number(self, "aux_layers", ge=1)
+        check_out_path(self.out)
+        if self.overwrite:
+            require_owned(self.out, option="--overwrite", kind="prepare")
+        if self.source != "sharegpt" and not Path(self.source).expanduser().exists():
+            raise EyasError(f"--source {self.source} does not exist (expected `sharegpt`, a .json/.jsonl file or a "
+                            "dataset directory)")
 
 
 def is_eval(sample_id: str, fraction: float, seed: int) -> bool:

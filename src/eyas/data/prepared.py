@@ -78,7 +78,7 @@ def write_prepared(
     meta["schema"] = SCHEMA
     meta["splits"] = {}
     seen: set[str] = set()
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, kind="prepare") as tmp:
         for name, samples in splits.items():
             packed = pack(samples)
             dup = seen.intersection(packed["names"])

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Iterator
 
+from eyas.common import iter_text_lines, read_text_file
 from eyas.errors import EyasError
 
 ROLE_MAP = {
@@ -68,7 +69,7 @@ class SourceInfo:
 
 def read_json_records(path: Path, info: SourceInfo) -> Iterator[Any]:
     """Yield the elements of a top-level JSON array, tolerating a file cut off mid-record."""
-    text = path.read_text(encoding="utf-8")
+    text = read_text_file(path, what="chat source")
     decoder = json.JSONDecoder()
     pos = _skip_ws(text, 0)
     if pos >= len(text) or text[pos] != "[":
@@ -140,10 +141,9 @@ def parse_jsonl(lines: Iterable[str], where: str | Path) -> Iterator[tuple[int, 
 
 def read_jsonl_records(path: Path, info: SourceInfo) -> Iterator[Any]:
     # File iteration splits on newlines only, never inside content holding U+2028 or \x85.
-    with open(path, encoding="utf-8") as f:
-        for _, record in parse_jsonl(f, path):
-            info.records += 1
-            yield record
+    for _, record in parse_jsonl(iter_text_lines(path, what="chat source"), path):
+        info.records += 1
+        yield record
 
 
 def read_eyas_chats(path: Path, info: SourceInfo) -> Iterator[Any]:
@@ -158,7 +158,11 @@ def read_eyas_chats(path: Path, info: SourceInfo) -> Iterator[Any]:
         info.notes.append(f"{path} is an unfinished `eyas regenerate` run: reading its {committed} committed bytes")
     data = (path / "chats.jsonl").read_bytes()[:committed]
     # Split on "\n" only: str.splitlines() would also split inside content holding U+2028 or \x85.
-    for _, record in parse_jsonl(data.decode("utf-8").split("\n"), path / "chats.jsonl"):
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise EyasError(f"{path / 'chats.jsonl'}: not UTF-8 text (invalid byte at offset {exc.start}); the file is damaged") from None
+    for _, record in parse_jsonl(text.split("\n"), path / "chats.jsonl"):
         info.records += 1
         yield record
 

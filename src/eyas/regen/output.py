@@ -20,13 +20,12 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from eyas.common import atomic_write_json, fsync_dir
+from eyas.common import atomic_write_json, claim_output_dir, fsync_dir, remove_owned_dir
 from eyas.errors import EyasError
 
 SCHEMA = "eyas.chats/1"
@@ -63,13 +62,13 @@ class ChatsWriter:
         if self.out.exists() and overwrite and any(self.out.iterdir()):
             if not meta_path.is_file():  # never delete a directory that is not ours
                 raise EyasError(f"--overwrite: {self.out} is not a regenerate output (no meta.json); refusing to delete it")
-            shutil.rmtree(self.out)
+            remove_owned_dir(self.out, kind="regenerate")  # only what eyas's regenerate created (its marker)
         if self.out.exists() and any(self.out.iterdir()):
             if not meta_path.is_file():
                 raise EyasError(f"--out {self.out} exists and is not a regenerate output (no meta.json); choose a new directory")
             self._resume(json.loads(meta_path.read_text()))
         else:
-            self.out.mkdir(parents=True, exist_ok=True)
+            claim_output_dir(self.out, kind="regenerate")
             for name in (CHATS, DONE):
                 (self.out / name).touch()
             self.committed = {"chats_bytes": 0, "done_bytes": 0}

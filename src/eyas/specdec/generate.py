@@ -53,16 +53,16 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[Conversation]
         path = Path(source)
         if not path.is_file():
             raise EyasError(f"--prompts {source}: not a file and not 'mtbench'")
+    from eyas.common import iter_text_lines
     from eyas.data.sources import parse_jsonl
 
     convs = []
-    with open(path, encoding="utf-8") as f:
-        records = list(parse_jsonl(f, f"--prompts {path}"))
+    records = list(parse_jsonl(iter_text_lines(path, what="--prompts"), f"--prompts {path}"))
     for n, rec in records:
         turns = rec.get("turns") if isinstance(rec, dict) else None
         if turns is None and isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             turns = [rec["prompt"]]
-        if not turns or not all(isinstance(t, str) and t for t in turns):
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
             raise EyasError(f"--prompts {path}:{n}: needs \"turns\": [str, ...] or \"prompt\": str")
         cid = rec.get("question_id", rec.get("id", n))
         category = rec.get("category")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import log
+from eyas.common import log, require_finite
 from eyas.capture.batching import plan_batches
 from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import EyasError
@@ -69,6 +69,19 @@ class EvalConfig:
             raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
         if self.dtype != "auto":
             to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
+        from eyas.config_checks import check_device, check_number
+
+        for name in ("tree_topk", "tree_tokens"):
+            check_number(self, name, ge=1)
+        check_device(self.device)
+        if not Path(self.drafter).is_dir():
+            raise EyasError(f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
+                            "`eyas export` directory)")
+        from eyas.common import check_safetensors_dir
+
+        check_safetensors_dir(Path(self.drafter), what="--drafter")
+        if self.prompts != "mtbench" and not Path(self.prompts).is_file():
+            raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
 
     def modes(self) -> dict[str, TreeConfig]:
         out = {}
@@ -172,15 +185,18 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
     modes = cfg.modes()
     t0 = time.perf_counter()
+    convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
+    # NaN/Inf weights would draft garbage that is never accepted: tau 1.000 that looks like a result
+    require_finite(ckpt.weights, what=f"--drafter {cfg.drafter}",
+                   hint="its training diverged or the file is damaged; evaluate another drafter or retrain")
     spec = ckpt.config
     for name, tree in modes.items():
         if tree.topk > spec.draft_vocab_size:
             raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens")
-    convs = load_prompts(cfg.prompts, limit=cfg.limit)
     timings["load_s"] = time.perf_counter() - t0
     log(f"eval: drafter {cfg.drafter} ({ckpt.provenance.format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
         f"{len(convs)} conversations, device {device} {str(dtype).replace('torch.', '')}")
@@ -245,12 +261,16 @@ def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) ->
     from eyas.common import atomic_directory
     from eyas.specdec.report import write_report
 
+    from eyas.common import check_out_path, require_owned
+
     out = Path(out)
+    check_out_path(out)
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise EyasError(f"--out {out} already exists and is not empty: pass --overwrite to replace it, or choose another --out")
+    require_owned(out, option="--overwrite" if overwrite else "--out", kind="eval")
     cfg.modes()  # validates the tree options before any work
     report, records = run_eval(cfg)
-    with atomic_directory(out, overwrite=True) as tmp:  # never a half-written report
+    with atomic_directory(out, overwrite=True, kind="eval") as tmp:  # never a half-written report
         write_report(tmp, report, records)
     summary = {"out": str(out), "sequences": report["generation"]["sequences"],
                "generated_tokens": report["generation"]["generated_tokens"], "timings": report["timings"]}

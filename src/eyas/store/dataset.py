@@ -6,6 +6,9 @@ Token ids come from the prepared dataset (path recorded in the manifest, or `pre
 split fingerprint must equal the one recorded at capture: hidden states of other tokens would train
 the drafter on garbage, so a changed dataset is refused, not patched over. Reads are memory-mapped,
 so DataLoader workers share the page cache and a sample costs only its own bytes.
+
+Training refuses corrupt data: a sample listed twice in the manifest is refused here, and each
+sample's checksum and finiteness are checked the first time it is read (StoreReader verify_reads).
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ class HiddenStateDataset(torch.utils.data.Dataset):
                  dtype: torch.dtype = torch.bfloat16):
         from eyas.data.prepared import PreparedDataset
 
-        self.store = StoreReader(store_path)
+        self.store = StoreReader(store_path, verify_reads=True)
+        seen: set[str] = set()
+        dups = [sid for sid in self.store.sample_ids if sid in seen or seen.add(sid)]
+        if dups:
+            raise EyasError(f"store {store_path} lists {len(dups)} sample(s) more than once (first: {dups[0]}); "
+                            f"training would weight them twice. Run `eyas verify --store {store_path}` and capture again")
         self.dtype = dtype
         prep = self.store.manifest.get("prepared") or {}
         if split is not None and prep.get("split") not in (None, split):

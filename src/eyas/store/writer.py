@@ -38,7 +38,7 @@ from typing import Any, Sequence
 
 import torch
 
-from eyas.common import atomic_write_bytes, fsync_dir, human_bytes, log
+from eyas.common import atomic_write_bytes, disk_margin, fsync_dir, human_bytes, log
 from eyas.errors import EyasError
 from eyas.store.format import (
     CHECKSUM, HEADER_BYTES, MANIFEST, SCHEMA, bytes_per_token, encode_rows, shard_header, stored_dtype,
@@ -122,12 +122,13 @@ def manifest_bytes(manifest: dict[str, Any], lines: dict[str, list[str]] | None 
 
 
 def check_free_space(path: Path, need_bytes: int, *, what: str) -> dict[str, int]:
-    """Refuse with the figures when the file system holding `path` has less than need + 1% + 64 MB."""
+    """Refuse with the figures when the file system holding `path` has less than need + a margin that
+    scales with the job (common.disk_margin: 5%, at least 1 MiB, at most 1 GiB)."""
     probe = path if path.exists() else path.parent
     while not probe.exists():
         probe = probe.parent
     free = shutil.disk_usage(probe).free
-    margin = need_bytes // 100 + (64 << 20)
+    margin = disk_margin(need_bytes)
     if need_bytes + margin > free:
         raise EyasError(
             f"not enough disk space for {what} at {path}: needs about {human_bytes(need_bytes)} "

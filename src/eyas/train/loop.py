@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -107,21 +108,38 @@ class TrainConfig:
     """Allow an --out that already holds a finished run."""
 
     def __post_init__(self):
+        from eyas.common import check_out_path, require_owned
+        from eyas.config_checks import check_choice, check_device, check_number
+
         if (self.store is None) == (self.data is None):
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
         for name in ("batch_size", "grad_accum", "max_length", "eval_samples"):
-            if getattr(self, name) < 1:
-                raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
-        if self.steps is not None and self.steps < 1:
-            raise EyasError(f"--steps must be >= 1, got {self.steps}")
-        if self.epochs <= 0:
-            raise EyasError(f"--epochs must be > 0, got {self.epochs}")
-        if self.lr <= 0:
-            raise EyasError(f"--lr must be > 0, got {self.lr}")
-        if self.precision not in ("auto", "bf16", "fp32"):
-            raise EyasError(f"--precision must be auto, bf16 or fp32, got {self.precision!r}")
-        if self.ttt_steps < 1:
-            raise EyasError(f"--ttt-steps must be >= 1, got {self.ttt_steps}")
+            check_number(self, name, ge=1)
+        check_number(self, "steps", ge=1, optional=True)
+        check_number(self, "epochs", gt=0)
+        check_number(self, "lr", gt=0)
+        check_number(self, "min_lr_ratio", ge=0, le=1)
+        check_number(self, "warmup_steps", ge=0, optional=True)
+        check_number(self, "weight_decay", ge=0)
+        check_number(self, "grad_clip", ge=0)
+        check_number(self, "ttt_steps", ge=1)
+        check_number(self, "ttt_decay", gt=0, le=1)
+        check_number(self, "draft_vocab", ge=1, optional=True)
+        check_number(self, "eval_every", ge=0)
+        check_number(self, "save_every", ge=0)
+        check_choice(self, "precision", ("auto", "bf16", "fp32"))
+        check_choice(self, "attention", ("fast", "reference"))
+        check_device(self.device)
+        if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
+            raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
+        for opt, p in (("--store", self.store), ("--data", self.data), ("--eval-store", self.eval_store)):
+            if p is not None and not Path(p).is_dir():
+                raise EyasError(f"{opt} {p} is not a directory (expected an eyas {opt[2:].replace('-', ' ')})")
+        if self.resume not in (None, "auto") and not Path(self.resume).is_file():
+            raise EyasError(f"--resume {self.resume}: no such checkpoint file (or pass `--resume auto`)")
+        check_out_path(self.out)
+        require_owned(self.out)
+        check_number(self, "tokens_per_batch", ge=1, optional=True)
         if self.tokens_per_batch is not None and self.tokens_per_batch < self.max_length:
             raise EyasError(f"--tokens-per-batch must be >= --max-length ({self.max_length}) so every sample fits "
                             f"in a row, got {self.tokens_per_batch}")
@@ -385,11 +403,11 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     # -- 8. loop ---------------------------------------------------------------------------------
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=d.is_main, append=start > 0)
-    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else _Null()
+    amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else nullcontext()
     world_scale = float(d.world)  # DDP/FSDP average gradients; our loss is already a global mean
     t_run, tok_run, sup_run, pad_run, target_run = time.perf_counter(), 0, 0, 0, 0.0
-    last: dict[str, Any] = {}
-    evals: list[dict] = []
+    done_last, evals = metrics.last() if start > 0 else (None, [])  # a finished run's rerun reports its figures
+    last: dict[str, Any] = done_last or {}
 
     def forward_batch(batch, denoms):
         with amp:
@@ -412,7 +430,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         for m, idx in enumerate(micro):
             batch = prefetch.next_batch()
             sync = m == len(micro) - 1
-            ctx = module.no_sync() if (d.enabled and not cfg.fsdp and not sync) else _Null()
+            ctx = module.no_sync() if (d.enabled and not cfg.fsdp and not sync) else nullcontext()
             if cfg.fsdp:
                 module.set_requires_gradient_sync(sync)
             with ctx:
@@ -464,7 +482,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 log(f"eval  {step + 1:05d} | loss {ev['loss']:.3f} | acc "
                     + " ".join(f"{a:.2f}" for a in ev["acc_per_step"]) + f" | tau {ev['acceptance_length']:.2f}")
         if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
-            p = ck.save_checkpoint(ckdir / f"step-{step + 1:06d}.pt", model=module, optimizer=opt, scheduler=sched,
+            p = ck.save_checkpoint(ckdir / f"step-{step + 1:06d}.safetensors", model=module, optimizer=opt, scheduler=sched,
                                    step=step + 1, identity=identity, extra={"world": d.world}, is_main=d.is_main)
             if p is not None:
                 log(f"checkpoint {p}")
@@ -475,6 +493,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     model_sd, _ = ck.full_state(module, opt)
     summary: dict[str, Any] = {}
     if d.is_main:
+        from eyas.common import require_finite
+
+        require_finite(dict(model_sd), what="the final drafter")
         final = Eagle3Drafter(dcfg)
         final.load_state_dict({k.removeprefix("drafter."): v for k, v in model_sd.items()})
         final.save(final_dir, target={**target_id, "tokenizer_hash": tok_hash},
@@ -603,11 +624,3 @@ def _clip(module, params, max_norm: float) -> float:
         return float(n.full_tensor() if hasattr(n, "full_tensor") else n)  # FSDP2 returns a DTensor
     grads = [p.grad for p in params if p.grad is not None]
     return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
-
-
-class _Null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *a):
-        return False
