@@ -16,6 +16,8 @@ case "$part" in
 a)  # staging (1/2) + drafter training, 8B shape, with SpecForge in the same process
     cp .stage/a/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
     python benchmarks/train_bench.py 2>&1 | tee $OUT/train_8b.log | grep -v warmup
+    python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-reference --no-specforge 2>&1 \
+        | tee $OUT/train_smolshape.log | grep -v warmup | tail -4
     ;;
 b)  # staging (2/2): SmolLM2 from its GGUF, prepared chats; regeneration benchmark
     cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/SmolLM2-135M-Instruct.Q4_1.gguf && md5sum $S/*.gguf
