@@ -12,12 +12,31 @@ from __future__ import annotations
 
 import math
 import re
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any, Iterable
 from urllib.parse import urlparse
 
 from eyas.errors import EyasError
 
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|cuda(:\d+)?)$")
+_INPUTS_LATER: ContextVar[bool] = ContextVar("eyas_inputs_later", default=False)
+
+
+@contextmanager
+def inputs_made_later():
+    """Build configs whose input paths an earlier stage will create (`eyas pipeline`): the checks
+    that those inputs exist are skipped; every other option check still runs."""
+    token = _INPUTS_LATER.set(True)
+    try:
+        yield
+    finally:
+        _INPUTS_LATER.reset(token)
+
+
+def input_must_exist() -> bool:
+    """False inside `inputs_made_later()`."""
+    return not _INPUTS_LATER.get()
 
 
 def option_name(field: str) -> str:

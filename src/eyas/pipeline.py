@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from eyas.common import atomic_write_json, log
+from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 
 SCHEMA = "eyas.pipeline/1"
@@ -238,7 +239,8 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         # paths the pipeline chose stay out of fingerprints: moving a workdir reruns nothing
         auto[stage] = {k for k in kw if k not in given and k in ("out", "data", "drafter", "source", "resume")}
         try:
-            cfgs[stage] = cls(**kw)
+            with inputs_made_later():  # earlier stages write these stages' inputs
+                cfgs[stage] = cls(**kw)
             if stage == "eval":
                 cfgs[stage].modes()
         except EyasError as exc:

@@ -75,7 +75,9 @@ class PrepareConfig:
         check_out_path(self.out)
         if self.overwrite:
             require_owned(self.out, option="--overwrite", kind="prepare")
-        if self.source != "sharegpt" and not Path(self.source).expanduser().exists():
+        from eyas.config_checks import input_must_exist
+
+        if self.source != "sharegpt" and input_must_exist() and not Path(self.source).expanduser().exists():
             raise EyasError(f"--source {self.source} does not exist (expected `sharegpt`, a .json/.jsonl file or a "
                             "dataset directory)")
 

@@ -25,8 +25,8 @@ def vocab_maps(used_V: torch.Tensor, vocab_size: int) -> tuple[torch.Tensor, tor
     """The one derivation of the engines' maps from the draft vocabulary's target ids (ascending):
     d2t [V] int64 offsets (target = draft + d2t[draft]) and t2d [Vt] bool membership. CPU tensors."""
     used = torch.as_tensor(used_V, dtype=torch.int64).cpu()
-    d2t = used - torch.arange(used.numel(), dtype=torch.int64)
-    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    d2t = used - torch.arange(used.numel(), dtype=torch.int64, device="cpu")  # explicit: callers may run under
+    t2d = torch.zeros(vocab_size, dtype=torch.bool, device="cpu")  # a `with torch.device("cuda")` context
     t2d[used] = True
     return d2t, t2d
 

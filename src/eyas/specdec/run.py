@@ -74,14 +74,18 @@ class EvalConfig:
         for name in ("tree_topk", "tree_tokens"):
             check_number(self, name, ge=1)
         check_device(self.device)
+        if self.prompts != "mtbench" and not Path(self.prompts).is_file():
+            raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
+        from eyas.config_checks import input_must_exist
+
+        if not input_must_exist():  # `eyas pipeline`: the drafter is trained by an earlier stage
+            return
         if not Path(self.drafter).is_dir():
             raise EyasError(f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
                             "`eyas export` directory)")
         from eyas.common import check_safetensors_dir
 
         check_safetensors_dir(Path(self.drafter), what="--drafter")
-        if self.prompts != "mtbench" and not Path(self.prompts).is_file():
-            raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
 
     def modes(self) -> dict[str, TreeConfig]:
         out = {}

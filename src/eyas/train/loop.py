@@ -109,7 +109,7 @@ class TrainConfig:
 
     def __post_init__(self):
         from eyas.common import check_out_path, require_owned
-        from eyas.config_checks import check_choice, check_device, check_number
+        from eyas.config_checks import check_choice, check_device, check_number, input_must_exist
 
         if (self.store is None) == (self.data is None):
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
@@ -133,7 +133,7 @@ class TrainConfig:
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
         for opt, p in (("--store", self.store), ("--data", self.data), ("--eval-store", self.eval_store)):
-            if p is not None and not Path(p).is_dir():
+            if p is not None and input_must_exist() and not Path(p).is_dir():
                 raise EyasError(f"{opt} {p} is not a directory (expected an eyas {opt[2:].replace('-', ' ')})")
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
             raise EyasError(f"--resume {self.resume}: no such checkpoint file (or pass `--resume auto`)")
