@@ -107,7 +107,7 @@ def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float
 
 
 def prune_checkpoints(work: Path) -> None:
-    cks = sorted((work / "train" / "checkpoints").glob("step-*.pt"))
+    cks = sorted((work / "train" / "checkpoints").glob("step-*.safetensors"))
     for p in cks[:-1]:
         p.unlink()
 

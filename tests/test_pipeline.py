@@ -55,7 +55,7 @@ def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, ti
     assert (work / "prepared" / "meta.json").stat().st_mtime_ns == mtime
     assert json.loads((work / "train" / "stage.json").read_text())["options"]["lr"] == 2e-3
     # the old run's checkpoints were cleared, not resumed from (a resume would have skipped every step)
-    assert len(list((work / "train" / "checkpoints").glob("*.pt"))) == 1
+    assert len(list((work / "train" / "checkpoints").glob("*.safetensors"))) == 1
 
 
 @pytest.mark.parametrize("extra, needle", [

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.common import atomic_write_json, log
+from eyas.common import atomic_write_json, log, write_marker
 from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 
@@ -296,6 +296,7 @@ def read_record(directory: Path) -> dict[str, Any] | None:
 
 def write_record(directory: Path, **rec: Any) -> None:
     directory.mkdir(parents=True, exist_ok=True)
+    write_marker(directory)  # eyas made this directory: the stage's own command may write into it
     atomic_write_json(directory / "stage.json", _jsonable({"schema": STAGE_SCHEMA, **rec}))
 
 
