@@ -129,11 +129,13 @@ def test_shipped_recipes_name_only_real_options(tmp_path):
     """Every key of both recipes is a field of its stage's config (a renamed option breaks here, not on a GPU)."""
     from eyas.pipeline import load_config
 
-    gpu = load_config(RECIPES / "smollm2-gpu.toml", workdir=tmp_path / "g")
+    # device=cpu: CI has no GPU, and `cuda` is refused where CUDA is missing (checked elsewhere)
+    gpu = load_config(RECIPES / "smollm2-gpu.toml", workdir=tmp_path / "g", overrides=["device=\"cpu\""])
     st = gpu["stages"]
     assert list(st) == ["regenerate", "prepare", "train", "eval", "export"]
     assert (st["regenerate"].max_turns, st["regenerate"].max_new_tokens) == (2, 512)
     assert (st["train"].ttt_steps, st["train"].draft_vocab, str(st["train"].data)) == (7, 32000, str(tmp_path / "g" / "prepared"))
+    assert st["train"].tokens_per_batch == 65536
     assert st["prepare"].source == str(tmp_path / "g" / "regenerate" / "chats.jsonl")
     assert (st["eval"].prompts, st["eval"].chain_k, st["eval"].tree_tokens) == ("mtbench", 7, 60)
     assert st["export"].formats == ["sglang", "vllm"]
