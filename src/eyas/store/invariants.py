@@ -214,26 +214,30 @@ class SampleFindings:
 
 
 def sample_rates(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
-                 sample_key: str) -> dict[str, tuple[int, int]]:
-    """token[slot], next and align[pair] pass counts of one sample."""
+                 sample_key: str, start: int = 0) -> dict[str, tuple[int, int]]:
+    """token[slot], next and align[pair] pass counts of one sample, over positions >= `start`.
+
+    The shared prefix (checked exactly by `prefix`) is left out: rows copied from another sample
+    with the same chat template agree there, and counting them would dilute the evidence.
+    """
     t = ids_T.shape[0]
     rates: dict[str, tuple[int, int]] = {}
-    if t < 3:
+    if t - start < 3:
         return rates
     seed = zlib.crc32(sample_key.encode())
     vocab = parts.embed_VD.shape[0]
     a = hidden_TLD.shape[1] - 1
     rivals = _candidates_TK(ids_T, vocab, seed, offset=0)
     for slot in range(a):
-        ok = _rank_passes(_centred(hidden_TLD[:, slot]), parts.embed_VD, ids_T, rivals, cosine=True)
-        rates[f"token {slot_names[slot]}"] = (int(ok.sum()), t)
+        ok = _rank_passes(_centred(hidden_TLD[:, slot]), parts.embed_VD, ids_T, rivals, cosine=True)[start:]
+        rates[f"token {slot_names[slot]}"] = (int(ok.sum()), ok.numel())
     if parts.lm_head_VD is not None:
         rivals_next = _candidates_TK(ids_T, vocab, seed + 1, offset=1)[:-1]
-        ok = _rank_passes(hidden_TLD[:-1, a], parts.lm_head_VD, ids_T[1:], rivals_next, cosine=False)
-        rates["next final"] = (int(ok.sum()), t - 1)
+        ok = _rank_passes(hidden_TLD[:-1, a], parts.lm_head_VD, ids_T[1:], rivals_next, cosine=False)[start:]
+        rates["next final"] = (int(ok.sum()), ok.numel())
     for slot in range(a):
-        ok = _align_passes(hidden_TLD[:, slot], hidden_TLD[:, slot + 1])
-        rates[f"align {slot_names[slot]} -> {slot_names[slot + 1]}"] = (int(ok.sum()), t - 2)
+        ok = _align_passes(hidden_TLD[:, slot], hidden_TLD[:, slot + 1])[max(start - 1, 0):]  # entry i is position i + 1
+        rates[f"align {slot_names[slot]} -> {slot_names[slot + 1]}"] = (int(ok.sum()), ok.numel())
     return rates
 
 
@@ -372,7 +376,7 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
                 fails.append(f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
                              "(a post-norm state has ~1): the final slot is not the final norm's output")
             lap("final_norm")
-        rates[sid] = sample_rates(parts, ids_T, h, slot_names=names, sample_key=sid)
+        rates[sid] = sample_rates(parts, ids_T, h, slot_names=names, sample_key=sid, start=ref.shape[0])
         lap("rates")
         if fails:
             failures[sid] = fails
