@@ -17,8 +17,8 @@ Three checks, in this order:
   `eyas.target.reference_hidden_states` (unbatched, no padding, `output_hidden_states` of the full
   causal LM, eager) and compare every stored slot token by token: err_t = ||stored_t - ref_t|| /
   ||ref_t||. A sample fails when its worst err_t exceeds the tolerance. The report gives the
-  probability that k bad samples (placed at random among those the invariants passed) would all
-  have been missed by the subset.
+  probability that k bad samples (placed at random in the store) would all have been missed by
+  the subset.
 
 Before the target loads, its identity is checked against the store's: config, weight index and a
 hash of sampled bytes of every tensor (eyas.target.model_identity), so another checkpoint with the
@@ -377,8 +377,9 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
 
     # -- numbers on a fresh random subset ------------------------------------------------------
     seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
-    pool = [r for r in m["samples"] if r["id"] in set(candidates) - inv_failed]
-    pool = list({r["id"]: r for r in pool}.values())
+    # Samples the invariants failed stay in the pool: their recompute error says how wrong they are.
+    keep = set(candidates)
+    pool = list({r["id"]: r for r in m["samples"] if r["id"] in keep}.values())
     order = stratified_order(pool, seed)
     subset = order[:n_wanted]
     if subset and model is not None:
@@ -424,7 +425,7 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         raise CheckFailed(f"store {store} failed verification: " + "; ".join(parts_msg), summary)
     miss = nums["miss_probability"]
     log(f"eyas verify: ok. numbers checked {nums['checked']} of {nums['population']} (seed {seed}); the chance that k bad "
-        f"samples the invariants passed would all be outside that subset: " + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items()))
+        f"samples the invariants passed would all be outside that subset (placed at random): " + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items()))
     return summary
 
 
