@@ -237,3 +237,9 @@ def test_miss_probability():
     assert miss_probability(150, 8, 1) == pytest.approx(142 / 150)
     assert miss_probability(150, 8, 2) == pytest.approx(142 / 150 * 141 / 149)
     assert miss_probability(10, 10, 1) == 0.0
+
+
+def test_time_budget_stops_after_the_minimum(chat_store):
+    store, _ = chat_store
+    s = verify_store(store, numbers=2, numbers_seconds=1e-6, invariants=False, seed=3)
+    assert s["numbers"]["checked"] == 2 and s["numbers"]["strata"]["shards_drawn"] == 2

@@ -55,11 +55,13 @@ RANDOM_CANDIDATES = 16
 INFORMATIVE_RATE = {"token": 0.5, "next": 0.3, "align": 0.6}
 OUTLIER_P = 1e-9
 FINAL_NORM_RANGE = (0.5, 1.05)  # median over tokens of rms(final / scale)
-# Tail recompute error: measured worst per-token relative error of correct stores (see
-# benchmarks/verify_invariants_bench.py), with a margin; keyed like the numbers tolerance.
+# Tail recompute error (worst per-token relative error), keyed like the numbers tolerance. Measured
+# on correct SmolLM2 stores, fp32 target on CPU (benchmarks/verify_invariants_bench.py): bf16 store
+# 0.0072 (55 chats), fp8 store 0.065 (40 chats); a tiny random Llama, bf16 store 0.0033. Set with a
+# margin of about 3 over those worst cases, since a larger store meets rarer tokens.
 TAIL_TOLERANCES = {
-    ("fp32", "fp32"): 1e-3, ("bf16", "fp32"): 2e-2, ("fp8", "fp32"): 1.5e-1,
-    ("fp32", "bf16"): 1e-1, ("bf16", "bf16"): 1e-1, ("fp8", "bf16"): 2e-1,
+    ("fp32", "fp32"): 1e-3, ("bf16", "fp32"): 3e-2, ("fp8", "fp32"): 2e-1,
+    ("fp32", "bf16"): 1e-1, ("bf16", "bf16"): 1e-1, ("fp8", "bf16"): 2.5e-1,
 }
 
 
