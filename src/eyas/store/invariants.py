@@ -18,10 +18,10 @@ target's weights and, for two of them, a few layers or a few tokens of forward:
                 sqrt(m / (m + eps)) for the residual's mean square m); a pre-norm state is far off.
     token       at each aux slot, the input token's embedding is more similar (cosine, states
                 centred by the sample's mean) to the state at its position than the embeddings of
-                the neighbouring tokens and of RANDOM_CANDIDATES random tokens. Catches swapped
+                the neighbouring tokens and of RANDOM_CANDIDATES other tokens of the sample. Catches swapped
                 samples and rolled rows where the residual still carries the token (low layers).
     next        the target's lm_head on the final state ranks the next token above its neighbours
-                and random tokens (a cheap stand-in for the next-token agreement rate: K+3 logits
+                and other tokens of the sample (a cheap stand-in for the next-token agreement rate: K+3 logits
                 per token instead of V). Catches swapped samples and a rolled final slot.
     align       adjacent stored slots (low->mid->high->final) agree position by position: the
                 centred cosine of slot k and k+1 at the same token beats the one-token-shifted
@@ -56,12 +56,13 @@ INFORMATIVE_RATE = {"token": 0.5, "next": 0.3, "align": 0.6}
 OUTLIER_P = 1e-9
 FINAL_NORM_RANGE = (0.5, 1.05)  # median over tokens of rms(final / scale)
 # Tail recompute error (worst per-token relative error), keyed like the numbers tolerance. Measured
-# on correct SmolLM2 stores, fp32 target on CPU (benchmarks/verify_invariants_bench.py): bf16 store
-# 0.0072 (55 chats), fp8 store 0.065 (40 chats); a tiny random Llama, bf16 store 0.0033. Set with a
+# on correct SmolLM2 stores on CPU (benchmarks/verify_invariants_bench.py): fp32 target, bf16 store
+# 0.0072 (55 chats), fp8 store 0.065 (40 chats); bf16 target, bf16 store 0.0087 (40 chats: the
+# stored high layer is the bf16 value the target itself used); a tiny random Llama 0.0033. Set with a
 # margin of about 3 over those worst cases, since a larger store meets rarer tokens.
 TAIL_TOLERANCES = {
     ("fp32", "fp32"): 1e-3, ("bf16", "fp32"): 3e-2, ("fp8", "fp32"): 2e-1,
-    ("fp32", "bf16"): 1e-1, ("bf16", "bf16"): 1e-1, ("fp8", "bf16"): 2.5e-1,
+    ("fp32", "bf16"): 3e-2, ("bf16", "bf16"): 3e-2, ("fp8", "bf16"): 2.5e-1,
 }
 
 
@@ -161,13 +162,16 @@ def tail_final(parts: TargetParts, input_ids_T: torch.Tensor, high_TD: torch.Ten
 # rate invariants (per position pass/fail)
 
 
-def _candidates_TK(ids_T: torch.Tensor, vocab: int, seed: int, *, offset: int) -> torch.Tensor:
-    """Rival token ids per position: ids[t+offset-1], ids[t+offset+1] (clamped) and random tokens."""
+def _candidates_TK(ids_T: torch.Tensor, seed: int, *, offset: int) -> torch.Tensor:
+    """Rival token ids per position: ids[t+offset-1], ids[t+offset+1] (clamped) and the tokens at
+    RANDOM_CANDIDATES random positions of the same sample. Rivals from the sample itself are on its
+    topic: states computed for another conversation cannot tell them from the true token, while
+    frequent tokens drawn from the whole vocabulary would be easy to beat from any context."""
     t = ids_T.shape[0]
     g = torch.Generator().manual_seed(seed)
     pos = torch.arange(t) + offset
     nb = torch.stack([ids_T[(pos - 1).clamp(0, t - 1)], ids_T[(pos + 1).clamp(0, t - 1)]], dim=1)
-    rnd = torch.randint(0, vocab, (t, RANDOM_CANDIDATES), generator=g)
+    rnd = ids_T[torch.randint(0, t, (t, RANDOM_CANDIDATES), generator=g)]
     return torch.cat([nb, rnd], dim=1)
 
 
@@ -227,14 +231,13 @@ def sample_rates(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tens
     if t - start < 3:
         return rates
     seed = zlib.crc32(sample_key.encode())
-    vocab = parts.embed_VD.shape[0]
     a = hidden_TLD.shape[1] - 1
-    rivals = _candidates_TK(ids_T, vocab, seed, offset=0)
+    rivals = _candidates_TK(ids_T, seed, offset=0)
     for slot in range(a):
         ok = _rank_passes(_centred(hidden_TLD[:, slot]), parts.embed_VD, ids_T, rivals, cosine=True)[start:]
         rates[f"token {slot_names[slot]}"] = (int(ok.sum()), ok.numel())
     if parts.lm_head_VD is not None:
-        rivals_next = _candidates_TK(ids_T, vocab, seed + 1, offset=1)[:-1]
+        rivals_next = _candidates_TK(ids_T, seed + 1, offset=1)[:-1]
         ok = _rank_passes(hidden_TLD[:-1, a], parts.lm_head_VD, ids_T[1:], rivals_next, cosine=False)[start:]
         rates["next final"] = (int(ok.sum()), ok.numel())
     for slot in range(a):

@@ -424,8 +424,8 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
             )
         raise CheckFailed(f"store {store} failed verification: " + "; ".join(parts_msg), summary)
     miss = nums["miss_probability"]
-    log(f"eyas verify: ok. numbers checked {nums['checked']} of {nums['population']} (seed {seed}); the chance that k bad "
-        f"samples the invariants passed would all be outside that subset (placed at random): " + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items()))
+    log(f"eyas verify: ok. numbers checked {nums['checked']} of {nums['population']} (seed {seed}); the chance that a subset "
+        f"this size misses all of k bad samples placed at random (on top of the invariants): " + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items()))
     return summary
 
 
