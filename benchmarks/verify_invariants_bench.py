@@ -45,12 +45,33 @@ def build_store(args, work: Path) -> Path:
     prep, store = work / "prep", work / "store"
     if not (prep / "meta.json").is_file():
         log(f"preparing {args.samples} chats -> {prep}")
-        prepare(PrepareConfig(target=args.target, out=prep, limit=int(args.samples * 1.6), max_length=args.max_length,
-                              eval_fraction=0.0, overwrite=True))
+        try:
+            prepare(PrepareConfig(target=args.target, out=prep, limit=int(args.samples * 1.6), max_length=args.max_length,
+                                  eval_fraction=0.0, overwrite=True))
+        except Exception as exc:  # no ShareGPT wheel on this machine: chat-shaped random data instead
+            log(f"ShareGPT unavailable ({type(exc).__name__}: {exc}); using the chat template's prefix + random tokens")
+            synthetic_prepared(args, prep)
     log(f"capturing -> {store}")
     run_capture(CaptureSettings(target=args.target, data=prep, out=store, device=args.device, model_dtype=args.model_dtype,
                                 dtype=args.dtype, token_budget=8192, shard_bytes=4 << 20, limit=args.samples))
     return store
+
+
+def synthetic_prepared(args, prep: Path) -> None:
+    """`args.samples` samples: the target's chat-template prefix, then random tokens (up to --max-length)."""
+    from eyas.data.prepared import write_prepared
+    from eyas.target import load_tokenizer, tokenizer_hash
+
+    tok = load_tokenizer(args.target)
+    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"]
+    prefix = prefix[:max(1, len(prefix) - 3)]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(args.samples):
+        n = int(torch.randint(args.max_length // 4, max(args.max_length - len(prefix), args.max_length // 4 + 1), (1,), generator=g))
+        ids = prefix + torch.randint(3, len(tok), (n,), generator=g).tolist()
+        rows.append((f"r{i:05d}", ids, [k >= len(prefix) for k in range(len(ids))]))
+    write_prepared(prep, {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
 
 
 def rewrite(src: Path, dst: Path, mutate) -> Path:
