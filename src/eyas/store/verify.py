@@ -271,13 +271,6 @@ def miss_probability(population: int, drawn: int, bad: int) -> float:
     return math.exp(sum(math.log((population - bad - i) / (population - i)) for i in range(drawn)))
 
 
-def pick_subset(sample_ids: list[str], numbers: int, seed: int) -> list[str]:
-    """Uniform random subset (kept for callers; verify_store uses stratified_order)."""
-    if numbers >= len(sample_ids):
-        return list(sample_ids)
-    return random.Random(seed).sample(list(sample_ids), numbers)
-
-
 @dataclass(kw_only=True)
 class VerifyConfig:
     """Options of `eyas verify` (the CLI's options are these fields)."""
