@@ -18,11 +18,13 @@ target's weights and, for two of them, a few layers or a few tokens of forward:
                 sqrt(m / (m + eps)) for the residual's mean square m); a pre-norm state is far off.
     token       at each aux slot, the input token's embedding is more similar (cosine, states
                 centred by the sample's mean) to the state at its position than the embeddings of
-                the neighbouring tokens and of RANDOM_CANDIDATES other tokens of the sample. Catches swapped
-                samples and rolled rows where the residual still carries the token (low layers).
+                the neighbouring tokens and of RANDOM_CANDIDATES other tokens of the sample.
+                Catches swapped samples and rolled rows where the residual still carries the
+                token (low layers).
     next        the target's lm_head on the final state ranks the next token above its neighbours
-                and other tokens of the sample (a cheap stand-in for the next-token agreement rate: K+3 logits
-                per token instead of V). Catches swapped samples and a rolled final slot.
+                and other tokens of the sample (a cheap stand-in for the next-token agreement
+                rate: K+3 logits per token instead of V). Catches swapped samples and a rolled
+                final slot.
     align       adjacent stored slots (low->mid->high->final) agree position by position: the
                 centred cosine of slot k and k+1 at the same token beats the one-token-shifted
                 pairs. Catches a single layer's rows rolled by one token anywhere in a sample.
@@ -41,6 +43,9 @@ Measured (benchmarks/verify_invariants_bench.py, SmolLM2 fp32 on CPU, 55 ShareGP
 rates next 0.78, align 0.99, token 0.24 / 0.08 / 0.03 (not informative: the residual stream does
 not keep the token's embedding direction); the 5 single-sample faults were each caught with no
 false alarm. On a tiny random Llama token is 0.99 at every layer and next is at chance (0.06).
+
+Run: every `eyas verify` (`--no-invariants` skips them); cost per token and the faults each one
+catches: `python benchmarks/verify_invariants_bench.py`.
 
 Shape legend: T tokens, L = A + 1 stored slots, A aux layers, D hidden size, V vocab, K candidates.
 """
