@@ -54,8 +54,14 @@ def rewrite(src, dst, mutate):
 
 
 def expect_failure(store, *, kind=None, samples=None):
+    """The fault fails `samples` under the default checks, and under the named check alone: with
+    kind="numbers" the recompute by itself (invariants off) must find them too."""
+    if samples:
+        with pytest.raises(CheckFailed) as info:
+            verify_store(store)
+        assert set(samples) <= set(info.value.summary["failing_samples"]), str(info.value)
     with pytest.raises(CheckFailed) as info:
-        verify_store(store, numbers=100)
+        verify_store(store, numbers=100, invariants=kind != "numbers")
     s = info.value.summary
     assert not s["ok"]
     if kind == "numbers":
@@ -71,7 +77,7 @@ def expect_failure(store, *, kind=None, samples=None):
 
 def test_good_store_passes(good):
     s = verify_store(good, numbers=100)
-    assert s["ok"] and s["numbers"]["checked"] == 8 and s["numbers"]["worst_rel_err"] < 0.01
+    assert s["ok"] and s["numbers"]["checked"] == 8 and s["invariants"]["checked"] == 8 and s["numbers"]["worst_rel_err"] < 0.01
 
 
 def test_prefix_missing_rows_dropped(good, tmp_path):
@@ -207,6 +213,10 @@ def test_cli_exit_codes(good, tmp_path):
     victim = StoreReader(good).sample_ids[0]
     bad = rewrite(good, tmp_path / "f", lambda sid, h, _: torch.cat([h[1:], h[-1:]]) if sid == victim else h)
     res = CliRunner().invoke(app, ["verify", "--store", str(bad), "--numbers", "100"])
+    assert res.exit_code == 1
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    assert summary["failing_samples"] == [victim] and list(summary["invariants"]["failures"]) == [victim]
+    res = CliRunner().invoke(app, ["verify", "--store", str(bad), "--numbers", "100", "--no-invariants"])
     assert res.exit_code == 1
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["failing_samples"] == [victim] and summary["numbers"]["worst_sample"] == victim

@@ -11,8 +11,9 @@ Public API (see each module for details):
 - `StoreReader(path)`: `.manifest` (dict), `.sample_ids`, `len()`, `.get(sample_id, dtype=bf16) ->
   (aux_TAD, final_TD)`, `.get_hidden(sample_id) -> [T, A+1, D]`, `.raw(sample_id)` (stored dtype).
 - `HiddenStateDataset(store_path, split=None)`: items `{"id", "input_ids", "loss_mask", "aux", "final"}`.
-- `verify_store(store, numbers=8, seed=0, tolerance=None, device="cpu")`: coverage and numbers
-  checks; raises `CheckFailed` listing failing samples (eyas.store.verify).
+- `verify_store(store, numbers=8, seed=None, tolerance=None, device="cpu", invariants=True)`: coverage,
+  every-sample invariants and a fresh random recompute; raises `CheckFailed` listing failing
+  samples (eyas.store.verify, eyas.store.invariants).
 
 Layout, dtypes and fp8 scaling: eyas/store/format.py.
 """

@@ -5,7 +5,8 @@ A store is a directory:
     manifest.json               schema, target identity, tokenizer hash, prepared dataset (path, split,
                                 fingerprint), aux layer ids + convention, stored dtype, hidden size,
                                 committed shards, and per sample: id, token count, shard, first row,
-                                sha256 of its stored bytes
+                                sha256 of its stored bytes; fields_sha256 covers the fields
+                                that say how to read and judge it (format.MANIFEST_FIELDS)
     shard-00000.safetensors     committed shards (never partial: written as .shard-*.tmp, fsynced,
     shard-00001.safetensors     renamed, then listed in the manifest)
 
@@ -30,6 +31,7 @@ A aux layers, D hidden size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -45,6 +47,16 @@ MANIFEST = "manifest.json"
 HEADER_BYTES = 4096  # 8-byte length + JSON header padded with spaces; tensor data starts here
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 CHECKSUM = "sha256"
+# Manifest fields that decide how a store is read and judged (dtype, layer ids, the tolerance's
+# model dtype, the target and data it came from); `fields_sha256` covers them, so an edit shows.
+MANIFEST_FIELDS = ("schema", "checksum", "dtype", "aux_layer_ids", "convention", "hidden_size", "slots",
+                   "bytes_per_token", "model_dtype", "target", "tokenizer_hash", "prepared")
+
+
+def manifest_fields_sha256(manifest: dict) -> str:
+    """sha256 of the MANIFEST_FIELDS of a manifest (canonical JSON), stored as its `fields_sha256`."""
+    payload = {k: manifest.get(k) for k in MANIFEST_FIELDS}
+    return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 @dataclass(frozen=True)

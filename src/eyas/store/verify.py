@@ -1,16 +1,29 @@
 """`eyas verify`: prove a store holds the right numbers for every sample, exactly once.
 
-Two checks:
+Three checks, in this order:
 - coverage (reads every stored byte): the store is complete; every sample of the prepared split (the
   first `limit` when capture was limited) is stored exactly once, nothing else is; token counts equal
   the prepared lengths; the prepared data is unchanged (fingerprint recomputed from its arrays);
   every shard has the size its header and the manifest state (a truncated shard fails all its
-  samples); each sample's sha256 matches; no NaN/Inf (for fp8 also in the scales).
-- numbers (a seeded random subset): recompute each sample alone with the independent reference
-  path `eyas.target.reference_hidden_states` (unbatched, no padding, `output_hidden_states` of the
-  full causal LM instead of hooks, eager PyTorch: no compilation or graphs) and compare
-  every stored slot token by token: err_t = ||stored_t - ref_t|| / ||ref_t||. A sample fails when its
-  worst err_t exceeds the tolerance. The worst error, its sample, slot and token are reported.
+  samples); each sample's sha256 matches; no NaN/Inf (for fp8 also in the scales); the manifest's
+  own fields (dtype, layer ids, model dtype, target, data) match their checksum `fields_sha256`.
+- invariants (every sample, no full recompute; eyas/store/invariants.py): the shared prefix's rows
+  equal one recompute of that prefix, the final state equals the target's last layers and norm
+  applied to the stored highest aux layer, the final slot is post-norm, and rate invariants (next
+  token through the lm_head, slot-to-slot alignment, token identity) calibrated on the store
+  itself. Each failing sample is reported with the invariant, slot and token that failed.
+- numbers (a random subset drawn afresh each run, stratified over shards and lengths; the seed is
+  printed and `seed` repeats it): recompute each sample alone with the independent reference path
+  `eyas.target.reference_hidden_states` (unbatched, no padding, `output_hidden_states` of the full
+  causal LM, eager) and compare every stored slot token by token: err_t = ||stored_t - ref_t|| /
+  ||ref_t||. A sample fails when its worst err_t exceeds the tolerance. The report gives the
+  probability that k bad samples (placed at random in the store) would all have been missed by
+  the subset.
+
+Before the target loads, its identity is checked against the store's: config, weight index and a
+hash of sampled bytes of every tensor (eyas.target.model_identity), so another checkpoint with the
+same config is refused as the wrong target (exit 2) instead of failing the store. A store written
+before the sampled hash existed is still verified, with a warning.
 
 Default tolerances (worst per-token relative L2 error), set by the stored dtype and the dtype the
 target ran in. Measured on the real SmolLM2 (4 chat samples of 71-88 tokens, batched capture vs the
@@ -23,23 +36,31 @@ unbatched reference, both with the model's default SDPA attention), worst error 
 
 and the worst error each fault produces on the same samples (fp32 model): rows shifted by one 2.0
 (no token below 0.23), the neighbouring layer 0.42-0.57, another sample's rows 2.1, a missing prefix
-recomputed without its context 150 (median 0.07). See tests/test_verify_faults.py.
+recomputed without its context 150 (median 0.07). See tests/test_verify_faults.py and
+tests/test_verify_invariants.py.
+
+Run: `eyas verify --store STORE [--numbers 8] [--seed S] [--device cuda]`.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import hashlib
+import math
 import os
 import random
+import secrets
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from eyas.common import log
 from eyas.errors import CheckFailed, EyasError
-from eyas.store.format import DTYPES
+from eyas.store.format import DTYPES, manifest_fields_sha256
 from eyas.store.reader import StoreReader
 
 TOLERANCES = {
@@ -94,6 +115,15 @@ def check_coverage(reader: StoreReader, split, *, threads: int | None = None) ->
     notes: list[str] = []
     if not reader.complete:
         notes.append(f"store status is {reader.manifest.get('status')!r}, not 'complete': rerun the same `eyas capture` to finish it")
+    recorded = reader.manifest.get("fields_sha256")
+    if recorded is None:
+        log(f"warning: store {reader.path}: the manifest has no fields_sha256 (written by an older eyas): its dtype, "
+            "layer ids and model dtype are taken on trust")
+    elif recorded != manifest_fields_sha256(reader.manifest):
+        notes.append(
+            f"{reader.path}/manifest.json: its fields (dtype, aux_layer_ids, model_dtype, target, prepared, ...) do not match "
+            "their checksum fields_sha256: the manifest was edited after capture; restore it or capture again"
+        )
     actual_fp = _fingerprint(split._input_ids, split._loss_mask, split.offsets, split.ids)
     if actual_fp != prep.get("fingerprint"):
         notes.append(
@@ -161,13 +191,19 @@ def compare_sample(stored_TLD: torch.Tensor, ref_TLD: torch.Tensor) -> tuple[flo
     return float(err_TL.reshape(-1)[flat]), slot, t
 
 
-def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, tolerance: float, progress_bar=None) -> dict[str, Any]:
-    """Recompute `sample_ids` one by one with the reference path and compare every stored slot."""
+def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, tolerance: float, progress_bar=None,
+                  min_samples: int | None = None, deadline: float | None = None) -> dict[str, Any]:
+    """Recompute `sample_ids` one by one with the reference path and compare every stored slot.
+
+    With a `deadline` (time.monotonic()), stops once it has passed and `min_samples` are done.
+    """
     from eyas.target import reference_hidden_states
 
     device = next(model.parameters()).device
     per_sample: dict[str, dict[str, Any]] = {}
     for sid in sample_ids:
+        if deadline is not None and len(per_sample) >= (min_samples or 0) and time.monotonic() > deadline:
+            break
         ids_T = split[split.index_of(sid)].input_ids.to(device)
         ref_aux, ref_final = reference_hidden_states(model, ids_T, layer_ids=reader.aux_layer_ids)
         ref_TLD = torch.cat([ref_aux, ref_final.unsqueeze(1)], dim=1).float().cpu()
@@ -180,6 +216,7 @@ def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, t
     return {
         "ok": not failing,
         "checked": len(per_sample),
+        "checked_ids": list(per_sample),
         "tolerance": tolerance,
         "worst_rel_err": per_sample[worst]["error"] if worst else None,
         "worst_sample": worst,
@@ -190,72 +227,202 @@ def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, t
     }
 
 
-def pick_subset(sample_ids: list[str], numbers: int, seed: int) -> list[str]:
-    if numbers >= len(sample_ids):
-        return list(sample_ids)
-    return random.Random(seed).sample(list(sample_ids), numbers)
+def stratified_order(records: list[dict[str, Any]], seed: int, *, length_buckets: int = 4) -> list[str]:
+    """All sample ids in a random order that spreads the first draws over shards and lengths.
+
+    Samples are bucketed by shard and by length quartile (store-wide); each shard's queue alternates
+    its length buckets (starting bucket rotated from shard to shard), and the shards take turns in
+    a random order. So the first n ids come from n different shards while n <= shards, with their
+    lengths spread over the quartiles; any prefix of the order is a valid subset (a time budget
+    stops anywhere).
+    """
+    rng = random.Random(seed)
+    lengths = sorted(r["tokens"] for r in records)
+    edges = [lengths[len(lengths) * q // length_buckets] for q in range(1, length_buckets)] if lengths else []
+    by_shard: dict[int, list[list[str]]] = {}
+    for r in records:
+        bucket = sum(r["tokens"] >= e for e in edges)
+        by_shard.setdefault(r["shard"], [[] for _ in range(length_buckets)])[bucket].append(r["id"])
+    shard_order = sorted(by_shard)
+    rng.shuffle(shard_order)
+    offset = rng.randrange(length_buckets)
+    queues = []
+    for i, shard in enumerate(shard_order):
+        buckets = by_shard[shard]
+        for b in buckets:
+            rng.shuffle(b)
+        order = [(offset + i + k) % length_buckets for k in range(length_buckets)]
+        queue = []
+        while any(buckets[b] for b in order):
+            queue += [buckets[b].pop() for b in order if buckets[b]]
+        queues.append(queue)
+    out = []
+    for step in range(max((len(q) for q in queues), default=0)):
+        out += [q[step] for q in queues if step < len(q)]
+    return out
 
 
-def verify_store(
-    store: str | Path,
-    *,
-    numbers: int = 8,
-    seed: int = 0,
-    tolerance: float | None = None,
-    device: str = "cpu",
-    target: str | None = None,
-    data: str | Path | None = None,
-) -> dict[str, Any]:
-    """Run coverage then numbers; return the summary, or raise CheckFailed carrying it."""
-    from eyas.common import log, progress
+def miss_probability(population: int, drawn: int, bad: int) -> float:
+    """P(a uniform draw of `drawn` of `population` samples contains none of `bad` bad ones)."""
+    if bad <= 0:
+        return 1.0
+    if drawn + bad > population:
+        return 0.0
+    return math.exp(sum(math.log((population - bad - i) / (population - i)) for i in range(drawn)))
+
+
+@dataclass(kw_only=True)
+class VerifyConfig:
+    """Options of `eyas verify` (the CLI's options are these fields)."""
+
+    store: Path
+    """Store directory written by `eyas capture`."""
+    numbers: int = 8
+    """Samples recomputed with the unbatched reference path (0 = none); at least this many."""
+    numbers_fraction: float = 0.0
+    """Also recompute at least this fraction of the samples (0..1)."""
+    numbers_seconds: float | None = None
+    """Time budget: keep recomputing further samples (in the drawn order) until this many seconds pass."""
+    seed: int | None = None
+    """Seed of the recomputed subset; default: a fresh random seed each run (printed, pass it to repeat)."""
+    invariants: bool = True
+    """Check the every-sample invariants (prefix, tail, post-norm final, calibrated rates)."""
+    tolerance: float | None = None
+    """Worst per-token relative error allowed in the numbers and prefix checks; default by dtypes."""
+    device: str = "cpu"
+    """Where the target runs for invariants and recompute: cpu or cuda[:K]."""
+    target: str | None = None
+    """Target directory if it moved since capture (its identity must match the store's)."""
+    data: Path | None = None
+    """Prepared dataset directory if it moved since capture."""
+
+    def __post_init__(self):
+        if self.numbers < 0:
+            raise EyasError(f"--numbers: {self.numbers} must be >= 0")
+        if not 0 <= self.numbers_fraction <= 1:
+            raise EyasError(f"--numbers-fraction: {self.numbers_fraction} must be within [0, 1]")
+        if self.numbers_seconds is not None and not self.numbers_seconds >= 0:
+            raise EyasError(f"--numbers-seconds: {self.numbers_seconds} must be >= 0")
+        if self.tolerance is not None and not self.tolerance > 0:
+            raise EyasError(f"--tolerance: {self.tolerance} must be positive")
+        if self.seed is not None and self.seed < 0:
+            raise EyasError(f"--seed: {self.seed} must be >= 0")
+
+
+def verify_store(store: str | Path, **options: Any) -> dict[str, Any]:
+    """Run coverage, invariants and numbers; return the summary, or raise CheckFailed carrying it.
+
+    `options` are VerifyConfig's fields (numbers, seed, tolerance, device, target, data, ...).
+    """
+    return run_verify(VerifyConfig(store=Path(store), **options))
+
+
+def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
+    from eyas.common import progress
     from eyas.data.prepared import PreparedDataset
+    from eyas.store.invariants import run_invariants, tail_tolerance, target_parts
 
-    if numbers < 0:
-        raise EyasError(f"--numbers: {numbers} must be >= 0")
-    if tolerance is not None and not tolerance > 0:
-        raise EyasError(f"--tolerance: {tolerance} must be positive")
+    store = cfg.store
     reader = StoreReader(store)
     m = reader.manifest
     prep = m.get("prepared") or {}
-    data_dir = Path(data) if data is not None else Path(prep.get("path", ""))
+    data_dir = Path(cfg.data) if cfg.data is not None else Path(prep.get("path", ""))
     if not prep or not (data_dir / "meta.json").is_file():
         raise EyasError(f"store {store}: its prepared dataset {str(data_dir)!r} is not there; pass --data with its new location")
     split = PreparedDataset(data_dir).split(prep["split"])
+
+    # -- coverage ------------------------------------------------------------------------------
     log(f"eyas verify: {store}: {len(reader)} samples, {reader.dtype}, aux layers {reader.aux_layer_ids} ({m.get('convention')}); coverage...")
     coverage = check_coverage(reader, split)
     summary: dict[str, Any] = {"store": str(store), "dtype": reader.dtype, "model_dtype": m.get("model_dtype"),
-                               "samples": coverage["stored_samples"], "tokens": coverage["stored_tokens"], "coverage": coverage}
-    tol = tolerance if tolerance is not None else default_tolerance(reader.dtype, m.get("model_dtype"))
+                               "samples": coverage["stored_samples"], "tokens": coverage["stored_tokens"], "coverage": coverage,
+                               "warnings": []}
+    if "fields_sha256" not in m:
+        summary["warnings"].append("manifest has no fields_sha256 (older eyas): dtype, layer ids and model dtype taken on trust")
+    tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(reader.dtype, m.get("model_dtype"))
     failed = set(coverage["failing_samples"])
     candidates = list(dict.fromkeys(sid for sid in reader.sample_ids if sid not in failed and sid in split._index))
-    subset = pick_subset(candidates, numbers, seed)
-    if subset:
-        model = _load_reference_target(m, target, device)
-        bar = progress(len(subset), "verify numbers", unit="sample")
+    n_wanted = min(len(candidates), max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(candidates))))
+    if cfg.numbers_seconds:
+        n_wanted = len(candidates)  # the time budget decides where to stop
+    model = None
+    if candidates and (cfg.invariants or n_wanted):
+        model = _load_reference_target(m, cfg.target, cfg.device, summary["warnings"])
+
+    # -- invariants on every sample ------------------------------------------------------------
+    inv_failed: set[str] = set()
+    if model is not None and cfg.invariants:
+        parts = target_parts(model, reader.aux_layer_ids)
+        bar = progress(len(candidates), "verify invariants", unit="sample")
         try:
-            summary["numbers"] = check_numbers(reader, split, model, subset, tolerance=tol, progress_bar=bar)
+            inv = run_invariants(reader, split, parts, sample_ids=candidates, prefix_tol=tol,
+                                 tail_tol=tail_tolerance(reader.dtype, m.get("model_dtype")), progress_bar=bar)
+        finally:
+            bar.close()
+        inv_failed = set(inv["failing_samples"])
+        inv["failures"] = dict(list(inv["failures"].items())[:LIST_MAX])
+        summary["invariants"] = inv
+        log(f"eyas verify: invariants on {inv['checked']} samples ({inv['tokens']} tokens): "
+            f"{len(inv_failed)} failing; " + ", ".join(f"{k} {v['store_rate']:.2f}" + ("" if v["informative"] else " (not informative)")
+                                                     for k, v in inv["rates"].items()))
+    else:
+        summary["invariants"] = {"ok": True, "checked": 0, "skipped": "--no-invariants" if not cfg.invariants else "no samples"}
+
+    # -- numbers on a fresh random subset ------------------------------------------------------
+    seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
+    # Samples the invariants failed stay in the pool: their recompute error says how wrong they are.
+    keep = set(candidates)
+    pool = list({r["id"]: r for r in m["samples"] if r["id"] in keep}.values())
+    order = stratified_order(pool, seed)
+    subset = order[:n_wanted]
+    if subset and model is not None:
+        log(f"eyas verify: numbers on {'up to ' if cfg.numbers_seconds else ''}{len(subset)} of {len(pool)} samples, "
+            f"seed {seed} (repeat this subset with --seed {seed})")
+        bar = progress(len(subset), "verify numbers", unit="sample")
+        deadline = time.monotonic() + cfg.numbers_seconds if cfg.numbers_seconds else None
+        try:
+            nums = check_numbers(reader, split, model, subset, tolerance=tol, progress_bar=bar,
+                                 min_samples=min(n_wanted, max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(pool)))),
+                                 deadline=deadline)
         finally:
             bar.close()
     else:
-        summary["numbers"] = {"ok": True, "checked": 0, "tolerance": tol}
-    failing = sorted(set(coverage["failing_samples"]) | set(summary["numbers"].get("failing_samples", [])))
+        nums = {"ok": True, "checked": 0, "tolerance": tol, "checked_ids": []}
+    nums["seed"] = seed
+    nums["population"] = len(pool)
+    nums["strata"] = {"shards": len({r["shard"] for r in pool}),
+                      "shards_drawn": len({reader.record(s)["shard"] for s in nums["checked_ids"]})}
+    nums["miss_probability"] = {str(k): round(miss_probability(len(pool), nums["checked"], k), 4)
+                                for k in (1, 2, 5, 10, max(1, len(pool) // 100)) if k <= len(pool)}
+    nums["checked_ids"] = nums["checked_ids"][:LIST_MAX]
+    summary["numbers"] = nums
+
+    # -- verdict -------------------------------------------------------------------------------
+    inv = summary["invariants"]
+    failing = sorted(set(coverage["failing_samples"]) | inv_failed | set(nums.get("failing_samples", [])))
     summary["failing_samples"] = failing[:LIST_MAX]
     summary["failing_count"] = len(failing)
-    summary["ok"] = coverage["ok"] and summary["numbers"]["ok"]
+    summary["ok"] = coverage["ok"] and inv["ok"] and nums["ok"]
     if not summary["ok"]:
-        parts = [f"{k}: {v}" for k, v in coverage["problems"].items()] + coverage["notes"]
-        nums = summary["numbers"]
+        parts_msg = [f"{k}: {v}" for k, v in coverage["problems"].items()] + coverage["notes"]
+        if inv_failed:
+            shown = list(inv["failures"].items())[:5]
+            parts_msg.append(f"invariants: {len(inv_failed)} samples failed: " + "; ".join(
+                f"{sid} [{' | '.join(msgs)}]" for sid, msgs in shown) + (" ..." if len(inv_failed) > len(shown) else ""))
         if nums.get("failing_samples"):
-            parts.append(
+            parts_msg.append(
                 f"numbers: {len(nums['failing_samples'])}/{nums['checked']} samples over tolerance {tol:g} "
                 f"(worst {nums['worst_rel_err']:.3g} in {nums['worst_sample']}, {nums['worst_slot']}, token {nums['worst_token']}): "
-                f"{nums['failing_samples'][:LIST_MAX]}"
+                f"{nums['failing_samples'][:LIST_MAX]} (seed {seed})"
             )
-        raise CheckFailed(f"store {store} failed verification: " + "; ".join(parts), summary)
+        raise CheckFailed(f"store {store} failed verification: " + "; ".join(parts_msg), summary)
+    miss = nums["miss_probability"]
+    log(f"eyas verify: ok. numbers checked {nums['checked']} of {nums['population']} (seed {seed}); the chance that a subset "
+        f"this size misses all of k bad samples placed at random (on top of the invariants): " + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items()))
     return summary
 
 
-def _load_reference_target(manifest: dict[str, Any], target: str | None, device: str):
+def _load_reference_target(manifest: dict[str, Any], target: str | None, device: str, warnings: list[str] | None = None):
     from eyas.target import load_target, load_tokenizer, model_identity, tokenizer_hash
 
     ident = manifest.get("target") or {}
@@ -263,14 +430,23 @@ def _load_reference_target(manifest: dict[str, Any], target: str | None, device:
     if not path:
         raise EyasError("the store records no target path: pass --target")
     now = model_identity(path)
-    for key in ("config_sha256", "weights_index_sha256"):
+    what = {"config_sha256": "its config.json", "weights_index_sha256": "its weight files' index (names, shapes, sizes)",
+            "weights_sample_sha256": "its weights (sampled bytes of every tensor)"}
+    for key, thing in what.items():
+        if key not in ident and key == "weights_sample_sha256":
+            msg = (f"the store's target identity predates sampled weight hashes (older eyas): only the config and weight index of "
+                   f"{path} were compared, a checkpoint with other weights would not be told apart")
+            log(f"warning: {msg}")
+            if warnings is not None:
+                warnings.append(msg)
+            continue
         if ident.get(key) != now[key]:
             raise EyasError(
-                f"target {path} is not the model this store was captured from ({key} {now[key][:12]} vs the store's "
-                f"{str(ident.get(key))[:12]}); pass --target with the original model"
+                f"wrong target: {path} is not the model this store was captured from ({thing} differ: {key} {now[key][:12]} vs "
+                f"the store's {str(ident.get(key))[:12]}); pass --target with the original model ({ident.get('path')})"
             )
     if manifest.get("tokenizer_hash") and tokenizer_hash(load_tokenizer(path)) != manifest["tokenizer_hash"]:
-        raise EyasError(f"target {path}: its tokenizer differs from the one recorded in the store; pass --target with the original model")
+        raise EyasError(f"wrong target: {path}: its tokenizer differs from the one recorded in the store; pass --target with the original model")
     from eyas.dtypes import to_dtype
 
     dtype = to_dtype(manifest.get("model_dtype") or "fp32", what=f"store {manifest.get('model_dtype')!r} model_dtype")

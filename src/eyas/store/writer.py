@@ -41,7 +41,8 @@ import torch
 from eyas.common import atomic_write_bytes, disk_margin, fsync_dir, human_bytes, log
 from eyas.errors import EyasError
 from eyas.store.format import (
-    CHECKSUM, HEADER_BYTES, MANIFEST, SCHEMA, bytes_per_token, encode_rows, shard_header, stored_dtype,
+    CHECKSUM, HEADER_BYTES, MANIFEST, SCHEMA, bytes_per_token, encode_rows, manifest_fields_sha256, shard_header,
+    stored_dtype,
 )
 
 WRITE_CHUNK = 64 << 20  # bytes per write() call; writeback is started after each
@@ -195,6 +196,7 @@ class StoreWriter:
             manifest = {"schema": SCHEMA, "status": "in_progress", "created": _now(), "updated": _now(),
                         "checksum": CHECKSUM, "slots": self.spec.slots,
                         "bytes_per_token": self.spec.bytes_per_token, **spec, "shards": [], "samples": []}
+            manifest["fields_sha256"] = manifest_fields_sha256(manifest)
             atomic_write_bytes(mpath, manifest_bytes(manifest))
             return manifest
         try:
@@ -204,7 +206,10 @@ class StoreWriter:
         if manifest.get("schema") != SCHEMA:
             raise EyasError(f"{mpath}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
         for key in _RESUME_KEYS:
-            if _identity(manifest.get(key)) != _identity(spec[key]):
+            old, new = _identity(manifest.get(key)), _identity(spec[key])
+            if isinstance(old, dict) and isinstance(new, dict):
+                new = {k: v for k, v in new.items() if k in old}  # a field added since (a new hash) is not a change
+            if old != new:
                 raise EyasError(
                     f"{self.path} was written with a different {key}: the store has {json.dumps(manifest.get(key))[:300]}, "
                     f"this run has {json.dumps(spec[key])[:300]}; rerun with the store's settings, or choose another --out"
@@ -375,6 +380,7 @@ class StoreWriter:
             "bytes": sum(s["bytes"] for s in shards),
             "shards": len(shards),
         }
+        self.manifest["fields_sha256"] = manifest_fields_sha256(self.manifest)
         atomic_write_bytes(self.path / MANIFEST, manifest_bytes(self.manifest, self._lines))
 
     def _abort_shard(self) -> None:

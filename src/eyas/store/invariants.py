@@ -1,0 +1,412 @@
+"""Invariants checked on EVERY stored sample, without a full recompute (part of `eyas verify`).
+
+The numbers check recomputes a random subset; a fault confined to one sample outside it (rows
+rolled by one token, two samples swapped, a left-padded forward without a mask, the final slot
+holding the pre-norm state, noise) passes it. These checks read every sample and need only the
+target's weights and, for two of them, a few layers or a few tokens of forward:
+
+    prefix      the first rows of every sample (the chat template's shared prefix, at least the
+                first PREFIX_MIN tokens) equal a reference recompute of that prefix, every slot.
+                Causal attention makes them independent of what follows; one recompute serves a
+                whole group of samples that share the prefix. Catches padding leaks (the first
+                tokens attend to pads), rolled rows, noise, a pre-norm final, prefix-cache gaps.
+    tail        final == norm(layers[high:](aux_high)): the stored final state is recomputed from
+                the stored highest aux layer through the last N - high layers (3 for EAGLE-3's
+                default N-3) and the final norm. Catches a rolled or swapped final or high slot,
+                a pre-norm final, noise, and leaks from padding in those last layers.
+    final_norm  the final slot is an RMS-normalised state: rms(final_t / norm_scale) <= 1 (it equals
+                sqrt(m / (m + eps)) for the residual's mean square m); a pre-norm state is far off.
+    token       at each aux slot, the input token's embedding is more similar (cosine, states
+                centred by the sample's mean) to the state at its position than the embeddings of
+                the neighbouring tokens and of RANDOM_CANDIDATES other tokens of the sample.
+                Catches swapped samples and rolled rows where the residual still carries the
+                token (low layers).
+    next        the target's lm_head on the final state ranks the next token above its neighbours
+                and other tokens of the sample (a cheap stand-in for the next-token agreement
+                rate: K+3 logits per token instead of V). Catches swapped samples and a rolled
+                final slot.
+    align       adjacent stored slots (low->mid->high->final) agree position by position: the
+                centred cosine of slot k and k+1 at the same token beats the one-token-shifted
+                pairs. Catches a single layer's rows rolled by one token anywhere in a sample.
+
+prefix, tail and final_norm have absolute tolerances (they compare numbers that must be equal up
+to rounding). token, next and align are rates whose level depends on the target and the data
+(next is near 1 for the target's own greedy answers, near chance for a random tiny model): each is
+calibrated on the store itself. It counts for a target only where the store's pooled rate is
+well above chance (INFORMATIVE_RATE), and a sample fails it only when its rate is below half the
+pooled rate AND so few passes would happen by chance with probability < OUTLIER_P at the pooled rate
+(if samples were alike, under 1% chance of one false alarm in a million-sample store; the halving
+rule absorbs real differences between samples). Short samples therefore rarely fail a rate
+invariant; the absolute checks cover them.
+
+Measured (benchmarks/verify_invariants_bench.py, SmolLM2 fp32 on CPU, 55 ShareGPT chats): store
+rates next 0.78, align 0.99, token 0.24 / 0.08 / 0.03 (not informative: the residual stream does
+not keep the token's embedding direction); the 5 single-sample faults were each caught with no
+false alarm. On a tiny random Llama token is 0.99 at every layer and next is at chance (0.06).
+
+Run: every `eyas verify` (`--no-invariants` skips them); cost per token and the faults each one
+catches: `python benchmarks/verify_invariants_bench.py`.
+
+Shape legend: T tokens, L = A + 1 stored slots, A aux layers, D hidden size, V vocab, K candidates.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+PREFIX_MAX = 64  # most shared-prefix tokens recomputed per group
+PREFIX_MIN = 4  # tokens recomputed for a sample that shares no prefix with others
+TAIL_MAX_LAYERS = 4  # the tail check runs when at most this many layers (or N//8) follow the highest aux layer
+RANDOM_CANDIDATES = 16
+INFORMATIVE_RATE = {"token": 0.5, "next": 0.3, "align": 0.6}
+OUTLIER_P = 1e-9
+FINAL_NORM_RANGE = (0.5, 1.05)  # median over tokens of rms(final / scale)
+# Tail recompute error (worst per-token relative error), keyed like the numbers tolerance. Measured
+# on correct SmolLM2 stores on CPU (benchmarks/verify_invariants_bench.py): fp32 target, bf16 store
+# 0.0072 (55 chats), fp8 store 0.065 (40 chats); bf16 target, bf16 store 0.0087 (40 chats: the
+# stored high layer is the bf16 value the target itself used); a tiny random Llama 0.0033. Set with a
+# margin of about 3 over those worst cases, since a larger store meets rarer tokens.
+TAIL_TOLERANCES = {
+    ("fp32", "fp32"): 1e-3, ("bf16", "fp32"): 3e-2, ("fp8", "fp32"): 2e-1,
+    ("fp32", "bf16"): 3e-2, ("bf16", "bf16"): 3e-2, ("fp8", "bf16"): 2.5e-1,
+}
+
+
+def tail_tolerance(dtype: str, model_dtype: str | None) -> float:
+    return TAIL_TOLERANCES.get((dtype, model_dtype or "fp32"), TAIL_TOLERANCES[(dtype, "bf16")])
+
+
+def rel_err_TL(stored_TLD: torch.Tensor, ref_TLD: torch.Tensor) -> torch.Tensor:
+    """Per token and slot ||stored - ref|| / ||ref||, NaN -> inf."""
+    s, r = stored_TLD.float(), ref_TLD.float()
+    err = (s - r).norm(dim=-1) / r.norm(dim=-1).clamp_min(1e-12)
+    return torch.nan_to_num(err, nan=float("inf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# the target's pieces
+
+
+@dataclass
+class TargetParts:
+    """What the invariants take from the target (weights already in memory, no copies)."""
+
+    model: Any
+    embed_VD: torch.Tensor
+    lm_head_VD: torch.Tensor | None
+    norm_scale_D: torch.Tensor | None  # effective RMSNorm scale (norm(ones)); None if the norm is not RMS-like
+    num_layers: int
+    tail_ok: str | None  # None when the tail check can run, else why not
+
+
+def target_parts(model, aux_layer_ids: list[int]) -> TargetParts:
+    from eyas.target import _decoder_parts, num_layers_of
+
+    base, layers, norm = _decoder_parts(model)
+    n = num_layers_of(model.config)
+    embed = base.get_input_embeddings().weight if hasattr(base, "get_input_embeddings") else base.embed_tokens.weight
+    head = model.get_output_embeddings()
+    head_w = head.weight if head is not None else None
+    scale = _rms_scale(norm, embed.shape[1], embed.device)
+    high = max(aux_layer_ids)
+    why = None
+    if n - high > max(TAIL_MAX_LAYERS, n // 8):
+        why = f"the highest aux layer {high} is {n - high} layers from the output (the check runs for <= {max(TAIL_MAX_LAYERS, n // 8)})"
+    kinds = getattr(model.config, "layer_types", None)
+    if why is None and kinds is not None and list(kinds[high:]) != list(kinds[:n - high]):
+        why = "the last layers' attention kinds differ from the first ones' (sliding windows); the tail cannot run alone"
+    return TargetParts(model=model, embed_VD=embed.detach(), lm_head_VD=None if head_w is None else head_w.detach(),
+                       norm_scale_D=scale, num_layers=n, tail_ok=why)
+
+
+@torch.no_grad()
+def _rms_scale(norm, d: int, device) -> torch.Tensor | None:
+    """norm(ones) when `norm` behaves as y = scale * x / rms(x) (checked on random rows), else None."""
+    dtype = next(norm.parameters()).dtype if any(True for _ in norm.parameters()) else torch.float32
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(4, d, generator=g) * 3).to(device=device, dtype=dtype)
+    scale = norm(torch.ones(1, d, device=device, dtype=dtype)).float()[0]
+    y = norm(x).float()
+    want = scale * x.float() / x.float().pow(2).mean(-1, keepdim=True).sqrt()
+    if not torch.allclose(y, want, rtol=2e-2, atol=1e-3 * float(scale.abs().max())) or bool((scale == 0).any()):
+        return None
+    return scale
+
+
+@torch.no_grad()
+def tail_final(parts: TargetParts, input_ids_T: torch.Tensor, high_TD: torch.Tensor, *, first_layer: int) -> torch.Tensor:
+    """norm(layers[first_layer:](high)) for one sample: the final state derived from a stored aux layer.
+
+    The base model runs with its layer list cut to the tail and the first tail layer's input
+    replaced by the stored states, so its own mask, rotary positions (0..T-1) and norm are used.
+    """
+    from torch import nn
+
+    from eyas.target import _decoder_parts
+
+    base, layers, _norm = _decoder_parts(parts.model)
+    tail = list(layers)[first_layer:]
+    start = high_TD[None].to(next(parts.model.parameters()).dtype)
+
+    def replace(module, args, kwargs):
+        if args:
+            return (start,) + tuple(args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": start}
+
+    handle = tail[0].register_forward_pre_hook(replace, with_kwargs=True)
+    saved = base.layers
+    try:
+        base.layers = nn.ModuleList(tail)
+        out = base(input_ids=input_ids_T[None], use_cache=False)
+    finally:
+        base.layers = saved
+        handle.remove()
+    return out.last_hidden_state[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# rate invariants (per position pass/fail)
+
+
+def _candidates_TK(ids_T: torch.Tensor, seed: int, *, offset: int) -> torch.Tensor:
+    """Rival token ids per position: ids[t+offset-1], ids[t+offset+1] (clamped) and the tokens at
+    RANDOM_CANDIDATES random positions of the same sample. Rivals from the sample itself are on its
+    topic: states computed for another conversation cannot tell them from the true token, while
+    frequent tokens drawn from the whole vocabulary would be easy to beat from any context."""
+    t = ids_T.shape[0]
+    g = torch.Generator().manual_seed(seed)
+    pos = torch.arange(t) + offset
+    nb = torch.stack([ids_T[(pos - 1).clamp(0, t - 1)], ids_T[(pos + 1).clamp(0, t - 1)]], dim=1)
+    rnd = ids_T[torch.randint(0, t, (t, RANDOM_CANDIDATES), generator=g)]
+    return torch.cat([nb, rnd], dim=1)
+
+
+def _rank_passes(query_TD: torch.Tensor, table_VD: torch.Tensor, true_T: torch.Tensor, rivals_TK: torch.Tensor,
+                 *, cosine: bool) -> torch.Tensor:
+    """Per position: score(true) >= score(every rival with another id). Scores are dot products of
+    query rows with table rows (cosines when `cosine`)."""
+    dev = table_VD.device
+    q = query_TD.to(dev, table_VD.dtype)
+    true_T, rivals_TK = true_T.to(dev), rivals_TK.to(dev)
+    e_true = table_VD[true_T]  # [T, D]
+    e_riv = table_VD[rivals_TK]  # [T, K, D]
+    s_true = (q * e_true).sum(-1).float()
+    s_riv = torch.einsum("td,tkd->tk", q, e_riv).float()
+    if cosine:
+        s_true = s_true / e_true.float().norm(dim=-1).clamp_min(1e-12)
+        s_riv = s_riv / e_riv.float().norm(dim=-1).clamp_min(1e-12)
+    s_riv = s_riv.masked_fill(rivals_TK == true_T[:, None], float("-inf"))
+    return (s_true >= s_riv.max(dim=1).values).cpu()
+
+
+def _centred(h_TD: torch.Tensor) -> torch.Tensor:
+    # The first token's state (an attention sink in real models) and a shared offset dominate raw
+    # cosines; centring on the sample's mean (position 0 left out) leaves the per-token part.
+    h = h_TD.float()
+    mean = h[1:].mean(0) if h.shape[0] > 1 else h.mean(0)
+    return h - mean
+
+
+def _align_passes(a_TD: torch.Tensor, b_TD: torch.Tensor) -> torch.Tensor:
+    """Per position t (not the first or last): cos(a_t, b_t) > cos(a_t, b_{t-1}) and > cos(a_t, b_{t+1})."""
+    a = torch.nn.functional.normalize(_centred(a_TD), dim=-1)
+    b = torch.nn.functional.normalize(_centred(b_TD), dim=-1)
+    same = (a[1:-1] * b[1:-1]).sum(-1)
+    prev = (a[1:-1] * b[:-2]).sum(-1)
+    nxt = (a[1:-1] * b[2:]).sum(-1)
+    return (same > prev) & (same > nxt)
+
+
+def sample_rates(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
+                 sample_key: str, start: int = 0) -> dict[str, tuple[int, int]]:
+    """token[slot], next and align[pair] pass counts of one sample, over positions >= `start`.
+
+    The shared prefix (checked exactly by `prefix`) is left out: rows copied from another sample
+    with the same chat template agree there, and counting them would dilute the evidence.
+    """
+    t = ids_T.shape[0]
+    rates: dict[str, tuple[int, int]] = {}
+    if t - start < 3:
+        return rates
+    seed = zlib.crc32(sample_key.encode())
+    a = hidden_TLD.shape[1] - 1
+    rivals = _candidates_TK(ids_T, seed, offset=0)
+    for slot in range(a):
+        ok = _rank_passes(_centred(hidden_TLD[:, slot]), parts.embed_VD, ids_T, rivals, cosine=True)[start:]
+        rates[f"token {slot_names[slot]}"] = (int(ok.sum()), ok.numel())
+    if parts.lm_head_VD is not None:
+        rivals_next = _candidates_TK(ids_T, seed + 1, offset=1)[:-1]
+        ok = _rank_passes(hidden_TLD[:-1, a], parts.lm_head_VD, ids_T[1:], rivals_next, cosine=False)[start:]
+        rates["next final"] = (int(ok.sum()), ok.numel())
+    for slot in range(a):
+        ok = _align_passes(hidden_TLD[:, slot], hidden_TLD[:, slot + 1])[max(start - 1, 0):]  # entry i is position i + 1
+        rates[f"align {slot_names[slot]} -> {slot_names[slot + 1]}"] = (int(ok.sum()), ok.numel())
+    return rates
+
+
+def binom_cdf(k: int, n: int, p: float) -> float:
+    """P(X <= k) for X ~ Binomial(n, p), in log space (n up to millions)."""
+    if p <= 0:
+        return 1.0
+    if p >= 1:
+        return 1.0 if k >= n else 0.0
+    lp, lq = math.log(p), math.log1p(-p)
+    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    top = max(terms)
+    return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in terms))
+
+
+def judge_rates(per_sample: dict[str, dict[str, tuple[int, int]]]) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+    """Calibrate every rate invariant on the store and list the samples that fail it.
+
+    Returns (per invariant: pooled rate, informative or why not, failing count), and per failing
+    sample the messages naming the invariant, its rate and the store's.
+    """
+    pooled: dict[str, list[int]] = {}
+    for rates in per_sample.values():
+        for name, (k, n) in rates.items():
+            acc = pooled.setdefault(name, [0, 0])
+            acc[0] += k
+            acc[1] += n
+    report: dict[str, dict[str, Any]] = {}
+    failures: dict[str, list[str]] = {}
+    for name, (k_all, n_all) in pooled.items():
+        rate = k_all / max(n_all, 1)
+        need = INFORMATIVE_RATE[name.split()[0]]
+        info: dict[str, Any] = {"store_rate": round(rate, 4), "informative": rate >= need, "failing": 0}
+        if rate < need:
+            info["why_not"] = f"store rate {rate:.2f} < {need} on this target and data: not evidence either way"
+        report[name] = info
+        if rate < need:
+            continue
+        for sid, rates in per_sample.items():
+            if name not in rates:
+                continue
+            k, n = rates[name]
+            if n and k / n < rate / 2 and binom_cdf(k, n, rate) < OUTLIER_P:
+                info["failing"] += 1
+                failures.setdefault(sid, []).append(f"{name}: {k}/{n} = {k / n:.2f} vs the store's {rate:.2f}")
+    return report, failures
+
+
+# ---------------------------------------------------------------------------------------------
+# absolute checks and the driver
+
+
+def prefix_groups(ids_by_sample: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, list[str]]]:
+    """Group samples by first token; each group's prefix = its members' longest common prefix,
+    capped at PREFIX_MAX tokens (PREFIX_MIN for a sample alone in its group)."""
+    by_first: dict[int, list[str]] = {}
+    for sid, ids in ids_by_sample.items():
+        by_first.setdefault(int(ids[0]), []).append(sid)
+    groups = []
+    for sids in by_first.values():
+        cap = PREFIX_MAX if len(sids) > 1 else PREFIX_MIN
+        first = ids_by_sample[sids[0]]
+        p = min(cap, min(ids_by_sample[s].shape[0] for s in sids))
+        for s in sids[1:]:
+            other = ids_by_sample[s]
+            diff = (first[:p] != other[:p]).nonzero()
+            if len(diff):
+                p = int(diff[0])
+        groups.append((first[:max(p, 1)].clone(), sids))
+    return groups
+
+
+def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], prefix_tol: float, tail_tol: float,
+                   progress_bar=None) -> dict[str, Any]:
+    """Every invariant on every sample in `sample_ids`; returns the summary with per-sample failures."""
+    from eyas.target import reference_hidden_states
+
+    layer_ids = reader.aux_layer_ids
+    names = [f"layer {i}" for i in layer_ids] + ["final"]
+    device = next(parts.model.parameters()).device
+    ids_by_sample = {sid: split[split.index_of(sid)].input_ids for sid in sample_ids}
+    prefix_ref: dict[str, torch.Tensor] = {}
+    for prefix, sids in prefix_groups(ids_by_sample):
+        aux, final = reference_hidden_states(parts.model, prefix.to(device), layer_ids=layer_ids)
+        ref = torch.cat([aux, final.unsqueeze(1)], dim=1).float().cpu()
+        for s in sids:
+            prefix_ref[s] = ref
+    high = max(layer_ids)
+    high_slot = layer_ids.index(high)
+    rates: dict[str, dict[str, tuple[int, int]]] = {}
+    failures: dict[str, list[str]] = {}
+    worst = {"prefix": (0.0, None, ""), "tail": (0.0, None, "")}
+    final_norm_worst = (1.0, None)
+    seconds = {"prefix": 0.0, "tail": 0.0, "final_norm": 0.0, "rates": 0.0, "read": 0.0}
+    clock = time.perf_counter()
+
+    def lap(name):
+        nonlocal clock
+        now = time.perf_counter()
+        seconds[name] += now - clock
+        clock = now
+
+    lap("prefix")
+    for sid in sample_ids:
+        ids_T = ids_by_sample[sid]
+        h = reader.get_hidden(sid, torch.float32)  # [T, L, D]
+        fails = []
+        lap("read")
+        ref = prefix_ref[sid]
+        err = rel_err_TL(h[:ref.shape[0]], ref)
+        e, flat = float(err.max()), int(err.argmax())
+        t, slot = divmod(flat, err.shape[1])
+        if e > worst["prefix"][0]:
+            worst["prefix"] = (e, sid, f"{names[slot]}, token {t}")
+        if not e <= prefix_tol:
+            fails.append(f"prefix: {names[slot]} token {t} differs from the recomputed shared prefix "
+                         f"({ref.shape[0]} tokens) by {e:.3g} > {prefix_tol:g}")
+        lap("prefix")
+        if parts.tail_ok is None:
+            derived = tail_final(parts, ids_T.to(device), h[:, high_slot].to(device), first_layer=high).float().cpu()
+            err = rel_err_TL(h[:, -1:], derived[:, None])[:, 0]
+            e, t = float(err.max()), int(err.argmax())
+            if e > worst["tail"][0]:
+                worst["tail"] = (e, sid, f"token {t}")
+            if not e <= tail_tol:
+                fails.append(f"tail: final at token {t} differs from norm(layers {high}..{parts.num_layers - 1}"
+                             f"({names[high_slot]})) by {e:.3g} > {tail_tol:g}")
+            lap("tail")
+        if parts.norm_scale_D is not None:
+            rms = (h[:, -1] / parts.norm_scale_D.float().cpu()).pow(2).mean(-1).sqrt()
+            med = float(rms.median())
+            if abs(med - 1) > abs(final_norm_worst[0] - 1):
+                final_norm_worst = (med, sid)
+            lo, hi = FINAL_NORM_RANGE
+            if not lo <= med <= hi:
+                fails.append(f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
+                             "(a post-norm state has ~1): the final slot is not the final norm's output")
+            lap("final_norm")
+        rates[sid] = sample_rates(parts, ids_T, h, slot_names=names, sample_key=sid, start=ref.shape[0])
+        lap("rates")
+        if fails:
+            failures[sid] = fails
+        if progress_bar is not None:
+            progress_bar.update(1)
+    rate_report, rate_failures = judge_rates(rates)
+    for sid, msgs in rate_failures.items():
+        failures.setdefault(sid, []).extend(msgs)
+    return {
+        "ok": not failures,
+        "checked": len(sample_ids),
+        "tokens": int(sum(x.shape[0] for x in ids_by_sample.values())),
+        "prefix": {"tolerance": prefix_tol, "groups": len({id(v) for v in prefix_ref.values()}),
+                   "worst_rel_err": worst["prefix"][0], "worst_sample": worst["prefix"][1], "where": worst["prefix"][2]},
+        "tail": ({"skipped": parts.tail_ok} if parts.tail_ok else
+                 {"tolerance": tail_tol, "layers": f"{high}..{parts.num_layers - 1}", "worst_rel_err": worst["tail"][0],
+                  "worst_sample": worst["tail"][1], "where": worst["tail"][2]}),
+        "final_norm": ({"skipped": "the final norm is not RMS-like"} if parts.norm_scale_D is None else
+                       {"range": list(FINAL_NORM_RANGE), "worst_median_rms": final_norm_worst[0], "worst_sample": final_norm_worst[1]}),
+        "rates": rate_report,
+        "seconds": {k: round(v, 4) for k, v in seconds.items()},
+        "failing_samples": sorted(failures),
+        "failures": failures,
+    }

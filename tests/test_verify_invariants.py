@@ -1,0 +1,245 @@
+"""Default `eyas verify` catches single-sample faults anywhere in a 160-sample, multi-shard store.
+
+Each fault of issue 14 is injected into ONE sample (checksums rewritten to match, so only the
+numbers can give it away) of a store captured from a tiny random Llama on chat-shaped data (the
+SmolLM2 template's shared prefix, then random tokens); the default verify (8 recomputed samples,
+a fresh seed) must fail that sample by name and say which invariant or layer. A correct store
+must pass, and a target with the same config but other weights must be refused as the wrong
+target before anything is blamed on the store.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from eyas.capture.run import CaptureSettings, run_capture
+from eyas.data.prepared import PreparedDataset, write_prepared
+from eyas.errors import CheckFailed, EyasError
+from eyas.store import StoreReader, StoreSpec, StoreWriter
+from eyas.store.verify import miss_probability, stratified_order, verify_store
+from eyas.target import _decoder_parts, load_target, load_tokenizer, model_identity, reference_hidden_states, tokenizer_hash
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+LAYERS = [1, 3, 4]
+N_SAMPLES = 160
+
+
+@pytest.fixture(scope="module")
+def chat_store(tmp_path_factory, tiny_target_dir):
+    """(store, prepared split) of N_SAMPLES chat-shaped samples in many shards, captured in batches."""
+    root = tmp_path_factory.mktemp("verify_inv")
+    tok = load_tokenizer(tiny_target_dir)
+    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][:24]
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for i in range(N_SAMPLES):
+        n = int(torch.randint(8, 48, (1,), generator=g))
+        ids = prefix + torch.randint(3, len(tok), (n,), generator=g).tolist()
+        rows.append((f"c{i:03d}", ids, [k >= 24 for k in range(len(ids))]))
+    data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
+    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", layers=LAYERS,
+                                token_budget=512, shard_bytes=60_000))
+    return root / "good", PreparedDataset(data).split("train")
+
+
+def rewrite(src, dst, mutate):
+    """Copy store `src` to `dst` through mutate(sid, hidden_TLD, reader) -> hidden_TLD (checksums match)."""
+    r = StoreReader(src)
+    m = r.manifest
+    spec = StoreSpec(**{k: m[k] for k in ("aux_layer_ids", "hidden_size", "dtype", "convention", "target",
+                                          "tokenizer_hash", "prepared", "model_dtype", "producer")})
+    with StoreWriter(dst, spec, shard_bytes=60_000) as w:
+        for sid in r.sample_ids:
+            h = mutate(sid, r.get_hidden(sid, torch.float32), r)
+            w.add(sid, h[:, :-1], h[:, -1])
+        w.close(complete=True)
+    return dst
+
+
+def victims(store):
+    """A victim in a middle shard, and a sample of a different shard with the nearest length."""
+    m = StoreReader(store).manifest
+    shards = sorted({r["shard"] for r in m["samples"]})
+    assert len(shards) >= 4, "the fixture must span several shards"
+    in_mid = [r for r in m["samples"] if r["shard"] == shards[len(shards) // 2]]
+    victim = in_mid[len(in_mid) // 2]
+    other = min((r for r in m["samples"] if r["shard"] != victim["shard"]), key=lambda r: abs(r["tokens"] - victim["tokens"]))
+    return victim["id"], other["id"]
+
+
+def expect_caught(store, victim, *, words):
+    """Default verify fails `victim`, naming it and one of `words` (invariant or layer) in the message."""
+    with pytest.raises(CheckFailed) as info:
+        verify_store(store)
+    s, msg = info.value.summary, str(info.value)
+    assert victim in s["failing_samples"], (s["failing_samples"], msg)
+    assert victim in msg and any(w in msg for w in words), msg
+    return s
+
+
+def test_correct_store_passes(chat_store):
+    store, _ = chat_store
+    m = StoreReader(store).manifest
+    assert len(m["samples"]) == N_SAMPLES and len(m["shards"]) >= 4
+    s = verify_store(store)
+    inv = s["invariants"]
+    assert s["ok"] and inv["checked"] == N_SAMPLES and not inv["failing_samples"]
+    assert inv["prefix"]["groups"] == 1 and inv["prefix"]["worst_rel_err"] < 0.5 * inv["prefix"]["tolerance"]
+    assert inv["tail"]["worst_rel_err"] < 0.5 * inv["tail"]["tolerance"]
+    assert s["numbers"]["checked"] == 8 and s["numbers"]["population"] == N_SAMPLES
+    assert s["numbers"]["miss_probability"]["1"] == pytest.approx(1 - 8 / N_SAMPLES)
+
+
+def test_swapped_between_shards(chat_store, tmp_path):
+    store, _ = chat_store
+    victim, other = victims(store)
+
+    def mutate(sid, h, r):
+        if sid not in (victim, other):
+            return h
+        src = r.get_hidden(other if sid == victim else victim, torch.float32)
+        t = h.shape[0]
+        return src[:t] if src.shape[0] >= t else torch.cat([src, src[-1:].expand(t - src.shape[0], -1, -1)])
+
+    s = expect_caught(rewrite(store, tmp_path / "f", mutate), victim, words=["token layer", "next final", "align"])
+    assert other in s["failing_samples"]
+
+
+def test_one_layer_rolled_by_one_token(chat_store, tmp_path):
+    store, _ = chat_store
+    victim, _ = victims(store)
+
+    def mutate(sid, h, r):
+        if sid == victim:
+            h[:, 1] = torch.roll(h[:, 1], -1, dims=0)  # layer 3 only
+        return h
+
+    expect_caught(rewrite(store, tmp_path / "f", mutate), victim, words=["layer 3"])
+
+
+def test_five_percent_noise(chat_store, tmp_path):
+    store, _ = chat_store
+    victim, _ = victims(store)
+    g = torch.Generator().manual_seed(1)
+
+    def mutate(sid, h, r):
+        if sid == victim:
+            h = h + 0.05 * h.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(h.shape, generator=g)
+        return h
+
+    expect_caught(rewrite(store, tmp_path / "f", mutate), victim, words=["prefix", "tail"])
+
+
+def test_final_slot_pre_norm(chat_store, tmp_path, tiny_target_dir):
+    store, split = chat_store
+    victim, _ = victims(store)
+    model = load_target(tiny_target_dir)
+    _base, _layers, norm = _decoder_parts(model)
+    seen = {}
+    handle = norm.register_forward_pre_hook(lambda m, a: seen.__setitem__("x", a[0]))
+    with torch.no_grad():
+        model(input_ids=split[split.index_of(victim)].input_ids[None], use_cache=False)
+    handle.remove()
+
+    def mutate(sid, h, r):
+        if sid == victim:
+            h[:, -1] = seen["x"][0]
+        return h
+
+    expect_caught(rewrite(store, tmp_path / "f", mutate), victim, words=["final"])
+
+
+def test_left_padded_batch_without_mask(chat_store, tmp_path, tiny_target_dir):
+    store, split = chat_store
+    victim, _ = victims(store)
+    model = load_target(tiny_target_dir)
+    ids = split[split.index_of(victim)].input_ids
+    pad = torch.full((6,), 2)  # the tokenizer's pad (= eos) id, as a padding collator would use
+    aux, final = reference_hidden_states(model, torch.cat([pad, ids]), layer_ids=LAYERS)
+    padded = torch.cat([aux, final.unsqueeze(1)], dim=1)[6:]
+
+    def mutate(sid, h, r):
+        return padded.clone() if sid == victim else h
+
+    expect_caught(rewrite(store, tmp_path / "f", mutate), victim, words=["prefix", "tail"])
+
+
+def test_wrong_target_same_config_is_refused(chat_store, tmp_path, tiny_target_dir):
+    store, _ = chat_store
+    other = tmp_path / "other"
+    shutil.copytree(tiny_target_dir, other)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(other / "model.safetensors")
+    name = "model.layers.2.mlp.down_proj.weight"
+    weights[name] = weights[name] * 1.01  # one layer's weights off by 1%: same config, shapes and sizes
+    save_file(weights, other / "model.safetensors", metadata={"format": "pt"})
+    a, b = model_identity(tiny_target_dir), model_identity(other)
+    assert a["config_sha256"] == b["config_sha256"] and a["weights_index_sha256"] == b["weights_index_sha256"]
+    assert a["weights_sample_sha256"] != b["weights_sample_sha256"]
+    with pytest.raises(EyasError, match="wrong target.*weights"):
+        verify_store(store, target=str(other))
+
+
+def test_old_manifest_without_new_fields_warns_and_passes(chat_store, tmp_path):
+    store, _ = chat_store
+    old = tmp_path / "old"
+    shutil.copytree(store, old)
+    m = json.loads((old / "manifest.json").read_text())
+    del m["target"]["weights_sample_sha256"], m["fields_sha256"]
+    (old / "manifest.json").write_text(json.dumps(m))
+    s = verify_store(old, numbers=1)
+    assert s["ok"] and any("predates sampled weight hashes" in w for w in s["warnings"])
+    assert any("fields_sha256" in w for w in s["warnings"])
+
+
+def test_edited_manifest_field_fails(chat_store, tmp_path):
+    store, _ = chat_store
+    edited = tmp_path / "edited"
+    shutil.copytree(store, edited)
+    m = json.loads((edited / "manifest.json").read_text())
+    m["model_dtype"] = "bf16"  # would loosen the tolerance tenfold
+    (edited / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(CheckFailed, match="do not match their checksum"):
+        verify_store(edited, numbers=0, invariants=False)
+
+
+def test_seed_printed_and_repeatable(chat_store):
+    from eyas.cli import app
+
+    store, _ = chat_store
+    runs = [CliRunner().invoke(app, ["verify", "--store", str(store), "--numbers", "3", "--no-invariants"] + extra)
+            for extra in ([], ["--seed", "7"], ["--seed", "7"])]
+    for res in runs:
+        assert res.exit_code == 0, res.output
+    nums = [json.loads(res.stdout.strip().splitlines()[-1])["numbers"] for res in runs]
+    assert f"--seed {nums[0]['seed']}" in runs[0].stderr
+    assert nums[1]["seed"] == 7 and nums[1]["checked_ids"] == nums[2]["checked_ids"]
+
+
+def test_stratified_order_spreads_shards_and_lengths():
+    records = [{"id": f"s{i}", "shard": i % 6, "tokens": 10 + i} for i in range(120)]
+    a, b = stratified_order(records, 1), stratified_order(records, 2)
+    assert sorted(a) == sorted(r["id"] for r in records) and a != b
+    first = [next(r for r in records if r["id"] == sid) for sid in a[:6]]
+    assert len({r["shard"] for r in first}) == 6
+    quartile = [(r["tokens"] - 10) * 4 // 120 for r in first]
+    assert len(set(quartile)) >= 3
+
+
+def test_miss_probability():
+    assert miss_probability(150, 8, 1) == pytest.approx(142 / 150)
+    assert miss_probability(150, 8, 2) == pytest.approx(142 / 150 * 141 / 149)
+    assert miss_probability(10, 10, 1) == 0.0
+
+
+def test_time_budget_stops_after_the_minimum(chat_store):
+    store, _ = chat_store
+    s = verify_store(store, numbers=2, numbers_seconds=1e-6, invariants=False, seed=3)
+    assert s["numbers"]["checked"] == 2 and s["numbers"]["strata"]["shards_drawn"] == 2
