@@ -362,3 +362,17 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     assert summary["captured"] == len(LENGTHS) and summary["rejected_count"] == 0
     bad = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")])
     assert bad.exit_code == 2 and "--url" in bad.output
+
+
+def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, tmp_path, monkeypatch):
+    # A plugin whose ModelRunner.forward hook never ran sees replay batches without rids and writes
+    # nothing; the probe must say so and name the flag, not send the user to the dump directory.
+    from eyas.sglang import plugin
+    from eyas.sglang.client import probe
+
+    monkeypatch.setattr(plugin._State, "on_model_runner_forward", lambda self, fb: None)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        plan = preflight(srv.url, LAYERS)
+        with pytest.raises(EyasError, match="saw no scheduler batch.*--disable-prefill-cuda-graph"):
+            probe(plan, torch.arange(100, 120), layer_ids=LAYERS, tag="probe", dump_wait_s=1.0, max_retries=0)
+        assert not list((tmp_path / "dumps").iterdir())
