@@ -153,6 +153,30 @@ def test_preflight_refusals(tiny_target_dir, tmp_path):
             preflight(srv.url, LAYERS)
     with pytest.raises(EyasError, match="cannot read the server's info"):
         preflight("http://127.0.0.1:9", LAYERS)
+    with serve(tiny_target_dir, tmp_path, enable_dp_attention=True) as srv:
+        with pytest.raises(EyasError, match="DP attention.*--enable-dp-attention"):
+            preflight(srv.url, LAYERS)
+    with serve(tiny_target_dir, tmp_path, enable_two_batch_overlap=True) as srv:
+        with pytest.raises(EyasError, match="--enable-two-batch-overlap"):
+            preflight(srv.url, LAYERS)
+
+
+def test_preflight_refuses_a_plugin_blind_to_graph_replay_unless_the_graph_is_off(tiny_target_dir, tmp_path):
+    with serve(tiny_target_dir, tmp_path) as srv:
+        info = srv.server_info
+
+        def old_plugin(**extra):
+            out = info()
+            out["internal_states"][0]["eyas_capture"]["plugin_version"] = "1"
+            return {**out, **extra}
+
+        srv.server_info = old_plugin
+        with pytest.raises(EyasError, match="restart it with --disable-prefill-cuda-graph"):
+            preflight(srv.url, LAYERS)
+        srv.server_info = lambda: old_plugin(disable_prefill_cuda_graph=True)
+        assert preflight(srv.url, LAYERS).status["plugin_version"] == "1"
+        srv.server_info = info
+        assert preflight(srv.url, LAYERS).status["plugin_version"] == "2"
 
 
 def test_legacy_info_path_retries_and_data_parallel(tiny_target_dir, prepared, tmp_path):
@@ -214,6 +238,11 @@ def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
                             prompt_tokens=None, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
     assert out["ok"] and out["cache_bypass"] == "salt"
     assert out["checks"]["unique_prompt"]["tokens"] == 51 and out["checks"]["unique_prompt"]["pieces"] == 2
+    assert out["checks"]["batched"]["ok"] and out["checks"]["batched"]["tokens"] == [51, 25, 17, 10]
+    counters = out["checks"]["plugin_counters"]
+    # every forward went through the graph-replay batch (no rids) and took the scheduler's ids
+    assert counters["ok"] and counters["unmatched_forwards"] == 0
+    assert counters["rids_from_live_batch"] == counters["live_batches"] > 0
     nums = out["checks"]["numbers"]
     assert nums["ok"] and max(nums["mean_rel_l2"].values()) < 1e-4
 
@@ -230,6 +259,29 @@ def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, t
     checks = exc.value.summary["checks"]
     assert checks["unique_prompt"]["ok"] and not checks["shared_prefix"]["ok"]
     assert "cached_tokens" in checks["shared_prefix"]["reason_b"]
+
+
+def test_verify_server_names_the_flag_when_replay_batches_cannot_be_matched(tiny_target_dir, tmp_path, monkeypatch):
+    # a graph runner that rebuilds the batch with lengths the plugin cannot match to the scheduler's
+    from eyas.commands.verify_server import verify_server
+    from eyas.sglang import standin
+
+    real = standin.replay_batch
+
+    def foreign(live, *, bucket):
+        fb = real(live, bucket=bucket)
+        fb.extend_seq_lens_cpu = list(fb.extend_seq_lens_cpu) + [0]
+        return fb
+
+    monkeypatch.setattr(standin, "replay_batch", foreign)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        with pytest.raises(CheckFailed) as exc:
+            verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None,
+                          prompt_tokens=24, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+    checks = exc.value.summary["checks"]
+    assert "--disable-prefill-cuda-graph" in checks["unique_prompt"]["reason"]
+    assert not checks["plugin_counters"]["ok"] and "--disable-prefill-cuda-graph" in checks["plugin_counters"]["fix"]
+    assert checks["plugin_counters"]["unmatched_forwards"] >= 1
 
 
 def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_dir, tmp_path, monkeypatch):
@@ -310,3 +362,17 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     assert summary["captured"] == len(LENGTHS) and summary["rejected_count"] == 0
     bad = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")])
     assert bad.exit_code == 2 and "--url" in bad.output
+
+
+def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, tmp_path, monkeypatch):
+    # A plugin whose ModelRunner.forward hook never ran sees replay batches without rids and writes
+    # nothing; the probe must say so and name the flag, not send the user to the dump directory.
+    from eyas.sglang import plugin
+    from eyas.sglang.client import probe
+
+    monkeypatch.setattr(plugin._State, "on_model_runner_forward", lambda self, fb: None)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        plan = preflight(srv.url, LAYERS)
+        with pytest.raises(EyasError, match="saw no scheduler batch.*--disable-prefill-cuda-graph"):
+            probe(plan, torch.arange(100, 120), layer_ids=LAYERS, tag="probe", dump_wait_s=1.0, max_retries=0)
+        assert not list((tmp_path / "dumps").iterdir())

@@ -1,14 +1,13 @@
 """The plugin's SGLang glue, run against minimal fakes of the SGLang objects it touches.
 
-The fakes copy the 0.5.23 shapes the glue reads (ForwardBatch fields, ForwardMode predicates,
-LogitsProcessor.forward's signature, set_eagle3_layers_to_capture's conventions for Llama and
-DeepSeek); test_sglang_contract.py checks those names in the real wheel.
+The fakes copy the shapes the glue reads (ForwardBatch fields, ForwardMode predicates,
+LogitsProcessor.forward's signature, set_eagle3_layers_to_capture's rules for Llama, DeepSeek and
+the Kimi-K2.5 wrapper, the graph-replay batch without rids); test_sglang_contract.py checks those
+in every supported wheel.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import inspect
 import sys
 import types
@@ -16,34 +15,14 @@ import types
 import pytest
 import torch
 
-from eyas.sglang import plugin
+from eyas.sglang import plugin, standin
+from eyas.sglang.standin import ForwardMode, replay_batch
 from eyas.sglang.core import DumpWriter, make_rid, read_dump
 
 A, H = 3, 8
 
 
-class ForwardMode(enum.IntEnum):
-    EXTEND = 1
-    DECODE = 2
-    MIXED = 3
-    TARGET_VERIFY = 5
-
-    def is_extend(self):
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
-
-    def is_target_verify(self):
-        return self == ForwardMode.TARGET_VERIFY
-
-
-@dataclasses.dataclass
-class ForwardBatch:
-    forward_mode: ForwardMode
-    batch_size: int
-    input_ids: torch.Tensor
-    rids: list | None = None
-    positions: torch.Tensor | None = None
-    extend_prefix_lens_cpu: list | None = None
-    extend_seq_lens_cpu: list | None = None
+ForwardBatch = standin.ForwardBatch  # SGLang's field names; the stand-in server uses the same class
 
 
 class LogitsProcessor:
@@ -86,8 +65,8 @@ def batch(mode, pieces, pad=0):
     for _, _, p, n in pieces:
         pos.append(torch.arange(p, p + n)), ids.append(torch.arange(100 + p, 100 + p + n))
     pos.append(torch.zeros(pad, dtype=torch.long)), ids.append(torch.zeros(pad, dtype=torch.long))
-    fb = ForwardBatch(forward_mode=mode, batch_size=len(pieces), input_ids=torch.cat(ids), rids=[r for r, *_ in pieces],
-                      positions=torch.cat(pos), extend_prefix_lens_cpu=[p for *_, p, _ in pieces],
+    fb = ForwardBatch(forward_mode=mode, batch_size=len(pieces), input_ids=torch.cat(ids)[:T - pad], rids=[r for r, *_ in pieces],
+                      positions=torch.cat(pos)[:T - pad], extend_prefix_lens_cpu=[p for *_, p, _ in pieces],
                       extend_seq_lens_cpu=[n for *_, n in pieces])
     return fb, hidden, aux
 
@@ -152,7 +131,23 @@ class DeepseekLike(LlamaLike):  # deepseek_v2.py: the +1 only when the first id 
         self.model.layers_to_capture = [v + 1 for v in layer_ids] if layer_ids[0] == 1 else list(layer_ids)
 
 
-@pytest.mark.parametrize("cls", [LlamaLike, DeepseekLike])
+class KimiLike:  # kimi_k25.py: `.model` is a property returning the DeepSeek-V3 language model
+    def __init__(self):
+        self.language_model, self.config = DeepseekLike(), _Config()
+
+    @property
+    def model(self):
+        return self.language_model
+
+    def set_eagle3_layers_to_capture(self, layer_ids=None):
+        self.language_model.set_eagle3_layers_to_capture(layer_ids)
+
+
+def _inner(model):
+    return model.language_model.model if isinstance(model, KimiLike) else model.model
+
+
+@pytest.mark.parametrize("cls", [LlamaLike, DeepseekLike, KimiLike])
 @pytest.mark.parametrize("layers", [[2, 6, 9], [3, 6, 9], None])
 def test_enable_sets_layers_in_eyas_convention(tmp_path, monkeypatch, fake_sglang, cls, layers):
     st = plugin._State(plugin.PluginConfig(layer_ids=layers, dump_dir=str(tmp_path)))
@@ -162,12 +157,40 @@ def test_enable_sets_layers_in_eyas_convention(tmp_path, monkeypatch, fake_sglan
                                    server_args=types.SimpleNamespace(speculative_algorithm=None))
     plugin._on_init_attention_backends(runner)
     want = layers or [2, 6, 9]  # default for 12 layers: 2, N//2, N-3
-    assert runner.model.model.layers_to_capture == want and st.layer_ids == want
+    # read back from the module the decoder loop uses (for Kimi: under the wrapper's language model)
+    assert _inner(runner.model).layers_to_capture == want and st.layer_ids == want
+    assert st.model["layers_to_capture"] == want
+    # each model's own +1 rule: DeepSeek/Kimi keep ids whose first entry is not 1 as they are
+    deepseek_rule = cls is not LlamaLike and want[0] != 2
+    assert st.model["ids_passed"] == (want if deepseek_rule else [i - 1 for i in want])
     assert st.ranks["attn_tp_rank"] == 1 and st.enabled
-    # DeepSeek's rule leaves [2, 5, 8] as is when the first id is not 1: the plugin corrects it
-    assert st.model["layers_to_capture_adjusted"] == (cls is DeepseekLike and layers == [3, 6, 9])
+    assert st.writer is None  # rank 1 never writes: no writer threads, nothing submitted
     status = st.status()
-    assert status["layer_ids"] == want and status["sglang_layer_ids"] == [i - 1 for i in want]
+    assert status["layer_ids"] == want and status["writer"] is False
+
+
+@pytest.mark.parametrize("cls", [DeepseekLike, KimiLike])
+def test_deepseek_rule_refuses_a_first_id_of_one(tmp_path, monkeypatch, fake_sglang, cls):
+    st = plugin._State(plugin.PluginConfig(layer_ids=[1, 6, 9], dump_dir=str(tmp_path)))
+    monkeypatch.setattr(plugin, "_STATE", st)
+    runner = types.SimpleNamespace(model=cls(), is_draft_worker=False, server_args=None)
+    with pytest.raises(plugin.PluginConfigError, match="first id >= 2"):
+        plugin._on_init_attention_backends(runner)
+    assert not st.enabled
+    # Llama's rule can express it
+    st = plugin._State(plugin.PluginConfig(layer_ids=[1, 6, 9], dump_dir=str(tmp_path)))
+    monkeypatch.setattr(plugin, "_STATE", st)
+    runner = types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None)
+    plugin._on_init_attention_backends(runner)
+    assert runner.model.model.layers_to_capture == [1, 6, 9]
+
+
+def test_a_model_without_readable_layers_is_refused(tmp_path, monkeypatch, fake_sglang):
+    model = LlamaLike()
+    model.model = types.SimpleNamespace()  # no layers_to_capture anywhere under .model
+    monkeypatch.setattr(plugin, "_STATE", plugin._State(plugin.PluginConfig(layer_ids=None, dump_dir=str(tmp_path))))
+    with pytest.raises(plugin.PluginConfigError, match="cannot be read back"):
+        plugin._on_init_attention_backends(types.SimpleNamespace(model=model, is_draft_worker=False, server_args=None))
 
 
 def test_enable_refuses_bad_setups(tmp_path, monkeypatch, fake_sglang):
@@ -185,6 +208,20 @@ def test_enable_refuses_bad_setups(tmp_path, monkeypatch, fake_sglang):
         run([2, 3, 4], pp_size=2)
     with pytest.raises(plugin.PluginConfigError, match="12 layers"):
         run([2, 3, 12])
+    with pytest.raises(plugin.PluginConfigError, match="DP attention"):
+        run([2, 3, 4], enable_dp_attention=True)
+    with pytest.raises(plugin.PluginConfigError, match="DP attention"):
+        run([2, 3, 4], attn_dp_size=2)  # 0.5.23 resolves enable_dp_attention from attn_dp_size
+    with pytest.raises(plugin.PluginConfigError, match="enable-two-batch-overlap"):
+        run([2, 3, 4], enable_two_batch_overlap=True)
+    with pytest.raises(plugin.PluginConfigError, match="enable-single-batch-overlap"):
+        run([2, 3, 4], enable_single_batch_overlap=True)
+    with pytest.raises(plugin.PluginConfigError, match="tc_piecewise"):
+        run([2, 3, 4], cuda_graph_backend_prefill="tc_piecewise")
+    with pytest.raises(plugin.PluginConfigError, match="tc_piecewise"):
+        run([2, 3, 4], cuda_graph_config={"prefill": {"backend": "tc_piecewise"}})
+    run([2, 3, 4], cuda_graph_backend_prefill="breakable", enable_two_batch_overlap=False)  # the default is fine
+    assert plugin._STATE.enabled
 
 
 def test_config_from_env():
@@ -198,14 +235,27 @@ def test_config_from_env():
 
 
 def test_register_is_inert_without_eyas_capture(monkeypatch):
-    monkeypatch.delenv("EYAS_CAPTURE", raising=False)
-    monkeypatch.setitem(sys.modules, "sglang", None)  # importing sglang would fail loudly
-    plugin.register()
+    monkeypatch.setattr(plugin, "_STATE", None)
+    monkeypatch.setitem(sys.modules, "sglang", None)  # importing sglang would raise ImportError
+    registered = []
+    monkeypatch.setattr(plugin, "register_hooks", lambda *a, **k: registered.append(a))
+    for value in (None, "0", "no"):
+        if value is None:
+            monkeypatch.delenv("EYAS_CAPTURE", raising=False)
+        else:
+            monkeypatch.setenv("EYAS_CAPTURE", value)
+        plugin.register()
+        assert plugin._STATE is None and registered == []
+    # and the same call with EYAS_CAPTURE=1 does act (so the assertions above can fail)
+    monkeypatch.setenv("EYAS_CAPTURE", "1")
+    with pytest.raises(plugin.PluginConfigError):
+        plugin.register()
 
 
 def test_version_range():
     assert plugin.version_supported("0.5.23") and plugin.version_supported("0.5.22.post1")
-    assert not plugin.version_supported("0.5.15") and not plugin.version_supported("0.6.0")
+    assert all(plugin.version_supported(v) for v in plugin.SUPPORTED_VERSIONS)
+    assert not plugin.version_supported("0.5.14") and not plugin.version_supported("0.6.0")
     assert not plugin.version_supported(None)
 
 
@@ -232,3 +282,67 @@ def test_register_refuses_an_sglang_without_the_hooks(monkeypatch):
     msg = str(exc.value)
     assert "SGLang 0.5.99" in msg and "pinned 0.5.23" in msg and "LogitsProcessor.forward" in msg
     assert "ForwardBatch" in msg and "sglang==0.5.23" in msg
+
+
+def test_replay_batch_takes_request_ids_from_the_scheduler_batch(state, tmp_path):
+    # SGLang's prefill CUDA graph hands the logits step a rebuilt batch without rids (load_batch)
+    ra, rb = make_rid(4, "ga"), make_rid(2, "gb")
+    live, hidden, aux = batch(ForwardMode.EXTEND, [(ra, 4, 0, 4), ("user-req", 9, 0, 3), (rb, 2, 0, 2)], pad=7)
+    replay = replay_batch(live, bucket=8)
+    assert replay.rids is None and replay.input_ids.shape[0] == 16 and live.rids is not None
+    # without the scheduler's batch the plugin cannot tell whose rows these are: nothing is written
+    plugin._on_logits(LogitsProcessor(), replay.input_ids, hidden, None, replay, aux)
+    assert list(tmp_path.iterdir()) == []
+    # ModelRunner.forward(live batch) first, as SGLang calls it: every eyas request is dumped
+    plugin._on_model_runner_forward(types.SimpleNamespace(is_draft_worker=False), live)
+    plugin._on_logits(LogitsProcessor(), replay.input_ids, hidden, None, replay, aux)
+    torch.testing.assert_close(read_dump(tmp_path / ra).aux_LAD, aux[:4].view(4, A, H), rtol=0, atol=0)
+    d = read_dump(tmp_path / rb)
+    torch.testing.assert_close(d.final_LD, hidden[7:9], rtol=0, atol=0)
+    assert d.positions_L.tolist() == [0, 1] and d.input_ids_L.tolist() == [100, 101]
+    assert state.counts["rids_from_live_batch"] == 1 and state.errors == 0
+    # the live batch is used once: a later rid-less call (e.g. a warm-up) does not reuse it
+    (tmp_path / ra / "meta.json").unlink()
+    plugin._on_logits(LogitsProcessor(), replay.input_ids, hidden, None, replay, aux)
+    assert not (tmp_path / ra / "meta.json").exists() and state.counts["rids_from_live_batch"] == 1
+
+
+def test_an_unmatched_replay_batch_rejects_naming_the_flag(state, tmp_path):
+    ra = make_rid(4, "um")
+    live, hidden, aux = batch(ForwardMode.EXTEND, [(ra, 4, 0, 4)], pad=4)
+    replay = replay_batch(live, bucket=8)
+    replay.extend_seq_lens_cpu = [3]  # lengths that are not the scheduler's: never guess whose rows
+    plugin._on_model_runner_forward(types.SimpleNamespace(is_draft_worker=False), live)
+    plugin._on_logits(LogitsProcessor(), replay.input_ids, hidden, None, replay, aux)
+    d = read_dump(tmp_path / ra)
+    assert d.status == "rejected" and "--disable-prefill-cuda-graph" in d.meta["reason"]
+    assert state.status()["stats"]["unmatched_forwards"] == 1
+
+
+@pytest.mark.parametrize("ranks", [dict(attn_tp_rank=1, pp_rank=0, pp_size=1), dict(attn_tp_rank=0, pp_rank=0, pp_size=2)])
+def test_only_the_writer_rank_submits_anything(state, tmp_path, ranks):
+    state.ranks = ranks
+    ra = make_rid(3, "tp")
+    live, hidden, aux = batch(ForwardMode.EXTEND, [(ra, 3, 0, 3)])
+    plugin._on_model_runner_forward(types.SimpleNamespace(is_draft_worker=False), live)
+    plugin._on_logits(LogitsProcessor(), live.input_ids, hidden, None, live, None)  # would be a rejected dump
+    plugin._on_logits(LogitsProcessor(), live.input_ids, hidden, None, live, aux)  # would be a complete dump
+    assert list(tmp_path.iterdir()) == [] and state.errors == 0
+    assert state.core.stats["forwards"] == 0 and state.counts["live_batches"] == 0
+    state.ranks = {"attn_tp_rank": 0, "pp_rank": 0, "pp_size": 1}  # the writer does write (the test can fail)
+    plugin._on_logits(LogitsProcessor(), live.input_ids, hidden, None, live, aux)
+    assert read_dump(tmp_path / ra).status == "complete"
+
+
+def test_standin_builds_the_replay_batch_without_rids(tiny_target_dir, tmp_path):
+    # the stand-in's forwards go through the replay batch by default, so CI exercises the path above
+    seen = []
+    with standin.StandinServer(standin.StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[2, 3, 4])) as srv:
+        orig = srv.logits.forward
+        srv.logits.forward = lambda *a, **k: (seen.append(a[3]), orig(*a, **k))[1]
+        code, out = srv.generate({"input_ids": list(range(100, 113)), "rid": make_rid(13, "sb"),
+                                  "sampling_params": {"max_new_tokens": 1}})
+    assert code == 200 and len(seen) == 1 and seen[0].rids is None and seen[0].input_ids.shape[0] == 16
+    d = read_dump(tmp_path / make_rid(13, "sb"))
+    assert d.status == "complete" and d.input_ids_L.tolist() == list(range(100, 113))
+    assert srv.states[0].counts["rids_from_live_batch"] == 1

@@ -6,7 +6,13 @@ Checks, in order (each a real request through the same path as `eyas capture --b
    0..L-1, the same token ids, the configured layers;
 2. shared_prefix: two prompts sharing a long prefix, sent one after the other (the second would hit
    the radix cache without a bypass), both dump every token;
-3. numbers (with --target, when the model fits here): the unique prompt's dumped aux and final
+3. batched: four prompts of different lengths sent at once (so the server packs them into shared
+   EXTEND forwards, through the prefill CUDA graph when it is on) all dump every token;
+4. plugin_counters: after those requests the plugin reports no hook or write errors and no forward
+   whose request ids it could not find (a prefill CUDA-graph replay batch it could not match to the
+   scheduler's batch: the fix is --disable-prefill-cuda-graph); it also reports how many forwards
+   took their request ids from the scheduler's batch (`rids_from_live_batch` > 0: the graph path ran);
+5. numbers (with --target, when the model fits here): the unique prompt's dumped aux and final
    states match `eyas.target.reference_hidden_states` of the local copy of the model.
 """
 
@@ -37,7 +43,7 @@ def verify_server(
 
     from eyas.config_checks import check_device, check_in, check_url, check_value, parse_int_list
     from eyas.errors import CheckFailed, EyasError
-    from eyas.sglang.client import capture_one, preflight
+    from eyas.sglang.client import capture_one, get_server_info, plugin_state, preflight
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
@@ -84,7 +90,28 @@ def verify_server(
     checks["shared_prefix"] = {"ok": ra.reason is None and rb.reason is None, "tokens": L,
                                "shared_tokens": int(shared.shape[0]), "reason_a": ra.reason, "reason_b": rb.reason}
 
-    # 3. the numbers, against the transformers reference on a local copy of the model
+    # 3. several prompts at once, packed into shared forwards
+    import concurrent.futures as cf
+
+    lens = [max(8, L // d) for d in (1, 2, 3, 5)]
+    with cf.ThreadPoolExecutor(len(lens)) as pool:
+        futs = [pool.submit(run, f"batched_{k}", rand_ids(n), 10 + k) for k, n in enumerate(lens)]
+        rs = [f.result() for f in futs]
+    checks["batched"] = {"ok": all(r.reason is None for r in rs), "tokens": lens,
+                         "reasons": [r.reason for r in rs if r.reason is not None]}
+
+    # 4. what the plugin counted while serving them
+    after = plugin_state(get_server_info(plan.url)) or {}
+    stats = after.get("stats", {})
+    counters = {k: int(stats.get(k, 0)) for k in ("live_batches", "rids_from_live_batch", "unmatched_forwards")}
+    counters.update(hook_errors=int(after.get("hook_errors", 0)), write_errors=int(after.get("write_errors", 0)))
+    bad = {k: v for k, v in counters.items() if k in ("unmatched_forwards", "hook_errors", "write_errors") and v}
+    checks["plugin_counters"] = {"ok": not bad, **counters, "last_error": after.get("last_error", ""),
+                                 "fix": ("restart the server with --disable-prefill-cuda-graph"
+                                         if bad.get("unmatched_forwards") else "see the server log for `eyas capture`")
+                                 if bad else ""}
+
+    # 5. the numbers, against the transformers reference on a local copy of the model
     if target is not None:
         checks["numbers"] = _compare_numbers(target, unique, r1, layer_ids, tolerance=tolerance, device=device,
                                              server_dtype=r1.dump_dtype)

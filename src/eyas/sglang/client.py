@@ -168,6 +168,18 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
     if info.get("speculative_algorithm"):
         raise EyasError(f"--url {url}: the server runs speculative decoding ({info['speculative_algorithm']}); "
                         "start a capture server without --speculative-algorithm")
+    if info.get("enable_dp_attention") or int(info.get("attn_dp_size") or 1) > 1:
+        raise EyasError(f"--url {url}: the server runs DP attention (enable_dp_attention / attn_dp_size > 1): one "
+                        "batch's rows are spread over ranks. Restart it without --enable-dp-attention (plain TP, or "
+                        "--dp-size replicas)")
+    for flag in ("enable_two_batch_overlap", "enable_single_batch_overlap"):
+        if info.get(flag):
+            raise EyasError(f"--url {url}: the server has {flag} on: DeepSeek-family models skip aux capture for "
+                            f"overlapped micro-batches. Restart it without --{flag.replace('_', '-')}")
+    if int(status.get("plugin_version") or 0) < 2 and not info.get("disable_prefill_cuda_graph"):
+        raise EyasError(f"--url {url}: the server's eyas plugin (version {status.get('plugin_version')}) cannot find "
+                        "request ids under the prefill CUDA graph, which SGLang turns on by default on CUDA. Install "
+                        "this eyas into the server's environment, or restart it with --disable-prefill-cuda-graph")
     have = [int(i) for i in status.get("layer_ids", [])]
     if layer_ids is not None and list(layer_ids) != have:
         raise EyasError(
@@ -319,8 +331,18 @@ def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int]
     if res.reason is not None:
         hint = ""
         if "no dump appeared" in res.reason:
-            hint = (f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host where "
-                    "the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share EYAS_DUMP_DIR")
+            try:
+                stats = (plugin_state(get_server_info(plan.url)) or {}).get("stats", {})
+            except (TransientHTTPError, PermanentHTTPError):
+                stats = {}
+            if not int(stats.get("live_batches", 1) or 0):
+                hint = (" The plugin saw no scheduler batch (its ModelRunner.forward hook is not active: look for "
+                        "'Failed to apply hooks' in the server log); until that is fixed, restart the server with "
+                        "--disable-prefill-cuda-graph")
+            else:
+                hint = (f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host "
+                        "where the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share "
+                        "EYAS_DUMP_DIR")
         raise EyasError(f"--url {plan.url}: the probe request failed: {res.reason}.{hint}")
     return res
 

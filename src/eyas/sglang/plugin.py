@@ -1,10 +1,10 @@
 """The SGLang server plugin: the ONLY module of eyas that knows SGLang's internals.
 
-Pinned to SGLang 0.5.23 (the current 0.5.x release; its PyPI wheel was read for every hook below).
-Supported range: >=0.5.22,<0.6 (0.5.22's wheel passes the same contract check). On start-up the
-plugin checks that every hook point and ForwardBatch field it uses exists and refuses to start the
-server otherwise, naming the version.
-`CONTRACT` lists them; tests/test_sglang_contract.py checks the same list in the pinned wheel.
+Pinned to SGLang 0.5.23 (the newest 0.5.x release; its PyPI wheel was read for every hook below).
+Supported: every release in SUPPORTED_VERSIONS (0.5.15 to 0.5.23; each wheel was read and passes the
+same contract check in tests/test_sglang_contract.py). On start-up the plugin checks that every
+hook point and ForwardBatch field it uses exists and refuses to start the server otherwise, naming
+the version. `CONTRACT` lists them.
 
 Install eyas into the server's Python environment; the entry point in eyas's pyproject
 
@@ -17,20 +17,36 @@ inactive unless EYAS_CAPTURE=1, so installing eyas next to a serving deployment 
 Environment (read by every server process):
     EYAS_CAPTURE=1                  turn capture on
     EYAS_CAPTURE_LAYERS=2,15,27     aux layer ids in eyas's convention (hf-input: id i = INPUT to
-                                    decoder layer i); default = 2, N//2, N-3. SGLang's own ids are
-                                    these minus one; the plugin converts and reads the model back.
+                                    decoder layer i); default = 2, N//2, N-3. The plugin passes the
+                                    ids each model's own rule needs (Llama: SGLang id + 1; DeepSeek-V2/V3
+                                    and Kimi-K2.5: + 1 only when the first id is 1) and reads the
+                                    model's `layers_to_capture` back; ids it cannot express are refused.
     EYAS_DUMP_DIR=/dev/shm/eyas-dumps
 
 Hooks (sglang.srt.plugins.hook_registry.HookRegistry):
     BEFORE ModelRunner.init_attention_backends   runs after the weights are loaded and before CUDA
-        graphs are captured: turns on EAGLE-3 aux capture (model.set_eagle3_layers_to_capture) so the
-        graphs include the capture, and records this rank (attention-TP rank, PP rank).
+        graphs are captured: refuses server settings that scatter or skip rows, turns on EAGLE-3 aux
+        capture (model.set_eagle3_layers_to_capture) so the graphs include it, reads the layer ids
+        back (through multimodal wrappers such as Kimi-K2.5's) and records this rank.
+    BEFORE ModelRunner.forward   remembers the scheduler's live ForwardBatch, which carries `rids`.
+        SGLang's default prefill CUDA graph on CUDA ("breakable") hands the model, and so the logits
+        processor, a ForwardBatch rebuilt for graph replay (PrefillCudaGraphRunner.load_batch) that
+        does NOT copy `rids`; it does copy `extend_seq_lens_cpu` / `extend_prefix_lens_cpu`, so the
+        logits hook takes the request ids of the live batch whose lengths match. A forward it cannot
+        match rejects its eyas requests with a reason naming --disable-prefill-cuda-graph.
     BEFORE LogitsProcessor.forward   every model hands the logits processor the final POST-NORM
-        hidden states of all rows and the aux states, with the ForwardBatch. Under SGLang's default
-        prefill CUDA graphs (breakable / full) this tail runs eagerly, so the hook sees every EXTEND
-        forward. Rows of eyas requests go to CaptureCore (core.py), which stitches and writes dumps.
-    AFTER SchedulerInternalStateController.get_internal_state   adds "eyas_capture" (layer ids,
-        dump dir, model, counters) to /server_info's internal_states, which the client checks.
+        hidden states of all rows and the aux states, with the batch. The graph runners replay the
+        transformer body only; this tail runs eagerly, so the hook sees every EXTEND forward. Only
+        the writing rank (attention-TP rank 0 on the last pipeline rank) reads or submits anything;
+        rows of eyas requests go to CaptureCore (core.py), which stitches and writes dumps.
+    AFTER get_internal_state (SchedulerInternalStateController from 0.5.22, Scheduler before)   adds
+        "eyas_capture" (layer ids, dump dir, model, counters) to /server_info, which the client checks.
+
+Refused at start-up (PluginConfigError, the server does not start): speculative decoding,
+--enable-return-aux-hidden-states, --pp-size > 1, --attn-cp-size > 1, DP attention
+(--enable-dp-attention / --attn-dp-size > 1: rows of one batch spread over ranks), two-batch and
+single-batch overlap (DeepSeek skips aux capture for the overlapped stages), and the
+torch.compile prefill graph backend (tc_piecewise, 0.5.15-0.5.21: the tail would be compiled).
 """
 
 from __future__ import annotations
@@ -58,8 +74,12 @@ from eyas.sglang.core import (
 logger = logging.getLogger("eyas.sglang")
 
 PINNED_SGLANG = "0.5.23"
-SUPPORTED_RANGE = ">=0.5.22,<0.6"  # 0.5.22 passes the same contract check (its wheel was read too)
-PLUGIN_VERSION = "1"
+# Every release whose wheel was read and passes the contract check (tests/test_sglang_contract.py
+# checks each one). 0.5.15-0.5.17 pin torch 2.11; 0.5.18-0.5.21 torch 2.13; 0.5.22+ torch 2.14.
+SUPPORTED_VERSIONS = ("0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21",
+                      "0.5.22", "0.5.23")
+SUPPORTED_RANGE = ">=0.5.15,<0.6"
+PLUGIN_VERSION = "2"
 WRITER_THREADS = 4  # dump writers per writing rank (safetensors serialisation + tmpfs copy)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 
@@ -70,11 +90,16 @@ CONTRACT: dict[str, Any] = {
     "hook_types": ("sglang.srt.plugins.hook_registry", "HookType", ("BEFORE", "AFTER")),
     "hooks": {
         "enable": ("sglang.srt.model_executor.model_runner", "ModelRunner.init_attention_backends", ("self",)),
+        "live_batch": ("sglang.srt.model_executor.model_runner", "ModelRunner.forward", ("self", "forward_batch")),
         "logits": ("sglang.srt.layers.logits_processor", "LogitsProcessor.forward",
                    ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states")),
-        "status": ("sglang.srt.managers.scheduler_components.internal_state",
-                   "SchedulerInternalStateController.get_internal_state", ("self", "recv_req")),
     },
+    # The status hook moved in 0.5.22: the first of these that exists is used.
+    "status_hooks": (
+        ("sglang.srt.managers.scheduler_components.internal_state",
+         "SchedulerInternalStateController.get_internal_state", ("self", "recv_req")),
+        ("sglang.srt.managers.scheduler", "Scheduler.get_internal_state", ("self", "recv_req")),
+    ),
     "forward_batch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch",
                       ("forward_mode", "rids", "extend_prefix_lens_cpu", "extend_seq_lens_cpu", "positions",
                        "input_ids", "batch_size")),
@@ -159,6 +184,9 @@ def check_runtime_contract() -> list[str]:
             missing = [p for p in params if p not in have]
             if missing:
                 problems.append(f"{mod}.{qual} has parameters {have}, missing {missing}")
+    if status_hook_target() is None:
+        problems.append("no get_internal_state hook point: tried "
+                        + ", ".join(f"{m}.{q}" for m, q, _ in CONTRACT["status_hooks"]))
     mod, name, fields = CONTRACT["forward_batch"]
     if (fb := get(mod, name)) is not None:
         have = {f.name for f in dataclasses.fields(fb)} if dataclasses.is_dataclass(fb) else set(dir(fb))
@@ -168,6 +196,18 @@ def check_runtime_contract() -> list[str]:
         problems += [f"ForwardMode.{m} is missing" for m in members if not hasattr(fm, m)]
     get(*CONTRACT["parallel"][:2])
     return problems
+
+
+def status_hook_target() -> tuple[str, str] | None:
+    """(module, qualname) of the installed SGLang's get_internal_state, or None."""
+    for mod, qual, params in CONTRACT["status_hooks"]:
+        try:
+            fn = _resolve(mod, qual)
+        except Exception:
+            continue
+        if all(p in inspect.signature(fn).parameters for p in params):
+            return mod, qual
+    return None
 
 
 def check_contract_in_source(root) -> list[str]:
@@ -228,17 +268,35 @@ def check_contract_in_source(root) -> list[str]:
     mod, name, members = CONTRACT["hook_types"]
     if (cls := top(mod, name)) is not None:
         problems += [f"{mod}.{name}.{m} not defined" for m in members if member(cls, m) is None]
-    for mod, qual, want_params in CONTRACT["hooks"].values():
+    def method_problem(mod: str, qual: str, want_params) -> str | None:
         cls_name, meth = qual.split(".")
         if (cls := top(mod, cls_name)) is None:
-            continue
+            return f"{mod}.{cls_name} not defined"
         fn = member(cls, meth)
         if not isinstance(fn, ast.FunctionDef):
-            problems.append(f"{mod}.{qual} not defined")
-            continue
+            return f"{mod}.{qual} not defined"
         missing = [p for p in want_params if p not in params(fn)]
-        if missing:
-            problems.append(f"{mod}.{qual} has parameters {params(fn)}, missing {missing}")
+        return f"{mod}.{qual} has parameters {params(fn)}, missing {missing}" if missing else None
+
+    for mod, qual, want_params in CONTRACT["hooks"].values():
+        if (why := method_problem(mod, qual, want_params)) is not None and why not in problems:
+            problems.append(why)
+    # the first status hook point that exists is used; the others' absence is no problem
+    found, tried = False, []
+    for mod, qual, want_params in CONTRACT["status_hooks"]:
+        saved = list(problems)
+        base = root.joinpath(*mod.split("."))
+        if not (base.with_suffix(".py").is_file() or (base / "__init__.py").is_file()):
+            tried.append(f"{mod}.{qual} (no module)")
+            continue
+        why = method_problem(mod, qual, want_params)
+        problems[:] = saved
+        if why is None:
+            found = True
+            break
+        tried.append(why)
+    if not found:
+        problems.append("no get_internal_state hook point: " + "; ".join(tried))
     for key in ("forward_batch", "forward_mode"):
         mod, name, members = CONTRACT[key]
         if (cls := top(mod, name)) is not None:
@@ -266,14 +324,21 @@ def version_supported(v: str | None) -> bool:
         nums = [int(x) for x in v.split(".post")[0].split(".")[:3]]
     except ValueError:
         return False
-    return (0, 5, 22) <= tuple(nums) < (0, 6, 0)
+    return (0, 5, 15) <= tuple(nums) < (0, 6, 0)
 
 
 # ----------------------------------------------------------------------------- live state
 
 
+REPLAY_FLAG = "--disable-prefill-cuda-graph"
+
+
 class _State:
-    """Process-wide plugin state (one scheduler process per GPU rank)."""
+    """Plugin state of one server process (one scheduler process per GPU rank).
+
+    The hook functions registered with SGLang are one-line calls into these methods, so the
+    stand-in server (standin.py) can drive the very same code with one state per simulated rank.
+    """
 
     def __init__(self, cfg: PluginConfig):
         self.cfg = cfg
@@ -287,15 +352,112 @@ class _State:
         self.errors = 0
         self.last_error = ""
         self.logits_sig: inspect.Signature | None = None
+        self._live: tuple[int, Any] | None = None  # (thread id, the scheduler's ForwardBatch)
+        self.counts = {"live_batches": 0, "rids_from_live_batch": 0, "unmatched_forwards": 0}
+
+    def is_writer(self) -> bool:
+        r = self.ranks
+        return r["attn_tp_rank"] == 0 and r["pp_rank"] == r["pp_size"] - 1
 
     def status(self) -> dict[str, Any]:
         return plugin_status(
             layer_ids=self.layer_ids or [], dump_dir=self.cfg.dump_dir, sglang_version=sglang_version(),
             plugin_version=PLUGIN_VERSION, model=self.model,
-            extra={"enabled": self.enabled, "ranks": self.ranks, "stats": dict(self.core.stats),
+            extra={"enabled": self.enabled, "ranks": self.ranks, "writer": self.is_writer(),
+                   "stats": {**self.core.stats, **self.counts},
                    "write_errors": len(self.writer.errors) if self.writer else 0,
                    "hook_errors": self.errors, "last_error": self.last_error,
                    "pending": len(self.core.pending_rids())},
+        )
+
+    # --- hook bodies
+
+    def on_model_runner_forward(self, forward_batch: Any) -> None:
+        """BEFORE ModelRunner.forward: remember the live batch (it has `rids`; a replay batch may not)."""
+        if not self.enabled or not self.is_writer():
+            return
+        self._live = (threading.get_ident(), forward_batch)
+        self.counts["live_batches"] += 1
+
+    def on_logits(self, proc: Any, *args: Any, **kwargs: Any) -> None:
+        """BEFORE LogitsProcessor.forward. Never raises into the forward: errors are counted and logged."""
+        if not self.enabled or not self.is_writer():
+            return  # non-writer ranks hold the same rows: they read and submit nothing
+        try:
+            bound = self.logits_sig.bind(proc, *args, **kwargs).arguments
+            info = self.forward_info(bound)
+            if info is not None:
+                with self.lock:
+                    done = self.core.observe(info)
+                self.writer.submit(done)
+        except Exception as exc:
+            self.errors += 1
+            self.last_error = f"{type(exc).__name__}: {exc}"
+            if self.errors <= 5:
+                logger.exception("eyas capture hook failed (the forward continues)")
+
+    def request_ids(self, fb: Any) -> list | None:
+        """The batch's request ids: its own, or those of the live batch it was rebuilt from.
+
+        Worked case (prefill CUDA-graph replay): the scheduler's batch has rids [a, b], seq lens
+        [5, 3], prefix lens [0, 0]; the replay batch has rids None and the same two length lists
+        (copied by reference), so it takes [a, b]. A replay batch whose lengths differ from the live
+        batch's cannot be matched: its eyas requests are rejected, never written under another rid.
+        """
+        rids = getattr(fb, "rids", None)
+        live, self._live = self._live, None  # consumed: a later, unrelated call never reuses it
+        if rids is not None:
+            return list(rids)
+        if live is None or live[0] != threading.get_ident():
+            return None
+        lb = live[1]
+        live_rids = list(getattr(lb, "rids", None) or [])
+        if not any(parse_rid(r) is not None for r in live_rids):
+            return None
+        same = (list(getattr(lb, "extend_seq_lens_cpu", None) or []) == list(fb.extend_seq_lens_cpu or [])
+                and list(getattr(lb, "extend_prefix_lens_cpu", None) or []) == list(fb.extend_prefix_lens_cpu or [])
+                and len(live_rids) == len(fb.extend_seq_lens_cpu or []))
+        if not same:
+            self.counts["unmatched_forwards"] += 1
+            self.writer.submit([CompletedSample(
+                rid=str(r), num_tokens=parse_rid(r), status="rejected",
+                reason="the logits step got a batch without request ids whose lengths do not match the scheduler's "
+                       f"batch (prefill CUDA-graph replay?); restart the server with {REPLAY_FLAG}")
+                for r in live_rids if parse_rid(r) is not None])
+            return None
+        self.counts["rids_from_live_batch"] += 1
+        return live_rids
+
+    def forward_info(self, bound: dict[str, Any]) -> ForwardInfo | None:
+        """Read one logits-processor call; None when there is nothing for eyas in it."""
+        import torch
+
+        fb = bound.get("logits_metadata")
+        mode = getattr(fb, "forward_mode", None)
+        if mode is None or not hasattr(fb, "extend_seq_lens_cpu"):
+            return None
+        if not mode.is_extend() or mode.is_target_verify():
+            self._live = None
+            return None
+        if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None
+        rids = self.request_ids(fb)
+        if not rids or not any(parse_rid(r) is not None for r in rids):
+            return None
+        hidden = bound["hidden_states"]
+        aux = bound.get("aux_hidden_states")
+        if aux is None:
+            self.writer.submit([CompletedSample(rid=str(r), num_tokens=parse_rid(r), status="rejected",
+                                                reason="the forward carried no aux hidden states (capture is not "
+                                                       "active on this model path)")
+                                for r in rids if parse_rid(r) is not None])
+            return None
+        if isinstance(aux, torch.Tensor) and aux.dim() == 2:  # packed [T, A*H]
+            aux = aux.view(aux.shape[0], -1, hidden.shape[-1])
+        return ForwardInfo(
+            rids=rids, extend_prefix_lens=[int(x) for x in fb.extend_prefix_lens_cpu],
+            extend_seq_lens=[int(x) for x in fb.extend_seq_lens_cpu], aux=aux, final_TD=hidden,
+            positions_T=fb.positions, input_ids_T=fb.input_ids, **self.ranks,
         )
 
 
@@ -309,8 +471,18 @@ def _ranks() -> dict[str, int]:
     return {"attn_tp_rank": int(p.attn_tp_rank), "pp_rank": int(p.pp_rank), "pp_size": int(p.pp_size)}
 
 
-def _check_server_args(runner) -> None:
-    args = getattr(runner, "server_args", None)
+def _prefill_graph_backend(args) -> str | None:
+    """The prefill CUDA-graph backend the server args ask for, when they say (None: the default)."""
+    backend = getattr(args, "cuda_graph_backend_prefill", None)
+    cfg = getattr(args, "cuda_graph_config", None)
+    if backend is None and cfg is not None:
+        prefill = cfg.get("prefill") if isinstance(cfg, dict) else getattr(cfg, "prefill", None)
+        backend = prefill.get("backend") if isinstance(prefill, dict) else getattr(prefill, "backend", None)
+    return None if backend is None else str(getattr(backend, "value", backend))
+
+
+def check_server_args(args) -> None:
+    """Refuse server settings under which capture would be wrong or incomplete (see module docstring)."""
     if args is None:
         return
     spec = getattr(args, "speculative_algorithm", None)
@@ -325,6 +497,67 @@ def _check_server_args(runner) -> None:
                                 "layers of earlier stages would be missing; capture with --pp-size 1 (use TP/EP)")
     if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
         raise PluginConfigError("--attn-cp-size > 1 splits a prompt's rows across ranks; capture needs attn_cp_size 1")
+    if getattr(args, "enable_dp_attention", False) or int(getattr(args, "attn_dp_size", 1) or 1) > 1:
+        raise PluginConfigError("DP attention is on (--enable-dp-attention / --attn-dp-size > 1): one batch's rows are "
+                                "spread over attention-DP ranks and the writing rank would see only its share; start "
+                                "the capture server without DP attention (plain TP, or --dp-size replicas)")
+    for flag in ("enable_two_batch_overlap", "enable_single_batch_overlap"):
+        if getattr(args, flag, False):
+            raise PluginConfigError(f"--{flag.replace('_', '-')} is set: DeepSeek-family models skip EAGLE-3 aux "
+                                    "capture for overlapped micro-batches, so their states would be missing; drop it")
+    if _prefill_graph_backend(args) == "tc_piecewise":
+        raise PluginConfigError("the prefill CUDA graph backend is tc_piecewise: it compiles the logits step the "
+                                "plugin hooks; use the default (breakable) or --cuda-graph-backend-prefill full, "
+                                f"or {REPLAY_FLAG}")
+
+
+def capture_owner(model) -> Any:
+    """The module whose `layers_to_capture` the model's decoder loop reads.
+
+    Llama: `model.model`. Kimi-K2.5: `model.model` is a property returning the DeepSeek-V3 language
+    model, which holds no `layers_to_capture`; its own `.model` does. Walks `.model` /
+    `.language_model` down at most three levels.
+    """
+    obj = model
+    for _ in range(3):
+        nxt = getattr(obj, "model", None)
+        if nxt is None:
+            nxt = getattr(obj, "language_model", None)
+        if nxt is None:
+            return None
+        if hasattr(nxt, "layers_to_capture"):
+            return nxt
+        obj = nxt
+    return None
+
+
+def apply_layer_ids(model, layer_ids: list[int]) -> tuple[list[int], str]:
+    """Turn on aux capture of `layer_ids` (eyas convention) following the model's own +1 rule.
+
+    SGLang id k means "output of layer k"; models turn it into `layers_to_capture` (inputs):
+        Llama family            layers_to_capture = [k + 1 for k in ids]
+        DeepSeek-V2/V3, Kimi    + 1 only when ids[0] == 1, else ids unchanged
+    So eyas [2, 6, 9] -> pass [1, 5, 8] to either; eyas [3, 6, 9] -> pass [2, 5, 8] to Llama but
+    [3, 6, 9] to DeepSeek; eyas [1, ...] cannot be expressed under DeepSeek's rule (passing
+    [0, ...] keeps 0, passing [1, ...] adds 1) and is refused. The ids are tried in that order and
+    the model's `layers_to_capture` read back; returns (ids passed, rule name).
+    """
+    owner = capture_owner(model)
+    if owner is None:
+        raise PluginConfigError(f"{type(model).__name__}: no `layers_to_capture` under .model / .language_model, so "
+                                "the captured layers cannot be read back; this architecture is not supported")
+    want = [int(i) for i in layer_ids]
+    seen = []
+    for rule, passed in (("plus-one", sglang_layer_ids(want)), ("plus-one-if-first-is-1", list(want))):
+        model.set_eagle3_layers_to_capture(passed)
+        got = [int(i) for i in (owner.layers_to_capture or [])]
+        if got == want:
+            return passed, rule
+        seen.append(f"ids {passed} -> layers_to_capture {got}")
+    raise PluginConfigError(
+        f"EYAS_CAPTURE_LAYERS={','.join(map(str, want))}: {type(model).__name__} cannot capture the inputs of layers "
+        f"{want} ({'; '.join(seen)}). DeepSeek-family models add 1 only when the first id is 1, so a first eyas id "
+        "of 1 cannot be captured there: choose a first id >= 2")
 
 
 def _on_init_attention_backends(runner, *args, **kwargs):
@@ -332,8 +565,13 @@ def _on_init_attention_backends(runner, *args, **kwargs):
     st = _STATE
     if st is None or getattr(runner, "is_draft_worker", False):
         return None
-    _check_server_args(runner)
-    model = runner.model
+    enable(st, runner.model, server_args=getattr(runner, "server_args", None), ranks=_ranks())
+    return None
+
+
+def enable(st: _State, model, *, server_args, ranks: dict[str, int]) -> None:
+    """Check the server, turn capture on in `model`, start the writer (writing rank only)."""
+    check_server_args(server_args)
     config = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     n = int(getattr(text, "num_hidden_layers", 0) or 0)
@@ -344,82 +582,34 @@ def _on_init_attention_backends(runner, *args, **kwargs):
     if not hasattr(model, CONTRACT["model_method"]):
         raise PluginConfigError(f"{type(model).__name__} has no {CONTRACT['model_method']}: SGLang {sglang_version()} "
                                 "cannot capture EAGLE-3 aux hidden states for this architecture")
-    model.set_eagle3_layers_to_capture(sglang_layer_ids(layer_ids))
-    inner = getattr(model, "model", None)
-    readback = getattr(inner, "layers_to_capture", None)
-    adjusted = False
-    if readback is not None and list(readback) != list(layer_ids):
-        # Some families (DeepSeek-V2/V3) add the +1 only when the first id is 1: layers_to_capture
-        # always means "capture the input of layer i", so set the ids we mean directly.
-        inner.layers_to_capture = list(layer_ids)
-        adjusted = True
+    passed, rule = apply_layer_ids(model, list(layer_ids))
     st.layer_ids = list(layer_ids)
-    st.ranks = _ranks()
+    st.ranks = dict(ranks)
     st.model = {"class": type(model).__name__, "num_layers": n, "hidden_size": int(getattr(text, "hidden_size", 0) or 0),
                 "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
-                "layers_to_capture": list(getattr(inner, "layers_to_capture", []) or []),
-                "layers_to_capture_adjusted": adjusted}
-    writer = {**st.ranks, "pid": os.getpid()}
-    st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threads=WRITER_THREADS)
+                "layers_to_capture": list(capture_owner(model).layers_to_capture),
+                "ids_passed": passed, "layer_id_rule": rule}
+    if st.is_writer():
+        writer = {**st.ranks, "pid": os.getpid()}
+        st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threads=WRITER_THREADS)
     st.enabled = True
-    logger.info("eyas capture: layers %s (hf-input; SGLang ids %s), dump dir %s, ranks %s, writer=%s",
-                layer_ids, sglang_layer_ids(layer_ids), st.cfg.dump_dir, st.ranks,
-                st.ranks["attn_tp_rank"] == 0 and st.ranks["pp_rank"] == st.ranks["pp_size"] - 1)
+    logger.info("eyas capture: layers %s (hf-input; passed %s, rule %s), dump dir %s, ranks %s, writer=%s",
+                layer_ids, passed, rule, st.cfg.dump_dir, st.ranks, st.is_writer())
+
+
+def _on_model_runner_forward(runner, forward_batch=None, *args, **kwargs):
+    """BEFORE ModelRunner.forward."""
+    st = _STATE
+    if st is not None and not getattr(runner, "is_draft_worker", False):
+        st.on_model_runner_forward(forward_batch if forward_batch is not None else kwargs.get("forward_batch"))
     return None
 
 
-def _forward_info(st: _State, bound: dict[str, Any]) -> ForwardInfo | None:
-    """Read one logits-processor call; None when there is nothing for eyas in it."""
-    import torch
-
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-    fb = bound.get("logits_metadata")
-    if not isinstance(fb, ForwardBatch):
-        return None
-    mode = fb.forward_mode
-    if mode is None or not mode.is_extend() or mode.is_target_verify():
-        return None
-    rids = fb.rids or []
-    if not any(parse_rid(r) is not None for r in rids):
-        return None
-    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-        return None
-    hidden = bound["hidden_states"]
-    aux = bound.get("aux_hidden_states")
-    if aux is None:
-        for r in rids:
-            if parse_rid(r) is not None:
-                st.writer.submit([CompletedSample(rid=str(r), num_tokens=parse_rid(r), status="rejected",
-                                                  reason="the forward carried no aux hidden states (capture is not "
-                                                         "active on this model path)")])
-        return None
-    if isinstance(aux, torch.Tensor) and aux.dim() == 2:  # packed [T, A*H]
-        aux = aux.view(aux.shape[0], -1, hidden.shape[-1])
-    return ForwardInfo(
-        rids=rids, extend_prefix_lens=[int(x) for x in fb.extend_prefix_lens_cpu],
-        extend_seq_lens=[int(x) for x in fb.extend_seq_lens_cpu], aux=aux, final_TD=hidden,
-        positions_T=fb.positions, input_ids_T=fb.input_ids, **st.ranks,
-    )
-
-
 def _on_logits(proc, *args, **kwargs):
-    """BEFORE LogitsProcessor.forward. Never raises into the forward: errors are counted and logged."""
+    """BEFORE LogitsProcessor.forward."""
     st = _STATE
-    if st is None or not st.enabled:
-        return None
-    try:
-        bound = st.logits_sig.bind(proc, *args, **kwargs).arguments
-        info = _forward_info(st, bound)
-        if info is not None and info.is_writer():
-            with st.lock:
-                done = st.core.observe(info)
-            st.writer.submit(done)
-    except Exception as exc:
-        st.errors += 1
-        st.last_error = f"{type(exc).__name__}: {exc}"
-        if st.errors <= 5:
-            logger.exception("eyas capture hook failed (the forward continues)")
+    if st is not None:
+        st.on_logits(proc, *args, **kwargs)
     return None
 
 
@@ -429,6 +619,21 @@ def _on_internal_state(result, *args, **kwargs):
     if st is not None and result is not None and isinstance(getattr(result, "internal_state", None), dict):
         result.internal_state["eyas_capture"] = st.status()
     return result
+
+
+def register_hooks(registry, hook_type, *, status_target: tuple[str, str] | None = None) -> list[str]:
+    """Register the four hooks with SGLang's HookRegistry; returns the targets."""
+    targets = []
+    for key, fn, kind in (("enable", _on_init_attention_backends, hook_type.BEFORE),
+                          ("live_batch", _on_model_runner_forward, hook_type.BEFORE),
+                          ("logits", _on_logits, hook_type.BEFORE)):
+        mod, qual, _ = CONTRACT["hooks"][key]
+        registry.register(f"{mod}.{qual}", fn, kind)
+        targets.append(f"{mod}.{qual}")
+    if status_target is not None:
+        registry.register(".".join(status_target), _on_internal_state, hook_type.AFTER)
+        targets.append(".".join(status_target))
+    return targets
 
 
 def register() -> None:
@@ -450,9 +655,5 @@ def register() -> None:
     _STATE = _State(PluginConfig.from_env())
     mod, qual, _ = CONTRACT["hooks"]["logits"]
     _STATE.logits_sig = inspect.signature(_resolve(mod, qual))
-    for key, fn, kind in (("enable", _on_init_attention_backends, HookType.BEFORE),
-                          ("logits", _on_logits, HookType.BEFORE),
-                          ("status", _on_internal_state, HookType.AFTER)):
-        mod, qual, _ = CONTRACT["hooks"][key]
-        HookRegistry.register(f"{mod}.{qual}", fn, kind)
+    register_hooks(HookRegistry, HookType, status_target=status_hook_target())
     logger.info("eyas capture plugin registered (SGLang %s, dump dir %s)", v, _STATE.cfg.dump_dir)

@@ -18,7 +18,13 @@ implements the parts of SGLang's contract the client relies on:
 
 Hidden states are real: each piece's rows come from `eyas.target.forward_capture` on the target
 (recomputing the prefix instead of keeping a KV cache; same numbers). Dumps are written by the
-plugin's own write path (core.CaptureCore + core.DumpWriter on a thread), once per simulated TP rank.
+plugin's own hook code: every forward calls, on every simulated TP rank's plugin state,
+`_State.on_model_runner_forward(batch)` then `_State.on_logits(processor, input_ids, hidden, lm_head,
+logits_batch, aux_hidden_states=aux)`, the bodies of the hooks plugin.py registers with SGLang.
+With `prefill_cuda_graph=True` (the default, as on a CUDA SGLang server) the logits step gets the
+batch rebuilt for graph replay the way SGLang's PrefillCudaGraphRunner.load_batch builds it:
+padded input_ids/positions slots, the length lists copied, and NO `rids`. A plugin that reads
+request ids only from the batch it is handed writes nothing here, and CI fails.
 
 Run by hand: `python -m eyas.sglang.standin --target DIR --port 30000 [--chunk 64] [--radix]`.
 """
@@ -26,6 +32,8 @@ Run by hand: `python -m eyas.sglang.standin --target DIR --port 30000 [--chunk 6
 from __future__ import annotations
 
 import argparse
+import enum
+import inspect
 import json
 import queue
 import threading
@@ -38,13 +46,8 @@ from typing import Any
 
 import torch
 
-from eyas.sglang.core import (
-    DEFAULT_DUMP_DIR,
-    CaptureCore,
-    DumpWriter,
-    ForwardInfo,
-    plugin_status,
-)
+from eyas.sglang import plugin as eyas_plugin
+from eyas.sglang.core import DEFAULT_DUMP_DIR, DumpWriter
 
 STANDIN_VERSION = "0.5.23"
 
@@ -79,6 +82,68 @@ class StandinConfig:
     """Reported in server info (a capture server must have none)."""
     batch_wait_s: float = 0.01
     """How long the scheduler waits to gather requests into one forward."""
+    prefill_cuda_graph: bool = True
+    """True: the logits step gets a graph-replay batch without rids (SGLang's CUDA default)."""
+    enable_dp_attention: bool = False
+    """Reported in server info (the client refuses DP attention)."""
+    enable_two_batch_overlap: bool = False
+    """Reported in server info (the client refuses two-batch overlap)."""
+
+
+class ForwardMode(enum.IntEnum):
+    """The ForwardMode members and predicates the plugin reads (SGLang's values)."""
+
+    EXTEND = 1
+    DECODE = 2
+    MIXED = 3
+    TARGET_VERIFY = 5
+
+    def is_extend(self) -> bool:
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
+
+
+@dataclass(kw_only=True)
+class ForwardBatch:
+    """The ForwardBatch fields the plugin reads, under SGLang's names."""
+
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    extend_prefix_lens_cpu: list[int]
+    extend_seq_lens_cpu: list[int]
+    rids: list[str] | None = None
+
+
+def replay_batch(live: ForwardBatch, *, bucket: int) -> ForwardBatch:
+    """The batch SGLang's prefill CUDA-graph runner hands the model (PrefillCudaGraphRunner.load_batch):
+    input_ids and positions live in static slots padded to the graph bucket, MIXED replays as
+    EXTEND, the CPU length lists are the live batch's own objects, and `rids` is not copied."""
+    T = int(live.input_ids.shape[0])
+    padded = -(-T // bucket) * bucket
+    ids, pos = torch.zeros(padded, dtype=torch.long), torch.zeros(padded, dtype=torch.long)
+    ids[:T], pos[:T] = live.input_ids, live.positions
+    mode = ForwardMode.EXTEND if live.forward_mode == ForwardMode.MIXED else live.forward_mode
+    return ForwardBatch(forward_mode=mode, batch_size=live.batch_size, input_ids=ids, positions=pos,
+                        extend_prefix_lens_cpu=live.extend_prefix_lens_cpu,
+                        extend_seq_lens_cpu=live.extend_seq_lens_cpu)
+
+
+class LogitsProcessor:
+    """SGLang's LogitsProcessor.forward signature; the plugin's BEFORE hook runs ahead of it."""
+
+    def __init__(self, states: list):
+        self.states = states
+
+    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
+                hidden_states_before_norm=None):
+        for st in self.states:  # every TP rank runs the same tail on the same (replicated) rows
+            eyas_plugin._State.on_logits(st, self, input_ids, hidden_states, lm_head, logits_metadata,
+                                         aux_hidden_states=aux_hidden_states)
+        return None
 
 
 @dataclass
@@ -107,9 +172,8 @@ class StandinServer:
         self.num_layers = n
         self.dump_dir = Path(cfg.dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
-        self.cores = [CaptureCore() for _ in range(cfg.tp_size)]
-        self.writer = DumpWriter(self.dump_dir, layer_ids=self.layer_ids, threads=2,
-                                 writer={"attn_tp_rank": 0, "pp_rank": 0, "pp_size": 1, "standin": True})
+        self.states = [self._plugin_state(rank) for rank in range(cfg.tp_size)] if cfg.plugin else []
+        self.logits = LogitsProcessor(self.states)
         self.radix: list[tuple[str | None, list[int]]] = []
         self.queue: queue.Queue[_Req] = queue.Queue()
         self.forwards: list[dict[str, Any]] = []  # (rids, prefix, lens) of each forward, for tests
@@ -119,6 +183,21 @@ class StandinServer:
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
+
+    def _plugin_state(self, rank: int):
+        """One TP rank's plugin state, set up as plugin.enable leaves it (the HF model has no
+        set_eagle3_layers_to_capture, so the layer ids are given directly)."""
+        st = eyas_plugin._State(eyas_plugin.PluginConfig(layer_ids=self.layer_ids, dump_dir=str(self.dump_dir)))
+        st.layer_ids, st.ranks = list(self.layer_ids), {"attn_tp_rank": rank, "pp_rank": 0, "pp_size": 1}
+        text = self.model.config
+        st.model = {"class": type(self.model).__name__, "num_layers": self.num_layers,
+                    "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size)}
+        st.logits_sig = inspect.signature(LogitsProcessor.forward)
+        if st.is_writer():
+            st.writer = DumpWriter(self.dump_dir, layer_ids=self.layer_ids, threads=2,
+                                   writer={**st.ranks, "standin": True})
+        st.enabled = True
+        return st
 
     # -- lifecycle
 
@@ -131,7 +210,12 @@ class StandinServer:
         self._stop.set()
         self.httpd.shutdown()
         self.httpd.server_close()
-        self.writer.flush()
+        self.flush()
+
+    def flush(self) -> None:
+        for st in self.states:
+            if st.writer is not None:
+                st.writer.flush()
 
     def __enter__(self):
         return self.start()
@@ -145,18 +229,14 @@ class StandinServer:
         cfg = self.cfg
         state: dict[str, Any] = {"effective_max_running_requests_per_dp": 64}
         if cfg.plugin:
-            text = self.model.config
-            state["eyas_capture"] = plugin_status(
-                layer_ids=self.layer_ids, dump_dir=self.dump_dir, sglang_version=cfg.version, plugin_version="1",
-                model={"class": type(self.model).__name__, "num_layers": self.num_layers,
-                       "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size)},
-                extra={"enabled": True, "ranks": {"attn_tp_rank": 0, "pp_rank": 0, "pp_size": 1},
-                       "stats": dict(self.cores[0].stats), "standin": True},
-            )
+            status = self.states[0].status()
+            status.update(sglang_version=cfg.version, standin=True)
+            state["eyas_capture"] = status
         return {
             "model_path": str(cfg.target), "version": cfg.version, "disable_radix_cache": cfg.disable_radix_cache,
             "chunked_prefill_size": cfg.chunked_prefill_size, "enable_mixed_chunk": False, "tp_size": cfg.tp_size,
-            "dp_size": 1, "pp_size": 1, "enable_dp_attention": False, "page_size": 1,
+            "dp_size": 1, "pp_size": 1, "enable_dp_attention": cfg.enable_dp_attention,
+            "enable_two_batch_overlap": cfg.enable_two_batch_overlap, "page_size": 1,
             "speculative_algorithm": cfg.speculative_algorithm, "internal_states": [state],
         }
 
@@ -293,17 +373,24 @@ class StandinServer:
             r.computed += n
         T = sum(n for _, _, n in pieces)
         pad = (-T) % max(1, self.cfg.pad_rows_to)
-        if pad:  # padded rows hold garbage, as a replayed CUDA graph's do
-            aux.append(torch.full((pad,) + aux[0].shape[1:], 1e4)), final.append(torch.full((pad, final[0].shape[1]), 1e4))
-            pos.append(torch.zeros(pad, dtype=torch.long)), toks.append(torch.zeros(pad, dtype=torch.long))
-        info = dict(rids=[r.rid for r, _, _ in pieces], extend_prefix_lens=[s for _, s, _ in pieces],
-                    extend_seq_lens=[n for _, _, n in pieces], aux=torch.cat(aux), final_TD=torch.cat(final),
-                    positions_T=torch.cat(pos), input_ids_T=torch.cat(toks))
-        self.forwards.append({k: info[k] for k in ("rids", "extend_prefix_lens", "extend_seq_lens")})
+        # the scheduler's batch: real rows only, with the request ids
+        live = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(pieces), input_ids=torch.cat(toks),
+                            positions=torch.cat(pos), rids=[r.rid for r, _, _ in pieces],
+                            extend_prefix_lens_cpu=[s for _, s, _ in pieces], extend_seq_lens_cpu=[n for _, _, n in pieces])
+        self.forwards.append({"rids": live.rids, "extend_prefix_lens": live.extend_prefix_lens_cpu,
+                              "extend_seq_lens": live.extend_seq_lens_cpu})
         if self.cfg.plugin:
-            for rank, core in enumerate(self.cores):  # every TP rank's plugin sees the forward
-                self.writer.submit(core.observe(ForwardInfo(**info, attn_tp_rank=rank)))
-            self.writer.flush()  # as in SGLang, the dump may lag the forward; flushing keeps tests simple
+            for st in self.states:  # ModelRunner.forward(live batch) on every rank
+                eyas_plugin._State.on_model_runner_forward(st, live)
+            fb = replay_batch(live, bucket=max(1, self.cfg.pad_rows_to)) if self.cfg.prefill_cuda_graph else live
+            if pad:  # rows past the real ones hold garbage, as a replayed CUDA graph's do
+                aux.append(torch.full((pad,) + aux[0].shape[1:], 1e4))
+                final.append(torch.full((pad, final[0].shape[1]), 1e4))
+            hidden_TD, aux_TAD = torch.cat(final), torch.cat(aux)
+            # the model's tail: logits_processor(input_ids, hidden, lm_head, batch, aux) with packed aux [T, A*H]
+            self.logits.forward(fb.input_ids, hidden_TD, self.model.lm_head, fb,
+                                aux_hidden_states=aux_TAD.reshape(aux_TAD.shape[0], -1))
+            self.flush()  # as in SGLang, the dump may lag the forward; flushing keeps tests simple
         still = []
         for r in running:
             if r.computed < len(r.ids):
@@ -328,9 +415,10 @@ def main() -> None:
     ap.add_argument("--layers", default=None, help="comma-separated eyas layer ids")
     ap.add_argument("--chunk", type=int, default=-1)
     ap.add_argument("--radix", action="store_true", help="keep a radix cache (disable_radix_cache = false)")
+    ap.add_argument("--no-prefill-graph", action="store_true", help="hand the logits step the live batch (with rids)")
     a = ap.parse_args()
     cfg = StandinConfig(target=a.target, dump_dir=a.dump_dir, chunked_prefill_size=a.chunk,
-                        disable_radix_cache=not a.radix,
+                        disable_radix_cache=not a.radix, prefill_cuda_graph=not a.no_prefill_graph,
                         layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None)
     srv = StandinServer(cfg, port=a.port).start()
     print(f"stand-in SGLang server at {srv.url} (dumps in {srv.dump_dir})", flush=True)
