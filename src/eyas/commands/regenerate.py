@@ -21,7 +21,7 @@ def regenerate(
     seed: int = typer.Option(0, "--seed", help="Sampling seed; each (conversation, turn) gets its own reproducible stream."),
     limit: Optional[int] = typer.Option(None, "--limit", help="Read at most this many source records."),
     hf_split: Optional[str] = typer.Option(None, "--hf-split", help="Split to read when --source is a saved DatasetDict."),
-    batch_size: int = typer.Option(0, "--batch-size", help="Rows decoded together (local engines); 0 = auto (8 on CPU, up to 512 on GPU)."),
+    batch_size: int = typer.Option(0, "--batch-size", help="Rows decoded together (local engines); 0 = auto (8 on CPU, up to 1024 on GPU as memory allows)."),
     attention: str = typer.Option("auto", "--attention", help="Static engine decode attention: auto (per-row Triton kernel on CUDA when triton is installed, else sdpa), triton, sdpa (masked, over a span covering every row)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     dtype: str = typer.Option("auto", "--dtype", help="auto (target's dtype on GPU, float32 on CPU), float32, bfloat16, float16."),

@@ -51,14 +51,14 @@ class RegenConfig:
     hf_split: str | None = None
     """Split of a saved DatasetDict."""
     batch_size: int = 0
-    """Rows decoded together (local engines); 0 = auto (8 on CPU; on GPU up to 512 as memory allows)."""
+    """Rows decoded together (local engines); 0 = auto (8 on CPU; on GPU up to 1024 as memory allows)."""
     attention: str = "auto"
     """Static engine decode attention: auto (the per-row Triton kernel where it runs, else sdpa),
     triton (error if unavailable), sdpa (masked attention over a span covering every row)."""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda, cuda:N."""
     dtype: str = "auto"
-    """auto (the target's own dtype; float32 on CPU), float32, bfloat16, float16."""
+    """auto (CUDA: the target's own dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."""
     continue_after_truncated: bool = False
     """Keep answering later turns after an answer cut at the limit."""
     overwrite: bool = False
@@ -99,7 +99,8 @@ class RegenConfig:
 
 
 def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
-    """8 on CPU; on GPU the largest multiple of 8 up to 512 whose KV cache fits in half the free memory."""
+    """8 on CPU; on GPU the largest multiple of 8 up to 1024 whose KV cache fits in half the free memory
+    (on an H200, SmolLM2 two-turn regeneration: 1024 rows beat 512 by 1.18x end to end)."""
     import torch
 
     if not device.startswith("cuda"):
@@ -113,7 +114,7 @@ def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
     if rows < 8:
         raise EyasError(f"a KV cache of --max-len {max_len} needs {per_row / 2**20:.0f} MiB a row; "
                         f"{free / 2**30:.1f} GiB free is too little: lower --max-len or --batch-size")
-    return min(512, rows)
+    return min(1024, rows)
 
 
 def _count(config: RegenConfig) -> int:
@@ -137,6 +138,8 @@ def _build_local(config: RegenConfig, sampling):
     own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # the target's own dtype, for auto
     own = own if isinstance(own, torch.dtype) else DTYPES.get(str(own or "float32"), torch.float32)
     dev, dtype = resolve_device_dtype(config.device, config.dtype, auto_dtype=own)
+    if config.dtype == "auto" and dev.type == "cuda" and dtype == torch.float32:
+        dtype = torch.bfloat16  # as a serving engine would run it (the converted embedded target is fp32)
     device = str(dev)
     tokenizer = load_tokenizer(config.target)
     if getattr(tokenizer, "chat_template", None) is None:
