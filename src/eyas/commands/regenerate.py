@@ -24,7 +24,7 @@ def regenerate(
     batch_size: int = typer.Option(0, "--batch-size", help="Rows decoded together (local engines); 0 = auto (8 on CPU, up to 1024 on GPU as memory allows)."),
     attention: str = typer.Option("auto", "--attention", help="Static engine decode attention: auto (per-row Triton kernel on CUDA when triton is installed, else sdpa), triton, sdpa (masked, over a span covering every row)."),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto (target's dtype on GPU, float32 on CPU), float32, bfloat16, float16."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto (GPU: the target's dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."),
     continue_after_truncated: bool = typer.Option(False, "--continue-after-truncated", help="Answer later turns after an answer cut at --max-new-tokens (default: stop the conversation there)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Delete an existing --out and start over."),
     server_url: Optional[List[str]] = typer.Option(None, "--server-url", help="OpenAI-compatible server base URL (repeat for several), e.g. http://127.0.0.1:30000."),
