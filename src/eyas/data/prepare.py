@@ -32,29 +32,32 @@ TRUNCATED_ANSWER = "truncated_answer"
 @dataclass(kw_only=True)
 class PrepareConfig:
     source: str = "sharegpt"
-    """Chat source: `sharegpt` (embedded), a .json/.jsonl file, a saved HF dataset or an `eyas regenerate` dir."""
+    """Chats: `sharegpt` (embedded default), a .json/.jsonl file (OpenAI `messages` or ShareGPT
+    `conversations`), a dataset saved with save_to_disk, or an `eyas regenerate` output dir."""
     target: str = "default"
-    """Target model directory whose tokenizer and chat template render the chats (`default` = SmolLM2)."""
+    """Target model directory (Hugging Face layout) whose tokenizer and chat template render the chats;
+    `default` = embedded SmolLM2-135M-Instruct."""
     out: Path
     """Output directory of the prepared dataset."""
     max_length: int = 2048
     """Maximum tokens per sample."""
     length_policy: str = "truncate"
-    """What to do with longer samples: `truncate` (keep the first max_length tokens) or `drop`."""
+    """Samples longer than --max-length: `truncate` (keep the first --max-length tokens) or `drop`."""
     eval_fraction: float = 0.02
-    """Fraction of samples in the eval split (chosen by a hash of the sample id)."""
+    """Fraction of samples put in the eval split (deterministic hash of the sample id)."""
     seed: int = 0
     """Seed mixed into the split hash."""
     limit: int | None = None
-    """Read at most this many records (None: all)."""
+    """Read at most this many records (default: all)."""
     truncated_answers: str = "keep"
-    """Assistant turns cut at a token limit: `keep` (train on the content, not the end-of-turn), `mask`, `drop`."""
+    """Assistant turns cut at a token limit (from `eyas regenerate`): `keep` (train on the content, not on
+    the end-of-turn token), `mask` (no loss on the turn), `drop` (skip the conversation)."""
     hf_split: str | None = None
-    """Split to read when the source is a saved DatasetDict."""
+    """Split to read when --source is a saved DatasetDict."""
     aux_layers: int = 3
     """Aux layers the capture will store (for the disk estimate)."""
     overwrite: bool = False
-    """Replace an existing output directory."""
+    """Replace an existing --out directory."""
 
     def __post_init__(self):
         if self.max_length < 2:

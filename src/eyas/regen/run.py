@@ -27,55 +27,71 @@ class RegenConfig:
     """Everything `eyas regenerate` takes."""
 
     out: Path
-    """Output directory (chats.jsonl + meta.json); an existing run with the same settings resumes."""
+    """Output directory (chats.jsonl + meta.json). An existing run with the same settings resumes."""
     source: str = "sharegpt"
-    """Chats to answer again (see eyas.data.sources)."""
+    """Chats: `sharegpt` (embedded default), a .json/.jsonl file (OpenAI `messages` or ShareGPT
+    `conversations`), or a dataset saved with save_to_disk."""
     target: str = "default"
-    """Target model directory; with servers, the model they serve (identity and tokenizer)."""
+    """Target model directory (Hugging Face layout); `default` = embedded SmolLM2-135M-Instruct. With
+    --server-url: the model the servers serve (recorded as identity; its tokenizer is used)."""
     engine: str = "auto"
-    """auto (server if URLs are given, else static when supported, else generate), static, generate, server."""
+    """auto (server if --server-url, else static when the architecture is supported, else generate),
+    static (static KV cache + CUDA graphs), generate (transformers generate), server."""
     max_new_tokens: int = 1024
-    """Answer token limit per turn."""
+    """Answer token limit per turn; answers that reach it are marked truncated."""
     max_turns: int | None = None
-    """Keep only the first N user turns."""
+    """Keep only the first N user turns of each conversation."""
     max_len: int = 2048
-    """Context for prompt + answer (local engines): a prompt with no room left is a context overflow."""
+    """Context for prompt + answer (local engines); a prompt leaving no room is counted as context_overflow."""
     temperature: float = 0.0
-    """0 = greedy."""
+    """0 = greedy; > 0 samples from softmax(logits / T)."""
     top_p: float = 1.0
-    """Nucleus mass when sampling."""
+    """Nucleus sampling mass (with --temperature > 0)."""
     seed: int = 0
-    """Sampling seed (per answer streams derive from it)."""
+    """Sampling seed; each (conversation, turn) gets its own reproducible stream."""
     limit: int | None = None
     """Read at most this many source records."""
     hf_split: str | None = None
-    """Split of a saved DatasetDict."""
+    """Split to read when --source is a saved DatasetDict."""
     batch_size: int = 0
-    """Rows decoded together (local engines); 0 = auto (8 on CPU; on GPU up to 1024 as memory allows)."""
+    """Rows decoded together (local engines); 0 = auto (8 on CPU, up to 1024 on GPU as memory allows)."""
     attention: str = "auto"
-    """Static engine decode attention: auto (the per-row Triton kernel where it runs, else sdpa),
-    triton (error if unavailable), sdpa (masked attention over a span covering every row)."""
+    """Static engine decode attention: auto (per-row Triton kernel on CUDA when triton is installed, else
+    sdpa), triton (error if unavailable), sdpa (masked, over a span covering every row)."""
     device: str = "auto"
-    """auto (cuda if available), cpu, cuda, cuda:N."""
+    """auto (cuda if available), cpu, cuda or cuda:N."""
     dtype: str = "auto"
-    """auto (CUDA: the target's own dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."""
+    """auto (GPU: the target's dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."""
     continue_after_truncated: bool = False
-    """Keep answering later turns after an answer cut at the limit."""
+    """Answer later turns after an answer cut at --max-new-tokens (default: stop the conversation there)."""
     overwrite: bool = False
-    """Start over in an existing --out."""
-    server_urls: list[str] = field(default_factory=list)
-    """OpenAI-compatible servers."""
+    """Delete an existing --out and start over."""
+    server_urls: list[str] = field(default_factory=list, metadata={"flag": "--server-url"})
+    """OpenAI-compatible server base URL (repeat --server-url for several), e.g. http://127.0.0.1:30000."""
     server_model: str | None = None
-    """Served model name (default: first from /v1/models)."""
+    """Served model name (default: the first id from GET /v1/models)."""
     concurrency: int = 64
-    """Server requests in flight."""
+    """Server requests in flight, over all URLs."""
     retries: int = 4
-    """Retries per server request on transient errors."""
+    """Retries per server request on connection errors, timeouts, 429 and 5xx (exponential backoff)."""
     request_timeout: float = 600.0
-    """Seconds per server request."""
+    """Seconds to wait for one server answer."""
 
     def __post_init__(self):
+        from eyas.config_checks import check_device, check_number, check_url
+
         self.out = Path(self.out)
+        check_number(self, "max_new_tokens", ge=1)
+        check_number(self, "max_turns", ge=1, optional=True)
+        check_number(self, "temperature", ge=0)
+        check_number(self, "top_p", gt=0, le=1)
+        check_number(self, "concurrency", ge=1)
+        check_number(self, "retries", ge=0)
+        check_number(self, "request_timeout", gt=0)
+        if self.device == "mps":
+            raise EyasError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
+        check_device(self.device)
+        self.server_urls = [check_url(u, option="--server-url") for u in self.server_urls]
         if self.engine not in ENGINES:
             raise EyasError(f"--engine must be one of {', '.join(ENGINES)}, got {self.engine!r}")
         if self.engine == "auto":

@@ -30,31 +30,33 @@ class EvalConfig:
     """Settings of one evaluation (the CLI's options)."""
 
     drafter: Path
-    """Drafter directory: eyas, SGLang or vLLM/speculators layout."""
+    """Drafter directory: eyas (`eyas train` output), SGLang (LlamaForCausalLMEagle3) or vLLM/speculators
+    (Eagle3Speculator) layout."""
     target: str = "default"
-    """Target model directory, or 'default' for the embedded SmolLM2-135M-Instruct."""
+    """Target model directory (Hugging Face layout); `default` = embedded SmolLM2-135M-Instruct."""
     prompts: str = "mtbench"
-    """'mtbench' (80 questions, 2 turns) or a JSONL file of {"turns": [...]} / {"prompt": ...}."""
+    """`mtbench` (80 questions x 2 turns, the 2nd after the target's own 1st answer) or a JSONL file of
+    {"turns": [...]} or {"prompt": "..."}."""
     max_new_tokens: int = 256
     """Greedy tokens generated per turn."""
     chain_k: int = 7
-    """Draft tokens per round in chain mode (0 = skip chain)."""
+    """Chain drafting: draft tokens per round (0 = skip the chain)."""
     tree_topk: int = 10
-    """EAGLE-2 tree: children per node and nodes expanded per depth."""
+    """EAGLE-2 tree: children kept per node and nodes expanded per depth."""
     tree_depth: int = 6
-    """EAGLE-2 tree: draft steps per round (0 = skip tree)."""
+    """EAGLE-2 tree: draft steps per round (0 = skip the tree)."""
     tree_tokens: int = 60
-    """EAGLE-2 tree: draft tokens submitted per round (root excluded)."""
+    """EAGLE-2 tree: draft tokens submitted per round, root excluded."""
     device: str = "auto"
-    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ..."""
+    """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
     dtype: str = "auto"
-    """'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
+    """`auto` (bfloat16 on GPU, float32 on CPU), `bfloat16`, `float16`, `float32`."""
     limit: int | None = None
     """Evaluate only the first N conversations."""
     gen_batch_size: int = 160
-    """Prompts per generate() call."""
+    """Prompts per batched generate() call."""
     replay_tokens: int = 131072
-    """Tokens (sequences x padded length) per replay batch."""
+    """Tokens (sequences x padded length) per replay batch; lower it if memory runs out."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:

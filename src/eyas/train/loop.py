@@ -39,43 +39,45 @@ DEFAULT_TOKENS_PER_BATCH = 65536
 @dataclass(kw_only=True)
 class TrainConfig:
     target: str = "default"
-    """Target model directory (HF layout) or 'default'."""
+    """Target model directory (HF layout); `default` = embedded SmolLM2-135M-Instruct."""
     out: Path
     """Run directory: metrics.jsonl, curves.png, checkpoints/, drafter/."""
     store: Path | None = None
-    """Offline: an `eyas capture` store of the training split."""
+    """Offline: hidden-state store from `eyas capture` (training split)."""
     data: Path | None = None
-    """Online: a prepared dataset; the target runs on every batch."""
+    """Online: prepared dataset; the target runs on every batch, nothing is written."""
     aux_layers: list[int] | None = None
-    """Online: target layer ids for fc (hf-input convention; default 2, N//2, N-3). Offline: the store's."""
+    """Online: comma-separated target layer ids for fc (inputs to those layers, hf-input convention);
+    default 2,N//2,N-3. Offline uses the store's."""
     eval_store: Path | None = None
-    """Offline eval states; without it, `eval_samples` of the store are held out of training."""
+    """Offline: store of eval states; without it --eval-samples store samples are held out of training."""
     steps: int | None = None
-    """Optimizer steps (overrides epochs)."""
+    """Optimizer steps (overrides --epochs)."""
     epochs: float = 1.0
-    """Passes over the training split when steps is not given."""
+    """Passes over the training split when --steps is not given."""
     tokens_per_batch: int | None = None
     """Tokens per micro-batch per process: samples are packed end to end into one row of exactly
     this many tokens (no attention across samples, a padding tail). Default: 65536 on CUDA; on the
-    CPU, `batch_size` samples per row."""
+    CPU, --batch-size samples per row."""
     batch_size: int = 1
-    """Samples per micro-batch per process when packing by sample count (see tokens_per_batch)."""
+    """Samples per micro-batch per process when --tokens-per-batch is not used (global batch = this x
+    --grad-accum x processes)."""
     grad_accum: int = 1
-    """Micro-batches per optimizer step."""
+    """Micro-batches accumulated per optimizer step."""
     lr: float = 1e-4
-    """Peak learning rate."""
+    """Peak learning rate (AdamW, betas 0.9/0.95)."""
     min_lr_ratio: float = 0.1
-    """Cosine floor as a fraction of lr."""
+    """Cosine decay floor as a fraction of --lr."""
     warmup_steps: int | None = None
     """Linear warmup steps (default 2% of the run, at least 1)."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
     grad_clip: float = 0.5
-    """Clip the global gradient norm to this (0 = off)."""
+    """Global gradient-norm clip (0 = off)."""
     ttt_steps: int = 7
     """Training-time-test steps."""
     ttt_decay: float = 0.8
-    """Step k's loss weight = decay**k."""
+    """Loss weight of TTT step k = decay**k."""
     draft_vocab: int | None = None
     """Draft vocabulary size (default min(32000, target vocab))."""
     max_length: int = 2048
@@ -87,13 +89,13 @@ class TrainConfig:
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
     resume: str | None = None
-    """A checkpoint file, or 'auto' = the latest in <out>/checkpoints."""
+    """Checkpoint file to resume from, or `auto` (the latest in <out>/checkpoints)."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:N (under torchrun each rank uses cuda:LOCAL_RANK)."""
     precision: str = "auto"
     """bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
     fsdp: bool = False
-    """Shard parameters, gradients and optimizer state with FSDP2 (needs torchrun)."""
+    """FSDP2: shard parameters, gradients and optimizer state across processes (needs torchrun)."""
     attention: str = "fast"
     """TTT attention: fast (flash + diagonals) or reference (dense mask)."""
     compile: bool | None = None
@@ -105,7 +107,7 @@ class TrainConfig:
     seed: int = 0
     """Seeds weights and data order."""
     overwrite: bool = False
-    """Allow an --out that already holds a finished run."""
+    """Replace a finished run's drafter in --out."""
 
     def __post_init__(self):
         from eyas.common import check_out_path, require_owned
