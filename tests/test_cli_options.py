@@ -17,6 +17,9 @@ CONVERTED = {  # command -> its config class
     "regenerate": "eyas.regen.run:RegenConfig",
     "prepare": "eyas.data.prepare:PrepareConfig",
     "eval": "eyas.specdec.run:EvalConfig",
+    "verify": "eyas.store.verify:VerifyConfig",
+    "demo": "eyas.demo:DemoConfig",
+    "export": "eyas.pipeline:ExportOptions",
 }
 
 
@@ -43,6 +46,8 @@ def test_every_field_is_an_option_with_its_docstring(command):
     result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
     assert result.exit_code == 0, result.output
     for spec in read_fields(CONVERTED[command]):
+        if (command, spec.name) == ("export", "formats"):  # one --format per `eyas export` call
+            continue
         assert spec.flag in result.output, spec.flag
         assert spec.doc.split()[0] in result.output
 

@@ -91,6 +91,9 @@ def _default_of(node: ast.expr | None, where: str) -> tuple[Any, dict]:
         if isinstance(factory, ast.Lambda):
             return _literal(factory.body, where), meta
         raise TypeError(f"{where}: default_factory `{ast.unparse(factory)}` is not readable from the source")
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Path"
+            and len(node.args) == 1 and not node.keywords):
+        return Path(_literal(node.args[0], where)), {}
     return _literal(node, where), {}
 
 
@@ -153,13 +156,14 @@ def _convert(spec: FieldSpec, value: Any) -> Any:
     return value
 
 
-def options_from(target: str) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
+def options_from(target: str, *, exclude: tuple[str, ...] = ()) -> Callable[[Callable[..., dict]], Callable[..., dict]]:
     """Decorate `body(cfg, *, extra options...)`: the command gets one option per field of `target`
-    ("module:Class") followed by body's own keyword options; the config is built (and validated)
-    before body runs. A ValueError from the config's checks becomes an EyasError (exit 2)."""
+    ("module:Class"; fields in `exclude` keep their default and are not options) followed by body's
+    own keyword options; the config is built (and validated) before body runs. A ValueError from the
+    config's checks becomes an EyasError (exit 2)."""
 
     def decorate(body: Callable[..., dict]) -> Callable[..., dict]:
-        specs = read_fields(target)
+        specs = [s for s in read_fields(target) if s.name not in exclude]
         extra = list(inspect.signature(body, eval_str=True).parameters.values())[1:]
         clash = {s.name for s in specs} & {p.name for p in extra}
         if clash:
@@ -174,7 +178,8 @@ def options_from(target: str) -> Callable[[Callable[..., dict]], Callable[..., d
                 hidden[key] = s
                 params.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
                                                 default=typer.Option(None, alias, hidden=True)))
-        params += [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra]
+        # the command's own options first: they are usually the required paths (--drafter, --out)
+        params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra] + params
 
         def command(**kwargs: Any) -> dict:
             for key, s in hidden.items():  # an old spelling counts when the new one was not given

@@ -26,7 +26,7 @@ from eyas.errors import CheckFailed, EyasError
 @dataclass(kw_only=True)
 class DemoConfig:
     out: Path = Path("runs/demo")
-    """Directory for every stage's output."""
+    """Directory for every stage's output; a rerun resumes."""
     chats: int = 200
     """ShareGPT records to prepare."""
     max_length: int = 384

@@ -69,16 +69,23 @@ class ExportOptions:
     formats: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     """Serving layouts to write: sglang, vllm."""
     dtype: str = "keep"
-    """Weights dtype: keep, bfloat16, float16, float32."""
+    """Weights dtype: `keep` (as stored), `bfloat16`, `float16` or `float32`."""
     verifier: str | None = None
-    """vllm: the target's name or path written as speculators_config.verifier (default: the recorded target)."""
+    """vllm format: the target's Hub repository id (owner/name), written as
+    speculators_config.verifier.name_or_path so `vllm serve <out>` works; or a local target directory,
+    whose config `_name_or_path` gives the id (default: the target recorded in the drafter). The local
+    path is kept in `eyas_verifier_path`."""
     speculative_tokens: int = 5
-    """vllm: default num_speculative_tokens."""
+    """vllm format: default num_speculative_tokens written into the proposal method."""
     target_layers: int | None = None
-    """Only for a foreign drafter whose config names no aux layer ids."""
+    """Target layer count, only needed when a foreign drafter's config names no aux layer ids (the
+    engines' default is then used)."""
 
     def __post_init__(self):
+        from eyas.config_checks import check_number
         from eyas.export.formats import FORMATS
+
+        check_number(self, "target_layers", ge=1, optional=True)
 
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:

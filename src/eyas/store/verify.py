@@ -284,11 +284,12 @@ class VerifyConfig:
     numbers_seconds: float | None = None
     """Time budget: keep recomputing further samples (in the drawn order) until this many seconds pass."""
     seed: int | None = None
-    """Seed of the recomputed subset; default: a fresh random seed each run (printed, pass it to repeat)."""
+    """Seed of the recomputed subset; default: a fresh random seed each run (printed; pass it to repeat)."""
     invariants: bool = True
     """Check the every-sample invariants (prefix, tail, post-norm final, calibrated rates)."""
     tolerance: float | None = None
-    """Worst per-token relative error allowed in the numbers and prefix checks; default by dtypes."""
+    """Worst per-token relative error allowed in the numbers and prefix checks; default by stored dtype and
+    model dtype."""
     device: str = "cpu"
     """Where the target runs for invariants and recompute: cpu or cuda[:K]."""
     target: str | None = None
@@ -297,14 +298,17 @@ class VerifyConfig:
     """Prepared dataset directory if it moved since capture."""
 
     def __post_init__(self):
-        if self.numbers < 0:
-            raise EyasError(f"--numbers: {self.numbers} must be >= 0")
+        from eyas.config_checks import check_device, check_number
+
+        check_number(self, "numbers", ge=0)
+        check_number(self, "tolerance", gt=0, optional=True)
+        if self.device == "auto":
+            raise EyasError("--device must be cpu or cuda[:K], got 'auto'")
+        check_device(self.device)
         if not 0 <= self.numbers_fraction <= 1:
             raise EyasError(f"--numbers-fraction: {self.numbers_fraction} must be within [0, 1]")
         if self.numbers_seconds is not None and not self.numbers_seconds >= 0:
             raise EyasError(f"--numbers-seconds: {self.numbers_seconds} must be >= 0")
-        if self.tolerance is not None and not self.tolerance > 0:
-            raise EyasError(f"--tolerance: {self.tolerance} must be positive")
         if self.seed is not None and self.seed < 0:
             raise EyasError(f"--seed: {self.seed} must be >= 0")
 
