@@ -74,7 +74,7 @@ def test_capture_and_verify_end_to_end_bf16(tmp_path, family_dirs, family):
     from tests.test_capture_run import make_prepared
 
     data = make_prepared(tmp_path / "p", tokenizer_hash(load_tokenizer(family_dirs[family])), n=6, max_len=30)
-    s = run_capture(CaptureSettings(target=str(family_dirs[family]), data=data, out=tmp_path / "s", layers=LAYERS,
+    s = run_capture(CaptureSettings(target=str(family_dirs[family]), data=data, out=tmp_path / "s", aux_layers=LAYERS,
                                     model_dtype="bf16", token_budget=48, shard_bytes=4000))
     assert s["samples"] == 6 and s["model_dtype"] == "bf16" and s["batches"] > 1
     v = verify_store(tmp_path / "s", numbers=6)

@@ -47,7 +47,7 @@ def settings(target, data, out, **kw):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_capture_stores_every_sample_once_and_verifies(tmp_path, tiny_target_dir, tok_hash, dtype):
     data = make_prepared(tmp_path / "p", tok_hash)
-    summary = run_capture(settings(tiny_target_dir, data, tmp_path / "s", dtype=dtype, layers=[1, 3, 4]))
+    summary = run_capture(settings(tiny_target_dir, data, tmp_path / "s", dtype=dtype, aux_layers=[1, 3, 4]))
     assert summary["status"] == "complete" and summary["samples"] == 12 and summary["shards"] > 1
     r = StoreReader(tmp_path / "s")
     m = r.manifest
@@ -86,8 +86,8 @@ def test_resume_after_limit_and_rerun_is_idempotent(tmp_path, tiny_target_dir, t
 
 def test_bad_input_is_refused_clearly(tmp_path, tiny_target_dir, tok_hash, smol_tokenizer):
     data = make_prepared(tmp_path / "p", tok_hash, n=4)
-    with pytest.raises(EyasError, match=r"--layers: ids \[1, 6\] include \[6\], expected inputs to decoder layers 1..5"):
-        run_capture(settings(tiny_target_dir, data, tmp_path / "s", layers=[1, 6]))
+    with pytest.raises(EyasError, match=r"--aux-layers: ids \[1, 6\] include \[6\], expected inputs to decoder layers 1..5"):
+        run_capture(settings(tiny_target_dir, data, tmp_path / "s", aux_layers=[1, 6]))
     run_capture(settings(tiny_target_dir, data, tmp_path / "s"))
     # A store written for another model is not resumed. (model_identity hashes the config and the
     # weights' index, not their values: a same-shaped model with other weights is caught by verify.)
@@ -95,7 +95,7 @@ def test_bad_input_is_refused_clearly(tmp_path, tiny_target_dir, tok_hash, smol_
     with pytest.raises(EyasError, match="different target"):
         run_capture(settings(other, data, tmp_path / "s"))
     with pytest.raises(EyasError, match="different aux_layer_ids"):
-        run_capture(settings(tiny_target_dir, data, tmp_path / "s", layers=[1, 2, 3]))
+        run_capture(settings(tiny_target_dir, data, tmp_path / "s", aux_layers=[1, 2, 3]))
     # Data tokenised for another tokenizer.
     alien = make_prepared(tmp_path / "alien", "0" * 64, n=2)
     with pytest.raises(EyasError, match="another tokenizer"):

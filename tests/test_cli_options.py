@@ -20,6 +20,7 @@ CONVERTED = {  # command -> its config class
     "verify": "eyas.store.verify:VerifyConfig",
     "demo": "eyas.demo:DemoConfig",
     "export": "eyas.pipeline:ExportOptions",
+    "capture": "eyas.capture.run:CaptureSettings",
 }
 
 
@@ -101,3 +102,27 @@ def test_regenerate_repeated_server_url_and_eval_value_error(tmp_path, monkeypat
     ev = CliRunner().invoke(app, ["eval", "--drafter", str(tmp_path), "--out", str(tmp_path / "e"), "--chain-k", "0",
                                   "--tree-depth", "0"])
     assert ev.exit_code == 2 and "--chain-k 0 and --tree-depth 0" in ev.output, ev.output
+
+
+def test_hidden_old_spellings_and_parsed_text(tmp_path, monkeypatch):
+    """Renamed options keep their old spelling (hidden from --help); --shard-bytes takes sizes, defaulting to the field's."""
+    seen: list = []
+    _fake_run(monkeypatch, "eyas.data.prepare", "prepare", seen)
+    out = CliRunner().invoke(app, ["prepare", "--out", str(tmp_path / "p"), "--aux-layers", "5"])
+    assert out.exit_code == 0, out.output
+    assert seen[-1].aux_layer_count == 5
+    new = CliRunner().invoke(app, ["prepare", "--out", str(tmp_path / "p"), "--aux-layer-count", "4"])
+    assert new.exit_code == 0 and seen[-1].aux_layer_count == 4
+    helptext = CliRunner().invoke(app, ["prepare", "--help"], env={"COLUMNS": "400"}).output
+    assert "--aux-layer-count" in helptext and "--aux-layers " not in helptext
+
+    _fake_run(monkeypatch, "eyas.capture.run", "run_capture", seen)
+    data = tmp_path / "prep"
+    data.mkdir()
+    base = ["capture", "--data", str(data), "--out", str(tmp_path / "s")]
+    assert CliRunner().invoke(app, [*base, "--layers", "1,3"]).exit_code == 0
+    assert seen[-1].aux_layers == [1, 3] and seen[-1].shard_bytes == 1 << 30 and seen[-1].target is None
+    assert CliRunner().invoke(app, [*base, "--aux-layers", "2,4", "--shard-bytes", "512MiB"]).exit_code == 0
+    assert seen[-1].aux_layers == [2, 4] and seen[-1].shard_bytes == 512 << 20
+    bad = CliRunner().invoke(app, [*base, "--shard-bytes", "lots"])
+    assert bad.exit_code == 2 and "--shard-bytes" in bad.output

@@ -130,5 +130,5 @@ def test_cli_prints_json_summary_last_and_errors_cleanly(tmp_path, tiny_target_d
     assert r.returncode == 2 and "missing.jsonl" in r.stderr and "does not exist" in r.stderr
     h = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--help"], capture_output=True, text=True)
     for opt in ("--out", "--source", "--target", "--max-length", "--length-policy", "--eval-fraction", "--seed",
-                "--limit", "--truncated-answers", "--hf-split", "--aux-layers", "--overwrite"):
+                "--limit", "--truncated-answers", "--hf-split", "--aux-layer-count", "--overwrite"):
         assert opt in h.stdout

@@ -32,7 +32,7 @@ def good(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("verify")
     data = make_prepared(root / "p", tokenizer_hash(load_tokenizer(tiny_target_dir)), n=8, max_len=30)
     # Two samples of equal length, batched together: the "swapped within a batch" fault needs them.
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", layers=LAYERS,
+    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS,
                                 token_budget=64, shard_bytes=10_000))
     return root / "good"
 

@@ -43,7 +43,7 @@ def chat_store(tmp_path_factory, tiny_target_dir):
         ids = prefix + torch.randint(3, len(tok), (n,), generator=g).tolist()
         rows.append((f"c{i:03d}", ids, [k >= 24 for k in range(len(ids))]))
     data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", layers=LAYERS,
+    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS,
                                 token_budget=512, shard_bytes=60_000))
     return root / "good", PreparedDataset(data).split("train")
 

@@ -17,7 +17,8 @@ imported class's.
 
 Field metadata understood: `field(default=..., metadata={"flag": "--server-url"})` spells the option
 differently from the field (a repeated option named in the singular), `{"aliases": ["--old-name"]}`
-keeps old spellings working as hidden options.
+keeps old spellings working as hidden options, `{"parse": "module:function"}` takes text and turns
+it into the field's value (`--shard-bytes 512MiB`).
 
 Run: used by eyas/commands/*.py; `pytest tests/test_cli_options.py`.
 """
@@ -56,6 +57,8 @@ class FieldSpec:
     doc: str
     flag: str
     aliases: list[str] = field(default_factory=list)
+    parse: str | None = None
+    """"module:function" turning the option's text into the field's value (e.g. '1GB' -> bytes)."""
 
     @property
     def base(self) -> Any:
@@ -70,8 +73,12 @@ def _literal(node: ast.expr, where: str) -> Any:
     try:
         return ast.literal_eval(node)
     except ValueError:
-        raise TypeError(f"{where}: the default must be a literal for the CLI to read it from the source "
-                        f"(got `{ast.unparse(node)}`)") from None
+        pass
+    # constant arithmetic such as `1 << 30`: only numbers and operators, so evaluating it runs no code
+    if all(isinstance(n, (ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator, ast.unaryop)) for n in ast.walk(node)):
+        return eval(compile(ast.Expression(node), where, "eval"), {"__builtins__": {}})  # noqa: S307
+    raise TypeError(f"{where}: the default must be a literal for the CLI to read it from the source "
+                    f"(got `{ast.unparse(node)}`)")
 
 
 def _default_of(node: ast.expr | None, where: str) -> tuple[Any, dict]:
@@ -121,7 +128,8 @@ def read_fields(target: str) -> list[FieldSpec]:
         default, meta = _default_of(stmt.value, where)
         hint = eval(ast.unparse(stmt.annotation), {"__builtins__": {}}, dict(_TYPES))  # noqa: S307 (our own source)
         out.append(FieldSpec(name=name, hint=hint, default=default, doc=doc,
-                             flag=meta.get("flag", option_name(name)), aliases=list(meta.get("aliases", []))))
+                             flag=meta.get("flag", option_name(name)), aliases=list(meta.get("aliases", [])),
+                             parse=meta.get("parse")))
     return out
 
 
@@ -129,6 +137,9 @@ def _typer_param(spec: FieldSpec) -> tuple[Any, Any]:
     """(annotation, typer.Option) of one field."""
     base, optional = spec.base, spec.base is not spec.hint
     default = spec.default
+    if spec.parse is not None:  # text parsed in _convert; the default is shown as the field holds it
+        text = default if default in (None, REQUIRED) else str(default)
+        return Optional[str], typer.Option(text, spec.flag, help=spec.doc)
     if base is bool:
         stem = spec.flag[2:]
         return (Optional[bool] if optional else bool), typer.Option(default, f"--{stem}/--no-{stem}", help=spec.doc)
@@ -148,6 +159,9 @@ def _typer_param(spec: FieldSpec) -> tuple[Any, Any]:
 
 
 def _convert(spec: FieldSpec, value: Any) -> Any:
+    if spec.parse is not None:
+        module, func = spec.parse.split(":")
+        return value if value is None else getattr(importlib.import_module(module), func)(value)
     origin = typing.get_origin(spec.base)
     if origin is list and typing.get_args(spec.base) == (int,):
         return parse_int_list(value, option=spec.flag, min_value=None)

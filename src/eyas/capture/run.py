@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -37,32 +37,36 @@ MODEL_DTYPES = ("bf16", "fp32")  # names in eyas.dtypes; the store records the s
 
 @dataclass(kw_only=True)
 class CaptureSettings:
-    """Everything `eyas capture` takes (the CLI maps its options onto these fields)."""
+    """Everything `eyas capture` takes (the CLI's options are these fields plus the sglang backend's)."""
 
-    target: str
-    """Local Hugging Face model directory, or `default` (the embedded SmolLM2)."""
+    target: str | None = None
+    """Target: a local Hugging Face model directory, or `default` (SmolLM2-135M-Instruct). transformers
+    backend: None means `default`; sglang backend: the server's model directory when it exists here
+    (needed for `eyas verify` numbers)."""
     data: Path
-    """Prepared dataset directory (written by `eyas prepare`)."""
+    """Prepared dataset directory (from `eyas prepare`)."""
     split: str = "train"
     """Split of the prepared dataset to capture."""
     out: Path
-    """Store directory; an existing store with the same settings is resumed."""
-    layers: list[int] | None = None
-    """Aux layer ids (convention hf-input); None = EAGLE-3's default [2, N//2, N-3]."""
+    """Store directory; rerunning with the same settings resumes it."""
+    aux_layers: list[int] | None = field(default=None, metadata={"parse": "eyas.capture.run:parse_layers",
+                                                                 "aliases": ["--layers"]})
+    """Aux layer ids, comma-separated, convention hf-input (id i = input to decoder layer i); default =
+    EAGLE-3's 2,N//2,N-3 (sglang: the server's)."""
     dtype: str = "bf16"
-    """Stored dtype: bf16, fp8 (e4m3 + a scale per token and layer) or fp32."""
+    """Stored dtype: bf16, fp8 (e4m3, a scale per token and layer; half the bytes) or fp32."""
     device: str = "cpu"
-    """Where the target runs: cpu, cuda or cuda:K."""
+    """transformers: where the target runs: cpu, cuda or cuda:K."""
     model_dtype: str = "auto"
-    """Dtype the target runs in: bf16, fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
+    """transformers: dtype the target runs in: bf16, fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
     token_budget: int = 16384
-    """Most tokens (batch x padded length) per forward."""
-    shard_bytes: int = 1 << 30
-    """A shard is committed once it holds at least this many bytes."""
+    """transformers: most tokens per forward (batch size x padded length); longer samples run alone."""
+    shard_bytes: int = field(default=1 << 30, metadata={"parse": "eyas.capture.run:parse_bytes"})
+    """transformers: commit a shard once it holds this many bytes (e.g. 512MB, 2GiB)."""
     limit: int | None = None
-    """Capture only the first `limit` samples of the split."""
+    """Capture only the first N samples of the split."""
     queue_depth: int = 3
-    """Batches in flight between the forward and the disk (pinned host buffers on CUDA)."""
+    """transformers: batches in flight between forward and disk (pinned buffers on CUDA)."""
 
     def __post_init__(self):
         stored_dtype(self.dtype)
@@ -78,8 +82,8 @@ class CaptureSettings:
         if self.device == "auto" or not _DEVICE_OK(self.device):
             raise EyasError(f"--device: `{self.device}`; choose cpu or cuda[:K]")
         check_device(self.device)
-        if self.layers is not None and any(i < 0 for i in self.layers):
-            raise EyasError(f"--layers: layer ids must be >= 0, got {self.layers}")
+        if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
+            raise EyasError(f"--aux-layers: layer ids must be >= 0, got {self.aux_layers}")
         if not Path(self.data).is_dir():
             raise EyasError(f"--data {self.data} is not a directory; pass an `eyas prepare` output")
         check_out_path(self.out)
@@ -99,7 +103,7 @@ def parse_layers(text: str | None) -> list[int] | None:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise EyasError(f"--layers: `{text}` is not a comma-separated list of integers (e.g. 2,15,27)") from None
+        raise EyasError(f"--aux-layers: `{text}` is not a comma-separated list of integers (e.g. 2,15,27)") from None
 
 
 def parse_bytes(text: str | int) -> int:
@@ -130,10 +134,11 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
         CONVENTION, hidden_size_of, load_tokenizer, model_identity, num_layers_of, tokenizer_hash,
     )
 
-    target_dir = resolve_target(settings.target)
+    target_dir = resolve_target(settings.target or "default")
     config = AutoConfig.from_pretrained(target_dir)
     n_layers, d = num_layers_of(config), hidden_size_of(config)
-    layers = check_layer_ids(settings.layers, n_layers) if settings.layers is not None else default_aux_layer_ids(n_layers)
+    layers = (check_layer_ids(settings.aux_layers, n_layers, what="--aux-layers") if settings.aux_layers is not None
+              else default_aux_layer_ids(n_layers))
     if len(set(layers)) != len(layers):
         log(f"eyas capture: aux layers {layers} repeat an id (a small target); each slot is stored as asked")
     tok = load_tokenizer(target_dir)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -54,8 +54,8 @@ class PrepareConfig:
     the end-of-turn token), `mask` (no loss on the turn), `drop` (skip the conversation)."""
     hf_split: str | None = None
     """Split to read when --source is a saved DatasetDict."""
-    aux_layers: int = 3
-    """Aux layers the capture will store (for the disk estimate)."""
+    aux_layer_count: int = field(default=3, metadata={"aliases": ["--aux-layers"]})
+    """How many aux layers the capture will store (for the disk estimate)."""
     overwrite: bool = False
     """Replace an existing --out directory."""
 
@@ -74,7 +74,7 @@ class PrepareConfig:
         from eyas.config_checks import check_number
 
         check_number(self, "eval_fraction", ge=0, lt=1)
-        check_number(self, "aux_layers", ge=1)
+        check_number(self, "aux_layer_count", ge=1)
         check_out_path(self.out)
         if self.overwrite:
             require_owned(self.out, option="--overwrite", kind="prepare")
@@ -149,9 +149,9 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     tokens = sum(len(s[1]) for v in splits.values() for s in v)
     assistant = sum(sum(s[2]) for v in splits.values() for s in v)
     est = {
-        "bf16_bytes": capture_bytes(tokens, aux_layers=cfg.aux_layers, hidden_size=hidden, bytes_per_value=2),
-        "fp8_bytes": capture_bytes(tokens, aux_layers=cfg.aux_layers, hidden_size=hidden, bytes_per_value=1),
-        "formula": f"tokens x (aux layers + 1) x hidden size x bytes = {tokens} x {cfg.aux_layers + 1} x {hidden} x 2 (bf16)",
+        "bf16_bytes": capture_bytes(tokens, aux_layers=cfg.aux_layer_count, hidden_size=hidden, bytes_per_value=2),
+        "fp8_bytes": capture_bytes(tokens, aux_layers=cfg.aux_layer_count, hidden_size=hidden, bytes_per_value=1),
+        "formula": f"tokens x (aux layers + 1) x hidden size x bytes = {tokens} x {cfg.aux_layer_count + 1} x {hidden} x 2 (bf16)",
     }
     summary = {
         "stage": "prepare",

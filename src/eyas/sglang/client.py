@@ -185,7 +185,7 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
         raise EyasError(
             f"--url {url}: the server captures layers {have} ({CONVENTION}; SGLang ids {sglang_layer_ids(have)}) but "
             f"{list(layer_ids)} were asked for. Restart the server with EYAS_CAPTURE_LAYERS="
-            f"{','.join(map(str, layer_ids))}, or pass --layers {','.join(map(str, have))}")
+            f"{','.join(map(str, layer_ids))}, or pass --aux-layers {','.join(map(str, have))}")
     bypass = choose_bypass(info, cache_bypass)
     ddir = Path(dump_dir) if dump_dir is not None else Path(status.get("dump_dir", ""))
     if not ddir.is_dir():
