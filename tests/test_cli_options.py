@@ -126,3 +126,20 @@ def test_hidden_old_spellings_and_parsed_text(tmp_path, monkeypatch):
     assert seen[-1].aux_layers == [2, 4] and seen[-1].shard_bytes == 512 << 20
     bad = CliRunner().invoke(app, [*base, "--shard-bytes", "lots"])
     assert bad.exit_code == 2 and "--shard-bytes" in bad.output
+
+
+def test_regenerate_max_len_renamed_with_old_spellings(tmp_path, monkeypatch):
+    """`--max-len` / `max_len` (pipeline files) still set RegenConfig.max_length; giving both names is refused."""
+    from eyas.errors import EyasError
+    from eyas.pipeline import check_config
+
+    seen: list = []
+    _fake_run(monkeypatch, "eyas.regen.run", "regenerate", seen)
+    assert CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r"), "--max-len", "300"]).exit_code == 0
+    assert seen[-1].max_length == 300
+    assert CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r"), "--max-length", "256"]).exit_code == 0
+    assert seen[-1].max_length == 256
+    raw = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"max_len": 300}, "prepare": {}}
+    assert check_config(raw, where="p.toml")["stages"]["regenerate"].max_length == 300
+    with pytest.raises(EyasError, match="`max_len` is the old name of `max_length`"):
+        check_config({**raw, "regenerate": {"max_len": 300, "max_length": 200}}, where="p.toml")

@@ -65,7 +65,7 @@ def test_cli_regenerate_then_prepare(chats, tiny_target_dir, tmp_path):
 
 
 def test_sampled_run_is_reproducible(chats, tiny_target_dir, tmp_path):
-    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=6, max_len=200, device="cpu",
+    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=6, max_length=200, device="cpu",
               temperature=0.8, top_p=0.9, seed=3, continue_after_truncated=True)
     a = regenerate(RegenConfig(out=tmp_path / "a", batch_size=2, **kw))
     b = regenerate(RegenConfig(out=tmp_path / "b", batch_size=4, **kw))
@@ -101,7 +101,7 @@ def test_sigterm_commits_finished_conversations_then_resume(chats, tiny_target_d
 
     from eyas.regen.driver import Regenerator
 
-    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=4, max_len=200, device="cpu", batch_size=1)
+    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=4, max_length=200, device="cpu", batch_size=1)
     ref = regenerate(RegenConfig(out=tmp_path / "ref", **kw))
     real_deliver, seen = Regenerator.deliver, []
 

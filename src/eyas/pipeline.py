@@ -211,6 +211,13 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         filled = set(FILLED[stage])
         if stage == "prepare" and "regenerate" in raw:
             filled.add("source")
+        for f in fields.values():  # a renamed option's old key (its CLI alias) still reads as the field
+            for alias in f.metadata.get("aliases", ()):
+                old = alias.lstrip("-").replace("-", "_")
+                if old in section and old not in fields:
+                    if f.name in section:
+                        raise EyasError(f"{where}: [{stage}] `{old}` is the old name of `{f.name}`; give only `{f.name}`")
+                    section = {(f.name if k == old else k): v for k, v in section.items()}
         for key, value in section.items():
             if isinstance(value, dict):
                 raise EyasError(f"{where}: [{stage}.{key}] is not a stage option (nested tables are not supported)")

@@ -41,8 +41,8 @@ class RegenConfig:
     """Answer token limit per turn; answers that reach it are marked truncated."""
     max_turns: int | None = None
     """Keep only the first N user turns of each conversation."""
-    max_len: int = 2048
-    """Context for prompt + answer (local engines); a prompt leaving no room is counted as context_overflow."""
+    max_length: int = field(default=2048, metadata={"aliases": ["--max-len"]})
+    """Most tokens of prompt + answer (local engines); a prompt leaving no room is counted as context_overflow."""
     temperature: float = 0.0
     """0 = greedy; > 0 samples from softmax(logits / T)."""
     top_p: float = 1.0
@@ -104,8 +104,8 @@ class RegenConfig:
             from eyas.dtypes import MODEL_DTYPES, to_dtype
 
             to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
-        if self.max_len < 2:
-            raise EyasError(f"--max-len must be >= 2, got {self.max_len}")
+        if self.max_length < 2:
+            raise EyasError(f"--max-length must be >= 2, got {self.max_length}")
         if self.attention not in ATTENTIONS:
             raise EyasError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.batch_size < 0:
@@ -128,8 +128,8 @@ def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     rows = int(0.5 * free // per_row) // 8 * 8
     if rows < 8:
-        raise EyasError(f"a KV cache of --max-len {max_len} needs {per_row / 2**20:.0f} MiB a row; "
-                        f"{free / 2**30:.1f} GiB free is too little: lower --max-len or --batch-size")
+        raise EyasError(f"a KV cache of --max-length {max_len} needs {per_row / 2**20:.0f} MiB a row; "
+                        f"{free / 2**30:.1f} GiB free is too little: lower --max-length or --batch-size")
     return min(1024, rows)
 
 
@@ -161,8 +161,8 @@ def _build_local(config: RegenConfig, sampling):
     if getattr(tokenizer, "chat_template", None) is None:
         raise EyasError(f"target `{config.target}`: the tokenizer has no chat template; regenerate renders prompts with it")
     model = load_target(config.target, device=device, dtype=dtype)
-    batch = config.batch_size or auto_batch(model, max_len=config.max_len, device=device, dtype=dtype)
-    engine = make_local_engine(model, tokenizer, sampling=sampling, max_len=config.max_len, batch=batch,
+    batch = config.batch_size or auto_batch(model, max_len=config.max_length, device=device, dtype=dtype)
+    engine = make_local_engine(model, tokenizer, sampling=sampling, max_len=config.max_length, batch=batch,
                                max_new_tokens=config.max_new_tokens,
                                engine="auto" if config.engine == "auto" else config.engine,
                                **({"attention": config.attention} if config.attention != "auto" else {}))
@@ -209,7 +209,7 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
         "sampling": sampling.as_dict(),
         "max_new_tokens": config.max_new_tokens,
         "max_turns": config.max_turns,
-        "max_len": config.max_len if config.engine != "server" else None,
+        "max_len": config.max_length if config.engine != "server" else None,  # key kept: older runs resume
         "continue_after_truncated": config.continue_after_truncated,
         "source": {"spec": str(config.source), "hf_split": config.hf_split},
     }
