@@ -22,7 +22,7 @@ def train(
     eval_store: Path | None = typer.Option(None, "--eval-store", help="Offline: store of eval states; without it --eval-samples store samples are held out."),
     steps: int | None = typer.Option(None, "--steps", help="Optimizer steps (overrides --epochs)."),
     epochs: float = typer.Option(1.0, "--epochs", help="Passes over the training split when --steps is not given."),
-    tokens_per_batch: int | None = typer.Option(None, "--tokens-per-batch", help="Tokens per micro-batch per process: samples packed end to end into one row of this many tokens (default 65536 on CUDA; on the CPU --batch-size samples per row)."),
+    tokens_per_batch: int | None = typer.Option(None, "--tokens-per-batch", help="Tokens per micro-batch per process: samples packed end to end into one row of this many tokens (default on CUDA 131072, 32768 under 64 GiB of GPU memory; on the CPU --batch-size samples per row)."),
     batch_size: int = typer.Option(1, "--batch-size", help="Samples per micro-batch per process when --tokens-per-batch is not used (global batch = this x --grad-accum x processes)."),
     grad_accum: int = typer.Option(1, "--grad-accum", help="Micro-batches accumulated per optimizer step."),
     lr: float = typer.Option(1e-4, "--lr", help="Peak learning rate (AdamW, betas 0.9/0.95)."),

@@ -32,8 +32,12 @@ from torch import nn
 from eyas.common import log
 from eyas.errors import EyasError
 
-DEFAULT_TOKENS_PER_BATCH = 65536
-"""Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given (benchmarks/train_bench.py)."""
+def default_tokens_per_batch(device: torch.device) -> int:
+    """Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given: the fastest
+    measured (SmolLM2 online on an H200: 131,072 tokens 175K tokens/s at 36 GB peak, 32,768 154K at
+    12 GB; benchmarks/RESULTS.md), 32,768 on GPUs with less than 64 GiB."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 131072 if total >= 64 * 2**30 else 32768
 
 
 @dataclass(kw_only=True)
@@ -56,8 +60,8 @@ class TrainConfig:
     """Passes over the training split when steps is not given."""
     tokens_per_batch: int | None = None
     """Tokens per micro-batch per process: samples are packed end to end into one row of exactly
-    this many tokens (no attention across samples, a padding tail). Default: 65536 on CUDA; on the
-    CPU, `batch_size` samples per row."""
+    this many tokens (no attention across samples, a padding tail). Default on CUDA: 131072 (32768
+    on GPUs under 64 GiB); on the CPU, `batch_size` samples per row."""
     batch_size: int = 1
     """Samples per micro-batch per process when packing by sample count (see tokens_per_batch)."""
     grad_accum: int = 1
@@ -359,7 +363,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
 
     # -- 5. optimizer and schedule -------------------------------------------------------------
-    tokens_per_batch = cfg.tokens_per_batch or (DEFAULT_TOKENS_PER_BATCH if dev.type == "cuda" else None)
+    tokens_per_batch = cfg.tokens_per_batch or (default_tokens_per_batch(dev) if dev.type == "cuda" else None)
     if tokens_per_batch is not None:
         tokens_per_batch = max(tokens_per_batch, min(cfg.max_length, max(lengths)))
         plan = TokenPlan(lengths=lengths, tokens_per_batch=tokens_per_batch, accum=cfg.grad_accum, world=d.world,
