@@ -136,9 +136,11 @@ class TrainConfig:
         check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
-        for opt, p in (("--store", self.store), ("--data", self.data), ("--eval-store", self.eval_store)):
+        for opt, p, what in (("--store", self.store, "an `eyas capture` store"),
+                             ("--data", self.data, "an `eyas prepare` output"),
+                             ("--eval-store", self.eval_store, "an `eyas capture` store")):
             if p is not None and input_must_exist() and not Path(p).is_dir():
-                raise EyasError(f"{opt} {p} is not a directory (expected an eyas {opt[2:].replace('-', ' ')})")
+                raise EyasError(f"{opt} {p} is not a directory (expected {what})")
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
             raise EyasError(f"--resume {self.resume}: no such checkpoint file (or pass `--resume auto`)")
         check_out_path(self.out)
