@@ -531,7 +531,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch: int, device) -> dict[str, Any]:
     """Per-step top-1 accuracy, loss and simulated acceptance length on the eval source (sharded by
     rank, packed into rows of at most `tokens_per_batch` tokens)."""
-    from eyas.train.data import online_packed, store_packed, StoreSource, _packed_to
+    from eyas.train.data import StoreSource, _packed_to, cut_by_tokens, online_packed, store_packed
     from eyas.train.dist import all_reduce_sum
 
     was = module.training
@@ -539,16 +539,8 @@ def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch
     stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=device)
     den = torch.zeros(K, dtype=torch.float64, device=device)
     mine = [src.item(i) for i in range(d.rank, len(src), d.world)]
-    rows, cur, used = [], [], 0
-    for it in mine:
-        n = int(it.input_ids.shape[0])
-        if cur and used + n > tokens_per_batch:
-            rows.append(cur)
-            cur, used = [], 0
-        cur.append(it)
-        used += n
-    if cur:
-        rows.append(cur)
+    lengths = [int(it.input_ids.shape[0]) for it in mine]
+    rows = [[mine[i] for i in run] for run in cut_by_tokens(list(range(len(mine))), lengths, tokens_per_batch)]
     n_rows = torch.tensor([len(rows)], dtype=torch.float64, device=device)
     if d.enabled:  # equal count on every rank (collectives inside the FSDP forward)
         import torch.distributed as tdist
