@@ -107,9 +107,9 @@ def convert(store: Path, out: Path, *, limit: int | None = None, max_length: int
 
 def write_vocab_mapping(drafter: Path, path: Path) -> Path:
     """An eyas (or SGLang-layout) drafter's d2t/t2d as SpecForge's vocab_mapping.pt."""
-    from eyas.specdec.checkpoint import load_draft_checkpoint
+    from eyas.drafter.layouts import read_drafter
 
-    ckpt = load_draft_checkpoint(drafter)
+    ckpt = read_drafter(drafter)
     d2t = ckpt.weights["d2t"].to(torch.long).cpu()
     t2d = ckpt.weights["t2d"].to(torch.bool).cpu()
     torch.save({"d2t": d2t, "t2d": t2d}, path)

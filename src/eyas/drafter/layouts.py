@@ -38,7 +38,7 @@ if TYPE_CHECKING:
 
 CONVENTION = "hf-input"  # id i = input to decoder layer i = output_hidden_states[i]
 ENGINES = ("sglang", "vllm")
-DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3", "kimi_k2", "kimi_k25")  # Kimi wraps DeepSeek-V3 (same rule)
 SCHEMA = "eyas.drafter/1"
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 

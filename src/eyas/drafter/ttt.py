@@ -146,25 +146,16 @@ def reference_attention(q_BHTd, keys, values, *, seg=None) -> torch.Tensor:
 
 
 def _math_fwd(q, k, v, scale):
-    T = q.shape[2]
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    lse = torch.logsumexp(s, -1)
-    out = (torch.exp(s - lse[..., None]) @ v.float()).to(q.dtype)
-    return out, lse, None
+    """Dense fp32 causal attention: the packed math kernel with one segment per row."""
+    from eyas.packing import Segments, math_fwd
+
+    return math_fwd(q, k, v, scale, Segments.from_lengths([q.shape[2]], q.device))
 
 
 def _math_bwd(dout, q, k, v, out, lse, scale, aux):
-    T = q.shape[2]
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    s = s.masked_fill(~torch.ones(T, T, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    p = torch.exp(s - lse[..., None])
-    do = dout.float()
-    dv = p.transpose(-1, -2) @ do
-    dp = do @ v.float().transpose(-1, -2)
-    D = (do * out.float()).sum(-1, keepdim=True)
-    ds = p * (dp - D) * scale
-    return (ds @ k.float()).to(q.dtype), (ds.transpose(-1, -2) @ q.float()).to(k.dtype), dv.to(v.dtype)
+    from eyas.packing import Segments, math_bwd
+
+    return math_bwd(dout, q, k, v, out, lse, scale, Segments.from_lengths([q.shape[2]], q.device), aux)
 
 
 def _cpu_flash_fwd(q, k, v, scale):

@@ -81,8 +81,12 @@ class ChatsWriter:
         if meta.get("schema") != SCHEMA:
             raise EyasError(f"{self.out / META}: schema {meta.get('schema')!r}, expected {SCHEMA!r}; choose a new --out")
         old = meta.get("settings", {})
-        if old != self.settings:
-            diff = sorted(k for k in set(old) | set(self.settings) if old.get(k) != self.settings.get(k))
+        now = dict(self.settings)
+        if isinstance(old.get("target"), dict) and isinstance(now.get("target"), dict):
+            # identity fields added by a newer eyas (e.g. sampled weight hashes) do not block a resume
+            now["target"] = {k: v for k, v in now["target"].items() if k in old["target"]}
+        if old != now:
+            diff = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
             raise EyasError(
                 f"--out {self.out} holds a run with different settings ({', '.join(diff)}); "
                 "rerun with the same settings to resume, pass --overwrite to start over, or choose a new --out"

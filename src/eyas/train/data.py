@@ -1,20 +1,21 @@
-"""Training data for the drafter: two sources, one batch format, one deterministic order.
+"""Training data for the drafter: two sources, one batch layout (packed rows), one deterministic order.
 
 - `StoreSource` (offline): hidden states read from an `eyas capture` store (StoreReader), token ids
   and loss masks from the prepared dataset the store's manifest names (fingerprint checked).
-- `OnlineSource`: the target in the loop; `forward_capture` runs on each batch, nothing is written.
+- `OnlineSource`: the target in the loop; it runs on each batch, nothing is written.
 
-Both produce `Batch(input_ids_BT, loss_mask_BT, aux_BTAD, final_BTD, tokens)`, right-padded to the
-longest sample of the micro-batch (padding has loss mask 0, and attention is causal within a row,
-so padding never changes a real position's result).
+Both produce `PackedBatch`: the micro-batch's samples laid end to end in one row (eyas/packing.py),
+optionally padded to a fixed length by one extra segment with loss mask 0, plus the rows that carry
+a loss at each TTT step. `PackedPrefetcher` prepares the next batch while the current one trains.
 
-Order: optimizer step s of a run with global batch G over n samples reads
+Order (`Plan`, by sample count): optimizer step s of a run with global batch G over n samples reads
 `perm_e[i*G : (i+1)*G]` where e = s // ceil(n/G), i = s % ceil(n/G) and perm_e is a permutation
 seeded by (seed, e). The last batch of an epoch may be smaller: no sample is silently dropped.
 The G ids are laid out [accum][world][micro] so one process with micro-batch 2 and two processes
 with micro-batch 1 see the same samples. The step number is therefore the whole data position.
+`TokenPlan` cuts the same permutations into micro-batches of at most `tokens_per_batch` tokens.
 
-Shape legend: B batch, T tokens, A aux layers, D target hidden size.
+Shape legend: N packed tokens, A aux layers, D target hidden size.
 """
 
 from __future__ import annotations
@@ -27,16 +28,6 @@ from pathlib import Path
 import torch
 
 from eyas.errors import EyasError
-
-
-@dataclass
-class Batch:
-    input_ids_BT: torch.Tensor
-    loss_mask_BT: torch.Tensor
-    aux_BTAD: torch.Tensor
-    final_BTD: torch.Tensor
-    tokens: int
-    """Real (unpadded) tokens in the batch."""
 
 
 @dataclass
@@ -81,15 +72,6 @@ class OnlineSource(_TokenSource):
         super().__init__(split, order, max_length=max_length)
         self.model, self.layer_ids = model, layer_ids
 
-    def batch(self, items: list[Item], device) -> Batch:
-        from eyas.target import forward_capture
-
-        ids, mask = self._token_batch(items, device)
-        lengths = torch.tensor([it.input_ids.shape[0] for it in items], device=device)
-        attn = (torch.arange(ids.shape[1], device=device)[None] < lengths[:, None]).long()
-        aux, final = forward_capture(self.model, ids, attn, layer_ids=self.layer_ids)
-        return Batch(ids, mask, aux, final, int(lengths.sum()))
-
 
 class StoreSource(_TokenSource):
     """Hidden states from a store; ids and masks from the prepared split it was captured from."""
@@ -97,76 +79,6 @@ class StoreSource(_TokenSource):
     def __init__(self, reader, split, order, *, max_length: int, dtype: torch.dtype):
         super().__init__(split, order, max_length=max_length)
         self.reader, self.dtype = reader, dtype
-
-    def load(self, items: list[Item], *, pin: bool = False) -> Batch:
-        """The batch on the CPU (pinned when `pin`): safe to run in a background thread."""
-        ids, mask = self._token_batch(items, "cpu")
-        auxs, finals = [], []
-        for it in items:
-            aux, final = self.reader.get(it.id, dtype=self.dtype)
-            T = it.input_ids.shape[0]
-            if aux.shape[0] < T:
-                raise EyasError(f"store {self.reader.path}: sample {it.id} has {aux.shape[0]} rows, the prepared "
-                                f"dataset has {T} tokens; the store does not match its prepared dataset")
-            auxs.append(aux[:T])
-            finals.append(final[:T])
-        aux, final = _pad(auxs), _pad(finals)
-        if pin:
-            aux, final = aux.pin_memory(), final.pin_memory()
-        return Batch(ids, mask, aux, final, sum(it.input_ids.shape[0] for it in items))
-
-    def batch(self, items: list[Item], device) -> Batch:
-        return to_device(self.load(items), device)
-
-
-def to_device(b: Batch, device) -> Batch:
-    nb = torch.device(device).type == "cuda"
-    return Batch(b.input_ids_BT.to(device, non_blocking=nb), b.loss_mask_BT.to(device, non_blocking=nb),
-                 b.aux_BTAD.to(device, non_blocking=nb), b.final_BTD.to(device, non_blocking=nb), b.tokens)
-
-
-class Prefetcher:
-    """Loads the next `depth` store batches in a background thread while the GPU trains.
-
-    `schedule` yields item lists in consumption order; `next_batch()` returns them in that order
-    on `device`. Sources without `load` (online: the target runs on the device) are not threaded.
-    """
-
-    def __init__(self, src, schedule, device, *, depth: int = 2):
-        import queue
-        import threading
-
-        self.src, self.device = src, torch.device(device)
-        self.threaded = hasattr(src, "load")
-        self._schedule = iter(schedule)
-        if self.threaded:
-            self._q: queue.Queue = queue.Queue(maxsize=depth)
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._work, daemon=True)
-            self._thread.start()
-
-    def _work(self) -> None:
-        try:
-            for items in self._schedule:
-                if self._stop.is_set():
-                    return
-                self._q.put(self.src.load(items, pin=self.device.type == "cuda"))
-        except BaseException as exc:  # surfaced in the main thread
-            self._q.put(exc)
-
-    def next_batch(self) -> Batch:
-        if not self.threaded:
-            return self.src.batch(next(self._schedule), self.device)
-        got = self._q.get()
-        if isinstance(got, BaseException):
-            raise got
-        return to_device(got, self.device)
-
-    def close(self) -> None:
-        if self.threaded:
-            self._stop.set()
-            while not self._q.empty():
-                self._q.get_nowait()
 
 
 def open_store(path: Path):
@@ -458,6 +370,21 @@ def target_seconds(b: PackedBatch) -> float:
     return t[0].elapsed_time(t[1]) / 1000.0
 
 
+def cut_by_tokens(order: list[int], lengths, budget: int) -> list[list[int]]:
+    """Consecutive runs of `order` holding at most `budget` tokens each (a longer sample alone)."""
+    out, cur, used = [], [], 0
+    for i in order:
+        n = int(lengths[i])
+        if cur and used + n > budget:
+            out.append(cur)
+            cur, used = [], 0
+        cur.append(i)
+        used += n
+    if cur:
+        out.append(cur)
+    return out
+
+
 @dataclass(kw_only=True)
 class TokenPlan:
     """Like `Plan`, but a micro-batch is as many samples as fit in `tokens_per_batch` tokens.
@@ -493,17 +420,7 @@ class TokenPlan:
         if epoch not in self._epochs:
             g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
             perm = torch.randperm(self.n, generator=g).tolist()
-            out, cur, used = [], [], 0
-            for i in perm:
-                n = self.lengths[i]
-                if cur and used + n > self.tokens_per_batch:
-                    out.append(cur)
-                    cur, used = [], 0
-                cur.append(i)
-                used += n
-            if cur:
-                out.append(cur)
-            self._epochs[epoch] = out
+            self._epochs[epoch] = cut_by_tokens(perm, self.lengths, self.tokens_per_batch)
         return self._epochs[epoch]
 
     def _epoch_steps(self, epoch: int) -> int:

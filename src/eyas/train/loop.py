@@ -32,8 +32,12 @@ from torch import nn
 from eyas.common import log
 from eyas.errors import EyasError
 
-DEFAULT_TOKENS_PER_BATCH = 65536
-"""Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given (benchmarks/train_bench.py)."""
+def default_tokens_per_batch(device: torch.device) -> int:
+    """Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given: the fastest
+    measured (SmolLM2 online on an H200: 131,072 tokens 175K tokens/s at 36 GB peak, 32,768 154K at
+    12 GB; benchmarks/RESULTS.md), 32,768 on GPUs with less than 64 GiB."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    return 131072 if total >= 64 * 2**30 else 32768
 
 
 @dataclass(kw_only=True)
@@ -57,8 +61,8 @@ class TrainConfig:
     """Passes over the training split when --steps is not given."""
     tokens_per_batch: int | None = None
     """Tokens per micro-batch per process: samples are packed end to end into one row of exactly
-    this many tokens (no attention across samples, a padding tail). Default: 65536 on CUDA; on the
-    CPU, --batch-size samples per row."""
+    this many tokens (no attention across samples, a padding tail). Default on CUDA: 131072 (32768
+    on GPUs under 64 GiB); on the CPU, --batch-size samples per row."""
     batch_size: int = 1
     """Samples per micro-batch per process when --tokens-per-batch is not used (global batch = this x
     --grad-accum x processes)."""
@@ -134,9 +138,11 @@ class TrainConfig:
         check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
-        for opt, p in (("--store", self.store), ("--data", self.data), ("--eval-store", self.eval_store)):
+        for opt, p, what in (("--store", self.store, "an `eyas capture` store"),
+                             ("--data", self.data, "an `eyas prepare` output"),
+                             ("--eval-store", self.eval_store, "an `eyas capture` store")):
             if p is not None and input_must_exist() and not Path(p).is_dir():
-                raise EyasError(f"{opt} {p} is not a directory (expected an eyas {opt[2:].replace('-', ' ')})")
+                raise EyasError(f"{opt} {p} is not a directory (expected {what})")
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
             raise EyasError(f"--resume {self.resume}: no such checkpoint file (or pass `--resume auto`)")
         check_out_path(self.out)
@@ -361,7 +367,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
 
     # -- 5. optimizer and schedule -------------------------------------------------------------
-    tokens_per_batch = cfg.tokens_per_batch or (DEFAULT_TOKENS_PER_BATCH if dev.type == "cuda" else None)
+    tokens_per_batch = cfg.tokens_per_batch or (default_tokens_per_batch(dev) if dev.type == "cuda" else None)
     if tokens_per_batch is not None:
         tokens_per_batch = max(tokens_per_batch, min(cfg.max_length, max(lengths)))
         plan = TokenPlan(lengths=lengths, tokens_per_batch=tokens_per_batch, accum=cfg.grad_accum, world=d.world,
@@ -527,7 +533,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch: int, device) -> dict[str, Any]:
     """Per-step top-1 accuracy, loss and simulated acceptance length on the eval source (sharded by
     rank, packed into rows of at most `tokens_per_batch` tokens)."""
-    from eyas.train.data import online_packed, store_packed, StoreSource, _packed_to
+    from eyas.train.data import StoreSource, _packed_to, cut_by_tokens, online_packed, store_packed
     from eyas.train.dist import all_reduce_sum
 
     was = module.training
@@ -535,16 +541,8 @@ def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch
     stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=device)
     den = torch.zeros(K, dtype=torch.float64, device=device)
     mine = [src.item(i) for i in range(d.rank, len(src), d.world)]
-    rows, cur, used = [], [], 0
-    for it in mine:
-        n = int(it.input_ids.shape[0])
-        if cur and used + n > tokens_per_batch:
-            rows.append(cur)
-            cur, used = [], 0
-        cur.append(it)
-        used += n
-    if cur:
-        rows.append(cur)
+    lengths = [int(it.input_ids.shape[0]) for it in mine]
+    rows = [[mine[i] for i in run] for run in cut_by_tokens(list(range(len(mine))), lengths, tokens_per_batch)]
     n_rows = torch.tensor([len(rows)], dtype=torch.float64, device=device)
     if d.enabled:  # equal count on every rank (collectives inside the FSDP forward)
         import torch.distributed as tdist
