@@ -310,13 +310,13 @@ def run(a) -> None:
         result["preflight"] = json.loads(out.stdout.strip().splitlines()[-1])
 
     def verify_server():
-        result["verify_server"] = eyas_json(["verify-server", "--url", url, "--layers", LAYERS, "--target",
+        result["verify_server"] = eyas_json(["verify-server", "--url", url, "--aux-layers", LAYERS, "--target",
                                              result["target"], "--device", "cuda"], 600)
 
     def capture():
         t0 = time.time()
         out = eyas_json(["capture", "--backend", "sglang", "--url", url, "--data", str(work / "prepared"),
-                         "--split", "train", "--out", str(DEVICE_STAGE / "store"), "--layers", LAYERS,
+                         "--split", "train", "--out", str(DEVICE_STAGE / "store"), "--aux-layers", LAYERS,
                          "--target", result["target"], "--limit", str(a.samples)], 1200)
         secs = time.time() - t0
         result["capture"] = out
