@@ -8,12 +8,21 @@ Steps, in the order a reader of the log sees them:
   3. disk: estimate the bytes still needed and refuse with the figures when the disk lacks room;
   4. capture: batches by length under the token budget through CapturePipeline;
   5. before marking the store complete, check the prepared dataset has not changed meanwhile.
+
+Data parallel: `torchrun --nproc_per_node N -m eyas capture --device cuda ...` runs one process per
+GPU (gloo between processes on CPU, for tests). The samples still to capture are split into N
+disjoint parts balanced by tokens (longest first, each to the lightest part); each process writes
+its part into a store of its own under <out>/.ranks/, and rank 0 folds those into <out> at the end
+(see `_run_capture_dp`). The trade-off: one more rename-and-manifest step at the end, in exchange
+for processes that never coordinate while capturing and a crash that loses at most each process's
+open shard; a rerun with any number of processes keeps every committed shard.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import datetime
 import json
 import os
 import re
@@ -292,7 +301,12 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
 
     from eyas.train.dist import setup, teardown
 
+    if not tdist.is_initialized():
+        # gloo even on CUDA: the processes only exchange small objects (work list, reports), and a
+        # rank that finishes its share hours before another must not hit NCCL's default timeout
+        tdist.init_process_group(backend="gloo", timeout=datetime.timedelta(days=7))
     d = setup(settings.device)
+    writer: StoreWriter | None = None  # rank 0's writer of the shared store
     try:
         spec, split, ctx = store_spec_for(settings)
         n = ctx["n"]
@@ -300,23 +314,21 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
 
         # 1. rank 0 opens (creates or resumes) the store, keeps what any earlier run committed,
         #    checks the disk for the whole remainder, and tells everyone what is left.
+        #    Rank 0 holds the store's lock until the end: no second job can write it meanwhile.
         todo, resumed, failure = None, 0, None
         if d.is_main:
             try:
                 writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
                 write_marker(settings.out, kind="store")
-                try:
-                    fold_rank_stores(writer)
-                    done = writer.committed_ids
-                    todo = [i for i in range(n) if split.ids[i] not in done]
-                    resumed = n - len(todo)
-                    todo_tokens = sum(lengths[i] for i in todo)
-                    need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (d.world + todo_tokens * spec.bytes_per_token // settings.shard_bytes)
-                    check_free_space(Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)")
-                    writer.close(complete=False)
-                except BaseException:
-                    writer.abort()
-                    raise
+                fold_rank_stores(writer)
+                done = writer.committed_ids
+                todo = [i for i in range(n) if split.ids[i] not in done]
+                resumed = n - len(todo)
+                todo_tokens = sum(lengths[i] for i in todo)
+                need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (d.world + todo_tokens * spec.bytes_per_token // settings.shard_bytes)
+                check_free_space(Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)")
+                log(f"eyas capture: {ctx['target_dir']} on {d.world} processes; {settings.split}: {n} samples, {resumed} "
+                    f"already stored, {len(todo)} to capture ({todo_tokens} tokens, about {human_bytes(need)} as {spec.dtype})")
             except BaseException as exc:
                 failure = exc
         box = [todo, resumed, None if failure is None else str(failure)]
@@ -346,7 +358,7 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
             failure = exc
         report = {"rank": d.rank, "error": None if failure is None else f"{type(failure).__name__}: {failure}",
                   "samples": len(mine), "tokens": 0 if stats is None else stats.rows,
-                  "seconds": 0.0 if stats is None else stats.seconds,
+                  "seconds": 0.0 if stats is None else round(stats.seconds, 3),
                   "padded_tokens": 0 if stats is None else stats.padded_tokens, "batches": 0 if stats is None else stats.batches}
         reports: list[Any] = [None] * d.world
         tdist.all_gather_object(reports, report)  # also the barrier before the merge
@@ -361,19 +373,14 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
         manifest, failure = None, None
         if d.is_main:
             try:
-                writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
-                try:
-                    fold_rank_stores(writer)
-                    _check_prepared_unchanged(settings, spec)
-                    stored = writer.committed_ids
-                    missing = [split.ids[i] for i in range(n) if split.ids[i] not in stored]
-                    if missing:
-                        raise EyasError(f"internal: {len(missing)} samples were not stored (e.g. {missing[:3]}); rerun to resume")
-                    writer.manifest["producer"]["processes"] = d.world
-                    manifest = writer.close(complete=True)
-                except BaseException:
-                    writer.abort()
-                    raise
+                fold_rank_stores(writer)
+                _check_prepared_unchanged(settings, spec)
+                stored = writer.committed_ids
+                missing = [split.ids[i] for i in range(n) if split.ids[i] not in stored]
+                if missing:
+                    raise EyasError(f"internal: {len(missing)} samples were not stored (e.g. {missing[:3]}); rerun to resume")
+                writer.manifest["producer"]["processes"] = d.world
+                manifest = writer.close(complete=True)
             except BaseException as exc:
                 failure = exc
         box = [None if manifest is None else manifest["totals"], None if failure is None else str(failure)]
@@ -384,6 +391,8 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
             raise EyasError(f"rank 0 could not complete the store: {box[1]}")
         totals = box[0]
     finally:
+        if writer is not None:
+            writer.abort()  # releases the store's lock (a no-op once closed); committed shards stay
         teardown(d)
     rows = sum(r["tokens"] for r in reports)
     slowest = max(r["seconds"] for r in reports)
