@@ -66,7 +66,9 @@ def _torchrun(args, *, script=None, check=True):
     res = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)
     if check:
         assert res.returncode == 0, res.stderr[-3000:]
-        return json.loads(res.stdout.strip().splitlines()[-1])
+        lines = [ln for ln in res.stdout.splitlines() if ln.startswith("{")]
+        assert lines, f"no summary on stdout: {res.stdout[-1000:]!r}; stderr: {res.stderr[-2000:]}"
+        return json.loads(lines[-1])
     return res
 
 
