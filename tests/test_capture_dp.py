@@ -114,7 +114,9 @@ def test_two_processes_write_the_one_process_store(world):
     assert again["resumed_samples"] == N and again["captured_samples"] == 0 and again["samples"] == N
 
 
-def test_killed_rank_resumes_without_duplicates(world, tmp_path):
+@pytest.mark.parametrize("resume_with", [2, 1])
+def test_killed_rank_resumes_without_duplicates(world, tmp_path, resume_with):
+    """Resumed by the same torchrun command, or by one plain process (the rank stores are folded in)."""
     out = tmp_path / "killed"
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
@@ -123,7 +125,11 @@ def test_killed_rank_resumes_without_duplicates(world, tmp_path):
     rank1 = json.loads((rank_store_dir(out, 1) / "manifest.json").read_text())
     assert len(rank1["shards"]) >= 2  # committed work of the killed process, still outside the store
     assert json.loads((out / "manifest.json").read_text())["status"] == "in_progress"
-    summary = _torchrun(_args(world, out))
+    if resume_with == 2:
+        summary = _torchrun(_args(world, out))
+    else:
+        summary = run_capture(CaptureSettings(target=str(world["target"]), data=world["data"], out=out, dtype="fp32",
+                                              token_budget=1, shard_bytes=30000, layers=[1, 3, 4]))
     assert summary["resumed_samples"] >= rank1["totals"]["samples"] > 0
     assert summary["resumed_samples"] + summary["captured_samples"] == N
     _assert_same_as_reference(out, world["ref"])
