@@ -390,6 +390,9 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
         if box[1] is not None:
             raise EyasError(f"rank 0 could not complete the store: {box[1]}")
         totals = box[0]
+        # Rank 0 may return from its broadcast before the others have received it; tearing gloo down
+        # with data in flight aborts the process, so every rank first reaches this barrier.
+        tdist.barrier()
     finally:
         if writer is not None:
             writer.abort()  # releases the store's lock (a no-op once closed); committed shards stay
