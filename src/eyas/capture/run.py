@@ -8,12 +8,23 @@ Steps, in the order a reader of the log sees them:
   3. disk: estimate the bytes still needed and refuse with the figures when the disk lacks room;
   4. capture: batches by length under the token budget through CapturePipeline;
   5. before marking the store complete, check the prepared dataset has not changed meanwhile.
+
+Data parallel: `torchrun --nproc_per_node N -m eyas capture --device cuda ...` runs one process per
+GPU (gloo between processes on CPU, for tests). The samples still to capture are split into N
+disjoint parts balanced by tokens (longest first, each to the lightest part); each process writes
+its part into a store of its own under <out>/.ranks/, and rank 0 folds those into <out> at the end
+(see `_run_capture_dp`). The trade-off: one more rename-and-manifest step at the end, in exchange
+for processes that never coordinate while capturing and a crash that loses at most each process's
+open shard; a rerun with any number of processes keeps every committed shard.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import datetime
 import json
+import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -165,15 +176,17 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
 
 
 def run_capture(settings: CaptureSettings) -> dict[str, Any]:
-    """Capture (or resume) a store; returns the summary the CLI prints."""
-    from eyas.target import load_target
-
+    """Capture (or resume) a store; returns the summary the CLI prints. Under torchrun (WORLD_SIZE > 1)
+    the processes split the samples and write one store together (see _run_capture_dp)."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return _run_capture_dp(settings)
     spec, split, ctx = store_spec_for(settings)
     n = ctx["n"]
     lengths = [int(x) for x in split.lengths[:n]]
     writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
     write_marker(settings.out, kind="store")  # after the writer: it refuses a new store dir holding any file
     try:
+        fold_rank_stores(writer)  # the committed work of an interrupted data-parallel run is kept
         done = writer.committed_ids
         todo = [i for i in range(n) if split.ids[i] not in done]
         todo_tokens = sum(lengths[i] for i in todo)
@@ -185,31 +198,7 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
             f"{len(done)} already stored, {len(todo)} to capture ({todo_tokens} tokens, about {human_bytes(need)} as {spec.dtype}, "
             f"{human_bytes(disk['free_bytes'])} free)"
         )
-        stats = None
-        if todo:
-            model = load_target(ctx["target_dir"], device=settings.device, dtype=to_dtype(spec.model_dtype, what="--model-dtype"))
-            plan = plan_batches([lengths[i] for i in todo], settings.token_budget)
-            over = [todo[j] for b in plan for j in b if lengths[todo[j]] > settings.token_budget]
-            if over:
-                log(f"eyas capture: {len(over)} samples are longer than --token-budget {settings.token_budget}; each runs alone")
-            max_rows = max(sum(lengths[todo[j]] for j in b) for b in plan)
-            pipe = CapturePipeline(model, layer_ids=spec.aux_layer_ids, dtype=spec.dtype, hidden_size=spec.hidden_size,
-                                   max_rows=max_rows, queue_depth=settings.queue_depth)
-
-            def batches():
-                for b in plan:
-                    idx = [todo[j] for j in b]
-                    yield make_batch([split.ids[i] for i in idx], [split[i].input_ids for i in idx], pad_token_id=ctx["pad_token_id"])
-
-            bar = progress(todo_tokens, "capture", unit="tok")
-            try:
-                stats = pipe.run(batches(), writer, on_batch=lambda b: bar.update(b.rows))
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    writer.close(complete=False)  # commit what was fully written: a resume skips it
-                raise
-            finally:
-                bar.close()
+        stats = _capture_samples(settings, spec, split, ctx, todo, lengths, writer) if todo else None
         _check_prepared_unchanged(settings, spec)
         writer.commit()
         stored = writer.committed_ids
@@ -235,6 +224,201 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
             "writer_busy_s": round(stats.writer_busy_s, 3), "waited_for_disk_s": round(stats.main_wait_s, 3),
         })
     log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token")}))
+    return summary
+
+
+def _capture_samples(settings: CaptureSettings, spec: StoreSpec, split, ctx: dict[str, Any], todo: list[int],
+                     lengths: list[int], writer: StoreWriter):
+    """Load the target and capture samples `todo` (indices into the split) into `writer`."""
+    from eyas.target import load_target
+
+    model = load_target(ctx["target_dir"], device=settings.device, dtype=to_dtype(spec.model_dtype, what="--model-dtype"))
+    plan = plan_batches([lengths[i] for i in todo], settings.token_budget)
+    over = [todo[j] for b in plan for j in b if lengths[todo[j]] > settings.token_budget]
+    if over:
+        log(f"eyas capture: {len(over)} samples are longer than --token-budget {settings.token_budget}; each runs alone")
+    max_rows = max(sum(lengths[todo[j]] for j in b) for b in plan)
+    pipe = CapturePipeline(model, layer_ids=spec.aux_layer_ids, dtype=spec.dtype, hidden_size=spec.hidden_size,
+                           max_rows=max_rows, queue_depth=settings.queue_depth)
+
+    def batches():
+        for b in plan:
+            idx = [todo[j] for j in b]
+            yield make_batch([split.ids[i] for i in idx], [split[i].input_ids for i in idx], pad_token_id=ctx["pad_token_id"])
+
+    bar = progress(sum(lengths[i] for i in todo), "capture", unit="tok")
+    try:
+        return pipe.run(batches(), writer, on_batch=lambda b: bar.update(b.rows))
+    except BaseException:
+        with contextlib.suppress(Exception):
+            writer.close(complete=False)  # commit what was fully written: a resume skips it
+        raise
+    finally:
+        bar.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# data-parallel capture: `torchrun --nproc_per_node N -m eyas capture ...`
+#
+# Each process captures a disjoint part of the samples into its own store under
+# <out>/.ranks/rank-KKKKK/ (same spec, its own lock, shards committed atomically as always); at the
+# end rank 0 folds every rank's committed shards into <out> (StoreWriter.absorb: link, list in the
+# manifest, then delete the rank store) and marks <out> complete. A run killed anywhere leaves
+# committed shards in rank stores or in <out>; the next run (with any number of processes, or one)
+# folds them first, so their samples are skipped and none is stored twice.
+
+RANKS_DIR = ".ranks"
+
+
+def rank_store_dir(out: Path, rank: int) -> Path:
+    return Path(out) / RANKS_DIR / f"rank-{rank:05d}"
+
+
+def fold_rank_stores(writer: StoreWriter) -> int:
+    """Absorb every rank store left under the store into it; returns the samples added."""
+    root = writer.path / RANKS_DIR
+    if not root.is_dir():
+        return 0
+    added = 0
+    for sub in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank-")):
+        added += writer.absorb(sub)
+    if added:
+        log(f"eyas capture: {writer.path}: kept {added} samples committed by the processes of an earlier data-parallel run")
+    with contextlib.suppress(OSError):
+        root.rmdir()  # only when empty
+    return added
+
+
+def split_by_tokens(todo: list[int], lengths: list[int], parts: int) -> list[list[int]]:
+    """Deterministic balanced split of sample indices into `parts` bins by tokens: longest first, each
+    to the bin with the fewest tokens so far (ties: lowest bin). Bins come back in index order."""
+    bins: list[list[int]] = [[] for _ in range(parts)]
+    load = [0] * parts
+    for i in sorted(todo, key=lambda i: (-lengths[i], i)):
+        k = min(range(parts), key=lambda b: (load[b], b))
+        bins[k].append(i)
+        load[k] += lengths[i]
+    return [sorted(b) for b in bins]
+
+
+def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
+    import torch.distributed as tdist
+
+    from eyas.train.dist import setup, teardown
+
+    if not tdist.is_initialized():
+        # gloo even on CUDA: the processes only exchange small objects (work list, reports), and a
+        # rank that finishes its share hours before another must not hit NCCL's default timeout
+        tdist.init_process_group(backend="gloo", timeout=datetime.timedelta(days=7))
+    d = setup(settings.device)
+    writer: StoreWriter | None = None  # rank 0's writer of the shared store
+    try:
+        spec, split, ctx = store_spec_for(settings)
+        n = ctx["n"]
+        lengths = [int(x) for x in split.lengths[:n]]
+
+        # 1. rank 0 opens (creates or resumes) the store, keeps what any earlier run committed,
+        #    checks the disk for the whole remainder, and tells everyone what is left.
+        #    Rank 0 holds the store's lock until the end: no second job can write it meanwhile.
+        todo, resumed, failure = None, 0, None
+        if d.is_main:
+            try:
+                writer = StoreWriter(settings.out, spec, shard_bytes=settings.shard_bytes)
+                write_marker(settings.out, kind="store")
+                fold_rank_stores(writer)
+                done = writer.committed_ids
+                todo = [i for i in range(n) if split.ids[i] not in done]
+                resumed = n - len(todo)
+                todo_tokens = sum(lengths[i] for i in todo)
+                need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (d.world + todo_tokens * spec.bytes_per_token // settings.shard_bytes)
+                check_free_space(Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)")
+                log(f"eyas capture: {ctx['target_dir']} on {d.world} processes; {settings.split}: {n} samples, {resumed} "
+                    f"already stored, {len(todo)} to capture ({todo_tokens} tokens, about {human_bytes(need)} as {spec.dtype})")
+            except BaseException as exc:
+                failure = exc
+        box = [todo, resumed, None if failure is None else str(failure)]
+        tdist.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+        if box[2] is not None:
+            raise EyasError(f"rank 0 could not open the store: {box[2]}")
+        todo, resumed = box[0], box[1]
+
+        # 2. every rank captures its share into its own store.
+        mine = split_by_tokens(todo, lengths, d.world)[d.rank]
+        local = dataclasses.replace(settings, device=str(d.device)) if d.device.type == "cuda" else settings
+        stats, failure = None, None
+        try:
+            sub = StoreWriter(rank_store_dir(settings.out, d.rank), spec, shard_bytes=settings.shard_bytes)
+            try:
+                log(f"eyas capture: rank {d.rank}/{d.world} on {d.device}: {len(mine)} of {len(todo)} samples "
+                    f"({sum(lengths[i] for i in mine)} tokens) into {sub.path}")
+                if mine:
+                    stats = _capture_samples(local, spec, split, ctx, mine, lengths, sub)
+                sub.close(complete=False)
+            except BaseException:
+                sub.abort()
+                raise
+        except BaseException as exc:
+            failure = exc
+        report = {"rank": d.rank, "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+                  "samples": len(mine), "tokens": 0 if stats is None else stats.rows,
+                  "seconds": 0.0 if stats is None else round(stats.seconds, 3),
+                  "padded_tokens": 0 if stats is None else stats.padded_tokens, "batches": 0 if stats is None else stats.batches}
+        reports: list[Any] = [None] * d.world
+        tdist.all_gather_object(reports, report)  # also the barrier before the merge
+        if failure is not None:
+            raise failure
+        failed = [r for r in reports if r["error"]]
+        if failed:
+            raise EyasError(f"capture failed on rank {failed[0]['rank']} ({failed[0]['error']}); the shards every rank "
+                            "committed are kept: rerun the same command to resume")
+
+        # 3. rank 0 folds the rank stores into the store and marks it complete.
+        manifest, failure = None, None
+        if d.is_main:
+            try:
+                fold_rank_stores(writer)
+                _check_prepared_unchanged(settings, spec)
+                stored = writer.committed_ids
+                missing = [split.ids[i] for i in range(n) if split.ids[i] not in stored]
+                if missing:
+                    raise EyasError(f"internal: {len(missing)} samples were not stored (e.g. {missing[:3]}); rerun to resume")
+                writer.manifest["producer"]["processes"] = d.world
+                manifest = writer.close(complete=True)
+            except BaseException as exc:
+                failure = exc
+        box = [None if manifest is None else manifest["totals"], None if failure is None else str(failure)]
+        tdist.broadcast_object_list(box, src=0)
+        if failure is not None:
+            raise failure
+        if box[1] is not None:
+            raise EyasError(f"rank 0 could not complete the store: {box[1]}")
+        totals = box[0]
+        # Rank 0 may return from its broadcast before the others have received it; tearing gloo down
+        # with data in flight aborts the process, so every rank first reaches this barrier.
+        tdist.barrier()
+    finally:
+        if writer is not None:
+            writer.abort()  # releases the store's lock (a no-op once closed); committed shards stay
+        teardown(d)
+    rows = sum(r["tokens"] for r in reports)
+    slowest = max(r["seconds"] for r in reports)
+    summary = {
+        "store": str(Path(settings.out)), "status": "complete", "dtype": spec.dtype, "model_dtype": spec.model_dtype,
+        "aux_layer_ids": spec.aux_layer_ids, "convention": spec.convention, "hidden_size": spec.hidden_size,
+        "samples": totals["samples"], "tokens": totals["tokens"], "shards": totals["shards"], "bytes": totals["bytes"],
+        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2), "resumed_samples": resumed,
+        "captured_samples": len(todo), "captured_tokens": sum(lengths[i] for i in todo), "processes": d.world,
+        "per_rank": [{k: r[k] for k in ("rank", "samples", "tokens", "seconds")} for r in reports],
+    }
+    if rows:
+        padded = sum(r["padded_tokens"] for r in reports)
+        # the slowest process bounds the wall time of the capture: aggregate rate = all tokens / its seconds
+        summary.update({"seconds": round(slowest, 3), "tokens_per_s": round(rows / max(slowest, 1e-9), 1),
+                        "batches": sum(r["batches"] for r in reports), "padding_fraction": round(1 - rows / max(padded, 1), 4)})
+    if d.is_main:
+        log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token", "processes")}))
     return summary
 
 

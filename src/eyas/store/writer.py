@@ -151,6 +151,18 @@ def _sample_digest(hidden_u8, scale_u8) -> str:
     return h.hexdigest()
 
 
+def _check_same_spec(path: Path, manifest: dict[str, Any], spec: dict[str, Any]) -> None:
+    for key in _RESUME_KEYS:
+        old, new = _identity(manifest.get(key)), _identity(spec[key])
+        if isinstance(old, dict) and isinstance(new, dict):
+            new = {k: v for k, v in new.items() if k in old}  # a field added since (a new hash) is not a change
+        if old != new:
+            raise EyasError(
+                f"{path} was written with a different {key}: the store has {json.dumps(manifest.get(key))[:300]}, "
+                f"this run has {json.dumps(spec[key])[:300]}; rerun with the store's settings, or choose another --out"
+            )
+
+
 class StoreWriter:
     """Append samples to a store at `path` in committed shards (see the module docstring)."""
 
@@ -205,15 +217,7 @@ class StoreWriter:
             raise EyasError(f"{mpath}: unreadable manifest ({exc}); the store cannot be resumed: remove {self.path} and capture again") from exc
         if manifest.get("schema") != SCHEMA:
             raise EyasError(f"{mpath}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
-        for key in _RESUME_KEYS:
-            old, new = _identity(manifest.get(key)), _identity(spec[key])
-            if isinstance(old, dict) and isinstance(new, dict):
-                new = {k: v for k, v in new.items() if k in old}  # a field added since (a new hash) is not a change
-            if old != new:
-                raise EyasError(
-                    f"{self.path} was written with a different {key}: the store has {json.dumps(manifest.get(key))[:300]}, "
-                    f"this run has {json.dumps(spec[key])[:300]}; rerun with the store's settings, or choose another --out"
-                )
+        _check_same_spec(self.path, manifest, spec)
         committed = {s["name"] for s in manifest["shards"]}
         self._remove_leftovers(committed)
         for name in committed:
@@ -400,6 +404,85 @@ class StoreWriter:
             f"shard ({self.committed_samples} samples, {human_bytes(self.committed_bytes)}); free space and rerun "
             "the same command to resume"
         )
+
+    # -- absorbing another store (data-parallel capture) ---------------------------------------
+
+    def absorb(self, src: str | Path) -> int:
+        """Move the committed shards of the store at `src` (written with the same spec) into this one,
+        then delete `src`; returns the samples added. Used to fold a data-parallel rank's own store
+        into the shared one.
+
+        Crash-safe and idempotent, in this order per shard: hard-link (or copy) the shard under this
+        store's next name, fsync, rewrite this manifest listing it; `src` is deleted only after all
+        its shards are listed. A crash before a manifest rewrite leaves an unlisted shard, removed
+        as a leftover on the next open, while `src` still holds it; a crash after leaves shards whose
+        samples are all listed already, which the next absorb skips. Never a sample twice.
+        """
+        src = Path(src)
+        if self._closed:
+            raise RuntimeError("StoreWriter is closed")
+        lock_path = src / ".lock"
+        lock = open(lock_path, "a+") if src.is_dir() else None
+        try:
+            if lock is not None:
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    raise EyasError(f"{src}: a capture process is still writing it (lock held on .lock); wait for it to end, then rerun") from None
+            added = self._absorb_locked(src)
+        finally:
+            if lock is not None:
+                lock.close()
+        shutil.rmtree(src, ignore_errors=True)
+        return added
+
+    def _absorb_locked(self, src: Path) -> int:
+        mpath = src / MANIFEST
+        if not mpath.is_file():
+            return 0  # created but nothing committed: only a lock or a temporary shard, nothing to keep
+        try:
+            sub = json.loads(mpath.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise EyasError(f"{mpath}: unreadable manifest ({exc}); remove {src} to recapture its samples") from exc
+        _check_same_spec(src, sub, asdict(self.spec))
+        self.commit()  # the open shard, if any, first: absorbed shards are whole files
+        by_shard: dict[int, list[dict[str, Any]]] = {}
+        for rec in sub["samples"]:
+            by_shard.setdefault(int(rec["shard"]), []).append(rec)
+        added = 0
+        for index, shard in enumerate(sub["shards"]):
+            recs = by_shard.get(index, [])
+            present = [r["id"] for r in recs if r["id"] in self._ids]
+            if recs and len(present) == len(recs):
+                continue  # absorbed before a crash that kept `src`
+            if present:
+                raise EyasError(f"{src}/{shard['name']}: samples {present[:3]} are already in {self.path} but others of "
+                                "the shard are not; the stores overlap: remove one of them and capture again")
+            path = src / shard["name"]
+            if not path.is_file() or path.stat().st_size != shard["bytes"]:
+                raise EyasError(f"{path}: missing or not {shard['bytes']} bytes as its manifest says; remove {src} to recapture its samples")
+            name = self._shard_name()
+            dest = self.path / name
+            with contextlib.suppress(FileNotFoundError):
+                dest.unlink()  # an unlisted leftover of this very step
+            try:
+                os.link(path, dest)  # same file system: no bytes move
+            except OSError:
+                shutil.copyfile(path, dest)
+                with open(dest, "rb+") as f:
+                    os.fsync(f.fileno())
+            fsync_dir(self.path)
+            new_index = len(self.manifest["shards"])
+            moved = [{**r, "shard": new_index} for r in recs]
+            record = {**shard, "name": name}
+            self.manifest["shards"].append(record)
+            self.manifest["samples"].extend(moved)
+            self._lines["shards"].append(json.dumps(record, sort_keys=True))
+            self._lines["samples"].extend(json.dumps(r, sort_keys=True) for r in moved)
+            self._ids.update(r["id"] for r in recs)
+            self._write_manifest()
+            added += len(recs)
+        return added
 
     # -- closing -------------------------------------------------------------------------------
 
