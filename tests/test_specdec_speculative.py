@@ -1,0 +1,104 @@
+"""Real speculative decoding (specdec/speculative.py) on a tiny random target and a tilted tiny drafter.
+
+Greedy output must equal Hugging Face greedy decoding token for token (chain and trees, EOS and the
+max-new-tokens cut), the accepted counts must equal `eyas eval`'s replay on the same prompts, and with
+temperature > 0 the tree rejection sampling must emit tokens distributed as the target's softmax.
+The drafter is tilted towards the target's most repeated tokens (as in test_specdec_replay.py) so that
+rounds accept nothing, some and the full depth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from eyas.drafter.layouts import read_drafter
+from eyas.specdec.functional import FunctionalDrafter
+from eyas.specdec.generate import greedy_generate
+from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch
+from eyas.specdec.speculative import SpeculativeDecoder
+from eyas.target import forward_capture, load_target
+
+MAX_NEW = 24
+LAYERS = [1, 3, 4]
+TREES = [TreeConfig.chain(4), TreeConfig(topk=3, depth=4, tokens=12), TreeConfig(topk=4, depth=3, tokens=6)]
+TREE_IDS = ["chain4", "tree3x4x12", "tree4x3x6"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+
+    target = load_target(tiny_target_dir)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    prompts.append([1, 5, 9])
+    gen = greedy_generate(target, prompts, max_new_tokens=MAX_NEW, eos_ids=set(), pad_id=2, batch_size=4)
+    counts = Counter(t for g_ in gen for t in g_)
+    used = sorted(t for t, _ in counts.most_common(8))
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=LAYERS)
+    model = Eagle3Drafter(cfg)
+    model.reset_parameters(seed=3)
+    model.set_vocab(torch.tensor(used))
+    model.init_from_target(target.get_input_embeddings().weight.detach())
+    seqs = torch.tensor([prompts[0] + gen[0]])
+    aux, _ = forward_capture(target, seqs, None, layer_ids=LAYERS)
+    with torch.no_grad():  # the two most repeated tokens become the drafter's favourite guesses
+        hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
+        mean = model.norm(hidden).mean(dim=(0, 1))
+        (first, _), (second, _) = counts.most_common(2)
+        unit = mean / mean.norm() ** 2
+        model.lm_head.weight[used.index(first)] = 12.0 * unit
+        model.lm_head.weight[used.index(second)] = 10.0 * unit
+    out = tmp_path_factory.mktemp("drafter")
+    model.save(out)
+    drafter = FunctionalDrafter(read_drafter(out).config, read_drafter(out).weights)
+    # an EOS id the greedy continuation of the last prompt reaches mid-way (not a looping token, which
+    # would end the looping continuations at once): stop handling gets exercised
+    eos = next(t for t in gen[3][MAX_NEW // 2:] if counts[t] == 1)
+    return target, drafter, prompts, gen, eos
+
+
+def _decoder(target, drafter, tree, eos, **kw):
+    return SpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=128, eos_ids={eos}, **kw)
+
+
+def _cut(toks, eos):
+    return toks[: toks.index(eos) + 1] if eos in toks else toks
+
+
+@pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
+def test_greedy_equals_target_greedy_and_replay(setup, tree):
+    target, drafter, prompts, gen, eos = setup
+    dec = _decoder(target, drafter, tree, eos)
+    plain = _decoder(target, None, None, eos)
+    rounds_all, outs = [], []
+    for prompt, greedy in zip(prompts, gen):
+        for max_new in (MAX_NEW, 7):
+            want = _cut(greedy[:max_new], eos)
+            out, st = dec.generate(prompt, max_new_tokens=max_new)
+            assert out == want, "greedy speculative decoding must reproduce the target's greedy tokens"
+            base, bst = plain.generate(prompt, max_new_tokens=max_new)
+            assert base == want and bst.accepted_per_round == []
+            assert st.tokens == len(out) and sum(st.accepted_per_round) + len(st.accepted_per_round) + 1 >= len(out)
+            if max_new == MAX_NEW:
+                rounds_all.append(st.accepted_per_round)
+                outs.append(out)
+    assert any(eos in o for o in outs) and any(len(o) == MAX_NEW for o in outs), "EOS and the length cut both occur"
+    flat = [a for r in rounds_all for a in r]
+    assert 0 in flat and max(flat) >= (2 if tree.is_chain else 3), flat
+
+    # the accepted counts equal eyas eval's replay over the same continuations
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    L = max(map(len, seqs))
+    ids = torch.full((len(seqs), L), 2, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    aux, _ = forward_capture(target, ids, None, layer_ids=LAYERS)
+    replayed = replay_batch(DrafterProposer(drafter), ids, aux.flatten(2), lengths_B=torch.tensor([len(s) for s in seqs]),
+                            prompt_lengths_B=torch.tensor([len(p) for p in prompts]), tree=tree)
+    assert replayed == rounds_all
