@@ -60,7 +60,7 @@ def setup(tiny_target_dir, tmp_path_factory):
     # an EOS id the greedy continuation of the last prompt reaches mid-way (not a looping token, which
     # would end the looping continuations at once): stop handling gets exercised
     eos = next(t for t in gen[3][MAX_NEW // 2:] if counts[t] == 1)
-    return target, drafter, prompts, gen, eos
+    return target, drafter, prompts, gen, eos, out
 
 
 def _decoder(target, drafter, tree, eos, **kw):
@@ -73,7 +73,7 @@ def _cut(toks, eos):
 
 @pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
 def test_greedy_equals_target_greedy_and_replay(setup, tree):
-    target, drafter, prompts, gen, eos = setup
+    target, drafter, prompts, gen, eos, _ = setup
     dec = _decoder(target, drafter, tree, eos)
     plain = _decoder(target, None, None, eos)
     rounds_all, outs = [], []
@@ -102,3 +102,64 @@ def test_greedy_equals_target_greedy_and_replay(setup, tree):
     replayed = replay_batch(DrafterProposer(drafter), ids, aux.flatten(2), lengths_B=torch.tensor([len(s) for s in seqs]),
                             prompt_lengths_B=torch.tensor([len(p) for p in prompts]), tree=tree)
     assert replayed == rounds_all
+
+
+def _cli(*args):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    res = CliRunner().invoke(app, ["generate", *map(str, args)])
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    import json
+
+    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
+                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode):
+    import json
+
+    *_, drafter_dir = setup
+    res, s = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 12,
+                  "--mode", mode, "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8,
+                  "--device", "cpu", "--out", tmp_path / "out.jsonl")
+    assert res.exit_code == 0, res.output
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["turn"]) for r in records] == [("a", 1), ("2", 1), ("a", 2)]
+    rounds = [a for r in records for a in r["accepted"]]
+    assert s["greedy_mismatches"] == 0 and s["sequences"] == 3 and s["mode"] == mode
+    assert s["generated_tokens"] == sum(len(r["generated_ids"]) for r in records) == s["baseline_generated_tokens"]
+    assert s["rounds"] == len(rounds) and s["acceptance_length"] == pytest.approx(1 + sum(rounds) / len(rounds), abs=1e-4)
+    assert len(s["per_position_acceptance"]) == 3
+    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"], rel=1e-3)
+    split = s["time_s"]
+    assert split["total_s"] == pytest.approx(split["prefill_s"] + split["draft_s"] + split["verify_s"] + split["overhead_s"], abs=1e-3)
+    assert split["draft_s"] > 0 and split["verify_s"] > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--mode", "beam"], "--mode"),
+    (["--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 50], "--tree-tokens"),
+    (["--temperature", -1], "--temperature"),
+    (["--max-new-tokens", 0], "--max-new-tokens"),
+    (["--prompts", "/nonexistent.jsonl"], "--prompts"),
+], ids=["mode", "tree-tokens", "temperature", "max-new", "prompts"])
+def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
+    *_, drafter_dir = setup
+    res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, *args)
+    assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_generate_missing_drafter_exits_2(tmp_path):
+    res, _ = _cli("--drafter", tmp_path / "nope")
+    assert res.exit_code == 2 and "--drafter" in res.output, res.output
