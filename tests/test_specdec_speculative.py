@@ -163,3 +163,87 @@ def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
 def test_generate_missing_drafter_exits_2(tmp_path):
     res, _ = _cli("--drafter", tmp_path / "nope")
     assert res.exit_code == 2 and "--drafter" in res.output, res.output
+
+
+def _chi2(counts: dict[int, int], p: torch.Tensor, n: int) -> tuple[float, int]:
+    """Pearson chi-square of observed token counts against probabilities p [V]; tokens expected fewer
+    than 5 times are pooled into one bin. Returns (statistic, degrees of freedom)."""
+    expected = p.double() * n
+    big = (expected >= 5).nonzero().flatten().tolist()
+    stat, pooled_obs = 0.0, n
+    for t in big:
+        o = counts.get(t, 0)
+        stat += (o - float(expected[t])) ** 2 / float(expected[t])
+        pooled_obs -= o
+    pooled_exp = n - float(expected[big].sum())
+    if pooled_exp >= 5:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        return stat, len(big)
+    return stat, len(big) - 1
+
+
+def _bound(df: int) -> float:
+    """Far in the tail (p-value below 1e-6 for these df): the draws are seeded, so the test is
+    deterministic; the margin covers a torch release changing its random streams."""
+    return df + 10 * (2 * df) ** 0.5 + 10
+
+
+def test_sample_among_follows_the_target_distribution():
+    from eyas.specdec.speculative import sample_among
+
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.02, 0.28], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    n = 6000
+    for candidates in ([1], [3, 5], [4, 0, 2], [5, 3, 1, 2, 0, 4]):
+        counts: dict[int, int] = {}
+        hits = 0
+        for _ in range(n):
+            k, x = sample_among(p, candidates, gen)
+            assert k is None or candidates[k] == x
+            hits += k is not None
+            counts[x] = counts.get(x, 0) + 1
+        stat, df = _chi2(counts, p, n)
+        assert stat < _bound(df), (candidates, counts)
+        # the candidates are accepted as often as their total mass says
+        assert abs(hits / n - float(p[candidates].sum())) < 0.03
+    # the test has power: accepting a candidate with probability p(x) but then drawing from the FULL p
+    # (no residual) over-weights the candidates and must fail the same bound
+    counts = {}
+    for _ in range(n):
+        x = 3 if float(torch.rand((), generator=gen)) < p[3] else int(torch.multinomial(p, 1, generator=gen))
+        counts[x] = counts.get(x, 0) + 1
+    stat, df = _chi2(counts, p, n)
+    assert stat > _bound(df)
+
+
+def test_sampled_tree_round_follows_the_target_distribution(setup):
+    """The token a round's tree verification emits, over many seeds, against the target's own softmax.
+
+    Prompt 1's continuation loops on a token the tilted drafter proposes first, so rounds both accept
+    and reject; conditioning on the prefill's (most frequent) token fixes the distribution to compare.
+    """
+    target, drafter, prompts, _, _, _ = setup
+    T = 0.04
+    tree = TreeConfig(topk=3, depth=2, tokens=4)
+    prompt = prompts[1]
+    first_counts: dict[int, list[int]] = {}
+    dec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=64, eos_ids=set(), temperature=T)
+    accepted = []
+    for seed in range(600):
+        dec.gen.manual_seed(seed)
+        out, st = dec.generate(prompt, max_new_tokens=2)
+        first_counts.setdefault(out[0], []).append(out[1])
+        accepted += st.accepted_per_round
+    x0, seconds = max(first_counts.items(), key=lambda kv: len(kv[1]))
+    with torch.no_grad():
+        p0 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1].double() / T, -1)
+        p1 = torch.softmax(target(input_ids=torch.tensor([prompt + [x0]])).logits[0, -1].double() / T, -1)
+    n_all = sum(len(v) for v in first_counts.values())
+    stat, df = _chi2({t: len(v) for t, v in first_counts.items()}, p0, n_all)
+    assert stat < _bound(df)  # the prefill's token, a plain draw
+    counts: dict[int, int] = {}
+    for t in seconds:
+        counts[t] = counts.get(t, 0) + 1
+    stat, df = _chi2(counts, p1, len(seconds))
+    assert df >= 2 and stat < _bound(df), (counts, p1.topk(5))
+    assert 0 < sum(accepted) < len(accepted), "rounds must both accept and reject a draft"

@@ -183,6 +183,23 @@ class LiveProposer:
 # one sequence
 
 
+def sample_among(p_V: torch.Tensor, candidates: list[int], gen: torch.Generator) -> tuple[int | None, int]:
+    """Draw one token from p_V (probabilities, any positive scale) by testing fixed candidates first.
+
+    Candidate x is accepted with probability p'(x) / sum(p'), p' = p with the candidates already
+    rejected removed; if none is accepted the token comes from the rest of p'. Every token x thus
+    comes out with probability exactly p(x) / sum(p) (the candidates only decide which path of the
+    tree it is reached by). Returns (index of the accepted candidate or None, the token).
+    """
+    p = p_V.clone()
+    for k, x in enumerate(candidates):
+        u = float(torch.rand((), generator=gen, dtype=torch.float64))
+        if u * float(p.sum()) < float(p[x]):
+            return k, x
+        p[x] = 0.0
+    return None, int(torch.multinomial(p / p.sum(), 1, generator=gen))
+
+
 @dataclass
 class DecodeStats:
     """What one or more decodes measured; `accepted_per_round` feeds eyas.specdec.metrics.summarize."""
@@ -275,15 +292,8 @@ class SpeculativeDecoder:
                 nxt = choice[row]
                 hit = next((j for j in kids if tok[j] == nxt), None)
             else:
-                p = self._probs(logits_NV[row])
-                hit = None
-                for j in kids:
-                    mass = p.sum()
-                    if float(torch.rand((), generator=self.gen, dtype=torch.float64)) * mass < p[tok[j]]:
-                        hit = j
-                        break
-                    p[tok[j]] = 0.0  # rejected: the residual distribution excludes it
-                nxt = tok[hit] if hit is not None else self._draw(p)
+                k, nxt = sample_among(self._probs(logits_NV[row]), [tok[j] for j in kids], self.gen)
+                hit = kids[k] if k is not None else None
             if hit is None or len(path) == budget:
                 return nodes, path, (nxt if len(path) < budget else None)
             nodes.append(hit)
