@@ -129,12 +129,12 @@ class LiveProposer:
     def __init__(self, drafter: FunctionalDrafter, *, max_len: int, tree_slots: int):
         self.d = drafter
         c = drafter.config
-        shape = (1, c.num_key_value_heads, max_len, c.head_dim)
+        # one buffer: step-0 entries 0..length-1, then this round's tree slots right after them (scratch
+        # that the next extend() overwrites), so a draft step attends to one contiguous slice, no copy
+        shape = (1, c.num_key_value_heads, max_len + tree_slots, c.head_dim)
         self.k = torch.zeros(shape, device=drafter.device, dtype=drafter.dtype)
         self.v = torch.zeros(shape, device=drafter.device, dtype=drafter.dtype)
-        tshape = (1, c.num_key_value_heads, tree_slots, c.head_dim)
-        self.tk = torch.zeros(tshape, device=drafter.device, dtype=drafter.dtype)
-        self.tv = torch.zeros(tshape, device=drafter.device, dtype=drafter.dtype)
+        self.slots = tree_slots
         self.length = 0
         self.last: torch.Tensor | None = None  # pre-norm output of the last step-0 entry [H]
 
@@ -167,10 +167,9 @@ class LiveProposer:
         R, Fw = tokens_RF.shape
         pos = (t_R + depth)[:, None].expand(R, Fw)
         q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
-        self.tk[:, :, slot:slot + Fw] = k
-        self.tv[:, :, slot:slot + Fw] = v
-        kbuf = torch.cat([self.k[:, :, :n], self.tk], dim=2)
-        vbuf = torch.cat([self.v[:, :, :n], self.tv], dim=2)
+        self.k[:, :, n + slot:n + slot + Fw] = k
+        self.v[:, :, n + slot:n + slot + Fw] = v
+        kbuf, vbuf = self.k[:, :, :n + self.slots], self.v[:, :, :n + self.slots]
         mask = torch.cat([torch.ones(R, Fw, n, dtype=torch.bool, device=d.device), tree_mask_RFE], dim=-1)[:, None]
         out = d.finish(d.attend(q, kbuf, vbuf, mask=mask), residual)
         return d.log_probs(out), out
@@ -397,3 +396,80 @@ def stats_summary(st: DecodeStats, *, depth: int | None, drafted_per_round: int 
         out |= {k: m[k] for k in ("rounds", "accepted", "acceptance_length", "accepted_per_drafted",
                                   "per_position_acceptance", "accepted_length_histogram")}
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# step costs and the speed-up they predict
+
+
+@torch.no_grad()
+def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, layer_ids: list[int], context: int = 512,
+                       repeats: int | None = None, seed: int = 0) -> dict[str, float]:
+    """Seconds per call, after a prefill of `context` random tokens, of: one draft round (the tree or
+    chain from the root), the drafter's step-0 update for one accepted token + bonus, the verify
+    forward of the root + `tree.tokens` drafted tokens, and a target-only decode step (1 token).
+
+    Token values do not change the arithmetic, so random ids measure the same costs as real text.
+    """
+    from eyas.specdec.generate import context_length
+
+    context = max(2, min(context, context_length(target) - tree.tokens - 4))
+    dec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=context + tree.tokens + 4, eos_ids=set())
+    tgt, prop, dev = dec.target, dec.proposer, dec.device
+    g = torch.Generator().manual_seed(seed)
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    prompt = torch.randint(0, vocab, (context,), generator=g).tolist()
+    _, aux = tgt.forward(torch.tensor(prompt, device=dev), torch.arange(context, device=dev), None)
+    prop.extend(torch.tensor(prompt[1:] + [prompt[0]], device=dev), aux)
+    c = context + 1
+    rows, t = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([c - 2], device=dev)
+    repeats = repeats or (20 if dev.type == "cuda" else 5)
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        _sync(dev)
+        t0 = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        _sync(dev)
+        return (time.perf_counter() - t0) / repeats
+
+    drafted = build_tree(prop, rows, t, tree)
+    tok, par, depth = _submitted(drafted)
+    start = tgt.length
+    ids_v = torch.tensor([prompt[0]] + tok, device=dev)
+    pos_v = torch.tensor([c - 1] + [c - 1 + dd for dd in depth], device=dev)
+    mask_v = _tree_mask(par, start, dev)
+    ids_1, pos_1 = ids_v[:1], pos_v[:1]
+
+    def verify():
+        tgt.forward(ids_v, pos_v, mask_v)
+        tgt.length = start
+
+    def plain():
+        tgt.forward(ids_1, pos_1, None)
+        tgt.length = start
+
+    n0 = prop.length
+
+    def update():
+        prop.extend(ids_v[:2], aux[:2])
+        prop.length = n0
+
+    return {
+        "context": context,
+        "draft_s": timed(lambda: build_tree(prop, rows, t, tree)),
+        "drafter_update_s": timed(update),
+        "verify_s": timed(verify),
+        "target_step_s": timed(plain),
+    }
+
+
+def predicted_speedup(tau: float | None, costs: dict[str, float]) -> float | None:
+    """tau tokens per round at draft + drafter update + verify seconds, against one token per target
+    step: tau * target_step / (draft + update + verify). Host-side bookkeeping is left out, so the
+    loop's measured speed-up falls below this where per-round overhead is large."""
+    if tau is None:
+        return None
+    return tau * costs["target_step_s"] / (costs["draft_s"] + costs["drafter_update_s"] + costs["verify_s"])
