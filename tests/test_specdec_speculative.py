@@ -247,3 +247,28 @@ def test_sampled_tree_round_follows_the_target_distribution(setup):
     stat, df = _chi2(counts, p1, len(seconds))
     assert df >= 2 and stat < _bound(df), (counts, p1.topk(5))
     assert 0 < sum(accepted) < len(accepted), "rounds must both accept and reject a draft"
+
+
+def test_eval_reports_predicted_speedup(setup, tiny_target_dir, prompts_file, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    *_, drafter_dir = setup
+    res = CliRunner().invoke(app, ["eval", "--drafter", str(drafter_dir), "--target", str(tiny_target_dir), "--prompts",
+                                   str(prompts_file), "--max-new-tokens", "8", "--chain-k", "3", "--tree-topk", "3",
+                                   "--tree-depth", "3", "--tree-tokens", "8", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    for mode in ("chain", "tree"):
+        m = report["modes"][mode]
+        pred = m["speed_prediction"]
+        c = pred["step_costs_s"]
+        assert all(c[k] > 0 for k in ("draft_s", "drafter_update_s", "verify_s", "target_step_s"))
+        want = m["acceptance_length"] * c["target_step_s"] / (c["draft_s"] + c["drafter_update_s"] + c["verify_s"])
+        assert pred["predicted_speedup_bs1"] == pytest.approx(want, rel=1e-3)
+        assert summary[f"predicted_speedup_bs1_{mode}"] == pytest.approx(want, rel=1e-3, abs=1e-4)
+    assert "predicted_speedup_bs1" in report["definitions"]

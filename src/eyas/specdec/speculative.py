@@ -473,3 +473,24 @@ def predicted_speedup(tau: float | None, costs: dict[str, float]) -> float | Non
     if tau is None:
         return None
     return tau * costs["target_step_s"] / (costs["draft_s"] + costs["drafter_update_s"] + costs["verify_s"])
+
+
+def predict_for_modes(target, drafter: FunctionalDrafter, modes: dict[str, TreeConfig], taus: dict[str, float | None], *,
+                      layer_ids: list[int], context: int) -> dict[str, dict[str, Any]]:
+    """`eyas eval`'s predicted batch-1 speed-up per mode, from step costs measured on its device.
+
+    A target this loop cannot run (not Llama/Qwen-shaped) gets {"skipped": why}, never an error: the
+    prediction is an extra, the acceptance figures stand without it.
+    """
+    from eyas.regen.static_lm import unsupported_reason
+
+    why = unsupported_reason(target, context + 64)
+    out: dict[str, dict[str, Any]] = {}
+    for name, tree in modes.items():
+        if why is not None:
+            out[name] = {"skipped": why}
+            continue
+        costs = measure_step_costs(target, drafter, tree=tree, layer_ids=layer_ids, context=context)
+        out[name] = {"step_costs_s": costs,
+                     "predicted_speedup_bs1": predicted_speedup(taus.get(name), costs)}
+    return out
