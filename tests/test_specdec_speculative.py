@@ -272,3 +272,19 @@ def test_eval_reports_predicted_speedup(setup, tiny_target_dir, prompts_file, tm
         assert pred["predicted_speedup_bs1"] == pytest.approx(want, rel=1e-3)
         assert summary[f"predicted_speedup_bs1_{mode}"] == pytest.approx(want, rel=1e-3, abs=1e-4)
     assert "predicted_speedup_bs1" in report["definitions"]
+
+
+def test_generate_fails_when_speculative_output_differs(setup, tiny_target_dir, prompts_file, monkeypatch):
+    """A broken speculative path (here: a wrong first token) is caught by the same-process comparison: exit 1."""
+    from eyas.specdec.speculative import SpeculativeDecoder
+
+    *_, drafter_dir = setup
+    real = SpeculativeDecoder._first
+    monkeypatch.setattr(SpeculativeDecoder, "_first",
+                        lambda self, logits: real(self, logits) + (1 if self.drafter is not None else 0))
+    res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
+                  "--mode", "chain", "--chain-k", 2, "--device", "cpu", "--limit", 1)
+    assert res.exit_code == 1 and "greedy outputs differ" in res.output, res.output
+    import json
+
+    assert json.loads(res.stdout.strip().splitlines()[-1])["greedy_mismatches"] >= 1

@@ -9,7 +9,8 @@ same loop with no drafter, target-only (the baseline; turn n+1 follows the draft
 Key trade-off: batch 1 on a plain PyTorch loop (specdec/speculative.py), the latency setting
 speculative decoding is for; both runs share every overhead, so the speed-up is the drafter's, not
 the loop's. At temperature 0 the two runs must produce the same tokens: a mismatch is reported
-(`greedy_mismatches`) and fails the command (exit 1).
+(`greedy_mismatches`) and, in float32, fails the command (exit 1); in bf16/fp16 a verify forward over
+many tokens rounds differently from a 1-token step, so a near-tie may flip and it is only reported.
 """
 
 from __future__ import annotations
@@ -195,6 +196,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         "tree": asdict(tree),
         "temperature": cfg.temperature,
         "sequences": len(records),
+        "prompt_tokens": spec_total.prompt_tokens,
         "generated_tokens": s["generated_tokens"],
         "tokens_per_s": s["tokens_per_s"],
         "acceptance_length": s["acceptance_length"],
@@ -233,7 +235,9 @@ def generate_to(cfg: GenerateConfig, *, out: Path | None = None) -> dict[str, An
     if out is not None:
         atomic_write_bytes(out, "".join(json.dumps(r) + "\n" for r in records).encode())
         summary["out"] = str(out)
-    if summary.get("greedy_mismatches"):
+    # fp32: any difference is a bug. bf16/fp16: a 61-token verify forward and a 1-token step round
+    # differently, and a near-tie can flip an argmax; the count is reported, not failed on
+    if summary.get("greedy_mismatches") and summary["dtype"] == "float32":
         raise CheckFailed(f"{summary['greedy_mismatches']} greedy outputs differ from target-only decoding "
                           "(a bug in the speculative loop, or a low-precision dtype's ties)", summary)
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
