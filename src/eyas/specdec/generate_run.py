@@ -6,6 +6,12 @@ every conversation, decode the prompt with the drafter and then, in the same pro
 same loop with no drafter, target-only (the baseline; turn n+1 follows the drafter run's own answer);
 (4) tokens/s of both, the speed-up, tau, per-position acceptance and the time split.
 
+Time split (`time_s`, summed over turns): prefill_s = the prompt's target forward + the drafter's
+step-0 pass over it; draft_s = building the draft tree + the drafter's step-0 update with the accepted
+tokens; verify_s = the target forward over the root and every drafted token (mask and copies
+included); overhead_s = the accept walk and the target cache compaction. Target-only runs have only
+prefill_s and verify_s (one token a round) plus a little overhead_s.
+
 Key trade-off: batch 1 on a plain PyTorch loop (specdec/speculative.py), the latency setting
 speculative decoding is for; both runs share every overhead, so the speed-up is the drafter's, not
 the loop's. At temperature 0 the two runs must produce the same tokens: a mismatch is reported
