@@ -288,3 +288,22 @@ def test_generate_fails_when_speculative_output_differs(setup, tiny_target_dir, 
     import json
 
     assert json.loads(res.stdout.strip().splitlines()[-1])["greedy_mismatches"] >= 1
+
+
+def test_tree_target_prefill_matches_hugging_face(setup):
+    """Logits and aux states of the cached forward equal the HF forward's; repeated aux ids (a small
+    target's defaults, e.g. [2, 3, 3]) each get their state."""
+    from eyas.specdec.speculative import TreeTarget
+
+    target, *_ = setup
+    ids = torch.tensor([5, 900, 31, 7000, 12, 40000, 3])
+    layer_ids = [3, 3, 1]
+    tt = TreeTarget(target, max_len=32, layer_ids=layer_ids)
+    # two chunks: a prefix, then the rest against the cache
+    l1, a1 = tt.forward(ids[:4], torch.arange(4), None)
+    l2, a2 = tt.forward(ids[4:], torch.arange(4, 7), None)
+    aux, _ = forward_capture(target, ids[None], None, layer_ids=layer_ids)
+    with torch.no_grad():
+        logits = target(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(torch.cat([l1, l2]), logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([a1, a2]), aux[0].flatten(1), rtol=1e-5, atol=1e-5)

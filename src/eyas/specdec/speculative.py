@@ -88,12 +88,14 @@ class TreeTarget:
         cos = lm.cos_Sd[pos_N][:, None]  # N,1,d
         sin = lm.sin_Sd[pos_N][:, None]
         x = lm.embed(ids_N)[None]  # 1,N,D
-        want = {i: a for a, i in enumerate(self.layer_ids)}
+        want: dict[int, list[int]] = {}  # layer -> aux slots (small targets can repeat an id: [2, 2, 1])
+        for a, i in enumerate(self.layer_ids):
+            want.setdefault(i, []).append(a)
         aux: list[torch.Tensor | None] = [None] * len(self.layer_ids)
         mask = mask_NS[None, None]
         for i, layer in enumerate(lm.layers):
-            if i in want:
-                aux[want[i]] = x[0]
+            for a in want.get(i, ()):
+                aux[a] = x[0]
             attn = layer.self_attn
             q, k, v = lm._qkv(attn, layer.input_layernorm(x))  # N,H,d / N,K,d
             q, k = lm._rope(q, cos, sin), lm._rope(k, cos, sin)
