@@ -43,6 +43,7 @@ COMMANDS = [
     ("verify-server", "verify_server", "verify_server"),
     ("train", "train", "train"),
     ("eval", "evaluate", "evaluate"),
+    ("generate", "generate", "generate"),
     ("export", "export", "export"),
     ("demo", "demo", "demo"),
     ("pipeline", "pipeline", "pipeline"),

@@ -12,6 +12,11 @@
 - `generate`: evaluation prompts (MT-bench two turns) and batched greedy target generation.
 - `report`: report.json, report.md and the acceptance-by-position plot.
 - `run`: `eyas eval` end to end (`EvalConfig`, `run_eval`, `evaluate_to`).
+- `speculative`: real batch-1 speculative decoding (chain / EAGLE-2 tree, one tree-masked verify forward,
+  both KV caches kept to the accepted path, rejection sampling at temperature > 0) and the step-cost
+  measurement behind eval's predicted speed-up.
+- `generate_run`: `eyas generate` end to end: speculative vs target-only decoding in the same loop.
 
-Run: `eyas eval --drafter DIR --out REPORT_DIR` (MT-bench, SmolLM2 by default).
+Run: `eyas eval --drafter DIR --out REPORT_DIR` (MT-bench, SmolLM2 by default);
+`eyas generate --drafter DIR` (batch-1 speed-up against target-only decoding).
 """

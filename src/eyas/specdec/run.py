@@ -227,7 +227,14 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         log(f"eval: {name} ({s['settings']}): tau {s['acceptance_length']:.3f}, accepted/drafted "
             f"{s['accepted_per_drafted']:.3f}, {s['rounds']} rounds")
     from eyas.specdec.generate import eos_ids_of
+    from eyas.specdec.speculative import predict_for_modes
 
+    t0 = time.perf_counter()  # batch-1 speed-up predicted from draft/verify step costs measured here
+    context = sorted(len(s.ids) for s in seqs)[len(seqs) // 2]
+    for name, p in predict_for_modes(target, drafter, modes, {n: s["acceptance_length"] for n, s in summaries.items()},
+                                     layer_ids=spec.aux_layer_ids, context=context).items():
+        summaries[name]["speed_prediction"] = p
+    timings["step_costs_s"] = time.perf_counter() - t0
     eos = eos_ids_of(target, tokenizer)
     report = {
         "schema": SCHEMA,
@@ -284,4 +291,5 @@ def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) ->
         r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731  (None: no rounds at all)
         summary[f"tau_{name}"] = r4(m["acceptance_length"])
         summary[f"accepted_per_drafted_{name}"] = r4(m["accepted_per_drafted"])
+        summary[f"predicted_speedup_bs1_{name}"] = r4(m.get("speed_prediction", {}).get("predicted_speedup_bs1"))
     return summary

@@ -1,0 +1,137 @@
+"""Speculative decoding speed at batch 1: `eyas generate` (chain and EAGLE-2 tree) vs target-only decoding.
+
+For each drafting mode, every MT-bench turn is decoded twice in the same process through the same loop
+(specdec/speculative.py): with the drafter, then target-only. Reported per mode: tokens/s of both, the
+speed-up, tau (acceptance length, counting the bonus token), per-position acceptance, the time split
+(prefill / draft / verify / overhead) and whether the greedy outputs were identical; with
+--predict, also the speed-up `eyas eval` predicts from measured draft and verify step costs
+(specdec/speculative.py: measure_step_costs), to compare prediction and measurement.
+
+Headline figures (tree mode): specdec_speedup_bs1, specdec_tau_bs1, specdec_predicted_speedup_bs1.
+
+GPU (one H200; a trained drafter for the target; the loop is plain PyTorch without CUDA graphs,
+so the figures measure this implementation, not the best the drafter allows):
+
+    PYTHONPATH=src python benchmarks/specdec_bench.py --drafter DIR [--target DIR|default] [--limit 20]
+
+CPU check (a random drafter, two conversations, short answers; tau ~1, so the speed-up is < 1):
+
+    PYTHONPATH=src python benchmarks/specdec_bench.py --limit 2 --max-new-tokens 24 --device cpu
+
+Progress goes to stderr; a table and, as the LAST stdout line, one JSON document of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+
+def log(msg: str) -> None:
+    print(f"specdec_bench: {msg}", file=sys.stderr, flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--drafter", default=None, help="drafter directory (eyas, SGLang or speculators layout); default: random")
+    ap.add_argument("--target", default="default", help="target directory or 'default' (SmolLM2-135M-Instruct)")
+    ap.add_argument("--prompts", default="mtbench", help="'mtbench' or a JSONL prompts file")
+    ap.add_argument("--limit", type=int, default=None, help="first N conversations only")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--modes", default="tree,chain", help="comma-separated: tree, chain")
+    ap.add_argument("--chain-k", type=int, default=7)
+    ap.add_argument("--tree-topk", type=int, default=10)
+    ap.add_argument("--tree-depth", type=int, default=6)
+    ap.add_argument("--tree-tokens", type=int, default=60)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
+    ap.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
+                    help="also measure draft/verify step costs and the speed-up they predict from tau")
+    args = ap.parse_args()
+
+    import torch
+
+    from eyas.defaults import resolve_target
+    from eyas.specdec.generate_run import GenerateConfig, run_generate
+
+    t_start = time.perf_counter()
+    target_dir = str(resolve_target(args.target))
+    figures: dict = {"drafter": args.drafter or "random", "target": args.target, "prompts": args.prompts,
+                     "limit": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": 1, "temperature": 0,
+                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.drafter:
+            drafter = Path(args.drafter)
+        else:
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from eval_bench import random_drafter
+
+            drafter = random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
+            log("no --drafter: a random drafter (tau ~1): the speed-up below is the loop's overhead, not a result")
+        for mode in modes:
+            log(f"mode {mode}: decoding with the drafter and target-only")
+            try:
+                cfg = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
+                                     max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
+                                     tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
+                                     device=args.device, dtype=args.dtype, limit=args.limit)
+                t0 = time.perf_counter()
+                summary, _records = run_generate(cfg)
+                summary["wall_s"] = round(time.perf_counter() - t0, 2)
+                figures[mode] = summary
+            except Exception as exc:  # one mode failing must not lose the other's figures
+                log(f"mode {mode} failed: {type(exc).__name__}: {exc}")
+                traceback.print_exc(file=sys.stderr)
+                figures[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+                continue
+            if args.predict:
+                try:
+                    figures[mode]["predicted"] = predict(target_dir, drafter, cfg, summary)
+                except Exception as exc:
+                    log(f"prediction for {mode} failed: {type(exc).__name__}: {exc}")
+                    figures[mode]["predicted"] = {"error": f"{type(exc).__name__}: {exc}"}
+
+    tree = figures.get("tree", {})
+    figures["specdec_speedup_bs1"] = tree.get("speedup")
+    figures["specdec_tau_bs1"] = tree.get("acceptance_length")
+    figures["specdec_predicted_speedup_bs1"] = (tree.get("predicted") or {}).get("predicted_speedup")
+    figures["total_s"] = round(time.perf_counter() - t_start, 2)
+
+    print(f"{'mode':<7}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'predicted':>11}{'draft_s':>9}{'verify_s':>9}{'over_s':>8}  same")
+    for mode in modes:
+        s = figures.get(mode, {})
+        if "error" in s:
+            print(f"{mode:<7} failed: {s['error']}")
+            continue
+        t = s["time_s"]
+        pred = (s.get("predicted") or {}).get("predicted_speedup")
+        f = lambda v, w, d: f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+        print(f"{mode:<7}{f(s['tokens_per_s'], 9, 1)}{f(s.get('baseline_tokens_per_s'), 9, 1)}{f(s.get('speedup'), 9, 3)}"
+              f"{f(s['acceptance_length'], 7, 3)}{f(pred, 11, 3)}{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}"
+              f"{f(t['overhead_s'], 8, 2)}  {s.get('greedy_mismatches', '-') == 0}")
+    print(json.dumps(figures, default=str))
+
+
+def predict(target_dir: str, drafter: Path, cfg, summary: dict) -> dict:
+    """Draft and verify step costs measured on this device, and the speed-up they predict from tau."""
+    from eyas.dtypes import resolve_device_dtype
+    from eyas.specdec.run import load_drafter_for
+    from eyas.specdec.speculative import measure_step_costs, predicted_speedup
+    from eyas.target import load_target
+
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    target = load_target(target_dir, device=device, dtype=dtype)
+    ckpt, d = load_drafter_for(target, drafter, device=device, dtype=dtype)
+    costs = measure_step_costs(target, d, tree=cfg.tree(), layer_ids=ckpt.config.aux_layer_ids, context=512)
+    return costs | {"predicted_speedup": predicted_speedup(summary["acceptance_length"], costs)}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""`eyas generate` end to end: speculative decoding with a trained drafter against target-only decoding.
+
+Stages: (1) check the options and read the prompts (bad input exits 2 before any model loads);
+(2) load the target and the drafter (any layout) and check they belong together; (3) per turn of
+every conversation, decode the prompt with the drafter and then, in the same process and through the
+same loop with no drafter, target-only (the baseline; turn n+1 follows the drafter run's own answer);
+(4) tokens/s of both, the speed-up, tau, per-position acceptance and the time split.
+
+Time split (`time_s`, summed over turns): prefill_s = the prompt's target forward + the drafter's
+step-0 pass over it; draft_s = building the draft tree + the drafter's step-0 update with the accepted
+tokens; verify_s = the target forward over the root and every drafted token (mask and copies
+included); overhead_s = the accept walk and the target cache compaction. Target-only runs have only
+prefill_s and verify_s (one token a round) plus a little overhead_s.
+
+Key trade-off: batch 1 on a plain PyTorch loop (specdec/speculative.py), the latency setting
+speculative decoding is for; both runs share every overhead, so the speed-up is the drafter's, not
+the loop's. At temperature 0 the two runs must produce the same tokens: a mismatch is reported
+(`greedy_mismatches`) and, in float32, fails the command (exit 1); in bf16/fp16 a verify forward over
+many tokens rounds differently from a 1-token step, so a near-tie may flip and it is only reported.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from eyas.common import log, progress
+from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
+from eyas.errors import CheckFailed, EyasError
+from eyas.specdec.replay import TreeConfig
+
+SCHEMA = "eyas.generate/1"
+
+
+@dataclass(kw_only=True)
+class GenerateConfig:
+    """Settings of one `eyas generate` run (the CLI's options)."""
+
+    drafter: Path
+    """Drafter directory: eyas, SGLang or vLLM/speculators layout."""
+    target: str = "default"
+    """Target model directory, or 'default' for the embedded SmolLM2-135M-Instruct."""
+    prompts: str = "mtbench"
+    """'mtbench' (80 questions, 2 turns) or a JSONL file of {"turns": [...]} / {"prompt": ...}."""
+    max_new_tokens: int = 256
+    """Tokens generated per turn (an EOS ends a turn earlier)."""
+    mode: str = "tree"
+    """'tree' (EAGLE-2 dynamic tree) or 'chain' (--chain-k tokens a round)."""
+    chain_k: int = 7
+    """Chain drafting: draft tokens per round."""
+    tree_topk: int = 10
+    """EAGLE-2 tree: children kept per node and nodes expanded per depth."""
+    tree_depth: int = 6
+    """EAGLE-2 tree: draft steps per round."""
+    tree_tokens: int = 60
+    """EAGLE-2 tree: draft tokens verified per round, root excluded."""
+    temperature: float = 0.0
+    """0 = greedy (output identical to the target's); > 0 = rejection sampling from the target's distribution."""
+    seed: int = 0
+    """Seed of the sampling generator (temperature > 0)."""
+    baseline: bool = True
+    """Also decode every prompt target-only, in the same loop, and report the speed-up."""
+    warmup: int = 1
+    """Prompts decoded once before timing starts (not counted)."""
+    device: str = "auto"
+    """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ..."""
+    dtype: str = "auto"
+    """'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
+    limit: int | None = None
+    """Decode only the first N conversations."""
+
+    def __post_init__(self):
+        from eyas.config_checks import check_choice, check_device, check_number
+
+        check_choice(self, "mode", ("tree", "chain"))
+        check_number(self, "max_new_tokens", ge=1)
+        check_number(self, "temperature", ge=0)
+        check_number(self, "warmup", ge=0)
+        check_number(self, "limit", ge=1, optional=True)
+        for name in ("chain_k", "tree_topk", "tree_depth", "tree_tokens"):
+            check_number(self, name, ge=1)
+        if self.dtype != "auto":
+            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
+        check_device(self.device)
+        try:
+            self.tree()
+        except ValueError as exc:
+            raise EyasError(str(exc)) from None
+        if self.prompts != "mtbench" and not Path(self.prompts).is_file():
+            raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
+        if not Path(self.drafter).is_dir():
+            raise EyasError(f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
+                            "`eyas export` directory)")
+        from eyas.common import check_safetensors_dir
+
+        check_safetensors_dir(Path(self.drafter), what="--drafter")
+
+    def tree(self) -> TreeConfig:
+        if self.mode == "chain":
+            return TreeConfig.chain(self.chain_k)
+        return TreeConfig(topk=self.tree_topk, depth=self.tree_depth, tokens=self.tree_tokens)
+
+
+def _turn_prompts(tokenizer, convs, answers: dict[tuple[int, int], str], turn: int):
+    from eyas.specdec.generate import render
+
+    out = []
+    for i, c in enumerate(convs):
+        if turn >= len(c.turns):
+            continue
+        msgs: list[dict[str, str]] = []
+        for t in range(turn):
+            msgs += [{"role": "user", "content": c.turns[t]}, {"role": "assistant", "content": answers[(i, t)]}]
+        msgs.append({"role": "user", "content": c.turns[turn]})
+        out.append((i, render(tokenizer, msgs)))
+    return out
+
+
+def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Decode everything; returns (summary, per-turn records). Writes nothing."""
+    from eyas.defaults import resolve_target
+    from eyas.specdec.generate import context_length, eos_ids_of, load_prompts
+    from eyas.specdec.run import load_drafter_for
+    from eyas.specdec.speculative import DecodeStats, SpeculativeDecoder, stats_summary
+    from eyas.target import load_target, load_tokenizer
+
+    tree = cfg.tree()
+    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
+    t0 = time.perf_counter()
+    target_path = resolve_target(cfg.target)
+    tokenizer = load_tokenizer(target_path)
+    target = load_target(target_path, device=device, dtype=dtype)
+    ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
+    if tree.topk > ckpt.config.draft_vocab_size:
+        raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {ckpt.config.draft_vocab_size} tokens")
+    load_s = time.perf_counter() - t0
+    eos = eos_ids_of(target, tokenizer)
+    if not eos:
+        raise EyasError("the target defines no eos_token_id; cannot tell where an answer ends")
+    max_len = context_length(target)
+    layer_ids = ckpt.config.aux_layer_ids
+    capacity = 0
+    spec = plain = None
+
+    def ensure(need: int):
+        """(Re)build both decoders when a prompt needs longer caches than they hold (doubling, capped at
+        the context): a 128K-context target must not get a 128K cache for 1K-token prompts."""
+        nonlocal capacity, spec, plain
+        if need <= capacity:
+            return
+        capacity = min(max_len, max(need, 2 * capacity, 1024))
+        spec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos,
+                                  temperature=cfg.temperature, seed=cfg.seed)
+        plain = (SpeculativeDecoder(target, None, tree=None, layer_ids=[], max_len=capacity, eos_ids=eos,
+                                    temperature=cfg.temperature, seed=cfg.seed) if cfg.baseline else None)
+
+    log(f"generate: drafter {cfg.drafter} ({ckpt.provenance.format}), {cfg.mode} {asdict(tree)}, "
+        f"{len(convs)} conversations, temperature {cfg.temperature}, device {device} {str(dtype).replace('torch.', '')}")
+
+    room = max_len - cfg.max_new_tokens - tree.tokens - 1
+    answers: dict[tuple[int, int], str] = {}
+    spec_total, base_total = DecodeStats(), DecodeStats()
+    records, mismatches, warm = [], 0, cfg.warmup
+    n_turns = max(len(c.turns) for c in convs)
+    bar = progress(sum(len(c.turns) for c in convs), "generate", "turn")
+    for turn in range(n_turns):
+        for i, ids in _turn_prompts(tokenizer, convs, answers, turn):
+            if len(ids) > room:
+                raise EyasError(f"prompt {convs[i].id} turn {turn + 1}: {len(ids)} prompt tokens + --max-new-tokens "
+                                f"{cfg.max_new_tokens} + a round's {tree.tokens} draft tokens exceed the target's context "
+                                f"of {max_len}; lower --max-new-tokens or drop the prompt")
+            ensure(len(ids) + cfg.max_new_tokens + tree.tokens + 1)
+            while warm > 0:  # first calls pay one-time costs (allocator, kernels): keep them out of the timings
+                spec.generate(ids, max_new_tokens=min(cfg.max_new_tokens, 16))
+                if plain is not None:
+                    plain.generate(ids, max_new_tokens=min(cfg.max_new_tokens, 16))
+                warm -= 1
+            out, st = spec.generate(ids, max_new_tokens=cfg.max_new_tokens)
+            spec_total.add(st)
+            rec = {"id": convs[i].id, "turn": turn + 1, "prompt_tokens": len(ids), "generated_ids": out,
+                   "accepted": st.accepted_per_round, "seconds": round(st.total_s, 4)}
+            if plain is not None:
+                base, bst = plain.generate(ids, max_new_tokens=cfg.max_new_tokens)
+                base_total.add(bst)
+                rec["baseline_seconds"] = round(bst.total_s, 4)
+                if cfg.temperature == 0 and base != out:
+                    mismatches += 1
+                    rec["baseline_generated_ids"] = base
+            answers[(i, turn)] = tokenizer.decode(out, skip_special_tokens=True)
+            rec["text"] = answers[(i, turn)]
+            records.append(rec)
+            bar.update(1)
+    bar.close()
+
+    s = stats_summary(spec_total, depth=tree.depth, drafted_per_round=tree.tokens)
+    summary: dict[str, Any] = {
+        "schema": SCHEMA,
+        "mode": cfg.mode,
+        "tree": asdict(tree),
+        "temperature": cfg.temperature,
+        "sequences": len(records),
+        "prompt_tokens": spec_total.prompt_tokens,
+        "generated_tokens": s["generated_tokens"],
+        "tokens_per_s": s["tokens_per_s"],
+        "acceptance_length": s["acceptance_length"],
+        "per_position_acceptance": s["per_position_acceptance"],
+        "accepted_per_drafted": s["accepted_per_drafted"],
+        "rounds": s["rounds"],
+        "time_s": s["time_s"],
+        "load_s": round(load_s, 3),
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+    if cfg.baseline:
+        b = stats_summary(base_total, depth=None, drafted_per_round=None)
+        summary["baseline_tokens_per_s"] = b["tokens_per_s"]
+        summary["baseline_time_s"] = b["time_s"]
+        summary["baseline_generated_tokens"] = b["generated_tokens"]
+        summary["speedup"] = (s["tokens_per_s"] / b["tokens_per_s"]) if s["tokens_per_s"] and b["tokens_per_s"] else None
+        if cfg.temperature == 0:
+            summary["greedy_mismatches"] = mismatches
+    tau = summary["acceptance_length"]
+    log(f"generate: {summary['generated_tokens']} tokens, {summary['tokens_per_s'] or 0:.1f} tokens/s"
+        + (f" vs {summary['baseline_tokens_per_s'] or 0:.1f} target-only (x{summary['speedup'] or 0:.2f})" if cfg.baseline else "")
+        + (f", tau {tau:.3f}" if tau is not None else ", no drafting rounds"))
+    return summary, records
+
+
+def generate_to(cfg: GenerateConfig, *, out: Path | None = None) -> dict[str, Any]:
+    """Run `eyas generate`; with `out`, write the per-turn records there as JSONL (atomically)."""
+    import json
+
+    from eyas.common import atomic_write_bytes
+
+    if out is not None and out.exists() and out.is_dir():
+        raise EyasError(f"--out {out} is a directory; give a file path for the JSONL records")
+    summary, records = run_generate(cfg)
+    if out is not None:
+        atomic_write_bytes(out, "".join(json.dumps(r) + "\n" for r in records).encode())
+        summary["out"] = str(out)
+    # fp32: any difference is a bug. bf16/fp16: a 61-token verify forward and a 1-token step round
+    # differently, and a near-tie can flip an argmax; the count is reported, not failed on
+    if summary.get("greedy_mismatches") and summary["dtype"] == "float32":
+        raise CheckFailed(f"{summary['greedy_mismatches']} greedy outputs differ from target-only decoding "
+                          "(a bug in the speculative loop, or a low-precision dtype's ties)", summary)
+    summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
+    return summary

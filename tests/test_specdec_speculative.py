@@ -1,0 +1,309 @@
+"""Real speculative decoding (specdec/speculative.py) on a tiny random target and a tilted tiny drafter.
+
+Greedy output must equal Hugging Face greedy decoding token for token (chain and trees, EOS and the
+max-new-tokens cut), the accepted counts must equal `eyas eval`'s replay on the same prompts, and with
+temperature > 0 the tree rejection sampling must emit tokens distributed as the target's softmax.
+The drafter is tilted towards the target's most repeated tokens (as in test_specdec_replay.py) so that
+rounds accept nothing, some and the full depth.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from eyas.drafter.layouts import read_drafter
+from eyas.specdec.functional import FunctionalDrafter
+from eyas.specdec.generate import greedy_generate
+from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch
+from eyas.specdec.speculative import SpeculativeDecoder
+from eyas.target import forward_capture, load_target
+
+MAX_NEW = 24
+LAYERS = [1, 3, 4]
+TREES = [TreeConfig.chain(4), TreeConfig(topk=3, depth=4, tokens=12), TreeConfig(topk=4, depth=3, tokens=6)]
+TREE_IDS = ["chain4", "tree3x4x12", "tree4x3x6"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+
+    target = load_target(tiny_target_dir)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    prompts.append([1, 5, 9])
+    gen = greedy_generate(target, prompts, max_new_tokens=MAX_NEW, eos_ids=set(), pad_id=2, batch_size=4)
+    counts = Counter(t for g_ in gen for t in g_)
+    used = sorted(t for t, _ in counts.most_common(8))
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=LAYERS)
+    model = Eagle3Drafter(cfg)
+    model.reset_parameters(seed=3)
+    model.set_vocab(torch.tensor(used))
+    model.init_from_target(target.get_input_embeddings().weight.detach())
+    seqs = torch.tensor([prompts[0] + gen[0]])
+    aux, _ = forward_capture(target, seqs, None, layer_ids=LAYERS)
+    with torch.no_grad():  # the two most repeated tokens become the drafter's favourite guesses
+        hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
+        mean = model.norm(hidden).mean(dim=(0, 1))
+        (first, _), (second, _) = counts.most_common(2)
+        unit = mean / mean.norm() ** 2
+        model.lm_head.weight[used.index(first)] = 12.0 * unit
+        model.lm_head.weight[used.index(second)] = 10.0 * unit
+    out = tmp_path_factory.mktemp("drafter")
+    model.save(out)
+    drafter = FunctionalDrafter(read_drafter(out).config, read_drafter(out).weights)
+    # an EOS id the greedy continuation of the last prompt reaches mid-way (not a looping token, which
+    # would end the looping continuations at once): stop handling gets exercised
+    eos = next(t for t in gen[3][MAX_NEW // 2:] if counts[t] == 1)
+    return target, drafter, prompts, gen, eos, out
+
+
+def _decoder(target, drafter, tree, eos, **kw):
+    return SpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=128, eos_ids={eos}, **kw)
+
+
+def _cut(toks, eos):
+    return toks[: toks.index(eos) + 1] if eos in toks else toks
+
+
+@pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
+def test_greedy_equals_target_greedy_and_replay(setup, tree):
+    target, drafter, prompts, gen, eos, _ = setup
+    dec = _decoder(target, drafter, tree, eos)
+    plain = _decoder(target, None, None, eos)
+    rounds_all, outs = [], []
+    for prompt, greedy in zip(prompts, gen):
+        for max_new in (MAX_NEW, 7):
+            want = _cut(greedy[:max_new], eos)
+            out, st = dec.generate(prompt, max_new_tokens=max_new)
+            assert out == want, "greedy speculative decoding must reproduce the target's greedy tokens"
+            base, bst = plain.generate(prompt, max_new_tokens=max_new)
+            assert base == want and bst.accepted_per_round == []
+            assert st.tokens == len(out) and sum(st.accepted_per_round) + len(st.accepted_per_round) + 1 >= len(out)
+            if max_new == MAX_NEW:
+                rounds_all.append(st.accepted_per_round)
+                outs.append(out)
+    assert any(eos in o for o in outs) and any(len(o) == MAX_NEW for o in outs), "EOS and the length cut both occur"
+    flat = [a for r in rounds_all for a in r]
+    assert 0 in flat and max(flat) >= (2 if tree.is_chain else 3), flat
+
+    # the accepted counts equal eyas eval's replay over the same continuations
+    seqs = [p + o for p, o in zip(prompts, outs)]
+    L = max(map(len, seqs))
+    ids = torch.full((len(seqs), L), 2, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        ids[i, : len(s)] = torch.tensor(s)
+    aux, _ = forward_capture(target, ids, None, layer_ids=LAYERS)
+    replayed = replay_batch(DrafterProposer(drafter), ids, aux.flatten(2), lengths_B=torch.tensor([len(s) for s in seqs]),
+                            prompt_lengths_B=torch.tensor([len(p) for p in prompts]), tree=tree)
+    assert replayed == rounds_all
+
+
+def _cli(*args):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    res = CliRunner().invoke(app, ["generate", *map(str, args)])
+    return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    import json
+
+    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
+                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    return p
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode):
+    import json
+
+    *_, drafter_dir = setup
+    res, s = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 12,
+                  "--mode", mode, "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8,
+                  "--device", "cpu", "--out", tmp_path / "out.jsonl")
+    assert res.exit_code == 0, res.output
+    records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    assert [(r["id"], r["turn"]) for r in records] == [("a", 1), ("2", 1), ("a", 2)]
+    rounds = [a for r in records for a in r["accepted"]]
+    assert s["greedy_mismatches"] == 0 and s["sequences"] == 3 and s["mode"] == mode
+    assert s["generated_tokens"] == sum(len(r["generated_ids"]) for r in records) == s["baseline_generated_tokens"]
+    assert s["rounds"] == len(rounds) and s["acceptance_length"] == pytest.approx(1 + sum(rounds) / len(rounds), abs=1e-4)
+    assert len(s["per_position_acceptance"]) == 3
+    assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"], rel=1e-3)
+    split = s["time_s"]
+    assert split["total_s"] == pytest.approx(split["prefill_s"] + split["draft_s"] + split["verify_s"] + split["overhead_s"], abs=1e-3)
+    assert split["draft_s"] > 0 and split["verify_s"] > 0
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--mode", "beam"], "--mode"),
+    (["--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 50], "--tree-tokens"),
+    (["--temperature", -1], "--temperature"),
+    (["--max-new-tokens", 0], "--max-new-tokens"),
+    (["--prompts", "/nonexistent.jsonl"], "--prompts"),
+], ids=["mode", "tree-tokens", "temperature", "max-new", "prompts"])
+def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
+    *_, drafter_dir = setup
+    res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, *args)
+    assert res.exit_code == 2 and needle in res.output, res.output
+
+
+def test_generate_missing_drafter_exits_2(tmp_path):
+    res, _ = _cli("--drafter", tmp_path / "nope")
+    assert res.exit_code == 2 and "--drafter" in res.output, res.output
+
+
+def _chi2(counts: dict[int, int], p: torch.Tensor, n: int) -> tuple[float, int]:
+    """Pearson chi-square of observed token counts against probabilities p [V]; tokens expected fewer
+    than 5 times are pooled into one bin. Returns (statistic, degrees of freedom)."""
+    expected = p.double() * n
+    big = (expected >= 5).nonzero().flatten().tolist()
+    stat, pooled_obs = 0.0, n
+    for t in big:
+        o = counts.get(t, 0)
+        stat += (o - float(expected[t])) ** 2 / float(expected[t])
+        pooled_obs -= o
+    pooled_exp = n - float(expected[big].sum())
+    if pooled_exp >= 5:
+        stat += (pooled_obs - pooled_exp) ** 2 / pooled_exp
+        return stat, len(big)
+    return stat, len(big) - 1
+
+
+def _bound(df: int) -> float:
+    """Far in the tail (p-value below 1e-6 for these df): the draws are seeded, so the test is
+    deterministic; the margin covers a torch release changing its random streams."""
+    return df + 10 * (2 * df) ** 0.5 + 10
+
+
+def test_sample_among_follows_the_target_distribution():
+    from eyas.specdec.speculative import sample_among
+
+    p = torch.tensor([0.05, 0.30, 0.10, 0.25, 0.02, 0.28], dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    n = 6000
+    for candidates in ([1], [3, 5], [4, 0, 2], [5, 3, 1, 2, 0, 4]):
+        counts: dict[int, int] = {}
+        hits = 0
+        for _ in range(n):
+            k, x = sample_among(p, candidates, gen)
+            assert k is None or candidates[k] == x
+            hits += k is not None
+            counts[x] = counts.get(x, 0) + 1
+        stat, df = _chi2(counts, p, n)
+        assert stat < _bound(df), (candidates, counts)
+        # the candidates are accepted as often as their total mass says
+        assert abs(hits / n - float(p[candidates].sum())) < 0.03
+    # the test has power: accepting a candidate with probability p(x) but then drawing from the FULL p
+    # (no residual) over-weights the candidates and must fail the same bound
+    counts = {}
+    for _ in range(n):
+        x = 3 if float(torch.rand((), generator=gen)) < p[3] else int(torch.multinomial(p, 1, generator=gen))
+        counts[x] = counts.get(x, 0) + 1
+    stat, df = _chi2(counts, p, n)
+    assert stat > _bound(df)
+
+
+def test_sampled_tree_round_follows_the_target_distribution(setup):
+    """The token a round's tree verification emits, over many seeds, against the target's own softmax.
+
+    Prompt 1's continuation loops on a token the tilted drafter proposes first, so rounds both accept
+    and reject; conditioning on the prefill's (most frequent) token fixes the distribution to compare.
+    """
+    target, drafter, prompts, _, _, _ = setup
+    T = 0.04
+    tree = TreeConfig(topk=3, depth=2, tokens=4)
+    prompt = prompts[1]
+    first_counts: dict[int, list[int]] = {}
+    dec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=64, eos_ids=set(), temperature=T)
+    accepted = []
+    for seed in range(600):
+        dec.gen.manual_seed(seed)
+        out, st = dec.generate(prompt, max_new_tokens=2)
+        first_counts.setdefault(out[0], []).append(out[1])
+        accepted += st.accepted_per_round
+    x0, seconds = max(first_counts.items(), key=lambda kv: len(kv[1]))
+    with torch.no_grad():
+        p0 = torch.softmax(target(input_ids=torch.tensor([prompt])).logits[0, -1].double() / T, -1)
+        p1 = torch.softmax(target(input_ids=torch.tensor([prompt + [x0]])).logits[0, -1].double() / T, -1)
+    n_all = sum(len(v) for v in first_counts.values())
+    stat, df = _chi2({t: len(v) for t, v in first_counts.items()}, p0, n_all)
+    assert stat < _bound(df)  # the prefill's token, a plain draw
+    counts: dict[int, int] = {}
+    for t in seconds:
+        counts[t] = counts.get(t, 0) + 1
+    stat, df = _chi2(counts, p1, len(seconds))
+    assert df >= 2 and stat < _bound(df), (counts, p1.topk(5))
+    assert 0 < sum(accepted) < len(accepted), "rounds must both accept and reject a draft"
+
+
+def test_eval_reports_predicted_speedup(setup, tiny_target_dir, prompts_file, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    *_, drafter_dir = setup
+    res = CliRunner().invoke(app, ["eval", "--drafter", str(drafter_dir), "--target", str(tiny_target_dir), "--prompts",
+                                   str(prompts_file), "--max-new-tokens", "8", "--chain-k", "3", "--tree-topk", "3",
+                                   "--tree-depth", "3", "--tree-tokens", "8", "--out", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    summary = json.loads(res.stdout.strip().splitlines()[-1])
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    for mode in ("chain", "tree"):
+        m = report["modes"][mode]
+        pred = m["speed_prediction"]
+        c = pred["step_costs_s"]
+        assert all(c[k] > 0 for k in ("draft_s", "drafter_update_s", "verify_s", "target_step_s"))
+        want = m["acceptance_length"] * c["target_step_s"] / (c["draft_s"] + c["drafter_update_s"] + c["verify_s"])
+        assert pred["predicted_speedup_bs1"] == pytest.approx(want, rel=1e-3)
+        assert summary[f"predicted_speedup_bs1_{mode}"] == pytest.approx(want, rel=1e-3, abs=1e-4)
+    assert "predicted_speedup_bs1" in report["definitions"]
+
+
+def test_generate_fails_when_speculative_output_differs(setup, tiny_target_dir, prompts_file, monkeypatch):
+    """A broken speculative path (here: a wrong first token) is caught by the same-process comparison: exit 1."""
+    from eyas.specdec.speculative import SpeculativeDecoder
+
+    *_, drafter_dir = setup
+    real = SpeculativeDecoder._first
+    monkeypatch.setattr(SpeculativeDecoder, "_first",
+                        lambda self, logits: real(self, logits) + (1 if self.drafter is not None else 0))
+    res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
+                  "--mode", "chain", "--chain-k", 2, "--device", "cpu", "--limit", 1)
+    assert res.exit_code == 1 and "greedy outputs differ" in res.output, res.output
+    import json
+
+    assert json.loads(res.stdout.strip().splitlines()[-1])["greedy_mismatches"] >= 1
+
+
+def test_tree_target_prefill_matches_hugging_face(setup):
+    """Logits and aux states of the cached forward equal the HF forward's; repeated aux ids (a small
+    target's defaults, e.g. [2, 3, 3]) each get their state."""
+    from eyas.specdec.speculative import TreeTarget
+
+    target, *_ = setup
+    ids = torch.tensor([5, 900, 31, 7000, 12, 40000, 3])
+    layer_ids = [3, 3, 1]
+    tt = TreeTarget(target, max_len=32, layer_ids=layer_ids)
+    # two chunks: a prefix, then the rest against the cache
+    l1, a1 = tt.forward(ids[:4], torch.arange(4), None)
+    l2, a2 = tt.forward(ids[4:], torch.arange(4, 7), None)
+    aux, _ = forward_capture(target, ids[None], None, layer_ids=layer_ids)
+    with torch.no_grad():
+        logits = target(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(torch.cat([l1, l2]), logits, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.cat([a1, a2]), aux[0].flatten(1), rtol=1e-5, atol=1e-5)
