@@ -56,7 +56,7 @@ def reference_check(cfg, records, report, n: int) -> dict:
     from eyas.specdec.run import load_drafter_for, resolve_device
     from eyas.target import load_target, load_tokenizer
 
-    device, dtype = resolve_device(cfg.device, cfg.dtype)
+    device, dtype = resolve_device(cfg.device, cfg.model_dtype)
     target = load_target(cfg.target, device=device, dtype=dtype)
     _, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     eos = eos_ids_of(target, load_tokenizer(cfg.target))
@@ -110,7 +110,7 @@ def main() -> None:
         cfg = EvalConfig(
             drafter=drafter, target=target_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
             chain_k=args.chain_k, tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-            device=args.device, dtype=args.dtype, limit=args.limit, gen_batch_size=args.gen_batch_size,
+            device=args.device, model_dtype=args.dtype, limit=args.limit, gen_batch_size=args.gen_batch_size,
             replay_tokens=args.replay_tokens,
         )
         t0 = time.perf_counter()

@@ -81,7 +81,7 @@ def main() -> None:
                 cfg = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
                                      max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
                                      tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-                                     device=args.device, dtype=args.dtype, limit=args.limit)
+                                     device=args.device, model_dtype=args.dtype, limit=args.limit)
                 t0 = time.perf_counter()
                 summary, _records = run_generate(cfg)
                 summary["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -126,7 +126,7 @@ def predict(target_dir: str, drafter: Path, cfg, summary: dict) -> dict:
     from eyas.specdec.speculative import measure_step_costs, predicted_speedup
     from eyas.target import load_target
 
-    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype)
     target = load_target(target_dir, device=device, dtype=dtype)
     ckpt, d = load_drafter_for(target, drafter, device=device, dtype=dtype)
     costs = measure_step_costs(target, d, tree=cfg.tree(), layer_ids=ckpt.config.aux_layer_ids, context=512)

@@ -153,7 +153,7 @@ def main() -> None:
     # -- 1. capture ------------------------------------------------------------------------------
     t0 = time.perf_counter()
     cap = run_capture(CaptureSettings(target=args.target, data=args.prepared, split="train", out=store,
-                                      device=args.device, dtype="bf16", limit=args.samples))
+                                      device=args.device, store_dtype="bf16", limit=args.samples))
     seconds["capture"] = round(time.perf_counter() - t0, 1)
     result["data"] = {"samples": cap.get("samples"), "tokens": cap.get("tokens")}
 

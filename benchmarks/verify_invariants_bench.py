@@ -53,7 +53,7 @@ def build_store(args, work: Path) -> Path:
             synthetic_prepared(args, prep)
     log(f"capturing -> {store}")
     run_capture(CaptureSettings(target=args.target, data=prep, out=store, device=args.device, model_dtype=args.model_dtype,
-                                dtype=args.dtype, token_budget=8192, shard_bytes=4 << 20, limit=args.samples))
+                                store_dtype=args.dtype, token_budget=8192, shard_bytes=4 << 20, limit=args.samples))
     return store
 
 

@@ -170,7 +170,7 @@ CASES = [
     ("option-capture-backend", ["capture", "--data", D, "--out", "{root}/o5", "--backend", "vllm"], r"--backend"),
     ("option-eval-device", ["eval", "--drafter", D, "--out", "{root}/o3", "--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
     ("option-eval-max-new", ["eval", "--drafter", D, "--out", "{root}/o3", "--max-new-tokens", "0"], r"--max-new-tokens must be >= 1"),
-    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--dtype", "fp4"], r"--dtype: `fp4` is not one of"),
+    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--dtype", "fp4"], r"--model-dtype: `fp4` is not one of"),
     ("option-eval-tree-topk", ["eval", "--drafter", D, "--out", "{root}/o3", "--tree-topk", "0"], r"--tree-topk must be >= 1"),
     ("option-prepare-eval-fraction", ["prepare", "--out", "{root}/o1", "--eval-fraction", "nan"], r"--eval-fraction"),
     ("option-prepare-policy", ["prepare", "--out", "{root}/o1", "--length-policy", "squash"], r"--length-policy"),

@@ -47,7 +47,7 @@ def settings(target, data, out, **kw):
 @pytest.mark.parametrize("dtype", ["bf16", "fp8"])
 def test_capture_stores_every_sample_once_and_verifies(tmp_path, tiny_target_dir, tok_hash, dtype):
     data = make_prepared(tmp_path / "p", tok_hash)
-    summary = run_capture(settings(tiny_target_dir, data, tmp_path / "s", dtype=dtype, aux_layers=[1, 3, 4]))
+    summary = run_capture(settings(tiny_target_dir, data, tmp_path / "s", store_dtype=dtype, aux_layers=[1, 3, 4]))
     assert summary["status"] == "complete" and summary["samples"] == 12 and summary["shards"] > 1
     r = StoreReader(tmp_path / "s")
     m = r.manifest
@@ -106,8 +106,8 @@ def test_bad_input_is_refused_clearly(tmp_path, tiny_target_dir, tok_hash, smol_
         run_capture(settings(tiny_target_dir, data, tmp_path / "s"))
     with pytest.raises(EyasError, match="changed since the store"):
         HiddenStateDataset(tmp_path / "s")
-    with pytest.raises(EyasError, match="--dtype"):
-        settings(tiny_target_dir, data, tmp_path / "s3", dtype="int4")
+    with pytest.raises(EyasError, match="--store-dtype"):
+        settings(tiny_target_dir, data, tmp_path / "s3", store_dtype="int4")
     with pytest.raises(EyasError, match="--shard-bytes"):
         parse_bytes("lots")
     assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1GB") == 10**9 and parse_layers("2, 15,27") == [2, 15, 27]

@@ -21,6 +21,7 @@ CONVERTED = {  # command -> its config class
     "demo": "eyas.demo:DemoConfig",
     "export": "eyas.pipeline:ExportOptions",
     "capture": "eyas.capture.run:CaptureSettings",
+    "generate": "eyas.specdec.generate_run:GenerateConfig",
 }
 
 
@@ -95,7 +96,7 @@ def test_regenerate_repeated_server_url_and_eval_value_error(tmp_path, monkeypat
                                    "--server-url", "http://127.0.0.1:2", "--retries", "0"])
     assert out.exit_code == 0, out.output
     assert seen[0].server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and seen[0].engine == "server"
-    assert seen[0].retries == 0
+    assert seen[0].max_retries == 0
     bad = CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r2"), "--top-p", "0"])
     assert bad.exit_code == 2 and "--top-p must be > 0 and <= 1, got 0" in bad.output
     # EvalConfig raises ValueError: still exit 2 with the option named
@@ -143,3 +144,93 @@ def test_regenerate_max_len_renamed_with_old_spellings(tmp_path, monkeypatch):
     assert check_config(raw, where="p.toml")["stages"]["regenerate"].max_length == 300
     with pytest.raises(EyasError, match="`max_len` is the old name of `max_length`"):
         check_config({**raw, "regenerate": {"max_len": 300, "max_length": 200}}, where="p.toml")
+
+
+# one name per meaning: (command, new flag, old hidden flag, config field, value given)
+RENAMED = [
+    ("capture", "--store-dtype", "--dtype", "store_dtype", "fp8"),
+    ("regenerate", "--model-dtype", "--dtype", "model_dtype", "bfloat16"),
+    ("regenerate", "--max-retries", "--retries", "max_retries", "7"),
+    ("eval", "--model-dtype", "--dtype", "model_dtype", "float16"),
+    ("generate", "--model-dtype", "--dtype", "model_dtype", "float16"),
+    ("train", "--model-dtype", "--precision", "model_dtype", "fp32"),
+    ("export", "--weights-dtype", "--dtype", "weights_dtype", "float16"),
+]
+
+
+def _invoke_renamed(tmp_path, monkeypatch, command: str, flag: str, value: str):
+    """Run `eyas <command> <flag> <value>` with the work faked out; returns (result, the config built)."""
+    seen: list = []
+    d = tmp_path / "dir"
+    d.mkdir(exist_ok=True)
+    args = {"capture": ["--data", str(d), "--out", str(tmp_path / "s")],
+            "regenerate": ["--out", str(tmp_path / "r")],
+            "eval": ["--drafter", str(d), "--out", str(tmp_path / "e")],
+            "generate": ["--drafter", str(d), "--out", str(tmp_path / "g")],
+            "train": ["--data", str(d), "--out", str(tmp_path / "t")],
+            "export": ["--drafter", str(d), "--format", "sglang", "--out", str(tmp_path / "x")]}[command]
+    if command == "capture":
+        _fake_run(monkeypatch, "eyas.capture.run", "run_capture", seen)
+    elif command == "regenerate":
+        _fake_run(monkeypatch, "eyas.regen.run", "regenerate", seen)
+    elif command == "train":
+        _fake_run(monkeypatch, "eyas.train.loop", "run", seen)
+    elif command == "eval":
+        monkeypatch.setattr(importlib.import_module("eyas.specdec.run"), "evaluate_to",
+                            lambda out, cfg, **k: seen.append(cfg) or {"ok": 1})
+    elif command == "generate":
+        monkeypatch.setattr(importlib.import_module("eyas.specdec.generate_run"), "generate_to",
+                            lambda cfg, **k: seen.append(cfg) or {"ok": 1})
+    else:  # export: the dtype reaches export_drafter
+        monkeypatch.setattr(importlib.import_module("eyas.common"), "check_safetensors_dir", lambda *a, **k: None)
+        monkeypatch.setattr(importlib.import_module("eyas.export.formats"), "export_drafter",
+                            lambda drafter, fmt, out, **k: seen.append(k) or {"ok": 1})
+    result = CliRunner().invoke(app, [command, *args, flag, value])
+    return result, seen
+
+
+@pytest.mark.parametrize("command,new,old,name,value", RENAMED)
+def test_renamed_options_old_spelling_still_works_and_is_hidden(tmp_path, monkeypatch, command, new, old, name, value):
+    helptext = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"}).output
+    assert new in helptext
+    assert f"{old} " not in helptext and f"{old}," not in helptext, f"{old} should be hidden from {command} --help"
+    for flag in (new, old):
+        result, seen = _invoke_renamed(tmp_path, monkeypatch, command, flag, value)
+        assert result.exit_code == 0, (flag, result.output)
+        got = seen[-1]["dtype"] if command == "export" else getattr(seen[-1], name)
+        assert str(got) == value, (flag, got)
+
+
+@pytest.mark.parametrize("command,new,old,name,value", [r for r in RENAMED if "dtype" in r[1]])
+def test_renamed_dtype_options_refuse_a_bad_value_naming_the_new_option(tmp_path, monkeypatch, command, new, old,
+                                                                        name, value):
+    result, seen = _invoke_renamed(tmp_path, monkeypatch, command, old, "int3")
+    assert result.exit_code == 2 and new in result.output and not seen, result.output
+
+
+def test_renamed_keys_in_pipeline_files(tmp_path):
+    """Old TOML keys (`dtype`, `retries`, `precision`) still read as the renamed fields, and fingerprints keep
+    the old names, so a workdir made before the rename does not rerun."""
+    import hashlib
+    import json
+
+    from eyas.pipeline import _jsonable, check_config, fingerprint
+    from eyas.regen.run import RegenConfig
+
+    raw = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"dtype": "float32", "retries": 1},
+           "prepare": {}, "train": {"precision": "fp32"}, "eval": {"dtype": "float32"},
+           "export": {"dtype": "bfloat16"}}
+    stages = check_config(raw, where="p.toml")["stages"]
+    assert (stages["regenerate"].model_dtype, stages["regenerate"].max_retries) == ("float32", 1)
+    assert stages["train"].model_dtype == "fp32" and stages["eval"].model_dtype == "float32"
+    assert stages["export"].weights_dtype == "bfloat16"
+    new = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"model_dtype": "float32", "max_retries": 1},
+           "prepare": {}, "train": {"model_dtype": "fp32"}, "eval": {"model_dtype": "float32"},
+           "export": {"weights_dtype": "bfloat16"}}
+    assert check_config(new, where="p.toml")["stages"]["export"].weights_dtype == "bfloat16"
+    cfg = RegenConfig(out=tmp_path / "r", model_dtype="float32")
+    opts = {("dtype" if k == "model_dtype" else k): v for k, v in dataclasses.asdict(cfg).items()
+            if k not in ("concurrency", "max_retries", "request_timeout")}
+    old_fp = hashlib.sha256(json.dumps({"stage": "regenerate", "options": _jsonable(opts), "input": None},
+                                       sort_keys=True).encode()).hexdigest()
+    assert fingerprint("regenerate", cfg, None) == old_fp

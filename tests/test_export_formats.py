@@ -201,7 +201,7 @@ def test_export_refuses_an_existing_directory(eyas_drafter, tmp_path):
 
 def test_export_converts_between_engine_layouts_and_casts(eyas_drafter, tmp_path):
     src, model, _ = eyas_drafter
-    _export(src, "sglang", tmp_path / "sgl", "--dtype", "bfloat16")
+    _export(src, "sglang", tmp_path / "sgl", "--weights-dtype", "bfloat16")
     summary = _export(tmp_path / "sgl", "vllm", tmp_path / "vllm")  # SGLang layout in, speculators out
     assert summary["aux_layer_ids_written"] == LAYERS and summary["dtype"] == "bfloat16"
     a, b = load_draft_checkpoint(tmp_path / "sgl"), load_draft_checkpoint(tmp_path / "vllm")

@@ -186,7 +186,7 @@ def test_regenerate_command_with_server_urls(server, tmp_path, tiny_target_dir):
 
     src = _source(tmp_path, n=8)
     s = regenerate(RegenConfig(out=tmp_path / "o", source=str(src), target=str(tiny_target_dir),
-                               server_urls=[server.url], concurrency=3, retries=1, max_turns=1))
+                               server_urls=[server.url], concurrency=3, max_retries=1, max_turns=1))
     assert s["engine"] == "server" and s["written"] == 6 and s["assistant_turns"] == 6  # c3, c7 skipped
     meta = json.loads((tmp_path / "o" / META).read_text())
     assert meta["engine"]["served_model"] == "fake-model" and meta["settings"]["max_len"] is None

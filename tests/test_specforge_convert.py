@@ -34,7 +34,7 @@ def tiny_store(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("sfstore")
     prepared = make_prepared(root / "prepared", tokenizer_hash(load_tokenizer(tiny_target_dir)), n=5)
     run_capture(CaptureSettings(target=str(tiny_target_dir), data=prepared, out=root / "store", token_budget=64,
-                                shard_bytes=20_000, dtype="bf16"))
+                                shard_bytes=20_000, store_dtype="bf16"))
     return root / "store"
 
 

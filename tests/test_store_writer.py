@@ -177,7 +177,7 @@ def test_free_space_check_refuses_with_figures(tmp_path, monkeypatch):
         free = 10 << 20
 
     monkeypatch.setattr(writer_mod.shutil, "disk_usage", lambda p: Usage)
-    with pytest.raises(EyasError, match=r"needs about 1\.0 GB.*10\.5 MB is free.*--dtype fp8"):
+    with pytest.raises(EyasError, match=r"needs about 1\.0 GB.*10\.5 MB is free.*--store-dtype fp8"):
         writer_mod.check_free_space(tmp_path / "new" / "store", 10**9, what="x")
     monkeypatch.undo()
     assert writer_mod.check_free_space(tmp_path, 1000, what="x")["need_bytes"] == 1000

@@ -96,7 +96,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             eval_fraction=0.05)))
     store = out / "store"
     stage("capture", lambda: run_capture(CaptureSettings(
-        target="default", data=prepared, split="train", out=store, device=cfg.device, dtype="bf16")))
+        target="default", data=prepared, split="train", out=store, device=cfg.device, store_dtype="bf16")))
 
     def verify():
         try:

@@ -68,8 +68,8 @@ class ExportOptions:
 
     formats: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     """Serving layouts to write: sglang, vllm."""
-    dtype: str = "keep"
-    """Weights dtype: `keep` (as stored), `bfloat16`, `float16` or `float32`."""
+    weights_dtype: str = field(default="keep", metadata={"aliases": ["--dtype"]})
+    """Dtype of the exported weights: `keep` (as stored), `bfloat16`, `float16` or `float32`."""
     verifier: str | None = None
     """vllm format: the target's Hub repository id (owner/name), written as
     speculators_config.verifier.name_or_path so `vllm serve <out>` works; or a local target directory,
@@ -86,7 +86,10 @@ class ExportOptions:
         from eyas.export.formats import FORMATS
 
         check_number(self, "target_layers", ge=1, optional=True)
+        if self.weights_dtype != "keep":  # refused before any drafter is read
+            from eyas.dtypes import MODEL_DTYPES, to_dtype
 
+            to_dtype(self.weights_dtype, what="--weights-dtype", allowed=MODEL_DTYPES)
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
             raise EyasError(f"formats {self.formats}: expected a non-empty list of {', '.join(FORMATS)}")
@@ -273,10 +276,15 @@ def stage_paths(workdir: Path) -> dict[str, Path]:
 
 # options that never change a stage's result: they do not enter its fingerprint
 NOT_IN_FINGERPRINT = {
-    "regenerate": {"concurrency", "retries", "request_timeout"},
+    "regenerate": {"concurrency", "max_retries", "request_timeout"},
     "train": {"resume", "save_every", "eval_every"},
     "eval": {"gen_batch_size", "replay_tokens"},
 }
+
+# renamed fields enter fingerprints under their old names, so a workdir made before the rename
+# (one name per meaning: model_dtype, weights_dtype) does not rerun its stages
+OLD_KEY = {"regenerate": {"model_dtype": "dtype"}, "eval": {"model_dtype": "dtype"},
+           "export": {"weights_dtype": "dtype"}, "train": {"model_dtype": "precision"}}
 
 
 def _jsonable(x: Any) -> Any:
@@ -292,7 +300,8 @@ def _jsonable(x: Any) -> Any:
 def fingerprint(stage: str, cfg: Any, input_fp: str | None, *, auto: set[str] = frozenset()) -> str:
     """sha256 of the options that decide the stage's result plus its input's fingerprint."""
     skip = NOT_IN_FINGERPRINT.get(stage, set()) | set(auto)
-    opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    keys = OLD_KEY.get(stage, {})
+    opts = {keys.get(k, k): v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     blob = json.dumps({"stage": stage, "options": _jsonable(opts), "input": input_fp}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
@@ -431,7 +440,7 @@ def _run_export(cfg: ExportOptions, directory: Path, drafter: Path) -> tuple[dic
 
     out = {}
     for fmt in cfg.formats:
-        s = export_drafter(drafter, fmt, directory / fmt, overwrite=True, dtype=cfg.dtype, verifier=cfg.verifier,
+        s = export_drafter(drafter, fmt, directory / fmt, overwrite=True, dtype=cfg.weights_dtype, verifier=cfg.verifier,
                            speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)
         out[fmt] = s["out"]
     return out, None

@@ -64,8 +64,8 @@ class CaptureSettings:
                                                                  "aliases": ["--layers"]})
     """Aux layer ids, comma-separated, convention hf-input (id i = input to decoder layer i); default =
     EAGLE-3's 2,N//2,N-3 (sglang: the server's)."""
-    dtype: str = "bf16"
-    """Stored dtype: bf16, fp8 (e4m3, a scale per token and layer; half the bytes) or fp32."""
+    store_dtype: str = field(default="bf16", metadata={"aliases": ["--dtype"]})
+    """Dtype the hidden states are stored in: bf16, fp8 (e4m3, a scale per token and layer; half the bytes) or fp32."""
     device: str = "cpu"
     """transformers: where the target runs: cpu, cuda or cuda:K."""
     model_dtype: str = "auto"
@@ -80,7 +80,7 @@ class CaptureSettings:
     """transformers: batches in flight between forward and disk (pinned buffers on CUDA)."""
 
     def __post_init__(self):
-        stored_dtype(self.dtype)
+        stored_dtype(self.store_dtype)
         if self.model_dtype not in ("auto", *MODEL_DTYPES):  # checked before any model loads
             raise EyasError(f"--model-dtype: `{self.model_dtype}`; choose bf16, fp32 or auto")
         if self.token_budget <= 0:
@@ -163,7 +163,7 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
     split = prepared.split(settings.split)
     n = len(split) if settings.limit is None else min(settings.limit, len(split))
     spec = StoreSpec(
-        aux_layer_ids=layers, hidden_size=d, dtype=settings.dtype, convention=CONVENTION,
+        aux_layer_ids=layers, hidden_size=d, dtype=settings.store_dtype, convention=CONVENTION,
         target=model_identity(target_dir), tokenizer_hash=tok_hash,
         prepared={"path": str(Path(settings.data).resolve()), "split": settings.split, "fingerprint": split.fingerprint,
                   "limit": settings.limit, "samples": n},

@@ -32,5 +32,5 @@ def export(
     if overwrite:
         require_owned(out, option="--overwrite")
     check_safetensors_dir(drafter, what="--drafter")
-    return export_drafter(drafter, format, out, overwrite=overwrite, dtype=cfg.dtype, verifier=cfg.verifier,
+    return export_drafter(drafter, format, out, overwrite=overwrite, dtype=cfg.weights_dtype, verifier=cfg.verifier,
                           speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)

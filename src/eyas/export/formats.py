@@ -108,7 +108,7 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
         raise EyasError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-    weights_dtype = None if dtype == "keep" else to_dtype(dtype, what="--dtype", allowed=MODEL_DTYPES)
+    weights_dtype = None if dtype == "keep" else to_dtype(dtype, what="--weights-dtype", allowed=MODEL_DTYPES)
     if speculative_tokens < 1:
         raise EyasError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
     if out.exists() and not overwrite:

@@ -60,8 +60,8 @@ class RegenConfig:
     sdpa), triton (error if unavailable), sdpa (masked, over a span covering every row)."""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda or cuda:N."""
-    dtype: str = "auto"
-    """auto (GPU: the target's dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."""
+    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    """Dtype the target runs in: auto (GPU: the target's dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."""
     continue_after_truncated: bool = False
     """Answer later turns after an answer cut at --max-new-tokens (default: stop the conversation there)."""
     overwrite: bool = False
@@ -72,7 +72,7 @@ class RegenConfig:
     """Served model name (default: the first id from GET /v1/models)."""
     concurrency: int = 64
     """Server requests in flight, over all URLs."""
-    retries: int = 4
+    max_retries: int = field(default=4, metadata={"aliases": ["--retries"]})
     """Retries per server request on connection errors, timeouts, 429 and 5xx (exponential backoff)."""
     request_timeout: float = 600.0
     """Seconds to wait for one server answer."""
@@ -86,7 +86,7 @@ class RegenConfig:
         check_number(self, "temperature", ge=0)
         check_number(self, "top_p", gt=0, le=1)
         check_number(self, "concurrency", ge=1)
-        check_number(self, "retries", ge=0)
+        check_number(self, "max_retries", ge=0)
         check_number(self, "request_timeout", gt=0)
         if self.device == "mps":
             raise EyasError(f"--device must be auto, cpu, cuda or cuda:N; got {self.device!r}")
@@ -100,10 +100,10 @@ class RegenConfig:
             raise EyasError(f"--server-url was given with --engine {self.engine}; use --engine server (or auto)")
         if self.engine == "server" and not self.server_urls:
             raise EyasError("--engine server needs at least one --server-url")
-        if self.dtype != "auto":
+        if self.model_dtype != "auto":
             from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
+            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES)
         if self.max_length < 2:
             raise EyasError(f"--max-length must be >= 2, got {self.max_length}")
         if self.attention not in ATTENTIONS:
@@ -153,8 +153,8 @@ def _build_local(config: RegenConfig, sampling):
     cfg = AutoConfig.from_pretrained(resolve_target(config.target))
     own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # the target's own dtype, for auto
     own = own if isinstance(own, torch.dtype) else DTYPES.get(str(own or "float32"), torch.float32)
-    dev, dtype = resolve_device_dtype(config.device, config.dtype, auto_dtype=own)
-    if config.dtype == "auto" and dev.type == "cuda" and dtype == torch.float32:
+    dev, dtype = resolve_device_dtype(config.device, config.model_dtype, auto_dtype=own, what_dtype="--model-dtype")
+    if config.model_dtype == "auto" and dev.type == "cuda" and dtype == torch.float32:
         dtype = torch.bfloat16  # as a serving engine would run it (the converted embedded target is fp32)
     device = str(dev)
     tokenizer = load_tokenizer(config.target)
@@ -219,7 +219,7 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
 
         try:
             sopt = ServerOptions(urls=list(config.server_urls), model=config.server_model, concurrency=config.concurrency,
-                                 retries=config.retries, timeout_s=config.request_timeout)
+                                 retries=config.max_retries, timeout_s=config.request_timeout)
         except ValueError as exc:
             raise EyasError(str(exc)) from None
         engine, placement = ServerEngine(sopt, sampling=sampling), {}

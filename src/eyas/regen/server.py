@@ -67,7 +67,7 @@ class ServerOptions:
         if self.concurrency < 1:
             raise ValueError(f"--concurrency must be >= 1, got {self.concurrency}")
         if self.retries < 0:
-            raise ValueError(f"--retries must be >= 0, got {self.retries}")
+            raise ValueError(f"--max-retries must be >= 0, got {self.retries}")
         if self.api_key is None:
             self.api_key = os.environ.get("OPENAI_API_KEY")
 

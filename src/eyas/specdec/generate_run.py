@@ -22,7 +22,7 @@ many tokens rounds differently from a 1-token step, so a near-tie may flip and i
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -66,8 +66,8 @@ class GenerateConfig:
     """Prompts decoded once before timing starts (not counted)."""
     device: str = "auto"
     """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ..."""
-    dtype: str = "auto"
-    """'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
+    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    """Dtype the target and drafter run in: 'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
     limit: int | None = None
     """Decode only the first N conversations."""
 
@@ -81,8 +81,8 @@ class GenerateConfig:
         check_number(self, "limit", ge=1, optional=True)
         for name in ("chain_k", "tree_topk", "tree_depth", "tree_tokens"):
             check_number(self, name, ge=1)
-        if self.dtype != "auto":
-            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
+        if self.model_dtype != "auto":
+            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES)
         check_device(self.device)
         try:
             self.tree()
@@ -127,7 +127,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.target import load_target, load_tokenizer
 
     tree = cfg.tree()
-    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
     t0 = time.perf_counter()
     target_path = resolve_target(cfg.target)

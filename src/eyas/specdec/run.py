@@ -9,7 +9,7 @@ every drafting mode; (4) metrics and the report.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +49,8 @@ class EvalConfig:
     """EAGLE-2 tree: draft tokens submitted per round, root excluded."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
-    dtype: str = "auto"
-    """`auto` (bfloat16 on GPU, float32 on CPU), `bfloat16`, `float16`, `float32`."""
+    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    """Dtype the target and drafter run in: `auto` (bfloat16 on GPU, float32 on CPU), `bfloat16`, `float16`, `float32`."""
     limit: int | None = None
     """Evaluate only the first N conversations."""
     gen_batch_size: int = 160
@@ -69,8 +69,8 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.gen_batch_size < 1 or self.replay_tokens < 1:
             raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
-        if self.dtype != "auto":
-            to_dtype(self.dtype, what="--dtype", allowed=MODEL_DTYPES)
+        if self.model_dtype != "auto":
+            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES)
         from eyas.config_checks import check_device, check_number
 
         for name in ("tree_topk", "tree_tokens"):
@@ -188,7 +188,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from eyas.target import CONVENTION, load_target, load_tokenizer, model_identity, tokenizer_hash
 
     timings: dict[str, float] = {}
-    device, dtype = resolve_device_dtype(cfg.device, cfg.dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
     modes = cfg.modes()
     t0 = time.perf_counter()
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads

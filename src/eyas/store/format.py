@@ -79,7 +79,7 @@ def stored_dtype(name: str) -> StoredDtype:
     try:
         return DTYPES[name]
     except KeyError:
-        raise EyasError(f"--dtype: `{name}` is not a stored dtype; choose one of {sorted(DTYPES)}") from None
+        raise EyasError(f"--store-dtype: `{name}` is not a stored dtype; choose one of {sorted(DTYPES)}") from None
 
 
 def bytes_per_token(dtype: str, *, slots: int, hidden_size: int) -> int:

@@ -134,7 +134,7 @@ def check_free_space(path: Path, need_bytes: int, *, what: str) -> dict[str, int
         raise EyasError(
             f"not enough disk space for {what} at {path}: needs about {human_bytes(need_bytes)} "
             f"(+{human_bytes(margin)} margin) but {human_bytes(free)} is free on {probe}; free space, "
-            "choose another --out, or store fp8 (--dtype fp8, about half the bytes)"
+            "choose another --out, or store fp8 (--store-dtype fp8, about half the bytes)"
         )
     return {"need_bytes": need_bytes, "free_bytes": free}
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import time
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -96,8 +96,8 @@ class TrainConfig:
     """Checkpoint file to resume from, or `auto` (the latest in <out>/checkpoints)."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:N (under torchrun each rank uses cuda:LOCAL_RANK)."""
-    precision: str = "auto"
-    """bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
+    model_dtype: str = field(default="auto", metadata={"aliases": ["--precision"]})
+    """Dtype the target and the drafter's compute run in: bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
     fsdp: bool = False
     """FSDP2: shard parameters, gradients and optimizer state across processes (needs torchrun)."""
     attention: str = "fast"
@@ -133,7 +133,7 @@ class TrainConfig:
         check_number(self, "draft_vocab", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
         check_number(self, "save_every", ge=0)
-        check_choice(self, "precision", ("auto", "bf16", "fp32"))
+        check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
         check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
@@ -241,7 +241,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     # -- 1. processes and devices -------------------------------------------------------------
     d = dd.setup(cfg.device)
     dev = d.device
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and dev.type == "cuda")
+    bf16 = cfg.model_dtype == "bf16" or (cfg.model_dtype == "auto" and dev.type == "cuda")
     out = Path(cfg.out)
     final_dir = out / "drafter"
     if final_dir.exists() and not cfg.overwrite and cfg.resume is None:
