@@ -20,6 +20,13 @@ differently from the field (a repeated option named in the singular), `{"aliases
 keeps old spellings working as hidden options, `{"parse": "module:function"}` takes text and turns
 it into the field's value (`--shard-bytes 512MiB`).
 
+One name per meaning, across commands (old spellings stay as hidden aliases, old TOML keys too):
+`--model-dtype` the dtype a model computes in (capture, regenerate, eval, generate, train; was
+`--dtype`, train's `--precision`), `--store-dtype` the dtype capture stores hidden states in (was
+`--dtype`), `--weights-dtype` the dtype export writes weights in (was `--dtype`), `--max-retries`
+the retries of one server request (regenerate, was `--retries`; capture's SGLang-backend options
+all carry the `--sglang-` prefix: `--sglang-max-retries`).
+
 Run: used by eyas/commands/*.py; `pytest tests/test_cli_options.py`.
 """
 
