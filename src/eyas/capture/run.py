@@ -419,6 +419,13 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
                         "batches": sum(r["batches"] for r in reports), "padding_fraction": round(1 - rows / max(padded, 1), 4)})
     if d.is_main:
         log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token", "processes")}))
+    else:
+        # under torchrun every rank runs the CLI; only rank 0's summary may reach stdout (two long JSON
+        # lines written by two processes into one pipe can interleave)
+        import os
+        import sys
+
+        sys.stdout = open(os.devnull, "w")
     return summary
 
 
