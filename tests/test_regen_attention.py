@@ -20,19 +20,21 @@ from eyas.regen import attention as A
 needs_triton = pytest.mark.skipif(A.TRITON_ERROR is not None, reason=f"triton unavailable: {A.TRITON_ERROR}")
 
 
-def _in_interpreter(call: str) -> None:
-    """Run `tests.test_regen_attention.<call>` in a child with TRITON_INTERPRET=1; fail with its output."""
+def _in_interpreter(call: str) -> str:
+    """Run `tests.test_regen_attention.<call>` in a child with TRITON_INTERPRET=1; its stdout (the
+    checks print a marker once they passed), failing with its output if the child failed."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
     code = f"import tests.test_regen_attention as t; t.{call}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    print(proc.stdout[-500:])
+    return proc.stdout
 
 
 @needs_triton
 def test_triton_decode_equals_sdpa_for_every_length():
-    _in_interpreter("check_kernel(3, 3); t.check_kernel(2, 1)")
+    out = _in_interpreter("check_kernel(3, 3); t.check_kernel(2, 1)")
+    assert "kernel ok 3 3" in out and "kernel ok 2 1" in out, out[-2000:]  # both checks ran to the end
 
 
 def check_kernel(kv_heads: int, groups: int) -> None:
@@ -87,7 +89,8 @@ def test_kernel_unavailable_reasons():
 
 @needs_triton
 def test_engine_on_triton_kernel_equals_generate(tiny_target_dir):
-    _in_interpreter(f"check_engine({str(tiny_target_dir)!r})")
+    out = _in_interpreter(f"check_engine({str(tiny_target_dir)!r})")
+    assert "engine ok" in out, out[-2000:]  # the engine ran on the kernel and matched generate
 
 
 def check_engine(tiny_target_dir: str) -> None:
