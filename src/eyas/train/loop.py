@@ -153,6 +153,21 @@ class TrainConfig:
                             f"in a row, got {self.tokens_per_batch}")
 
 
+def teacher_cache_bytes(device: torch.device) -> int:
+    """How many bytes of draft-vocab teacher logits a step may keep for its TTT steps to share.
+
+    Kept logits save one [rows x V] matmul per TTT step (7 of them a step at TTT 7); beyond the cap
+    they are recomputed chunk by chunk. The cap is a constant per device, so memory still grows with
+    tokens x hidden, not tokens x vocab, past it: a tenth of the GPU's memory, at most 16 GiB (an H200
+    keeps a whole 131,072-token batch at a 32,000-token draft vocab: 8.4 GB), and 1 GiB elsewhere."""
+    from eyas.drafter.ttt import TEACHER_CACHE_BYTES
+
+    if device.type != "cuda":
+        return TEACHER_CACHE_BYTES
+    total = torch.cuda.get_device_properties(device).total_memory
+    return max(TEACHER_CACHE_BYTES, min(16 << 30, total // 10))
+
+
 class PackedTTTModule(nn.Module):
     """The drafter plus its packed TTT loss as one forward(), so DDP/FSDP2 hooks see every use.
 
@@ -164,6 +179,7 @@ class PackedTTTModule(nn.Module):
         self.drafter = drafter
         self.ttt_cfg = ttt_cfg
         self.chunk_rows = chunk_rows
+        self.teacher_cache_bytes = teacher_cache_bytes(head_VtD.device)
         self.set_teacher_head(head_VtD)
 
     def set_teacher_head(self, head_VtD: torch.Tensor) -> None:
@@ -174,7 +190,8 @@ class PackedTTTModule(nn.Module):
         from eyas.drafter.ttt import packed_teacher, ttt_loss_packed
 
         head, head_used, used, t2d = self._head
-        teacher = packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows)
+        teacher = packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
+                                 cache_bytes=self.teacher_cache_bytes)
         out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
                               teacher=teacher, cfg=self.ttt_cfg, denominators=denominators,
                               chunk_rows=self.chunk_rows)
