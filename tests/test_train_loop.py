@@ -254,3 +254,15 @@ def test_token_batches_offline_equal_online(world, tmp_path):
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
         assert a["tokens"] == b["tokens"] and a["padded_tokens"] == 96 and a["tokens"] <= 96
     assert off["tokens_per_batch"] == 96 and 0 < on["useful_fraction"] <= 1
+
+
+def test_wider_draft_mlp_is_trained_saved_and_exported(world, tmp_path):
+    from eyas.drafter.model import Eagle3Drafter
+    from eyas.train.loop import run
+
+    out = tmp_path / "wide"
+    run(_cfg(world, out, data=world["prep"], steps=1, draft_intermediate_size=96))
+    d = Eagle3Drafter.load(out / "drafter")
+    target_inter = json.loads((world["target"] / "config.json").read_text())["intermediate_size"]
+    assert d.config.intermediate_size == 96 != target_inter
+    assert max(p.shape[0] for n, p in d.named_parameters() if "mlp" in n and p.ndim == 2) == 96

@@ -84,6 +84,10 @@ class TrainConfig:
     """Loss weight of TTT step k = decay**k."""
     draft_vocab: int | None = None
     """Draft vocabulary size (default min(32000, target vocab))."""
+    draft_intermediate_size: int | None = None
+    """SwiGLU inner width of the draft layer (default: the target's). The layer's only free size:
+    widening it gives a small target's one-layer drafter more capacity at the same interface (the
+    exported config carries it; SGLang and vLLM read it from there)."""
     max_length: int = 2048
     """Samples are truncated to this many tokens."""
     eval_every: int = 0
@@ -131,6 +135,7 @@ class TrainConfig:
         check_number(self, "ttt_steps", ge=1)
         check_number(self, "ttt_decay", gt=0, le=1)
         check_number(self, "draft_vocab", ge=1, optional=True)
+        check_number(self, "draft_intermediate_size", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
         check_number(self, "save_every", ge=0)
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
@@ -338,8 +343,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         raise EyasError(f"--aux-layers {cfg.aux_layers} differs from the store's {aux_ids}; offline training uses "
                         "the layers the store holds (drop --aux-layers or capture those layers)")
     try:
+        wider = {"intermediate_size": cfg.draft_intermediate_size} if cfg.draft_intermediate_size else {}
         dcfg = DrafterConfig.from_target_config(tcfg, draft_vocab_size=cfg.draft_vocab,
-                                                aux_layer_ids=aux_ids or cfg.aux_layers)
+                                                aux_layer_ids=aux_ids or cfg.aux_layers, **wider)
     except EyasError:
         raise
     except ValueError as exc:  # DrafterConfig names the field; say which target it came from
