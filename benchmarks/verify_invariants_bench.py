@@ -47,7 +47,7 @@ def build_store(args, work: Path) -> Path:
         log(f"preparing {args.samples} chats -> {prep}")
         try:
             prepare(PrepareConfig(target=args.target, out=prep, limit=int(args.samples * 1.6), max_length=args.max_length,
-                                  eval_fraction=0.0, overwrite=True))
+                                  eval_fraction=0.0, overwrite=True, **({"source": args.source} if args.source else {})))
         except Exception as exc:  # no ShareGPT wheel on this machine: chat-shaped random data instead
             log(f"ShareGPT unavailable ({type(exc).__name__}: {exc}); using the chat template's prefix + random tokens")
             synthetic_prepared(args, prep)
@@ -143,6 +143,7 @@ def faults(model, split, reader, victim: str, other: str):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default")
+    ap.add_argument("--source", default=None, help="chats to prepare (a .json/.jsonl file); default: the embedded ShareGPT")
     ap.add_argument("--store", type=Path, default=None, help="reuse a store (its prepared data must exist)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/verify_invariants_bench"))
     ap.add_argument("--samples", type=int, default=60)
