@@ -14,8 +14,10 @@ compiled torch version reads s and t from HBM several times (max, sum-exp, the p
 then once more for g). Here one program owns one row and makes two passes over it, back to back:
 pass 1 streams s and t in blocks of BLOCK_V keeping online (rescaled as the max moves) max and
 sum-exp of s and of t, sum_v exp(t_v - m_t) s_v, and the running argmax of s; pass 2 reads the row
-again (largely from L2, the program read it a moment ago) and writes g. The traffic is therefore
-close to one read of s and t plus one write of g. Everything accumulates in fp32. Per-row
+again, last block first (the blocks read last are the likeliest to still be in L2), and writes g.
+The HBM traffic is between one and two reads of s and t plus one write of g: how much of a row
+survives in L2 depends on how many rows are in flight (block size and warps set that; the
+benchmark, benchmarks/ce_kernel_bench.py, compares a few). Everything accumulates in fp32. Per-row
 w_n CE_n are written to an fp32 [c] vector and summed by torch (deterministic).
 
 Triton is imported on first use, so machines without it (CPU CI) still import eyas; the kernel also
@@ -90,9 +92,11 @@ def _kernel():
         w = tl.load(W + row).to(tl.float32)
         tl.store(CE_W + row, (lse_s - a_t / l_t) * w)
         tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
-        # pass 2: the same row again (mostly from L2), g = (softmax(s) - softmax(t)) * w
-        for start in range(0, V, BLOCK):
-            idx = start + offs
+        # pass 2: the same row again, g = (softmax(s) - softmax(t)) * w, last block first: the blocks
+        # pass 1 read last are the likeliest to still be in L2
+        n_blocks = tl.cdiv(V, BLOCK)
+        for i in range(0, n_blocks):
+            idx = (n_blocks - 1 - i) * BLOCK + offs
             ok = idx < V
             s = tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32)
             t = tl.load(t_ptr + idx, mask=ok, other=0.0).to(tl.float32)

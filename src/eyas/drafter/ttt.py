@@ -41,7 +41,10 @@ keys of steps 1..k at position t only (one diagonal per step), under ONE softmax
 Loss: per step, soft cross-entropy -sum_v p(v) log q(v) over valid positions; loss_k = its sum over
 the global batch divided by the number of LOSS-MASK positions of step k in the global batch
 (sum_t m_{t+2+k}; known before any forward, so micro-batches and ranks normalise identically);
-total = sum_k w_k loss_k with w_k = 0.8**k by default.
+total = sum_k w_k loss_k with w_k = 0.8**k by default. The head's logits are made chunk by chunk
+(`head_soft_ce`); each chunk's CE, top-1 hits and logit gradient come from one fused Triton kernel
+on CUDA (`eyas.drafter.ce_kernel`, after a start-up check against `_chunk_ce`; EYAS_CE_KERNEL=torch
+forces the compiled torch version), else from `_chunk_ce`.
 
 Shape legend: B batch, T tokens, D hidden, A aux layers, H heads, K kv heads, d head dim,
 V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
@@ -600,7 +603,8 @@ class _HeadSoftCE(torch.autograd.Function):
             hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
             dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
-            chunk = chunk_ce_for(x_nD.device, compute_dtype, t_src.dtype if wt_VD is None else compute_dtype)
+            t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
+            chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
             wf = weight_n.float()
             for a in range(0, n, chunk_rows):
                 b = min(n, a + chunk_rows)
