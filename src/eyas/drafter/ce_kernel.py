@@ -107,12 +107,6 @@ def _kernel():
     return _soft_ce_rows
 
 
-def triton_error() -> str | None:
-    """Why triton cannot be imported here (None when it can); imports it on first call."""
-    _kernel()
-    return _STATE.get("error")  # type: ignore[return-value]
-
-
 def kernel_unavailable(device: torch.device) -> str | None:
     """None when the kernel can run on `device`; else why not (a sentence for a log line)."""
     kernel = _kernel()
