@@ -41,7 +41,10 @@ keys of steps 1..k at position t only (one diagonal per step), under ONE softmax
 Loss: per step, soft cross-entropy -sum_v p(v) log q(v) over valid positions; loss_k = its sum over
 the global batch divided by the number of LOSS-MASK positions of step k in the global batch
 (sum_t m_{t+2+k}; known before any forward, so micro-batches and ranks normalise identically);
-total = sum_k w_k loss_k with w_k = 0.8**k by default.
+total = sum_k w_k loss_k with w_k = 0.8**k by default. The head's logits are made chunk by chunk
+(`head_soft_ce`); each chunk's CE, top-1 hits and logit gradient come from one fused Triton kernel
+on CUDA (`eyas.drafter.ce_kernel`, after a start-up check against `_chunk_ce`; EYAS_CE_KERNEL=torch
+forces the compiled torch version), else from `_chunk_ce`.
 
 Shape legend: B batch, T tokens, D hidden, A aux layers, H heads, K kv heads, d head dim,
 V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
@@ -50,12 +53,16 @@ V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from eyas.common import log
+from eyas.drafter import ce_kernel as CE
 from eyas.drafter.model import Eagle3Drafter, repeat_kv
+from eyas.errors import EyasError
 
 
 @dataclass(kw_only=True)
@@ -512,6 +519,73 @@ def _chunk_ce(s, t, w, top):
     return (ce * w).sum(), s32.argmax(-1) == top, g.to(s.dtype)
 
 
+CE_KERNEL_ENV = "EYAS_CE_KERNEL"
+"""Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
+when its start-up check passes, else compiled torch), `torch`, or `triton` (fail if it cannot run)."""
+_CE_CHOICE: dict[tuple[str, torch.dtype, torch.dtype], object] = {}
+
+
+def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype):
+    """The per-chunk CE to use for logits of these dtypes on `device`, decided once per process:
+    `fused_chunk_ce` (one Triton kernel, two passes per row) where it runs and agrees with
+    `_chunk_ce` on a random chunk, else `_chunk_ce` (compiled on CUDA). A failed compile or a
+    wrong answer on a new machine must cost speed, not correctness; the reason is logged once."""
+    key = (device.type, s_dtype, t_dtype)
+    if key in _CE_CHOICE:
+        return _CE_CHOICE[key]
+    want = os.environ.get(CE_KERNEL_ENV, "auto").strip().lower() or "auto"
+    if want not in ("auto", "torch", "triton"):
+        raise EyasError(f"{CE_KERNEL_ENV}={want!r}: expected auto, torch or triton; unset it for auto")
+    why = "forced by " + CE_KERNEL_ENV + "=torch" if want == "torch" else CE.kernel_unavailable(device)
+    if why is None:
+        why = check_fused_chunk_ce(device, s_dtype, t_dtype)
+    if why is None:
+        _CE_CHOICE[key] = CE.fused_chunk_ce
+    elif want == "triton":
+        raise EyasError(f"{CE_KERNEL_ENV}=triton: {why}; unset it to fall back to the torch version")
+    else:
+        if device.type == "cuda" and want == "auto":
+            log(f"train: head loss uses the compiled torch cross-entropy, not the fused Triton kernel ({why})")
+        _CE_CHOICE[key] = _fast(_chunk_ce, device)
+    return _CE_CHOICE[key]
+
+
+@torch.no_grad()
+def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype, *, rows: int = 64,
+                         vocab: int = 32000) -> str | None:
+    """None when `fused_chunk_ce` equals `_chunk_ce` (eager) on a random chunk on `device`; else why not.
+    Logits ~ N(0, 3) like a trained head's; weights in [0, 1) with a zero row; half of the `top`
+    ids are the argmax (hits), and row 0 holds its maximum twice (a hit only at the first index)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    s = (3 * torch.randn(rows, vocab, generator=g)).to(s_dtype)
+    t = (3 * torch.randn(rows, vocab, generator=g)).to(t_dtype)
+    s[0, 7] = s[0, vocab - 3] = s[0].max() + 1  # a tie at the maximum
+    w = torch.rand(rows, generator=g)
+    w[1] = 0.0
+    top = s.float().argmax(-1)
+    top[2::2] = torch.randint(0, vocab, (len(range(2, rows, 2)),), generator=g)  # row 0 keeps its argmax
+    s, t, w, top = s.to(device), t.to(device), w.to(device), top.to(device)
+    try:
+        ce, hits, grad = CE.fused_chunk_ce(s, t, w, top)
+    except Exception as exc:  # noqa: BLE001  (compile or launch failure)
+        return f"the Triton kernel failed: {type(exc).__name__}: {str(exc)[:300]}"
+    ce_r, hits_r, grad_r = _chunk_ce(s, t, w, top)
+    if grad.dtype != grad_r.dtype or grad.shape != grad_r.shape or hits.dtype != torch.bool:
+        return f"the Triton kernel returned g {grad.dtype} {tuple(grad.shape)}, hits {hits.dtype}"
+    if not torch.equal(hits, hits_r):
+        return f"the Triton kernel's top-1 hits differ in {int((hits != hits_r).sum())} of {rows} rows"
+    ce_err = abs(ce.item() - ce_r.item())
+    if not ce_err <= 1e-4 * max(1.0, abs(ce_r.item())):
+        return f"the Triton kernel's loss differs ({ce.item():.6g} vs {ce_r.item():.6g})"
+    # bf16 g: the two round fp32 values that may differ in the last bits, so allow one bf16 ulp
+    rtol = 1e-4 if s_dtype == torch.float32 else 2 ** -7
+    bad = (grad.float() - grad_r.float()).abs() > 1e-7 + rtol * grad_r.float().abs()
+    if bad.any():
+        err = (grad.float() - grad_r.float()).abs().max().item()
+        return f"the Triton kernel's gradient differs in {int(bad.sum())} entries (max error {err:.3g})"
+    return None
+
+
 class _HeadSoftCE(torch.autograd.Function):
     """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
     the forward (the loss is linear in its upstream gradient, so backward only scales them).
@@ -529,7 +603,8 @@ class _HeadSoftCE(torch.autograd.Function):
             hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
             dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
-            chunk = _fast(_chunk_ce, x_nD.device)
+            t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
+            chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
             wf = weight_n.float()
             for a in range(0, n, chunk_rows):
                 b = min(n, a + chunk_rows)

@@ -1,0 +1,146 @@
+"""One fused Triton kernel for the per-chunk soft cross-entropy of the drafter's head loss.
+
+What it computes, per row n of a chunk (student logits s [c, V], teacher logits t [c, V], row
+weights w [c], teacher top-1 draft ids top [c]) -- the contract of `eyas.drafter.ttt._chunk_ce`:
+
+    lse_s = log sum_v exp(s_v)          lse_t = log sum_v exp(t_v)          p_v = exp(t_v - lse_t)
+    CE_n  = lse_s - sum_v p_v s_v       hit_n = (argmax_v s_v == top_n)     (first index of the max)
+    g_nv  = (exp(s_v - lse_s) - p_v) * w_n                                   (in s's dtype)
+
+and returns (sum_n w_n CE_n as an fp32 scalar, hits [c] bool, g [c, V]).
+
+Why a kernel: at V = 32000 this is pure memory traffic (a handful of flops per element), and the
+compiled torch version reads s and t from HBM several times (max, sum-exp, the p*s sum, argmax,
+then once more for g). Here one program owns one row and makes two passes over it, back to back:
+pass 1 streams s and t in blocks of BLOCK_V keeping online (rescaled as the max moves) max and
+sum-exp of s and of t, sum_v exp(t_v - m_t) s_v, and the running argmax of s; pass 2 reads the row
+again, last block first (the blocks read last are the likeliest to still be in L2), and writes g.
+The HBM traffic is between one and two reads of s and t plus one write of g: how much of a row
+survives in L2 depends on how many rows are in flight (block size and warps set that; the
+benchmark, benchmarks/ce_kernel_bench.py, compares a few). Everything accumulates in fp32. Per-row
+w_n CE_n are written to an fp32 [c] vector and summed by torch (deterministic).
+
+Triton is imported on first use, so machines without it (CPU CI) still import eyas; the kernel also
+runs on CPU under Triton's interpreter when TRITON_INTERPRET=1 is set before triton is imported
+(the tests do that in a child process). The training loop picks this kernel only after
+`eyas.drafter.ttt` has checked it against the torch version on the device (see `chunk_ce_for`).
+
+Shape legend: c rows of the chunk, V draft vocab.
+"""
+
+from __future__ import annotations
+
+import torch
+
+BLOCK_V = 2048
+"""Vocabulary entries per block of a pass (a power of two; V need not be a multiple of it)."""
+NUM_WARPS = 8
+"""Warps per program (one program per row)."""
+
+_STATE: dict[str, object] = {}  # "error": why triton is unusable, "kernel": the jitted kernel
+
+
+def _kernel():
+    """The jitted kernel, building it (and importing triton) on first use; None when triton is unusable."""
+    if "kernel" in _STATE or "error" in _STATE:
+        return _STATE.get("kernel")
+    try:
+        import triton
+        import triton.language as tl
+    except Exception as exc:  # noqa: BLE001  (any import failure means: no kernel on this machine)
+        _STATE["error"] = f"{type(exc).__name__}: {exc}"
+        return None
+
+    @triton.jit
+    def _soft_ce_rows(S, T, W, TOP, G, CE_W, HIT, V, s_row, t_row, g_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
+        s_ptr, t_ptr, g_ptr = S + row * s_row, T + row * t_row, G + row * g_row
+        offs = tl.arange(0, BLOCK)
+        neg_inf = float("-inf")
+        # pass 1: online max / sum-exp of s and t, sum exp(t - m_t) * s, first argmax of s
+        m_s = tl.full((), neg_inf, tl.float32)
+        l_s = tl.zeros((), tl.float32)
+        m_t = tl.full((), neg_inf, tl.float32)
+        l_t = tl.zeros((), tl.float32)
+        a_t = tl.zeros((), tl.float32)
+        best = tl.full((), neg_inf, tl.float32)
+        best_i = tl.zeros((), tl.int32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            ok = idx < V
+            s0 = tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32)  # 0 where masked: for the p*s sum
+            s = tl.where(ok, s0, neg_inf)  # -inf where masked: for max, sum-exp and argmax
+            t = tl.load(t_ptr + idx, mask=ok, other=neg_inf).to(tl.float32)
+            # argmax: the first index holding the block's max; a later block wins only if strictly larger
+            bmax = tl.max(s, 0)
+            bidx = tl.min(tl.where(s == bmax, idx, V), 0)
+            take = bmax > best
+            best_i = tl.where(take, bidx, best_i)
+            best = tl.where(take, bmax, best)
+            # every block holds at least one valid entry, so the new maxima are finite from block 1 on
+            ms_new = tl.maximum(m_s, bmax)
+            l_s = l_s * tl.exp(m_s - ms_new) + tl.sum(tl.exp(s - ms_new), 0)
+            m_s = ms_new
+            mt_new = tl.maximum(m_t, tl.max(t, 0))
+            scale = tl.exp(m_t - mt_new)
+            e_t = tl.exp(t - mt_new)  # 0 on masked entries
+            l_t = l_t * scale + tl.sum(e_t, 0)
+            a_t = a_t * scale + tl.sum(e_t * s0, 0)
+            m_t = mt_new
+        lse_s = m_s + tl.log(l_s)
+        lse_t = m_t + tl.log(l_t)
+        w = tl.load(W + row).to(tl.float32)
+        tl.store(CE_W + row, (lse_s - a_t / l_t) * w)
+        tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
+        # pass 2: the same row again, g = (softmax(s) - softmax(t)) * w, last block first: the blocks
+        # pass 1 read last are the likeliest to still be in L2
+        n_blocks = tl.cdiv(V, BLOCK)
+        for i in range(0, n_blocks):
+            idx = (n_blocks - 1 - i) * BLOCK + offs
+            ok = idx < V
+            s = tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+            t = tl.load(t_ptr + idx, mask=ok, other=0.0).to(tl.float32)
+            g = (tl.exp(s - lse_s) - tl.exp(t - lse_t)) * w
+            tl.store(g_ptr + idx, g.to(G.dtype.element_ty), mask=ok)
+
+    _STATE["kernel"] = _soft_ce_rows
+    return _soft_ce_rows
+
+
+def kernel_unavailable(device: torch.device) -> str | None:
+    """None when the kernel can run on `device`; else why not (a sentence for a log line)."""
+    kernel = _kernel()
+    if kernel is None:
+        return f"triton is not importable ({_STATE['error']})"
+    interpreted = type(kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
+    if device.type != "cuda" and not interpreted:
+        return f"device {device.type}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 when triton is imported)"
+    if device.type == "cuda" and interpreted:
+        return "TRITON_INTERPRET=1 runs the kernel on the host, not on CUDA"
+    return None
+
+
+def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch.Tensor, *,
+                   block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum_n w_n CE_n fp32 scalar, hits [c] bool, g [c, V] in s's dtype): `_chunk_ce` in one launch.
+
+    s, t: [c, V] float (any float dtypes, rows may be strided, entries must be contiguous);
+    w: [c] weights; top: [c] integer ids. No host syncs."""
+    kernel = _kernel()
+    if kernel is None:
+        raise RuntimeError(f"fused_chunk_ce: triton is not importable ({_STATE['error']})")
+    c, V = s.shape
+    assert t.shape == (c, V) and w.shape == (c,) and top.shape == (c,), (s.shape, t.shape, w.shape, top.shape)
+    assert block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two"
+    s = s if s.stride(-1) == 1 else s.contiguous()
+    t = t if t.stride(-1) == 1 else t.contiguous()
+    w = w.contiguous()
+    top = top.contiguous()
+    g = torch.empty((c, V), dtype=s.dtype, device=s.device)
+    ce_w = torch.empty(c, dtype=torch.float32, device=s.device)
+    hit = torch.empty(c, dtype=torch.int8, device=s.device)
+    if c > 0:
+        kernel[(c,)](s, t, w, top, g, ce_w, hit, V, s.stride(0), t.stride(0), g.stride(0),
+                     BLOCK=block_v, num_warps=num_warps)
+    return ce_w.sum(), hit.view(torch.bool), g

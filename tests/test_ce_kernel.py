@@ -1,0 +1,167 @@
+"""The fused soft cross-entropy kernel (eyas.drafter.ce_kernel) equals `_chunk_ce`, and the head loss
+picks it only where it runs and passes its start-up check.
+
+The kernel runs on CPU under Triton's interpreter, which must be switched on (TRITON_INTERPRET=1)
+before triton is imported: the Triton checks run in a child process (`_in_interpreter`) and print
+a marker once they passed. Without triton they skip, with the reason (CI has none). The interpreter
+handles bf16 loads and stores here (no tl.dot), so bf16 inputs are checked too."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from eyas.drafter import ce_kernel as CE
+from eyas.drafter import ttt
+from eyas.errors import EyasError
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importable here")
+
+
+def _in_interpreter(call: str) -> str:
+    """Run `tests.test_ce_kernel.<call>` in a child with TRITON_INTERPRET=1; its stdout, failing
+    with its output if the child failed."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env.pop(ttt.CE_KERNEL_ENV, None)
+    code = f"import tests.test_ce_kernel as t; t.{call}"
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _chunk(c: int, V: int, s_dtype: torch.dtype, t_dtype: torch.dtype, seed: int):
+    """Logits ~ N(0, 3); row 1 has weight 0; row 0 holds its maximum at two indices; half the tops hit."""
+    g = torch.Generator().manual_seed(seed)
+    s = (3 * torch.randn(c, V, generator=g)).to(s_dtype)
+    t = (3 * torch.randn(c, V, generator=g)).to(t_dtype)
+    s[0, 1] = s[0, V - 1] = s[0].max() + 1  # the tie straddles blocks; the first index must win
+    w = torch.rand(c, generator=g)
+    w[1] = 0.0
+    top = s.float().argmax(-1)
+    miss = torch.randint(1, V, (len(range(2, c, 2)),), generator=g)  # any id but the argmax
+    top[2::2] = (top[2::2] + miss) % V
+    return s, t, w, top
+
+
+@needs_triton
+def test_kernel_equals_chunk_ce_under_interpreter():
+    out = _in_interpreter("check_kernel()")
+    assert out.count("kernel ok") == 5 and "all kernel checks ok" in out, out[-2000:]  # every case ran
+
+
+def check_kernel() -> None:
+    assert CE.kernel_unavailable(torch.device("cpu")) is None, CE.kernel_unavailable(torch.device("cpu"))
+    cases = [  # (rows, V, s dtype, t dtype, block): V is never a multiple of the block
+        (6, 3000, torch.float32, torch.float32, 1024),
+        (5, 1000, torch.float32, torch.float32, 128),
+        (4, 777, torch.bfloat16, torch.bfloat16, 256),
+        (4, 777, torch.bfloat16, torch.float32, 256),
+        (3, 50, torch.float32, torch.bfloat16, 64),  # one partial block
+    ]
+    for i, (c, V, sd, td, block) in enumerate(cases):
+        s, t, w, top = _chunk(c, V, sd, td, seed=i)
+        ce, hits, g = CE.fused_chunk_ce(s, t, w, top, block_v=block)
+        ce_r, hits_r, g_r = ttt._chunk_ce(s, t, w, top)
+        assert ce.dtype == torch.float32 and ce.shape == () and hits.dtype == torch.bool and g.dtype == sd
+        assert hits[0] and torch.equal(hits, hits_r), (hits, hits_r)  # row 0: the first of the tied maxima
+        assert 0 < hits.sum() < c  # both outcomes occur
+        torch.testing.assert_close(ce, ce_r, rtol=1e-5, atol=1e-5)
+        if sd == torch.float32:
+            torch.testing.assert_close(g, g_r, rtol=1e-5, atol=1e-7)
+        else:  # both round an fp32 value to bf16: at most one ulp apart
+            torch.testing.assert_close(g.float(), g_r.float(), rtol=2 ** -7, atol=1e-7)
+        assert torch.all(g[1] == 0)  # the zero-weight row
+        print("kernel ok", i)
+    # rows with a stride larger than V (a view into a wider buffer) and ce not scaled by w twice
+    s, t, w, top = _chunk(4, 300, torch.float32, torch.float32, seed=9)
+    wide = torch.zeros(4, 333)
+    wide[:, :300] = s
+    ce, hits, g = CE.fused_chunk_ce(wide[:, :300], t, w, top, block_v=128)
+    p = torch.softmax(t, -1)
+    per_row = torch.logsumexp(s, -1) - (p * s).sum(-1)  # soft CE written out
+    torch.testing.assert_close(ce, (per_row * w).sum(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(g, (torch.softmax(s, -1) - p) * w[:, None], rtol=1e-5, atol=1e-7)
+    # the head loss picks the kernel here (interpreter, check passed) and still equals the reference
+    ttt._CE_CHOICE.clear()
+    assert ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32) is CE.fused_chunk_ce
+    gen = torch.Generator().manual_seed(3)
+    x, wv = torch.randn(10, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    f, wt = torch.randn(10, 16, generator=gen), torch.randn(300, 16, generator=gen)
+    weight, topn = torch.rand(10, generator=gen), torch.zeros(10, dtype=torch.long)
+    tot, _ = ttt.head_soft_ce(x, wv, f, wt, weight, topn, chunk_rows=4)
+    torch.testing.assert_close(tot, ttt.reference_head_soft_ce(x, wv, f, wt, weight), rtol=1e-5, atol=1e-5)
+    print("all kernel checks ok")
+
+
+def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
+    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    monkeypatch.delenv(ttt.CE_KERNEL_ENV, raising=False)
+    cpu = torch.device("cpu")
+    if CE.kernel_unavailable(cpu) is None:
+        pytest.skip("TRITON_INTERPRET=1 in this process: the kernel runs on CPU here")
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is ttt._chunk_ce
+    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "triton")
+    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    with pytest.raises(EyasError, match="EYAS_CE_KERNEL=triton"):
+        ttt.chunk_ce_for(cpu, torch.float32, torch.float32)
+    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "fast")
+    with pytest.raises(EyasError, match="expected auto, torch or triton"):
+        ttt.chunk_ce_for(cpu, torch.float32, torch.float32)
+
+
+def test_forced_torch_skips_a_working_kernel(monkeypatch):
+    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
+    def kernel(s, t, w, top):  # a stand-in kernel that passes its check
+        return ttt._chunk_ce(s, t, w, top)
+
+    monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
+    monkeypatch.setattr(ttt, "check_fused_chunk_ce", lambda *a, **k: None)
+    cpu = torch.device("cpu")
+    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "auto")
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is kernel
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is kernel  # decided once, then cached
+    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "torch")
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is ttt._chunk_ce
+
+
+def _wrong_argmax(s, t, w, top):  # the last index of a tied maximum
+    ce, _, g = ttt._chunk_ce(s, t, w, top)
+    last = s.shape[1] - 1 - s.float().flip(-1).argmax(-1)
+    return ce, last == top, g
+
+
+def _wrong_grad(s, t, w, top):  # forgets the row weights in g
+    ce, hits, _ = ttt._chunk_ce(s, t, w, top)
+    return ce, hits, (torch.softmax(s.float(), -1) - torch.softmax(t.float(), -1)).to(s.dtype)
+
+
+def _wrong_loss(s, t, w, top):  # unweighted sum
+    _, hits, g = ttt._chunk_ce(s, t, w, top)
+    return ttt._chunk_ce(s, t, torch.ones_like(w), top)[0], hits, g
+
+
+def _crashes(s, t, w, top):
+    raise RuntimeError("no kernel image is available")
+
+
+@pytest.mark.parametrize("bad, says", [(ttt._chunk_ce, None), (_wrong_argmax, "hits differ"),
+                                       (_wrong_grad, "gradient differs"), (_wrong_loss, "loss differs"),
+                                       (_crashes, "failed: RuntimeError")])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
+def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
+    monkeypatch.setattr(CE, "fused_chunk_ce", bad)
+    why = ttt.check_fused_chunk_ce(torch.device("cpu"), *dtypes, rows=8, vocab=2000)
+    if says is None:
+        assert why is None  # the reference itself passes: the tolerances are not too tight
+    else:
+        assert why is not None and says in why, why
