@@ -190,3 +190,21 @@ def test_until_stops_after_the_stage_and_a_covering_shared_regeneration_is_only_
     assert cov("regenerate.limit=5") is not None
     assert cov("regenerate.limit=6") is None  # record 5 not decided yet
     assert cov("regenerate.limit=5", "regenerate.max_new_tokens=9") is None  # other settings: not this run
+
+
+def test_an_export_killed_mid_way_is_redone_not_refused(tmp_path):
+    """A SIGTERM during export leaves one finished format and the next one's eyas-marked temporary
+    directory, without stage.json: the rerun may replace it; a directory of the user's is still refused."""
+    from eyas.common import MARKER
+    from eyas.errors import EyasError
+    from eyas.pipeline import claim
+
+    export = tmp_path / "export"
+    (export / "sglang").mkdir(parents=True)
+    (export / "sglang" / "eyas_export.json").write_text("{}")
+    (export / ".vllm.x1.tmp").mkdir()
+    (export / ".vllm.x1.tmp" / MARKER).write_text("{}")
+    claim("export", export)  # no error
+    (export / "notes").mkdir()
+    with pytest.raises(EyasError, match="was not written by `eyas pipeline`"):
+        claim("export", export)

@@ -351,8 +351,12 @@ def _eyas_made(stage: str, directory: Path) -> bool:
     if stage == "train":
         return (directory / "metrics.jsonl").is_file() or (directory / "checkpoints").is_dir()
     if stage == "export":
+        from eyas.common import MARKER
+
         subdirs = [d for d in directory.iterdir() if d.is_dir()]
-        return bool(subdirs) and all((d / "eyas_export.json").is_file() for d in subdirs)
+        # an export killed mid-way leaves its format's eyas-marked `.<fmt>.*.tmp` sibling (removed by the next export)
+        return bool(subdirs) and all((d / "eyas_export.json").is_file() or (
+            d.name.startswith(".") and d.name.endswith(".tmp") and (d / MARKER).is_file()) for d in subdirs)
     name, prefix = _ARTIFACT[stage]
     try:
         return str(json.loads((directory / name).read_text()).get("schema", "")).startswith(prefix)
