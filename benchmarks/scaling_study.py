@@ -34,9 +34,10 @@ Exit 1 when a point (or the regeneration) failed.
 GPU, two H200, in calls of at most 10 minutes (repeat the same command until `"done": true`):
 
     PYTHONPATH=src python benchmarks/scaling_study.py --recipe recipes/smollm2-gpu.toml \
-        --root runs/scaling --conversations 2000,6000,17671 --steps 600,1800 --gpus 0,1 --max-minutes 9
+        --root runs/scaling --conversations 2000,6000,17671 --steps 600,1800 --gpus 0,1 --max-minutes 8
 
-One H200: the same without --gpus. Regenerate only (e.g. while the GPUs train something else): add
+(--max-minutes 8: at the deadline the children get up to 60 s to commit, so one call stays under
+10 minutes.) One H200: the same without --gpus. Regenerate only (e.g. while the GPUs train something else): add
 --regen-only; it prints where the regenerated chats are.
 
 Any recipe option can be changed for every point with --set section.key=value (as `eyas pipeline`).
