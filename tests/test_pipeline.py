@@ -141,3 +141,70 @@ def test_shipped_recipes_name_only_real_options(tmp_path):
     assert st["export"].formats == ["sglang", "vllm"]
     assert load_config(SMOKE)["stages"]["train"].device == "cpu"
     assert not (tmp_path / "g").exists()
+
+
+@pytest.mark.parametrize("until, needle", [
+    ("trian", "--until 'trian': not a stage; expected one of regenerate, prepare, train, eval, export"),
+    ("regenerate", "has no [regenerate] stage; its stages are prepare"),
+])
+def test_until_a_bad_stage_exits_2_before_any_work(tmp_path, until, needle):
+    cfg = tmp_path / "p.toml"
+    work = tmp_path / "work"
+    cfg.write_text(f'workdir = "{work}"\n[prepare]\nlimit = 2\n')
+    res, _ = _run(str(cfg), "--until", until)
+    assert res.exit_code == 2, res.output
+    assert needle in res.stderr and len(res.stderr.strip().splitlines()) == 1
+    assert not work.exists()
+
+
+def test_until_stops_after_the_stage_and_a_covering_shared_regeneration_is_only_read(
+        tmp_path, tiny_target_dir, one_torch_thread):
+    """--until regenerate runs that stage alone; a second pipeline whose limit the shared regeneration
+    already covers reads it without rewriting a byte (concurrent readers are safe); a larger limit
+    or other settings are not covered (that pipeline regenerates, as before)."""
+    from eyas.pipeline import load_config, shared_coverage
+
+    shared = tmp_path / "regen"
+    base = [str(SMOKE), "--set", f"target={json.dumps(str(tiny_target_dir))}", "--set", "regenerate.max_new_tokens=8",
+            "--set", f"regenerate.out={json.dumps(str(shared))}", "--until", "regenerate"]
+    res, s = _run(*base, "--workdir", str(tmp_path / "a"), "--set", "regenerate.limit=5")
+    assert res.exit_code == 0, res.output
+    assert _statuses(s) == {"regenerate": "ran"}
+    assert s["until"] == "regenerate" and s["not_run"] == ["prepare", "train", "eval", "export"]
+    assert s["stages"]["regenerate"]["selected"] == 5 and "shared" not in s["stages"]["regenerate"]
+    assert not (tmp_path / "a" / "prepared").exists() and not (tmp_path / "a" / "train").exists()
+
+    before = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in shared.iterdir() if p.is_file()}
+    res, s2 = _run(*base, "--workdir", str(tmp_path / "b"), "--set", "regenerate.limit=3")
+    assert res.exit_code == 0, res.output
+    r = s2["stages"]["regenerate"]
+    assert r["status"] == "ran" and r["shared"] == "read" and r["selected"] == 3 and r["tokens_this_run"] == 0
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in shared.iterdir() if p.is_file()} == before
+    assert (tmp_path / "b" / "regenerate" / "chats.jsonl").read_text().count("\n") == 3
+
+    def cov(*extra):
+        over = [f"target={json.dumps(str(tiny_target_dir))}", "regenerate.max_new_tokens=8",
+                f"regenerate.out={json.dumps(str(shared))}", *extra]
+        return shared_coverage(load_config(SMOKE, overrides=over, workdir=tmp_path / "c")["stages"]["regenerate"])
+
+    assert cov("regenerate.limit=5") is not None
+    assert cov("regenerate.limit=6") is None  # record 5 not decided yet
+    assert cov("regenerate.limit=5", "regenerate.max_new_tokens=9") is None  # other settings: not this run
+
+
+def test_an_export_killed_mid_way_is_redone_not_refused(tmp_path):
+    """A SIGTERM during export leaves one finished format and the next one's eyas-marked temporary
+    directory, without stage.json: the rerun may replace it; a directory of the user's is still refused."""
+    from eyas.common import MARKER
+    from eyas.errors import EyasError
+    from eyas.pipeline import claim
+
+    export = tmp_path / "export"
+    (export / "sglang").mkdir(parents=True)
+    (export / "sglang" / "eyas_export.json").write_text("{}")
+    (export / ".vllm.x1.tmp").mkdir()
+    (export / ".vllm.x1.tmp" / MARKER).write_text("{}")
+    claim("export", export)  # no error
+    (export / "notes").mkdir()
+    with pytest.raises(EyasError, match="was not written by `eyas pipeline`"):
+        claim("export", export)

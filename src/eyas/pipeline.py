@@ -18,7 +18,12 @@ A stage runs when its section is present (an empty section = that stage's defaul
 stages are filled in by the pipeline (keys such as `out`, `data`, `drafter`, `overwrite`, `resume`
 are refused in the file); `[regenerate] out` alone may be set, to share one growing regeneration
 between several pipelines (the scaling study): each pipeline then reads only the conversations of
-its own `limit` (source records 0 .. limit-1).
+its own `limit` (source records 0 .. limit-1). A shared regeneration that already decided all of
+those records with the same settings is only read, never resumed or rewritten, so several pipelines
+may read it at once; one that must grow it has to run alone.
+
+`--until STAGE` runs the stages up to and including STAGE and stops: the summary says `until` and
+lists the stages `not_run` (e.g. `--until regenerate` fills a shared regeneration ahead of training).
 
 Skip and resume. Each stage writes `stage.json` in its output directory: the fingerprint (sha256 of
 the stage's resolved options plus its input's fingerprint), status and summary. A stage whose record
@@ -152,8 +157,12 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | Path | None = None) -> dict[str, Any]:
-    """Read and check a pipeline file; `overrides` are `section.key=value` (or `key=value` at the top)."""
+def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | Path | None = None,
+                until: str | None = None) -> dict[str, Any]:
+    """Read and check a pipeline file; `overrides` are `section.key=value` (or `key=value` at the top);
+    `until` names the last stage to run (a stage of the file)."""
+    if until is not None and until not in STAGES:
+        raise EyasError(f"--until {until!r}: not a stage; expected one of {', '.join(STAGES)}")
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
@@ -172,7 +181,12 @@ def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | P
         where[name] = parse_value(value.strip())
     if workdir is not None:
         raw["workdir"] = str(workdir)
-    return check_config(raw, where=str(path))
+    config = check_config(raw, where=str(path))
+    if until is not None and until not in config["stages"]:
+        raise EyasError(f"--until {until}: {path} has no [{until}] stage; its stages are "
+                        f"{', '.join(config['stages'])}")
+    config["until"] = until
+    return config
 
 
 def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
@@ -337,8 +351,12 @@ def _eyas_made(stage: str, directory: Path) -> bool:
     if stage == "train":
         return (directory / "metrics.jsonl").is_file() or (directory / "checkpoints").is_dir()
     if stage == "export":
+        from eyas.common import MARKER
+
         subdirs = [d for d in directory.iterdir() if d.is_dir()]
-        return bool(subdirs) and all((d / "eyas_export.json").is_file() for d in subdirs)
+        # an export killed mid-way leaves its format's eyas-marked `.<fmt>.*.tmp` sibling (removed by the next export)
+        return bool(subdirs) and all((d / "eyas_export.json").is_file() or (
+            d.name.startswith(".") and d.name.endswith(".tmp") and (d / MARKER).is_file()) for d in subdirs)
     name, prefix = _ARTIFACT[stage]
     try:
         return str(json.loads((directory / name).read_text()).get("schema", "")).startswith(prefix)
@@ -392,9 +410,53 @@ def _select_chats(run_dir: Path, limit: int | None, out_file: Path) -> dict[str,
     return {"conversations": len(lines), "answer_tokens": tokens, "sha256": hashlib.sha256(blob).hexdigest()}
 
 
+def shared_coverage(cfg) -> dict[str, Any] | None:
+    """The committed meta.json of `cfg.out` when that regeneration already decided every source record
+    this pipeline reads ([0, limit)) with the same settings; else None (the stage must regenerate).
+
+    Why: `regenerate` on an existing output resumes it, and a resume cuts the files back to their last
+    commit and rewrites meta.json even when nothing is left to do. Several pipelines reading one shared
+    regeneration at once (the scaling study on several GPUs) must therefore only read it once it is
+    complete enough. Only files are read (settings hash the target's files; no model loads)."""
+    from eyas.regen.output import SCHEMA as CHATS_SCHEMA, settings_differ
+    from eyas.regen.run import regen_settings
+
+    try:
+        meta = json.loads((Path(cfg.out) / "meta.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("schema") != CHATS_SCHEMA or "committed" not in meta:
+        return None
+    info = meta.get("source_info") or {}
+    records, made_limit = info.get("records"), info.get("limit")
+    # the source's size is known when the run that wrote meta.json was not cut short by its own limit
+    size = records if isinstance(records, int) and (made_limit is None or records < made_limit) else None
+    if cfg.limit is None and size is None:
+        return None
+    needed = min(x for x in (cfg.limit, size) if x is not None)
+    done = (Path(cfg.out) / "done.jsonl").read_bytes()[: meta["committed"]["done_bytes"]].decode("utf-8")
+    decided = {int(json.loads(line)["index"]) for line in done.split("\n") if line}
+    if not decided.issuperset(range(needed)):
+        return None
+    if settings_differ(meta.get("settings", {}), regen_settings(cfg)):
+        return None  # regenerate itself then says which settings differ
+    return meta
+
+
 def _run_regenerate(cfg, directory: Path) -> tuple[dict[str, Any], str]:
     from eyas.regen.run import regenerate
 
+    meta = shared_coverage(cfg) if not cfg.overwrite else None
+    if meta is not None:  # read, never rewritten: other pipelines may be reading it right now
+        which = f"source records 0..{cfg.limit - 1}" if cfg.limit else "every source record"
+        log(f"regen: {cfg.out} already holds {which} with these settings: reading it, nothing regenerated")
+        sel = _select_chats(cfg.out, cfg.limit, directory / "chats.jsonl")
+        counts = meta.get("counts", {})
+        return {"written": counts.get("written"), "conversations": counts.get("conversations"),
+                "answer_tokens": counts.get("answer_tokens"), "tokens_this_run": 0, "tokens_per_s": None,
+                "truncated_turns": counts.get("truncated_turns"), "skipped": counts.get("skipped"),
+                "selected": sel["conversations"], "selected_answer_tokens": sel["answer_tokens"], "out": str(cfg.out),
+                "shared": "read"}, sel["sha256"]
     try:
         summary = regenerate(cfg)
     except EyasError as exc:
@@ -473,7 +535,11 @@ def run_pipeline(config: dict[str, Any]) -> dict[str, Any]:
     results: dict[str, dict[str, Any]] = {}
     input_fp: str | None = None
     t_all = time.perf_counter()
+    until = config.get("until")
+    not_run = list(cfgs)[list(cfgs).index(until) + 1:] if until else []
     for stage, cfg in cfgs.items():
+        if stage in not_run:
+            break
         directory = paths[stage]
         fp = fingerprint(stage, cfg, input_fp, auto=config["auto"].get(stage, set()))
         rec = read_record(directory)
@@ -513,6 +579,10 @@ def run_pipeline(config: dict[str, Any]) -> dict[str, Any]:
         "tau_tree": ev.get("tau_tree"),
         "stages": results,
     }
+    if until:
+        out["until"] = until
+        out["not_run"] = not_run  # configured stages after --until: untouched, rerun the pipeline without it
+        log(f"== eyas pipeline: stopped after {until} (--until); not run: {', '.join(not_run) or 'none'} ==")
     atomic_write_json(workdir / "pipeline.json", _jsonable(out))
     _print_table(out)
     return out

@@ -32,6 +32,15 @@ SCHEMA = "eyas.chats/1"
 CHATS, DONE, META = "chats.jsonl", "done.jsonl", "meta.json"
 
 
+def settings_differ(old: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The settings keys whose values differ between a recorded run and this one (empty: it resumes)."""
+    now = dict(now)
+    if isinstance(old.get("target"), dict) and isinstance(now.get("target"), dict):
+        # identity fields added by a newer eyas (e.g. sampled weight hashes) do not block a resume
+        now["target"] = {k: v for k, v in now["target"].items() if k in old["target"]}
+    return sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
+
+
 def _cut(path: Path, size: int) -> None:
     if not path.exists():
         if size:
@@ -80,13 +89,8 @@ class ChatsWriter:
     def _resume(self, meta: dict[str, Any]) -> None:
         if meta.get("schema") != SCHEMA:
             raise EyasError(f"{self.out / META}: schema {meta.get('schema')!r}, expected {SCHEMA!r}; choose a new --out")
-        old = meta.get("settings", {})
-        now = dict(self.settings)
-        if isinstance(old.get("target"), dict) and isinstance(now.get("target"), dict):
-            # identity fields added by a newer eyas (e.g. sampled weight hashes) do not block a resume
-            now["target"] = {k: v for k, v in now["target"].items() if k in old["target"]}
-        if old != now:
-            diff = sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
+        diff = settings_differ(meta.get("settings", {}), self.settings)
+        if diff:
             raise EyasError(
                 f"--out {self.out} holds a run with different settings ({', '.join(diff)}); "
                 "rerun with the same settings to resume, pass --overwrite to start over, or choose a new --out"

@@ -185,12 +185,34 @@ def _sigterm_as_interrupt():
         signal.signal(signal.SIGTERM, old)
 
 
+def regen_settings(config: RegenConfig) -> dict[str, Any]:
+    """The settings an output records and a resume must match: target identity (config, weights and
+    tokenizer hashes), sampling, limits and source. Reads files only; no model is loaded."""
+    from eyas.regen.sampling import Sampling
+    from eyas.target import load_tokenizer, model_identity, tokenizer_hash
+
+    try:
+        sampling = Sampling(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
+    except ValueError as exc:
+        raise EyasError(str(exc)) from None
+    identity = model_identity(config.target)
+    identity["tokenizer_sha256"] = tokenizer_hash(load_tokenizer(config.target))
+    return {
+        "target": identity,
+        "sampling": sampling.as_dict(),
+        "max_new_tokens": config.max_new_tokens,
+        "max_turns": config.max_turns,
+        "max_len": config.max_length if config.engine != "server" else None,  # key kept: older runs resume
+        "continue_after_truncated": config.continue_after_truncated,
+        "source": {"spec": str(config.source), "hf_split": config.hf_split},
+    }
+
+
 def regenerate(config: RegenConfig) -> dict[str, Any]:
     from eyas.data.sources import iter_conversations
     from eyas.regen.driver import RegenOptions, Regenerator
     from eyas.regen.output import ChatsWriter
     from eyas.regen.sampling import Sampling
-    from eyas.target import model_identity, tokenizer_hash, load_tokenizer
 
     try:
         sampling = Sampling(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
@@ -202,17 +224,7 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
     total = _count(config)
     if total == 0:
         raise EyasError(f"--source {config.source}: no records (empty dataset); nothing to regenerate")
-    identity = model_identity(config.target)
-    identity["tokenizer_sha256"] = tokenizer_hash(load_tokenizer(config.target))
-    settings = {
-        "target": identity,
-        "sampling": sampling.as_dict(),
-        "max_new_tokens": config.max_new_tokens,
-        "max_turns": config.max_turns,
-        "max_len": config.max_length if config.engine != "server" else None,  # key kept: older runs resume
-        "continue_after_truncated": config.continue_after_truncated,
-        "source": {"spec": str(config.source), "hf_split": config.hf_split},
-    }
+    settings = regen_settings(config)
 
     if config.engine == "server":
         from eyas.regen.server import ServerEngine, ServerOptions
