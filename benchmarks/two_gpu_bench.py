@@ -11,7 +11,8 @@ the driver itself never touches a GPU:
           --tokens-per-batch per process (so the 2-process global batch is twice as large), --steps
           steps; the steady-state rate comes from each run's metrics.jsonl (first --skip steps left
           out; `tokens` there are summed over ranks and `step_s` is rank 0's synchronised step).
-          With --store the same offline (train_2gpu_scaling_smol_offline).
+  smol-offline  the same with --store (offline, captured states): train_2gpu_scaling_smol_offline;
+          without --store it is recorded as not run.
   loss    the same global batches in the same order, 1 process vs 2: TokenPlan cuts each epoch's
           permutation into micro-batches of --tokens-per-batch and gives optimizer step j the
           micro-batches j*S..j*S+S-1, S = grad_accum x world. So 1 process with --grad-accum 2 and
@@ -47,8 +48,10 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -58,7 +61,7 @@ sys.path.insert(0, str(HERE))
 from capture_dp_bench import child_env, ensure_prepared  # noqa: E402  (sibling benchmark helpers)
 from train_bench import _steady  # noqa: E402
 
-PARTS = ("8b", "smol", "loss", "ckpt")
+PARTS = ("8b", "smol", "smol-offline", "loss", "ckpt")
 
 
 def log(msg: str) -> None:
@@ -80,21 +83,28 @@ def launch(label: str, argv: list[str], *, procs: int, env: dict[str, str], logd
     logdir.mkdir(parents=True, exist_ok=True)
     out_f, err_lines = logdir / f"{label}.stdout", []
     t0 = time.perf_counter()
+    if timeout < 10:
+        raise TimeoutError(f"{label}: not started, {timeout:.0f}s left of --budget-s")
     with open(out_f, "w") as so, open(logdir / f"{label}.log", "w") as lf:
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=subprocess.PIPE, text=True, bufsize=1)
+        # own process group: on timeout torchrun AND its workers are killed, nothing is left on a GPU
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=subprocess.PIPE, text=True, bufsize=1,
+                             start_new_session=True)
+        timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL) if p.poll() is None else None)
+        timer.start()
         try:
             for line in p.stderr:
                 lf.write(line)
                 err_lines.append(line)
-                if time.perf_counter() - t0 > timeout:
-                    raise TimeoutError(f"{label}: still running after {timeout:.0f}s")
                 log(f"  [{label}] {line.rstrip()[:300]}")
-            p.wait(timeout=max(1.0, timeout - (time.perf_counter() - t0)))
+            p.wait()
         finally:
+            timer.cancel()
             if p.poll() is None:
-                p.kill()
+                os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
     err = "".join(err_lines)
+    if p.returncode == -signal.SIGKILL and time.perf_counter() - t0 >= timeout:
+        raise TimeoutError(f"{label}: killed after {timeout:.0f}s (--timeout / --budget-s)")
     if p.returncode != 0:
         raise RuntimeError(f"{label}: exit {p.returncode}: {err.strip()[-1200:]}")
     log(f"[{label}] done in {time.perf_counter() - t0:.1f}s")
@@ -137,6 +147,16 @@ def smoke_inputs(work: Path) -> tuple[Path, Path]:
     return target, data
 
 
+def smoke_store(work: Path, target: Path, data: Path) -> Path:
+    """`eyas capture` of the smoke data (layers 1,3,4 of the tiny target), for the offline part."""
+    store = work / "smoke_store"
+    if not (store / "manifest.json").is_file():
+        launch("smoke-capture", ["eyas", "capture", "--target", str(target), "--data", str(data), "--out", str(store),
+                                 "--device", "cpu", "--aux-layers", "1,3,4"], procs=1, env=child_env("cpu"),
+               logdir=work / "logs", timeout=300, module=True)
+    return store
+
+
 # -- the parts -------------------------------------------------------------------------------------
 
 
@@ -147,10 +167,12 @@ class Bench:
         self.env = child_env(args.device)
         self.logs = args.work / "logs"
         self.result: dict = {"device": args.device, "parts": args.parts, "errors": {}}
-        self._refs: dict | None = None
+        self._refs: dict | Exception | None = None
+        self.deadline = time.perf_counter() + args.budget_s
 
     def run(self, label, argv, *, procs, module=True):
-        return launch(label, argv, procs=procs, env=self.env, logdir=self.logs, timeout=self.a.timeout, module=module)
+        timeout = min(self.a.timeout, self.deadline - time.perf_counter())
+        return launch(label, argv, procs=procs, env=self.env, logdir=self.logs, timeout=timeout, module=module)
 
     # 8B shape --------------------------------------------------------------------------------------
     def part_8b(self) -> None:
@@ -195,6 +217,8 @@ class Bench:
 
     def part_smol(self) -> None:
         self._scaling("smol", ["--data", str(self.a.data)], "train_2gpu_scaling_smol")
+
+    def part_smol_offline(self) -> None:
         if self.a.store:
             self._scaling("smol-offline", ["--store", str(self.a.store)], "train_2gpu_scaling_smol_offline")
         else:
@@ -396,7 +420,10 @@ def main() -> None:
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--draft-vocab", type=int, default=None, help="default: eyas train's (cpu smoke: 512)")
     ap.add_argument("--aux-layers", default=None, help="default: eyas train's (cpu smoke: 1,3,4)")
-    ap.add_argument("--timeout", type=float, default=900, help="seconds per child run")
+    ap.add_argument("--timeout", type=float, default=420, help="seconds per child run")
+    ap.add_argument("--budget-s", type=float, default=570, help="seconds for the whole command: a run still going "
+                                                               "then is killed, later ones are not started (recorded), "
+                                                               "and the JSON line is still printed")
     a = ap.parse_args()
     cpu = a.device == "cpu"
     a.parts = [p.strip() for p in a.parts.split(",") if p.strip()]
@@ -415,12 +442,17 @@ def main() -> None:
         ap.error(f"--ckpt-at must be in [1, --loss-steps), got {a.ckpt_at} with --loss-steps {a.loss_steps}")
     a.work = a.work.resolve()
     a.work.mkdir(parents=True, exist_ok=True)
-    needs_data = any(p in a.parts for p in ("smol", "loss", "ckpt"))
+    needs_data = any(p in a.parts for p in ("smol", "smol-offline", "loss", "ckpt"))
     if cpu and needs_data and (a.target is None or a.data is None):
         a.target, a.data = smoke_inputs(a.work)
         a.draft_vocab = a.draft_vocab or 512
         a.aux_layers = a.aux_layers or "1,3,4"
         log(f"cpu smoke run: tiny target {a.target}, random prepared data {a.data}")
+        if "smol-offline" in a.parts and a.store is None:
+            try:
+                a.store = smoke_store(a.work, a.target, a.data)
+            except Exception as exc:  # noqa: BLE001  (the offline part then says it did not run)
+                log(f"cpu smoke run: no store for the offline part ({exc})")
     if needs_data and (a.target is None or a.data is None):
         ap.error("--parts smol/loss/ckpt need --target DIR and --data PREPARED")
 
@@ -432,7 +464,7 @@ def main() -> None:
     for part in a.parts:
         log(f"== part {part} ==")
         try:
-            getattr(b, f"part_{part}")()
+            getattr(b, f"part_{part.replace('-', '_')}")()
         except Exception as exc:  # noqa: BLE001  (recorded; the next part still runs)
             b.fail(part, exc)
             if part == "ckpt":
