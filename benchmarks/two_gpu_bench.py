@@ -141,7 +141,11 @@ def smoke_inputs(work: Path) -> tuple[Path, Path]:
                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
                                           tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
                                           eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(target, safe_serialization=True)
+        model = transformers.AutoModelForCausalLM.from_config(config)
+        with torch.no_grad():  # a confident teacher whose top-1 lies in the 512-id draft vocab (else no loss)
+            model.lm_head.weight[512:] = 0
+            model.lm_head.weight[:512] *= 40
+        model.save_pretrained(target, safe_serialization=True)
         tok.save_pretrained(target)
     data = ensure_prepared(target, work, samples=32, min_len=12, max_len=40, seed=0)
     return target, data
