@@ -72,3 +72,42 @@ def test_two_processes_equal_one(world, tmp_path):  # noqa: F811
     (ddp / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= 2) + "\n")
     run(_cfg(world, ddp, data=world["prep"], steps=3, batch_size=2, resume="auto", overwrite=True))
     assert _train_records(ddp)[-1]["loss"] == pytest.approx(ref[-1]["loss"], rel=1e-5)
+
+
+def test_token_batches_across_an_epoch_end_and_a_one_process_checkpoint_on_two(world, tmp_path):  # noqa: F811
+    """1 process x --grad-accum 2 and 2 processes see the same token-packed micro-batches, also at an
+    epoch's end where one slot is empty (that rank trains on a loss-free filler), and a checkpoint
+    written by ONE process resumes on TWO."""
+    from test_train_loop import _cfg
+
+    from eyas.data.prepared import PreparedDataset
+    from eyas.train.data import TokenPlan
+    from eyas.train.loop import run
+
+    lengths = [int(x) for x in PreparedDataset(world["prep"]).split("train").lengths]
+    budget = next(b for b in range(64, 200) if len(TokenPlan(lengths=lengths, tokens_per_batch=b, accum=1, world=1,
+                                                              seed=0).micro_batches(0)) % 2)
+    plan = TokenPlan(lengths=lengths, tokens_per_batch=budget, accum=2, world=1, seed=0)
+    steps = plan.steps_per_epoch + 1  # the epoch's last step has an empty slot, then the next epoch
+    assert [] in plan.micro_indices(plan.steps_per_epoch - 1, 0)
+    one = tmp_path / "one"
+    run(_cfg(world, one, data=world["prep"], steps=steps, tokens_per_batch=budget, grad_accum=2, save_every=1))
+    two = tmp_path / "two"
+    _torchrun(*_args(world, two, "--steps", str(steps), "--tokens-per-batch", str(budget)))
+    ref, got = _train_records(one), _train_records(two)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["tokens"] == a["tokens"]
+    # the 1-process run cut back to its step-(steps - 2) checkpoint, resumed by two processes
+    k = steps - 2
+    for f in (one / "checkpoints").iterdir():
+        if f.name != f"step-{k:06d}.safetensors":
+            f.unlink()
+    lines = (one / "metrics.jsonl").read_text().splitlines()
+    (one / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= k) + "\n")
+    _torchrun(*_args(world, one, "--steps", str(steps), "--tokens-per-batch", str(budget), "--resume", "auto",
+                     "--overwrite"))
+    resumed = _train_records(one)
+    assert [r["step"] for r in resumed] == list(range(1, steps + 1))
+    assert [r["loss"] for r in resumed[k:]] == pytest.approx([r["loss"] for r in ref[k:]], rel=1e-5)

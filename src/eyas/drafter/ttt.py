@@ -712,6 +712,11 @@ def ttt_loss_packed(
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention):
         r = rows[k]
         hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
+        if k == K - 1 and not any(x.numel() for x in rows):
+            # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
+            # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks
+            last = torch.nn.functional.linear(drafter.norm(hidden[0, :1]), drafter.lm_head.weight)
+            loss = loss + 0.0 * last.float().sum()
         if r.numel():
             tr = r + 1 + k  # teacher row: p_{t+1+k}
             valid = teacher.in_vocab_N[tr]
