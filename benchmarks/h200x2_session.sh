@@ -43,7 +43,7 @@ case "$part" in
         > "$L/profile_smol.log" 2>&1
     note "smol profile done"
     wait
-    timeout 200 python benchmarks/two_gpu_bench.py --parts 8b --work /root/tg > "$L/two_gpu_8b.log" 2>&1
+    timeout 230 python benchmarks/two_gpu_bench.py --parts 8b --budget-s 220 --work /root/tg > "$L/two_gpu_8b.log" 2>&1
     note "2-GPU 8b done"
     for f in ce_kernel train_8b profile_smol two_gpu_8b; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -14; done
     ;;
@@ -66,8 +66,9 @@ case "$part" in
     R=$(ls -d /root/scaling/regen 2>/dev/null) && tar czf - -C /root/scaling regen | split -b 15M - "$OUT/regen.tgz."
     left=$(( 560 - ($(date +%s) - T0) ))
     if [ "$left" -gt 150 ]; then
-        timeout $left python benchmarks/two_gpu_bench.py --parts smol --target /root/smol --data /root/prep_orig \
-            --work /root/tg > "$L/two_gpu_smol.log" 2>&1
+        timeout $left python benchmarks/two_gpu_bench.py --parts smol,loss,ckpt --budget-s $(( left - 15 )) \
+            --target /root/smol --data /root/prep_orig --work /root/tg > "$L/two_gpu_smol.log" 2>&1
+        cp /root/tg/loss_curves.* "$L/" 2>/dev/null
         note "2-GPU smol done"
     fi
     for f in regen train_smol verify_cost two_gpu_smol; do echo "== $f"; tail -12 "$L/$f.log" 2>/dev/null | cut -c1-400; done
