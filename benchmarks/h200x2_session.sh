@@ -37,13 +37,13 @@ case "$part" in
     nvidia-smi -L | tee -a "$L/session.log"
     ( on 0 timeout 60 python benchmarks/ce_kernel_bench.py > "$L/ce_kernel.log" 2>&1
       note "ce kernel bench done"
-      on 0 timeout 300 python benchmarks/train_bench.py --no-compile > "$L/train_8b.log" 2>&1
+      on 0 timeout 280 python benchmarks/train_bench.py --no-compile > "$L/train_8b.log" 2>&1
       note "8b train bench done" ) &
     on 1 timeout 200 python benchmarks/train_bench.py --small --device cuda --seq 2048 --batch 32 --profile 40 \
         > "$L/profile_smol.log" 2>&1
     note "smol profile done"
     wait
-    timeout 230 python benchmarks/two_gpu_bench.py --parts 8b --budget-s 220 --work /root/tg > "$L/two_gpu_8b.log" 2>&1
+    timeout 200 python benchmarks/two_gpu_bench.py --parts 8b --budget-s 190 --work /root/tg > "$L/two_gpu_8b.log" 2>&1
     note "2-GPU 8b done"
     for f in ce_kernel train_8b profile_smol two_gpu_8b; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -14; done
     ;;
