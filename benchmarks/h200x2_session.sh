@@ -16,6 +16,8 @@ OUT=${OUT:-/root/out}
 L=$OUT/logs
 mkdir -p "$L" /root/stage
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:/root/site
+# jobs run two at a time: each gets half the cores (two full OpenMP pools made a training step 2.7x slower)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 2 ))}
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 S=/root/stage
 T0=$(date +%s)
@@ -73,11 +75,21 @@ case "$part" in
     fi
     for f in regen train_smol verify_cost two_gpu_smol; do echo "== $f"; tail -12 "$L/$f.log" 2>/dev/null | cut -c1-400; done
     ;;
+0)  # after a fresh start: staging (1/2) only
+    cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
+    python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
+    ;;
+3b) # after a fresh start: staging (2/2) with the regeneration call 2 brought back (.stage/r/regen.tgz), then call 3
+    cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf && md5sum $S/smol.gguf
+    python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('/root/smol'))" 2>&1 | tail -1
+    mkdir -p /root/scaling && tar xzf .stage/r/regen.tgz -C /root/scaling && note "staged"
+    exec bash "$0" 3
+    ;;
 3)  # quality: all ShareGPT, the recipe's drafter (GPU 1) | the same with a 4x wider draft MLP (GPU 0), same data and steps
     mkdir -p /root/ablate && ln -sfn /root/scaling/regen /root/ablate/regen
-    ( on 1 python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --max-minutes 9 \
+    ( on 1 python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --max-minutes ${MINUTES:-9} \
         > "$L/point_all.log" 2>&1; note "point 17671 stopped" ) &
-    on 0 python benchmarks/scaling_study.py $SCALE --root /root/ablate --conversations $ALL --max-minutes 9 \
+    on 0 python benchmarks/scaling_study.py $SCALE --root /root/ablate --conversations $ALL --max-minutes ${MINUTES:-9} \
         --set train.draft_intermediate_size=6144 > "$L/point_all_wide.log" 2>&1
     note "wide point stopped"
     wait
