@@ -7,7 +7,10 @@
 #              question.jsonl (MT-bench), chats_all.jsonl.xz (benchmarks/stage_chats.py --n 20000: 17,293
 #              chats, xz -9 so that the half of the GGUF and the chats fit one call's 64 MiB)
 #   .stage/b:  smol.gguf.ab
-# Usage: bash benchmarks/h200x2_session.sh 1|2|3|4
+#   .stage/r:  regen.tgz, the regeneration of all staged chats that call 2 brings back ($OUT/regen.tgz.*)
+# Usage: bash benchmarks/h200x2_session.sh 1|2|3|4, each call within 30 s of the last one's end.
+#   With a regeneration already brought back: 0 (carry .stage/a2), then 3b (carry .stage/b and .stage/r)
+#   runs the quality points at once; 4 then adds the smaller points and speculative decoding.
 # Everything a call writes goes under $OUT/logs and comes back as one logs.tgz (plus the regenerated
 # chats, split in 15 MB parts, from call 2): every job has its own time limit, so the packing runs.
 set -uo pipefail
@@ -25,6 +28,9 @@ on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }  # run on one GPU
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$L/session.log"; }
 pack() { tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"; }
 trap pack EXIT
+# A machine idle for more than 30 s between calls is given back, and the next call gets a fresh one:
+# say so at once instead of running jobs on missing files (then: part 0, then part 3b).
+need() { for f in "$@"; do [ -e "$f" ] || { note "fresh machine: $f is missing; run part 0 then 3b"; exit 1; }; done; }
 
 # the device has no package index: ShareGPT (17,293 whole chats) and MT-bench come as staged files
 ALL=17293
@@ -50,6 +56,8 @@ case "$part" in
     for f in ce_kernel train_8b profile_smol two_gpu_8b; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -14; done
     ;;
 2)  # staging (2/2): SmolLM2 from its GGUF; regenerate all ShareGPT (GPU 1) | training speed on the real target + verify cost (GPU 0)
+    need $S/smol.gguf.aa $S/chats_all.jsonl
+    need $S/smol.gguf.aa $S/question.jsonl
     cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf && md5sum $S/smol.gguf
     python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('/root/smol'))" 2>&1 | tail -1
     note "staged"
@@ -80,12 +88,14 @@ case "$part" in
     python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
     ;;
 3b) # after a fresh start: staging (2/2) with the regeneration call 2 brought back (.stage/r/regen.tgz), then call 3
+    need $S/smol.gguf.aa $S/question.jsonl
     cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf && md5sum $S/smol.gguf
     python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('/root/smol'))" 2>&1 | tail -1
     mkdir -p /root/scaling && tar xzf .stage/r/regen.tgz -C /root/scaling && note "staged"
     exec bash "$0" 3
     ;;
 3)  # quality: all ShareGPT, the recipe's drafter (GPU 1) | the same with a 4x wider draft MLP (GPU 0), same data and steps
+    need /root/smol $S/question.jsonl $S/chats_all.jsonl /root/scaling/regen/chats.jsonl
     mkdir -p /root/ablate && ln -sfn /root/scaling/regen /root/ablate/regen
     ( on 1 python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --max-minutes ${MINUTES:-9} \
         > "$L/point_all.log" 2>&1; note "point 17671 stopped" ) &
@@ -97,6 +107,7 @@ case "$part" in
     cp /root/scaling/scaling.md /root/ablate/scaling.md "$L/" 2>/dev/null; cp /root/ablate/scaling.md "$L/ablate.md" 2>/dev/null
     ;;
 4)  # quality: the smaller points of the scaling study on both GPUs; then speculative decoding with the best drafter
+    need /root/smol $S/question.jsonl $S/chats_all.jsonl /root/scaling/regen/chats.jsonl
     python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations 2000,6000,$ALL --gpus 0,1 \
         --max-minutes ${MINUTES:-7} > "$L/scaling.log" 2>&1
     note "scaling study stopped"
