@@ -307,3 +307,63 @@ def test_tree_target_prefill_matches_hugging_face(setup):
         logits = target(input_ids=ids[None]).logits[0]
     torch.testing.assert_close(torch.cat([l1, l2]), logits, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(torch.cat([a1, a2]), aux[0].flatten(1), rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------------------------
+# the static engine (specdec/speculative_static.py): run eagerly on the CPU, it must give the plain
+# engine's tokens and accepted counts round for round
+
+
+def _static(target, drafter, tree, eos, **kw):
+    from eyas.specdec.speculative_static import StaticSpeculativeDecoder
+
+    return StaticSpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=128, eos_ids={eos}, **kw)
+
+
+@pytest.mark.parametrize("tree", TREES + [None], ids=TREE_IDS + ["target-only"])
+def test_static_engine_equals_plain_engine(setup, tree):
+    target, drafter, prompts, gen, eos, _ = setup
+    d = drafter if tree is not None else None
+    fast, ref = _static(target, d, tree, eos), _decoder(target, d, tree, eos)
+    rounds = []
+    for prompt, greedy in zip(prompts, gen):
+        for max_new in (MAX_NEW, 7, 1):
+            out, st = fast.generate(prompt, max_new_tokens=max_new)
+            want, wst = ref.generate(prompt, max_new_tokens=max_new)
+            assert out == want == _cut(greedy[:max_new], eos)
+            assert st.accepted_per_round == wst.accepted_per_round
+            assert st.tokens == len(out)
+            rounds += st.accepted_per_round
+    if tree is not None:  # rounds that accept nothing, some and (nearly) the full depth all went through
+        assert 0 in rounds and max(rounds) >= (2 if tree.is_chain else 3), rounds
+    else:
+        assert rounds == []
+
+
+def test_static_engine_draft_bookkeeping_matches_the_host_walk(setup):
+    """The device-built submitted tokens, parents, depths and verify mask of one round equal the plain
+    engine's host-built ones (_submitted, _tree_mask) for the same drafter state."""
+    from eyas.specdec.speculative import _submitted, _tree_mask
+
+    target, drafter, prompts, _, eos, _ = setup
+    tree = TreeConfig(topk=3, depth=4, tokens=12)
+    fast = _static(target, drafter, tree, eos)
+    prompt = prompts[0]
+    fast.generate(prompt, max_new_tokens=1)  # prefill only: caches and `last` set, no round
+    fast.steps["draft"]()
+    ref = _decoder(target, drafter, tree, eos)
+    ref.proposer.reset()
+    P = len(prompt)
+    with torch.no_grad():
+        _, aux = ref.target.forward(torch.tensor(prompt), torch.arange(P), None)
+        first = fast.last_tok.item()
+        ref.proposer.extend(torch.tensor(prompt[1:] + [first]), aux)
+    drafted = __import__("eyas.specdec.replay", fromlist=["build_tree"]).build_tree(
+        ref.proposer, torch.zeros(1, dtype=torch.long), torch.tensor([P - 1]), tree)
+    tok, par, depth = _submitted(drafted)
+    assert fast.tok_T.tolist() == tok and fast.par_T.tolist() == par and fast.depth_T.tolist() == depth
+    want = _tree_mask(par, P, "cpu")  # [1+T, P+1+T]
+    local = torch.zeros(1 + len(tok), 1 + len(tok), dtype=torch.bool)
+    local[:, 0] = True
+    local[1:, 1:] = fast.anc_TT
+    assert torch.equal(local, want[:, P:])

@@ -85,6 +85,36 @@ class TreeTarget:
             raise RuntimeError(f"target cache overflow: {S} > {lm.max_len}")
         if mask_NS is None:
             mask_NS = torch.ones(N, S, dtype=torch.bool, device=self.device).tril(start)
+
+        def store(i: int, k_1KNd: torch.Tensor, v_1KNd: torch.Tensor):
+            lm.cache_k[i][:, :, start:S] = k_1KNd
+            lm.cache_v[i][:, :, start:S] = v_1KNd
+            return lm.cache_k[i][:, :, :S], lm.cache_v[i][:, :, :S]
+
+        out = self._layers(ids_N, pos_N, mask_NS, store)
+        self.length = S
+        return out
+
+    @torch.no_grad()
+    def forward_static(self, ids_N: torch.Tensor, pos_N: torch.Tensor, write_N: torch.Tensor,
+                       mask_NS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same forward with every shape fixed (what a CUDA graph captures): the new keys go to
+        cache slots write_N (a device tensor), attention runs over the WHOLE cache, mask_NS [N, max_len]
+        marking the slots each token may see. `length` is not touched (the caller keeps it on the device)."""
+        lm = self.lm
+
+        def store(i: int, k_1KNd: torch.Tensor, v_1KNd: torch.Tensor):
+            lm.cache_k[i].index_copy_(2, write_N, k_1KNd)
+            lm.cache_v[i].index_copy_(2, write_N, v_1KNd)
+            return lm.cache_k[i], lm.cache_v[i]
+
+        return self._layers(ids_N, pos_N, mask_NS, store)
+
+    def _layers(self, ids_N, pos_N, mask_NS, store) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder stack over N new tokens; store(layer, k, v) writes their keys and returns the
+        keys/values to attend to ([1, K, S, d] each, S = mask_NS.shape[1])."""
+        lm = self.lm
+        N = ids_N.shape[0]
         cos = lm.cos_Sd[pos_N][:, None]  # N,1,d
         sin = lm.sin_Sd[pos_N][:, None]
         x = lm.embed(ids_N)[None]  # 1,N,D
@@ -99,14 +129,12 @@ class TreeTarget:
             attn = layer.self_attn
             q, k, v = lm._qkv(attn, layer.input_layernorm(x))  # N,H,d / N,K,d
             q, k = lm._rope(q, cos, sin), lm._rope(k, cos, sin)
-            lm.cache_k[i][0, :, start:S] = k.transpose(0, 1)
-            lm.cache_v[i][0, :, start:S] = v.transpose(0, 1)
+            keys, values = store(i, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], lm.cache_k[i][:, :, :S], lm.cache_v[i][:, :, :S], attn_mask=mask,
+                q.transpose(0, 1)[None], keys, values, attn_mask=mask,
                 scale=attn.scaling, enable_gqa=lm.groups > 1)  # 1,H,N,d
             x = x + attn.o_proj(o.transpose(1, 2).reshape(1, N, lm.heads * lm.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        self.length = S
         aux_NF = torch.cat(aux, dim=-1) if aux else x.new_zeros(N, 0)
         return lm._logits(x[0]), aux_NF
 

@@ -1,0 +1,351 @@
+"""The fast path of batch-1 speculative decoding: every round is a few fixed-shape functions of static
+device buffers, captured once as CUDA graphs on a GPU and run eagerly on the CPU (that is how the
+tests check them against the plain engine, eyas/specdec/speculative.py).
+
+Key trade-off: the plain engine builds a dense [new, cached + new] mask, grows its caches and walks
+the tree on the host, so at batch 1 on a small target every round pays tens of kernel launches and
+Python per layer. Here every shape is fixed by the tree (T drafted tokens, D depth), so one round is
+
+    draft   the EAGLE-2 tree (replay.build_tree over a static drafter cache) and its bookkeeping on the
+            device: the T submitted tokens, their parents, depths and ancestor matrix
+    verify  the target over N = T + 1 slots (root + drafted), positions and the tree mask built on
+            the device, keys written at slots start..start+T, attention over the WHOLE cache with a
+            [N, max_len] mask (keys past the committed length are masked out, whatever they hold)
+    walk    the greedy accept walk on the device (D static steps with an `alive` flag)
+    commit  the accepted path's keys gathered into slots start..start+m in place, the drafter's
+            step-0 update with the accepted tokens + bonus (D + 1 slots, the extra ones are masked
+            garbage the next round overwrites), start += m + 1
+
+and the only device->host copy of a greedy round is the walk's result [m, D path tokens, bonus]
+(D + 2 integers). The price: attention spans the whole preallocated cache each round, and every
+round drafts, verifies and updates the full static width even when the walk stops early.
+
+Sampling (temperature > 0) verifies on the host exactly as the plain engine does (same generator,
+same code: SpeculativeDecoder._walk), then writes the accepted nodes into the walk's buffers and
+runs the same commit. Target-only decoding (no drafter) is the same loop with T = D = 0.
+
+Shape legend: T drafted tokens submitted (tree.tokens), N = T + 1 verified slots, D tree depth,
+K tree candidates, S cache length (max_len), V target vocab, F target feature width, H draft hidden,
+E drafter tree slots.
+
+State kept on the device between rounds, with c committed tokens s_0..s_{c-1}:
+    start = c - 1: the target cache holds s_0..s_{c-2}, the drafter's step-0 entries t = 0..c-2;
+    last_tok = s_{c-1} (the root of the next round); the drafter's `last` = output o_{c-2}.
+
+Run: `eyas generate --drafter DIR --engine static` (eyas/specdec/generate_run.py).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+from eyas.common import log
+from eyas.specdec.functional import FunctionalDrafter
+from eyas.specdec.replay import TreeConfig, build_tree
+from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _sync
+
+
+def _path_end(toks: list[int], nxt: int, budget: int, eos_ids: set[int]) -> tuple[list[int], int | None]:
+    """Cut the device walk's accepted path as the plain walk does: at most `budget` tokens, nothing
+    after an EOS, and no bonus token when either ends the sequence inside the path."""
+    for i, t in enumerate(toks):
+        if i == budget:
+            return toks[:i], None
+        if t in eos_ids:
+            return toks[: i + 1], None
+    return toks, (nxt if len(toks) < budget else None)
+
+
+class GraphStep:
+    """A function of static buffers (no arguments, no return value) run eagerly, or replayed as a
+    CUDA graph once `capture()` has run on a CUDA device."""
+
+    def __init__(self, name: str, fn: Callable[[], None]):
+        self.name, self.fn = name, fn
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def capture(self, device: torch.device, reset: Callable[[], None]) -> str | None:
+        """Warm up on a side stream, then capture; `reset` restores a harmless state before each run
+        (the functions mutate the caches). Returns None, or why it could not capture (then the step
+        keeps running eagerly: slower, still exact)."""
+        try:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(2):
+                    reset()
+                    self.fn()
+            torch.cuda.current_stream(device).wait_stream(side)
+            reset()
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                self.fn()
+            torch.cuda.synchronize(device)
+            self.graph = g
+            return None
+        except Exception as exc:  # a kernel that cannot be captured must cost speed, not correctness
+            torch.cuda.synchronize(device)
+            return f"{self.name}: {type(exc).__name__}: {str(exc)[:300]}"
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+        else:
+            self.fn()
+
+
+class StaticProposer(LiveProposer):
+    """LiveProposer with every shape fixed: step-0 entries in slots 0..max_len-1 (valid below the
+    device scalar `start`), the round's tree slots at max_len..max_len+E-1, `last` a static buffer."""
+
+    def __init__(self, drafter: FunctionalDrafter, *, max_len: int, tree_slots: int, start_1: torch.Tensor):
+        super().__init__(drafter, max_len=max_len, tree_slots=tree_slots)
+        self.max_len = max_len
+        self.start = start_1
+        self.last = torch.zeros(drafter.config.hidden_size, device=drafter.device, dtype=drafter.dtype)
+        self._slots_S = torch.arange(max_len, device=drafter.device)
+
+    def reset(self) -> None:
+        self.length = 0
+
+    @torch.no_grad()
+    def extend_static(self, tokens_M: torch.Tensor, aux_MF: torch.Tensor, start_1: torch.Tensor, m_1: torch.Tensor) -> None:
+        """Step-0 entries at slots start..start+M-1 (token s_{t+1}, features aux_t); `last` becomes the
+        output of entry m (entries past m are padding: masked out until overwritten)."""
+        d, M = self.d, tokens_M.shape[0]
+        pos_M = start_1 + torch.arange(M, device=d.device)
+        q, k, v, residual = d.qkv(tokens_M[None], d.fuse(aux_MF)[None], pos_M[None])
+        self.k.index_copy_(2, pos_M, k)
+        self.v.index_copy_(2, pos_M, v)
+        mask_MS = self._slots_S[None, :] <= pos_M[:, None]  # causal over the whole step-0 region
+        kbuf, vbuf = self.k[:, :, : self.max_len], self.v[:, :, : self.max_len]
+        out = d.finish(d.attend(q, kbuf, vbuf, mask=mask_MS[None, None]), residual)  # 1,M,H
+        self.last.copy_(out[0].index_select(0, m_1)[0])
+
+    def expand(self, rows_R, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE):
+        d, lo = self.d, self.max_len + slot
+        R, Fw = tokens_RF.shape
+        pos = (t_R + depth)[:, None].expand(R, Fw)
+        q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
+        self.k[:, :, lo:lo + Fw] = k
+        self.v[:, :, lo:lo + Fw] = v
+        prefix_S = self._slots_S < self.start  # step-0 entries 0..c-2, i.e. positions <= t
+        mask = torch.cat([prefix_S.expand(R, Fw, self.max_len), tree_mask_RFE], dim=-1)[:, None]
+        out = d.finish(d.attend(q, self.k, self.v, mask=mask), residual)
+        return d.log_probs(out), out
+
+
+class StaticSpeculativeDecoder(SpeculativeDecoder):
+    """SpeculativeDecoder's interface and results with static shapes and, on CUDA, CUDA graphs."""
+
+    def __init__(self, target, drafter: FunctionalDrafter | None, *, tree: TreeConfig | None, layer_ids: list[int],
+                 max_len: int, eos_ids: set[int], temperature: float = 0.0, seed: int = 0, graphs: bool = True):
+        super().__init__(target, drafter, tree=tree, layer_ids=layer_ids, max_len=max_len, eos_ids=eos_ids,
+                         temperature=temperature, seed=seed)
+        dev, lm = self.device, self.target.lm
+        # one tensor per K and V for all layers, the layers' caches views of it: compaction is one
+        # gather + one scatter for the whole stack instead of two per layer
+        self.cache_k = torch.stack(lm.cache_k)  # L,1,K,S,d
+        self.cache_v = torch.stack(lm.cache_v)
+        lm.cache_k, lm.cache_v = list(self.cache_k.unbind(0)), list(self.cache_v.unbind(0))
+        self.T = tree.tokens if drafter is not None else 0
+        self.D = tree.depth if drafter is not None else 0
+        T, D, N = self.T, self.D, self.T + 1
+        vocab = int(lm.lm_head.out_features)
+        L = torch.long
+        self.start = torch.zeros(1, dtype=L, device=dev)
+        self.last_tok = torch.zeros(1, dtype=L, device=dev)
+        self.tok_T = torch.zeros(T, dtype=L, device=dev)
+        self.par_T = torch.full((T,), -1, dtype=L, device=dev)
+        self.depth_T = torch.zeros(T, dtype=L, device=dev)
+        self.anc_TT = torch.zeros(T, T, dtype=torch.bool, device=dev)
+        self.logits_NV = torch.zeros(N, vocab, device=dev)
+        self.aux_NF = torch.zeros(N, 0, device=dev, dtype=lm.dtype)
+        self.walk_nodes_D = torch.zeros(D, dtype=L, device=dev)
+        self.walk_m_1 = torch.zeros(1, dtype=L, device=dev)
+        self.walk_nxt_1 = torch.zeros(1, dtype=L, device=dev)
+        self.result = torch.zeros(D + 2, dtype=L, device=dev)  # [m, path tokens (D), bonus]: the one D2H copy
+        self._slots_S = torch.arange(max_len, device=dev)
+        self._arange_N = torch.arange(N, device=dev)
+        self._arange_D1 = torch.arange(D + 1, device=dev)
+        if drafter is not None:
+            self.proposer = StaticProposer(drafter, max_len=max_len, tree_slots=tree.tree_slots, start_1=self.start)
+            k = tree.topk
+            # depth of every candidate in build_tree's creation order: k at depth 1, then k*k per depth
+            self._depth_K = torch.tensor([1] * k + [d for d in range(2, tree.depth + 1) for _ in range(k * k)], device=dev)
+            hidden = int(lm.embed.weight.shape[1])
+            width = len(self.target.layer_ids) * hidden
+            self.aux_NF = torch.zeros(N, width, device=dev, dtype=lm.dtype)
+        self.steps = {"draft": GraphStep("draft", self._draft), "verify": GraphStep("verify", self._verify),
+                      "walk": GraphStep("walk", self._walk_device), "commit": GraphStep("commit", self._commit)}
+        if drafter is None:
+            del self.steps["draft"]
+        self.graph_note: str | None = None  # why some step runs eagerly on CUDA, when one does
+        if dev.type == "cuda" and graphs:
+            self._capture()
+
+    # -- the four steps (fixed shapes, no host syncs) --------------------------------------------
+    def _draft(self) -> None:
+        """The tree from the root o_{c-2}, then the T submitted nodes in creation order (a parent
+        precedes its children): tokens, parent index among them (-1 = root), depth, ancestors."""
+        T, dev = self.T, self.device
+        t_1 = self.start - 1
+        tree = build_tree(self.proposer, torch.zeros(1, dtype=torch.long, device=dev), t_1, self.tree)
+        sel_K = tree.selected[0]
+        K = sel_K.shape[0]
+        rank_K = sel_K.long().cumsum(0) - 1  # index among the submitted, for selected candidates
+        slot_K = torch.where(sel_K, rank_K, torch.full_like(rank_K, T))  # the rest land in a dropped slot
+        cand_T = torch.zeros(T + 1, dtype=torch.long, device=dev).scatter_(
+            0, slot_K, torch.arange(K, device=dev))[:T]
+        pc_T = tree.parent[0][cand_T]
+        par_T = torch.where(pc_T >= 0, rank_K[pc_T.clamp(min=0)], torch.full_like(pc_T, -1))
+        anc = torch.eye(T, dtype=torch.bool, device=dev)
+        cur = par_T
+        for _ in range(self.tree.depth - 1):  # a node has at most depth - 1 proper ancestors
+            hit = cur >= 0
+            anc |= cur[:, None] == self._arange_N[None, :T]  # -1 (past the root) matches no column
+            cur = torch.where(hit, par_T[cur.clamp(min=0)], cur)
+        self.tok_T.copy_(tree.tokens[0][cand_T])
+        self.par_T.copy_(par_T)
+        self.depth_T.copy_(self._depth_K[cand_T])
+        self.anc_TT.copy_(anc)
+
+    def _verify(self) -> None:
+        """Root s_{c-1} at position c-1 and the drafted nodes at c-1+depth, into slots start..start+T."""
+        T, N, dev = self.T, self.T + 1, self.device
+        ids_N = torch.cat([self.last_tok, self.tok_T])
+        pos_N = self.start + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.depth_T])
+        local_NN = torch.zeros(N, N, dtype=torch.bool, device=dev)
+        local_NN[:, 0] = True  # every row sees the root
+        local_NN[1:, 1:] = self.anc_TT
+        col_S = self._slots_S - self.start  # slot relative to the root's
+        inside_S = (col_S >= 0) & (col_S < N)
+        mask_NS = (col_S < 0)[None, :] | (local_NN[:, col_S.clamp(0, T)] & inside_S[None, :])
+        logits, aux = self.target.forward_static(ids_N, pos_N, self.start + self._arange_N, mask_NS)
+        self.logits_NV.copy_(logits)
+        self.aux_NF.copy_(aux)
+
+    def _walk_device(self) -> None:
+        """Greedy accept walk: from the root, follow the child whose token is the target's argmax."""
+        choice_N = self.logits_NV.argmax(-1)
+        dev = self.device
+        cur = torch.full((), -1, dtype=torch.long, device=dev)
+        alive = torch.ones((), dtype=torch.bool, device=dev)
+        m = torch.zeros((), dtype=torch.long, device=dev)
+        nodes = []
+        for _ in range(self.D):
+            match_T = (self.par_T == cur) & (self.tok_T == choice_N[cur + 1]) & alive  # siblings differ: <= 1 hit
+            hit = match_T.any()
+            j = match_T.long().argmax()
+            nodes.append(torch.where(hit, j, torch.zeros_like(j)))
+            m = m + hit.long()
+            cur = torch.where(hit, j, cur)
+            alive = alive & hit
+        nxt = choice_N[cur + 1]
+        nodes_D = torch.stack(nodes) if nodes else self.walk_nodes_D
+        self.walk_nodes_D.copy_(nodes_D)
+        self.walk_m_1.copy_(m.view(1))
+        self.walk_nxt_1.copy_(nxt.view(1))
+        self.result.copy_(torch.cat([m.view(1), self.tok_T[nodes_D], nxt.view(1)]))
+
+    def _commit(self) -> None:
+        """Keep the root and the accepted nodes' keys as slots start..start+m, update the drafter."""
+        D, m_1 = self.D, self.walk_m_1
+        rows_D1 = torch.cat([torch.zeros(1, dtype=torch.long, device=self.device), 1 + self.walk_nodes_D])
+        if D > 0:
+            dst = self.start + self._arange_D1  # slots past start+m receive padding: masked until overwritten
+            src = self.start + rows_D1
+            self.cache_k.index_copy_(3, dst, self.cache_k.index_select(3, src))  # gather copies first: overlap is safe
+            self.cache_v.index_copy_(3, dst, self.cache_v.index_select(3, src))
+        if self.proposer is not None:
+            toks_D1 = torch.cat([self.tok_T[self.walk_nodes_D], self.walk_nxt_1])
+            toks_D1 = torch.where(self._arange_D1 == m_1, self.walk_nxt_1, toks_D1)  # the bonus right after the path
+            self.proposer.extend_static(toks_D1, self.aux_NF[rows_D1], self.start, m_1)
+        self.start.add_(m_1 + 1)
+        self.last_tok.copy_(self.walk_nxt_1)
+
+    # -- capture -----------------------------------------------------------------------------------
+    def _capture(self) -> None:
+        def reset():  # a valid state for every step: masks never empty, indices in range
+            self.start.fill_(1)
+            self.walk_m_1.zero_()
+            self.walk_nodes_D.zero_()
+
+        notes = [why for step in self.steps.values() if (why := step.capture(self.device, reset)) is not None]
+        reset()
+        if notes:
+            self.graph_note = "; ".join(notes)
+            log(f"speculative (static): some steps run without CUDA graphs ({self.graph_note})")
+
+    def describe(self) -> dict:
+        return {"engine": "static", "graphs": sorted(k for k, s in self.steps.items() if s.graph is not None),
+                "graph_note": self.graph_note}
+
+    # -- the loop --------------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, prompt: list[int], *, max_new_tokens: int) -> tuple[list[int], DecodeStats]:
+        """Generated tokens (EOS kept, nothing after it; at most max_new_tokens) and the stats."""
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        if len(prompt) + max_new_tokens + self.T + 1 > self.max_len:
+            raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds max_len {self.max_len}")
+        dev, st = self.device, DecodeStats(prompt_tokens=len(prompt))
+        tgt, prop, steps = self.target, self.proposer, self.steps
+        clock = time.perf_counter
+        t0 = clock()
+        P = len(prompt)
+        tgt.reset()
+        logits, aux = tgt.forward(torch.tensor(prompt, device=dev), torch.arange(P, device=dev), None)  # eager prefill
+        seq = list(prompt) + [self._first(logits[-1])]
+        self.start.fill_(P)
+        self.last_tok.fill_(seq[-1])
+        if prop is not None:
+            # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
+            prop.extend_static(torch.tensor(seq[1:], device=dev), aux, torch.zeros(1, dtype=torch.long, device=dev),
+                               torch.tensor([P - 1], device=dev))
+        _sync(dev)
+        st.prefill_s = clock() - t0
+        greedy = self.temperature == 0
+        new = 1
+        while new < max_new_tokens and seq[-1] not in self.eos_ids:
+            budget = max_new_tokens - new
+            t0 = clock()
+            if prop is not None:
+                steps["draft"]()  # also finishes the previous round's commit, when its time is counted here
+            _sync(dev)
+            t1 = clock()
+            steps["verify"]()
+            _sync(dev)
+            t2 = clock()
+            if greedy:
+                steps["walk"]()
+                res = self.result.tolist()  # the round's one device->host copy
+                m = res[0]
+                path, nxt = _path_end(res[1:1 + m], res[-1], budget, self.eos_ids)
+            else:
+                tok, par = torch.stack([self.tok_T, self.par_T]).tolist() if self.T else ([], [])
+                nodes, path, nxt = self._walk(self.logits_NV, tok, par, budget)
+                if nxt is not None:
+                    walk = torch.tensor([len(nodes), nxt] + nodes + [0] * (self.D - len(nodes)), device=dev)
+                    self.walk_m_1.copy_(walk[:1])
+                    self.walk_nxt_1.copy_(walk[1:2])
+                    self.walk_nodes_D.copy_(walk[2:])
+            if prop is not None:
+                st.accepted_per_round.append(len(path))
+            seq += path
+            new += len(path)
+            if nxt is not None:
+                seq.append(nxt)
+                new += 1
+            t3 = clock()
+            st.verify_s += t2 - t1
+            st.overhead_s += t3 - t2
+            if nxt is not None and new < max_new_tokens and nxt not in self.eos_ids:
+                steps["commit"]()  # runs on while the host loops; the next draft's sync waits for it
+            st.draft_s += (t1 - t0) + (clock() - t3)
+        out = seq[len(prompt):]
+        st.tokens = len(out)
+        return out, st
