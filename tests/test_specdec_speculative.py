@@ -125,15 +125,16 @@ def prompts_file(tmp_path_factory):
     return p
 
 
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode):
+@pytest.mark.parametrize("mode, engine", [("chain", "plain"), ("tree", "plain"), ("tree", "static")])
+def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode, engine):
     import json
 
     *_, drafter_dir = setup
     res, s = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 12,
                   "--mode", mode, "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8,
-                  "--device", "cpu", "--out", tmp_path / "out.jsonl")
+                  "--device", "cpu", "--engine", engine, "--out", tmp_path / "out.jsonl")
     assert res.exit_code == 0, res.output
+    assert s["engine"] == engine and (engine == "plain" or s["cuda_graphs"] == [])
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     assert [(r["id"], r["turn"]) for r in records] == [("a", 1), ("2", 1), ("a", 2)]
     rounds = [a for r in records for a in r["accepted"]]
@@ -153,7 +154,8 @@ def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode):
     (["--temperature", -1], "--temperature"),
     (["--max-new-tokens", 0], "--max-new-tokens"),
     (["--prompts", "/nonexistent.jsonl"], "--prompts"),
-], ids=["mode", "tree-tokens", "temperature", "max-new", "prompts"])
+    (["--engine", "fast"], "--engine"),
+], ids=["mode", "tree-tokens", "temperature", "max-new", "prompts", "engine"])
 def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
     *_, drafter_dir = setup
     res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, *args)
@@ -216,8 +218,10 @@ def test_sample_among_follows_the_target_distribution():
     assert stat > _bound(df)
 
 
-def test_sampled_tree_round_follows_the_target_distribution(setup):
-    """The token a round's tree verification emits, over many seeds, against the target's own softmax.
+@pytest.mark.parametrize("engine", ["plain", "static"])
+def test_sampled_tree_round_follows_the_target_distribution(setup, engine):
+    """The token a round's tree verification emits, over many seeds, against the target's own softmax
+    (both engines: the static one verifies on the host too, then commits through its device buffers).
 
     Prompt 1's continuation loops on a token the tilted drafter proposes first, so rounds both accept
     and reject; conditioning on the prefill's (most frequent) token fixes the distribution to compare.
@@ -227,7 +231,10 @@ def test_sampled_tree_round_follows_the_target_distribution(setup):
     tree = TreeConfig(topk=3, depth=2, tokens=4)
     prompt = prompts[1]
     first_counts: dict[int, list[int]] = {}
-    dec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=64, eos_ids=set(), temperature=T)
+    from eyas.specdec.speculative_static import StaticSpeculativeDecoder
+
+    cls = StaticSpeculativeDecoder if engine == "static" else SpeculativeDecoder
+    dec = cls(target, drafter, tree=tree, layer_ids=LAYERS, max_len=64, eos_ids=set(), temperature=T)
     accepted = []
     for seed in range(600):
         dec.gen.manual_seed(seed)
@@ -367,3 +374,20 @@ def test_static_engine_draft_bookkeeping_matches_the_host_walk(setup):
     local[:, 0] = True
     local[1:, 1:] = fast.anc_TT
     assert torch.equal(local, want[:, P:])
+
+
+@pytest.mark.parametrize("tree", TREES[1:], ids=TREE_IDS[1:])
+def test_static_engine_sampling_equals_plain_engine(setup, tree):
+    """temperature > 0: both engines verify with the same host code and generator, so the same seed
+    must give the same tokens and accepted counts over many rounds (the static one commits the
+    host-chosen path through its device buffers)."""
+    target, drafter, prompts, _, eos, _ = setup
+    fast = _static(target, drafter, tree, eos, temperature=0.01, seed=7)
+    ref = _decoder(target, drafter, tree, eos, temperature=0.01, seed=7)
+    rounds = []
+    for prompt in prompts:
+        out, st = fast.generate(prompt, max_new_tokens=MAX_NEW)
+        want, wst = ref.generate(prompt, max_new_tokens=MAX_NEW)
+        assert out == want and st.accepted_per_round == wst.accepted_per_round
+        rounds += st.accepted_per_round
+    assert 0 in rounds and max(rounds) >= 2, rounds

@@ -12,9 +12,12 @@ tokens; verify_s = the target forward over the root and every drafted token (mas
 included); overhead_s = the accept walk and the target cache compaction. Target-only runs have only
 prefill_s and verify_s (one token a round) plus a little overhead_s.
 
-Key trade-off: batch 1 on a plain PyTorch loop (specdec/speculative.py), the latency setting
-speculative decoding is for; both runs share every overhead, so the speed-up is the drafter's, not
-the loop's. At temperature 0 the two runs must produce the same tokens: a mismatch is reported
+Key trade-off: batch 1, the latency setting speculative decoding is for, on one of two engines
+(--engine): `plain` (specdec/speculative.py, the reference) or `static` (specdec/speculative_static.py:
+fixed shapes, on-device accept walk, CUDA graphs on CUDA). The drafter run and the target-only run use
+the same engine and share every overhead, so the speed-up is the drafter's, not the loop's. The static
+engine's draft_s also holds the target cache compaction (it runs in the same device step as the
+drafter's update). At temperature 0 the two runs must produce the same tokens: a mismatch is reported
 (`greedy_mismatches`) and, in float32, fails the command (exit 1); in bf16/fp16 a verify forward over
 many tokens rounds differently from a 1-token step, so a near-tie may flip and it is only reported.
 """
@@ -70,11 +73,14 @@ class GenerateConfig:
     """Dtype the target and drafter run in: 'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
     limit: int | None = None
     """Decode only the first N conversations."""
+    engine: str = "plain"
+    """'plain' (the reference loop: dense masks, growing caches, the accept walk on the host) or 'static' (static shapes, the walk and the KV compaction on the device, CUDA graphs on CUDA; the same code eagerly on CPU). Both produce the same tokens."""
 
     def __post_init__(self):
         from eyas.config_checks import check_choice, check_device, check_number
 
         check_choice(self, "mode", ("tree", "chain"))
+        check_choice(self, "engine", ("plain", "static"))
         check_number(self, "max_new_tokens", ge=1)
         check_number(self, "temperature", ge=0)
         check_number(self, "warmup", ge=0)
@@ -124,6 +130,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.specdec.generate import context_length, eos_ids_of, load_prompts
     from eyas.specdec.run import load_drafter_for
     from eyas.specdec.speculative import DecodeStats, SpeculativeDecoder, stats_summary
+    from eyas.specdec.speculative_static import StaticSpeculativeDecoder
     from eyas.target import load_target, load_tokenizer
 
     tree = cfg.tree()
@@ -152,13 +159,16 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         if need <= capacity:
             return
         capacity = min(max_len, max(need, 2 * capacity, 1024))
-        spec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos,
-                                  temperature=cfg.temperature, seed=cfg.seed)
-        plain = (SpeculativeDecoder(target, None, tree=None, layer_ids=[], max_len=capacity, eos_ids=eos,
-                                    temperature=cfg.temperature, seed=cfg.seed) if cfg.baseline else None)
+        # the static engine preallocates (and, on CUDA, captures its graphs for) this capacity: a rebuild
+        # costs a capture, hence the doubling
+        cls = StaticSpeculativeDecoder if cfg.engine == "static" else SpeculativeDecoder
+        spec = cls(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos,
+                   temperature=cfg.temperature, seed=cfg.seed)
+        plain = (cls(target, None, tree=None, layer_ids=[], max_len=capacity, eos_ids=eos,
+                     temperature=cfg.temperature, seed=cfg.seed) if cfg.baseline else None)
 
     log(f"generate: drafter {cfg.drafter} ({ckpt.provenance.format}), {cfg.mode} {asdict(tree)}, "
-        f"{len(convs)} conversations, temperature {cfg.temperature}, device {device} {str(dtype).replace('torch.', '')}")
+        f"{len(convs)} conversations, temperature {cfg.temperature}, engine {cfg.engine}, device {device} {str(dtype).replace('torch.', '')}")
 
     room = max_len - cfg.max_new_tokens - tree.tokens - 1
     answers: dict[tuple[int, int], str] = {}
@@ -199,6 +209,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "mode": cfg.mode,
+        "engine": cfg.engine,
         "tree": asdict(tree),
         "temperature": cfg.temperature,
         "sequences": len(records),
@@ -214,6 +225,9 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
     }
+    if cfg.engine == "static":
+        summary["cuda_graphs"] = spec.describe()["graphs"]  # [] on CPU, or where capture failed (graph_note says why)
+        summary["graph_note"] = spec.describe()["graph_note"]
     if cfg.baseline:
         b = stats_summary(base_total, depth=None, drafted_per_round=None)
         summary["baseline_tokens_per_s"] = b["tokens_per_s"]

@@ -4,8 +4,9 @@ target verifies every drafted token in ONE forward, and both KV caches keep only
 Key trade-off: plain PyTorch with a dense [new, cached + new] attention mask and host-side tree
 bookkeeping. It is exact and easy to check (greedy output equals the target's own greedy decoding
 token for token, and the accepted counts equal `eyas eval`'s replay, tests/test_specdec_speculative.py),
-but on a GPU every round pays Python and launch overhead; the fast path (static shapes, CUDA graphs
-for the draft steps and the verify forward, an on-device accept walk) is a later step.
+but on a GPU every round pays Python and launch overhead. The fast path (static shapes, CUDA graphs
+for the draft and the verify forward, an on-device accept walk) is specdec/speculative_static.py,
+tested against this one.
 
 Target-only decoding runs through the same loop with no drafter (each round verifies only the last
 committed token), so the speed-up compares like with like.
