@@ -391,3 +391,33 @@ def test_static_engine_sampling_equals_plain_engine(setup, tree):
         assert out == want and st.accepted_per_round == wst.accepted_per_round
         rounds += st.accepted_per_round
     assert 0 in rounds and max(rounds) >= 2, rounds
+
+
+def test_static_engine_steps_never_read_the_device(setup):
+    """What CUDA graph capture needs, checked on the CPU: no step reads a tensor value on the host
+    (.item(), 0-dim tensor indexing, nonzero, bool masks as indices all dispatch the ops below)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    target, drafter, prompts, _, eos, _ = setup
+    banned = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
+              torch.ops.aten.masked_select.default, torch.ops.aten.item.default}
+
+    class NoHostReads(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func in banned:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    for tree, d in ((TREES[1], drafter), (None, None)):
+        fast = _static(target, d, tree, eos)
+        fast.generate(prompts[0], max_new_tokens=1)
+        with NoHostReads() as mode:
+            for step in fast.steps.values():
+                step()
+        assert mode.seen == [], mode.seen
+    # the check has power: indexing with a 0-dim device tensor is such a read
+    with NoHostReads() as mode:
+        fast.logits_NV[fast.walk_m_1[0]]
+    assert mode.seen

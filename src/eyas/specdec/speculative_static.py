@@ -230,26 +230,27 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
 
     def _walk_device(self) -> None:
         """Greedy accept walk: from the root, follow the child whose token is the target's argmax."""
+        # [1]-shaped scalars throughout: indexing with a 0-dim tensor would read it on the host
         choice_N = self.logits_NV.argmax(-1)
         dev = self.device
-        cur = torch.full((), -1, dtype=torch.long, device=dev)
-        alive = torch.ones((), dtype=torch.bool, device=dev)
-        m = torch.zeros((), dtype=torch.long, device=dev)
+        cur = torch.full((1,), -1, dtype=torch.long, device=dev)
+        alive = torch.ones(1, dtype=torch.bool, device=dev)
+        m = torch.zeros(1, dtype=torch.long, device=dev)
         nodes = []
         for _ in range(self.D):
             match_T = (self.par_T == cur) & (self.tok_T == choice_N[cur + 1]) & alive  # siblings differ: <= 1 hit
-            hit = match_T.any()
-            j = match_T.long().argmax()
+            hit = match_T.any().view(1)
+            j = match_T.long().argmax().view(1)
             nodes.append(torch.where(hit, j, torch.zeros_like(j)))
             m = m + hit.long()
             cur = torch.where(hit, j, cur)
             alive = alive & hit
         nxt = choice_N[cur + 1]
-        nodes_D = torch.stack(nodes) if nodes else self.walk_nodes_D
+        nodes_D = torch.cat(nodes) if nodes else self.walk_nodes_D
         self.walk_nodes_D.copy_(nodes_D)
-        self.walk_m_1.copy_(m.view(1))
-        self.walk_nxt_1.copy_(nxt.view(1))
-        self.result.copy_(torch.cat([m.view(1), self.tok_T[nodes_D], nxt.view(1)]))
+        self.walk_m_1.copy_(m)
+        self.walk_nxt_1.copy_(nxt)
+        self.result.copy_(torch.cat([m, self.tok_T[nodes_D], nxt]))
 
     def _commit(self) -> None:
         """Keep the root and the accepted nodes' keys as slots start..start+m, update the drafter."""
