@@ -1,18 +1,22 @@
 """Speculative decoding speed at batch 1: `eyas generate` (chain and EAGLE-2 tree) vs target-only decoding.
 
-For each drafting mode, every MT-bench turn is decoded twice in the same process through the same loop
-(specdec/speculative.py): with the drafter, then target-only. Reported per mode: tokens/s of both, the
-speed-up, tau (acceptance length, counting the bonus token), per-position acceptance, the time split
-(prefill / draft / verify / overhead) and whether the greedy outputs were identical; with
---predict, also the speed-up `eyas eval` predicts from measured draft and verify step costs
-(specdec/speculative.py: measure_step_costs), to compare prediction and measurement.
+For each drafting mode and each engine (--engine: `plain`, specdec/speculative.py, the reference loop;
+`static`, specdec/speculative_static.py, static shapes + CUDA graphs), every MT-bench turn is decoded
+twice in the same process through the same loop: with the drafter, then target-only. Reported per mode
+and engine: tokens/s of both, the speed-up, tau (acceptance length, counting the bonus token),
+per-position acceptance, the time split (prefill / draft / verify / overhead) and whether the greedy
+outputs were identical; with --predict, also the speed-up `eyas eval` predicts from measured draft and
+verify step costs of the plain engine (specdec/speculative.py: measure_step_costs).
 
-Headline figures (tree mode): specdec_speedup_bs1, specdec_tau_bs1, specdec_predicted_speedup_bs1.
+Headline figures (tree mode, from the engine with the higher speculative tokens/s, named in
+specdec_engine_bs1): specdec_speedup_bs1 (against that engine's own target-only run),
+specdec_speedup_vs_fastest_target_bs1 (against the fastest target-only run of any engine),
+specdec_tau_bs1, specdec_predicted_speedup_bs1.
 
-GPU (one H200; a trained drafter for the target; the loop is plain PyTorch without CUDA graphs,
-so the figures measure this implementation, not the best the drafter allows):
+GPU (one H200; a trained drafter for the target; without the MT-bench package, pass a JSONL of
+{"turns": [...]} with --prompts):
 
-    PYTHONPATH=src python benchmarks/specdec_bench.py --drafter DIR [--target DIR|default] [--limit 20]
+    PYTHONPATH=src python benchmarks/specdec_bench.py --drafter DIR [--target DIR|default] [--limit 20] [--prompts FILE]
 
 CPU check (a random drafter, two conversations, short answers; tau ~1, so the speed-up is < 1):
 
@@ -44,6 +48,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=None, help="first N conversations only")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--modes", default="tree,chain", help="comma-separated: tree, chain")
+    ap.add_argument("--engine", default="plain,static", help="comma-separated: plain, static (each one's own table rows)")
     ap.add_argument("--chain-k", type=int, default=7)
     ap.add_argument("--tree-topk", type=int, default=10)
     ap.add_argument("--tree-depth", type=int, default=6)
@@ -66,6 +71,9 @@ def main() -> None:
                      "limit": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": 1, "temperature": 0,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    figures["engines"] = engines
+    runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         if args.drafter:
             drafter = Path(args.drafter)
@@ -76,46 +84,73 @@ def main() -> None:
             drafter = random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
             log("no --drafter: a random drafter (tau ~1): the speed-up below is the loop's overhead, not a result")
         for mode in modes:
-            log(f"mode {mode}: decoding with the drafter and target-only")
-            try:
-                cfg = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
-                                     max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
-                                     tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-                                     device=args.device, model_dtype=args.dtype, limit=args.limit)
-                t0 = time.perf_counter()
-                summary, _records = run_generate(cfg)
-                summary["wall_s"] = round(time.perf_counter() - t0, 2)
-                figures[mode] = summary
-            except Exception as exc:  # one mode failing must not lose the other's figures
-                log(f"mode {mode} failed: {type(exc).__name__}: {exc}")
-                traceback.print_exc(file=sys.stderr)
-                figures[mode] = {"error": f"{type(exc).__name__}: {exc}"}
-                continue
-            if args.predict:
+            cfg = None
+            for engine in engines:
+                key = f"{mode}/{engine}"
+                log(f"mode {mode}, engine {engine}: decoding with the drafter and target-only")
                 try:
-                    figures[mode]["predicted"] = predict(target_dir, drafter, cfg, summary)
+                    cfg = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
+                                         max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
+                                         tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
+                                         device=args.device, model_dtype=args.dtype, limit=args.limit, engine=engine)
+                    t0 = time.perf_counter()
+                    summary, records = run_generate(cfg)
+                    summary["wall_s"] = round(time.perf_counter() - t0, 2)
+                    summary["outputs"] = [r["generated_ids"] for r in records]
+                    runs[key] = summary
+                except Exception as exc:  # one run failing must not lose the others' figures
+                    log(f"{key} failed: {type(exc).__name__}: {exc}")
+                    traceback.print_exc(file=sys.stderr)
+                    runs[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            ok = {e: runs[f"{mode}/{e}"] for e in engines if "error" not in runs[f"{mode}/{e}"]}
+            if not ok:
+                figures[mode] = {"error": "every engine failed"}
+                continue
+            outs = [s.pop("outputs") for s in ok.values()]
+            best = max(ok, key=lambda e: ok[e]["tokens_per_s"] or 0)
+            figures[mode] = dict(ok[best], engine=best)
+            # greedy: every engine must give the same tokens (fp32 exactly; bf16 may flip a near-tie)
+            figures[mode]["engines_agree"] = all(o == outs[0] for o in outs)
+            base = [s.get("baseline_tokens_per_s") for s in ok.values() if s.get("baseline_tokens_per_s")]
+            figures[mode]["speedup_vs_fastest_target"] = (ok[best]["tokens_per_s"] / max(base)) if base else None
+            if args.predict and cfg is not None:
+                try:
+                    figures[mode]["predicted"] = predict(target_dir, drafter, cfg, figures[mode])
                 except Exception as exc:
                     log(f"prediction for {mode} failed: {type(exc).__name__}: {exc}")
                     figures[mode]["predicted"] = {"error": f"{type(exc).__name__}: {exc}"}
+    for s_ in runs.values():
+        s_.pop("outputs", None)
+    figures["runs"] = runs
 
     tree = figures.get("tree", {})
+    figures["specdec_engine_bs1"] = tree.get("engine")
     figures["specdec_speedup_bs1"] = tree.get("speedup")
+    figures["specdec_speedup_vs_fastest_target_bs1"] = tree.get("speedup_vs_fastest_target")
     figures["specdec_tau_bs1"] = tree.get("acceptance_length")
     figures["specdec_predicted_speedup_bs1"] = (tree.get("predicted") or {}).get("predicted_speedup")
     figures["total_s"] = round(time.perf_counter() - t_start, 2)
 
-    print(f"{'mode':<7}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'predicted':>11}{'draft_s':>9}{'verify_s':>9}{'over_s':>8}  same")
-    for mode in modes:
-        s = figures.get(mode, {})
+    print(f"{'mode':<6}{'engine':<8}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'draft_s':>9}{'verify_s':>9}"
+          f"{'over_s':>8}  same  graphs")
+    f = lambda v, w, d: f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
+    for key, s in runs.items():
+        mode, engine = key.split("/")
         if "error" in s:
-            print(f"{mode:<7} failed: {s['error']}")
+            print(f"{mode:<6}{engine:<8} failed: {s['error']}")
             continue
         t = s["time_s"]
-        pred = (s.get("predicted") or {}).get("predicted_speedup")
-        f = lambda v, w, d: f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
-        print(f"{mode:<7}{f(s['tokens_per_s'], 9, 1)}{f(s.get('baseline_tokens_per_s'), 9, 1)}{f(s.get('speedup'), 9, 3)}"
-              f"{f(s['acceptance_length'], 7, 3)}{f(pred, 11, 3)}{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}"
-              f"{f(t['overhead_s'], 8, 2)}  {s.get('greedy_mismatches', '-') == 0}")
+        graphs = ",".join(s.get("cuda_graphs") or []) or "-"
+        print(f"{mode:<6}{engine:<8}{f(s['tokens_per_s'], 9, 1)}{f(s.get('baseline_tokens_per_s'), 9, 1)}"
+              f"{f(s.get('speedup'), 9, 3)}{f(s['acceptance_length'], 7, 3)}{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}"
+              f"{f(t['overhead_s'], 8, 2)}  {str(s.get('greedy_mismatches', '-') == 0):<5} {graphs}")
+    for mode in modes:
+        s = figures.get(mode, {})
+        if "engine" in s:
+            pred = (s.get("predicted") or {}).get("predicted_speedup")
+            print(f"{mode}: fastest engine {s['engine']}, speed-up {f(s.get('speedup'), 0, 3)} (vs fastest target-only "
+                  f"{f(s.get('speedup_vs_fastest_target'), 0, 3)}), predicted (plain step costs) {f(pred, 0, 3)}, "
+                  f"engines agree {s.get('engines_agree')}")
     print(json.dumps(figures, default=str))
 
 

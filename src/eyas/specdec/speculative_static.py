@@ -67,6 +67,7 @@ class GraphStep:
         self.name, self.fn = name, fn
         self.graph: torch.cuda.CUDAGraph | None = None
 
+    @torch.no_grad()
     def capture(self, device: torch.device, reset: Callable[[], None]) -> str | None:
         """Warm up on a side stream, then capture; `reset` restores a harmless state before each run
         (the functions mutate the caches). Returns None, or why it could not capture (then the step
@@ -90,6 +91,7 @@ class GraphStep:
             torch.cuda.synchronize(device)
             return f"{self.name}: {type(exc).__name__}: {str(exc)[:300]}"
 
+    @torch.no_grad()
     def __call__(self) -> None:
         if self.graph is not None:
             self.graph.replay()
