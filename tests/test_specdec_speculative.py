@@ -395,12 +395,13 @@ def test_static_engine_sampling_equals_plain_engine(setup, tree):
 
 def test_static_engine_steps_never_read_the_device(setup):
     """What CUDA graph capture needs, checked on the CPU: no step reads a tensor value on the host
-    (.item(), 0-dim tensor indexing, nonzero, bool masks as indices all dispatch the ops below)."""
+    (.item(), 0-dim tensor indexing, nonzero, bool masks as indices all dispatch the ops below) or
+    builds a tensor from host values (torch.tensor(...) dispatches lift_fresh: a host->device copy)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     target, drafter, prompts, _, eos, _ = setup
     banned = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-              torch.ops.aten.masked_select.default, torch.ops.aten.item.default}
+              torch.ops.aten.masked_select.default, torch.ops.aten.item.default, torch.ops.aten.lift_fresh.default}
 
     class NoHostReads(TorchDispatchMode):
         seen: list = []
@@ -420,4 +421,7 @@ def test_static_engine_steps_never_read_the_device(setup):
     # the check has power: indexing with a 0-dim device tensor is such a read
     with NoHostReads() as mode:
         fast.logits_NV[fast.walk_m_1[0]]
+    assert mode.seen
+    with NoHostReads() as mode:
+        fast.start + torch.tensor([1])
     assert mode.seen

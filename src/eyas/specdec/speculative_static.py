@@ -220,9 +220,10 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         T, N, dev = self.T, self.T + 1, self.device
         ids_N = torch.cat([self.last_tok, self.tok_T])
         pos_N = self.start + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.depth_T])
-        local_NN = torch.zeros(N, N, dtype=torch.bool, device=dev)
-        local_NN[:, 0] = True  # every row sees the root
-        local_NN[1:, 1:] = self.anc_TT
+        # every row sees the root (column 0); node rows their ancestors and themselves (no scalar
+        # setitem: a Python value assigned into a device tensor goes through a host tensor)
+        local_NN = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=dev),
+                              torch.cat([torch.zeros(1, T, dtype=torch.bool, device=dev), self.anc_TT])], dim=1)
         col_S = self._slots_S - self.start  # slot relative to the root's
         inside_S = (col_S >= 0) & (col_S < N)
         mask_NS = (col_S < 0)[None, :] | (local_NN[:, col_S.clamp(0, T)] & inside_S[None, :])
