@@ -29,34 +29,41 @@ TREE_IDS = ["chain4", "tree3x4x12", "tree4x3x6"]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
-@pytest.fixture(scope="module")
-def setup(tiny_target_dir, tmp_path_factory):
+def _tilted_drafter(target, seq: list[int], gen: list[list[int]], out, *, layers: list[int]):
+    """A random drafter whose favourite guesses are the two tokens the greedy continuations repeat most
+    (rounds then accept nothing, some and the full depth); saved to `out`, returned as functions."""
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
 
-    target = load_target(tiny_target_dir)
-    g = torch.Generator().manual_seed(1)
-    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9, 6)]
-    prompts.append([1, 5, 9])
-    gen = greedy_generate(target, prompts, max_new_tokens=MAX_NEW, eos_ids=set(), pad_id=2, batch_size=4)
     counts = Counter(t for g_ in gen for t in g_)
     used = sorted(t for t, _ in counts.most_common(8))
-    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=LAYERS)
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=layers)
     model = Eagle3Drafter(cfg)
     model.reset_parameters(seed=3)
     model.set_vocab(torch.tensor(used))
     model.init_from_target(target.get_input_embeddings().weight.detach())
-    seqs = torch.tensor([prompts[0] + gen[0]])
-    aux, _ = forward_capture(target, seqs, None, layer_ids=LAYERS)
-    with torch.no_grad():  # the two most repeated tokens become the drafter's favourite guesses
+    seqs = torch.tensor([seq])
+    aux, _ = forward_capture(target, seqs, None, layer_ids=layers)
+    with torch.no_grad():
         hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
         mean = model.norm(hidden).mean(dim=(0, 1))
         (first, _), (second, _) = counts.most_common(2)
         unit = mean / mean.norm() ** 2
         model.lm_head.weight[used.index(first)] = 12.0 * unit
         model.lm_head.weight[used.index(second)] = 10.0 * unit
-    out = tmp_path_factory.mktemp("drafter")
     model.save(out)
-    drafter = FunctionalDrafter(read_drafter(out).config, read_drafter(out).weights)
+    return FunctionalDrafter(read_drafter(out).config, read_drafter(out).weights)
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_target_dir, tmp_path_factory):
+    target = load_target(tiny_target_dir)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9, 6)]
+    prompts.append([1, 5, 9])
+    gen = greedy_generate(target, prompts, max_new_tokens=MAX_NEW, eos_ids=set(), pad_id=2, batch_size=4)
+    counts = Counter(t for g_ in gen for t in g_)
+    out = tmp_path_factory.mktemp("drafter")
+    drafter = _tilted_drafter(target, prompts[0] + gen[0], gen, out, layers=LAYERS)
     # an EOS id the greedy continuation of the last prompt reaches mid-way (not a looping token, which
     # would end the looping continuations at once): stop handling gets exercised
     eos = next(t for t in gen[3][MAX_NEW // 2:] if counts[t] == 1)
@@ -425,3 +432,24 @@ def test_static_engine_steps_never_read_the_device(setup):
     with NoHostReads() as mode:
         fast.start + torch.tensor([1])
     assert mode.seen
+
+
+def test_static_engine_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
+    """The embedded SmolLM2-135M (30 layers, GQA 9/3 heads): both engines give Hugging Face's greedy
+    tokens and the same accepted counts, in tree and chain mode."""
+    from eyas.specdec.generate import render
+    from eyas.specdec.speculative_static import StaticSpeculativeDecoder
+
+    target = load_target(smol_dir)
+    prompt = render(smol_tokenizer, [{"role": "user", "content": "List the days of the week, one per line."}])
+    with torch.no_grad():
+        full = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0].tolist()
+    greedy = full[len(prompt):]
+    layers = [2, 14, 27]
+    drafter = _tilted_drafter(target, full, [greedy], tmp_path / "d", layers=layers)
+    for tree in (TreeConfig(topk=3, depth=3, tokens=8), TreeConfig.chain(3)):
+        kw = dict(tree=tree, layer_ids=layers, max_len=len(prompt) + 40, eos_ids=set())
+        out, st = StaticSpeculativeDecoder(target, drafter, **kw).generate(prompt, max_new_tokens=20)
+        want, wst = SpeculativeDecoder(target, drafter, **kw).generate(prompt, max_new_tokens=20)
+        assert out == want == greedy
+        assert st.accepted_per_round == wst.accepted_per_round and sum(st.accepted_per_round) > 0, wst.accepted_per_round
