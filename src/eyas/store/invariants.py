@@ -44,6 +44,15 @@ rates next 0.78, align 0.99, token 0.24 / 0.08 / 0.03 (not informative: the resi
 not keep the token's embedding direction); the 5 single-sample faults were each caught with no
 false alarm. On a tiny random Llama token is 0.99 at every layer and next is at chance (0.06).
 
+Cost: samples go in batches of about BATCH_TOKENS tokens. Each batch crosses to the device once,
+its tail runs as ONE packed forward (samples end to end, attention kept inside each, positions
+restarting: eyas.packing.tail_forward_packed, where the model family and a checked varlen kernel
+allow it; else one Hugging Face forward per sample), every per-token result (tail errors, final
+rms, rate pass counts) is computed on the device and comes back to the host in one copy. The
+earlier one-sample-at-a-time loop ran a few-layer forward per sample and moved results to the host
+after every check, several syncs per sample: on a GPU that cost more than a full recompute. On a
+CPU both are compute-bound and cost about the same.
+
 Run: every `eyas verify` (`--no-invariants` skips them); cost per token and the faults each one
 catches: `python benchmarks/verify_invariants_bench.py`.
 
@@ -423,6 +432,8 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
     kernel, packed_why = (None, "not asked for") if packed_tail is False else packed_tail_kernel(parts)
     if packed_tail and kernel is None:
         raise ValueError(f"packed_tail=True but the packed tail cannot run: {packed_why}")
+    # bf16 stores cross to the device as stored (half the bytes; exact in fp32 either side), others as fp32
+    read_dtype = torch.bfloat16 if reader.dtype == "bf16" else torch.float32
     scale_D = None if parts.norm_scale_D is None else parts.norm_scale_D.float().to(device)
     rates: dict[str, dict[str, tuple[int, int]]] = {}
     failures: dict[str, list[str]] = {}
@@ -443,8 +454,8 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
     lap("prefix")
     for batch in _batches(sample_ids, {s: ids_by_sample[s].shape[0] for s in sample_ids}, batch_tokens):
         lengths = [ids_by_sample[sid].shape[0] for sid in batch]
-        hs = [reader.get_hidden(sid, torch.float32) for sid in batch]  # [T, L, D] each
-        h_NLD = _to_device(torch.cat(hs), device)
+        hs = [reader.get_hidden(sid, read_dtype) for sid in batch]  # [T, L, D] each
+        h_NLD = _to_device(torch.cat(hs), device).float()
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
