@@ -17,7 +17,11 @@ CPU, the embedded SmolLM2-135M (fp32), 60 chats of <= 256 tokens, about 3 minute
 GPU (bf16 target, bf16 store), a converted model directory:
 
     PYTHONPATH=src python benchmarks/verify_invariants_bench.py --target /path/to/smollm2 --device cuda \
-        --model-dtype bf16 --samples 400 --max-length 1024 --work /tmp/vib --numbers-too
+        --model-dtype bf16 --samples 400 --max-length 1024 --work /tmp/vib --numbers-too --compare-tail-paths
+
+--compare-tail-paths reruns the invariants in the same process with the other tail path (on a GPU
+one Hugging Face tail forward per sample, the path before batching); --profile prints
+torch.profiler tables of both tails on 8 samples.
 
 Progress on stderr; a table, then as the LAST stdout line one JSON document.
 """
@@ -140,6 +144,42 @@ def faults(model, split, reader, victim: str, other: str):
             "left_pad_no_mask": only(left_pad)}
 
 
+def profile_tail(parts, reader, split, sids, device: str) -> None:
+    """torch.profiler tables (stderr) of the tail on the same 8 samples: one Hugging Face forward
+    per sample, then one packed forward; shows where a per-sample tail spends its time."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        from eyas.store.invariants import packed_tail_kernel, tail_final, tail_final_packed
+    except Exception as exc:  # noqa: BLE001  (a diagnostic only)
+        log(f"profile skipped ({type(exc).__name__}: {exc})")
+        return
+    dev = torch.device(device)
+    layer_ids = reader.aux_layer_ids
+    high, slot = max(layer_ids), layer_ids.index(max(layer_ids))
+    some = sids[:8]
+    ids = [split[split.index_of(s)].input_ids for s in some]
+    highs = [reader.get_hidden(s, torch.float32)[:, slot].to(dev) for s in some]
+    kernel, why = packed_tail_kernel(parts)
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
+    runs = {"per_sample": lambda: [tail_final(parts, i.to(dev), x, first_layer=high) for i, x in zip(ids, highs)]}
+    if kernel is not None:
+        runs["packed"] = lambda: tail_final_packed(parts, torch.cat(highs), [i.shape[0] for i in ids], first_layer=high,
+                                                   kernel=kernel)
+    else:
+        log(f"profile: no packed tail ({why})")
+    for name, fn in runs.items():
+        fn()  # warm-up
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        with profile(activities=acts) as prof:
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+        log(f"--- tail profile: {name}, {len(some)} samples, {sum(i.shape[0] for i in ids)} tokens")
+        log(prof.key_averages().table(sort_by="cpu_time_total", row_limit=25))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default")
@@ -153,6 +193,10 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "fp32"])
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--numbers-too", action="store_true", help="also time the full reference recompute")
+    ap.add_argument("--compare-tail-paths", action="store_true",
+                    help="also run the invariants with the other tail path (GPU: per-sample Hugging Face, the pre-batching "
+                         "path; CPU: packed)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the per-sample and packed tail")
     args = ap.parse_args()
 
     from eyas.data.prepared import PreparedDataset
@@ -187,18 +231,44 @@ def main() -> None:
         "us_per_token_by_check": {k: round(1e6 * v / tokens, 2) for k, v in good["seconds"].items()},
         "prefix": good["prefix"], "tail": good["tail"], "final_norm": good["final_norm"], "rates": good["rates"],
     }
+    result["correct_store"]["tail_path"] = good["tail_path"]
+    if args.compare_tail_paths and not parts.tail_ok:
+        # The other tail path in the same run: on a GPU one Hugging Face tail forward per sample (the
+        # pre-batching tail), on a CPU the packed row (which the CPU does not use by default).
+        packed_now = good["tail_path"].startswith("packed")
+        log(f"invariants again with the {'per-sample' if packed_now else 'packed'} tail")
+        t0 = time.perf_counter()
+        try:
+            ref = run_invariants(reader, split, parts, sample_ids=sids, packed_tail=not packed_now, **tol)
+        except ValueError as exc:  # no packed tail for this model or device
+            log(f"other tail path skipped: {exc}")
+        else:
+            wall_ref = time.perf_counter() - t0
+            result["other_tail_path"] = {
+                "tail_path": ref["tail_path"], "us_per_token": round(1e6 * wall_ref / tokens, 2),
+                "us_per_token_by_check": {k: round(1e6 * v / tokens, 2) for k, v in ref["seconds"].items()},
+                "tail_worst_rel_err": ref["tail"].get("worst_rel_err"),
+                "same_failing_samples": ref["failing_samples"] == good["failing_samples"],
+            }
+    if args.profile:
+        profile_tail(parts, reader, split, sids, args.device)
     if args.numbers_too:
         from eyas.target import reference_hidden_states
 
+        # Evenly spaced samples, so their lengths (and the per-token launch overhead) are the store's.
+        subset = sids[:: max(1, len(sids) // 16)][:16]
+        if args.device.startswith("cuda"):
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         n_tok = 0
-        for sid in sids[:16]:
+        for sid in subset:
             ids = split[split.index_of(sid)].input_ids
             reference_hidden_states(model, ids.to(args.device), layer_ids=reader.aux_layer_ids)
             n_tok += ids.shape[0]
         if args.device.startswith("cuda"):
             torch.cuda.synchronize()
         result["reference_recompute_us_per_token"] = round(1e6 * (time.perf_counter() - t0) / n_tok, 2)
+        result["reference_recompute_tokens"] = n_tok
 
     if not args.no_faults:
         by_shard: dict[int, list[str]] = {}
@@ -222,7 +292,12 @@ def main() -> None:
     print(f"{'check':<12} {'us/token':>9}", file=sys.stdout)
     for k, v in result["correct_store"]["us_per_token_by_check"].items():
         print(f"{k:<12} {v:>9}")
-    print(f"{'all':<12} {result['correct_store']['us_per_token']:>9}")
+    print(f"{'all':<12} {result['correct_store']['us_per_token']:>9}   (tail: {result['correct_store']['tail_path']})")
+    if "other_tail_path" in result:
+        o = result["other_tail_path"]
+        print(f"with tail {o['tail_path']}: all {o['us_per_token']} us/token, by check {o['us_per_token_by_check']}")
+    if "reference_recompute_us_per_token" in result:
+        print(f"full reference recompute: {result['reference_recompute_us_per_token']} us/token")
     for name, f in result.get("faults", {}).items():
         print(f"fault {name:<18} caught={f['caught']} by={[b.split(':')[0] for b in f['by']]}")
     print(json.dumps(result))

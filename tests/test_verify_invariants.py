@@ -243,3 +243,58 @@ def test_time_budget_stops_after_the_minimum(chat_store):
     store, _ = chat_store
     s = verify_store(store, numbers=2, numbers_seconds=1e-6, invariants=False, seed=3)
     assert s["numbers"]["checked"] == 2 and s["numbers"]["strata"]["shards_drawn"] == 2
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_packed_tail_equals_per_sample_tail(tmp_path, smol_tokenizer, family):
+    """The batched tail (samples end to end, one forward) == each sample's own Hugging Face tail, and
+    both == the final state of a full forward, for samples of very different lengths."""
+    from eyas.store.invariants import packed_tail_kernel, tail_final, tail_final_packed, target_parts
+    from tests.conftest import make_tiny_target
+
+    model = load_target(make_tiny_target(tmp_path / family, smol_tokenizer, family=family))
+    parts = target_parts(model, LAYERS)
+    kernel, why = packed_tail_kernel(parts)
+    assert parts.tail_ok is None and kernel is not None, why
+    g = torch.Generator().manual_seed(5)
+    lengths = [1, 300, 7, 2, 61]
+    seqs = [torch.randint(0, model.config.vocab_size, (n,), generator=g) for n in lengths]
+    refs = [reference_hidden_states(model, s, layer_ids=LAYERS) for s in seqs]
+    high = torch.cat([aux[:, -1] for aux, _ in refs])  # input to layer 4 = LAYERS[-1]
+    packed = tail_final_packed(parts, high, lengths, first_layer=LAYERS[-1], kernel=kernel)
+    assert packed.shape == (sum(lengths), model.config.hidden_size)
+    a = 0
+    for s, (aux, final) in zip(seqs, refs):
+        b = a + s.shape[0]
+        alone = tail_final(parts, s, aux[:, -1], first_layer=LAYERS[-1])
+        torch.testing.assert_close(packed[a:b], alone, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(packed[a:b], final, atol=2e-5, rtol=1e-4)
+        a = b
+
+
+def test_batched_invariants_equal_per_sample_run(chat_store, tmp_path, tiny_target_dir):
+    """run_invariants in small batches with the packed tail flags the same samples, with the same
+    rates and (up to float rounding) the same tail errors, as the per-sample reference path."""
+    from eyas.store.invariants import run_invariants, target_parts
+
+    store, split = chat_store
+    victim, _ = victims(store)
+
+    def noise(sid, h, r):
+        if sid != victim:
+            return h
+        g = torch.Generator().manual_seed(1)
+        return h + 0.05 * h.pow(2).mean(-1, keepdim=True).sqrt() * torch.randn(h.shape, generator=g)
+
+    bad = rewrite(store, tmp_path / "noise", noise)
+    reader = StoreReader(bad)
+    parts = target_parts(load_target(tiny_target_dir), reader.aux_layer_ids)
+    kw = dict(sample_ids=reader.sample_ids, prefix_tol=1e-2, tail_tol=3e-2)
+    one = run_invariants(reader, split, parts, packed_tail=False, batch_tokens=1, **kw)
+    many = run_invariants(reader, split, parts, packed_tail=True, batch_tokens=300, **kw)
+    assert one["tail_path"].startswith("per sample") and many["tail_path"].startswith("packed")
+    assert victim in one["failing_samples"] and many["failing_samples"] == one["failing_samples"]
+    assert many["failures"] == one["failures"]  # messages carry errors to 3 digits
+    assert many["rates"] == one["rates"]
+    assert many["tail"]["worst_sample"] == one["tail"]["worst_sample"] == victim
+    assert many["tail"]["worst_rel_err"] == pytest.approx(one["tail"]["worst_rel_err"], rel=1e-4)

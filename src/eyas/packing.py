@@ -19,7 +19,8 @@ callers can merge extra keys by the split-KV identity; see drafter/ttt.py):
 
 `target_forward_packed` runs a Llama/Qwen-style target over a packed row with the same modules as
 Hugging Face (norms, projections, rotary table, MLP) and varlen attention, capturing the aux layers'
-inputs and the final norm's output exactly as `eyas.target.forward_capture` does on padded batches.
+inputs and the final norm's output exactly as `eyas.target.forward_capture` does on padded batches;
+`tail_forward_packed` runs only the last layers from given states (`eyas verify`'s tail invariant).
 
 Shape legend: N packed tokens, S segments, H heads, K kv heads, d head dim, D hidden, A aux layers.
 """
@@ -268,25 +269,49 @@ def target_forward_packed(model, input_ids_N: torch.Tensor, seg: Segments, *, la
     for i, layer in enumerate(base.layers):
         for a in wanted.get(i, ()):
             aux[a] = x[0]
-        attn = layer.self_attn
-        d = int(attn.head_dim)
-        h = layer.input_layernorm(x)
-        q = attn.q_proj(h).view(1, N, -1, d)
-        k = attn.k_proj(h).view(1, N, -1, d)
-        v = attn.v_proj(h).view(1, N, -1, d)
-        if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(d)))
-        o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
-        x = x + attn.o_proj(o.transpose(1, 2).reshape(1, N, -1))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = _decoder_layer_packed(layer, x, cos, sin, seg, kernel=kernel)
     final = base.norm(x)[0]
     return torch.stack(aux, dim=1), final
+
+
+@torch.no_grad()
+def tail_forward_packed(model, start_ND: torch.Tensor, seg: Segments, *, first_layer: int,
+                        kernel: str | None = None) -> torch.Tensor:
+    """final_ND = norm(layers[first_layer:](start)) for a packed row whose residual stream entering
+    layer `first_layer` is given (`start_ND`, e.g. a stored aux layer): the last layers alone, with
+    positions restarting in each segment, as `target_forward_packed` would run them."""
+    base = model.model
+    dtype = base.embed_tokens.weight.dtype
+    x = start_ND.to(dtype)[None]  # 1, N, D
+    cos, sin = base.rotary_emb(x, seg.positions_N[None])
+    cos, sin = cos[:, None], sin[:, None]
+    assert x.shape[1] == seg.total, (tuple(x.shape), seg.total)
+    for layer in list(base.layers)[first_layer:]:
+        x = _decoder_layer_packed(layer, x, cos, sin, seg, kernel=kernel)
+    return base.norm(x)[0]
+
+
+def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *, kernel: str | None) -> torch.Tensor:
+    """One Llama/Qwen decoder layer over a packed row (residual stream in, residual stream out)."""
+    x = x_1ND
+    N = x.shape[1]
+    attn = layer.self_attn
+    d = int(attn.head_dim)
+    h = layer.input_layernorm(x)
+    q = attn.q_proj(h).view(1, N, -1, d)
+    k = attn.k_proj(h).view(1, N, -1, d)
+    v = attn.v_proj(h).view(1, N, -1, d)
+    if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
+        q, k = attn.q_norm(q), attn.k_norm(k)
+    q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(d)))
+    o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
+    x = x + attn.o_proj(o.transpose(1, 2).reshape(1, N, -1))
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -44,6 +44,16 @@ rates next 0.78, align 0.99, token 0.24 / 0.08 / 0.03 (not informative: the resi
 not keep the token's embedding direction); the 5 single-sample faults were each caught with no
 false alarm. On a tiny random Llama token is 0.99 at every layer and next is at chance (0.06).
 
+Cost: samples go in batches of about BATCH_TOKENS tokens. Each batch crosses to the device once,
+its tail runs as ONE packed forward (samples end to end, attention kept inside each, positions
+restarting: eyas.packing.tail_forward_packed, where the model family and a checked varlen kernel
+allow it; else one Hugging Face forward per sample), every per-token result (tail errors, final
+rms, rate pass counts) is computed on the device and comes back to the host in one copy. The
+earlier one-sample-at-a-time loop ran a few-layer forward per sample and moved results to the host
+after every check, several syncs per sample: on a GPU that cost more than a full recompute. On a
+CPU the tail layers are compute-bound and the packed row is no faster, so the CPU keeps one
+Hugging Face tail forward per sample (still batched copies and device-side results).
+
 Run: every `eyas verify` (`--no-invariants` skips them); cost per token and the faults each one
 catches: `python benchmarks/verify_invariants_bench.py`.
 
@@ -66,6 +76,7 @@ TAIL_MAX_LAYERS = 4  # the tail check runs when at most this many layers (or N//
 RANDOM_CANDIDATES = 16
 INFORMATIVE_RATE = {"token": 0.5, "next": 0.3, "align": 0.6}
 OUTLIER_P = 1e-9
+BATCH_TOKENS = 8192  # stored tokens per batch: one copy to the device, one packed tail forward, one copy back
 FINAL_NORM_RANGE = (0.5, 1.05)  # median over tokens of rms(final / scale)
 # Tail recompute error (worst per-token relative error), keyed like the numbers tolerance. Measured
 # on correct SmolLM2 stores on CPU (benchmarks/verify_invariants_bench.py): fp32 target, bf16 store
@@ -170,6 +181,39 @@ def tail_final(parts: TargetParts, input_ids_T: torch.Tensor, high_TD: torch.Ten
     return out.last_hidden_state[0]
 
 
+def tail_final_packed(parts: TargetParts, high_ND: torch.Tensor, lengths: list[int], *, first_layer: int,
+                      kernel: str | None = None) -> torch.Tensor:
+    """`tail_final` of several samples at once: their stored states laid end to end (high_ND, on the
+    target's device), lengths in order; attention stays inside each sample and positions restart at
+    0, so each sample's rows equal its own `tail_final` up to float rounding. One forward for the
+    whole batch instead of one per sample: on a GPU the per-sample forward of a few layers is all
+    launch and host overhead."""
+    from eyas.packing import Segments, tail_forward_packed
+
+    seg = Segments.from_lengths(lengths, high_ND.device)
+    return tail_forward_packed(parts.model, high_ND, seg, first_layer=first_layer, kernel=kernel)
+
+
+def packed_tail_kernel(parts: TargetParts) -> tuple[str | None, str]:
+    """(varlen kernel for `tail_final_packed`, "") when the packed tail reproduces the model's own
+    layers on this device, else (None, why not); the kernel is checked against the exact one first."""
+    from eyas.packing import check_varlen_kernel, packed_unsupported_reason, pick_varlen_kernel
+
+    why = packed_unsupported_reason(parts.model)
+    if why is not None:
+        return None, why
+    p = next(parts.model.parameters())
+    attn = parts.model.model.layers[-1].self_attn
+    probe = torch.empty(1, 1, 1, int(attn.head_dim), device=p.device, dtype=p.dtype)
+    if pick_varlen_kernel(probe) == "segments":  # a dense per-segment fp32 kernel: slower than Hugging Face's
+        return None, f"no fast varlen attention kernel for {p.dtype} on {p.device.type}"
+    err = check_varlen_kernel(p.device, p.dtype)
+    kernel = pick_varlen_kernel(probe)
+    if kernel == "segments":
+        return None, f"the varlen attention kernel disagrees with the exact one on {p.device} (max |diff| {err:.3g})"
+    return kernel, ""
+
+
 # ---------------------------------------------------------------------------------------------
 # rate invariants (per position pass/fail)
 
@@ -202,7 +246,7 @@ def _rank_passes(query_TD: torch.Tensor, table_VD: torch.Tensor, true_T: torch.T
         s_true = s_true / e_true.float().norm(dim=-1).clamp_min(1e-12)
         s_riv = s_riv / e_riv.float().norm(dim=-1).clamp_min(1e-12)
     s_riv = s_riv.masked_fill(rivals_TK == true_T[:, None], float("-inf"))
-    return (s_true >= s_riv.max(dim=1).values).cpu()
+    return s_true >= s_riv.max(dim=1).values  # on the table's device: callers sum before moving to the host
 
 
 def _centred(h_TD: torch.Tensor) -> torch.Tensor:
@@ -230,24 +274,56 @@ def sample_rates(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tens
     The shared prefix (checked exactly by `prefix`) is left out: rows copied from another sample
     with the same chat template agree there, and counting them would dilute the evidence.
     """
+    names, passed, totals = _rate_counts(parts, ids_T, hidden_TLD, slot_names=slot_names, sample_key=sample_key,
+                                         start=start)
+    if not names:
+        return {}
+    return {n: (int(k), t) for n, k, t in zip(names, torch.stack(passed).tolist(), totals)}
+
+
+def _rate_counts(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
+                 sample_key: str, start: int) -> tuple[list[str], list[torch.Tensor], list[int]]:
+    """`sample_rates` as (names, pass counts as 0-d tensors on the target's device, totals): the
+    caller moves many samples' counts to the host at once (one device sync per batch, not seven per
+    sample). hidden_TLD may live on the host or the device; ids_T and the rivals are drawn on the host."""
     t = ids_T.shape[0]
-    rates: dict[str, tuple[int, int]] = {}
+    names: list[str] = []
+    passed: list[torch.Tensor] = []
+    totals: list[int] = []
     if t - start < 3:
-        return rates
+        return names, passed, totals
+    dev = parts.embed_VD.device
+    h = _to_device(hidden_TLD, dev)
     seed = zlib.crc32(sample_key.encode())
-    a = hidden_TLD.shape[1] - 1
+    a = h.shape[1] - 1
     rivals = _candidates_TK(ids_T, seed, offset=0)
+    rivals_next = _candidates_TK(ids_T, seed + 1, offset=1)[:-1]
+    ids_d, rivals, rivals_next = (_to_device(x, dev) for x in (ids_T, rivals, rivals_next))
     for slot in range(a):
-        ok = _rank_passes(_centred(hidden_TLD[:, slot]), parts.embed_VD, ids_T, rivals, cosine=True)[start:]
-        rates[f"token {slot_names[slot]}"] = (int(ok.sum()), ok.numel())
+        ok = _rank_passes(_centred(h[:, slot]), parts.embed_VD, ids_d, rivals, cosine=True)[start:]
+        names.append(f"token {slot_names[slot]}")
+        passed.append(ok.sum())
+        totals.append(ok.numel())
     if parts.lm_head_VD is not None:
-        rivals_next = _candidates_TK(ids_T, seed + 1, offset=1)[:-1]
-        ok = _rank_passes(hidden_TLD[:-1, a], parts.lm_head_VD, ids_T[1:], rivals_next, cosine=False)[start:]
-        rates["next final"] = (int(ok.sum()), ok.numel())
+        ok = _rank_passes(h[:-1, a], parts.lm_head_VD, ids_d[1:], rivals_next, cosine=False)[start:]
+        names.append("next final")
+        passed.append(ok.sum())
+        totals.append(ok.numel())
     for slot in range(a):
-        ok = _align_passes(hidden_TLD[:, slot], hidden_TLD[:, slot + 1])[max(start - 1, 0):]  # entry i is position i + 1
-        rates[f"align {slot_names[slot]} -> {slot_names[slot + 1]}"] = (int(ok.sum()), ok.numel())
-    return rates
+        ok = _align_passes(h[:, slot], h[:, slot + 1])[max(start - 1, 0):]  # entry i is position i + 1
+        names.append(f"align {slot_names[slot]} -> {slot_names[slot + 1]}")
+        passed.append(ok.sum())
+        totals.append(ok.numel())
+    return names, passed, totals
+
+
+def _to_device(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Host -> device without a host sync (pinned staging, non-blocking); a no-op on the same device."""
+    if x.device == device:
+        return x
+    if device.type == "cuda" and x.device.type == "cpu":
+        return x.pin_memory().to(device, non_blocking=True)
+    return x.to(device)
 
 
 def binom_cdf(k: int, n: int, p: float) -> float:
@@ -299,6 +375,19 @@ def judge_rates(per_sample: dict[str, dict[str, tuple[int, int]]]) -> tuple[dict
 # absolute checks and the driver
 
 
+def _batches(sample_ids: list[str], lengths: dict[str, int], budget: int) -> list[list[str]]:
+    """Consecutive runs of samples of about `budget` tokens (a longer sample goes alone)."""
+    out: list[list[str]] = []
+    total = 0
+    for sid in sample_ids:
+        if not out or total + lengths[sid] > budget:
+            out.append([])
+            total = 0
+        out[-1].append(sid)
+        total += lengths[sid]
+    return out
+
+
 def prefix_groups(ids_by_sample: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, list[str]]]:
     """Group samples by first token; each group's prefix = its members' longest common prefix,
     capped at PREFIX_MAX tokens (PREFIX_MIN for a sample alone in its group)."""
@@ -320,8 +409,14 @@ def prefix_groups(ids_by_sample: dict[str, torch.Tensor]) -> list[tuple[torch.Te
 
 
 def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], prefix_tol: float, tail_tol: float,
-                   progress_bar=None) -> dict[str, Any]:
-    """Every invariant on every sample in `sample_ids`; returns the summary with per-sample failures."""
+                   progress_bar=None, batch_tokens: int = BATCH_TOKENS, packed_tail: bool | None = None) -> dict[str, Any]:
+    """Every invariant on every sample in `sample_ids`; returns the summary with per-sample failures.
+
+    Samples go in batches of about `batch_tokens` tokens: one host -> device copy of their stored
+    states, one packed tail forward (`packed_tail`: None = on an accelerator wherever
+    `packed_tail_kernel` allows it, True = there even on CPU, False = one Hugging Face forward per
+    sample, the reference path), and one device -> host copy of
+    every per-token result, so a GPU is not stalled once per sample and per check."""
     from eyas.target import reference_hidden_states
 
     layer_ids = reader.aux_layer_ids
@@ -336,61 +431,100 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
             prefix_ref[s] = ref
     high = max(layer_ids)
     high_slot = layer_ids.index(high)
+    if packed_tail is None and device.type == "cpu":
+        # On a CPU the few tail layers are compute-bound: one forward per sample costs what the
+        # packed row costs (measured 0.8-1.3x on SmolLM2), and it is the reference path.
+        kernel, packed_why = None, "on CPU the per-sample forward is as fast"
+    elif packed_tail is False:
+        kernel, packed_why = None, "not asked for"
+    else:
+        kernel, packed_why = packed_tail_kernel(parts)
+    if packed_tail and kernel is None:
+        raise ValueError(f"packed_tail=True but the packed tail cannot run: {packed_why}")
+    # bf16 stores cross to the device as stored (half the bytes; exact in fp32 either side), others as fp32
+    read_dtype = torch.bfloat16 if reader.dtype == "bf16" else torch.float32
+    scale_D = None if parts.norm_scale_D is None else parts.norm_scale_D.float().to(device)
     rates: dict[str, dict[str, tuple[int, int]]] = {}
     failures: dict[str, list[str]] = {}
     worst = {"prefix": (0.0, None, ""), "tail": (0.0, None, "")}
     final_norm_worst = (1.0, None)
     seconds = {"prefix": 0.0, "tail": 0.0, "final_norm": 0.0, "rates": 0.0, "read": 0.0}
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     clock = time.perf_counter()
 
     def lap(name):
+        # Synchronised, so that a check's device work is charged to it and not to the next host sync.
         nonlocal clock
+        sync()
         now = time.perf_counter()
         seconds[name] += now - clock
         clock = now
 
     lap("prefix")
-    for sid in sample_ids:
-        ids_T = ids_by_sample[sid]
-        h = reader.get_hidden(sid, torch.float32)  # [T, L, D]
-        fails = []
+    for batch in _batches(sample_ids, {s: ids_by_sample[s].shape[0] for s in sample_ids}, batch_tokens):
+        lengths = [ids_by_sample[sid].shape[0] for sid in batch]
+        hs = [reader.get_hidden(sid, read_dtype) for sid in batch]  # [T, L, D] each
+        h_NLD = _to_device(torch.cat(hs), device).float()
+        bounds = [0]
+        for n in lengths:
+            bounds.append(bounds[-1] + n)
+        fails: dict[str, list[str]] = {sid: [] for sid in batch}
         lap("read")
-        ref = prefix_ref[sid]
-        err = rel_err_TL(h[:ref.shape[0]], ref)
-        e, flat = float(err.max()), int(err.argmax())
-        t, slot = divmod(flat, err.shape[1])
-        if e > worst["prefix"][0]:
-            worst["prefix"] = (e, sid, f"{names[slot]}, token {t}")
-        if not e <= prefix_tol:
-            fails.append(f"prefix: {names[slot]} token {t} differs from the recomputed shared prefix "
-                         f"({ref.shape[0]} tokens) by {e:.3g} > {prefix_tol:g}")
+        for sid, h in zip(batch, hs):
+            ref = prefix_ref[sid]
+            err = rel_err_TL(h[:ref.shape[0]], ref)
+            e, flat = float(err.max()), int(err.argmax())
+            t, slot = divmod(flat, err.shape[1])
+            if e > worst["prefix"][0]:
+                worst["prefix"] = (e, sid, f"{names[slot]}, token {t}")
+            if not e <= prefix_tol:
+                fails[sid].append(f"prefix: {names[slot]} token {t} differs from the recomputed shared prefix "
+                                  f"({ref.shape[0]} tokens) by {e:.3g} > {prefix_tol:g}")
         lap("prefix")
+        # per-token results of the whole batch, computed on the device and moved to the host at once
+        on_device: dict[str, torch.Tensor] = {}
         if parts.tail_ok is None:
-            derived = tail_final(parts, ids_T.to(device), h[:, high_slot].to(device), first_layer=high).float().cpu()
-            err = rel_err_TL(h[:, -1:], derived[:, None])[:, 0]
-            e, t = float(err.max()), int(err.argmax())
-            if e > worst["tail"][0]:
-                worst["tail"] = (e, sid, f"token {t}")
-            if not e <= tail_tol:
-                fails.append(f"tail: final at token {t} differs from norm(layers {high}..{parts.num_layers - 1}"
-                             f"({names[high_slot]})) by {e:.3g} > {tail_tol:g}")
+            if kernel is not None:
+                derived_ND = tail_final_packed(parts, h_NLD[:, high_slot], lengths, first_layer=high, kernel=kernel)
+            else:
+                ids_d = _to_device(torch.cat([ids_by_sample[sid] for sid in batch]), device)
+                derived_ND = torch.cat([tail_final(parts, ids_d[a:b], h_NLD[a:b, high_slot], first_layer=high)
+                                        for a, b in zip(bounds[:-1], bounds[1:])])
+            on_device["tail"] = rel_err_TL(h_NLD[:, -1:], derived_ND[:, None])[:, 0]
             lap("tail")
-        if parts.norm_scale_D is not None:
-            rms = (h[:, -1] / parts.norm_scale_D.float().cpu()).pow(2).mean(-1).sqrt()
-            med = float(rms.median())
-            if abs(med - 1) > abs(final_norm_worst[0] - 1):
-                final_norm_worst = (med, sid)
-            lo, hi = FINAL_NORM_RANGE
-            if not lo <= med <= hi:
-                fails.append(f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
-                             "(a post-norm state has ~1): the final slot is not the final norm's output")
+        if scale_D is not None:
+            on_device["rms"] = (h_NLD[:, -1] / scale_D).pow(2).mean(-1).sqrt()
             lap("final_norm")
-        rates[sid] = sample_rates(parts, ids_T, h, slot_names=names, sample_key=sid, start=ref.shape[0])
+        counts = [_rate_counts(parts, ids_by_sample[sid], h_NLD[a:b], slot_names=names, sample_key=sid,
+                               start=prefix_ref[sid].shape[0]) for sid, a, b in zip(batch, bounds[:-1], bounds[1:])]
+        passed = [k for _, ks, _ in counts for k in ks]
+        if passed:
+            on_device["passed"] = torch.stack(passed)
+        host = {k: v.cpu() for k, v in on_device.items()}
         lap("rates")
-        if fails:
-            failures[sid] = fails
+        passed_host = iter(host["passed"].tolist() if passed else [])
+        for sid, a, b, (rate_names, _, totals) in zip(batch, bounds[:-1], bounds[1:], counts):
+            if "tail" in host:
+                err = host["tail"][a:b]
+                e, t = float(err.max()), int(err.argmax())
+                if e > worst["tail"][0]:
+                    worst["tail"] = (e, sid, f"token {t}")
+                if not e <= tail_tol:
+                    fails[sid].append(f"tail: final at token {t} differs from norm(layers {high}..{parts.num_layers - 1}"
+                                      f"({names[high_slot]})) by {e:.3g} > {tail_tol:g}")
+            if "rms" in host:
+                med = float(host["rms"][a:b].median())
+                if abs(med - 1) > abs(final_norm_worst[0] - 1):
+                    final_norm_worst = (med, sid)
+                lo, hi = FINAL_NORM_RANGE
+                if not lo <= med <= hi:
+                    fails[sid].append(f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
+                                      "(a post-norm state has ~1): the final slot is not the final norm's output")
+            rates[sid] = {n: (next(passed_host), tot) for n, tot in zip(rate_names, totals)}
+            if fails[sid]:
+                failures[sid] = fails[sid]
         if progress_bar is not None:
-            progress_bar.update(1)
+            progress_bar.update(len(batch))
     rate_report, rate_failures = judge_rates(rates)
     for sid, msgs in rate_failures.items():
         failures.setdefault(sid, []).extend(msgs)
@@ -406,6 +540,7 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
         "final_norm": ({"skipped": "the final norm is not RMS-like"} if parts.norm_scale_D is None else
                        {"range": list(FINAL_NORM_RANGE), "worst_median_rms": final_norm_worst[0], "worst_sample": final_norm_worst[1]}),
         "rates": rate_report,
+        "tail_path": "not run" if parts.tail_ok else (f"packed ({kernel})" if kernel else f"per sample ({packed_why})"),
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
         "failing_samples": sorted(failures),
         "failures": failures,
