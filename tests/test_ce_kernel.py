@@ -101,13 +101,84 @@ def check_kernel() -> None:
     print("all kernel checks ok")
 
 
+@needs_triton
+def test_indexed_teacher_rows_under_interpreter():
+    out = _in_interpreter("check_indexed()")
+    assert out.count("indexed ok") == 4 and "head loss on a cached teacher ok" in out, out[-2000:]
+
+
+def check_indexed() -> None:
+    """t_rows mode: row n's teacher is table[t_rows[n]] (ids repeated and out of order, a table with
+    more rows than the chunk and a row stride wider than V), equal to `_chunk_ce` on the gathered rows."""
+    cases = [(6, 700, torch.float32, torch.float32, 256), (5, 777, torch.bfloat16, torch.bfloat16, 256),
+             (4, 300, torch.bfloat16, torch.float32, 128), (3, 50, torch.float32, torch.bfloat16, 64)]
+    for i, (c, V, sd, td, block) in enumerate(cases):
+        s, _, w, top = _chunk(c, V, sd, td, seed=20 + i)
+        gen = torch.Generator().manual_seed(40 + i)
+        wide = (3 * torch.randn(c + 5, V + 9, generator=gen)).to(td)
+        table = wide[:, :V]  # [c + 5, V], row stride V + 9
+        t_rows = torch.randperm(c + 5, generator=gen)[:c].flip(0)
+        t_rows[-1] = t_rows[0]  # a repeated id
+        assert not torch.equal(t_rows.sort().values, t_rows)  # out of order
+        ce, hits, g = CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows, block_v=block)
+        ce_r, hits_r, g_r = ttt._chunk_ce(s, table[t_rows], w, top)
+        assert torch.equal(hits, hits_r) and hits[0], (hits, hits_r)
+        torch.testing.assert_close(ce, ce_r, rtol=1e-5, atol=1e-5)
+        rtol = 1e-5 if sd == torch.float32 else 2 ** -7  # bf16 g: both round fp32, one ulp apart
+        torch.testing.assert_close(g.float(), g_r.float(), rtol=rtol, atol=1e-7)
+        assert torch.equal(g[-1], CE.fused_chunk_ce(s[-1:], table[t_rows[-1:]], w[-1:], top[-1:], block_v=block)[2][0])
+        print("indexed ok", i)
+    # the head loss on a cached teacher table: the kernel gets the whole table and the row ids (no
+    # gathered copy), and loss and gradients equal the plain fp32 reference
+    ttt._CE_CHOICE.clear()
+    chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32)
+    assert chosen is CE.fused_chunk_ce
+    gen = torch.Generator().manual_seed(5)
+    n, D, V, N = 11, 16, 300, 19
+    x, wv = torch.randn(n, D, generator=gen, requires_grad=True), torch.randn(V, D, generator=gen, requires_grad=True)
+    f_all, wt = torch.randn(N, D, generator=gen), torch.randn(V, D, generator=gen)
+    table = f_all @ wt.T  # [N, V]
+    rows = torch.randint(0, N, (n,), generator=gen)
+    rows[3] = rows[7]
+    weight, topn = torch.rand(n, generator=gen), (table[rows]).argmax(-1)
+    seen = []
+
+    def spy(s, t, w, top, *, t_rows=None):
+        seen.append((t.data_ptr() == table.data_ptr() and t.shape == table.shape, t_rows))
+        return chosen(s, t, w, top, t_rows=t_rows)
+
+    ttt._CE_CHOICE[("cpu", torch.float32, torch.float32)] = spy
+    tot, _ = ttt.head_soft_ce(x, wv, None, None, weight, topn, chunk_rows=4, teacher_logits=table, teacher_rows=rows)
+    assert len(seen) == 3 and all(whole for whole, _ in seen), seen  # 11 rows in chunks of 4
+    assert torch.equal(torch.cat([r for _, r in seen]), rows)
+    dx, dw = torch.autograd.grad(tot, (x, wv))
+    ref = ttt.reference_head_soft_ce(x, wv, f_all[rows], wt, weight)
+    dx_r, dw_r = torch.autograd.grad(ref, (x, wv))
+    torch.testing.assert_close(tot, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dx, dx_r, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(dw, dw_r, rtol=1e-4, atol=1e-5)
+    print("head loss on a cached teacher ok")
+
+
+def test_torch_fallback_gathers_teacher_rows(monkeypatch):
+    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "torch")
+    chunk = ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32)
+    s, _, w, top = _chunk(5, 40, torch.float32, torch.float32, seed=1)
+    table = torch.randn(9, 40, generator=torch.Generator().manual_seed(2))
+    t_rows = torch.tensor([8, 2, 2, 0, 5])
+    out, ref = chunk(s, table, w, top, t_rows=t_rows), ttt._chunk_ce(s, table[t_rows], w, top)
+    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]) and torch.equal(out[2], ref[2])
+    assert not torch.equal(out[2], ttt._chunk_ce(s, table[:5], w, top)[2])  # the rows did matter
+
+
 def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
     monkeypatch.setattr(ttt, "_CE_CHOICE", {})
     monkeypatch.delenv(ttt.CE_KERNEL_ENV, raising=False)
     cpu = torch.device("cpu")
     if CE.kernel_unavailable(cpu) is None:
         pytest.skip("TRITON_INTERPRET=1 in this process: the kernel runs on CPU here")
-    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is ttt._chunk_ce
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is ttt._chunk_ce
     monkeypatch.setenv(ttt.CE_KERNEL_ENV, "triton")
     monkeypatch.setattr(ttt, "_CE_CHOICE", {})
     with pytest.raises(EyasError, match="EYAS_CE_KERNEL=triton"):
@@ -120,6 +191,7 @@ def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
 def test_forced_torch_skips_a_working_kernel(monkeypatch):
     monkeypatch.setattr(ttt, "_CE_CHOICE", {})
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
+    @ttt._gathering
     def kernel(s, t, w, top):  # a stand-in kernel that passes its check
         return ttt._chunk_ce(s, t, w, top)
 
@@ -131,32 +203,46 @@ def test_forced_torch_skips_a_working_kernel(monkeypatch):
     assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is kernel  # decided once, then cached
     monkeypatch.setattr(ttt, "_CE_CHOICE", {})
     monkeypatch.setenv(ttt.CE_KERNEL_ENV, "torch")
-    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is ttt._chunk_ce
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is ttt._chunk_ce
 
 
+@ttt._gathering
 def _wrong_argmax(s, t, w, top):  # the last index of a tied maximum
     ce, _, g = ttt._chunk_ce(s, t, w, top)
     last = s.shape[1] - 1 - s.float().flip(-1).argmax(-1)
     return ce, last == top, g
 
 
+@ttt._gathering
 def _wrong_grad(s, t, w, top):  # forgets the row weights in g
     ce, hits, _ = ttt._chunk_ce(s, t, w, top)
     return ce, hits, (torch.softmax(s.float(), -1) - torch.softmax(t.float(), -1)).to(s.dtype)
 
 
+@ttt._gathering
 def _wrong_loss(s, t, w, top):  # unweighted sum
     _, hits, g = ttt._chunk_ce(s, t, w, top)
     return ttt._chunk_ce(s, t, torch.ones_like(w), top)[0], hits, g
 
 
-def _crashes(s, t, w, top):
+def _crashes(s, t, w, top, *, t_rows=None):
     raise RuntimeError("no kernel image is available")
 
 
-@pytest.mark.parametrize("bad, says", [(ttt._chunk_ce, None), (_wrong_argmax, "hits differ"),
+def _reads_row_n(s, t, w, top, *, t_rows=None):  # ignores t_rows: the table's first c rows
+    return ttt._chunk_ce(s, t[:s.shape[0]], w, top)
+
+
+def _crashes_indexed(s, t, w, top, *, t_rows=None):
+    if t_rows is not None:
+        raise TypeError("unexpected keyword t_rows")
+    return ttt._chunk_ce(s, t, w, top)
+
+
+@pytest.mark.parametrize("bad, says", [(ttt._gathering(ttt._chunk_ce), None), (_wrong_argmax, "hits differ"),
                                        (_wrong_grad, "gradient differs"), (_wrong_loss, "loss differs"),
-                                       (_crashes, "failed: RuntimeError")])
+                                       (_crashes, "failed: RuntimeError"), (_reads_row_n, "by index): "),
+                                       (_crashes_indexed, "by index) failed: TypeError")])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
     monkeypatch.setattr(CE, "fused_chunk_ce", bad)

@@ -7,7 +7,11 @@ weights w [c], teacher top-1 draft ids top [c]) -- the contract of `eyas.drafter
     CE_n  = lse_s - sum_v p_v s_v       hit_n = (argmax_v s_v == top_n)     (first index of the max)
     g_nv  = (exp(s_v - lse_s) - p_v) * w_n                                   (in s's dtype)
 
-and returns (sum_n w_n CE_n as an fp32 scalar, hits [c] bool, g [c, V]).
+and returns (sum_n w_n CE_n as an fp32 scalar, hits [c] bool, g [c, V]). With `t_rows` ([c] int64)
+the teacher row of chunk row n is t[t_rows[n]] of a whole table t [N, V]: the head loss keeps the
+teacher's logits for a packed row and its chunks pick rows of it, which the kernel then reads in
+place instead of reading a gathered copy (an index_select writes and re-reads a [c, V] copy per
+chunk per TTT step: 8.5% of an H200 training step's GPU time in one profile).
 
 Why a kernel: at V = 32000 this is pure memory traffic (a handful of flops per element), and the
 compiled torch version reads s and t from HBM several times (max, sum-exp, the p*s sum, argmax,
@@ -17,7 +21,9 @@ sum-exp of s and of t, sum_v exp(t_v - m_t) s_v, and the running argmax of s; pa
 again, last block first (the blocks read last are the likeliest to still be in L2), and writes g.
 The HBM traffic is between one and two reads of s and t plus one write of g: how much of a row
 survives in L2 depends on how many rows are in flight (block size and warps set that; the
-benchmark, benchmarks/ce_kernel_bench.py, compares a few). Everything accumulates in fp32. Per-row
+benchmark, benchmarks/ce_kernel_bench.py, compares a few). Measured there on an H200 (2026-11-30,
+[4096 x 32000] bf16 chunk): 0.396 ms at BLOCK_V=2048 with 4 warps (the default), 0.498 ms at 2048
+with 8 warps (the previous default), 1.048 ms for the compiled torch version. Everything accumulates in fp32. Per-row
 w_n CE_n are written to an fp32 [c] vector and summed by torch (deterministic).
 
 Triton is imported on first use, so machines without it (CPU CI) still import eyas; the kernel also
@@ -25,7 +31,7 @@ runs on CPU under Triton's interpreter when TRITON_INTERPRET=1 is set before tri
 (the tests do that in a child process). The training loop picks this kernel only after
 `eyas.drafter.ttt` has checked it against the torch version on the device (see `chunk_ce_for`).
 
-Shape legend: c rows of the chunk, V draft vocab.
+Shape legend: c rows of the chunk, V draft vocab, N rows of a teacher table (indexed mode).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ import torch
 
 BLOCK_V = 2048
 """Vocabulary entries per block of a pass (a power of two; V need not be a multiple of it)."""
-NUM_WARPS = 8
+NUM_WARPS = 4
 """Warps per program (one program per row)."""
 
 _STATE: dict[str, object] = {}  # "error": why triton is unusable, "kernel": the jitted kernel
@@ -52,9 +58,14 @@ def _kernel():
         return None
 
     @triton.jit
-    def _soft_ce_rows(S, T, W, TOP, G, CE_W, HIT, V, s_row, t_row, g_row, BLOCK: tl.constexpr):
+    def _soft_ce_rows(S, T, T_ROWS, W, TOP, G, CE_W, HIT, V, s_row, t_row, g_row, BLOCK: tl.constexpr,
+                      INDEXED: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
-        s_ptr, t_ptr, g_ptr = S + row * s_row, T + row * t_row, G + row * g_row
+        if INDEXED:  # a compile-time switch: the plain mode never touches T_ROWS
+            t_at = tl.load(T_ROWS + row).to(tl.int64)  # the teacher table's row for this chunk row
+        else:
+            t_at = row
+        s_ptr, t_ptr, g_ptr = S + row * s_row, T + t_at * t_row, G + row * g_row
         offs = tl.arange(0, BLOCK)
         neg_inf = float("-inf")
         # pass 1: online max / sum-exp of s and t, sum exp(t - m_t) * s, first argmax of s
@@ -121,17 +132,25 @@ def kernel_unavailable(device: torch.device) -> str | None:
 
 
 def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch.Tensor, *,
-                   block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
+                   t_rows: torch.Tensor | None = None, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum_n w_n CE_n fp32 scalar, hits [c] bool, g [c, V] in s's dtype): `_chunk_ce` in one launch.
 
-    s, t: [c, V] float (any float dtypes, rows may be strided, entries must be contiguous);
-    w: [c] weights; top: [c] integer ids. No host syncs."""
+    s: [c, V] float; t: [c, V] float, or with `t_rows` [c] integer a table [N, V] whose row
+    t_rows[n] is the teacher of row n (`_chunk_ce(s, t[t_rows], w, top)` without the copy; ids may
+    repeat and come in any order; they are not bounds-checked, which would cost a host sync). Any
+    float dtypes; rows may be strided, entries must be contiguous. w: [c] weights; top: [c] integer
+    ids. No host syncs."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError(f"fused_chunk_ce: triton is not importable ({_STATE['error']})")
     c, V = s.shape
-    assert t.shape == (c, V) and w.shape == (c,) and top.shape == (c,), (s.shape, t.shape, w.shape, top.shape)
+    t_shape = (t.shape[0] if t_rows is not None else c, V)
+    assert t.dim() == 2 and t.shape == t_shape and w.shape == (c,) and top.shape == (c,), (
+        s.shape, t.shape, w.shape, top.shape)
+    if t_rows is not None:
+        assert t_rows.shape == (c,) and not t_rows.is_floating_point(), (t_rows.shape, t_rows.dtype)
+        t_rows = t_rows.contiguous()
     assert block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two"
     s = s if s.stride(-1) == 1 else s.contiguous()
     t = t if t.stride(-1) == 1 else t.contiguous()
@@ -141,6 +160,8 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     ce_w = torch.empty(c, dtype=torch.float32, device=s.device)
     hit = torch.empty(c, dtype=torch.int8, device=s.device)
     if c > 0:
-        kernel[(c,)](s, t, w, top, g, ce_w, hit, V, s.stride(0), t.stride(0), g.stride(0),
-                     BLOCK=block_v, num_warps=num_warps)
+        # without t_rows, T_ROWS is a placeholder pointer the kernel never reads
+        kernel[(c,)](s, t, top if t_rows is None else t_rows, w, top, g, ce_w, hit, V,
+                     s.stride(0), t.stride(0), g.stride(0), BLOCK=block_v, INDEXED=t_rows is not None,
+                     num_warps=num_warps)
     return ce_w.sum(), hit.view(torch.bool), g

@@ -44,7 +44,9 @@ the global batch divided by the number of LOSS-MASK positions of step k in the g
 total = sum_k w_k loss_k with w_k = 0.8**k by default. The head's logits are made chunk by chunk
 (`head_soft_ce`); each chunk's CE, top-1 hits and logit gradient come from one fused Triton kernel
 on CUDA (`eyas.drafter.ce_kernel`, after a start-up check against `_chunk_ce`; EYAS_CE_KERNEL=torch
-forces the compiled torch version), else from `_chunk_ce`.
+forces the compiled torch version), else from `_chunk_ce`. Where the teacher's logits are kept for
+the whole packed row, the kernel reads each chunk's teacher rows from that table through an index
+vector; the torch version gathers them first.
 
 Shape legend: B batch, T tokens, D hidden, A aux layers, H heads, K kv heads, d head dim,
 V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
@@ -52,6 +54,7 @@ V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -519,6 +522,15 @@ def _chunk_ce(s, t, w, top):
     return (ce * w).sum(), s32.argmax(-1) == top, g.to(s.dtype)
 
 
+def _gathering(chunk):
+    """`chunk(s, t, w, top)` with the signature of `fused_chunk_ce`: given `t_rows`, t is a table
+    [N, V] and its rows t_rows are gathered into a [c, V] copy first (outside any compiled graph)."""
+    @functools.wraps(chunk)
+    def call(s, t, w, top, *, t_rows=None):
+        return chunk(s, t if t_rows is None else t.index_select(0, t_rows), w, top)
+    return call
+
+
 CE_KERNEL_ENV = "EYAS_CE_KERNEL"
 """Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
 when its start-up check passes, else compiled torch), `torch`, or `triton` (fail if it cannot run)."""
@@ -528,8 +540,10 @@ _CE_CHOICE: dict[tuple[str, torch.dtype, torch.dtype], object] = {}
 def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype):
     """The per-chunk CE to use for logits of these dtypes on `device`, decided once per process:
     `fused_chunk_ce` (one Triton kernel, two passes per row) where it runs and agrees with
-    `_chunk_ce` on a random chunk, else `_chunk_ce` (compiled on CUDA). A failed compile or a
-    wrong answer on a new machine must cost speed, not correctness; the reason is logged once."""
+    `_chunk_ce` on a random chunk (teacher given directly and through row ids), else `_chunk_ce`
+    (compiled on CUDA) behind `_gathering`. Either is called as f(s, t, w, top, t_rows=None). A
+    failed compile or a wrong answer on a new machine must cost speed, not correctness; the reason
+    is logged once."""
     key = (device.type, s_dtype, t_dtype)
     if key in _CE_CHOICE:
         return _CE_CHOICE[key]
@@ -546,43 +560,62 @@ def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtyp
     else:
         if device.type == "cuda" and want == "auto":
             log(f"train: head loss uses the compiled torch cross-entropy, not the fused Triton kernel ({why})")
-        _CE_CHOICE[key] = _fast(_chunk_ce, device)
+        _CE_CHOICE[key] = _gathering(_fast(_chunk_ce, device))
     return _CE_CHOICE[key]
 
 
 @torch.no_grad()
 def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype, *, rows: int = 64,
                          vocab: int = 32000) -> str | None:
-    """None when `fused_chunk_ce` equals `_chunk_ce` (eager) on a random chunk on `device`; else why not.
+    """None when `fused_chunk_ce` equals `_chunk_ce` (eager) on a random chunk on `device`, with the
+    teacher given as a [rows, V] tensor and as rows `t_rows` of a larger table; else why not.
     Logits ~ N(0, 3) like a trained head's; weights in [0, 1) with a zero row; half of the `top`
-    ids are the argmax (hits), and row 0 holds its maximum twice (a hit only at the first index)."""
+    ids are the argmax (hits), and row 0 holds its maximum twice (a hit only at the first index).
+    The table has more rows than the chunk and a row stride wider than V; `t_rows` is out of order
+    and repeats ids, so a kernel that ignores it, or reads row n for row n, fails."""
     g = torch.Generator(device="cpu").manual_seed(0)
     s = (3 * torch.randn(rows, vocab, generator=g)).to(s_dtype)
-    t = (3 * torch.randn(rows, vocab, generator=g)).to(t_dtype)
+    wide = torch.zeros(rows + 7, vocab + 16, dtype=t_dtype)
+    wide[:, :vocab] = (3 * torch.randn(rows + 7, vocab, generator=g)).to(t_dtype)
+    t_rows = torch.randperm(rows + 7, generator=g)[:rows]
+    t_rows[1::3] = t_rows[0]  # repeated ids
+    t = wide[t_rows, :vocab]  # [rows, V], contiguous
     s[0, 7] = s[0, vocab - 3] = s[0].max() + 1  # a tie at the maximum
     w = torch.rand(rows, generator=g)
     w[1] = 0.0
     top = s.float().argmax(-1)
     top[2::2] = torch.randint(0, vocab, (len(range(2, rows, 2)),), generator=g)  # row 0 keeps its argmax
-    s, t, w, top = s.to(device), t.to(device), w.to(device), top.to(device)
-    try:
-        ce, hits, grad = CE.fused_chunk_ce(s, t, w, top)
-    except Exception as exc:  # noqa: BLE001  (compile or launch failure)
-        return f"the Triton kernel failed: {type(exc).__name__}: {str(exc)[:300]}"
-    ce_r, hits_r, grad_r = _chunk_ce(s, t, w, top)
+    s, t, wide, t_rows, w, top = (x.to(device) for x in (s, t, wide, t_rows, w, top))
+    table = wide[:, :vocab]  # [rows + 7, V] with row stride V + 16 (sliced on the device: .to would pack it)
+    ref = _chunk_ce(s, t, w, top)
+    for mode, args, kw in (("", (s, t, w, top), {}),
+                           (" (teacher rows by index)", (s, table, w, top), {"t_rows": t_rows})):
+        try:
+            out = CE.fused_chunk_ce(*args, **kw)
+        except Exception as exc:  # noqa: BLE001  (compile or launch failure)
+            return f"the Triton kernel{mode} failed: {type(exc).__name__}: {str(exc)[:300]}"
+        why = _chunk_ce_differs(out, ref, s_dtype)
+        if why is not None:
+            return f"the Triton kernel{mode}: {why}"
+    return None
+
+
+def _chunk_ce_differs(out, ref, s_dtype: torch.dtype) -> str | None:
+    """None when a chunk CE result (ce, hits, g) matches the reference `_chunk_ce`'s; else how not."""
+    (ce, hits, grad), (ce_r, hits_r, grad_r) = out, ref
     if grad.dtype != grad_r.dtype or grad.shape != grad_r.shape or hits.dtype != torch.bool:
-        return f"the Triton kernel returned g {grad.dtype} {tuple(grad.shape)}, hits {hits.dtype}"
+        return f"returned g {grad.dtype} {tuple(grad.shape)}, hits {hits.dtype}"
     if not torch.equal(hits, hits_r):
-        return f"the Triton kernel's top-1 hits differ in {int((hits != hits_r).sum())} of {rows} rows"
+        return f"top-1 hits differ in {int((hits != hits_r).sum())} of {hits_r.numel()} rows"
     ce_err = abs(ce.item() - ce_r.item())
     if not ce_err <= 1e-4 * max(1.0, abs(ce_r.item())):
-        return f"the Triton kernel's loss differs ({ce.item():.6g} vs {ce_r.item():.6g})"
+        return f"loss differs ({ce.item():.6g} vs {ce_r.item():.6g})"
     # bf16 g: the two round fp32 values that may differ in the last bits, so allow one bf16 ulp
     rtol = 1e-4 if s_dtype == torch.float32 else 2 ** -7
     bad = (grad.float() - grad_r.float()).abs() > 1e-7 + rtol * grad_r.float().abs()
     if bad.any():
         err = (grad.float() - grad_r.float()).abs().max().item()
-        return f"the Triton kernel's gradient differs in {int(bad.sum())} entries (max error {err:.3g})"
+        return f"gradient differs in {int(bad.sum())} entries (max error {err:.3g})"
     return None
 
 
@@ -609,11 +642,11 @@ class _HeadSoftCE(torch.autograd.Function):
             for a in range(0, n, chunk_rows):
                 b = min(n, a + chunk_rows)
                 s = xb[a:b] @ wb.T  # student logits [c, V]
-                if wtb is None:
-                    t = t_src.index_select(0, t_idx[a:b])
+                if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
+                    t, t_rows = t_src, t_idx[a:b]
                 else:
-                    t = t_src[a:b].to(compute_dtype) @ wtb.T
-                ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b])
+                    t, t_rows = t_src[a:b].to(compute_dtype) @ wtb.T, None
+                ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b], t_rows=t_rows)
                 total += ce
                 hits[a:b] = hit
                 if dx is not None:
