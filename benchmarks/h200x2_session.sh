@@ -8,7 +8,8 @@
 #              chats, xz -9 so that the half of the GGUF and the chats fit one call's 64 MiB)
 #   .stage/b:  smol.gguf.ab
 #   .stage/r:  regen.tgz, the regeneration of all staged chats that call 2 brings back ($OUT/regen.tgz.*)
-# Usage: bash benchmarks/h200x2_session.sh 1|2|3|4, each call within 30 s of the last one's end.
+# Usage: bash benchmarks/h200x2_session.sh 1|2|3|4, each call within 30 s of the last one's end
+#   (call 1 carries .stage/a2, call 2 .stage/b and, when it exists, .stage/r: then nothing is regenerated).
 #   With a regeneration already brought back: 0 (carry .stage/a2), then 3b (carry .stage/b and .stage/r)
 #   runs the quality points at once; 4 then adds the smaller points and speculative decoding.
 # Everything a call writes goes under $OUT/logs and comes back as one logs.tgz (plus the regenerated
@@ -61,9 +62,13 @@ case "$part" in
     cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf && md5sum $S/smol.gguf
     python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('/root/smol'))" 2>&1 | tail -1
     note "staged"
+    if [ -f .stage/r/regen.tgz ]; then  # brought back by an earlier session: no regeneration
+        mkdir -p /root/scaling && tar xzf .stage/r/regen.tgz -C /root/scaling && note "regeneration restaged"
+    else
     ( on 1 timeout 420 python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --regen-only \
         > "$L/regen.log" 2>&1
       note "regeneration done" ) &
+    fi
     on 0 timeout 90 python -m eyas prepare --source $S/chats6k.jsonl --target /root/smol --out /root/prep_orig --overwrite \
         > "$L/prep_orig.log" 2>&1
     on 0 timeout 330 python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep_orig \
@@ -73,7 +78,7 @@ case "$part" in
         --samples 400 --max-length 1024 --work /root/vib --source $S/chats6k.jsonl --numbers-too > "$L/verify_cost.log" 2>&1
     note "verify cost done"
     wait
-    R=$(ls -d /root/scaling/regen 2>/dev/null) && tar czf - -C /root/scaling regen | split -b 15M - "$OUT/regen.tgz."
+    [ -f .stage/r/regen.tgz ] || { [ -d /root/scaling/regen ] && tar czf - -C /root/scaling regen | split -b 15M - "$OUT/regen.tgz."; }
     left=$(( 560 - ($(date +%s) - T0) ))
     if [ "$left" -gt 150 ]; then
         timeout $left python benchmarks/two_gpu_bench.py --parts smol,loss,ckpt --budget-s $(( left - 15 )) \
