@@ -109,7 +109,7 @@ case "$part" in
     note "wide point stopped"
     wait
     for f in point_all point_all_wide; do echo "== $f"; tail -8 "$L/$f.log" | cut -c1-600; done
-    cp /root/scaling/scaling.md /root/ablate/scaling.md "$L/" 2>/dev/null; cp /root/ablate/scaling.md "$L/ablate.md" 2>/dev/null
+    cp /root/scaling/scaling.md "$L/" 2>/dev/null; cp /root/ablate/scaling.md "$L/ablate.md" 2>/dev/null
     ;;
 4)  # quality: the smaller points of the scaling study on both GPUs; then speculative decoding with the best drafter
     need /root/smol $S/question.jsonl $S/chats_all.jsonl /root/scaling/regen/chats.jsonl

@@ -80,20 +80,11 @@ def point_dir(root: Path, n: int, steps: int) -> Path:
 # -- one child process ------------------------------------------------------------------------------
 
 
-CHILDREN_AT_ONCE = 1
-"""How many children run side by side (the number of --gpus); sets each child's share of the cores."""
-
-
-def child_threads() -> int:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cores // max(1, CHILDREN_AT_ONCE))
-
-
 class Child:
     """One `eyas pipeline` subprocess in its own process group: stdout kept (its last line is the
     summary), stderr appended whole to `log_path` and echoed line by line with a `[name]` prefix."""
 
-    def __init__(self, name: str, cmd: list[str], *, log_path: Path, gpu: str | None):
+    def __init__(self, name: str, cmd: list[str], *, log_path: Path, gpu: str | None, side_by_side: int = 1):
         self.name, self.log_path = name, log_path
         env = dict(os.environ)
         env["PYTHONPATH"] = str(ROOT / "src") + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
@@ -104,7 +95,8 @@ class Child:
             # 2-GPU host (0.90 s vs 0.33 s, 2026-11-30), while two torchrun ranks (which set
             # OMP_NUM_THREADS=1) scaled 2.0x on the same host: oversubscribed cores, we conclude.
             if "OMP_NUM_THREADS" not in os.environ:
-                env["OMP_NUM_THREADS"] = str(child_threads())
+                cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+                env["OMP_NUM_THREADS"] = str(max(1, cores // side_by_side))
         pin = f"CUDA_VISIBLE_DEVICES={gpu} " if gpu is not None else ""
         log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = open(log_path, "ab")
@@ -394,9 +386,7 @@ def main() -> None:
         if item.split("=", 1)[0].strip() in ("regenerate.limit", "regenerate.out", "train.steps", "workdir"):
             ap.error(f"--set {item}: the study sets this per point (use --conversations / --steps / --root)")
     if args.gpus is not None:
-        global CHILDREN_AT_ONCE
         args.gpus = [g.strip() for g in args.gpus.split(",")]
-        CHILDREN_AT_ONCE = len(args.gpus)
         if not all(args.gpus):
             ap.error(f"--gpus {','.join(args.gpus)}: expected comma-separated GPU ids such as 0,1")
     args.root.mkdir(parents=True, exist_ok=True)
@@ -428,7 +418,7 @@ def main() -> None:
         n, s = point
         work = point_dir(args.root, n, s)
         return Child(work.name, pipeline_cmd(args, work, n, ["--set", f"train.steps={s}"]),
-                     log_path=work / "pipeline.log", gpu=gpu)
+                     log_path=work / "pipeline.log", gpu=gpu, side_by_side=len(args.gpus or [None]))
 
     def on_exit(point, child: Child, rc: int) -> bool:
         n, s = point

@@ -81,3 +81,44 @@ def make_tiny_target(out: Path, tokenizer, *, family: str = "llama", seed: int =
 def tiny_target_dir(tmp_path_factory, smol_tokenizer) -> Path:
     """A 6-layer, 64-wide random Llama with SmolLM2's tokenizer and chat template."""
     return make_tiny_target(tmp_path_factory.mktemp("tiny_llama"), smol_tokenizer)
+
+
+def tilted_drafter(target, seq: list[int], gen: list[list[int]], out: Path, *, layers: list[int]):
+    """A random drafter over the 8 tokens the greedy continuations `gen` repeat most, whose favourite
+    guesses are the two most repeated: their lm_head rows point along the mean normalised draft output
+    on `seq`, so they come first (and second) for most contexts. Rounds then accept nothing, some and
+    the full depth, and trees (top-k >= 2) accept where the chain does not. Saved to `out`, returned."""
+    from collections import Counter
+
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.target import forward_capture
+
+    counts = Counter(t for g_ in gen for t in g_)
+    used = sorted(t for t, _ in counts.most_common(8))
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=layers)
+    model = Eagle3Drafter(cfg)
+    model.reset_parameters(seed=3)
+    model.set_vocab(torch.tensor(used))
+    model.init_from_target(target.get_input_embeddings().weight.detach())
+    seqs = torch.tensor([seq])
+    aux, _ = forward_capture(target, seqs, None, layer_ids=layers)
+    with torch.no_grad():
+        hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
+        mean = model.norm(hidden).mean(dim=(0, 1))
+        (first, _), (second, _) = counts.most_common(2)
+        unit = mean / mean.norm() ** 2
+        model.lm_head.weight[used.index(first)] = 12.0 * unit
+        model.lm_head.weight[used.index(second)] = 10.0 * unit
+    model.save(out)
+    return model
+
+
+@pytest.fixture(scope="module")
+def prompts_file(tmp_path_factory):
+    """Two conversations for eval/generate: one of two turns, one single prompt."""
+    import json
+
+    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
+    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
+                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    return p

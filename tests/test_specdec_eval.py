@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 from typer.testing import CliRunner
 
 from eyas.cli import app
@@ -33,15 +32,7 @@ def _run(*args):
     return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)
 
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
-                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
-    return p
 
 
 def test_eval_report_and_all_three_layouts(tiny_target_dir, tmp_path, prompts_file):

@@ -2,13 +2,12 @@
 
 The tiny random target's greedy continuations repeat a few tokens; the random drafter gets a draft
 vocabulary of the 8 most frequent of them, and its lm_head is tilted towards the two most repeated
-(`_favour_loop_tokens`), so rounds accept 0, 1 and up to the full depth, and trees accept where the
+(conftest's `tilted_drafter`), so rounds accept 0, 1 and up to the full depth, and trees accept where the
 chain does not. Replay and the real loop must agree on every round of every sequence.
 """
 
 from __future__ import annotations
 
-from collections import Counter
 
 import pytest
 import torch
@@ -20,6 +19,8 @@ from eyas.specdec.reference import reference_decode
 from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch
 from eyas.target import forward_capture, load_target
 
+from conftest import tilted_drafter
+
 MAX_NEW = 20
 LAYERS = [1, 3, 4]
 
@@ -29,46 +30,17 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 @pytest.fixture(scope="module")
 def setup(tiny_target_dir, tmp_path_factory):
-    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
-
     target = load_target(tiny_target_dir)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (4, 9)]
     prompts.append([1, 5, 9])  # a short prompt with special-ish ids
     # ids 2 is SmolLM2's EOS; keep it in play so some continuations may stop early
     gen = greedy_generate(target, prompts, max_new_tokens=MAX_NEW, eos_ids={2}, pad_id=2, batch_size=4)
-    counts = Counter(t for g_ in gen for t in g_)
-    used = sorted(t for t, _ in counts.most_common(8))
-    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=LAYERS)
-    model = Eagle3Drafter(cfg)
-    model.reset_parameters(seed=3)
-    model.set_vocab(torch.tensor(used))
-    model.init_from_target(target.get_input_embeddings().weight.detach())
-    _favour_loop_tokens(model, target, prompts, gen, counts)
     out = tmp_path_factory.mktemp("drafter")
-    model.save(out)
+    model = tilted_drafter(target, prompts[0] + gen[0], gen, out, layers=LAYERS)
     ckpt = load_draft_checkpoint(out)
     drafter = FunctionalDrafter(ckpt.config, ckpt.weights)
     return target, drafter, prompts, gen, model
-
-
-def _favour_loop_tokens(model, target, prompts, gen, counts) -> None:
-    """Make the random drafter's favourite guesses the two most repeated target tokens.
-
-    Their lm_head rows point along the mean normalised draft output, so they come first (and second)
-    for most contexts: long accepted runs where the target loops on the first, only tree runs (top-k
-    >= 2) where it loops on the second, and the other 6 rows keep random rankings below them.
-    """
-    seqs = torch.tensor([p + g for p, g in zip(prompts, gen)][:1])
-    aux, _ = forward_capture(target, seqs, None, layer_ids=LAYERS)
-    with torch.no_grad():
-        hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
-        mean = model.norm(hidden).mean(dim=(0, 1))
-        used = model.used_target_ids().tolist()
-        (first, _), (second, _) = counts.most_common(2)
-        unit = mean / mean.norm() ** 2
-        model.lm_head.weight[used.index(first)] = 12.0 * unit
-        model.lm_head.weight[used.index(second)] = 10.0 * unit
 
 
 def _replay(target, drafter, prompts, gen, tree):

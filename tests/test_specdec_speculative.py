@@ -21,6 +21,8 @@ from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch
 from eyas.specdec.speculative import SpeculativeDecoder
 from eyas.target import forward_capture, load_target
 
+from conftest import tilted_drafter
+
 MAX_NEW = 24
 LAYERS = [1, 3, 4]
 TREES = [TreeConfig.chain(4), TreeConfig(topk=3, depth=4, tokens=12), TreeConfig(topk=4, depth=3, tokens=6)]
@@ -30,28 +32,10 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _tilted_drafter(target, seq: list[int], gen: list[list[int]], out, *, layers: list[int]):
-    """A random drafter whose favourite guesses are the two tokens the greedy continuations repeat most
-    (rounds then accept nothing, some and the full depth); saved to `out`, returned as functions."""
-    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
-
-    counts = Counter(t for g_ in gen for t in g_)
-    used = sorted(t for t, _ in counts.most_common(8))
-    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=len(used), aux_layer_ids=layers)
-    model = Eagle3Drafter(cfg)
-    model.reset_parameters(seed=3)
-    model.set_vocab(torch.tensor(used))
-    model.init_from_target(target.get_input_embeddings().weight.detach())
-    seqs = torch.tensor([seq])
-    aux, _ = forward_capture(target, seqs, None, layer_ids=layers)
-    with torch.no_grad():
-        hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
-        mean = model.norm(hidden).mean(dim=(0, 1))
-        (first, _), (second, _) = counts.most_common(2)
-        unit = mean / mean.norm() ** 2
-        model.lm_head.weight[used.index(first)] = 12.0 * unit
-        model.lm_head.weight[used.index(second)] = 10.0 * unit
-    model.save(out)
-    return FunctionalDrafter(read_drafter(out).config, read_drafter(out).weights)
+    """conftest's tilted drafter, as functions."""
+    tilted_drafter(target, seq, gen, out, layers=layers)
+    d = read_drafter(out)
+    return FunctionalDrafter(d.config, d.weights)
 
 
 @pytest.fixture(scope="module")
@@ -120,16 +104,6 @@ def _cli(*args):
 
     res = CliRunner().invoke(app, ["generate", *map(str, args)])
     return res, (json.loads(res.stdout.strip().splitlines()[-1]) if res.exit_code == 0 else None)
-
-
-@pytest.fixture(scope="module")
-def prompts_file(tmp_path_factory):
-    import json
-
-    p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
-                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
-    return p
 
 
 @pytest.mark.parametrize("mode, engine", [("chain", "plain"), ("tree", "plain"), ("tree", "static")])

@@ -37,6 +37,20 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def triton_kernel_unavailable(kernel: Any, device: Any, *, import_error: str | None = None) -> str | None:
+    """None when the `triton.jit` function `kernel` can run on `device`; else why not, as a sentence
+    for a log line. `kernel` None means triton did not import (`import_error` says why). Under
+    TRITON_INTERPRET=1 (read when triton is imported) kernels run on the host, never on CUDA."""
+    if kernel is None:
+        return f"triton is not importable ({import_error})"
+    interpreted = type(kernel).__name__ == "InterpretedFunction"
+    if device.type != "cuda" and not interpreted:
+        return f"device {device.type}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 when triton is imported)"
+    if device.type == "cuda" and interpreted:
+        return "TRITON_INTERPRET=1 runs the kernel on the host, not on CUDA"
+    return None
+
+
 def progress(total: int | None, desc: str, unit: str = "it", *, disable: bool | None = None):
     """A tqdm bar on stderr (hidden when stderr is not a terminal unless EYAS_PROGRESS=1)."""
     from tqdm.auto import tqdm

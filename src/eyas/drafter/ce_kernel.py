@@ -120,15 +120,9 @@ def _kernel():
 
 def kernel_unavailable(device: torch.device) -> str | None:
     """None when the kernel can run on `device`; else why not (a sentence for a log line)."""
-    kernel = _kernel()
-    if kernel is None:
-        return f"triton is not importable ({_STATE['error']})"
-    interpreted = type(kernel).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
-    if device.type != "cuda" and not interpreted:
-        return f"device {device.type}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 when triton is imported)"
-    if device.type == "cuda" and interpreted:
-        return "TRITON_INTERPRET=1 runs the kernel on the host, not on CUDA"
-    return None
+    from eyas.common import triton_kernel_unavailable
+
+    return triton_kernel_unavailable(_kernel(), device, import_error=_STATE.get("error"))
 
 
 def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch.Tensor, *,

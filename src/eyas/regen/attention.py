@@ -24,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from eyas.common import triton_kernel_unavailable
+
 SPLIT = 256
 """Keys per decode program (a multiple of BLOCK_N)."""
 BLOCK_N = 64
@@ -41,14 +43,7 @@ except Exception as exc:  # pragma: no cover - depends on the machine
 
 def triton_unavailable(device: torch.device) -> str | None:
     """None when the Triton decode kernel can run on `device`; else why not."""
-    if TRITON_ERROR is not None:
-        return f"triton is not importable ({TRITON_ERROR})"
-    interpreted = type(_decode_split).__name__ == "InterpretedFunction"  # TRITON_INTERPRET=1 at import
-    if device.type != "cuda" and not interpreted:
-        return f"device {device.type}: the Triton kernel needs CUDA (or TRITON_INTERPRET=1 when triton is imported)"
-    if device.type == "cuda" and interpreted:
-        return "TRITON_INTERPRET=1 runs the kernel on the host, not on CUDA"
-    return None
+    return triton_kernel_unavailable(None if TRITON_ERROR else _decode_split, device, import_error=TRITON_ERROR)
 
 
 if triton is not None:

@@ -268,6 +268,17 @@ def _submitted(tree) -> tuple[list[int], list[int], list[int]]:
     return tok, par, depth
 
 
+def _emit(st: DecodeStats, seq: list[int], path: list[int], nxt: int | None, *, drafting: bool) -> int:
+    """Append a round's accepted tokens and bonus token to `seq` (and, when drafting, the accepted
+    count to the stats); the number of tokens emitted."""
+    if drafting:
+        st.accepted_per_round.append(len(path))
+    seq += path
+    if nxt is not None:
+        seq.append(nxt)
+    return len(path) + (nxt is not None)
+
+
 def _tree_mask(par: list[int], start: int, device) -> torch.Tensor:
     """[1+N, start+1+N] bool: every row sees the cache and the root; a node its ancestors and itself."""
     N = len(par)
@@ -377,13 +388,7 @@ class SpeculativeDecoder:
             _sync(dev)
             t2 = clock()
             nodes, path, nxt = self._walk(logits, tok, par, max_new_tokens - new)
-            if prop is not None:
-                st.accepted_per_round.append(len(path))
-            seq += path
-            new += len(path)
-            if nxt is not None:
-                seq.append(nxt)
-                new += 1
+            new += _emit(st, seq, path, nxt, drafting=prop is not None)
             # keep the root and the accepted nodes' keys, in path order (their new positions c-1..)
             tgt.keep(start, [start] + [start + 1 + j for j in nodes])
             t3 = clock()

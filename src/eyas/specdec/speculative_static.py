@@ -45,7 +45,7 @@ import torch
 from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.replay import TreeConfig, build_tree
-from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _sync
+from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync
 
 
 def _path_end(toks: list[int], nxt: int, budget: int, eos_ids: set[int]) -> tuple[list[int], int | None]:
@@ -337,13 +337,7 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
                     self.walk_m_1.copy_(walk[:1])
                     self.walk_nxt_1.copy_(walk[1:2])
                     self.walk_nodes_D.copy_(walk[2:])
-            if prop is not None:
-                st.accepted_per_round.append(len(path))
-            seq += path
-            new += len(path)
-            if nxt is not None:
-                seq.append(nxt)
-                new += 1
+            new += _emit(st, seq, path, nxt, drafting=prop is not None)
             t3 = clock()
             st.verify_s += t2 - t1
             st.overhead_s += t3 - t2
