@@ -125,7 +125,9 @@ def main() -> int:
         run("triton", lambda: CE.fused_chunk_ce(s, t, w, top))
         run("triton_indexed", lambda: CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows))
         run("index_select+triton", lambda: CE.fused_chunk_ce(s, table.index_select(0, t_rows), w, top))
-        for block, warps in [(1024, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 16)]:
+        run("triton_indexed_b32768_w16", lambda: CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows, block_v=32768,
+                                                                    num_warps=16))
+        for block, warps in [(1024, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 16), (32768, 8), (32768, 16), (32768, 32)]:
             run(f"triton_b{block}_w{warps}",
                 lambda b=block, nw=warps: CE.fused_chunk_ce(s, t, w, top, block_v=b, num_warps=nw))
         try:

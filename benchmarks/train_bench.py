@@ -18,6 +18,9 @@ the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats
 `--budgets` tokens per batch: steady-state tokens/s from metrics.jsonl (after `--skip` steps),
 supervised (answer) tokens/s, the share of time the target took, and peak GPU memory. Metrics:
 train_smol_tok_s (real tokens, no padding), train_smol_supervised_tok_s, train_smol_peak_gb_128k.
+`--cache off` measures the target in the loop on every batch (a first epoch); `--cache on` with a small
+prepared set (a few batches an epoch) and --skip past its first epoch measures the rate of the epochs
+after the first, which read the target's states from the state cache.
 
     PYTHONPATH=src python benchmarks/train_bench.py                       # GPU, 8B shape
     PYTHONPATH=src python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep
@@ -335,7 +338,8 @@ def suite_smol(args) -> dict:
     for di, data in enumerate(args.data):
         for budget in budgets:
             for compiled in ([None, False] if (args.compile_smol and budget == budgets[-1]) else [None]):
-                label = f"data{di}-{budget // 1024}k" + ("-no-compile" if compiled is False else "")
+                label = (f"data{di}-{budget // 1024}k" + ("-no-compile" if compiled is False else "")
+                         + (f"-cache-{args.cache}" if args.cache != "auto" else ""))
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
                 def one():
@@ -346,11 +350,13 @@ def suite_smol(args) -> dict:
                     summary = run(TrainConfig(
                         target=args.target, data=Path(data), out=work / label, steps=steps, tokens_per_batch=budget,
                         ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, device=args.device or "cuda",
-                        eval_samples=8, compile=compiled, max_length=min(2048, budget), overwrite=True, lr=1e-4))
+                        eval_samples=8, compile=compiled, max_length=min(2048, budget), overwrite=True, lr=1e-4,
+                        cache_states={"auto": None, "on": True, "off": False}[args.cache]))
                     r = _steady(work / label / "metrics.jsonl", args.skip)
                     r.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, wall_s=time.perf_counter() - t0,
                              steps=steps, data=str(data), tokens_per_batch=budget, compiled=compiled,
-                             summary_tokens_per_s=summary.get("tokens_per_s"))
+                             summary_tokens_per_s=summary.get("tokens_per_s"), state_cache=summary.get("state_cache"),
+                             target_forwards=summary.get("target_forwards"))
                     log(f"[{label}] {r['tokens_per_s']:.0f} tok/s ({r['supervised_tokens_per_s']:.0f} supervised), "
                         f"useful {r['useful_fraction']:.3f}, target share {r['target_share']}, "
                         f"peak {r['peak_mem_gb']:.1f} GB")
@@ -398,6 +404,9 @@ def main() -> None:
     ap.add_argument("--compile-smol", action="store_true", help="smol: also run the last budget with --no-compile")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="smol: draft vocabulary size")
     ap.add_argument("--skip", type=int, default=3, help="smol: steps left out of the steady-state rate")
+    ap.add_argument("--cache", default="auto", choices=["auto", "on", "off"],
+                    help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
+                         "of a few batches, --skip past the first epoch measures the cached rate")
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
     args = ap.parse_args()
 

@@ -54,7 +54,7 @@ def _chunk(c: int, V: int, s_dtype: torch.dtype, t_dtype: torch.dtype, seed: int
 @needs_triton
 def test_kernel_equals_chunk_ce_under_interpreter():
     out = _in_interpreter("check_kernel()")
-    assert out.count("kernel ok") == 5 and "all kernel checks ok" in out, out[-2000:]  # every case ran
+    assert out.count("kernel ok") == 6 and "all kernel checks ok" in out, out[-2000:]  # every case ran
 
 
 def check_kernel() -> None:
@@ -64,7 +64,8 @@ def check_kernel() -> None:
         (5, 1000, torch.float32, torch.float32, 128),
         (4, 777, torch.bfloat16, torch.bfloat16, 256),
         (4, 777, torch.bfloat16, torch.float32, 256),
-        (3, 50, torch.float32, torch.bfloat16, 64),  # one partial block
+        (3, 50, torch.float32, torch.bfloat16, 64),  # one partial block: the row held whole (ONE_BLOCK)
+        (5, 777, torch.bfloat16, torch.float32, 1024),  # ONE_BLOCK, bf16 student
     ]
     for i, (c, V, sd, td, block) in enumerate(cases):
         s, t, w, top = _chunk(c, V, sd, td, seed=i)

@@ -266,3 +266,39 @@ def test_wider_draft_mlp_is_trained_saved_and_exported(world, tmp_path):
     target_inter = json.loads((world["target"] / "config.json").read_text())["intermediate_size"]
     assert d.config.intermediate_size == 96 != target_inter
     assert max(p.shape[0] for n, p in d.named_parameters() if "mlp" in n and p.ndim == 2) == 96
+
+
+def test_state_cache_skips_the_target_after_the_first_epoch(world, tmp_path):
+    """--cache-states: the same losses as running the target on every batch, with the target run only
+    for samples not seen before (the first two batches are read before the cache starts)."""
+    from eyas.train.loop import run
+
+    kw = dict(data=world["prep"], steps=12, tokens_per_batch=96, batch_size=1)
+    plain = run(_cfg(world, tmp_path / "plain", cache_states=False, **kw))
+    cached = run(_cfg(world, tmp_path / "cached", cache_states=True, **kw))
+    assert not plain["state_cache"] and cached["state_cache"]
+    assert plain["target_forwards"] == 12
+    # 4 steps an epoch: epoch 1 runs the target, epoch 2 only for the samples of batches 1-2, epoch 3 never
+    assert 4 <= cached["target_forwards"] <= 8
+    r_plain, r_cached = _train_records(tmp_path / "plain"), _train_records(tmp_path / "cached")
+    assert len(r_cached) == 12
+    for a, b in zip(r_plain, r_cached):
+        assert a["tokens"] == b["tokens"]
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-6)
+    auto = run(_cfg(world, tmp_path / "auto", **kw))  # the default on the CPU: off
+    assert not auto["state_cache"] and auto["target_forwards"] == 12
+
+
+def test_state_cache_gathers_what_it_was_given():
+    from eyas.train.data import Item, StateCache
+
+    items = [Item(f"s{i}", torch.arange(n), torch.ones(n, dtype=torch.bool)) for i, n in enumerate((3, 5, 2))]
+    c = StateCache([it.id for it in items], [3, 5, 2], n_aux=2, hidden=4, dtype=torch.float32, device="cpu")
+    aux = torch.randn(10, 2, 4)
+    final = torch.randn(10, 4)
+    c.put([items[1], items[2]], aux[3:], final[3:])  # s1, s2 end to end
+    assert c.missing(items) == [items[0]]
+    c.put([items[0]], aux[:3], final[:3])
+    a, f = c.gather([items[2], items[0]], total=8)  # another order, padded to 8 rows
+    assert torch.equal(a[:2], aux[8:10]) and torch.equal(a[2:5], aux[:3]) and torch.equal(f[5:], torch.zeros(3, 4))
+    assert StateCache.bytes_needed([3, 5, 2], n_aux=2, hidden=4, dtype=torch.bfloat16) == 11 * 3 * 4 * 2

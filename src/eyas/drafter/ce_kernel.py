@@ -19,6 +19,8 @@ then once more for g). Here one program owns one row and makes two passes over i
 pass 1 streams s and t in blocks of BLOCK_V keeping online (rescaled as the max moves) max and
 sum-exp of s and of t, sum_v exp(t_v - m_t) s_v, and the running argmax of s; pass 2 reads the row
 again, last block first (the blocks read last are the likeliest to still be in L2), and writes g.
+With BLOCK_V >= V (block_v=32768 for a 32,000-token vocab) the row is one block held in registers
+(spread over the program's warps): s and t are read from HBM exactly once and there is no pass 2.
 The HBM traffic is between one and two reads of s and t plus one write of g: how much of a row
 survives in L2 depends on how many rows are in flight (block size and warps set that; the
 benchmark, benchmarks/ce_kernel_bench.py, compares a few). Measured there on an H200 (2026-11-30,
@@ -36,12 +38,15 @@ Shape legend: c rows of the chunk, V draft vocab, N rows of a teacher table (ind
 
 from __future__ import annotations
 
+import os
+
 import torch
 
-BLOCK_V = 2048
-"""Vocabulary entries per block of a pass (a power of two; V need not be a multiple of it)."""
-NUM_WARPS = 4
-"""Warps per program (one program per row)."""
+BLOCK_V = int(os.environ.get("EYAS_CE_BLOCK", 2048))
+"""Vocabulary entries per block of a pass (a power of two; V need not be a multiple of it).
+EYAS_CE_BLOCK overrides it (read at import), e.g. 32768 to hold a 32,000-token row whole."""
+NUM_WARPS = int(os.environ.get("EYAS_CE_WARPS", 4))
+"""Warps per program (one program per row); EYAS_CE_WARPS overrides it."""
 
 _STATE: dict[str, object] = {}  # "error": why triton is unusable, "kernel": the jitted kernel
 
@@ -59,7 +64,7 @@ def _kernel():
 
     @triton.jit
     def _soft_ce_rows(S, T, T_ROWS, W, TOP, G, CE_W, HIT, V, s_row, t_row, g_row, BLOCK: tl.constexpr,
-                      INDEXED: tl.constexpr):
+                      INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
         if INDEXED:  # a compile-time switch: the plain mode never touches T_ROWS
             t_at = tl.load(T_ROWS + row).to(tl.int64)  # the teacher table's row for this chunk row
@@ -68,6 +73,25 @@ def _kernel():
         s_ptr, t_ptr, g_ptr = S + row * s_row, T + t_at * t_row, G + row * g_row
         offs = tl.arange(0, BLOCK)
         neg_inf = float("-inf")
+        if ONE_BLOCK:  # BLOCK >= V: the whole row stays in registers, s and t are read once
+            ok = offs < V
+            s0 = tl.load(s_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+            s = tl.where(ok, s0, neg_inf)
+            t = tl.load(t_ptr + offs, mask=ok, other=neg_inf).to(tl.float32)
+            m_s = tl.max(s, 0)
+            best_i = tl.min(tl.where(s == m_s, offs, V), 0)
+            e_s = tl.exp(s - m_s)
+            l_s = tl.sum(e_s, 0)
+            m_t = tl.max(t, 0)
+            e_t = tl.exp(t - m_t)
+            l_t = tl.sum(e_t, 0)
+            a_t = tl.sum(e_t * s0, 0)
+            w = tl.load(W + row).to(tl.float32)
+            tl.store(CE_W + row, (m_s + tl.log(l_s) - a_t / l_t) * w)
+            tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
+            g = (e_s / l_s - e_t / l_t) * w
+            tl.store(g_ptr + offs, g.to(G.dtype.element_ty), mask=ok)
+            return
         # pass 1: online max / sum-exp of s and t, sum exp(t - m_t) * s, first argmax of s
         m_s = tl.full((), neg_inf, tl.float32)
         l_s = tl.zeros((), tl.float32)
@@ -157,5 +181,5 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
         # without t_rows, T_ROWS is a placeholder pointer the kernel never reads
         kernel[(c,)](s, t, top if t_rows is None else t_rows, w, top, g, ce_w, hit, V,
                      s.stride(0), t.stride(0), g.stride(0), BLOCK=block_v, INDEXED=t_rows is not None,
-                     num_warps=num_warps)
+                     ONE_BLOCK=block_v >= V, num_warps=num_warps)
     return ce_w.sum(), hit.view(torch.bool), g

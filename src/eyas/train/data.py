@@ -66,11 +66,63 @@ class _TokenSource:
 
 
 class OnlineSource(_TokenSource):
-    """The target runs on every batch (`forward_capture`): nothing is stored."""
+    """The target runs on a batch's samples the first time they are read; with a `StateCache` it
+    keeps their states and later epochs read them back instead of running the target again."""
 
     def __init__(self, split, order, *, model, layer_ids: list[int], max_length: int):
         super().__init__(split, order, max_length=max_length)
         self.model, self.layer_ids = model, layer_ids
+        self.cache: StateCache | None = None
+        self.target_forwards = 0
+        """Target forwards run so far (a batch read wholly from the cache runs none)."""
+
+
+class StateCache:
+    """The online target's states (aux [A, D] and final [D] per token) of every training sample,
+    kept on the training device once computed, in the target's dtype.
+
+    One row block per sample, at a fixed offset; row `total` stays zero and stands for padding. A
+    batch gathers its rows with one index per token, so a cached batch costs two gathers instead of
+    a target forward. Filled as samples are first read: the first epoch runs the target, the later
+    ones only where a sample was not yet seen (each process caches the samples it reads)."""
+
+    def __init__(self, ids: list[str], lengths: list[int], *, n_aux: int, hidden: int, dtype, device):
+        self.offset, off = {}, 0
+        for sid, n in zip(ids, lengths):
+            self.offset[sid] = off
+            off += int(n)
+        self.total = off
+        self.aux = torch.zeros(off + 1, n_aux, hidden, dtype=dtype, device=device)
+        self.final = torch.zeros(off + 1, hidden, dtype=dtype, device=device)
+        self.filled: set[str] = set()
+
+    @staticmethod
+    def bytes_needed(lengths: list[int], *, n_aux: int, hidden: int, dtype) -> int:
+        return (sum(int(n) for n in lengths) + 1) * (n_aux + 1) * hidden * torch.empty((), dtype=dtype).element_size()
+
+    def missing(self, items: list[Item]) -> list[Item]:
+        return [it for it in items if it.id not in self.filled]
+
+    def _index(self, items: list[Item], total: int | None = None) -> torch.Tensor:
+        parts = [torch.arange(self.offset[it.id], self.offset[it.id] + it.input_ids.shape[0]) for it in items]
+        n = sum(p.shape[0] for p in parts)
+        if total is not None and total > n:
+            parts.append(torch.full((total - n,), self.total))  # the zero row
+        idx = torch.cat(parts)
+        return idx.to(self.aux.device, non_blocking=self.aux.device.type == "cuda")
+
+    def put(self, items: list[Item], aux_NAD: torch.Tensor, final_ND: torch.Tensor) -> None:
+        """Store the states of `items`, laid end to end in that order (rows past them are ignored)."""
+        idx = self._index(items)
+        n = idx.shape[0]
+        self.aux.index_copy_(0, idx, aux_NAD[:n].to(self.aux.dtype))
+        self.final.index_copy_(0, idx, final_ND[:n].to(self.final.dtype))
+        self.filled.update(it.id for it in items)
+
+    def gather(self, items: list[Item], total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(aux_NAD, final_ND) of `items` end to end, zero rows up to `total`; all must be filled."""
+        idx = self._index(items, total)
+        return self.aux.index_select(0, idx), self.final.index_select(0, idx)
 
 
 class StoreSource(_TokenSource):
@@ -241,15 +293,37 @@ def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int
 
 
 def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, pad_to: int | None) -> PackedBatch:
-    """Run the target over the packed row on `device` (varlen attention where the model allows it,
-    else one padded forward whose real rows are gathered into the row)."""
-    from eyas.packing import packed_unsupported_reason, target_forward_packed
-    from eyas.target import forward_capture
-
+    """The packed row's states: read from the source's StateCache where it holds the samples, the
+    target run over the others (and the cache filled with them)."""
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
     dev = torch.device(device)
     nb = dev.type == "cuda"
     ids_d, seg_d = ids.to(dev, non_blocking=nb), seg.to(dev)
+    cache = src.cache
+    if cache is None:
+        aux, final = _target_states(src, items, ids_d, seg_d, dev)
+    else:
+        todo = cache.missing(items)
+        if todo:
+            if len(todo) == len(items):
+                a, f = _target_states(src, items, ids_d, seg_d, dev)
+            else:
+                t_ids, _, t_seg, _ = pack_tokens(todo, steps=steps, pad_to=None)
+                a, f = _target_states(src, todo, t_ids.to(dev, non_blocking=nb), t_seg.to(dev), dev)
+            cache.put(todo, a, f)
+        aux, final = cache.gather(items, seg.total)
+    n = sum(it.input_ids.shape[0] for it in items)
+    return PackedBatch(ids_d, seg_d, [r.to(dev, non_blocking=nb) for r in rows], aux, final, n, seg.total,
+                       int(mask.sum()))
+
+
+def _target_states(src: OnlineSource, items: list[Item], ids_d, seg_d, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the target over the packed row on `dev` (varlen attention where the model allows it,
+    else one padded forward whose real rows are gathered into the row): (aux_NAD, final_ND)."""
+    from eyas.packing import packed_unsupported_reason, target_forward_packed
+    from eyas.target import forward_capture
+
+    src.target_forwards += 1
     if getattr(src, "_packed_ok", None) is None:
         reason = packed_unsupported_reason(src.model)
         src._packed_ok = reason is None
@@ -266,13 +340,11 @@ def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, p
         a, f = forward_capture(src.model, tok, attn, layer_ids=src.layer_ids)
         keep = attn.bool()
         aux, final = a[keep], f[keep]
-        pad = seg.total - aux.shape[0]
+        pad = seg_d.total - aux.shape[0]
         if pad:
             aux = torch.cat([aux, aux.new_zeros(pad, *aux.shape[1:])])
             final = torch.cat([final, final.new_zeros(pad, *final.shape[1:])])
-    n = sum(it.input_ids.shape[0] for it in items)
-    return PackedBatch(ids_d, seg_d, [r.to(dev, non_blocking=nb) for r in rows], aux, final, n, seg.total,
-                       int(mask.sum()))
+    return aux, final
 
 
 class PackedPrefetcher:

@@ -112,6 +112,11 @@ class TrainConfig:
     init_head: bool = False
     """Start lm_head and the final norm from the target's (draft-vocab rows). Off by default: on
     SmolLM2 it starts at ~15 nats per step (confident and wrong) vs ln(32000) = 10.4 from random."""
+    cache_states: bool | None = None
+    """Online: keep the target's states of every training sample on the device once computed, so
+    epochs after the first read them instead of running the target (4 x hidden numbers a token: 4.6 KB
+    in bf16 for SmolLM2). Default: on for CUDA runs of more than one epoch when they fit beside the
+    first step's measured peak, else off (the log says which and why)."""
     seed: int = 0
     """Seeds weights and data order."""
     overwrite: bool = False
@@ -364,6 +369,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     counts = count_assistant_tokens(train_items, vocab_size)
     den_table = _step_counts([it.loss_mask for it in train_items], K)  # [n, K] loss-mask positions per step
     lengths = [int(it.input_ids.shape[0]) for it in train_items]
+    item_ids = [it.id for it in train_items]
     del train_items
     if int(counts.sum()) == 0:
         raise EyasError(f"the training split has no loss-masked (assistant) tokens ({cfg.store or cfg.data}); nothing to learn")
@@ -476,6 +482,9 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        if step == start and isinstance(train_src, OnlineSource) and cfg.cache_states is not False:
+            _start_state_cache(cfg, train_src, item_ids, lengths, hidden=hidden, dev=dev,
+                               epochs=(total - start) / plan.steps_per_epoch, log_it=d.is_main)
         dd.all_reduce_sum(stats, d)
         dd.all_reduce_sum(counts_t, d)
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
@@ -540,6 +549,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                    "supervised_tokens_per_s": last.get("supervised_tokens_per_s"),
                    "useful_fraction": last.get("useful_fraction"), "target_share": last.get("target_share"),
                    "tokens_per_batch": tokens_per_batch, "vocab": vocab.report(),
+                   "state_cache": getattr(train_src, "cache", None) is not None,
+                   "target_forwards": getattr(train_src, "target_forwards", None),
                    "eval": evals[-1] if evals else None, "metrics": str(out / "metrics.jsonl"),
                    "plot": str(out / "curves.png")}
     dd.teardown(d)
@@ -590,6 +601,40 @@ def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch
     return {"loss": sum(w * l for w, l in zip(weights, loss_k)), "loss_per_step": loss_k,
             "acc_per_step": (correct / valid.clamp_min(1)).tolist(),
             "acceptance_length": 1.0 + accepted / max(rounds, 1.0), "rounds": int(rounds), "samples": len(src)}
+
+
+def _start_state_cache(cfg: TrainConfig, src, ids: list[str], lengths: list[int], *, hidden: int, dev: torch.device,
+                       epochs: float, log_it: bool) -> None:
+    """After the first step (its memory peak measured): give the online source a StateCache when
+    asked (--cache-states) or, by default, when the run reads its samples more than once and the
+    cache fits on the GPU beside that peak (10% and 4 GiB to spare)."""
+    from eyas.train.data import StateCache
+
+    A, D = len(src.layer_ids), hidden
+    dtype = next(src.model.parameters()).dtype
+    need = StateCache.bytes_needed(lengths, n_aux=A, hidden=D, dtype=dtype)
+    what = f"{need / 1e9:.1f} GB for {len(ids):,} samples"
+    why = None
+    if cfg.cache_states is None and epochs <= 1:
+        why = "the run reads each sample once"
+    elif dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        peak = torch.cuda.max_memory_reserved(dev)
+        room = total - int(peak * 1.1) - (4 << 30)
+        if need > room:
+            why = f"{what} do not fit beside the first step's {peak / 1e9:.1f} GB on {total / 1e9:.0f} GB"
+            if cfg.cache_states:
+                raise EyasError(f"--cache-states: {why}; drop it or lower --tokens-per-batch")
+    elif cfg.cache_states is None:
+        why = "off by default on the CPU (--cache-states turns it on)"
+    if why is not None:
+        if log_it:
+            log(f"state cache: off ({why})")
+        return
+    src.cache = StateCache(ids, lengths, n_aux=A, hidden=D, dtype=dtype, device=dev)
+    if log_it:
+        log(f"state cache: on, {what}: after the first epoch the target runs only for samples not yet seen")
 
 
 def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, target_id: dict) -> None:
