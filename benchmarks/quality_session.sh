@@ -1,20 +1,19 @@
 #!/usr/bin/env bash
-# The GPU work of one session on a 4-GPU H200 machine (`nvidia-h200-x4`): three calls of under 10 minutes
-# while the machine stays warm. The quality study's four trainings run detached (setsid) from call 2 into
-# call 3, one per GPU, so each gets ~18 minutes although no call may last more than 10.
+# The GPU work of one session on a 2- or 4-GPU H200 machine (`nvidia-h200-x2` / `-x4`): three calls of
+# under 10 minutes while the machine stays warm. The quality trainings run detached (setsid) from call 2
+# into call 3, one per GPU, so each gets ~15 minutes although no call may last more than 10.
 # Staged files (not in git), as for benchmarks/h200x2_session.sh:
 #   .stage/a2: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), gguf and specforge wheels,
 #              question.jsonl (MT-bench), chats_all.jsonl.xz (17,293 ShareGPT chats)
 #   .stage/b:  smol.gguf.ab        .stage/r: regen.tgz (the regeneration of all 17,293 records, 17,282 chats)
-# Usage: bash benchmarks/h200x4_session.sh 1|2|3, each call issued within 30 s of the last one's end
-#   1 (carry .stage/a2): staging (1/2); training speed: 8B shape vs SpecForge (GPU 0), profiles of the 8B
-#     and SmolLM2 drafter steps (GPUs 1, 2), the CE kernel (GPU 3)
-#   2 (carry .stage/b and .stage/r): staging (2/2); starts the quality points (detached) and reports progress:
-#     GPUs 0-2: the recipe on 2,000 / 6,000 / 17,293 regenerated records (benchmarks/scaling_study.py),
-#     GPU 3: the recipe on 17,293 with a 4x wider draft MLP (the ablation); STEPS optimizer steps each
-#   3: waits for the points (up to WAIT_S), then speculative decoding with the best drafter (GPU 0), the
-#     SmolLM2 training rate on the real target with and without the state cache (GPU 1) and the
-#     verify-invariants cost (GPU 2)
+# Usage: bash benchmarks/quality_session.sh 1|2|3, each call issued within 30 s of the last one's end
+#   1 (carry .stage/a2): staging (1/2); training speed: 8B shape vs SpecForge (GPU 0); the CE kernel,
+#     then profiles of the SmolLM2 and 8B drafter steps (GPU 1)
+#   2 (carry .stage/b and .stage/r): staging (2/2); starts the quality trainings (detached), STEPS steps each:
+#     2 GPUs: the recipe on all 17,293 regenerated records (GPU 0) | the same with a 4x wider draft MLP (GPU 1)
+#     4 GPUs: the scaling study's 2,000 / 6,000 / 17,293 records (GPUs 0-2) | the wide MLP on 17,293 (GPU 3)
+#   3: waits for them (up to WAIT_S), then speculative decoding with the best drafter (GPU 0) and the
+#     SmolLM2 training rate on the real target with and without the state cache (GPU 1)
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -22,7 +21,8 @@ OUT=${OUT:-/root/out}
 L=$OUT/logs
 mkdir -p "$L" /root/stage /root/q
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:/root/site
-export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / 4 ))}  # four jobs side by side: a quarter of the cores each
+NG=$(nvidia-smi -L | wc -l)
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NG ))}  # one job per GPU side by side: its share of the cores
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 S=/root/stage
 T0=$(date +%s)
@@ -44,10 +44,10 @@ case "$part" in
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     nvidia-smi -L | tee -a "$L/session.log"
     on 0 timeout 300 python benchmarks/train_bench.py --no-compile > "$L/train_8b.log" 2>&1 &
-    on 1 timeout 200 python benchmarks/train_bench.py --profile 40 > "$L/profile_8b.log" 2>&1 &
-    on 2 timeout 200 python benchmarks/train_bench.py --small --device cuda --seq 2048 --batch 32 --profile 40 \
-        > "$L/profile_smol.log" 2>&1 &
-    on 3 timeout 90 python benchmarks/ce_kernel_bench.py > "$L/ce_kernel.log" 2>&1 &
+    ( on 1 timeout 80 python benchmarks/ce_kernel_bench.py > "$L/ce_kernel.log" 2>&1
+      on 1 timeout 120 python benchmarks/train_bench.py --small --device cuda --seq 2048 --batch 32 --profile 40 \
+          > "$L/profile_smol.log" 2>&1
+      on 1 timeout 100 python benchmarks/train_bench.py --profile 40 --no-specforge > "$L/profile_8b.log" 2>&1 ) &
     wait
     note "speed jobs done"
     for f in ce_kernel train_8b profile_8b profile_smol; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -12 | cut -c1-300; done
@@ -59,9 +59,10 @@ case "$part" in
     mkdir -p /root/scaling /root/ablate && tar xzf .stage/r/regen.tgz -C /root/scaling && ln -sfn /root/scaling/regen /root/ablate/regen
     note "staged"
     # detached: they outlive this call (a new process session) and run on into call 3
-    setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations 2000,6000,$ALL \
-        --gpus 0,1,2 > /root/q/scaling.log 2>&1 < /dev/null &
-    CUDA_VISIBLE_DEVICES=3 setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/ablate \
+    if [ "$NG" -ge 4 ]; then points=2000,6000,$ALL; gpus=0,1,2; wide=3; else points=$ALL; gpus=0; wide=1; fi
+    setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $points \
+        --gpus $gpus > /root/q/scaling.log 2>&1 < /dev/null &
+    CUDA_VISIBLE_DEVICES=$wide setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/ablate \
         --conversations $ALL --set train.draft_intermediate_size=6144 > /root/q/ablate.log 2>&1 < /dev/null &
     note "points started"
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ]; do sleep 15; done
@@ -91,11 +92,11 @@ EOF
           on 1 timeout 95 python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep500 \
               --budgets 131072 --steps 30 --skip 10 --cache $c --work /root/tb-$c > "$L/train_smol_cache_$c.log" 2>&1
       done ) &
-    on 2 timeout 150 python benchmarks/verify_invariants_bench.py --target /root/smol --device cuda --model-dtype bf16 \
-        --samples 400 --max-length 1024 --work /root/vib --source $S/chats6k.jsonl --compare-tail-paths --profile \
-        > "$L/verify_cost.log" 2>&1 &
+    [ "$NG" -ge 4 ] && on 2 timeout 150 python benchmarks/verify_invariants_bench.py --target /root/smol --device cuda \
+        --model-dtype bf16 --samples 400 --max-length 1024 --work /root/vib --source $S/chats6k.jsonl --compare-tail-paths \
+        --profile > "$L/verify_cost.log" 2>&1 &
     wait
-    note "specdec, training rate and verify cost done"
+    note "speculative decoding and training rates done"
     cp /root/q/*.log "$L/" 2>/dev/null
     for r in /root/scaling /root/ablate; do
         for w in $r/n*-s*; do
