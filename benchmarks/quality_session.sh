@@ -30,6 +30,28 @@ on() { local gpu=$1; shift; CUDA_VISIBLE_DEVICES=$gpu "$@"; }
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$L/session.log"; }
 pack() { tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"; }
 trap pack EXIT
+collect() {  # what the quality runs wrote, into $L (the machine may go back before the next call)
+    cp /root/q/*.log "$L/" 2>/dev/null
+    for r in /root/scaling /root/ablate; do
+        for w in $r/n*-s*; do
+            [ -d "$w" ] || continue
+            n=$(basename $r)-$(basename $w)
+            cp $w/train/metrics.jsonl "$L/$n.metrics.jsonl" 2>/dev/null
+            cp $w/pipeline.log "$L/$n.pipeline.log" 2>/dev/null
+            cp $w/eval/*.json "$L/" 2>/dev/null
+        done
+        cp $r/points.jsonl "$L/$(basename $r).points.jsonl" 2>/dev/null
+        cp $r/scaling.md "$L/$(basename $r).md" 2>/dev/null; cp $r/scaling.png "$L/$(basename $r).png" 2>/dev/null
+    done
+}
+rate_bench() {  # the training rate on 500 chats (about 2 batches an epoch): the target on every batch vs the state cache
+    on $1 timeout 40 python -m eyas prepare --source $S/chats6k.jsonl --target /root/smol --out /root/prep500 \
+        --limit 500 --overwrite > "$L/prep500.log" 2>&1
+    for c in off on; do
+        on $1 timeout 95 python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep500 \
+            --budgets 131072 --steps 30 --skip 10 --cache $c --work /root/tb-$c > "$L/train_smol_cache_$c.log" 2>&1
+    done
+}
 need() { for f in "$@"; do [ -e "$f" ] || { note "fresh machine: $f is missing (staging lost)"; exit 1; }; done; }
 
 ALL=17293
@@ -38,6 +60,11 @@ SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=/root/smol 
        --set eval.prompts=$S/question.jsonl --max-minutes 28"
 
 case "$part" in
+0)  # staging (1/2) alone
+    cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
+    python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
+    head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
+    ;;
 1)
     cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
     python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
@@ -60,12 +87,18 @@ case "$part" in
     note "staged"
     # detached: they outlive this call (a new process session) and run on into call 3
     if [ "$NG" -ge 4 ]; then points=2000,6000,$ALL; gpus=0,1,2; wide=3; else points=$ALL; gpus=0; wide=1; fi
+    if [ "${WIDE_ONLY:-0}" = 1 ]; then  # the wide MLP alone (GPU 1); the training rate bench on GPU 0
+        rate_bench 0 &
+    else
     setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $points \
         --gpus $gpus > /root/q/scaling.log 2>&1 < /dev/null &
+    fi
     CUDA_VISIBLE_DEVICES=$wide setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/ablate \
         --conversations $ALL --set train.draft_intermediate_size=6144 > /root/q/ablate.log 2>&1 < /dev/null &
     note "points started"
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ]; do sleep 15; done
+    collect
+    for f in train_smol_cache_off train_smol_cache_on; do echo "== $f"; tail -4 "$L/$f.log" 2>/dev/null | cut -c1-300; done
     for f in scaling ablate; do echo "== $f"; grep -v "Loading weights" /root/q/$f.log | grep -E "state cache|eval |step [0-9]+0/|Error|error" | tail -8 | cut -c1-300; done
     ;;
 3)
@@ -85,28 +118,13 @@ EOF
         on 0 timeout 170 python benchmarks/specdec_bench.py --drafter "$best" --target /root/smol --limit 20 --predict \
             --prompts $S/question.jsonl > "$L/specdec.log" 2>&1 &
     fi
-    # the training rate on 500 chats (about 2 batches an epoch): the target on every batch vs the state cache
-    ( on 1 timeout 40 python -m eyas prepare --source $S/chats6k.jsonl --target /root/smol --out /root/prep500 \
-          --limit 500 --overwrite > "$L/prep500.log" 2>&1
-      for c in off on; do
-          on 1 timeout 95 python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep500 \
-              --budgets 131072 --steps 30 --skip 10 --cache $c --work /root/tb-$c > "$L/train_smol_cache_$c.log" 2>&1
-      done ) &
+    [ "${WIDE_ONLY:-0}" = 1 ] || rate_bench 1 &
     [ "$NG" -ge 4 ] && on 2 timeout 150 python benchmarks/verify_invariants_bench.py --target /root/smol --device cuda \
         --model-dtype bf16 --samples 400 --max-length 1024 --work /root/vib --source $S/chats6k.jsonl --compare-tail-paths \
         --profile > "$L/verify_cost.log" 2>&1 &
     wait
     note "speculative decoding and training rates done"
-    cp /root/q/*.log "$L/" 2>/dev/null
-    for r in /root/scaling /root/ablate; do
-        for w in $r/n*-s*; do
-            [ -d "$w" ] || continue
-            n=$(basename $r)-$(basename $w)
-            cp $w/train/metrics.jsonl "$L/$n.metrics.jsonl" 2>/dev/null
-            cp $w/pipeline.log "$L/$n.pipeline.log" 2>/dev/null
-        done
-        cp $r/scaling.md "$L/$(basename $r).md" 2>/dev/null; cp $r/scaling.png "$L/$(basename $r).png" 2>/dev/null
-    done
+    collect
     for f in specdec train_smol_cache_off train_smol_cache_on verify_cost; do echo "== $f"; tail -12 "$L/$f.log" 2>/dev/null | cut -c1-400; done
     ;;
 esac
