@@ -108,7 +108,7 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
-                   compile_parts: bool = False):
+                   compile_parts: bool = False, grad_reduce: str = "fp32"):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
@@ -121,7 +121,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     if dist is not None and dist.enabled:
         from eyas.train.dist import wrap_model
 
-        module = wrap_model(module, dist, fsdp=fsdp, bf16=bf16)
+        module = wrap_model(module, dist, fsdp=fsdp, bf16=bf16, grad_reduce=grad_reduce)
     items = [Item(str(i), data["ids"][i], data["mask"][i]) for i in range(B)]
     ids, mask, seg, rows = pack_tokens(items, steps=K, pad_to=None)
     pin = device.type == "cuda"
@@ -239,7 +239,7 @@ def suite_8b(args, dist) -> dict:
     log(f"drafter H={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} I={c['intermediate_size']} "
         f"V={c['draft_vocab_size']}/{c['vocab_size']}, batch {B} x {T}, TTT {K}; {fl['total'] / 1e9:.2f} GFLOP/token")
     result: dict = {"suite": "8b" if not args.small else "small", "batch": B, "seq": T, "ttt_steps": K, "world": W,
-                    "parallel": ("fsdp2" if args.fsdp else "ddp") if W > 1 else "none",
+                    "parallel": ("fsdp2" if args.fsdp else f"ddp-{args.grad_reduce}") if W > 1 else "none",
                     "gflop_per_token": fl["total"] / 1e9, "flops_breakdown_gflop": {k: v / 1e9 for k, v in fl.items()}}
     if device.type == "cuda":
         from eyas.drafter.ttt import check_fast_attention
@@ -256,7 +256,7 @@ def suite_8b(args, dist) -> dict:
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp,
+        step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
                               compile_parts=device.type == "cuda")
         for _ in range(3):
             step()
@@ -268,12 +268,12 @@ def suite_8b(args, dist) -> dict:
                                         row_limit=args.profile))
         return result
     # "eyas" = `eyas train`'s default options: the drafter's pieces compiled on CUDA
-    _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp,
+    _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
                                                       compile_parts=device.type == "cuda"),
                                        warmup=warmup, steps=steps, label="eyas", **kw))
     if device.type == "cuda" and not args.no_compile:
         _try("eyas-no-compile", runs, lambda: measure(
-            make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp),
+            make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce),
             warmup=warmup, steps=steps, label="eyas-no-compile", **kw))
     if W == 1 and not args.no_reference:
         _try("eyas-reference-path", runs, lambda: measure(make_reference_step(c, B=B, T=T, K=K, device=device),
@@ -394,6 +394,8 @@ def main() -> None:
                                                              "optimizer steps per run, default by budget)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
+    ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
+                                                                                   "all-reduce dtype (eyas train --grad-reduce)")
     ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop")
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
     ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")

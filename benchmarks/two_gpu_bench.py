@@ -188,7 +188,8 @@ class Bench:
         common += ["--no-specforge", "--no-reference", "--no-compile"]
         bench = str(HERE / "train_bench.py")
         rates = {}
-        variants = [("1proc", 1, []), ("2proc-ddp", 2, [])] + ([("2proc-fsdp2", 2, ["--fsdp"])] if a.fsdp else [])
+        variants = ([("1proc", 1, [])] + ([("2proc-ddp-bf16", 2, ["--grad-reduce", "bf16"])] if a.bf16_reduce else [])
+                    + [("2proc-ddp", 2, [])] + ([("2proc-fsdp2", 2, ["--fsdp"])] if a.fsdp else []))
         for name, procs, extra in variants:
             try:
                 res = last_json(self.run(f"8b-{name}", [bench, *common, *extra], procs=procs, module=False)[0])
@@ -203,7 +204,8 @@ class Bench:
                 self.fail(f"8b-{name}", exc)
         self.result["8b"] = rates
         one = rates.get("1proc", {}).get("tokens_per_s")
-        for name, key in (("2proc-ddp", "train_2gpu_scaling_8b"), ("2proc-fsdp2", "train_2gpu_scaling_8b_fsdp2")):
+        for name, key in (("2proc-ddp", "train_2gpu_scaling_8b"), ("2proc-ddp-bf16", "train_2gpu_scaling_8b_bf16_reduce"),
+                          ("2proc-fsdp2", "train_2gpu_scaling_8b_fsdp2")):
             if one and name in rates:
                 self.result[key] = rates[name]["tokens_per_s"] / one
 
@@ -380,14 +382,16 @@ def table(res: dict) -> None:
         return fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
     print(f"{'run':26s} {'1 proc tok/s':>13s} {'2 proc tok/s':>13s} {'scaling':>8s}")
-    for name, metric in (("8b (ddp)", "train_2gpu_scaling_8b"), ("8b (fsdp2)", "train_2gpu_scaling_8b_fsdp2"),
+    for name, metric in (("8b (ddp)", "train_2gpu_scaling_8b"), ("8b (ddp, bf16 reduce)", "train_2gpu_scaling_8b_bf16_reduce"),
+                         ("8b (fsdp2)", "train_2gpu_scaling_8b_fsdp2"),
                          ("smol online", "train_2gpu_scaling_smol"), ("smol offline", "train_2gpu_scaling_smol_offline")):
         part = res.get("8b" if name.startswith("8b") else ("smol" if "online" in name else "smol-offline"))
         if not isinstance(part, dict):
             print(f"{name:26s} {'-':>13s} {'-':>13s} {'-':>8s}  ({part or 'not run'})")
             continue
-        k2 = "2proc-fsdp2" if "fsdp2" in name else ("2proc-ddp" if name.startswith("8b") else "2proc")
-        if k2 == "2proc-fsdp2" and not res["settings"]["fsdp"]:
+        k2 = ("2proc-fsdp2" if "fsdp2" in name else "2proc-ddp-bf16" if "bf16" in name
+              else "2proc-ddp" if name.startswith("8b") else "2proc")
+        if k2 not in part and k2 != "2proc-ddp" and name.startswith("8b"):
             continue
         r1, r2 = part.get("1proc", {}).get("tokens_per_s"), part.get(k2, {}).get("tokens_per_s")
         print(f"{name:26s} {f(r1, '{:.0f}'):>13s} {f(r2, '{:.0f}'):>13s} {f(res.get(metric)):>8s}")
@@ -414,6 +418,9 @@ def main() -> None:
                                                                        "(default 131072, eyas train's H200 default; cpu 128)")
     ap.add_argument("--steps-8b", type=int, default=10, help="8b: timed steps after 3 warmup steps")
     ap.add_argument("--fsdp", action="store_true", help="8b: also 2 processes with FSDP2")
+    ap.add_argument("--bf16-reduce", action="store_true", help="8b: also 2 processes with DDP's all-reduce in bf16")
+    ap.add_argument("--tiny", action="store_true", help="smol/loss/ckpt on a tiny random target and random prepared "
+                                                        "data built under --work, on any device (the cpu default)")
     ap.add_argument("--loss-steps", type=int, default=None, help="loss/ckpt: steps N (default 20; cpu 4)")
     ap.add_argument("--ckpt-at", type=int, default=None, help="ckpt: checkpoint step K resumed (default N // 2)")
     ap.add_argument("--loss-tokens", type=int, default=None, help="loss/ckpt: tokens per micro-batch (default 16384; cpu 128)")
@@ -430,29 +437,30 @@ def main() -> None:
                                                                "and the JSON line is still printed")
     a = ap.parse_args()
     cpu = a.device == "cpu"
+    tiny = cpu or a.tiny
     a.parts = [p.strip() for p in a.parts.split(",") if p.strip()]
     bad = [p for p in a.parts if p not in PARTS]
     if bad:
         ap.error(f"--parts: unknown {bad}; choose from {', '.join(PARTS)}")
-    a.steps = a.steps or (6 if cpu else 16)
-    a.skip = a.skip if a.skip is not None else (2 if cpu else 5)
-    a.tokens_per_batch = a.tokens_per_batch or (128 if cpu else 131072)
-    a.loss_steps = a.loss_steps or (4 if cpu else 20)
+    a.steps = a.steps or (6 if tiny else 16)
+    a.skip = a.skip if a.skip is not None else (2 if tiny else 5)
+    a.tokens_per_batch = a.tokens_per_batch or (128 if tiny else 131072)
+    a.loss_steps = a.loss_steps or (4 if cpu else 8 if tiny else 20)
     a.ckpt_at = a.ckpt_at or max(1, a.loss_steps // 2)
-    a.loss_tokens = a.loss_tokens or (128 if cpu else 16384)
+    a.loss_tokens = a.loss_tokens or (128 if tiny else 16384)
     a.loss_rtol = a.loss_rtol if a.loss_rtol is not None else (1e-4 if cpu else 0.02)
-    a.max_length = a.max_length or (64 if cpu else 2048)
+    a.max_length = a.max_length or (64 if tiny else 2048)
     if not 1 <= a.ckpt_at < a.loss_steps:
         ap.error(f"--ckpt-at must be in [1, --loss-steps), got {a.ckpt_at} with --loss-steps {a.loss_steps}")
     a.work = a.work.resolve()
     a.work.mkdir(parents=True, exist_ok=True)
     needs_data = any(p in a.parts for p in ("smol", "smol-offline", "loss", "ckpt"))
-    if cpu and needs_data and (a.target is None or a.data is None):
+    if tiny and needs_data and (a.target is None or a.data is None):
         a.target, a.data = smoke_inputs(a.work)
         a.draft_vocab = a.draft_vocab or 512
         a.aux_layers = a.aux_layers or "1,3,4"
-        log(f"cpu smoke run: tiny target {a.target}, random prepared data {a.data}")
-        if "smol-offline" in a.parts and a.store is None:
+        log(f"tiny run: tiny random target {a.target}, random prepared data {a.data}")
+        if cpu and "smol-offline" in a.parts and a.store is None:
             try:
                 a.store = smoke_store(a.work, a.target, a.data)
             except Exception as exc:  # noqa: BLE001  (the offline part then says it did not run)
@@ -464,6 +472,8 @@ def main() -> None:
     b.result.update(settings={k: (str(v) if isinstance(v, Path) else v) for k, v in vars(a).items()})
     if cpu:
         b.result["note"] = "CPU smoke run (gloo, tiny model): the figures are meaningless, only that every part runs"
+    elif a.tiny:
+        b.result["note"] = "tiny random target on the GPUs (NCCL): smol/loss/ckpt check mechanics, not speed"
     t0 = time.perf_counter()
     for part in a.parts:
         log(f"== part {part} ==")

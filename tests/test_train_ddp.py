@@ -111,3 +111,28 @@ def test_token_batches_across_an_epoch_end_and_a_one_process_checkpoint_on_two(w
     resumed = _train_records(one)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [r["loss"] for r in resumed[k:]] == pytest.approx([r["loss"] for r in ref[k:]], rel=1e-5)
+
+
+def test_bf16_gradient_reduce_trains_like_fp32_within_bf16_rounding(world, tmp_path):  # noqa: F811
+    """--grad-reduce bf16: the hook runs (weights differ from the fp32 all-reduce's) and the run stays
+    within bf16 rounding of one process with the same global batch."""
+    from test_train_loop import _cfg
+
+    from eyas.train.loop import run
+
+    one = tmp_path / "one"
+    run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2))
+    fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
+    _torchrun(*_args(world, fp32, "--steps", "3", "--batch-size", "1"))
+    s = _torchrun(*_args(world, bf16, "--steps", "3", "--batch-size", "1", "--grad-reduce", "bf16"))
+    assert s["world"] == 2
+    ref, got = _train_records(one), _train_records(bf16)
+    assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=2e-2)
+    wa, w32, w16 = _weights(one), _weights(fp32), _weights(bf16)
+    assert any(not torch.equal(w16[k], w32[k]) for k in w32)  # the gradients really went through bf16
+    lr = 3e-3  # _args: Adam moves a weight by about lr a step at most, whatever its gradient's scale
+    for k in wa:
+        d = (w16[k].float() - wa[k].float()).abs()
+        assert d.max() <= 3 * lr, k  # 3 steps
+        # only gradients that bf16 rounding flips (near zero) move Adam's step noticeably
+        assert (d > lr / 10).float().mean() < 0.01, (k, (d > lr / 10).float().mean())

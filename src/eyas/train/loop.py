@@ -104,6 +104,9 @@ class TrainConfig:
     """Dtype the target and the drafter's compute run in: bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
     fsdp: bool = False
     """FSDP2: shard parameters, gradients and optimizer state across processes (needs torchrun)."""
+    grad_reduce: str = "fp32"
+    """DDP gradient all-reduce dtype across processes: fp32, or bf16 (half the bytes; each rank's share
+    rounded to bf16 before the sum). FSDP2 always reduces in fp32."""
     attention: str = "fast"
     """TTT attention: fast (flash + diagonals) or reference (dense mask)."""
     compile: bool | None = None
@@ -145,6 +148,7 @@ class TrainConfig:
         check_number(self, "save_every", ge=0)
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
+        check_choice(self, "grad_reduce", ("fp32", "bf16"))
         check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
@@ -413,7 +417,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         compile_drafter(drafter)
     module = PackedTTTModule(drafter, ttt_cfg, head_VtD=head_w)
-    module = dd.wrap_model(module, d, fsdp=cfg.fsdp, bf16=bf16)
+    module = dd.wrap_model(module, d, fsdp=cfg.fsdp, bf16=bf16, grad_reduce=cfg.grad_reduce)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
                             fused=dev.type == "cuda" and not cfg.fsdp)
