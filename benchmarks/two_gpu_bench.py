@@ -36,6 +36,11 @@ mean nothing on a shared CPU, it checks that every part runs end to end):
 
     PYTHONPATH=src python benchmarks/two_gpu_bench.py --device cpu --work /tmp/two_gpu_smoke
 
+`--tiny` on CUDA runs loss/ckpt on that tiny target over NCCL: the checkpoint and equal-loss mechanics
+on the GPUs without staging the real target (the tiny target needs the default tokenizer: build it
+where the GGUF is, `smoke_inputs(WORK)`, and carry WORK/smoke_target). `--bf16-reduce` adds an 8b run
+with `--grad-reduce bf16` (DDP all-reduce in bf16): train_2gpu_scaling_8b_bf16_reduce.
+
 Progress (each child's stderr, prefixed) goes to stderr; a table and, as the LAST stdout line, one
 JSON document. A part that fails is recorded under "errors" and the other parts still run.
 """
