@@ -3,17 +3,20 @@
 # under 10 minutes while the machine stays warm. The quality trainings run detached (setsid) from call 2
 # into call 3, one per GPU, so each gets ~15 minutes although no call may last more than 10.
 # Staged files (not in git), as for benchmarks/h200x2_session.sh:
-#   .stage/a2: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), gguf and specforge wheels,
+#   .stage/a2: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), wheels (gguf, specforge, pydantic),
 #              question.jsonl (MT-bench), chats_all.jsonl.xz (17,293 ShareGPT chats)
 #   .stage/b:  smol.gguf.ab        .stage/r: regen.tgz (the regeneration of all 17,293 records, 17,282 chats)
+# Build them with `bash benchmarks/stage.sh` (no .stage/r: call 2 then regenerates, ~2 minutes on GPU 0).
 # Usage: bash benchmarks/quality_session.sh 1|2|3, each call issued within 30 s of the last one's end
-#   1 (carry .stage/a2): staging (1/2); training speed: 8B shape vs SpecForge (GPU 0); the CE kernel,
-#     then profiles of the SmolLM2 and 8B drafter steps (GPU 1)
-#   2 (carry .stage/b and .stage/r): staging (2/2); starts the quality trainings (detached), STEPS steps each:
-#     2 GPUs: the recipe on all 17,293 regenerated records (GPU 0) | the same with a 4x wider draft MLP (GPU 1)
-#     4 GPUs: the scaling study's 2,000 / 6,000 / 17,293 records (GPUs 0-2) | the wide MLP on 17,293 (GPU 3)
-#   3: waits for them (up to WAIT_S), then speculative decoding with the best drafter (GPU 0) and the
-#     SmolLM2 training rate on the real target with and without the state cache (GPU 1)
+#   1 (carry .stage/a2): staging (1/2); training speed: the 8B shape on 1 and 2 GPUs (DDP, fp32 and bf16
+#     all-reduce), then 8B vs SpecForge (GPU 0) beside the 8B profile (GPU 1)
+#   2 (carry .stage/b, and .stage/r when it exists): staging (2/2); starts, detached, STEPS steps:
+#     2 GPUs: the recipe on all 17,293 records (GPU 0) | eyas vs SpecForge side by side on the same
+#     regenerated data (GPU 1, once the recipe's prepared data exists)
+#     4 GPUs: the scaling study's 2,000 / 6,000 / 17,293 records (GPUs 0-2) | the side by side (GPU 3)
+#   3: waits for them (up to WAIT_S), then speculative decoding with the recipe's drafter at batch 1, 4
+#     and 16 (GPU 0) and the SmolLM2 training rate with and without the state cache (GPU 1); brings the
+#     regeneration back as $OUT/regen.tgz (keep it as .stage/r/regen.tgz for the next session)
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -32,7 +35,8 @@ pack() { tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"; }
 trap pack EXIT
 collect() {  # what the quality runs wrote, into $L (the machine may go back before the next call)
     cp /root/q/*.log "$L/" 2>/dev/null
-    for r in /root/scaling /root/ablate; do
+    for e in /root/sbs/eval-*; do [ -f $e/report.json ] && cp $e/report.json "$L/sbs-$(basename $e).json"; done
+    for r in /root/scaling; do
         for w in $r/n*-s*; do
             [ -d "$w" ] || continue
             n=$(basename $r)-$(basename $w)
@@ -70,62 +74,57 @@ case "$part" in
     python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     nvidia-smi -L | tee -a "$L/session.log"
-    on 0 timeout 300 python benchmarks/train_bench.py --no-compile > "$L/train_8b.log" 2>&1 &
-    ( on 1 timeout 80 python benchmarks/ce_kernel_bench.py > "$L/ce_kernel.log" 2>&1
-      on 1 timeout 120 python benchmarks/train_bench.py --small --device cuda --seq 2048 --batch 32 --profile 40 \
-          > "$L/profile_smol.log" 2>&1
-      on 1 timeout 100 python benchmarks/train_bench.py --profile 40 --no-specforge > "$L/profile_8b.log" 2>&1 ) &
+    if [ "$NG" -ge 2 ]; then
+        OMP_NUM_THREADS=$(( $(nproc) / 2 )) timeout 330 python benchmarks/two_gpu_bench.py --parts 8b --bf16-reduce \
+            --work /root/tgb --budget-s 320 > "$L/two_gpu_8b.log" 2>&1
+        note "two-GPU 8B scaling done"
+    fi
+    on 0 timeout 220 python benchmarks/train_bench.py --no-compile > "$L/train_8b.log" 2>&1 &
+    [ "$NG" -ge 2 ] && on 1 timeout 150 python benchmarks/train_bench.py --profile 60 --no-specforge > "$L/profile_8b.log" 2>&1 &
     wait
     note "speed jobs done"
-    for f in ce_kernel train_8b profile_8b profile_smol; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -12 | cut -c1-300; done
+    grep -v "^  \[" "$L/two_gpu_8b.log" 2>/dev/null | tail -8 | cut -c1-300
+    for f in train_8b profile_8b; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -14 | cut -c1-300; done
     ;;
 2)
     need $S/smol.gguf.aa $S/chats_all.jsonl $S/question.jsonl
     cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf && md5sum $S/smol.gguf
     python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf'), Path('/root/smol'))" 2>&1 | tail -1
-    mkdir -p /root/scaling /root/ablate && tar xzf .stage/r/regen.tgz -C /root/scaling && ln -sfn /root/scaling/regen /root/ablate/regen
+    mkdir -p /root/scaling
+    [ -f .stage/r/regen.tgz ] && tar xzf .stage/r/regen.tgz -C /root/scaling && note "regeneration restaged"
     note "staged"
     # detached: they outlive this call (a new process session) and run on into call 3
-    if [ "$NG" -ge 4 ]; then points=2000,6000,$ALL; gpus=0,1,2; wide=3; else points=$ALL; gpus=0; wide=1; fi
-    if [ "${WIDE_ONLY:-0}" = 1 ]; then  # the wide MLP alone (GPU 1); the training rate bench on GPU 0
-        rate_bench 0 &
-    else
+    if [ "$NG" -ge 4 ]; then points=2000,6000,$ALL; gpus=0,1,2; sbs=3; else points=$ALL; gpus=0; sbs=$(( NG - 1 )); fi
     setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $points \
         --gpus $gpus > /root/q/scaling.log 2>&1 < /dev/null &
-    fi
-    CUDA_VISIBLE_DEVICES=$wide setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/ablate \
-        --conversations $ALL --set train.draft_intermediate_size=6144 > /root/q/ablate.log 2>&1 < /dev/null &
-    note "points started"
+    # the side by side trains on the recipe's own prepared (regenerated) data: it waits for it
+    prep=/root/scaling/n$ALL-s$STEPS/prepared
+    CUDA_VISIBLE_DEVICES=$sbs setsid nohup bash -c "while [ ! -f $prep/meta.json ]; do sleep 10; done; \
+        python benchmarks/specforge_side_by_side.py --prepared $prep --target /root/smol --root /root/sbs \
+        --eval-prompts $S/question.jsonl" > /root/q/sbs.log 2>&1 < /dev/null &
+    note "recipe and side by side started"
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ]; do sleep 15; done
     collect
-    for f in train_smol_cache_off train_smol_cache_on; do echo "== $f"; tail -4 "$L/$f.log" 2>/dev/null | cut -c1-300; done
-    for f in scaling ablate; do echo "== $f"; grep -v "Loading weights" /root/q/$f.log | grep -E "state cache|eval |step [0-9]+0/|Error|error" | tail -8 | cut -c1-300; done
+    for f in scaling sbs; do echo "== $f"; grep -v "Loading weights" /root/q/$f.log | grep -E "state cache|eval |step [0-9]+0/|== side|Error|error" | tail -8 | cut -c1-300; done
     ;;
 3)
     need /root/smol /root/scaling/regen/chats.jsonl
-    while pgrep -f scaling_study.py > /dev/null && [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-370} ]; do sleep 10; done
-    note "points: $(pgrep -fc scaling_study.py) study processes still running"
-    cat /root/scaling/points.jsonl /root/ablate/points.jsonl 2>/dev/null | tee "$L/points.jsonl"
-    best=$(python - <<'EOF'
-import json, os
-files = [f for f in ("/root/scaling/points.jsonl", "/root/ablate/points.jsonl") if os.path.exists(f)]
-pts = [p for f in files for p in map(json.loads, filter(str.strip, open(f))) if p.get("tau_tree")]
-print(max(pts, key=lambda p: p["tau_tree"])["workdir"] + "/train/drafter" if pts else "")
-EOF
-)
-    note "best drafter: ${best:-none}"
-    if [ -n "$best" ]; then
-        on 0 timeout 170 python benchmarks/specdec_bench.py --drafter "$best" --target /root/smol --limit 20 --predict \
-            --prompts $S/question.jsonl > "$L/specdec.log" 2>&1 &
+    while pgrep -f "scaling_study.py|specforge_side_by_side.py" > /dev/null && [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-240} ]; do sleep 10; done
+    note "still running: $(pgrep -fc 'scaling_study.py|specforge_side_by_side.py') study processes"
+    cat /root/scaling/points.jsonl 2>/dev/null | tee "$L/points.jsonl"
+    tar czf "$OUT/regen.tgz" -C /root/scaling regen 2>/dev/null
+    best=$(ls -d /root/scaling/n$ALL-s$STEPS/train/drafter 2>/dev/null)
+    note "drafter: ${best:-none}"
+    if [ -n "$best" ] && [ -f "$best/config.json" ]; then
+        on 0 timeout 290 python benchmarks/specdec_bench.py --drafter "$best" --target /root/smol --limit 10 --predict \
+            --batch-sizes 1,4,16 --prompts $S/question.jsonl > "$L/specdec.log" 2>&1 &
     fi
-    [ "${WIDE_ONLY:-0}" = 1 ] || rate_bench 1 &
-    [ "$NG" -ge 4 ] && on 2 timeout 150 python benchmarks/verify_invariants_bench.py --target /root/smol --device cuda \
-        --model-dtype bf16 --samples 400 --max-length 1024 --work /root/vib --source $S/chats6k.jsonl --compare-tail-paths \
-        --profile > "$L/verify_cost.log" 2>&1 &
+    [ "$NG" -ge 2 ] && rate_bench 1 &
     wait
     note "speculative decoding and training rates done"
     collect
-    for f in specdec train_smol_cache_off train_smol_cache_on verify_cost; do echo "== $f"; tail -12 "$L/$f.log" 2>/dev/null | cut -c1-400; done
+    for f in specdec train_smol_cache_off train_smol_cache_on; do echo "== $f"; tail -12 "$L/$f.log" 2>/dev/null | cut -c1-400; done
+    tail -3 /root/q/sbs.log | cut -c1-600
     ;;
 esac
 note "call $part finished"

@@ -131,6 +131,7 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--eval-prompts", default="mtbench", help="eval prompts: mtbench (the embedded copy) or a question.jsonl")
     ap.add_argument("--eval-limit", type=int, default=None, help="MT-bench questions (default all 80)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
     ap.add_argument("--specforge-path", type=Path, default=None, help="directory holding an unpacked specforge package")
@@ -209,7 +210,7 @@ def main() -> None:
         out = root / f"eval-{name}"
         if step(f"eval {name}", (out / "report.json").is_file()):
             t0 = time.perf_counter()
-            evaluate_to(out, EvalConfig(drafter=d, target=args.target, prompts="mtbench", limit=args.eval_limit,
+            evaluate_to(out, EvalConfig(drafter=d, target=args.target, prompts=args.eval_prompts, limit=args.eval_limit,
                                         max_new_tokens=args.eval_max_new_tokens, device=args.device), overwrite=True)
             seconds[f"eval_{name}"] = round(time.perf_counter() - t0, 1)
         rep = json.loads((out / "report.json").read_text())
