@@ -155,6 +155,8 @@ CASES = [
     ("option-train-lr-nan", ["train", "--data", D, "--out", "{root}/o4", "--lr", "nan"], r"--lr must be a finite number, got nan"),
     ("option-train-lr-inf", ["train", "--data", D, "--out", "{root}/o4", "--lr", "inf"], r"--lr must be a finite number"),
     ("option-train-attention", ["train", "--data", D, "--out", "{root}/o4", "--attention", "bogus"], r"--attention must be one of fast, reference; got 'bogus'"),
+    ("option-train-grad-reduce", ["train", "--data", D, "--out", "{root}/o4", "--grad-reduce", "fp8"], r"--grad-reduce must be one of fp32, bf16; got 'fp8'"),
+    ("option-train-grad-reduce-fsdp", ["train", "--data", D, "--out", "{root}/o4", "--grad-reduce", "bf16", "--fsdp"], r"--grad-reduce bf16 applies to DDP; --fsdp always reduces in fp32"),
     ("option-train-draft-vocab-0", ["train", "--data", D, "--out", "{root}/o4", "--draft-vocab", "0"], r"--draft-vocab must be >= 1, got 0"),
     ("option-train-warmup-neg", ["train", "--data", D, "--out", "{root}/o4", "--warmup-steps", "-1"], r"--warmup-steps must be >= 0, got -1"),
     ("option-train-save-every-neg", ["train", "--data", D, "--out", "{root}/o4", "--save-every", "-3"], r"--save-every must be >= 0"),

@@ -149,6 +149,8 @@ class TrainConfig:
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
         check_choice(self, "grad_reduce", ("fp32", "bf16"))
+        if self.fsdp and self.grad_reduce != "fp32":
+            raise EyasError(f"--grad-reduce {self.grad_reduce} applies to DDP; --fsdp always reduces in fp32")
         check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
