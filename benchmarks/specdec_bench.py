@@ -1,4 +1,4 @@
-"""Speculative decoding speed at batch 1: `eyas generate` (chain and EAGLE-2 tree) vs target-only decoding.
+"""Speculative decoding speed at batch 1 (and --batch-sizes): `eyas generate` (chain and EAGLE-2 tree) vs target-only decoding.
 
 For each drafting mode and each engine (--engine: `plain`, specdec/speculative.py, the reference loop;
 `static`, specdec/speculative_static.py, static shapes + CUDA graphs), every MT-bench turn is decoded
@@ -13,6 +13,14 @@ specdec_engine_bs1): specdec_speedup_bs1 (against that engine's own target-only 
 specdec_speedup_vs_fastest_target_bs1 (against the fastest target-only run of any engine),
 specdec_tau_bs1, specdec_predicted_speedup_bs1.
 
+--batch-sizes 1,4,16: for each batch size B > 1, each mode is also decoded by the batched engine
+(specdec/speculative_batched.py, `eyas generate --batch-size B`: each turn's prompts in groups of B,
+greedy), speculative and target-only in the same process; tree mode's figures become
+specdec_speedup_bsB, specdec_tau_bsB, specdec_tokens_per_s_bsB (all rows' tokens) and
+specdec_target_tokens_per_s_bsB, and specdec_same_as_bs1_bsB says whether every output equals the
+batch-1 run's (float32: must; bf16 may flip a near-tie). A batch holds at most as many prompts as a
+turn has (--limit 10: 10 per turn), reported as rows_bsB.
+
 GPU (one H200; a trained drafter for the target; without the MT-bench package, pass a JSONL of
 {"turns": [...]} with --prompts):
 
@@ -21,6 +29,7 @@ GPU (one H200; a trained drafter for the target; without the MT-bench package, p
 CPU check (a random drafter, two conversations, short answers; tau ~1, so the speed-up is < 1):
 
     PYTHONPATH=src python benchmarks/specdec_bench.py --limit 2 --max-new-tokens 24 --device cpu
+    PYTHONPATH=src python benchmarks/specdec_bench.py --limit 4 --max-new-tokens 24 --device cpu --batch-sizes 1,4
 
 Progress goes to stderr; a table and, as the LAST stdout line, one JSON document of the figures.
 """
@@ -56,9 +65,17 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
+    ap.add_argument("--batch-sizes", default="1",
+                    help="comma-separated batch sizes, e.g. 1,4,16 (> 1: the batched engine, speculative and target-only)")
     ap.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
                     help="also measure draft/verify step costs and the speed-up they predict from tau")
     args = ap.parse_args()
+    try:
+        batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
+    except ValueError:
+        ap.error(f"--batch-sizes: expected comma-separated integers, got {args.batch_sizes!r}")
+    if not batch_sizes or batch_sizes[0] < 1:
+        ap.error(f"--batch-sizes: every batch size must be >= 1, got {args.batch_sizes!r}")
 
     import torch
 
@@ -68,10 +85,11 @@ def main() -> None:
     t_start = time.perf_counter()
     target_dir = str(resolve_target(args.target))
     figures: dict = {"drafter": args.drafter or "random", "target": args.target, "prompts": args.prompts,
-                     "limit": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": 1, "temperature": 0,
+                     "limit": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": 1,
+                     "batch_sizes": batch_sizes, "temperature": 0,
                      "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()] if 1 in batch_sizes else []
     figures["engines"] = engines
     runs: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -102,9 +120,32 @@ def main() -> None:
                     log(f"{key} failed: {type(exc).__name__}: {exc}")
                     traceback.print_exc(file=sys.stderr)
                     runs[key] = {"error": f"{type(exc).__name__}: {exc}"}
+            bs1_outputs = next((runs[f"{mode}/{e}"]["outputs"] for e in engines if "outputs" in runs[f"{mode}/{e}"]), None)
+            for bs in batch_sizes:
+                if bs == 1:
+                    continue
+                key = f"{mode}/batched/bs{bs}"
+                log(f"mode {mode}, batch size {bs}: decoding with the drafter and target-only (batched engine)")
+                try:
+                    cfg_b = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
+                                           max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
+                                           tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
+                                           device=args.device, model_dtype=args.dtype, limit=args.limit, batch_size=bs)
+                    t0 = time.perf_counter()
+                    summary, records = run_generate(cfg_b)
+                    summary["wall_s"] = round(time.perf_counter() - t0, 2)
+                    summary["rows"] = round(summary["sequences"] / summary["batches"], 2)  # mean prompts a batch
+                    outs_b = [r["generated_ids"] for r in records]
+                    summary["same_as_bs1"] = (outs_b == bs1_outputs) if bs1_outputs is not None else None
+                    runs[key] = summary
+                except Exception as exc:
+                    log(f"{key} failed: {type(exc).__name__}: {exc}")
+                    traceback.print_exc(file=sys.stderr)
+                    runs[key] = {"error": f"{type(exc).__name__}: {exc}"}
             ok = {e: runs[f"{mode}/{e}"] for e in engines if "error" not in runs[f"{mode}/{e}"]}
             if not ok:
-                figures[mode] = {"error": "every engine failed"}
+                if engines:
+                    figures[mode] = {"error": "every engine failed"}
                 continue
             outs = [s.pop("outputs") for s in ok.values()]
             best = max(ok, key=lambda e: ok[e]["tokens_per_s"] or 0)
@@ -129,21 +170,34 @@ def main() -> None:
     figures["specdec_speedup_vs_fastest_target_bs1"] = tree.get("speedup_vs_fastest_target")
     figures["specdec_tau_bs1"] = tree.get("acceptance_length")
     figures["specdec_predicted_speedup_bs1"] = (tree.get("predicted") or {}).get("predicted_speedup")
+    for bs in batch_sizes:
+        if bs == 1:
+            continue
+        tb = runs.get(f"tree/batched/bs{bs}", {})
+        figures[f"specdec_speedup_bs{bs}"] = tb.get("speedup")
+        figures[f"specdec_tau_bs{bs}"] = tb.get("acceptance_length")
+        figures[f"specdec_tokens_per_s_bs{bs}"] = tb.get("tokens_per_s")
+        figures[f"specdec_target_tokens_per_s_bs{bs}"] = tb.get("baseline_tokens_per_s")
+        figures[f"specdec_same_as_bs1_bs{bs}"] = tb.get("same_as_bs1")
+        figures[f"rows_bs{bs}"] = tb.get("rows")
     figures["total_s"] = round(time.perf_counter() - t_start, 2)
 
-    print(f"{'mode':<6}{'engine':<8}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'draft_s':>9}{'verify_s':>9}"
-          f"{'over_s':>8}  same  graphs")
+    print(f"{'mode':<6}{'engine':<8}{'bs':>4}{'rows':>6}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'draft_s':>9}"
+          f"{'verify_s':>9}{'over_s':>8}  same  =bs1  graphs")
     f = lambda v, w, d: f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
     for key, s in runs.items():
-        mode, engine = key.split("/")
+        mode, engine, *rest = key.split("/")
+        bs = rest[0][2:] if rest else "1"
         if "error" in s:
-            print(f"{mode:<6}{engine:<8} failed: {s['error']}")
+            print(f"{mode:<6}{engine:<8}{bs:>4} failed: {s['error']}")
             continue
         t = s["time_s"]
         graphs = ",".join(s.get("cuda_graphs") or []) or "-"
-        print(f"{mode:<6}{engine:<8}{f(s['tokens_per_s'], 9, 1)}{f(s.get('baseline_tokens_per_s'), 9, 1)}"
-              f"{f(s.get('speedup'), 9, 3)}{f(s['acceptance_length'], 7, 3)}{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}"
-              f"{f(t['overhead_s'], 8, 2)}  {str(s.get('greedy_mismatches', '-') == 0):<5} {graphs}")
+        same1 = "-" if s.get("same_as_bs1") is None else str(s["same_as_bs1"])
+        print(f"{mode:<6}{engine:<8}{bs:>4}{f(s.get('rows', 1), 6, 1)}{f(s['tokens_per_s'], 9, 1)}"
+              f"{f(s.get('baseline_tokens_per_s'), 9, 1)}{f(s.get('speedup'), 9, 3)}{f(s['acceptance_length'], 7, 3)}"
+              f"{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}{f(t['overhead_s'], 8, 2)}  "
+              f"{str(s.get('greedy_mismatches', '-') == 0):<5} {same1:<5} {graphs}")
     for mode in modes:
         s = figures.get(mode, {})
         if "engine" in s:

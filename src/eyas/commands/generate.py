@@ -17,7 +17,7 @@ def generate(
     cfg,
     out: Optional[Path] = typer.Option(None, "--out", help="Write one JSONL record per turn (ids, text, accepted per round, seconds) to this file."),
 ) -> dict:
-    """Speculative decoding (batch 1) with a trained EAGLE-3 drafter: tokens/s vs target-only, tau, time split."""
+    """Speculative decoding (batch 1, or --batch-size B) with a trained EAGLE-3 drafter: tokens/s vs target-only, tau, time split."""
     from eyas.specdec.generate_run import generate_to
 
     return generate_to(cfg, out=out)

@@ -14,12 +14,16 @@ prefill_s and verify_s (one token a round) plus a little overhead_s.
 
 Key trade-off: batch 1, the latency setting speculative decoding is for, on one of two engines
 (--engine): `plain` (specdec/speculative.py, the reference) or `static` (specdec/speculative_static.py:
-fixed shapes, on-device accept walk, CUDA graphs on CUDA). The drafter run and the target-only run use
-the same engine and share every overhead, so the speed-up is the drafter's, not the loop's. The static
-engine's draft_s also holds the target cache compaction (it runs in the same device step as the
-drafter's update). At temperature 0 the two runs must produce the same tokens: a mismatch is reported
-(`greedy_mismatches`) and, in float32, fails the command (exit 1); in bf16/fp16 a verify forward over
-many tokens rounds differently from a 1-token step, so a near-tie may flip and it is only reported.
+fixed shapes, on-device accept walk, CUDA graphs on CUDA). With --batch-size B > 1 every turn's prompts
+are decoded B at a time by specdec/speculative_batched.py (greedy only; static shapes, CUDA graphs on
+CUDA; --engine does not apply), both with the drafter and target-only; each batch's time is shared by
+its rows, tokens/s counts every row's tokens, and a record's `seconds` is its batch's. The drafter run
+and the target-only run use the same engine and share every overhead, so the speed-up is the drafter's,
+not the loop's. The static and batched engines' draft_s also holds the target cache compaction (it
+runs in the same device step as the drafter's update). At temperature 0 the two runs must produce the
+same tokens: a mismatch is reported (`greedy_mismatches`) and, in float32, fails the command (exit 1);
+in bf16/fp16 a verify forward over many tokens rounds differently from a 1-token step, so a near-tie may
+flip and it is only reported.
 """
 
 from __future__ import annotations
@@ -74,7 +78,9 @@ class GenerateConfig:
     limit: int | None = None
     """Decode only the first N conversations."""
     engine: str = "plain"
-    """'plain' (the reference loop: dense masks, growing caches, the accept walk on the host) or 'static' (static shapes, the walk and the KV compaction on the device, CUDA graphs on CUDA; the same code eagerly on CPU). Both produce the same tokens."""
+    """'plain' (the reference loop: dense masks, growing caches, the accept walk on the host) or 'static' (static shapes, the walk and the KV compaction on the device, CUDA graphs on CUDA; the same code eagerly on CPU). Both produce the same tokens. Batch 1 only: --batch-size > 1 uses the batched engine."""
+    batch_size: int = 1
+    """Prompts decoded together (each turn's prompts in groups of this size; > 1: the batched engine, greedy only). Speculative and target-only decoding run at the same batch size."""
 
     def __post_init__(self):
         from eyas.config_checks import check_choice, check_device, check_number
@@ -85,6 +91,9 @@ class GenerateConfig:
         check_number(self, "temperature", ge=0)
         check_number(self, "warmup", ge=0)
         check_number(self, "limit", ge=1, optional=True)
+        check_number(self, "batch_size", ge=1)
+        if self.batch_size > 1 and self.temperature > 0:
+            raise EyasError(f"--temperature {self.temperature} needs --batch-size 1: batched decoding is greedy only")
         for name in ("chain_k", "tree_topk", "tree_depth", "tree_tokens"):
             check_number(self, name, ge=1)
         if self.model_dtype != "auto":
@@ -130,6 +139,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.specdec.generate import context_length, eos_ids_of, load_prompts
     from eyas.specdec.run import load_drafter_for
     from eyas.specdec.speculative import DecodeStats, SpeculativeDecoder, stats_summary
+    from eyas.specdec.speculative_batched import BatchedSpeculativeDecoder
     from eyas.specdec.speculative_static import StaticSpeculativeDecoder
     from eyas.target import load_target, load_tokenizer
 
@@ -151,6 +161,10 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     layer_ids = ckpt.config.aux_layer_ids
     capacity = 0
     spec = plain = None
+    batched = cfg.batch_size > 1
+    # the batched engine's rows: the batch size, or fewer when no turn has that many prompts (an idle
+    # row costs as much as a live one)
+    rows = min(cfg.batch_size, max(sum(t < len(c.turns) for c in convs) for t in range(max(len(c.turns) for c in convs))))
 
     def ensure(need: int):
         """(Re)build both decoders when a prompt needs longer caches than they hold (doubling, capped at
@@ -159,16 +173,31 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         if need <= capacity:
             return
         capacity = min(max_len, max(need, 2 * capacity, 1024))
-        # the static engine preallocates (and, on CUDA, captures its graphs for) this capacity: a rebuild
-        # costs a capture, hence the doubling
-        cls = StaticSpeculativeDecoder if cfg.engine == "static" else SpeculativeDecoder
-        spec = cls(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos,
-                   temperature=cfg.temperature, seed=cfg.seed)
-        plain = (cls(target, None, tree=None, layer_ids=[], max_len=capacity, eos_ids=eos,
-                     temperature=cfg.temperature, seed=cfg.seed) if cfg.baseline else None)
+        # the static and batched engines preallocate (and, on CUDA, capture their graphs for) this
+        # capacity: a rebuild costs a capture, hence the doubling
+        if batched:
+            def make(d, t, ids):
+                return BatchedSpeculativeDecoder(target, d, tree=t, layer_ids=ids, max_len=capacity, eos_ids=eos, batch=rows)
+        else:
+            cls = StaticSpeculativeDecoder if cfg.engine == "static" else SpeculativeDecoder
+
+            def make(d, t, ids):
+                return cls(target, d, tree=t, layer_ids=ids, max_len=capacity, eos_ids=eos, temperature=cfg.temperature,
+                           seed=cfg.seed)
+        spec = make(drafter, tree, layer_ids)
+        plain = make(None, None, []) if cfg.baseline else None
+
+    def decode(dec, group: list[list[int]], max_new: int):
+        """-> (outputs, stats of the group, accepted counts per output); batch 1 goes through the batch-1 engines."""
+        if batched:
+            return dec.generate(group, max_new_tokens=max_new)
+        out, st = dec.generate(group[0], max_new_tokens=max_new)
+        return [out], st, [st.accepted_per_round]
 
     log(f"generate: drafter {cfg.drafter} ({ckpt.provenance.format}), {cfg.mode} {asdict(tree)}, "
-        f"{len(convs)} conversations, temperature {cfg.temperature}, engine {cfg.engine}, device {device} {str(dtype).replace('torch.', '')}")
+        f"{len(convs)} conversations, temperature {cfg.temperature}, "
+        + (f"batched engine, batch size {cfg.batch_size} ({rows} rows)" if batched else f"engine {cfg.engine}")
+        + f", device {device} {str(dtype).replace('torch.', '')}")
 
     room = max_len - cfg.max_new_tokens - tree.tokens - 1
     answers: dict[tuple[int, int], str] = {}
@@ -176,40 +205,51 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     records, mismatches, warm = [], 0, cfg.warmup
     n_turns = max(len(c.turns) for c in convs)
     bar = progress(sum(len(c.turns) for c in convs), "generate", "turn")
+    batches = 0
     for turn in range(n_turns):
-        for i, ids in _turn_prompts(tokenizer, convs, answers, turn):
+        prompts = _turn_prompts(tokenizer, convs, answers, turn)
+        for i, ids in prompts:
             if len(ids) > room:
                 raise EyasError(f"prompt {convs[i].id} turn {turn + 1}: {len(ids)} prompt tokens + --max-new-tokens "
                                 f"{cfg.max_new_tokens} + a round's {tree.tokens} draft tokens exceed the target's context "
                                 f"of {max_len}; lower --max-new-tokens or drop the prompt")
-            ensure(len(ids) + cfg.max_new_tokens + tree.tokens + 1)
+        for g in range(0, len(prompts), cfg.batch_size):
+            group = prompts[g:g + cfg.batch_size]
+            group_ids = [ids for _, ids in group]
+            ensure(max(map(len, group_ids)) + cfg.max_new_tokens + tree.tokens + 1)
             while warm > 0:  # first calls pay one-time costs (allocator, kernels): keep them out of the timings
-                spec.generate(ids, max_new_tokens=min(cfg.max_new_tokens, 16))
+                decode(spec, group_ids, min(cfg.max_new_tokens, 16))
                 if plain is not None:
-                    plain.generate(ids, max_new_tokens=min(cfg.max_new_tokens, 16))
+                    decode(plain, group_ids, min(cfg.max_new_tokens, 16))
                 warm -= 1
-            out, st = spec.generate(ids, max_new_tokens=cfg.max_new_tokens)
+            outs, st, acc = decode(spec, group_ids, cfg.max_new_tokens)
             spec_total.add(st)
-            rec = {"id": convs[i].id, "turn": turn + 1, "prompt_tokens": len(ids), "generated_ids": out,
-                   "accepted": st.accepted_per_round, "seconds": round(st.total_s, 4)}
+            batches += 1
             if plain is not None:
-                base, bst = plain.generate(ids, max_new_tokens=cfg.max_new_tokens)
+                bases, bst, _ = decode(plain, group_ids, cfg.max_new_tokens)
                 base_total.add(bst)
-                rec["baseline_seconds"] = round(bst.total_s, 4)
-                if cfg.temperature == 0 and base != out:
-                    mismatches += 1
-                    rec["baseline_generated_ids"] = base
-            answers[(i, turn)] = tokenizer.decode(out, skip_special_tokens=True)
-            rec["text"] = answers[(i, turn)]
-            records.append(rec)
-            bar.update(1)
+            for r, (i, ids) in enumerate(group):
+                out = outs[r]
+                rec = {"id": convs[i].id, "turn": turn + 1, "prompt_tokens": len(ids), "generated_ids": out,
+                       "accepted": acc[r], "seconds": round(st.total_s, 4)}
+                if plain is not None:
+                    rec["baseline_seconds"] = round(bst.total_s, 4)
+                    if cfg.temperature == 0 and bases[r] != out:
+                        mismatches += 1
+                        rec["baseline_generated_ids"] = bases[r]
+                answers[(i, turn)] = tokenizer.decode(out, skip_special_tokens=True)
+                rec["text"] = answers[(i, turn)]
+                records.append(rec)
+                bar.update(1)
     bar.close()
 
     s = stats_summary(spec_total, depth=tree.depth, drafted_per_round=tree.tokens)
     summary: dict[str, Any] = {
         "schema": SCHEMA,
         "mode": cfg.mode,
-        "engine": cfg.engine,
+        "engine": "batched" if batched else cfg.engine,
+        "batch_size": cfg.batch_size,
+        "batches": batches,
         "tree": asdict(tree),
         "temperature": cfg.temperature,
         "sequences": len(records),
@@ -225,7 +265,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
     }
-    if cfg.engine == "static":
+    if cfg.engine == "static" or batched:
         summary["cuda_graphs"] = spec.describe()["graphs"]  # [] on CPU, or where capture failed (graph_note says why)
         summary["graph_note"] = spec.describe()["graph_note"]
     if cfg.baseline:

@@ -61,10 +61,12 @@ class TreeTarget:
     """The target's own modules over a batch-1 KV cache (eyas.regen.static_lm.StaticLM's buffers),
     with one forward that takes arbitrary positions and a dense mask, and returns the aux states."""
 
-    def __init__(self, model, *, max_len: int, layer_ids: list[int]):
+    def __init__(self, model, *, max_len: int, layer_ids: list[int], batch: int = 1):
+        """`batch` cache rows: forward, forward_static and keep are for batch 1; forward_rows runs every
+        row, each against its own cache row (specdec/speculative_batched.py)."""
         from eyas.regen.static_lm import StaticLM
 
-        self.lm = StaticLM(model, batch=1, max_len=max_len, attention="sdpa", prefill="sdpa")
+        self.lm = StaticLM(model, batch=batch, max_len=max_len, attention="sdpa", prefill="sdpa")
         self.device = self.lm.device
         self.layer_ids = list(layer_ids)
         self.length = 0  # cache entries in use (positions 0..length-1)
@@ -92,9 +94,9 @@ class TreeTarget:
             lm.cache_v[i][:, :, start:S] = v_1KNd
             return lm.cache_k[i][:, :, :S], lm.cache_v[i][:, :, :S]
 
-        out = self._layers(ids_N, pos_N, mask_NS, store)
+        logits, aux = self._layers(ids_N[None], pos_N[None], mask_NS[None], store)
         self.length = S
-        return out
+        return logits[0], aux[0]
 
     @torch.no_grad()
     def forward_static(self, ids_N: torch.Tensor, pos_N: torch.Tensor, write_N: torch.Tensor,
@@ -109,35 +111,57 @@ class TreeTarget:
             lm.cache_v[i].index_copy_(2, write_N, v_1KNd)
             return lm.cache_k[i], lm.cache_v[i]
 
-        return self._layers(ids_N, pos_N, mask_NS, store)
+        logits, aux = self._layers(ids_N[None], pos_N[None], mask_NS[None], store)
+        return logits[0], aux[0]
 
-    def _layers(self, ids_N, pos_N, mask_NS, store) -> tuple[torch.Tensor, torch.Tensor]:
-        """The decoder stack over N new tokens; store(layer, k, v) writes their keys and returns the
-        keys/values to attend to ([1, K, S, d] each, S = mask_NS.shape[1])."""
+    @torch.no_grad()
+    def forward_rows(self, ids_BN: torch.Tensor, pos_BN: torch.Tensor, write_BN: torch.Tensor,
+                     mask_BNS: torch.Tensor, *, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward_static for every cache row at once: row b's N new keys go to its slots write_BN[b],
+        mask_BNS [B, N, max_len] marks the slots of its OWN cache row each token may see.
+        Returns (logits [B, N, V] fp32, or [B, 1, V] at position logits_at[b] of each row, aux [B, N, F])."""
         lm = self.lm
-        N = ids_N.shape[0]
-        cos = lm.cos_Sd[pos_N][:, None]  # N,1,d
-        sin = lm.sin_Sd[pos_N][:, None]
-        x = lm.embed(ids_N)[None]  # 1,N,D
+        B, N = ids_BN.shape
+        idx = write_BN[:, None, :, None].expand(B, lm.kv_heads, N, lm.head_dim)
+
+        def store(i: int, k_BKNd: torch.Tensor, v_BKNd: torch.Tensor):
+            lm.cache_k[i].scatter_(2, idx, k_BKNd)
+            lm.cache_v[i].scatter_(2, idx, v_BKNd)
+            return lm.cache_k[i], lm.cache_v[i]
+
+        return self._layers(ids_BN, pos_BN, mask_BNS, store, logits_at=logits_at)
+
+    def _layers(self, ids_BN, pos_BN, mask_BNS, store, logits_at=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decoder stack over N new tokens of B rows; store(layer, k, v) writes their keys and
+        returns the keys/values to attend to ([B, K, S, d] each, S = mask_BNS.shape[-1]).
+        Returns (logits [B, N, V] fp32, aux [B, N, F])."""
+        lm = self.lm
+        B, N = ids_BN.shape
+        cos = lm.cos_Sd[pos_BN][:, :, None]  # B,N,1,d
+        sin = lm.sin_Sd[pos_BN][:, :, None]
+        x = lm.embed(ids_BN)  # B,N,D
         want: dict[int, list[int]] = {}  # layer -> aux slots (small targets can repeat an id: [2, 2, 1])
         for a, i in enumerate(self.layer_ids):
             want.setdefault(i, []).append(a)
         aux: list[torch.Tensor | None] = [None] * len(self.layer_ids)
-        mask = mask_NS[None, None]
+        mask = mask_BNS[:, None]
         for i, layer in enumerate(lm.layers):
             for a in want.get(i, ()):
-                aux[a] = x[0]
+                aux[a] = x
             attn = layer.self_attn
-            q, k, v = lm._qkv(attn, layer.input_layernorm(x))  # N,H,d / N,K,d
-            q, k = lm._rope(q, cos, sin), lm._rope(k, cos, sin)
-            keys, values = store(i, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            q, k, v = lm._qkv(attn, layer.input_layernorm(x))  # BN,H,d / BN,K,d
+            q = lm._rope(q.view(B, N, lm.heads, lm.head_dim), cos, sin)
+            k = lm._rope(k.view(B, N, lm.kv_heads, lm.head_dim), cos, sin)
+            keys, values = store(i, k.transpose(1, 2), v.view(B, N, lm.kv_heads, lm.head_dim).transpose(1, 2))
             o = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], keys, values, attn_mask=mask,
-                scale=attn.scaling, enable_gqa=lm.groups > 1)  # 1,H,N,d
-            x = x + attn.o_proj(o.transpose(1, 2).reshape(1, N, lm.heads * lm.head_dim))
+                q.transpose(1, 2), keys, values, attn_mask=mask,
+                scale=attn.scaling, enable_gqa=lm.groups > 1)  # B,H,N,d
+            x = x + attn.o_proj(o.transpose(1, 2).reshape(B, N, lm.heads * lm.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        aux_NF = torch.cat(aux, dim=-1) if aux else x.new_zeros(N, 0)
-        return lm._logits(x[0]), aux_NF
+        aux_BNF = torch.cat(aux, dim=-1) if aux else x.new_zeros(B, N, 0)
+        if logits_at is not None:
+            x = x.gather(1, logits_at[:, None, None].expand(B, 1, x.shape[-1]))
+        return lm._logits(x), aux_BNF
 
     def keep(self, start: int, slots: list[int]) -> None:
         """Keep the entries at cache `slots` (ascending, >= start) as positions start.., drop the rest."""

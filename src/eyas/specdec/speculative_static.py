@@ -44,7 +44,7 @@ import torch
 
 from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
-from eyas.specdec.replay import TreeConfig, build_tree
+from eyas.specdec.replay import DraftTree, TreeConfig, build_tree
 from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync
 
 
@@ -57,6 +57,55 @@ def _path_end(toks: list[int], nxt: int, budget: int, eos_ids: set[int]) -> tupl
         if t in eos_ids:
             return toks[: i + 1], None
     return toks, (nxt if len(toks) < budget else None)
+
+
+def submitted_rows(tree: DraftTree, T: int, depth_K: torch.Tensor, max_depth: int):
+    """The T submitted candidates of every row of a DraftTree, built on the device (no host reads):
+    tokens [R, T], parent index among the submitted [R, T] (-1 = the root), depth [R, T] and ancestor
+    matrix [R, T, T] (each node's ancestors and itself), in creation order (a parent precedes its
+    children). depth_K: the depth of each candidate in build_tree's creation order."""
+    sel_RK = tree.selected
+    R, K = sel_RK.shape
+    dev = sel_RK.device
+    rank_RK = sel_RK.long().cumsum(1) - 1  # index among the submitted, for selected candidates
+    slot_RK = torch.where(sel_RK, rank_RK, torch.full_like(rank_RK, T))  # the rest land in a dropped slot
+    cand_RT = torch.zeros(R, T + 1, dtype=torch.long, device=dev).scatter_(
+        1, slot_RK, torch.arange(K, device=dev).expand(R, K))[:, :T]
+    pc_RT = tree.parent.gather(1, cand_RT)
+    par_RT = torch.where(pc_RT >= 0, rank_RK.gather(1, pc_RT.clamp(min=0)), torch.full_like(pc_RT, -1))
+    arange_T = torch.arange(T, device=dev)
+    anc = torch.eye(T, dtype=torch.bool, device=dev).expand(R, T, T).clone()
+    cur = par_RT
+    for _ in range(max_depth - 1):  # a node has at most depth - 1 proper ancestors
+        hit = cur >= 0
+        anc |= cur[:, :, None] == arange_T  # -1 (past the root) matches no column
+        cur = torch.where(hit, par_RT.gather(1, cur.clamp(min=0)), cur)
+    return tree.tokens.gather(1, cand_RT), par_RT, depth_K[cand_RT], anc
+
+
+def greedy_walk(choice_RN: torch.Tensor, tok_RT: torch.Tensor, par_RT: torch.Tensor, depth: int):
+    """The greedy accept walk of R rows on the device: from the root, follow the child whose token is
+    the target's argmax at the current node (choice_RN: row 0 the root, row 1 + j node j).
+    Returns (accepted count m [R], accepted node indices [R, depth] (0 past m), the target's token
+    after the path [R]). [R]-shaped throughout: indexing with a 0-dim tensor would read it on the host."""
+    R = choice_RN.shape[0]
+    dev = choice_RN.device
+    cur = torch.full((R,), -1, dtype=torch.long, device=dev)
+    alive = torch.ones(R, dtype=torch.bool, device=dev)
+    m = torch.zeros(R, dtype=torch.long, device=dev)
+    nodes = []
+    for _ in range(depth):
+        want = choice_RN.gather(1, (cur + 1)[:, None])
+        match_RT = (par_RT == cur[:, None]) & (tok_RT == want) & alive[:, None]  # siblings differ: <= 1 hit
+        hit = match_RT.any(1)
+        j = match_RT.long().argmax(1)
+        nodes.append(torch.where(hit, j, torch.zeros_like(j)))
+        m = m + hit.long()
+        cur = torch.where(hit, j, cur)
+        alive = alive & hit
+    nxt = choice_RN.gather(1, (cur + 1)[:, None])[:, 0]
+    nodes_RD = torch.stack(nodes, dim=1) if nodes else torch.zeros(R, 0, dtype=torch.long, device=dev)
+    return m, nodes_RD, nxt
 
 
 class GraphStep:
@@ -193,27 +242,13 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
     def _draft(self) -> None:
         """The tree from the root o_{c-2}, then the T submitted nodes in creation order (a parent
         precedes its children): tokens, parent index among them (-1 = root), depth, ancestors."""
-        T, dev = self.T, self.device
-        t_1 = self.start - 1
-        tree = build_tree(self.proposer, torch.zeros(1, dtype=torch.long, device=dev), t_1, self.tree)
-        sel_K = tree.selected[0]
-        K = sel_K.shape[0]
-        rank_K = sel_K.long().cumsum(0) - 1  # index among the submitted, for selected candidates
-        slot_K = torch.where(sel_K, rank_K, torch.full_like(rank_K, T))  # the rest land in a dropped slot
-        cand_T = torch.zeros(T + 1, dtype=torch.long, device=dev).scatter_(
-            0, slot_K, torch.arange(K, device=dev))[:T]
-        pc_T = tree.parent[0][cand_T]
-        par_T = torch.where(pc_T >= 0, rank_K[pc_T.clamp(min=0)], torch.full_like(pc_T, -1))
-        anc = torch.eye(T, dtype=torch.bool, device=dev)
-        cur = par_T
-        for _ in range(self.tree.depth - 1):  # a node has at most depth - 1 proper ancestors
-            hit = cur >= 0
-            anc |= cur[:, None] == self._arange_N[None, :T]  # -1 (past the root) matches no column
-            cur = torch.where(hit, par_T[cur.clamp(min=0)], cur)
-        self.tok_T.copy_(tree.tokens[0][cand_T])
-        self.par_T.copy_(par_T)
-        self.depth_T.copy_(self._depth_K[cand_T])
-        self.anc_TT.copy_(anc)
+        dev = self.device
+        tree = build_tree(self.proposer, torch.zeros(1, dtype=torch.long, device=dev), self.start - 1, self.tree)
+        tok, par, depth, anc = submitted_rows(tree, self.T, self._depth_K, self.tree.depth)
+        self.tok_T.copy_(tok[0])
+        self.par_T.copy_(par[0])
+        self.depth_T.copy_(depth[0])
+        self.anc_TT.copy_(anc[0])
 
     def _verify(self) -> None:
         """Root s_{c-1} at position c-1 and the drafted nodes at c-1+depth, into slots start..start+T."""
@@ -233,23 +268,8 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
 
     def _walk_device(self) -> None:
         """Greedy accept walk: from the root, follow the child whose token is the target's argmax."""
-        # [1]-shaped scalars throughout: indexing with a 0-dim tensor would read it on the host
-        choice_N = self.logits_NV.argmax(-1)
-        dev = self.device
-        cur = torch.full((1,), -1, dtype=torch.long, device=dev)
-        alive = torch.ones(1, dtype=torch.bool, device=dev)
-        m = torch.zeros(1, dtype=torch.long, device=dev)
-        nodes = []
-        for _ in range(self.D):
-            match_T = (self.par_T == cur) & (self.tok_T == choice_N[cur + 1]) & alive  # siblings differ: <= 1 hit
-            hit = match_T.any().view(1)
-            j = match_T.long().argmax().view(1)
-            nodes.append(torch.where(hit, j, torch.zeros_like(j)))
-            m = m + hit.long()
-            cur = torch.where(hit, j, cur)
-            alive = alive & hit
-        nxt = choice_N[cur + 1]
-        nodes_D = torch.cat(nodes) if nodes else self.walk_nodes_D
+        m, nodes, nxt = greedy_walk(self.logits_NV.argmax(-1)[None], self.tok_T[None], self.par_T[None], self.D)
+        nodes_D = nodes[0]
         self.walk_nodes_D.copy_(nodes_D)
         self.walk_m_1.copy_(m)
         self.walk_nxt_1.copy_(nxt)
