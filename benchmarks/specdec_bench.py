@@ -101,16 +101,19 @@ def main() -> None:
 
             drafter = random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
             log("no --drafter: a random drafter (tau ~1): the speed-up below is the loop's overhead, not a result")
+        def config(mode: str, **kw) -> GenerateConfig:
+            return GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
+                                  max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
+                                  tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
+                                  device=args.device, model_dtype=args.dtype, limit=args.limit, **kw)
+
         for mode in modes:
             cfg = None
             for engine in engines:
                 key = f"{mode}/{engine}"
                 log(f"mode {mode}, engine {engine}: decoding with the drafter and target-only")
                 try:
-                    cfg = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
-                                         max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
-                                         tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-                                         device=args.device, model_dtype=args.dtype, limit=args.limit, engine=engine)
+                    cfg = config(mode, engine=engine)
                     t0 = time.perf_counter()
                     summary, records = run_generate(cfg)
                     summary["wall_s"] = round(time.perf_counter() - t0, 2)
@@ -127,10 +130,7 @@ def main() -> None:
                 key = f"{mode}/batched/bs{bs}"
                 log(f"mode {mode}, batch size {bs}: decoding with the drafter and target-only (batched engine)")
                 try:
-                    cfg_b = GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
-                                           max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
-                                           tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-                                           device=args.device, model_dtype=args.dtype, limit=args.limit, batch_size=bs)
+                    cfg_b = config(mode, batch_size=bs)
                     t0 = time.perf_counter()
                     summary, records = run_generate(cfg_b)
                     summary["wall_s"] = round(time.perf_counter() - t0, 2)

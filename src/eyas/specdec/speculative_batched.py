@@ -51,7 +51,7 @@ from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.replay import TreeConfig, build_tree
 from eyas.specdec.speculative import DecodeStats, TreeTarget, _sync
-from eyas.specdec.speculative_static import GraphStep, greedy_walk, submitted_rows
+from eyas.specdec.speculative_static import GraphStep, greedy_walk, submitted_rows, tree_expand
 
 
 class BatchedProposer:
@@ -94,16 +94,8 @@ class BatchedProposer:
         return self.d.log_probs(self.last), self.last
 
     def expand(self, rows_R, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE):
-        d, lo = self.d, self.max_len + slot
-        R, Fw = tokens_RF.shape
-        pos = (t_R + depth)[:, None].expand(R, Fw)
-        q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
-        self.k[:, :, lo:lo + Fw] = k
-        self.v[:, :, lo:lo + Fw] = v
-        prefix_RS = self._slots_S[None, :] < self.start[:, None]  # step-0 entries 0..c_b-2
-        mask = torch.cat([prefix_RS[:, None, :].expand(R, Fw, self.max_len), tree_mask_RFE], dim=-1)[:, None]
-        out = d.finish(d.attend(q, self.k, self.v, mask=mask), residual)
-        return d.log_probs(out), out
+        prefix_RS = self._slots_S[None, :] < self.start[:, None]  # step-0 entries 0..c_b-2 of each row
+        return tree_expand(self, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE, prefix_RS)
 
     def to_target(self, draft_ids):
         return self.d.to_target(draft_ids)

@@ -148,6 +148,21 @@ class GraphStep:
             self.fn()
 
 
+def tree_expand(p, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE, prefix_RS):
+    """One draft step of a static proposer `p` (drafter d, caches k/v [B, kv, max_len + slots, d]):
+    the R x F frontier tokens' keys go to tree slots slot.., and each attends to the step-0 entries
+    prefix_RS marks ([R or 1, max_len]) plus its tree ancestors (tree_mask_RFE)."""
+    d, lo = p.d, p.max_len + slot
+    R, Fw = tokens_RF.shape
+    pos = (t_R + depth)[:, None].expand(R, Fw)
+    q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
+    p.k[:, :, lo:lo + Fw] = k
+    p.v[:, :, lo:lo + Fw] = v
+    mask = torch.cat([prefix_RS[:, None, :].expand(R, Fw, p.max_len), tree_mask_RFE], dim=-1)[:, None]
+    out = d.finish(d.attend(q, p.k, p.v, mask=mask), residual)
+    return d.log_probs(out), out
+
+
 class StaticProposer(LiveProposer):
     """LiveProposer with every shape fixed: step-0 entries in slots 0..max_len-1 (valid below the
     device scalar `start`), the round's tree slots at max_len..max_len+E-1, `last` a static buffer."""
@@ -177,16 +192,8 @@ class StaticProposer(LiveProposer):
         self.last.copy_(out[0].index_select(0, m_1)[0])
 
     def expand(self, rows_R, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE):
-        d, lo = self.d, self.max_len + slot
-        R, Fw = tokens_RF.shape
-        pos = (t_R + depth)[:, None].expand(R, Fw)
-        q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
-        self.k[:, :, lo:lo + Fw] = k
-        self.v[:, :, lo:lo + Fw] = v
         prefix_S = self._slots_S < self.start  # step-0 entries 0..c-2, i.e. positions <= t
-        mask = torch.cat([prefix_S.expand(R, Fw, self.max_len), tree_mask_RFE], dim=-1)[:, None]
-        out = d.finish(d.attend(q, self.k, self.v, mask=mask), residual)
-        return d.log_probs(out), out
+        return tree_expand(self, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE, prefix_S[None])
 
 
 class StaticSpeculativeDecoder(SpeculativeDecoder):
