@@ -162,9 +162,9 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     capacity = 0
     spec = plain = None
     batched = cfg.batch_size > 1
-    # the batched engine's rows: the batch size, or fewer when no turn has that many prompts (an idle
-    # row costs as much as a live one)
-    rows = min(cfg.batch_size, max(sum(t < len(c.turns) for c in convs) for t in range(max(len(c.turns) for c in convs))))
+    # the batched engine's rows: the batch size, or fewer when there are fewer conversations (the first
+    # turn has the most prompts; an idle row costs as much as a live one)
+    rows = min(cfg.batch_size, len(convs))
 
     def ensure(need: int):
         """(Re)build both decoders when a prompt needs longer caches than they hold (doubling, capped at

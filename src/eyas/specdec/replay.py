@@ -60,6 +60,11 @@ class TreeConfig:
         """Nodes the expansion creates: top-k at depth 1, then top-k of each of top-k nodes per depth."""
         return self.topk + (self.depth - 1) * self.topk * self.topk
 
+    def candidate_depths(self) -> list[int]:
+        """The depth of every candidate in build_tree's creation order: top-k at depth 1, then
+        top-k x top-k per depth."""
+        return [1] * self.topk + [d for d in range(2, self.depth + 1) for _ in range(self.topk * self.topk)]
+
     @property
     def tree_slots(self) -> int:
         """Nodes that get expanded, hence need a KV slot: the frontier at depths 1..depth-1."""

@@ -114,6 +114,14 @@ class TreeTarget:
         logits, aux = self._layers(ids_N[None], pos_N[None], mask_NS[None], store)
         return logits[0], aux[0]
 
+    def stacked_caches(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """One tensor per K and V for all layers ([L, B, K, S, d]), the layers' caches becoming views of
+        it: a cache compaction is then one gather + one scatter for the whole stack, not two per layer."""
+        lm = self.lm
+        k, v = torch.stack(lm.cache_k), torch.stack(lm.cache_v)
+        lm.cache_k, lm.cache_v = list(k.unbind(0)), list(v.unbind(0))
+        return k, v
+
     @torch.no_grad()
     def forward_rows(self, ids_BN: torch.Tensor, pos_BN: torch.Tensor, write_BN: torch.Tensor,
                      mask_BNS: torch.Tensor, *, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

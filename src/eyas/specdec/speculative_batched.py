@@ -116,11 +116,7 @@ class BatchedSpeculativeDecoder:
         self.target = TreeTarget(target, max_len=max_len, layer_ids=layer_ids if drafter is not None else [], batch=batch)
         dev = self.device = self.target.device
         lm = self.target.lm
-        # one tensor per K and V for all layers (the layers' caches are views): compaction is one
-        # gather + one scatter for the whole stack
-        self.cache_k = torch.stack(lm.cache_k)  # L,B,K,S,d
-        self.cache_v = torch.stack(lm.cache_v)
-        lm.cache_k, lm.cache_v = list(self.cache_k.unbind(0)), list(self.cache_v.unbind(0))
+        self.cache_k, self.cache_v = self.target.stacked_caches()  # L,B,K,S,d
         self.drafter, self.tree = drafter, tree
         self.B, self.max_len = batch, max_len
         self.eos_ids = set(eos_ids)
@@ -154,9 +150,7 @@ class BatchedSpeculativeDecoder:
         self.proposer: BatchedProposer | None = None
         if drafter is not None:
             self.proposer = BatchedProposer(drafter, batch=B, max_len=max_len, tree_slots=tree.tree_slots, start_B=self.start)
-            k = tree.topk
-            # depth of every candidate in build_tree's creation order: k at depth 1, then k*k per depth
-            self._depth_K = torch.tensor([1] * k + [d for d in range(2, tree.depth + 1) for _ in range(k * k)], device=dev)
+            self._depth_K = torch.tensor(tree.candidate_depths(), device=dev)
             width = len(self.target.layer_ids) * int(lm.embed.weight.shape[1])
             self.aux_BNF = torch.zeros(B, N, width, device=dev, dtype=lm.dtype)
         self.steps = {"draft": GraphStep("draft", self._draft), "verify": GraphStep("verify", self._verify),

@@ -204,11 +204,7 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         super().__init__(target, drafter, tree=tree, layer_ids=layer_ids, max_len=max_len, eos_ids=eos_ids,
                          temperature=temperature, seed=seed)
         dev, lm = self.device, self.target.lm
-        # one tensor per K and V for all layers, the layers' caches views of it: compaction is one
-        # gather + one scatter for the whole stack instead of two per layer
-        self.cache_k = torch.stack(lm.cache_k)  # L,1,K,S,d
-        self.cache_v = torch.stack(lm.cache_v)
-        lm.cache_k, lm.cache_v = list(self.cache_k.unbind(0)), list(self.cache_v.unbind(0))
+        self.cache_k, self.cache_v = self.target.stacked_caches()  # L,1,K,S,d
         self.T = tree.tokens if drafter is not None else 0
         self.D = tree.depth if drafter is not None else 0
         T, D, N = self.T, self.D, self.T + 1
@@ -231,9 +227,7 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         self._arange_D1 = torch.arange(D + 1, device=dev)
         if drafter is not None:
             self.proposer = StaticProposer(drafter, max_len=max_len, tree_slots=tree.tree_slots, start_1=self.start)
-            k = tree.topk
-            # depth of every candidate in build_tree's creation order: k at depth 1, then k*k per depth
-            self._depth_K = torch.tensor([1] * k + [d for d in range(2, tree.depth + 1) for _ in range(k * k)], device=dev)
+            self._depth_K = torch.tensor(tree.candidate_depths(), device=dev)
             hidden = int(lm.embed.weight.shape[1])
             width = len(self.target.layer_ids) * hidden
             self.aux_NF = torch.zeros(N, width, device=dev, dtype=lm.dtype)
