@@ -7,7 +7,10 @@
 #              question.jsonl (MT-bench), chats_all.jsonl.xz (17,293 ShareGPT chats)
 #   .stage/b:  smol.gguf.ab        .stage/r: regen.tgz (the regeneration of all 17,293 records, 17,282 chats)
 # Build them with `bash benchmarks/stage.sh` (no .stage/r: call 2 then regenerates, ~2 minutes on GPU 0).
-# Usage: bash benchmarks/quality_session.sh 1|2|3, each call issued within 30 s of the last one's end
+# Usage: bash benchmarks/quality_session.sh 1|2|3, each call issued within 30 s of the last one's end.
+# On one GPU (`nvidia-h200`): call 1 stages and profiles the 8B step only; call 2 starts the recipe and the
+# side by side on the same GPU (half the cores each); call 3 is repeated until both have ended, then times
+# speculative decoding on the idle GPU.
 #   1 (carry .stage/a2): staging (1/2); training speed: the 8B shape on 1 and 2 GPUs (DDP, fp32 and bf16
 #     all-reduce), then 8B vs SpecForge (GPU 0) beside the 8B profile (GPU 1)
 #   2 (carry .stage/b, and .stage/r when it exists): staging (2/2); starts, detached, STEPS steps:
@@ -70,10 +73,14 @@ case "$part" in
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     ;;
 1)
+    nvidia-smi -L | tee -a "$L/session.log"
+    # one GPU: only the 8B profile, beside the staging (CPU); the 8B-vs-SpecForge rate needs the GPU alone
+    [ "$NG" -eq 1 ] && timeout 150 python benchmarks/train_bench.py --profile 60 --no-specforge > "$L/profile_8b.log" 2>&1 &
     cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
     python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
-    nvidia-smi -L | tee -a "$L/session.log"
+    note "staged (1/2)"
+    if [ "$NG" -eq 1 ]; then wait; echo "== profile_8b"; grep -v warmup "$L/profile_8b.log" | tail -75 | cut -c1-220; note "call 1 finished"; exit 0; fi
     if [ "$NG" -ge 2 ]; then
         OMP_NUM_THREADS=$(( $(nproc) / 2 )) timeout 330 python benchmarks/two_gpu_bench.py --parts 8b --bf16-reduce \
             --work /root/tgb --budget-s 320 > "$L/two_gpu_8b.log" 2>&1
@@ -95,6 +102,7 @@ case "$part" in
     note "staged"
     # detached: they outlive this call (a new process session) and run on into call 3
     if [ "$NG" -ge 4 ]; then points=2000,6000,$ALL; gpus=0,1,2; sbs=3; else points=$ALL; gpus=0; sbs=$(( NG - 1 )); fi
+    [ "$NG" -eq 1 ] && export OMP_NUM_THREADS=$(( $(nproc) / 2 ))  # one GPU: the recipe and the side by side share it, and the cores
     setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $points \
         --gpus $gpus > /root/q/scaling.log 2>&1 < /dev/null &
     # the side by side trains on the recipe's own prepared (regenerated) data: it waits for it
@@ -110,7 +118,12 @@ case "$part" in
 3)
     need /root/smol /root/scaling/regen/chats.jsonl
     while pgrep -f "scaling_study.py|specforge_side_by_side.py" > /dev/null && [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-240} ]; do sleep 10; done
-    note "still running: $(pgrep -fc 'scaling_study.py|specforge_side_by_side.py') study processes"
+    running=$(pgrep -fc 'scaling_study.py|specforge_side_by_side.py')
+    note "still running: $running study processes"
+    if [ "$NG" -eq 1 ] && [ "$running" -gt 0 ]; then  # one GPU: time speculative decoding only on an idle GPU
+        collect; for f in scaling sbs; do echo "== $f"; grep -v "Loading weights" /root/q/$f.log | tail -4 | cut -c1-300; done
+        note "call 3 again once they end"; exit 0
+    fi
     cat /root/scaling/points.jsonl 2>/dev/null | tee "$L/points.jsonl"
     tar czf "$OUT/regen.tgz" -C /root/scaling regen 2>/dev/null
     best=$(ls -d /root/scaling/n$ALL-s$STEPS/train/drafter 2>/dev/null)
