@@ -8,9 +8,9 @@
 #   .stage/b:  smol.gguf.ab        .stage/r: regen.tgz (the regeneration of all 17,293 records, 17,282 chats)
 # Build them with `bash benchmarks/stage.sh` (no .stage/r: call 2 then regenerates, ~2 minutes on GPU 0).
 # Usage: bash benchmarks/quality_session.sh 1|2|3, each call issued within 30 s of the last one's end.
-# On one GPU (`nvidia-h200`): call 1 stages and profiles the 8B step only; call 2 starts the recipe and the
-# side by side on the same GPU (half the cores each); call 3 is repeated until both have ended, then times
-# speculative decoding on the idle GPU.
+# On one GPU (`nvidia-h200`): call 1 stages and profiles the 8B step only; call 2 starts one detached chain
+# (the recipe, then speculative decoding with its drafter, then the side by side); call 3 is repeated, each
+# collecting what the chain wrote, until it has ended.
 #   1 (carry .stage/a2): staging (1/2); training speed: the 8B shape on 1 and 2 GPUs (DDP, fp32 and bf16
 #     all-reduce), then 8B vs SpecForge (GPU 0) beside the 8B profile (GPU 1)
 #   2 (carry .stage/b, and .stage/r when it exists): staging (2/2); starts, detached, STEPS steps:
@@ -66,6 +66,12 @@ STEPS=${STEPS:-1600}
 SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=/root/smol --set regenerate.source=$S/chats_all.jsonl
        --set eval.prompts=$S/question.jsonl --max-minutes 28"
 
+prep=/root/scaling/n$ALL-s$STEPS/prepared
+sbs_cmd="python benchmarks/specforge_side_by_side.py --prepared $prep --target /root/smol --root /root/sbs \
+    --eval-prompts $S/question.jsonl"
+spec_cmd="python benchmarks/specdec_bench.py --drafter /root/scaling/n$ALL-s$STEPS/train/drafter --target /root/smol \
+    --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl"
+
 case "$part" in
 0)  # staging (1/2) alone
     cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
@@ -102,14 +108,19 @@ case "$part" in
     note "staged"
     # detached: they outlive this call (a new process session) and run on into call 3
     if [ "$NG" -ge 4 ]; then points=2000,6000,$ALL; gpus=0,1,2; sbs=3; else points=$ALL; gpus=0; sbs=$(( NG - 1 )); fi
-    [ "$NG" -eq 1 ] && export OMP_NUM_THREADS=$(( $(nproc) / 2 ))  # one GPU: the recipe and the side by side share it, and the cores
-    setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $points \
-        --gpus $gpus > /root/q/scaling.log 2>&1 < /dev/null &
-    # the side by side trains on the recipe's own prepared (regenerated) data: it waits for it
-    prep=/root/scaling/n$ALL-s$STEPS/prepared
-    CUDA_VISIBLE_DEVICES=$sbs setsid nohup bash -c "while [ ! -f $prep/meta.json ]; do sleep 10; done; \
-        python benchmarks/specforge_side_by_side.py --prepared $prep --target /root/smol --root /root/sbs \
-        --eval-prompts $S/question.jsonl" > /root/q/sbs.log 2>&1 < /dev/null &
+    if [ "$NG" -eq 1 ]; then
+        # one GPU: one job at a time (sharing it, the recipe ran 2.7x slower on 2026-12-01), in one detached chain:
+        # the recipe, speculative decoding with its drafter on the idle GPU, then the side by side
+        setsid nohup bash -c "python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL \
+            --gpus 0 > /root/q/scaling.log 2>&1; $spec_cmd > /root/q/specdec.log 2>&1; $sbs_cmd > /root/q/sbs.log 2>&1" \
+            < /dev/null > /dev/null 2>&1 &
+    else
+        setsid nohup python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $points \
+            --gpus $gpus > /root/q/scaling.log 2>&1 < /dev/null &
+        # the side by side trains on the recipe's own prepared (regenerated) data: it waits for it
+        CUDA_VISIBLE_DEVICES=$sbs setsid nohup bash -c "while [ ! -f $prep/meta.json ]; do sleep 10; done; $sbs_cmd" \
+            > /root/q/sbs.log 2>&1 < /dev/null &
+    fi
     note "recipe and side by side started"
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ]; do sleep 15; done
     collect
@@ -120,17 +131,17 @@ case "$part" in
     while pgrep -f "scaling_study.py|specforge_side_by_side.py" > /dev/null && [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-240} ]; do sleep 10; done
     running=$(pgrep -fc 'scaling_study.py|specforge_side_by_side.py')
     note "still running: $running study processes"
-    if [ "$NG" -eq 1 ] && [ "$running" -gt 0 ]; then  # one GPU: time speculative decoding only on an idle GPU
-        collect; for f in scaling sbs; do echo "== $f"; grep -v "Loading weights" /root/q/$f.log | tail -4 | cut -c1-300; done
-        note "call 3 again once they end"; exit 0
+    if [ "$NG" -eq 1 ]; then  # one GPU: the chain of call 2 runs speculative decoding itself; this call collects
+        collect; tar czf "$OUT/regen.tgz" -C /root/scaling regen 2>/dev/null
+        for f in scaling specdec sbs; do echo "== $f"; grep -v "Loading weights" /root/q/$f.log 2>/dev/null | tail -6 | cut -c1-300; done
+        [ "$running" -gt 0 ] && note "call 3 again: the chain still runs"; exit 0
     fi
     cat /root/scaling/points.jsonl 2>/dev/null | tee "$L/points.jsonl"
     tar czf "$OUT/regen.tgz" -C /root/scaling regen 2>/dev/null
     best=$(ls -d /root/scaling/n$ALL-s$STEPS/train/drafter 2>/dev/null)
     note "drafter: ${best:-none}"
     if [ -n "$best" ] && [ -f "$best/config.json" ]; then
-        on 0 timeout 290 python benchmarks/specdec_bench.py --drafter "$best" --target /root/smol --limit 10 --predict \
-            --batch-sizes 1,4,16 --prompts $S/question.jsonl > "$L/specdec.log" 2>&1 &
+        on 0 timeout 290 $spec_cmd > "$L/specdec.log" 2>&1 &
     fi
     [ "$NG" -ge 2 ] && rate_bench 1 &
     wait

@@ -10,6 +10,7 @@ from eyas.drafter.ttt import (
     Teacher,
     TTTConfig,
     head_soft_ce,
+    head_soft_ce_ranges,
     packed_teacher,
     reference_attention,
     reference_head_soft_ce,
@@ -89,6 +90,66 @@ def test_chunked_head_loss_and_grads_equal_plain_reference():
     torch.testing.assert_close(fx, gx, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(fw, gw, atol=1e-5, rtol=1e-4)
     assert torch.equal(hits, (x @ w.T).argmax(-1) == top)
+
+
+def test_head_loss_over_ranges_equals_one_call_per_range():
+    """Several row ranges (the TTT steps) in one call: the same total, per-range sums and gradients
+    as one call per range, chunks never crossing a range (chunk 8 does not divide the ranges)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = [13, 0, 7, 11]
+    n = sum(lengths)
+    x = torch.randn(n, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=True)
+    f, wt = torch.randn(n, D, generator=g), torch.randn(V, D, generator=g)
+    weight = (torch.rand(n, generator=g) > 0.2).float() * torch.rand(n, generator=g)
+    top = (f @ wt.T).argmax(-1)
+    total, per_range, hits = head_soft_ce_ranges(x, w, f, wt, weight, top, lengths, chunk_rows=8)
+    gx, gw = torch.autograd.grad(total * 0.5, [x, w])
+    sums, all_hits, a = [], [], 0
+    for m in lengths:
+        t, h = head_soft_ce(x[a:a + m], w, f[a:a + m], wt, weight[a:a + m], top[a:a + m], chunk_rows=8)
+        sums.append(t)
+        all_hits.append(h)
+        a += m
+    ref = torch.stack(sums)
+    rx, rw = torch.autograd.grad(ref.sum() * 0.5, [x, w])
+    torch.testing.assert_close(per_range, ref.detach(), atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(total, ref.sum(), atol=1e-5, rtol=1e-6)
+    assert not per_range.requires_grad and per_range[1] == 0
+    assert torch.equal(hits, torch.cat(all_hits))
+    torch.testing.assert_close(gx, rx, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(gw, rw, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match="lengths sum to 30"):
+        head_soft_ce_ranges(x, w, f, wt, weight, top, [30], chunk_rows=8)
+
+
+def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
+    """The packed TTT loss sends every step's rows through ONE head call (one [V, D] weight-gradient
+    buffer), not one call per step."""
+    import eyas.drafter.ttt as ttt
+
+    calls = []
+    real = ttt._HeadSoftCE.apply
+    monkeypatch.setattr(ttt._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-1])) or real(*a))
+    K = 4
+    samples = _samples([9, 14])
+    m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
+    used = torch.arange(V) + 5
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[used] = True
+    m.set_vocab(used)
+    seg = Segments.from_lengths([9, 14])
+    ids_N, mask_N = torch.cat([s[0] for s in samples]), torch.cat([s[1] for s in samples])
+    aux_N, final_N = torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples])
+    rows = supervised_rows(mask_N, seg.ends_N, K)
+    head = _head()
+    pt = packed_teacher(final_N, head, head[used], used, t2d)
+    den = torch.tensor([float(len(r)) for r in rows])
+    out = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
+                          cfg=TTTConfig(steps=K), denominators=den)
+    out.loss.backward()
+    assert calls == [sum(1 for r in rows if r.numel())] and calls[0] >= 3
+    assert m.lm_head.weight.grad is not None and m.lm_head.weight.grad.abs().sum() > 0
 
 
 def test_supervised_rows_stay_inside_samples():

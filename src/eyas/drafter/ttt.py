@@ -55,6 +55,7 @@ V draft vocab, Vt target vocab, J diagonal (earlier-step) keys.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import os
 from dataclasses import dataclass, field
@@ -623,48 +624,53 @@ class _HeadSoftCE(torch.autograd.Function):
     """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
     the forward (the loss is linear in its upstream gradient, so backward only scales them).
     Teacher logits: rows `t_idx` of the table `t_src` [N, V] when `wt_VD` is None, else
-    `t_src` [n, D] @ wt_VD.T recomputed per chunk."""
+    `t_src` [n, D] @ wt_VD.T recomputed per chunk. `bounds`: row ranges (a, b) covering the rows in
+    order; chunks never cross one, and the per-range sums come back as a third output (detached):
+    several TTT steps share ONE call, so the head's weight gradient is summed in a single fp32
+    buffer instead of one [V, D] buffer per step, each scaled and added into `.grad` on its own."""
 
     @staticmethod
-    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, weight_n, top_n, chunk_rows, compute_dtype):
+    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, weight_n, top_n, chunk_rows, compute_dtype, bounds):
         with torch.autocast(x_nD.device.type, enabled=False):
             need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             xb, wb = x_nD.to(compute_dtype), w_VD.to(compute_dtype)
             wtb = wt_VD.to(compute_dtype) if wt_VD is not None else None
             n = x_nD.shape[0]
-            total = torch.zeros((), dtype=torch.float32, device=x_nD.device)
+            sums = torch.zeros(len(bounds), dtype=torch.float32, device=x_nD.device)
             hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
             dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
             t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
             chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
             wf = weight_n.float()
-            for a in range(0, n, chunk_rows):
-                b = min(n, a + chunk_rows)
-                s = xb[a:b] @ wb.T  # student logits [c, V]
-                if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
-                    t, t_rows = t_src, t_idx[a:b]
-                else:
-                    t, t_rows = t_src[a:b].to(compute_dtype) @ wtb.T, None
-                ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b], t_rows=t_rows)
-                total += ce
-                hits[a:b] = hit
-                if dx is not None:
-                    dx[a:b] = g @ wb
-                if dw is not None:
-                    dw += (g.T @ xb[a:b]).float()
+            for i, (lo, hi) in enumerate(bounds):
+                for a in range(lo, hi, chunk_rows):
+                    b = min(hi, a + chunk_rows)
+                    s = xb[a:b] @ wb.T  # student logits [c, V]
+                    if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
+                        t, t_rows = t_src, t_idx[a:b]
+                    else:
+                        t, t_rows = t_src[a:b].to(compute_dtype) @ wtb.T, None
+                    ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b], t_rows=t_rows)
+                    sums[i] += ce
+                    hits[a:b] = hit
+                    if dx is not None:
+                        dx[a:b] = g @ wb
+                    if dw is not None:
+                        dw += (g.T @ xb[a:b]).float()
             ctx.save_for_backward(*(t for t in (dx, dw) if t is not None))
             ctx.has = (dx is not None, dw is not None)
             ctx.dtypes = (x_nD.dtype, w_VD.dtype)
-            ctx.mark_non_differentiable(hits)
-            return total, hits
+            per_range = sums.detach().clone()
+            ctx.mark_non_differentiable(hits, per_range)
+            return sums.sum(), per_range, hits
 
     @staticmethod
-    def backward(ctx, g_total, g_hits):
+    def backward(ctx, g_total, g_ranges, g_hits):
         saved = list(ctx.saved_tensors)
         dx = saved.pop(0).mul(g_total).to(ctx.dtypes[0]) if ctx.has[0] else None
         dw = saved.pop(0).mul_(g_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return dx, dw, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None
 
 
 def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | None, wt_VD: torch.Tensor | None,
@@ -674,13 +680,29 @@ def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | No
     """(sum of weighted soft CE, top-1 hits [n]) of the draft head over rows x (already normed)
     against the teacher logits f @ wt.T (or rows `teacher_rows` of a `teacher_logits` table),
     never holding more than `chunk_rows` x V logits."""
+    total, _, hits = head_soft_ce_ranges(x_nD, w_VD, f_nD, wt_VD, weight_n, top_n, [x_nD.shape[0]],
+                                         chunk_rows=chunk_rows, compute_dtype=compute_dtype,
+                                         teacher_logits=teacher_logits, teacher_rows=teacher_rows)
+    return total, hits
+
+
+def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | None,
+                        wt_VD: torch.Tensor | None, weight_n: torch.Tensor, top_n: torch.Tensor, lengths: list[int],
+                        *, chunk_rows: int = 4096, compute_dtype: torch.dtype | None = None,
+                        teacher_logits: torch.Tensor | None = None, teacher_rows: torch.Tensor | None = None):
+    """`head_soft_ce` over consecutive row ranges of the given `lengths` (e.g. the TTT steps) in one
+    call -> (total, [len(lengths)] per-range sums (detached), hits [n])."""
     if compute_dtype is None:
         dev = x_nD.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nD.dtype
+    ends = list(itertools.accumulate((int(n) for n in lengths), initial=0))
+    if ends[-1] != x_nD.shape[0]:
+        raise ValueError(f"head_soft_ce_ranges: lengths sum to {ends[-1]}, x has {x_nD.shape[0]} rows")
+    bounds = tuple(zip(ends[:-1], ends[1:]))
     if teacher_logits is not None:
         return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, weight_n, top_n, chunk_rows,
-                                 compute_dtype)
-    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, None, weight_n, top_n, chunk_rows, compute_dtype)
+                                 compute_dtype, bounds)
+    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, None, weight_n, top_n, chunk_rows, compute_dtype, bounds)
 
 
 def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
@@ -740,11 +762,12 @@ def ttt_loss_packed(
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
     ce_sums, corrects, valids = [zero] * K, [zero] * K, [zero] * K
-    chain_alive = None  # [N] positions whose simulated chain is still fully accepted
-    accepted, rounds = zero, zero
+    # the head's loss never feeds a later step: all steps' supervised rows go through ONE head call
+    # after the unroll (one weight-gradient buffer for the head instead of one per step), each row
+    # weighted by its step's w_k / denominator_k
+    xs, tops, trs, ws, valid_k, scale_k, steps_with_rows = [], [], [], [], [], [], []
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention):
         r = rows[k]
-        hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
         if k == K - 1 and not any(x.numel() for x in rows):
             # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
             # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks
@@ -753,19 +776,39 @@ def ttt_loss_packed(
         if r.numel():
             tr = r + 1 + k  # teacher row: p_{t+1+k}
             valid = teacher.in_vocab_N[tr]
-            x = drafter.norm(hidden[0].index_select(0, r))
-            if teacher.logits_NV is not None:
-                ce_sum, hits = head_soft_ce(x, drafter.lm_head.weight, None, None, valid, teacher.top_N[tr],
-                                            chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV, teacher_rows=tr)
-            else:
-                ce_sum, hits = head_soft_ce(x, drafter.lm_head.weight, teacher.final_ND.index_select(0, tr),
-                                            teacher.head_VD, valid, teacher.top_N[tr], chunk_rows=chunk_rows)
-            loss = loss + cfg.weights[k] * ce_sum / denominators[k].float()
-            with torch.no_grad():
-                hit_N[r] = hits & valid
-                ce_sums[k], corrects[k] = ce_sum.detach().double(), (hits & valid).sum().double()
-                valids[k] = valid.sum().double()
+            c = cfg.weights[k] / denominators[k].float()
+            xs.append(drafter.norm(hidden[0].index_select(0, r)))
+            tops.append(teacher.top_N[tr])
+            trs.append(tr)
+            ws.append(valid.float() * c)
+            valid_k.append(valid)
+            scale_k.append(c)
+            steps_with_rows.append(k)
+    hit_by_step: dict[int, torch.Tensor] = {}
+    if xs:
+        x, w, top, tr = torch.cat(xs), torch.cat(ws), torch.cat(tops), torch.cat(trs)
+        lengths = [len(v) for v in valid_k]
+        if teacher.logits_NV is not None:
+            total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
+                                                        chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
+                                                        teacher_rows=tr)
+        else:
+            total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, teacher.final_ND.index_select(0, tr),
+                                                        teacher.head_VD, w, top, lengths, chunk_rows=chunk_rows)
+        loss = loss + total
         with torch.no_grad():
+            for i, (k, valid, c, h) in enumerate(zip(steps_with_rows, valid_k, scale_k, hits.split(lengths))):
+                ce_sums[k] = (per_step[i] / c).double()  # the step's unweighted soft-CE sum
+                corrects[k] = (h & valid).sum().double()
+                valids[k] = valid.sum().double()
+                hit_by_step[k] = h & valid
+    chain_alive = None  # [N] positions whose simulated chain is still fully accepted
+    accepted, rounds = zero, zero
+    with torch.no_grad():
+        for k in range(K):
+            hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
+            if k in hit_by_step:
+                hit_N[rows[k]] = hit_by_step[k]
             if k == 0:
                 chain_alive, rounds = hit_N, valids[0]
             else:
