@@ -9,9 +9,10 @@ host memory every step as the store loader does). A step is what `eyas train` ru
 forward/backward with the fused chunked head loss (teacher logits from the target lm_head on the
 fly), bf16 autocast with fp32 master weights, grad clipping, fused AdamW, the LR scheduler and the
 per-step statistics read back to the host. In the same process: the earlier padded path with
-materialised teacher probabilities (`reference`), and SpecForge 0.2.0's own trainer on the same
-configuration when it is importable (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s,
-train_8b_vs_specforge.
+materialised teacher probabilities (`reference`), `eyas-cast-once` (TTTConfig.cast_once: the mid
+layer's weights cast to bf16 once a forward; not the default until measured faster), and SpecForge
+0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
+Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_cast_once_vs_specforge.
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
@@ -108,7 +109,7 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
-                   compile_parts: bool = False, grad_reduce: str = "fp32"):
+                   compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool = False):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
@@ -116,7 +117,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
 
     drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
     data = _synthetic(c, B=B, T=T, device=device, seed=seed, rank=dist.rank if dist is not None else 0)
-    module = PackedTTTModule(drafter, TTTConfig(steps=K), head_VtD=data["head"]).to(device)
+    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=cast_once), head_VtD=data["head"]).to(device)
     bf16 = device.type == "cuda"
     if dist is not None and dist.enabled:
         from eyas.train.dist import wrap_model
@@ -257,7 +258,7 @@ def suite_8b(args, dist) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
-                              compile_parts=device.type == "cuda")
+                              compile_parts=device.type == "cuda", cast_once=args.cast_once)
         for _ in range(3):
             step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -271,6 +272,10 @@ def suite_8b(args, dist) -> dict:
     _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
                                                       compile_parts=device.type == "cuda"),
                                        warmup=warmup, steps=steps, label="eyas", **kw))
+    if device.type == "cuda" and not args.fsdp:  # the mid layer's weights cast once a forward (TTTConfig.cast_once)
+        _try("eyas-cast-once", runs, lambda: measure(make_fast_step(
+            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True, cast_once=True),
+            warmup=warmup, steps=steps, label="eyas-cast-once", **kw))
     if device.type == "cuda" and not args.no_compile:
         _try("eyas-no-compile", runs, lambda: measure(
             make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce),
@@ -304,6 +309,9 @@ def suite_8b(args, dist) -> dict:
         if "tokens_per_s" in runs.get("specforge", {}):
             result["train_8b_vs_specforge"] = runs["eyas"]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
             result["train_8b_best_vs_specforge"] = runs[best]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
+            if "tokens_per_s" in runs.get("eyas-cast-once", {}):
+                result["train_8b_cast_once_vs_specforge"] = (runs["eyas-cast-once"]["tokens_per_s"]
+                                                             / runs["specforge"]["tokens_per_s"])
     if dist.is_main:
         print(f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}")
         for name, r in runs.items():
@@ -397,6 +405,7 @@ def main() -> None:
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
                                                                                    "all-reduce dtype (eyas train --grad-reduce)")
     ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop")
+    ap.add_argument("--cast-once", action="store_true", help="8b --profile: with TTTConfig.cast_once")
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
     ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")
     ap.add_argument("--no-specforge", action="store_true", help="8b: skip SpecForge even when importable")

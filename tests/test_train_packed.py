@@ -238,3 +238,56 @@ def test_varlen_kernel_check_passes_on_cpu():
     from eyas.packing import check_varlen_kernel
 
     assert check_varlen_kernel("cpu", torch.float32) < 1e-4
+
+
+def test_cast_once_casts_each_weight_once_and_trains_alike():
+    """Under bf16 autocast, `cast_once` casts each mid-layer weight once per forward and gives the
+    loss and gradients of the default within bf16 rounding. (Eager autocast caches its casts too; the
+    compiled pieces, the CUDA default, cast inside every call: K casts per weight.)"""
+    cast_once = True
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    K = 4
+    samples = _samples([9, 14])
+    seg = Segments.from_lengths([9, 14])
+    ids_N, mask_N = torch.cat([s[0] for s in samples]), torch.cat([s[1] for s in samples])
+    aux_N, final_N = torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples])
+    rows = supervised_rows(mask_N, seg.ends_N, K)
+    den = torch.tensor([float(len(r)) for r in rows])
+    used = torch.arange(V) + 5
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[used] = True
+    head = _head()
+    pt = packed_teacher(final_N, head, head[used], used, t2d)
+    shape = None
+
+    class CountCasts(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == shape \
+                    and args[0].dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16:
+                CountCasts.n += 1
+            return func(*args, **kwargs)
+
+    out = {}
+    for once in (False, cast_once):
+        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
+        m.set_vocab(used)
+        shape = tuple(m.midlayer.mlp.gate_proj.weight.shape)
+        CountCasts.n = 0
+        with torch.autocast("cpu", dtype=torch.bfloat16), CountCasts():
+            o = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
+                                cfg=TTTConfig(steps=K, cast_once=once), denominators=den)
+        o.loss.backward()
+        out[once] = (o.loss.detach(), CountCasts.n, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    loss, casts, grads = out[cast_once]
+    same_shape = sum(tuple(w.shape) == shape for w in m.midlayer.linear_weights(torch.float32).values())  # gate, up
+    assert casts == same_shape and out[False][1] >= same_shape, (casts, out[False][1])
+    ref_loss, _, ref_grads = out[False]
+    torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-3)
+    assert set(grads) == set(ref_grads)
+    for n in ref_grads:  # bf16 sums of K step gradients vs fp32 sums of bf16 ones
+        err = (grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)
+        assert err < 3e-2, (n, float(err))

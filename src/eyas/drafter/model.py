@@ -245,22 +245,40 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin):
-        """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k)."""
+    LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+    def linear_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The linear weights cast to `dtype` once (differentiable casts): shared by several steps,
+        each step then reads them as they are instead of casting its own copy under autocast."""
+        mods = {**{n: getattr(self.self_attn, n) for n in self.LINEARS[:4]},
+                **{n: getattr(self.mlp, n) for n in self.LINEARS[4:]}}
+        return {n: m.weight.to(dtype) for n, m in mods.items()}
+
+    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin, w: dict[str, torch.Tensor] | None = None):
+        """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k). `w`: `linear_weights` to use instead of
+        the modules' own."""
         B, T, _ = embeds_BTD.shape
         H, K, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         x_BT2D = torch.cat([self.input_layernorm(embeds_BTD), self.hidden_norm(feature_BTD)], dim=-1)
         attn = self.self_attn
-        q = attn.q_proj(x_BT2D).view(B, T, H, d).transpose(1, 2)
-        k = attn.k_proj(x_BT2D).view(B, T, K, d).transpose(1, 2)
-        v = attn.v_proj(x_BT2D).view(B, T, K, d).transpose(1, 2)
+        lin = (lambda n, x: getattr(attn, n)(x)) if w is None else (lambda n, x: F.linear(x.to(w[n].dtype), w[n]))
+        q = lin("q_proj", x_BT2D).view(B, T, H, d).transpose(1, 2)
+        k = lin("k_proj", x_BT2D).view(B, T, K, d).transpose(1, 2)
+        v = lin("v_proj", x_BT2D).view(B, T, K, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor) -> torch.Tensor:
+    def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor,
+               w: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """o_proj, residual from the (un-normalised) feature, then the MLP block -> hidden_prenorm_BTD."""
         B, H, T, d = attn_BHTd.shape
-        h = feature_BTD + self.self_attn.o_proj(attn_BHTd.transpose(1, 2).reshape(B, T, H * d))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        o = attn_BHTd.transpose(1, 2).reshape(B, T, H * d)
+        if w is None:
+            h = feature_BTD + self.self_attn.o_proj(o)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        lin = lambda n, x: F.linear(x.to(w[n].dtype), w[n])
+        h = feature_BTD + lin("o_proj", o)
+        x = self.post_attention_layernorm(h)
+        return h + lin("down_proj", F.silu(lin("gate_proj", x)) * lin("up_proj", x))
 
 
 @dataclass

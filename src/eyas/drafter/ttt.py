@@ -77,6 +77,10 @@ class TTTConfig:
     """Step k's loss weight is decay**k."""
     attention: str = "fast"
     """'fast' (flash + diagonal merge) or 'reference' (dense mask; tests and tiny runs)."""
+    cast_once: bool = False
+    """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
+    forward and shared by the K steps (their gradients then sum in that dtype before one cast back),
+    instead of K casts and K fp32 gradient additions per weight. Off by default until measured."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -713,7 +717,7 @@ def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
 
 
 def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
-                      steps: int, attention: str = "fast"):
+                      steps: int, attention: str = "fast", cast_once: bool = False):
     """`ttt_unroll` over one packed row: yield (k, hidden_prenorm_1ND). Step k feeds x_{t+1+k} when
     t+1+k is inside t's sample (else token 0: such positions never carry a loss) at RoPE position
     (t - start of t's sample) + k; step-0 keys are causal within each sample."""
@@ -723,20 +727,25 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
     feature = drafter.project_aux(aux_NAD[None])
     t = torch.arange(N, device=dev)
     keys, values = [], []
+    w = None  # the mid layer's weights cast once for all steps (cast_once)
+    if cast_once and torch.is_autocast_enabled(dev.type):
+        cdtype = torch.get_autocast_dtype(dev.type)
+        if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
+            w = drafter.midlayer.linear_weights(cdtype)
     for k in range(steps):
         j = t + 1 + k
         tokens = torch.where(j < seg.ends_N, input_ids_N[j.clamp_max(N - 1)], 0)
         emb = drafter.embed_tokens(tokens[None])
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = drafter.rope((seg.positions_N + k)[None], cdtype)
-        q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin)
+        q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin, w)
         keys.append(repeat_kv(kk, groups))
         values.append(repeat_kv(vv, groups))
         if attention == "fast":
             att = fast_attention(q, keys, values, seg=seg)
         else:
             att = reference_attention(q, keys, values, seg=seg)
-        hidden = drafter.midlayer.finish(att, feature)
+        hidden = drafter.midlayer.finish(att, feature, w)
         yield k, hidden
         feature = hidden
 
@@ -766,7 +775,8 @@ def ttt_loss_packed(
     # after the unroll (one weight-gradient buffer for the head instead of one per step), each row
     # weighted by its step's w_k / denominator_k
     xs, tops, trs, ws, valid_k, scale_k, steps_with_rows = [], [], [], [], [], [], []
-    for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention):
+    for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
+                                       cast_once=cfg.cast_once):
         r = rows[k]
         if k == K - 1 and not any(x.numel() for x in rows):
             # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
