@@ -122,3 +122,25 @@ def prompts_file(tmp_path_factory):
     p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
                  + json.dumps({"prompt": "What is 2+2?"}) + "\n")
     return p
+
+
+@pytest.fixture
+def attention_calls(monkeypatch) -> list[tuple[int, int, bool]]:
+    """Every scaled_dot_product_attention call as (queries, keys attended, cuDNN attention allowed), with
+    the speculative engines' eager_attention doing what it does on CUDA (on the CPU it is a no-op)."""
+    import torch.nn.functional as F
+
+    from eyas.specdec import speculative, speculative_batched, speculative_static
+
+    on_cuda = speculative.eager_attention
+    for mod in (speculative, speculative_static, speculative_batched):
+        monkeypatch.setattr(mod, "eager_attention", lambda device: on_cuda(torch.device("cuda")))
+    calls: list[tuple[int, int, bool]] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, *args, **kwargs):
+        calls.append((q.shape[-2], k.shape[-2], torch.backends.cuda.cudnn_sdp_enabled()))
+        return real(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls

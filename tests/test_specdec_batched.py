@@ -151,6 +151,21 @@ def test_batched_caches_hold_each_rows_committed_tokens(setup, tree):
     assert len({len(o) for o in outs}) > 1
 
 
+def test_batched_prefill_attends_over_the_longest_prompt_only(setup, attention_calls):
+    """The batched prefill spans the longest prompt's slots, not max_len, with cuDNN attention off (see
+    test_specdec_speculative.py's test_prefill_attends_over_the_prompt_only); the rounds span the cache."""
+    target, drafter, prompts, _, eos, _ = setup
+    rows = [prompts[i] for i in (0, 4, 3)]  # lengths 4, 12, 3 and an idle row
+    for d, tree in ((drafter, TREES[1]), (None, None)):
+        dec = _batched(target, d, tree, eos, batch=4)
+        n = target.config.num_hidden_layers + (d is not None)
+        attention_calls.clear()
+        dec.generate(rows, max_new_tokens=2)  # the prefill, then one round
+        prefill, rounds = attention_calls[:n], attention_calls[n:]
+        assert prefill == [(12, 12, False)] * n
+        assert rounds and all(k >= 128 and cudnn for _, k, cudnn in rounds), rounds
+
+
 def test_batched_refuses_sampling_and_oversized_input(setup):
     target, drafter, prompts, _, eos, _ = setup
     with pytest.raises(ValueError, match="greedy only"):

@@ -408,6 +408,32 @@ def test_static_engine_steps_never_read_the_device(setup):
     assert mode.seen
 
 
+@pytest.mark.parametrize("engine", ["static", "static target-only", "plain"])
+def test_prefill_attends_over_the_prompt_only(setup, attention_calls, engine):
+    """A prefill's attention spans the prompt, never the preallocated cache (the static engine's drafter
+    step-0 pass once spanned all max_len slots), with cuDNN attention off: on Hopper torch picks it
+    first and it builds an execution graph for every new shape (eager_attention says why that cost the
+    H200 prefill 5x target-only's). The static engine's rounds (fixed shapes, CUDA graphs on CUDA)
+    keep torch's choice and span the whole cache: the recording sees both kinds of call."""
+    target, drafter, prompts, _, eos, _ = setup
+    d, tree = (None, None) if engine == "static target-only" else (drafter, TREES[1])
+    dec = (_decoder if engine == "plain" else _static)(target, d, tree, eos)
+    n = target.config.num_hidden_layers + (d is not None)  # one call a target layer, one the drafter's
+    for prompt in prompts:
+        attention_calls.clear()
+        dec.generate(prompt, max_new_tokens=1)  # the prefill alone
+        P = len(prompt)
+        assert attention_calls == [(P, P, False)] * n
+    attention_calls.clear()
+    dec.generate(prompts[1], max_new_tokens=2)  # the prefill, then one round
+    rounds = attention_calls[n:]
+    assert rounds
+    if engine == "plain":  # eager throughout: every round's shapes are new too
+        assert all(k < 128 and not cudnn for _, k, cudnn in rounds), rounds
+    else:
+        assert all(k >= 128 and cudnn for _, k, cudnn in rounds), rounds
+
+
 def test_static_engine_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
     """The embedded SmolLM2-135M (30 layers, GQA 9/3 heads): both engines give Hugging Face's greedy
     tokens and the same accepted counts, in tree and chain mode."""

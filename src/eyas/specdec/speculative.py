@@ -37,6 +37,7 @@ Run: `eyas generate --drafter DIR --prompts mtbench` (eyas/commands/generate.py)
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -51,6 +52,21 @@ from eyas.specdec.replay import TreeConfig, build_tree
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def eager_attention(device: torch.device):
+    """SDPA backends for attention whose shapes change from call to call (a prompt's prefill, the plain
+    engine's growing cache): all but cuDNN's. On Hopper (cuDNN > 9.15) torch tries cuDNN attention
+    first, and cuDNN builds an execution graph for every new (query, key, mask) shape before running
+    it: each static-engine prefill met two new shapes (the target's [P, P], the drafter's step-0 pass)
+    and the plain engine one a round, which fits the H200's 151 ms a prefill against 29 ms for the
+    target-only run that followed with the same [P, P]. Flash and memory-efficient attention have no
+    per-shape set-up. The CUDA-graph steps replay one shape and keep torch's choice. A no-op off CUDA."""
+    if device.type != "cuda":
+        return contextlib.nullcontext()
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,16 +142,18 @@ class TreeTarget:
     def forward_rows(self, ids_BN: torch.Tensor, pos_BN: torch.Tensor, write_BN: torch.Tensor,
                      mask_BNS: torch.Tensor, *, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_static for every cache row at once: row b's N new keys go to its slots write_BN[b],
-        mask_BNS [B, N, max_len] marks the slots of its OWN cache row each token may see.
+        mask_BNS [B, N, S] marks the slots 0..S-1 of its OWN cache row each token may see (S = max_len
+        in a round, a fixed shape; the prefill's S = its longest prompt: no attention over empty slots).
         Returns (logits [B, N, V] fp32, or [B, 1, V] at position logits_at[b] of each row, aux [B, N, F])."""
         lm = self.lm
         B, N = ids_BN.shape
+        S = mask_BNS.shape[-1]
         idx = write_BN[:, None, :, None].expand(B, lm.kv_heads, N, lm.head_dim)
 
         def store(i: int, k_BKNd: torch.Tensor, v_BKNd: torch.Tensor):
             lm.cache_k[i].scatter_(2, idx, k_BKNd)
             lm.cache_v[i].scatter_(2, idx, v_BKNd)
-            return lm.cache_k[i], lm.cache_v[i]
+            return lm.cache_k[i][:, :, :S], lm.cache_v[i][:, :, :S]
 
         return self._layers(ids_BN, pos_BN, mask_BNS, store, logits_at=logits_at)
 
@@ -379,9 +397,13 @@ class SpeculativeDecoder:
         return int(logits_V.argmax()) if self.temperature == 0 else self._draw(self._probs(logits_V))
 
     # -- the loop --------------------------------------------------------------------------------
-    @torch.no_grad()
     def generate(self, prompt: list[int], *, max_new_tokens: int) -> tuple[list[int], DecodeStats]:
         """Generated tokens (EOS kept, nothing after it; at most max_new_tokens) and the stats."""
+        with eager_attention(self.device):  # every round's attention has a new shape
+            return self._generate(prompt, max_new_tokens=max_new_tokens)
+
+    @torch.no_grad()
+    def _generate(self, prompt: list[int], *, max_new_tokens: int) -> tuple[list[int], DecodeStats]:
         if not prompt:
             raise ValueError("the prompt is empty")
         if len(prompt) + max_new_tokens + (self.tree.tokens if self.tree else 0) + 1 > self.max_len:

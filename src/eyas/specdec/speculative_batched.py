@@ -27,9 +27,10 @@ TreeTarget, build_tree, FunctionalDrafter):
             target's [L, B, K, S, d] cache and the drafter's step-0 update), start_b += m_b + 1 for
             rows that continue, + 0 for the others (frozen)
 
-Prefill: the prompts right-padded to the longest, one forward over [B, Lmax] (causal per row), the
-padded slots hold garbage that no later query can see (slots >= start_b are visible only inside a
-round's window, which the round's own keys overwrite first).
+Prefill: the prompts right-padded to the longest, one eager forward over [B, Lmax] (causal per row,
+attending to cache slots 0..Lmax-1 only, not the whole max_len; cuDNN attention off, as in
+speculative_static.py). The padded slots hold garbage that no later query can see (slots >= start_b
+are visible only inside a round's window, which the round's own keys overwrite first).
 
 Shape legend: B rows, T drafted tokens a round (tree.tokens), N = T + 1 verified slots, D tree depth,
 K tree candidates, S cache length (max_len), L target layers, V target vocab, F target feature width,
@@ -50,7 +51,7 @@ import torch
 from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.replay import TreeConfig, build_tree
-from eyas.specdec.speculative import DecodeStats, TreeTarget, _sync
+from eyas.specdec.speculative import DecodeStats, TreeTarget, _sync, eager_attention
 from eyas.specdec.speculative_static import GraphStep, greedy_walk, submitted_rows, tree_expand
 
 
@@ -71,18 +72,22 @@ class BatchedProposer:
         self._slots_S = torch.arange(max_len, device=drafter.device)
 
     @torch.no_grad()
-    def extend_rows(self, tokens_BM: torch.Tensor, aux_BMF: torch.Tensor, start_B: torch.Tensor, m_B: torch.Tensor) -> None:
+    def extend_rows(self, tokens_BM: torch.Tensor, aux_BMF: torch.Tensor, start_B: torch.Tensor, m_B: torch.Tensor,
+                    span: int | None = None) -> None:
         """Step-0 entries at slots start_b..start_b+M-1 of every row (token s_{t+1}, features aux_t);
-        `last[b]` becomes the output of entry m_b (entries past it are padding, masked until overwritten)."""
+        `last[b]` becomes the output of entry m_b (entries past it are padding, masked until overwritten).
+        Attention spans slots 0..span-1: the whole step-0 region by default (the commit's fixed shape),
+        the longest prompt in the prefill."""
         d = self.d
+        span = span or self.max_len
         B, M = tokens_BM.shape
         pos_BM = start_B[:, None] + torch.arange(M, device=d.device)
         q, k, v, residual = d.qkv(tokens_BM, d.fuse(aux_BMF), pos_BM)  # k, v: B,kv,M,d
         idx = pos_BM[:, None, :, None].expand_as(k)
         self.k.scatter_(2, idx, k)
         self.v.scatter_(2, idx, v)
-        mask_BMS = self._slots_S[None, None, :] <= pos_BM[:, :, None]  # causal over each row's step-0 region
-        kbuf, vbuf = self.k[:, :, : self.max_len], self.v[:, :, : self.max_len]
+        mask_BMS = self._slots_S[None, None, :span] <= pos_BM[:, :, None]  # causal over each row's spanned slots
+        kbuf, vbuf = self.k[:, :, :span], self.v[:, :, :span]
         out = d.finish(d.attend(q, kbuf, vbuf, mask=mask_BMS[:, None]), residual)  # B,M,H
         self.last.copy_(out.gather(1, m_B[:, None, None].expand(B, 1, out.shape[-1]))[:, 0])
 
@@ -266,8 +271,9 @@ class BatchedSpeculativeDecoder:
         ids_BL = ids.to(dev)
         P_B = torch.tensor(lens, device=dev)
         pos_BL = torch.arange(Lmax, device=dev).expand(B, Lmax)
-        mask_BLS = self._slots_S[None, None, :] <= pos_BL[:, :, None]
-        logits, aux = self.target.forward_rows(ids_BL, pos_BL, pos_BL, mask_BLS, logits_at=P_B - 1)
+        mask_BLL = self._slots_S[None, None, :Lmax] <= pos_BL[:, :, None]  # slots past the prompts: none to see
+        with eager_attention(dev):  # eager: shapes [Lmax, Lmax], new with every longest prompt
+            logits, aux = self.target.forward_rows(ids_BL, pos_BL, pos_BL, mask_BLL, logits_at=P_B - 1)
         first_B = logits[:, 0].argmax(-1)
         self.start.copy_(P_B)
         self.last_tok.copy_(first_B)
@@ -278,7 +284,8 @@ class BatchedSpeculativeDecoder:
         if self.proposer is not None:
             # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
             toks = torch.cat([ids_BL[:, 1:], ids_BL[:, :1]], dim=1).scatter(1, (P_B - 1)[:, None], first_B[:, None])
-            self.proposer.extend_rows(toks, aux, torch.zeros_like(P_B), P_B - 1)
+            with eager_attention(dev):
+                self.proposer.extend_rows(toks, aux, torch.zeros_like(P_B), P_B - 1, span=Lmax)
         return first_B.tolist()
 
     # -- the loop ------------------------------------------------------------------------------------

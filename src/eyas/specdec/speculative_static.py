@@ -20,6 +20,9 @@ and the only device->host copy of a greedy round is the walk's result [m, D path
 (D + 2 integers). The price: attention spans the whole preallocated cache each round, and every
 round drafts, verifies and updates the full static width even when the walk stops early.
 
+The prefill runs eagerly (its shapes change with every prompt): the target and the drafter's step-0
+pass attend over the prompt's P slots only, cuDNN attention off (speculative.eager_attention says why).
+
 Sampling (temperature > 0) verifies on the host exactly as the plain engine does (same generator,
 same code: SpeculativeDecoder._walk), then writes the accepted nodes into the walk's buffers and
 runs the same commit. Target-only decoding (no drafter) is the same loop with T = D = 0.
@@ -45,7 +48,7 @@ import torch
 from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.replay import DraftTree, TreeConfig, build_tree
-from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync
+from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync, eager_attention
 
 
 def _path_end(toks: list[int], nxt: int, budget: int, eos_ids: set[int]) -> tuple[list[int], int | None]:
@@ -178,16 +181,21 @@ class StaticProposer(LiveProposer):
         self.length = 0
 
     @torch.no_grad()
-    def extend_static(self, tokens_M: torch.Tensor, aux_MF: torch.Tensor, start_1: torch.Tensor, m_1: torch.Tensor) -> None:
+    def extend_static(self, tokens_M: torch.Tensor, aux_MF: torch.Tensor, start_1: torch.Tensor, m_1: torch.Tensor,
+                      span: int | None = None) -> None:
         """Step-0 entries at slots start..start+M-1 (token s_{t+1}, features aux_t); `last` becomes the
-        output of entry m (entries past m are padding: masked out until overwritten)."""
+        output of entry m (entries past m are padding: masked out until overwritten). Attention spans
+        slots 0..span-1: the whole step-0 region by default (the commit's fixed shape); the prefill
+        passes its length, which makes it the plain engine's computation (LiveProposer.extend) bit for
+        bit, whatever max_len."""
         d, M = self.d, tokens_M.shape[0]
+        span = span or self.max_len
         pos_M = start_1 + torch.arange(M, device=d.device)
         q, k, v, residual = d.qkv(tokens_M[None], d.fuse(aux_MF)[None], pos_M[None])
         self.k.index_copy_(2, pos_M, k)
         self.v.index_copy_(2, pos_M, v)
-        mask_MS = self._slots_S[None, :] <= pos_M[:, None]  # causal over the whole step-0 region
-        kbuf, vbuf = self.k[:, :, : self.max_len], self.v[:, :, : self.max_len]
+        mask_MS = self._slots_S[None, :span] <= pos_M[:, None]  # causal over the spanned step-0 slots
+        kbuf, vbuf = self.k[:, :, :span], self.v[:, :, :span]
         out = d.finish(d.attend(q, kbuf, vbuf, mask=mask_MS[None, None]), residual)  # 1,M,H
         self.last.copy_(out[0].index_select(0, m_1)[0])
 
@@ -323,14 +331,15 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         t0 = clock()
         P = len(prompt)
         tgt.reset()
-        logits, aux = tgt.forward(torch.tensor(prompt, device=dev), torch.arange(P, device=dev), None)  # eager prefill
-        seq = list(prompt) + [self._first(logits[-1])]
-        self.start.fill_(P)
-        self.last_tok.fill_(seq[-1])
-        if prop is not None:
-            # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
-            prop.extend_static(torch.tensor(seq[1:], device=dev), aux, torch.zeros(1, dtype=torch.long, device=dev),
-                               torch.tensor([P - 1], device=dev))
+        with eager_attention(dev):  # eager prefill: shapes [P, P], new with every prompt length
+            logits, aux = tgt.forward(torch.tensor(prompt, device=dev), torch.arange(P, device=dev), None)
+            seq = list(prompt) + [self._first(logits[-1])]
+            self.start.fill_(P)
+            self.last_tok.fill_(seq[-1])
+            if prop is not None:
+                # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
+                prop.extend_static(torch.tensor(seq[1:], device=dev), aux, torch.zeros(1, dtype=torch.long, device=dev),
+                                   torch.tensor([P - 1], device=dev), span=P)
         _sync(dev)
         st.prefill_s = clock() - t0
         greedy = self.temperature == 0
