@@ -8,7 +8,7 @@
 #   .stage/b:  smol.gguf.ab        .stage/r: regen.tgz (the regeneration of all 17,293 records, 17,282 chats)
 # Build them with `bash benchmarks/stage.sh` (no .stage/r: call 2 then regenerates, ~2 minutes on GPU 0).
 # Usage: bash benchmarks/quality_session.sh 1|2|3, each call issued within 30 s of the last one's end.
-# On one GPU (`nvidia-h200`): call 1 stages and profiles the 8B step only; call 2 starts one detached chain
+# On one GPU (`nvidia-h200`): call 1 stages and measures the 8B rate against SpecForge; call 2 starts one detached chain
 # (the recipe, then speculative decoding with its drafter, then the side by side); call 3 is repeated, each
 # collecting what the chain wrote, until it has ended.
 #   1 (carry .stage/a2): staging (1/2); training speed: the 8B shape on 1 and 2 GPUs (DDP, fp32 and bf16
@@ -80,13 +80,14 @@ case "$part" in
     ;;
 1)
     nvidia-smi -L | tee -a "$L/session.log"
-    # one GPU: only the 8B profile, beside the staging (CPU); the 8B-vs-SpecForge rate needs the GPU alone
-    [ "$NG" -eq 1 ] && timeout 150 python benchmarks/train_bench.py --profile 60 --no-specforge > "$L/profile_8b.log" 2>&1 &
     cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
     python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     note "staged (1/2)"
-    if [ "$NG" -eq 1 ]; then wait; echo "== profile_8b"; grep -v warmup "$L/profile_8b.log" | tail -75 | cut -c1-220; note "call 1 finished"; exit 0; fi
+    if [ "$NG" -eq 1 ]; then  # one GPU: the 8B rate (default options, cast_once) against SpecForge in one process
+        timeout 300 python benchmarks/train_bench.py --no-compile --no-reference > "$L/train_8b.log" 2>&1
+        echo "== train_8b"; grep -v warmup "$L/train_8b.log" | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
+    fi
     if [ "$NG" -ge 2 ]; then
         OMP_NUM_THREADS=$(( $(nproc) / 2 )) timeout 330 python benchmarks/two_gpu_bench.py --parts 8b --bf16-reduce \
             --work /root/tgb --budget-s 320 > "$L/two_gpu_8b.log" 2>&1
