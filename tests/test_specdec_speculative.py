@@ -255,11 +255,85 @@ def test_eval_reports_predicted_speedup(setup, tiny_target_dir, prompts_file, tm
         m = report["modes"][mode]
         pred = m["speed_prediction"]
         c = pred["step_costs_s"]
+        assert c["engine"] == "plain"  # the CPU's engine (speculative.prediction_engine)
         assert all(c[k] > 0 for k in ("draft_s", "drafter_update_s", "verify_s", "target_step_s"))
-        want = m["acceptance_length"] * c["target_step_s"] / (c["draft_s"] + c["drafter_update_s"] + c["verify_s"])
+        assert c["round_s"] == pytest.approx(c["draft_s"] + c["drafter_update_s"] + c["verify_s"])
+        want = m["acceptance_length"] * c["target_step_s"] / c["round_s"]
         assert pred["predicted_speedup_bs1"] == pytest.approx(want, rel=1e-3)
         assert summary[f"predicted_speedup_bs1_{mode}"] == pytest.approx(want, rel=1e-3, abs=1e-4)
     assert "predicted_speedup_bs1" in report["definitions"]
+
+
+@pytest.mark.parametrize("context", [9, 10**6], ids=["short", "past-the-model"])
+def test_static_step_costs_run_real_rounds_inside_the_cache(setup, monkeypatch, context):
+    """The static engine's step costs: every part positive and named, the rounds' commits advance
+    `start` (real rounds, no reset) but never past what the last verify needs, even with a context
+    clamped to the model's length, and the decoders stay usable (greedy tokens afterwards)."""
+    from eyas.specdec import speculative_static
+    from eyas.specdec.generate import context_length
+
+    target, drafter, prompts, gen, *_ = setup
+    made = []
+
+    class Spy(speculative_static.StaticSpeculativeDecoder):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(speculative_static, "StaticSpeculativeDecoder", Spy)
+    tree = TREES[1]
+    c = speculative_static.measure_static_step_costs(target, drafter, tree=tree, layer_ids=LAYERS, context=context,
+                                                     repeats=2)
+    assert c["engine"] == "static" and c["cuda_graphs"] == [] and c["graph_note"] is None  # CPU: eager steps
+    parts = ("draft_s", "verify_s", "walk_s", "commit_s")
+    assert all(c[k] > 0 for k in parts + ("target_step_s",))
+    assert c["round_s"] == pytest.approx(sum(c[k] for k in parts))
+    assert c["context"] == min(context, context_length(target) - (tree.tokens + 1 + 3 * (tree.depth + 1)))
+    assert [d.T for d in made] == [tree.tokens, 0]
+    assert all(d.max_len == c["max_len"] <= context_length(target) for d in made)
+    for d in made:
+        assert c["context"] + 3 <= int(d.start) <= d.max_len - d.T - 1  # 3 rounds committed, room kept
+        out, _ = d.generate(prompts[0], max_new_tokens=MAX_NEW)
+        assert out == gen[0]
+
+
+def test_prediction_uses_the_static_engine_on_cuda(setup, monkeypatch):
+    """On CUDA the prediction times the static engine (what runs fast there), elsewhere the plain one;
+    a static measurement that fails falls back to the plain engine's, and says so."""
+    from eyas.specdec import speculative, speculative_static
+    from eyas.specdec.speculative import predict_for_modes, prediction_engine
+
+    target, drafter, *_ = setup
+    assert prediction_engine(torch.device("cuda", 0)) == "static" and prediction_engine(torch.device("cpu")) == "plain"
+    # the CUDA choice on this CPU: the device the engine is chosen for is the drafter's
+    seen = []
+    monkeypatch.setattr(speculative, "prediction_engine",
+                        lambda dev: seen.append(dev) or prediction_engine(torch.device("cuda")))
+    real_plain = speculative.measure_step_costs
+
+    def no_plain(*a, **kw):
+        raise AssertionError("the plain engine was measured where the static one runs")
+
+    monkeypatch.setattr(speculative, "measure_step_costs", no_plain)
+    modes = {"chain": TREES[0], "tree": TREES[1]}
+    out = predict_for_modes(target, drafter, modes, {"chain": 2.0, "tree": None}, layer_ids=LAYERS, context=12)
+    assert seen == [drafter.device]
+    for name in modes:
+        assert out[name]["step_costs_s"]["engine"] == "static" and "static_error" not in out[name]
+    c = out["chain"]["step_costs_s"]
+    assert out["chain"]["predicted_speedup_bs1"] == pytest.approx(2.0 * c["target_step_s"] / c["round_s"])
+    assert out["tree"]["predicted_speedup_bs1"] is None  # no tau, no prediction
+    # a failing static measurement: the plain engine's costs, named as such, and why
+    monkeypatch.setattr(speculative, "measure_step_costs", real_plain)
+
+    def broken(*a, **kw):
+        raise RuntimeError("capture went wrong")
+
+    monkeypatch.setattr(speculative_static, "measure_static_step_costs", broken)
+    out = predict_for_modes(target, drafter, {"chain": TREES[0]}, {"chain": 2.0}, layer_ids=LAYERS, context=12)
+    assert out["chain"]["step_costs_s"]["engine"] == "plain" and "capture went wrong" in out["chain"]["static_error"]
+    with pytest.raises(ValueError, match="engine must be"):
+        predict_for_modes(target, drafter, modes, {}, layer_ids=LAYERS, context=12, engine="batched")
 
 
 def test_generate_fails_when_speculative_output_differs(setup, tiny_target_dir, prompts_file, monkeypatch):

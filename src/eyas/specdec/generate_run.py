@@ -140,7 +140,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.specdec.run import load_drafter_for
     from eyas.specdec.speculative import DecodeStats, SpeculativeDecoder, stats_summary
     from eyas.specdec.speculative_batched import BatchedSpeculativeDecoder
-    from eyas.specdec.speculative_static import StaticSpeculativeDecoder
+    from eyas.specdec.speculative_static import MIN_CAPACITY, StaticSpeculativeDecoder
     from eyas.target import load_target, load_tokenizer
 
     tree = cfg.tree()
@@ -172,7 +172,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         nonlocal capacity, spec, plain
         if need <= capacity:
             return
-        capacity = min(max_len, max(need, 2 * capacity, 1024))
+        capacity = min(max_len, max(need, 2 * capacity, MIN_CAPACITY))
         # the static and batched engines preallocate (and, on CUDA, capture their graphs for) this
         # capacity: a rebuild costs a capture, hence the doubling
         if batched:

@@ -14,7 +14,7 @@ DEFINITIONS = {
     "per_position_acceptance": "entry j = fraction of rounds whose accepted length is at least j+1 (draft position j accepted)",
     "conditional_acceptance": "entry j = rounds accepting position j / rounds that accepted positions 0..j-1",
     "accepted_per_drafted": "accepted / (rounds x draft tokens submitted per round): chain k, tree --tree-tokens",
-    "predicted_speedup_bs1": "tau x target decode step / (draft round + drafter update + tree verify forward), step costs measured on the eval's device after a prefill of the median sequence length; host bookkeeping excluded (`eyas generate` measures the real loop)",
+    "predicted_speedup_bs1": "tau x target-only decode step / speculative round (step_costs_s.round_s), step costs measured on the eval's device after a prefill of the median sequence length with the batch-1 engine for that device (step_costs_s.engine): on CUDA `static` (`eyas generate --engine static`; round = its draft + verify + walk with the result's device->host read + commit, target step = its round without a drafter), elsewhere `plain` (round = draft + drafter update + verify, host bookkeeping excluded); `eyas generate` measures the real loop",
     "end_of_sequence": "draft positions past the end of the recorded greedy continuation (max-new-tokens or EOS) count as rejected",
 }
 

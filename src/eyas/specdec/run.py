@@ -229,7 +229,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from eyas.specdec.generate import eos_ids_of
     from eyas.specdec.speculative import predict_for_modes
 
-    t0 = time.perf_counter()  # batch-1 speed-up predicted from draft/verify step costs measured here
+    t0 = time.perf_counter()  # batch-1 speed-up predicted from step costs measured here, with this device's engine
     context = sorted(len(s.ids) for s in seqs)[len(seqs) // 2]
     for name, p in predict_for_modes(target, drafter, modes, {n: s["acceptance_length"] for n, s in summaries.items()},
                                      layer_ids=spec.aux_layer_ids, context=context).items():

@@ -495,11 +495,13 @@ def stats_summary(st: DecodeStats, *, depth: int | None, drafted_per_round: int 
 @torch.no_grad()
 def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, layer_ids: list[int], context: int = 512,
                        repeats: int | None = None, seed: int = 0) -> dict[str, float]:
-    """Seconds per call, after a prefill of `context` random tokens, of: one draft round (the tree or
-    chain from the root), the drafter's step-0 update for one accepted token + bonus, the verify
-    forward of the root + `tree.tokens` drafted tokens, and a target-only decode step (1 token).
+    """This (plain) engine's seconds per call, after a prefill of `context` random tokens, of: one draft
+    round (the tree or chain from the root), the drafter's step-0 update for one accepted token + bonus,
+    the verify forward of the root + `tree.tokens` drafted tokens (round_s = the three), and a
+    target-only decode step (1 token). The host-side walk and cache compaction are left out.
 
     Token values do not change the arithmetic, so random ids measure the same costs as real text.
+    The static engine's counterpart: speculative_static.measure_static_step_costs.
     """
     from eyas.specdec.generate import context_length
 
@@ -548,40 +550,68 @@ def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, 
         prop.extend(ids_v[:2], aux[:2])
         prop.length = n0
 
-    return {
-        "context": context,
-        "draft_s": timed(lambda: build_tree(prop, rows, t, tree)),
-        "drafter_update_s": timed(update),
-        "verify_s": timed(verify),
-        "target_step_s": timed(plain),
-    }
+    parts = {"draft_s": timed(lambda: build_tree(prop, rows, t, tree)), "drafter_update_s": timed(update),
+             "verify_s": timed(verify)}
+    return {"engine": "plain", "context": context, **parts, "round_s": sum(parts.values()),
+            "target_step_s": timed(plain)}
 
 
-def predicted_speedup(tau: float | None, costs: dict[str, float]) -> float | None:
-    """tau tokens per round at draft + drafter update + verify seconds, against one token per target
-    step: tau * target_step / (draft + update + verify). Host-side bookkeeping is left out, so the
-    loop's measured speed-up falls below this where per-round overhead is large."""
+def predicted_speedup(tau: float | None, costs: dict[str, Any]) -> float | None:
+    """tau tokens per round at round_s seconds, against one token per target step: tau * target_step_s
+    / round_s, both from one engine (costs["engine"]). The plain engine's round leaves its host-side
+    walk and compaction out, so its loop's measured speed-up falls below this where per-round overhead
+    is large; the static engine's round is every step of its loop."""
     if tau is None:
         return None
-    return tau * costs["target_step_s"] / (costs["draft_s"] + costs["drafter_update_s"] + costs["verify_s"])
+    return tau * costs["target_step_s"] / costs["round_s"]
+
+
+def prediction_engine(device: torch.device) -> str:
+    """The batch-1 engine the prediction describes on `device`: `static` on CUDA, where it is the fast
+    one (`eyas generate --engine static`: CUDA-graph steps, one host read a round; on an H200 with
+    SmolLM2-135M ~1.8 ms draft + ~3.4 ms verify against 14.6 + 20.2 ms for the plain engine's eager
+    code), `plain` elsewhere: off CUDA the static engine runs the same kernels eagerly with attention
+    over its whole preallocated cache and is slower (SmolLM2-135M, 2 CPU cores, context 512: a chain-7
+    round 133 ms static vs 97 ms plain, a 60-token tree 302 vs 252 ms, target step 79 vs 78 ms), and
+    `plain` is generate's default engine."""
+    return "static" if torch.device(device).type == "cuda" else "plain"
 
 
 def predict_for_modes(target, drafter: FunctionalDrafter, modes: dict[str, TreeConfig], taus: dict[str, float | None], *,
-                      layer_ids: list[int], context: int) -> dict[str, dict[str, Any]]:
-    """`eyas eval`'s predicted batch-1 speed-up per mode, from step costs measured on its device.
+                      layer_ids: list[int], context: int, engine: str | None = None) -> dict[str, dict[str, Any]]:
+    """`eyas eval`'s predicted batch-1 speed-up per mode, from step costs measured on its device with
+    `engine` (default: prediction_engine(the drafter's device)); step_costs_s["engine"] names the one
+    measured.
 
-    A target this loop cannot run (not Llama/Qwen-shaped) gets {"skipped": why}, never an error: the
-    prediction is an extra, the acceptance figures stand without it.
+    A target neither engine can run (not Llama/Qwen-shaped: both run it through StaticLM's modules)
+    gets {"skipped": why}, never an error: the prediction is an extra, the acceptance figures stand
+    without it. For the same reason a static measurement that fails falls back to the plain engine's
+    (step_costs_s["engine"] says "plain", `static_error` why).
     """
+    from eyas.common import log
     from eyas.regen.static_lm import unsupported_reason
+    from eyas.specdec.speculative_static import measure_static_step_costs  # imports this module: not at the top
 
+    engine = engine or prediction_engine(drafter.device)
+    if engine not in ("plain", "static"):
+        raise ValueError(f"engine must be plain or static, got {engine!r}")
     why = unsupported_reason(target, context + 64)
     out: dict[str, dict[str, Any]] = {}
     for name, tree in modes.items():
         if why is not None:
             out[name] = {"skipped": why}
             continue
-        costs = measure_step_costs(target, drafter, tree=tree, layer_ids=layer_ids, context=context)
-        out[name] = {"step_costs_s": costs,
-                     "predicted_speedup_bs1": predicted_speedup(taus.get(name), costs)}
+        kw = dict(tree=tree, layer_ids=layer_ids, context=context)
+        fell_back = None
+        if engine == "static":
+            try:
+                costs = measure_static_step_costs(target, drafter, **kw)
+            except Exception as exc:  # noqa: BLE001  (a prediction from the other engine, named, beats none)
+                fell_back = f"{type(exc).__name__}: {str(exc)[:300]}"
+                log(f"eval: {name}: static-engine step costs failed ({fell_back}); predicting from the plain engine")
+        if engine == "plain" or fell_back:
+            costs = measure_step_costs(target, drafter, **kw)
+        out[name] = {"step_costs_s": costs, "predicted_speedup_bs1": predicted_speedup(taus.get(name), costs)}
+        if fell_back:
+            out[name]["static_error"] = fell_back
     return out

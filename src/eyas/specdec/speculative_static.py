@@ -35,7 +35,8 @@ State kept on the device between rounds, with c committed tokens s_0..s_{c-1}:
     start = c - 1: the target cache holds s_0..s_{c-2}, the drafter's step-0 entries t = 0..c-2;
     last_tok = s_{c-1} (the root of the next round); the drafter's `last` = output o_{c-2}.
 
-Run: `eyas generate --drafter DIR --engine static` (eyas/specdec/generate_run.py).
+Run: `eyas generate --drafter DIR --engine static` (eyas/specdec/generate_run.py). On CUDA `eyas eval`
+predicts its speed-up from this engine's step costs (measure_static_step_costs, below).
 """
 
 from __future__ import annotations
@@ -319,6 +320,23 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
 
     # -- the loop --------------------------------------------------------------------------------
     @torch.no_grad()
+    def prefill(self, prompt: list[int]) -> int:
+        """Fill both caches from `prompt` (P tokens) and set start = P and last_tok = the first generated
+        token, which it returns: the state the first round starts from."""
+        dev, tgt, prop, P = self.device, self.target, self.proposer, len(prompt)
+        tgt.reset()
+        with eager_attention(dev):  # eager prefill: shapes [P, P], new with every prompt length
+            logits, aux = tgt.forward(torch.tensor(prompt, device=dev), torch.arange(P, device=dev), None)
+            first = self._first(logits[-1])
+            self.start.fill_(P)
+            self.last_tok.fill_(first)
+            if prop is not None:
+                # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
+                prop.extend_static(torch.tensor(prompt[1:] + [first], device=dev), aux,
+                                   torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([P - 1], device=dev), span=P)
+        return first
+
+    @torch.no_grad()
     def generate(self, prompt: list[int], *, max_new_tokens: int) -> tuple[list[int], DecodeStats]:
         """Generated tokens (EOS kept, nothing after it; at most max_new_tokens) and the stats."""
         if not prompt:
@@ -326,20 +344,10 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         if len(prompt) + max_new_tokens + self.T + 1 > self.max_len:
             raise ValueError(f"prompt of {len(prompt)} + {max_new_tokens} new tokens exceeds max_len {self.max_len}")
         dev, st = self.device, DecodeStats(prompt_tokens=len(prompt))
-        tgt, prop, steps = self.target, self.proposer, self.steps
+        prop, steps = self.proposer, self.steps
         clock = time.perf_counter
         t0 = clock()
-        P = len(prompt)
-        tgt.reset()
-        with eager_attention(dev):  # eager prefill: shapes [P, P], new with every prompt length
-            logits, aux = tgt.forward(torch.tensor(prompt, device=dev), torch.arange(P, device=dev), None)
-            seq = list(prompt) + [self._first(logits[-1])]
-            self.start.fill_(P)
-            self.last_tok.fill_(seq[-1])
-            if prop is not None:
-                # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
-                prop.extend_static(torch.tensor(seq[1:], device=dev), aux, torch.zeros(1, dtype=torch.long, device=dev),
-                                   torch.tensor([P - 1], device=dev), span=P)
+        seq = list(prompt) + [self.prefill(prompt)]
         _sync(dev)
         st.prefill_s = clock() - t0
         greedy = self.temperature == 0
@@ -377,3 +385,69 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         out = seq[len(prompt):]
         st.tokens = len(out)
         return out, st
+
+
+# ----------------------------------------------------------------------------------------------
+# step costs of this engine (what `eyas eval`'s prediction uses on CUDA: speculative.predict_for_modes)
+
+MIN_CAPACITY = 1024
+"""The smallest cache `eyas generate` gives this engine (generate_run.ensure): every round attends over
+all of it, so the costs below are measured at the capacity generate would use, not at `context`."""
+
+
+@torch.no_grad()
+def measure_static_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, layer_ids: list[int],
+                              context: int = 512, repeats: int | None = None, seed: int = 0) -> dict:
+    """Seconds per round of this engine after a prefill of `context` random tokens, as generate's loop
+    runs it: draft, verify, walk (+ the read of `result`, the round's one device->host copy) and commit
+    (KV compaction + the drafter's step-0 update), each step synced (the loop syncs after draft and
+    verify and reads after walk; its commit runs on until the next draft's sync, so the whole of it
+    counts there too); and a full round of the engine without a drafter (verify of 1 token, walk,
+    read, commit), synced the same way: the target-only step.
+    On CUDA the steps are the captured graphs (`cuda_graphs` lists them; graph_note says why one is not).
+
+    The rounds are real decoding rounds: each commit advances `start` by m + 1 <= depth + 1, so the
+    cache gets room for every round (warm-up included) and nothing is reset between timed rounds (a
+    reset would add its own kernel to what is timed). Token values do not change the arithmetic:
+    random ids measure the same costs as real text. The decoders are built here and dropped after.
+    """
+    from eyas.specdec.generate import context_length
+
+    dev = drafter.device
+    repeats = repeats or (20 if dev.type == "cuda" else 3)
+    warmup = 2 if dev.type == "cuda" else 1
+    rounds = warmup + repeats
+    room = tree.tokens + 1 + rounds * (tree.depth + 1)  # the last verify writes start..start+T; rounds advance start
+    limit = context_length(target)
+    context = max(2, min(context, limit - room))
+    max_len = min(limit, max(context + room, MIN_CAPACITY))
+    vocab = int(target.get_input_embeddings().weight.shape[0])
+    prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
+    clock = time.perf_counter
+
+    def timed_rounds(dec: StaticSpeculativeDecoder, parts: dict[str, Callable[[], None]]) -> dict[str, float]:
+        dec.prefill(prompt)
+        total = dict.fromkeys(parts, 0.0)
+        for r in range(rounds):
+            for name, fn in parts.items():
+                t0 = clock()
+                fn()
+                _sync(dev)
+                if r >= warmup:
+                    total[name] += clock() - t0
+        if int(dec.start) + dec.T + 1 > dec.max_len:  # room above is the bound; this read is after the timing
+            raise RuntimeError(f"step-cost rounds ran start to {int(dec.start)} of max_len {dec.max_len}")
+        return {k: v / repeats for k, v in total.items()}
+
+    spec = StaticSpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=max_len, eos_ids=set())
+    s = spec.steps
+    costs = timed_rounds(spec, {"draft_s": s["draft"], "verify_s": s["verify"],
+                                "walk_s": lambda: (s["walk"](), spec.result.tolist()), "commit_s": s["commit"]})
+    base = StaticSpeculativeDecoder(target, None, tree=None, layer_ids=[], max_len=max_len, eos_ids=set())
+    b = base.steps  # synced step by step like the drafter's rounds: the two differ only in what the steps do
+    step = timed_rounds(base, {"verify": b["verify"], "walk": lambda: (b["walk"](), base.result.tolist()),
+                               "commit": b["commit"]})
+    notes = [n for n in (spec.describe()["graph_note"], base.describe()["graph_note"]) if n]
+    return {"engine": "static", "context": context, "max_len": max_len, **costs, "round_s": sum(costs.values()),
+            "target_step_s": sum(step.values()), "cuda_graphs": spec.describe()["graphs"],
+            "graph_note": "; ".join(notes) or None}
