@@ -129,6 +129,23 @@ def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode, 
     assert split["draft_s"] > 0 and split["verify_s"] > 0
 
 
+def test_generate_engine_auto_is_static_on_cuda_plain_elsewhere(setup, tiny_target_dir, prompts_file, tmp_path):
+    import torch
+
+    from eyas.specdec.generate_run import GenerateConfig, resolve_engine
+
+    assert GenerateConfig(drafter=tmp_path).engine == "auto"
+    assert [resolve_engine("auto", d) for d in ("cuda", torch.device("cuda:1"), "cpu", torch.device("cpu"))] == \
+        ["static", "static", "plain", "plain"]
+    assert resolve_engine("plain", "cuda") == "plain" and resolve_engine("static", "cpu") == "static"
+    *_, drafter_dir = setup
+    res, s = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
+                  "--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 4, "--device", "cpu", "--limit", 1,
+                  "--out", tmp_path / "out.jsonl")
+    assert res.exit_code == 0, res.output
+    assert s["engine"] == "plain"
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--mode", "beam"], "--mode"),
     (["--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 50], "--tree-tokens"),
