@@ -5,8 +5,8 @@ For each drafting mode and each engine (--engine: `plain`, specdec/speculative.p
 twice in the same process through the same loop: with the drafter, then target-only. Reported per mode
 and engine: tokens/s of both, the speed-up, tau (acceptance length, counting the bonus token),
 per-position acceptance, the time split (prefill / draft / verify / overhead) and whether the greedy
-outputs were identical; with --predict, also the speed-up `eyas eval` predicts from measured draft and
-verify step costs of the plain engine (specdec/speculative.py: measure_step_costs).
+outputs were identical; with --predict, also the speed-up `eyas eval` predicts from measured step costs
+(specdec/speculative.py: predict_for_modes; the static engine's rounds on CUDA, the plain engine's elsewhere).
 
 Headline figures (tree mode, from the engine with the higher speculative tokens/s, named in
 specdec_engine_bs1): specdec_speedup_bs1 (against that engine's own target-only run),
@@ -203,23 +203,29 @@ def main() -> None:
         if "engine" in s:
             pred = (s.get("predicted") or {}).get("predicted_speedup")
             print(f"{mode}: fastest engine {s['engine']}, speed-up {f(s.get('speedup'), 0, 3)} (vs fastest target-only "
-                  f"{f(s.get('speedup_vs_fastest_target'), 0, 3)}), predicted (plain step costs) {f(pred, 0, 3)}, "
+                  f"{f(s.get('speedup_vs_fastest_target'), 0, 3)}), predicted ({(s.get('predicted') or {}).get('engine')} costs) {f(pred, 0, 3)}, "
                   f"engines agree {s.get('engines_agree')}")
     print(json.dumps(figures, default=str))
 
 
 def predict(target_dir: str, drafter: Path, cfg, summary: dict) -> dict:
-    """Draft and verify step costs measured on this device, and the speed-up they predict from tau."""
+    """Step costs measured on this device by `eyas eval`'s prediction (the static engine's rounds on CUDA,
+    the plain engine's elsewhere), and the speed-up they predict from the measured tau."""
     from eyas.dtypes import resolve_device_dtype
+    from eyas.specdec.replay import TreeConfig
     from eyas.specdec.run import load_drafter_for
-    from eyas.specdec.speculative import measure_step_costs, predicted_speedup
+    from eyas.specdec.speculative import predict_for_modes
     from eyas.target import load_target
 
     device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype)
     target = load_target(target_dir, device=device, dtype=dtype)
     ckpt, d = load_drafter_for(target, drafter, device=device, dtype=dtype)
-    costs = measure_step_costs(target, d, tree=cfg.tree(), layer_ids=ckpt.config.aux_layer_ids, context=512)
-    return costs | {"predicted_speedup": predicted_speedup(summary["acceptance_length"], costs)}
+    tree: TreeConfig = cfg.tree()
+    out = predict_for_modes(target, d, {"m": tree}, {"m": summary["acceptance_length"]},
+                            layer_ids=ckpt.config.aux_layer_ids, context=512)["m"]
+    if "skipped" in out:
+        return {"error": out["skipped"]}
+    return out["step_costs_s"] | {"predicted_speedup": out["predicted_speedup_bs1"], "static_error": out.get("static_error")}
 
 
 if __name__ == "__main__":

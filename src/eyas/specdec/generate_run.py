@@ -14,10 +14,11 @@ prefill_s and verify_s (one token a round) plus a little overhead_s.
 
 Key trade-off: batch 1, the latency setting speculative decoding is for, on one of two engines
 (--engine): `plain` (specdec/speculative.py, the reference) or `static` (specdec/speculative_static.py:
-fixed shapes, on-device accept walk, CUDA graphs on CUDA; the default on CUDA, plain elsewhere). With --batch-size B > 1 every turn's prompts
-are decoded B at a time by specdec/speculative_batched.py (greedy only; static shapes, CUDA graphs on
-CUDA; --engine does not apply), both with the drafter and target-only; each batch's time is shared by
-its rows, tokens/s counts every row's tokens, and a record's `seconds` is its batch's. The drafter run
+fixed shapes, on-device accept walk, CUDA graphs on CUDA; the default on CUDA, plain elsewhere). With
+--batch-size B > 1 every turn's prompts are decoded B at a time by specdec/speculative_batched.py (greedy
+only; static shapes, CUDA graphs on CUDA; --engine does not apply), both with the drafter and
+target-only; each batch's time is shared by its rows, tokens/s counts every row's tokens, and a record's
+`seconds` is its batch's. The drafter run
 and the target-only run use the same engine and share every overhead, so the speed-up is the drafter's,
 not the loop's. The static and batched engines' draft_s also holds the target cache compaction (it
 runs in the same device step as the drafter's update). At temperature 0 the two runs must produce the
@@ -137,9 +138,9 @@ def resolve_engine(engine: str, device) -> str:
     """The batch-1 engine `--engine auto` means: static on CUDA (its CUDA graphs: on an H200 with SmolLM2-135M,
     target-only decoding ran at 293.7 tokens/s static against 15.7 plain, 2026-12-01), plain elsewhere (on a
     CPU the static engine attends over its whole preallocated cache every round and is the slower one)."""
-    if engine != "auto":
-        return engine
-    return "static" if str(device).split(":")[0] == "cuda" else "plain"
+    from eyas.specdec.speculative import prediction_engine  # eval's speed prediction follows the same rule
+
+    return engine if engine != "auto" else prediction_engine(device)
 
 
 def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
