@@ -628,7 +628,7 @@ class _HeadSoftCE(torch.autograd.Function):
     """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
     the forward (the loss is linear in its upstream gradient, so backward only scales them).
     Teacher logits: rows `t_idx` of the table `t_src` [N, V] when `wt_VD` is None, else
-    `t_src` [n, D] @ wt_VD.T recomputed per chunk. `bounds`: row ranges (a, b) covering the rows in
+    `t_src` [n, D] (or its rows `t_idx`) @ wt_VD.T recomputed per chunk. `bounds`: row ranges (a, b) covering the rows in
     order; chunks never cross one, and the per-range sums come back as a third output (detached):
     several TTT steps share ONE call, so the head's weight gradient is summed in a single fp32
     buffer instead of one [V, D] buffer per step, each scaled and added into `.grad` on its own."""
@@ -653,8 +653,9 @@ class _HeadSoftCE(torch.autograd.Function):
                     s = xb[a:b] @ wb.T  # student logits [c, V]
                     if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
                         t, t_rows = t_src, t_idx[a:b]
-                    else:
-                        t, t_rows = t_src[a:b].to(compute_dtype) @ wtb.T, None
+                    else:  # rows of the final states (all of t_src, or rows t_idx of it) times the target head
+                        f = t_src[a:b] if t_idx is None else t_src.index_select(0, t_idx[a:b])
+                        t, t_rows = f.to(compute_dtype) @ wtb.T, None
                     ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b], t_rows=t_rows)
                     sums[i] += ce
                     hits[a:b] = hit
@@ -695,7 +696,8 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
                         *, chunk_rows: int = 4096, compute_dtype: torch.dtype | None = None,
                         teacher_logits: torch.Tensor | None = None, teacher_rows: torch.Tensor | None = None):
     """`head_soft_ce` over consecutive row ranges of the given `lengths` (e.g. the TTT steps) in one
-    call -> (total, [len(lengths)] per-range sums (detached), hits [n])."""
+    call -> (total, [len(lengths)] per-range sums (detached), hits [n]). With `f_nD` and `wt_VD`,
+    `teacher_rows` (optional) picks row n's final state from f (no [n, D] copy of them)."""
     if compute_dtype is None:
         dev = x_nD.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nD.dtype
@@ -706,7 +708,8 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
     if teacher_logits is not None:
         return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, weight_n, top_n, chunk_rows,
                                  compute_dtype, bounds)
-    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, None, weight_n, top_n, chunk_rows, compute_dtype, bounds)
+    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, teacher_rows, weight_n, top_n, chunk_rows, compute_dtype,
+                             bounds)
 
 
 def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
@@ -774,7 +777,13 @@ def ttt_loss_packed(
     # the head's loss never feeds a later step: all steps' supervised rows go through ONE head call
     # after the unroll (one weight-gradient buffer for the head instead of one per step), each row
     # weighted by its step's w_k / denominator_k
-    xs, tops, trs, ws, valid_k, scale_k, steps_with_rows = [], [], [], [], [], [], []
+    # the normed rows of every step go straight into one buffer in the head's compute dtype (the head
+    # casts to it first anyway): no per-step copies kept alive, no concatenation
+    lengths = [int(r.numel()) for r in rows]
+    offsets = list(itertools.accumulate(lengths, initial=0))
+    cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.lm_head.weight.dtype
+    x = torch.empty(offsets[-1], drafter.config.hidden_size, dtype=cdtype, device=dev)
+    tops, trs, ws, valid_k, scale_k, steps_with_rows = [], [], [], [], [], []
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
                                        cast_once=cfg.cast_once):
         r = rows[k]
@@ -787,7 +796,7 @@ def ttt_loss_packed(
             tr = r + 1 + k  # teacher row: p_{t+1+k}
             valid = teacher.in_vocab_N[tr]
             c = cfg.weights[k] / denominators[k].float()
-            xs.append(drafter.norm(hidden[0].index_select(0, r)))
+            x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, r))
             tops.append(teacher.top_N[tr])
             trs.append(tr)
             ws.append(valid.float() * c)
@@ -795,16 +804,16 @@ def ttt_loss_packed(
             scale_k.append(c)
             steps_with_rows.append(k)
     hit_by_step: dict[int, torch.Tensor] = {}
-    if xs:
-        x, w, top, tr = torch.cat(xs), torch.cat(ws), torch.cat(tops), torch.cat(trs)
-        lengths = [len(v) for v in valid_k]
+    if steps_with_rows:
+        w, top, tr = torch.cat(ws), torch.cat(tops), torch.cat(trs)
+        lengths = [lengths[k] for k in steps_with_rows]
         if teacher.logits_NV is not None:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
                                                         chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
                                                         teacher_rows=tr)
         else:
-            total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, teacher.final_ND.index_select(0, tr),
-                                                        teacher.head_VD, w, top, lengths, chunk_rows=chunk_rows)
+            total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, teacher.final_ND, teacher.head_VD, w,
+                                                        top, lengths, chunk_rows=chunk_rows, teacher_rows=tr)
         loss = loss + total
         with torch.no_grad():
             for i, (k, valid, c, h) in enumerate(zip(steps_with_rows, valid_k, scale_k, hits.split(lengths))):
