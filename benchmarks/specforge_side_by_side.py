@@ -17,7 +17,10 @@ SpecForge: cosine, --warmup-ratio), data order and alignment of the mask (SpecFo
 teacher by one and keeps the mask unshifted; eyas follows drafter/ttt.py).
 
 SpecForge on the GPU machine (no SGLang needed for offline training):
-    pip install --no-deps specforge==0.2.0 && pip install pydantic pyyaml   (or --specforge-path DIR: an unpacked wheel)
+    pip install --no-deps specforge==0.2.0 pydantic pydantic_core annotated-types typing-inspection \
+        datasets dill multiprocess
+(what `specforge train` imports beyond the device image: benchmarks/stage.sh stages these wheels;
+or --specforge-path DIR: an unpacked wheel).
 Its TargetHead reads `*.index.json` + the lm_head key from the target directory: a shadow directory
 of symlinks with a generated index is made when the target has a single safetensors file, and the
 tied embedding is named as the head when the target has no lm_head.weight (SmolLM2).
@@ -29,12 +32,28 @@ device call ends early: every step resumes.
     PYTHONPATH=src python benchmarks/specforge_side_by_side.py --prepared runs/smollm2-gpu/prepared \
         --root runs/sbs --samples 3000 --steps 600 --batch-size 16 --draft-vocab 32000
 
-Progress on stderr; a table, then one JSON line on stdout (tau chain/tree of each, eyas/SpecForge ratios).
+SpecForge saves every 200 steps (and at the end); a repeated call resumes its training from the newest
+checkpoint, skips it when the last step's checkpoint exists, and exports that one.
+
+CPU check, no GPU time (tests/test_specforge_side_by_side.py, ~30 s): a tiny target and a few chats with
+--device cpu, e.g. --samples 8 --steps 4 --batch-size 2 --max-length 128 --draft-vocab 32 --eval-limit 1
+--eval-max-new-tokens 12 --eval-tree-topk 4 --eval-tree-depth 3 --eval-tree-tokens 8. SpecForge then runs
+through benchmarks/specforge_cpu.py (its Triton loss kernel replaced by its own reference loss, torch.compile
+off), and two config keys differ from the GPU run: training.fsdp_sharding NO_SHARD (FSDP needs an
+accelerator; at world size 1 DDP is the same math) and training.attention_backend sdpa (FlexAttention has no
+backward on the CPU). FSDP, FlexAttention, the Triton kernel and SpecForge's compiled helpers run on the GPU only.
+
+Progress on stderr (SpecForge's own output too, also kept in <root>/specforge-run/train.log and export.log);
+a table, then one JSON line on stdout: tau chain/tree of each, eyas/SpecForge ratios (of the rounded taus),
+the evals' common settings (`eval_settings`; the run stops if the two evals' differ) and SpecForge's last
+logged step, loss and accuracy (`specforge_train`). An eval's report is reused only when it was made with
+the same settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import json
 import os
@@ -44,6 +63,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+SF_RUN_ID = "sbs"
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
@@ -78,6 +98,17 @@ def shadow_target(target_dir: Path, out: Path) -> tuple[Path, str]:
     return out, head
 
 
+def same_eval(report: Path, cfg) -> bool:
+    """An earlier report of this very eval (every EvalConfig setting equal): it is reused."""
+    import dataclasses
+
+    if not report.is_file():
+        return False
+    done = json.loads(report.read_text()).get("settings", {})
+    want = {f.name: str(v) if isinstance(v := getattr(cfg, f.name), Path) else v for f in dataclasses.fields(cfg)}
+    return all(done.get(k, v) == v for k, v in want.items())
+
+
 def specforge_env(args) -> dict | None:
     env = dict(os.environ)
     if args.specforge_path:
@@ -89,12 +120,31 @@ def specforge_env(args) -> dict | None:
     return env
 
 
-def run_specforge(args, *, features: Path, vocab_mapping: Path, draft_config: Path, target: Path, head_key: str,
-                  out: Path, env: dict) -> float:
-    import yaml
+def run_logged(cmd: list[str], env: dict, log_path: Path) -> None:
+    """Run `cmd`, its stdout and stderr streamed to our stderr (our stdout carries only the JSON line) and
+    appended to `log_path`; CalledProcessError when it fails."""
+    log("    " + " ".join(cmd))
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as fh, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                    text=True, bufsize=1) as proc:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            fh.write(line)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
 
+
+def specforge_cmd(args, *cli_args: str) -> list[str]:
+    if args.device == "cpu":  # SpecForge's Triton loss kernel cannot run on the CPU: see specforge_cpu.py
+        return [sys.executable, str(ROOT / "benchmarks" / "specforge_cpu.py"), *cli_args]
+    return [sys.executable, "-c", "import sys; from specforge.cli import main; sys.exit(main())", *cli_args]
+
+
+def specforge_config(args, *, features: Path, vocab_mapping: Path, draft_config: Path, target: Path, head_key: str,
+                     out: Path) -> dict:
+    """SpecForge 0.2.0's `specforge train` config (config/schema.py: unknown keys are refused)."""
     cfg = {
-        "run_id": "sbs",
+        "run_id": SF_RUN_ID,
         "output_dir": str(out),
         "model": {"target_model_path": str(target), "draft_model_config": str(draft_config),
                   "vocab_mapping_path": str(vocab_mapping), "lm_head_key": head_key,
@@ -103,17 +153,41 @@ def run_specforge(args, *, features: Path, vocab_mapping: Path, draft_config: Pa
                  "cache_dir": str(out / "cache")},
         "training": {"max_steps": args.steps, "num_epochs": 1000, "batch_size": args.batch_size,
                      "learning_rate": args.lr, "warmup_ratio": args.warmup_ratio, "max_grad_norm": 0.5,
-                     "ttt_length": args.ttt_steps, "save_interval": args.steps, "log_interval": 20,
+                     "ttt_length": args.ttt_steps, "save_interval": 200, "log_interval": max(1, min(20, args.steps)),
                      "seed": args.seed},
     }
+    if args.device == "cpu":
+        # FSDP needs an accelerator: NO_SHARD wraps in DDP instead (the same math in one process), and
+        # FlexAttention (SpecForge's default) has no backward on the CPU: its SDPA backend instead
+        cfg["training"].update(fsdp_sharding="NO_SHARD", attention_backend="sdpa")
+    if any(out.glob(f"{SF_RUN_ID}-step*/training_state.pt")):
+        cfg["training"]["resume_from"] = str(out)  # an earlier call's periodic checkpoint: its *-latest
+    return cfg
+
+
+def run_specforge(args, cfg: dict, out: Path, env: dict) -> float:
+    """`specforge train` with `cfg` (written to out/specforge.yaml), its output in out/train.log; seconds."""
+    import yaml
+
     out.mkdir(parents=True, exist_ok=True)
     path = out / "specforge.yaml"
     path.write_text(yaml.safe_dump(cfg, sort_keys=False))
-    cmd = [sys.executable, "-c", "import sys; from specforge.cli import main; sys.exit(main())", "train", "--config", str(path)]
-    log("    " + " ".join(cmd))
     t0 = time.perf_counter()
-    subprocess.run(cmd, check=True, env=env)
-    return time.perf_counter() - t0
+    run_logged(specforge_cmd(args, "train", "--config", str(path)), env, out / "train.log")
+    return round(time.perf_counter() - t0, 1)
+
+
+def specforge_last_log(log_path: Path) -> dict:
+    """The metrics of SpecForge's last console log line (`step 20: {'loss': ..., 'acc': ...}`) in `log_path`."""
+    last = {}
+    for line in log_path.read_text().splitlines() if log_path.is_file() else []:
+        head, sep, body = line.partition(": ")
+        if sep and head.startswith("step ") and head[5:].isdigit():
+            try:
+                last = {"step": int(head[5:]), **ast.literal_eval(body)}
+            except (ValueError, SyntaxError):
+                pass
+    return {k: last[k] for k in ("step", "loss", "acc", "grad_norm", "lr") if k in last}
 
 
 def main() -> None:
@@ -134,6 +208,10 @@ def main() -> None:
     ap.add_argument("--eval-prompts", default="mtbench", help="eval prompts: mtbench (the embedded copy) or a question.jsonl")
     ap.add_argument("--eval-limit", type=int, default=None, help="MT-bench questions (default all 80)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
+    ap.add_argument("--eval-chain-k", type=int, default=7, help="eval chain: draft tokens per round")
+    ap.add_argument("--eval-tree-topk", type=int, default=10, help="eval tree: children per node (<= --draft-vocab)")
+    ap.add_argument("--eval-tree-depth", type=int, default=6, help="eval tree: draft steps per round")
+    ap.add_argument("--eval-tree-tokens", type=int, default=60, help="eval tree: draft tokens per round")
     ap.add_argument("--specforge-path", type=Path, default=None, help="directory holding an unpacked specforge package")
     args = ap.parse_args()
 
@@ -185,38 +263,49 @@ def main() -> None:
         log("specforge is not importable (pip install --no-deps specforge==0.2.0 pydantic pyyaml, or --specforge-path): "
             "SpecForge side skipped")
         result["specforge_error"] = "specforge not installed"
-    elif step("specforge train + export", (sf_sglang / "config.json").is_file()):
-        cfg = json.loads((eyas_sglang / "config.json").read_text())
+    else:
         draft_config = root / "specforge-draft-config.json"
-        draft_config.write_text(json.dumps(cfg, indent=1))
-        target_dir, head_key = shadow_target(Path(resolve_target(args.target)), root / "specforge-target")
+        sf_final = sf_run / f"{SF_RUN_ID}-step{args.steps}"  # SpecForge's checkpoint after the last step
         try:
-            seconds["specforge_train"] = round(run_specforge(
-                args, features=features, vocab_mapping=features / "vocab_mapping.pt", draft_config=draft_config,
-                target=target_dir, head_key=head_key, out=sf_run, env=env), 1)
-            subprocess.run([sys.executable, "-c", "import sys; from specforge.export.to_sglang import main; sys.exit(main())",
-                            "--checkpoint", str(sf_run), "--draft-config", str(draft_config),
-                            "--output-dir", str(sf_sglang), "--vocab-mapping", str(features / "vocab_mapping.pt")],
-                           check=True, env=env)
+            if step("specforge train", (sf_final / "training_state.pt").is_file()):
+                draft_config.write_text(json.dumps(json.loads((eyas_sglang / "config.json").read_text()), indent=1))
+                target_dir, head_key = shadow_target(Path(resolve_target(args.target)), root / "specforge-target")
+                sf_cfg = specforge_config(args, features=features, vocab_mapping=features / "vocab_mapping.pt",
+                                          draft_config=draft_config, target=target_dir, head_key=head_key, out=sf_run)
+                seconds["specforge_train"] = run_specforge(args, sf_cfg, sf_run, env)
+            result["specforge_train"] = specforge_last_log(sf_run / "train.log")
+            if step("specforge export", (sf_sglang / "config.json").is_file()):
+                run_logged(specforge_cmd(args, "export", "--to", "sglang", "--checkpoint", str(sf_final),
+                                         "--draft-config", str(draft_config), "--output-dir", str(sf_sglang),
+                                         "--vocab-mapping", str(features / "vocab_mapping.pt")),
+                           env, sf_run / "export.log")
         except subprocess.CalledProcessError as exc:
             log(f"SpecForge failed ({exc}); the eyas side is still evaluated")
             result["specforge_error"] = str(exc)
 
     # -- 5. eval, same settings ----------------------------------------------------------------------
-    evals = {}
+    evals, eval_settings = {}, {}
     for name, d in (("eyas", eyas_sglang), ("specforge", sf_sglang)):
         if not (d / "config.json").is_file():
             continue
         out = root / f"eval-{name}"
-        if step(f"eval {name}", (out / "report.json").is_file()):
+        ecfg = EvalConfig(drafter=d, target=args.target, prompts=args.eval_prompts, limit=args.eval_limit,
+                          max_new_tokens=args.eval_max_new_tokens, chain_k=args.eval_chain_k,
+                          tree_topk=args.eval_tree_topk, tree_depth=args.eval_tree_depth,
+                          tree_tokens=args.eval_tree_tokens, device=args.device)
+        if step(f"eval {name}", same_eval(out / "report.json", ecfg)):
             t0 = time.perf_counter()
-            evaluate_to(out, EvalConfig(drafter=d, target=args.target, prompts=args.eval_prompts, limit=args.eval_limit,
-                                        max_new_tokens=args.eval_max_new_tokens, device=args.device), overwrite=True)
+            evaluate_to(out, ecfg, overwrite=True)
             seconds[f"eval_{name}"] = round(time.perf_counter() - t0, 1)
         rep = json.loads((out / "report.json").read_text())
         evals[name] = {f"tau_{m}": round(v["acceptance_length"], 4) if v["acceptance_length"] is not None else None
                        for m, v in rep["modes"].items()}
+        eval_settings[name] = {k: v for k, v in rep["settings"].items() if k != "drafter"}
     result["eval"] = evals
+    if eval_settings:
+        result["eval_settings"] = next(iter(eval_settings.values()))
+        if any(v != result["eval_settings"] for v in eval_settings.values()):
+            raise SystemExit(f"the evals' settings differ: {eval_settings}")
     if "eyas" in evals and "specforge" in evals:
         for m in ("tau_chain", "tau_tree"):
             a, b = evals["eyas"].get(m), evals["specforge"].get(m)
@@ -225,6 +314,8 @@ def main() -> None:
     log("\n| drafter | tau chain | tau tree |\n|---|---|---|")
     for name, e in evals.items():
         log(f"| {name} | {e.get('tau_chain')} | {e.get('tau_tree')} |")
+    if "tau_chain_vs_specforge" in result:
+        log(f"| eyas / SpecForge | {result['tau_chain_vs_specforge']} | {result['tau_tree_vs_specforge']} |")
     print(json.dumps(result), flush=True)
 
 

@@ -55,6 +55,7 @@ def make_tiny_target(out: Path, tokenizer, *, family: str = "llama", seed: int =
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    common.update({k: overrides.pop(k) for k in list(overrides) if k in common})  # e.g. tie_word_embeddings=True
     if family == "llama":
         config = transformers.LlamaConfig(**common, **overrides)
     elif family == "qwen2":
@@ -63,8 +64,7 @@ def make_tiny_target(out: Path, tokenizer, *, family: str = "llama", seed: int =
         config = transformers.Qwen3Config(**common, head_dim=16, **overrides)
     elif family == "deepseek_v3":
         config = transformers.DeepseekV3Config(
-            **{k: v for k, v in common.items() if k != "intermediate_size"},
-            intermediate_size=128, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+            **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
             n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
             q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
             **overrides,
