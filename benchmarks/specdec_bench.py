@@ -107,41 +107,38 @@ def main() -> None:
                                   tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
                                   device=args.device, model_dtype=args.dtype, limit=args.limit, **kw)
 
+        def timed_run(key: str, cfg: GenerateConfig) -> dict:
+            """One `eyas generate` run's summary (+ wall_s, outputs), or {"error": ...}: one run failing
+            must not lose the others' figures."""
+            try:
+                t0 = time.perf_counter()
+                summary, records = run_generate(cfg)
+                summary["wall_s"] = round(time.perf_counter() - t0, 2)
+                summary["outputs"] = [r["generated_ids"] for r in records]
+                return summary
+            except Exception as exc:
+                log(f"{key} failed: {type(exc).__name__}: {exc}")
+                traceback.print_exc(file=sys.stderr)
+                return {"error": f"{type(exc).__name__}: {exc}"}
+
         for mode in modes:
             cfg = None
             for engine in engines:
                 key = f"{mode}/{engine}"
                 log(f"mode {mode}, engine {engine}: decoding with the drafter and target-only")
-                try:
-                    cfg = config(mode, engine=engine)
-                    t0 = time.perf_counter()
-                    summary, records = run_generate(cfg)
-                    summary["wall_s"] = round(time.perf_counter() - t0, 2)
-                    summary["outputs"] = [r["generated_ids"] for r in records]
-                    runs[key] = summary
-                except Exception as exc:  # one run failing must not lose the others' figures
-                    log(f"{key} failed: {type(exc).__name__}: {exc}")
-                    traceback.print_exc(file=sys.stderr)
-                    runs[key] = {"error": f"{type(exc).__name__}: {exc}"}
+                cfg = config(mode, engine=engine)
+                runs[key] = timed_run(key, cfg)
             bs1_outputs = next((runs[f"{mode}/{e}"]["outputs"] for e in engines if "outputs" in runs[f"{mode}/{e}"]), None)
             for bs in batch_sizes:
                 if bs == 1:
                     continue
                 key = f"{mode}/batched/bs{bs}"
                 log(f"mode {mode}, batch size {bs}: decoding with the drafter and target-only (batched engine)")
-                try:
-                    cfg_b = config(mode, batch_size=bs)
-                    t0 = time.perf_counter()
-                    summary, records = run_generate(cfg_b)
-                    summary["wall_s"] = round(time.perf_counter() - t0, 2)
+                summary = runs[key] = timed_run(key, config(mode, batch_size=bs))
+                if "outputs" in summary:
                     summary["rows"] = round(summary["sequences"] / summary["batches"], 2)  # mean prompts a batch
-                    outs_b = [r["generated_ids"] for r in records]
+                    outs_b = summary.pop("outputs")
                     summary["same_as_bs1"] = (outs_b == bs1_outputs) if bs1_outputs is not None else None
-                    runs[key] = summary
-                except Exception as exc:
-                    log(f"{key} failed: {type(exc).__name__}: {exc}")
-                    traceback.print_exc(file=sys.stderr)
-                    runs[key] = {"error": f"{type(exc).__name__}: {exc}"}
             ok = {e: runs[f"{mode}/{e}"] for e in engines if "error" not in runs[f"{mode}/{e}"]}
             if not ok:
                 if engines:

@@ -783,30 +783,23 @@ def ttt_loss_packed(
     offsets = list(itertools.accumulate(lengths, initial=0))
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.lm_head.weight.dtype
     x = torch.empty(offsets[-1], drafter.config.hidden_size, dtype=cdtype, device=dev)
-    tops, trs, ws, valid_k, scale_k, steps_with_rows = [], [], [], [], [], []
+    scale = [cfg.weights[k] / denominators[k].float() for k in range(K)]
+    trs, valid_k = [r + 1 + k for k, r in enumerate(rows)], []  # teacher row of step k: p_{t+1+k}
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
                                        cast_once=cfg.cast_once):
-        r = rows[k]
-        if k == K - 1 and not any(x.numel() for x in rows):
+        if k == K - 1 and not offsets[-1]:
             # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
             # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks
             last = torch.nn.functional.linear(drafter.norm(hidden[0, :1]), drafter.lm_head.weight)
             loss = loss + 0.0 * last.float().sum()
-        if r.numel():
-            tr = r + 1 + k  # teacher row: p_{t+1+k}
-            valid = teacher.in_vocab_N[tr]
-            c = cfg.weights[k] / denominators[k].float()
-            x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, r))
-            tops.append(teacher.top_N[tr])
-            trs.append(tr)
-            ws.append(valid.float() * c)
-            valid_k.append(valid)
-            scale_k.append(c)
-            steps_with_rows.append(k)
-    hit_by_step: dict[int, torch.Tensor] = {}
-    if steps_with_rows:
-        w, top, tr = torch.cat(ws), torch.cat(tops), torch.cat(trs)
-        lengths = [lengths[k] for k in steps_with_rows]
+        valid_k.append(teacher.in_vocab_N[trs[k]])
+        if lengths[k]:
+            x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, rows[k]))
+    hit_k = [torch.zeros(0, dtype=torch.bool, device=dev)] * K
+    if offsets[-1]:  # one range per step (empty ones too): per_step[k] is step k's weighted sum
+        tr = torch.cat(trs)
+        w = torch.cat([v.float() * c for v, c in zip(valid_k, scale)])
+        top = teacher.top_N[tr]
         if teacher.logits_NV is not None:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
                                                         chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
@@ -816,18 +809,17 @@ def ttt_loss_packed(
                                                         top, lengths, chunk_rows=chunk_rows, teacher_rows=tr)
         loss = loss + total
         with torch.no_grad():
-            for i, (k, valid, c, h) in enumerate(zip(steps_with_rows, valid_k, scale_k, hits.split(lengths))):
-                ce_sums[k] = (per_step[i] / c).double()  # the step's unweighted soft-CE sum
-                corrects[k] = (h & valid).sum().double()
-                valids[k] = valid.sum().double()
-                hit_by_step[k] = h & valid
+            hit_k = [h & v for h, v in zip(hits.split(lengths), valid_k)]
+            for k in range(K):
+                if lengths[k]:
+                    ce_sums[k] = (per_step[k] / scale[k]).double()  # the step's unweighted soft-CE sum
+                    corrects[k], valids[k] = hit_k[k].sum().double(), valid_k[k].sum().double()
     chain_alive = None  # [N] positions whose simulated chain is still fully accepted
     accepted, rounds = zero, zero
     with torch.no_grad():
         for k in range(K):
             hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
-            if k in hit_by_step:
-                hit_N[rows[k]] = hit_by_step[k]
+            hit_N[rows[k]] = hit_k[k]
             if k == 0:
                 chain_alive, rounds = hit_N, valids[0]
             else:

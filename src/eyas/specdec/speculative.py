@@ -571,9 +571,8 @@ def prediction_engine(device: torch.device) -> str:
     one (`eyas generate --engine static`: CUDA-graph steps, one host read a round; on an H200 with
     SmolLM2-135M ~1.8 ms draft + ~3.4 ms verify against 14.6 + 20.2 ms for the plain engine's eager
     code), `plain` elsewhere: off CUDA the static engine runs the same kernels eagerly with attention
-    over its whole preallocated cache and is slower (SmolLM2-135M, 2 CPU cores, context 512: a chain-7
-    round 133 ms static vs 97 ms plain, a 60-token tree 302 vs 252 ms, target step 79 vs 78 ms). The
-    same rule picks `eyas generate --engine auto`'s engine (generate_run.resolve_engine)."""
+    over its whole preallocated cache, so it is the slower one there. The same rule picks
+    `eyas generate --engine auto`'s engine (generate_run.resolve_engine)."""
     return "static" if torch.device(device).type == "cuda" else "plain"
 
 
