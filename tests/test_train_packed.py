@@ -282,7 +282,8 @@ def test_cast_once_casts_each_weight_once_and_trains_alike():
         o.loss.backward()
         out[once] = (o.loss.detach(), CountCasts.n, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     loss, casts, grads = out[True]
-    same_shape = sum(tuple(w.shape) == shape for w in m.midlayer.linear_weights(torch.float32).values())  # gate, up
+    same_shape = sum(tuple(mod.weight.shape) == shape for mod in m.midlayer.modules()
+                     if isinstance(mod, torch.nn.Linear))  # gate, up (each cast once, then concatenated)
     assert casts == same_shape and out[False][1] >= same_shape, (casts, out[False][1])
     ref_loss, _, ref_grads = out[False]
     torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-3)
@@ -290,3 +291,40 @@ def test_cast_once_casts_each_weight_once_and_trains_alike():
     for n in ref_grads:  # bf16 sums of K step gradients vs fp32 sums of bf16 ones
         err = (grads[n] - ref_grads[n]).norm() / ref_grads[n].norm().clamp_min(1e-12)
         assert err < 3e-2, (n, float(err))
+
+
+def test_shared_linear_sums_every_use_gradient_once():
+    """`shared_linear` over K chained uses of one weight (each use downstream of the first, as in
+    the TTT unroll): the weight's gradient (accumulated inside the matmuls, returned by the first
+    use) and the input's equal plain autograd's; a use whose output never reaches the loss adds
+    nothing; running a later use's backward after the first use's raises."""
+    from eyas.drafter.model import SharedWeight, shared_linear
+
+    g = torch.Generator().manual_seed(0)
+    W = torch.randn(6, 6, generator=g, dtype=torch.float64)
+    x0 = torch.randn(2, 3, 6, generator=g, dtype=torch.float64)
+
+    def run(shared: bool):
+        w = W.clone().requires_grad_(True)
+        x = x0.clone().requires_grad_(True)
+        sw = SharedWeight(w * 1.0) if shared else None
+        lin = (lambda h: shared_linear(h, sw)) if shared else (lambda h: h @ w.T)
+        h, loss = x, 0
+        for k in range(4):
+            h = torch.tanh(lin(h))
+            loss = loss + (0.7 ** k) * h.sum()
+        lin(h)  # a fifth use whose output is dropped: no gradient flows through it
+        loss.backward()
+        return w.grad, x.grad
+
+    (gw, gx), (rw, rx) = run(True), run(False)
+    torch.testing.assert_close(gw, rw)
+    torch.testing.assert_close(gx, rx)
+
+    w = W.clone().requires_grad_(True)
+    sw = SharedWeight(w * 1.0)
+    first = shared_linear(x0, sw)
+    later = shared_linear(x0, sw)  # not downstream of `first`: its backward may come after
+    first.sum().backward()
+    with pytest.raises(RuntimeError, match="after its first use"):
+        later.sum().backward()

@@ -247,38 +247,90 @@ class MidLayer(nn.Module):
 
     LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
-    def linear_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The linear weights cast to `dtype` once (differentiable casts): shared by several steps,
-        each step then reads them as they are instead of casting its own copy under autocast."""
-        mods = {**{n: getattr(self.self_attn, n) for n in self.LINEARS[:4]},
-                **{n: getattr(self.mlp, n) for n in self.LINEARS[4:]}}
-        return {n: m.weight.to(dtype) for n, m in mods.items()}
+    def linear_weights(self, dtype: torch.dtype) -> dict[str, SharedWeight]:
+        """The linear weights cast to `dtype` once (differentiable casts) for several steps to share:
+        q/k/v as one [H*d + 2*K*d, 2D] matrix and gate/up as one [2I, D] matrix (one matmul each per
+        step), o_proj and down_proj alone. Each step's weight gradient is accumulated inside its
+        matmul (`shared_linear`), so the K steps add no gradient sums of their own."""
+        a, m = self.self_attn, self.mlp
+        cast = lambda *mods: torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 \
+            else mods[0].weight.to(dtype)
+        return {"qkv": SharedWeight(cast(a.q_proj, a.k_proj, a.v_proj)), "o_proj": SharedWeight(cast(a.o_proj)),
+                "gate_up": SharedWeight(cast(m.gate_proj, m.up_proj)), "down_proj": SharedWeight(cast(m.down_proj))}
 
-    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin, w: dict[str, torch.Tensor] | None = None):
+    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin, w: dict[str, SharedWeight] | None = None):
         """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k). `w`: `linear_weights` to use instead of
         the modules' own."""
         B, T, _ = embeds_BTD.shape
         H, K, d = self.cfg.num_attention_heads, self.cfg.num_key_value_heads, self.cfg.head_dim
         x_BT2D = torch.cat([self.input_layernorm(embeds_BTD), self.hidden_norm(feature_BTD)], dim=-1)
         attn = self.self_attn
-        lin = (lambda n, x: getattr(attn, n)(x)) if w is None else (lambda n, x: F.linear(x.to(w[n].dtype), w[n]))
-        q = lin("q_proj", x_BT2D).view(B, T, H, d).transpose(1, 2)
-        k = lin("k_proj", x_BT2D).view(B, T, K, d).transpose(1, 2)
-        v = lin("v_proj", x_BT2D).view(B, T, K, d).transpose(1, 2)
+        if w is None:
+            q, k, v = attn.q_proj(x_BT2D), attn.k_proj(x_BT2D), attn.v_proj(x_BT2D)
+        else:
+            q, k, v = shared_linear(x_BT2D, w["qkv"]).split([H * d, K * d, K * d], dim=-1)
+        q = q.view(B, T, H, d).transpose(1, 2)
+        k = k.view(B, T, K, d).transpose(1, 2)
+        v = v.view(B, T, K, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor,
-               w: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+               w: dict[str, SharedWeight] | None = None) -> torch.Tensor:
         """o_proj, residual from the (un-normalised) feature, then the MLP block -> hidden_prenorm_BTD."""
         B, H, T, d = attn_BHTd.shape
         o = attn_BHTd.transpose(1, 2).reshape(B, T, H * d)
         if w is None:
             h = feature_BTD + self.self_attn.o_proj(o)
             return h + self.mlp(self.post_attention_layernorm(h))
-        lin = lambda n, x: F.linear(x.to(w[n].dtype), w[n])
-        h = feature_BTD + lin("o_proj", o)
-        x = self.post_attention_layernorm(h)
-        return h + lin("down_proj", F.silu(lin("gate_proj", x)) * lin("up_proj", x))
+        h = feature_BTD + shared_linear(o, w["o_proj"])
+        gate, up = shared_linear(self.post_attention_layernorm(h), w["gate_up"]).chunk(2, dim=-1)
+        return h + shared_linear(F.silu(gate) * up, w["down_proj"])
+
+
+class SharedWeight:
+    """One weight (already in the compute dtype) used by several matmuls of one forward, the TTT
+    steps. `shared_linear` accumulates the weight's gradient of every use into one buffer inside the
+    matmul (beta = 1) and hands the sum back through the FIRST use, which backward reaches last."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+        self.uses = 0
+        self.grad: torch.Tensor | None = None
+        self.done = False
+
+
+class _SharedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, shared: SharedWeight):
+        ctx.save_for_backward(x, weight)
+        ctx.shared, ctx.first = shared, shared.uses == 0
+        shared.uses += 1
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        s: SharedWeight = ctx.shared
+        if s.done:  # every later use lies downstream of the first one, so the first is the last to run
+            raise RuntimeError("shared_linear: a use of a shared weight ran backward after its first use")
+        dy = dy.to(weight.dtype)
+        dx = dy @ weight if ctx.needs_input_grad[0] else None
+        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+        if s.grad is None:
+            s.grad = dy2.T @ x2
+        else:
+            s.grad.addmm_(dy2.T, x2)
+        if not ctx.first:
+            return dx, None, None
+        grad, s.grad, s.done = s.grad, None, True
+        return dx, grad, None
+
+
+@torch.compiler.disable  # holds Python state across calls: always eager (a graph break in compiled pieces)
+def shared_linear(x: torch.Tensor, shared: SharedWeight) -> torch.Tensor:
+    """F.linear(x, shared.weight) whose weight gradient is summed with the other uses' inside their
+    matmuls (see `SharedWeight`)."""
+    return _SharedLinear.apply(x.to(shared.weight.dtype), shared.weight, shared)
 
 
 @dataclass

@@ -77,10 +77,12 @@ class TTTConfig:
     """Step k's loss weight is decay**k."""
     attention: str = "fast"
     """'fast' (flash + diagonal merge) or 'reference' (dense mask; tests and tiny runs)."""
-    cast_once: bool = False
+    cast_once: bool = True
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
-    forward and shared by the K steps (their gradients then sum in that dtype before one cast back),
-    instead of K casts and K fp32 gradient additions per weight. Off by default until measured."""
+    forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, each step's
+    weight gradient accumulated inside its matmul (model.shared_linear), instead of K casts and K
+    gradient additions per weight. False: every step casts the weights itself (the earlier path,
+    kept for comparison: benchmarks/train_bench.py measures both)."""
 
     def __post_init__(self):
         if self.steps < 1:

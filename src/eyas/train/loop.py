@@ -82,6 +82,8 @@ class TrainConfig:
     """Training-time-test steps."""
     ttt_decay: float = 0.8
     """Loss weight of TTT step k = decay**k."""
+    ttt_cast_once: bool = True
+    """TTTConfig.cast_once (off: the per-step weight casts, for benchmarks/train_bench.py's comparison)."""
     draft_vocab: int | None = None
     """Draft vocabulary size (default min(32000, target vocab))."""
     draft_intermediate_size: int | None = None
@@ -389,7 +391,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     drafter.to(dev)
     head_w = tensors["lm_head"].to(dev, torch.bfloat16 if bf16 else torch.float32)
     del tensors
-    ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention)
+    ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
+                        cast_once=cfg.ttt_cast_once)
     if dev.type == "cuda" and cfg.attention == "fast":
         from eyas.packing import check_varlen_kernel, pick_varlen_kernel
 
