@@ -10,7 +10,7 @@
 # Two or more GPUs (`nvidia-h200-x2`, `-x4`):
 #   1 (carry .stage/a2): staging (1/2); starts the last GPU's chain: the 8B training rate (default options and
 #     the per-step weight casts) against SpecForge in one process; once the target exists, the SmolLM2
-#     training rate (500 chats, the target on every batch vs the state cache; per-step casts); once the
+#     training rate (500 chats, the target on every batch vs the state cache; weights cast once); once the
 #     recipe's prepared data exists, eyas vs SpecForge side by side on it
 #   2 (carry .stage/b, and .stage/r when it exists): staging (2/2); starts GPU 0's chain: the recipe on all
 #     17,293 records with STEPS steps (4 GPUs: the scaling study's 2,000 / 6,000 / 17,293 records on GPUs 0-2),
@@ -69,23 +69,34 @@ R=/root/run  # the chains run from this copy: PYTHONPATH and the scripts
 SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=/root/smol --set regenerate.source=$S/chats_all.jsonl
        --set eval.prompts=$S/question.jsonl --max-minutes 28"
 prep=/root/scaling/n$ALL-s$STEPS/prepared
+# the chains' jobs, each writing /root/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep 10; done; }
-# the chains' jobs (each writes /root/q/<name>.log)
-train_8b="timeout 330 python benchmarks/train_bench.py --no-compile --no-reference > /root/q/train_8b.log 2>&1"
-rate="timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target /root/smol --out /root/prep500 --limit 500 \
-    --overwrite > /root/q/prep500.log 2>&1
-    for v in 'off:' 'on:' 'on:--per-step-casts'; do
-        timeout 120 python benchmarks/train_bench.py --suite smol --target /root/smol --data /root/prep500 --budgets 131072 \
-            --steps 30 --skip 10 --cache \${v%%:*} \${v#*:} --work /root/tb > /root/q/train_smol_\${v%%:*}\${v#*:}.log 2>&1
-    done"
-sbs="python benchmarks/specforge_side_by_side.py --prepared $prep --target /root/smol --root /root/sbs \
-    --eval-prompts $S/question.jsonl > /root/q/sbs.log 2>&1"
-recipe() { echo "python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $1 --gpus $2 > /root/q/scaling.log 2>&1"; }
-spec="python benchmarks/specdec_bench.py --drafter /root/scaling/n$ALL-s$STEPS/train/drafter --target /root/smol \
-    --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > /root/q/specdec.log 2>&1"
+train_8b() { timeout 330 python benchmarks/train_bench.py --no-compile --no-reference > /root/q/train_8b.log 2>&1; }
+smol_rate() {  # the SmolLM2 training rate on 500 chats: the target on every batch, the state cache, weights cast once
+    timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target /root/smol --out /root/prep500 --limit 500 \
+        --overwrite > /root/q/prep500.log 2>&1
+    local args=(--suite smol --target /root/smol --data /root/prep500 --budgets 131072 --steps 30 --skip 10 --work /root/tb)
+    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > /root/q/train_smol_cache_off.log 2>&1
+    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > /root/q/train_smol_cache_on.log 2>&1
+    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on > /root/q/train_smol_cast_once.log 2>&1
+}
+side_by_side() {
+    waitfor $prep/meta.json
+    python benchmarks/specforge_side_by_side.py --prepared $prep --target /root/smol --root /root/sbs \
+        --eval-prompts $S/question.jsonl > /root/q/sbs.log 2>&1
+}
+recipe() { python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $1 --gpus $2 > /root/q/scaling.log 2>&1; }
+specdec() {
+    python benchmarks/specdec_bench.py --drafter /root/scaling/n$ALL-s$STEPS/train/drafter --target /root/smol \
+        --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > /root/q/specdec.log 2>&1
+}
+export S ALL STEPS SCALE prep
+export -f waitfor train_8b smol_rate side_by_side recipe specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; /root/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
-    (cd $R && CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$R/src:/root/site setsid nohup bash -c "$*; touch /root/q/$name.done" \
+    # `cd $R || exit;` and not `cd $R && ...&`: an &&-list sent to the background is a subshell that keeps this
+    # script's stdout open until the chain ends (a call piping this script into `tail` then hangs)
+    (cd $R || exit; CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$R/src:/root/site setsid nohup bash -c "$*; touch /root/q/$name.done" \
         < /dev/null > /root/q/$name.chain.log 2>&1 &)
     note "chain $name started on GPU $gpu"
 }
@@ -99,13 +110,12 @@ case "$part" in
     nvidia-smi -L | tee -a "$L/session.log"
     stage1
     if [ "$NG" -eq 1 ]; then  # one GPU: the 8B rate against SpecForge in the foreground (the chain comes in call 2)
-        bash -c "$train_8b"; cp /root/q/train_8b.log "$L/"
+        train_8b; cp /root/q/train_8b.log "$L/"
         echo "== train_8b"; grep -v warmup /root/q/train_8b.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
     fi
     snapshot
     last=$(( NG - 1 ))
-    chain $last side "$train_8b; while [ ! -e /root/smol/config.json ]; do sleep 10; done; $rate; \
-        while [ ! -f $prep/meta.json ]; do sleep 10; done; $sbs"
+    chain $last side "train_8b; waitfor /root/smol/config.json; smol_rate; side_by_side"
     sleep 20; summary
     ;;
 2)
@@ -118,11 +128,11 @@ case "$part" in
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
     if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01)
-        chain 0 main "$(recipe $ALL 0); $spec; $rate; $sbs"
+        chain 0 main "recipe $ALL 0; specdec; smol_rate; side_by_side"
     elif [ "$NG" -ge 4 ]; then
-        chain 0 main "$(recipe 2000,6000,$ALL 0,1,2); $spec"
+        chain 0 main "recipe 2000,6000,$ALL 0,1,2; specdec"
     else
-        chain 0 main "$(recipe $ALL 0); $spec"
+        chain 0 main "recipe $ALL 0; specdec"
     fi
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ] && [ "$(running)" -gt 0 ]; do sleep 15; done
     collect; summary

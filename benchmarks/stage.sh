@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Build the staged files a GPU session carries (not in git; .stage/ is in .git/info/exclude):
 #   .stage/a2: smol.gguf.aa (first half of the embedded SmolLM2 GGUF), wheels the device lacks (gguf;
-#              specforge 0.2.0 and what its `specforge train` imports beyond the device image: pydantic,
+#              specforge 0.2.0 and what its `specforge train` imports beyond the device image: pydantic (with the
+#              typing-inspection and typing-extensions it needs: 0.4.2 broke its import on 2026-12-01),
 #              datasets, dill, multiprocess), question.jsonl (MT-bench),
 #              chats_all.jsonl.xz (17,293 whole ShareGPT chats, benchmarks/stage_chats.py --n 20000)
 #   .stage/b:  smol.gguf.ab (second half)
@@ -25,5 +26,5 @@ fi
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d .stage/a2 gguf==0.19.0 specforge==0.2.0 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.7.0 \
-    typing-inspection==0.4.2 datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19
+    typing-inspection==0.4.5 typing-extensions==4.16.0 datasets==5.0.0 dill==0.4.1 multiprocess==0.70.19
 du -sh .stage/a2 .stage/b

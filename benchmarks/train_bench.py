@@ -9,12 +9,12 @@ host memory every step as the store loader does). A step is what `eyas train` ru
 forward/backward with the fused chunked head loss (teacher logits from the target lm_head on the
 fly), bf16 autocast with fp32 master weights, grad clipping, fused AdamW, the LR scheduler and the
 per-step statistics read back to the host. In the same process: the earlier padded path with
-materialised teacher probabilities (`reference`), `eyas-per-step-casts` (TTTConfig.cast_once=False:
-every TTT step casts the mid layer's weights itself and their gradients are summed by autograd, the
-path before the default's weights cast once with gradients accumulated inside the matmuls), and
-SpecForge 0.2.0's own trainer on the same configuration when it is importable
-(benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
-options), train_8b_per_step_casts_vs_specforge.
+materialised teacher probabilities (`reference`), the other setting of TTTConfig.cast_once than the
+default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid layer's weights
+itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, gradients
+accumulated inside the matmuls), and SpecForge 0.2.0's own trainer on the same configuration when it
+is importable (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of
+the default options), train_8b_per_step_casts_vs_specforge.
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
@@ -49,6 +49,8 @@ import sys
 import time
 
 import torch
+
+CAST = {"auto": None, "on": True, "off": False}  # --cast-once -> TTTConfig.cast_once
 
 H200_PEAK, H200_MEASURED = 989e12, 756e12
 
@@ -111,7 +113,7 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
-                   compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool = True):
+                   compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
@@ -260,7 +262,7 @@ def suite_8b(args, dist) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
-                              compile_parts=device.type == "cuda", cast_once=not args.per_step_casts)
+                              compile_parts=device.type == "cuda", cast_once=CAST[args.cast_once])
         for _ in range(3):
             step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -274,10 +276,14 @@ def suite_8b(args, dist) -> dict:
     _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
                                                       compile_parts=device.type == "cuda"),
                                        warmup=warmup, steps=steps, label="eyas", **kw))
-    if device.type == "cuda" and not args.fsdp:  # the earlier path: each step casts the weights (cast_once=False)
-        _try("eyas-per-step-casts", runs, lambda: measure(make_fast_step(
-            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True, cast_once=False),
-            warmup=warmup, steps=steps, label="eyas-per-step-casts", **kw))
+    if device.type == "cuda" and not args.fsdp:  # the other TTTConfig.cast_once setting than the default's
+        from eyas.drafter.ttt import TTTConfig
+
+        other = not TTTConfig().cast_once_for(c["hidden_size"])
+        label = "eyas-cast-once" if other else "eyas-per-step-casts"
+        _try(label, runs, lambda: measure(make_fast_step(
+            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True, cast_once=other),
+            warmup=warmup, steps=steps, label=label, **kw))
     if device.type == "cuda" and not args.no_compile:
         _try("eyas-no-compile", runs, lambda: measure(
             make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce),
@@ -350,7 +356,7 @@ def suite_smol(args) -> dict:
             for compiled in ([None, False] if (args.compile_smol and budget == budgets[-1]) else [None]):
                 label = (f"data{di}-{budget // 1024}k" + ("-no-compile" if compiled is False else "")
                          + (f"-cache-{args.cache}" if args.cache != "auto" else "")
-                         + ("-per-step-casts" if args.per_step_casts else ""))
+                         + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else ""))
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
                 def one():
@@ -363,7 +369,7 @@ def suite_smol(args) -> dict:
                         ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, device=args.device or "cuda",
                         eval_samples=8, compile=compiled, max_length=min(2048, budget), overwrite=True, lr=1e-4,
                         cache_states={"auto": None, "on": True, "off": False}[args.cache],
-                        ttt_cast_once=not args.per_step_casts))
+                        ttt_cast_once=CAST[args.cast_once]))
                     r = _steady(work / label / "metrics.jsonl", args.skip)
                     r.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, wall_s=time.perf_counter() - t0,
                              steps=steps, data=str(data), tokens_per_batch=budget, compiled=compiled,
@@ -409,8 +415,8 @@ def main() -> None:
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
                                                                                    "all-reduce dtype (eyas train --grad-reduce)")
     ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop")
-    ap.add_argument("--per-step-casts", action="store_true",
-                    help="8b --profile: TTTConfig.cast_once=False; smol: the same for `eyas train` (TrainConfig.ttt_cast_once)")
+    ap.add_argument("--cast-once", default="auto", choices=list(CAST),
+                    help="8b --profile and smol: TTTConfig.cast_once (auto: the default, by the drafter's size)")
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
     ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")
     ap.add_argument("--no-specforge", action="store_true", help="8b: skip SpecForge even when importable")

@@ -293,6 +293,15 @@ def test_cast_once_casts_each_weight_once_and_trains_alike():
         assert err < 3e-2, (n, float(err))
 
 
+def test_cast_once_default_follows_the_drafter_size():
+    """cast_once None picks the measured-faster path by hidden size; an explicit setting wins."""
+    from eyas.drafter.ttt import CAST_ONCE_MIN_HIDDEN
+
+    assert TTTConfig().cast_once_for(4096) and not TTTConfig().cast_once_for(576)
+    assert TTTConfig().cast_once_for(CAST_ONCE_MIN_HIDDEN) and not TTTConfig().cast_once_for(CAST_ONCE_MIN_HIDDEN - 1)
+    assert TTTConfig(cast_once=True).cast_once_for(576) and not TTTConfig(cast_once=False).cast_once_for(4096)
+
+
 def test_shared_linear_sums_every_use_gradient_once():
     """`shared_linear` over K chained uses of one weight (each use downstream of the first, as in
     the TTT unroll): the weight's gradient (accumulated inside the matmuls, returned by the first

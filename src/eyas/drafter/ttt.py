@@ -77,12 +77,13 @@ class TTTConfig:
     """Step k's loss weight is decay**k."""
     attention: str = "fast"
     """'fast' (flash + diagonal merge) or 'reference' (dense mask; tests and tiny runs)."""
-    cast_once: bool = True
+    cast_once: bool | None = None
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
     forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, each step's
-    weight gradient accumulated inside its matmul (model.shared_linear), instead of K casts and K
-    gradient additions per weight. False: every step casts the weights itself (the earlier path,
-    kept for comparison: benchmarks/train_bench.py measures both)."""
+    weight gradient accumulated inside its matmul (model.shared_linear), instead of every step casting
+    the weights itself with autograd summing K gradients per weight. None (default): on for drafters
+    of hidden size >= CAST_ONCE_MIN_HIDDEN. Measured on one H200 (benchmarks/RESULTS.md, 2026-12-01):
+    5-6% faster for the Llama-8B shape (hidden 4096), 3-5% slower for SmolLM2's (576)."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -95,6 +96,15 @@ class TTTConfig:
     @property
     def weights(self) -> list[float]:
         return [self.decay**k for k in range(self.steps)]
+
+    def cast_once_for(self, hidden_size: int) -> bool:
+        """`cast_once` resolved for a drafter of this hidden size."""
+        return hidden_size >= CAST_ONCE_MIN_HIDDEN if self.cast_once is None else self.cast_once
+
+
+CAST_ONCE_MIN_HIDDEN = 2048
+"""The smallest drafter hidden size that casts its weights once by default (measured: 4096 faster,
+576 slower; the sizes between were not measured)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -788,7 +798,7 @@ def ttt_loss_packed(
     scale = [cfg.weights[k] / denominators[k].float() for k in range(K)]
     trs, valid_k = [r + 1 + k for k, r in enumerate(rows)], []  # teacher row of step k: p_{t+1+k}
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
-                                       cast_once=cfg.cast_once):
+                                       cast_once=cfg.cast_once_for(drafter.config.hidden_size)):
         if k == K - 1 and not offsets[-1]:
             # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
             # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks

@@ -82,8 +82,8 @@ class TrainConfig:
     """Training-time-test steps."""
     ttt_decay: float = 0.8
     """Loss weight of TTT step k = decay**k."""
-    ttt_cast_once: bool = True
-    """TTTConfig.cast_once (off: the per-step weight casts, for benchmarks/train_bench.py's comparison)."""
+    ttt_cast_once: bool | None = None
+    """TTTConfig.cast_once (None: by the drafter's size; set for benchmarks/train_bench.py's comparisons)."""
     draft_vocab: int | None = None
     """Draft vocabulary size (default min(32000, target vocab))."""
     draft_intermediate_size: int | None = None
