@@ -21,22 +21,25 @@
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
-OUT=${OUT:-/root/out}
+ROOT=${SESSION_ROOT:-/root}    # where the session works; tests/test_quality_session.py sets another, with stubs
+STAGE=${STAGE_DIR:-.stage}      # the staged files carried with the call
+POLL_S=${POLL_S:-10}            # how often waits look again
+OUT=${OUT:-$ROOT/out}
 L=$OUT/logs
-mkdir -p "$L" /root/stage /root/q
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:/root/site
+mkdir -p "$L" $ROOT/stage $ROOT/q
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/src:$ROOT/site
 NG=$(nvidia-smi -L | wc -l)
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( $(nproc) / NG ))}  # one job per GPU side by side: its share of the cores
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-S=/root/stage
+S=$ROOT/stage
 T0=$(date +%s)
 note() { echo "[$(( $(date +%s) - T0 ))s] $*" | tee -a "$L/session.log"; }
 pack() { tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"; }
 trap pack EXIT
 collect() {  # what the chains wrote, into $L (the machine may go back before the next call)
-    cp /root/q/*.log /root/q/*.json "$L/" 2>/dev/null
-    for e in /root/sbs/eval-*; do [ -f $e/report.json ] && cp $e/report.json "$L/sbs-$(basename $e).json"; done
-    for r in /root/scaling; do
+    cp $ROOT/q/*.log $ROOT/q/*.json "$L/" 2>/dev/null
+    for e in $ROOT/sbs/eval-*; do [ -f $e/report.json ] && cp $e/report.json "$L/sbs-$(basename $e).json"; done
+    for r in $ROOT/scaling; do
         for w in $r/n*-s*; do
             [ -d "$w" ] || continue
             n=$(basename $r)-$(basename $w)
@@ -49,58 +52,58 @@ collect() {  # what the chains wrote, into $L (the machine may go back before th
     done
 }
 summary() {  # the last lines of each chain's logs
-    for f in /root/q/*.log; do
+    for f in $ROOT/q/*.log; do
         [ -f "$f" ] || continue
         echo "== $(basename $f)"; grep -v "Loading weights\|warmup\|^  \[" "$f" | tail -${1:-4} | cut -c1-300
     done
 }
 need() { for f in "$@"; do [ -e "$f" ] || { note "fresh machine: $f is missing (staging lost)"; exit 1; }; done; }
 stage1() {
-    cp .stage/a2/* $S/ && python -m pip install -q --no-index --no-deps --target /root/site $S/*.whl
+    cp $STAGE/a2/* $S/ && python -m pip install -q --no-index --no-deps --target $ROOT/site $S/*.whl
     python -c "import lzma, shutil; shutil.copyfileobj(lzma.open('$S/chats_all.jsonl.xz'), open('$S/chats_all.jsonl', 'wb'))"
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     note "staged (1/2)"
 }
-snapshot() { rm -rf /root/run && mkdir -p /root/run && cp -r src benchmarks recipes pyproject.toml /root/run/; }
+snapshot() { rm -rf $ROOT/run && mkdir -p $ROOT/run && cp -r src benchmarks recipes pyproject.toml $ROOT/run/; }
 
 ALL=17293
 STEPS=${STEPS:-2400}
-R=/root/run  # the chains run from this copy: PYTHONPATH and the scripts
-SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=/root/smol --set regenerate.source=$S/chats_all.jsonl
+R=$ROOT/run  # the chains run from this copy: PYTHONPATH and the scripts
+SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol --set regenerate.source=$S/chats_all.jsonl
        --set eval.prompts=$S/question.jsonl --max-minutes 28"
-prep=/root/scaling/n$ALL-s$STEPS/prepared
-# the chains' jobs, each writing /root/q/<name>.log; exported: the chains call them through `bash -c`
-waitfor() { while [ ! -e "$1" ]; do sleep 10; done; }
-train_8b() { timeout 330 python benchmarks/train_bench.py --no-compile --no-reference > /root/q/train_8b.log 2>&1; }
+prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
+# the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
+waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
+train_8b() { timeout 330 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
 smol_rate() {  # the SmolLM2 training rate on 500 chats: the target on every batch, the state cache, weights cast once
-    timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target /root/smol --out /root/prep500 --limit 500 \
-        --overwrite > /root/q/prep500.log 2>&1
-    local args=(--suite smol --target /root/smol --data /root/prep500 --budgets 131072 --steps 30 --skip 10 --work /root/tb)
-    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > /root/q/train_smol_cache_off.log 2>&1
-    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > /root/q/train_smol_cache_on.log 2>&1
-    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on > /root/q/train_smol_cast_once.log 2>&1
+    timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
+        --overwrite > $ROOT/q/prep500.log 2>&1
+    local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
+    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1
+    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1
+    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on > $ROOT/q/train_smol_cast_once.log 2>&1
 }
 side_by_side() {
     waitfor $prep/meta.json
-    python benchmarks/specforge_side_by_side.py --prepared $prep --target /root/smol --root /root/sbs \
-        --eval-prompts $S/question.jsonl > /root/q/sbs.log 2>&1
+    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
+        --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
-recipe() { python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $1 --gpus $2 > /root/q/scaling.log 2>&1; }
+recipe() { python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling.log 2>&1; }
 specdec() {
-    python benchmarks/specdec_bench.py --drafter /root/scaling/n$ALL-s$STEPS/train/drafter --target /root/smol \
-        --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > /root/q/specdec.log 2>&1
+    python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
+        --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
-export S ALL STEPS SCALE prep
+export ROOT POLL_S S ALL STEPS SCALE prep
 export -f waitfor train_8b smol_rate side_by_side recipe specdec
-chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; /root/q/NAME.done at its end
+chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
     # `cd $R || exit;` and not `cd $R && ...&`: an &&-list sent to the background is a subshell that keeps this
     # script's stdout open until the chain ends (a call piping this script into `tail` then hangs)
-    (cd $R || exit; CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$R/src:/root/site setsid nohup bash -c "$*; touch /root/q/$name.done" \
-        < /dev/null > /root/q/$name.chain.log 2>&1 &)
+    (cd $R || exit; CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$R/src:$ROOT/site setsid nohup bash -c "$*; touch $ROOT/q/$name.done" \
+        < /dev/null > $ROOT/q/$name.chain.log 2>&1 &)
     note "chain $name started on GPU $gpu"
 }
-running() { local n=0; for c in /root/q/*.chain.log; do [ -e "$c" ] && [ ! -e "${c%.chain.log}.done" ] && n=$((n + 1)); done; echo $n; }
+running() { local n=0; for c in $ROOT/q/*.chain.log; do [ -e "$c" ] && [ ! -e "${c%.chain.log}.done" ] && n=$((n + 1)); done; echo $n; }
 
 case "$part" in
 0)  # staging (1/2) alone
@@ -110,21 +113,21 @@ case "$part" in
     nvidia-smi -L | tee -a "$L/session.log"
     stage1
     if [ "$NG" -eq 1 ]; then  # one GPU: the 8B rate against SpecForge in the foreground (the chain comes in call 2)
-        train_8b; cp /root/q/train_8b.log "$L/"
-        echo "== train_8b"; grep -v warmup /root/q/train_8b.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
+        train_8b; cp $ROOT/q/train_8b.log "$L/"
+        echo "== train_8b"; grep -v warmup $ROOT/q/train_8b.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
     fi
     snapshot
     last=$(( NG - 1 ))
-    chain $last side "train_8b; waitfor /root/smol/config.json; smol_rate; side_by_side"
-    sleep 20; summary
+    chain $last side "train_8b; waitfor $ROOT/smol/config.json; smol_rate; side_by_side"
+    sleep ${SETTLE_S:-20}; summary
     ;;
 2)
     need $S/smol.gguf.aa $S/chats_all.jsonl $S/question.jsonl
-    cp .stage/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf.part && md5sum $S/smol.gguf.part
-    python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf.part'), Path('/root/smol.part'))" 2>&1 | tail -1
-    [ -d /root/smol ] || mv /root/smol.part /root/smol  # the side chain waits for /root/smol/config.json: only once it is whole
-    mkdir -p /root/scaling
-    [ -f .stage/r/regen.tgz ] && tar xzf .stage/r/regen.tgz -C /root/scaling && note "regeneration restaged"
+    cp $STAGE/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf.part && md5sum $S/smol.gguf.part
+    python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf.part'), Path('$ROOT/smol.part'))" 2>&1 | tail -1
+    [ -d $ROOT/smol ] || mv $ROOT/smol.part $ROOT/smol  # the side chain waits for $ROOT/smol/config.json: only once it is whole
+    mkdir -p $ROOT/scaling
+    [ -f $STAGE/r/regen.tgz ] && tar xzf $STAGE/r/regen.tgz -C $ROOT/scaling && note "regeneration restaged"
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
     if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01)
@@ -134,13 +137,13 @@ case "$part" in
     else
         chain 0 main "recipe $ALL 0; specdec"
     fi
-    while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ] && [ "$(running)" -gt 0 ]; do sleep 15; done
+    while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ] && [ "$(running)" -gt 0 ]; do sleep $POLL_S; done
     collect; summary
     ;;
 3)
-    need /root/smol
-    while [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-540} ] && [ "$(running)" -gt 0 ]; do sleep 10; done
-    collect; tar czf "$OUT/regen.tgz" -C /root/scaling regen 2>/dev/null
+    need $ROOT/smol
+    while [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-540} ] && [ "$(running)" -gt 0 ]; do sleep $POLL_S; done
+    collect; tar czf "$OUT/regen.tgz" -C $ROOT/scaling regen 2>/dev/null
     summary 8
     n=$(running); note "chains still running: $n"; [ "$n" -gt 0 ] && note "call 3 again"
     ;;

@@ -1,0 +1,128 @@
+"""benchmarks/quality_session.sh, the script of a GPU session, run on the CPU with stubs for `python` and
+`nvidia-smi`: each call returns while its detached chains run on (a call piping it into `tail` must not
+wait for them), and every job gets the arguments the session means to give it, on the intended GPU. Two
+bugs of that kind cost most of one session's device time: a backgrounded `cd && ...` list kept the call's
+stdout open, and a line break in a string run through `bash -c` cut the recipe's arguments in half."""
+
+from __future__ import annotations
+
+import json
+import lzma
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "benchmarks" / "quality_session.sh"
+
+STUB_PYTHON = r'''#!{python}
+import json, os, pathlib, sys
+args = sys.argv[1:]
+with open(os.environ["STUB_LOG"], "a") as f:
+    f.write(json.dumps({{"gpu": os.environ.get("CUDA_VISIBLE_DEVICES"), "cwd": os.getcwd(), "args": args}}) + "\n")
+root = pathlib.Path(os.environ["SESSION_ROOT"])
+if args[:1] == ["-c"] and "convert_gguf" in args[1]:  # the target, converted from the joined GGUF halves
+    (root / "smol.part").mkdir(parents=True, exist_ok=True)
+    (root / "smol.part" / "config.json").write_text("{{}}")
+elif args[:1] == ["-c"]:  # decompressing the staged chats: the real interpreter
+    os.execv(sys.executable, [sys.executable] + args)
+elif args and args[0].endswith("scaling_study.py"):  # a recipe point: its prepared data and drafter
+    steps = args[args.index("--steps") + 1]
+    for n in args[args.index("--conversations") + 1].split(","):
+        point = root / "scaling" / f"n{{n}}-s{{steps}}"
+        (point / "prepared").mkdir(parents=True, exist_ok=True)
+        (point / "prepared" / "meta.json").write_text("{{}}")
+        (point / "train" / "drafter").mkdir(parents=True, exist_ok=True)
+'''
+
+
+@pytest.fixture(params=[2, 1], ids=["2gpu", "1gpu"])
+def session(tmp_path, request):
+    """(run(part) -> (seconds, output), the stub's log reader, root, GPUs) for a session under tmp_path."""
+    if shutil.which("setsid") is None or shutil.which("timeout") is None:
+        pytest.skip("needs setsid and timeout (util-linux, coreutils)")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    (bin_ / "python").write_text(STUB_PYTHON.format(python=sys.executable))
+    gpus = "".join(f"GPU {i}: H200\\n" for i in range(request.param))
+    (bin_ / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{gpus}'\n")
+    for stub in bin_.iterdir():
+        stub.chmod(0o755)
+    stage = tmp_path / "staged"
+    (stage / "a2").mkdir(parents=True)
+    (stage / "b").mkdir()
+    (stage / "a2" / "smol.gguf.aa").write_bytes(b"half one")
+    (stage / "b" / "smol.gguf.ab").write_bytes(b"half two")
+    (stage / "a2" / "question.jsonl").write_text('{"question_id": 81, "turns": ["hi"]}\n')
+    with lzma.open(stage / "a2" / "chats_all.jsonl.xz", "wt") as f:
+        f.write('{"conversations": []}\n' * 3)
+    root, log = tmp_path / "root", tmp_path / "calls.jsonl"
+    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SESSION_ROOT": str(root), "STAGE_DIR": str(stage),
+           "OUT": str(tmp_path / "out"), "STUB_LOG": str(log), "POLL_S": "0.2", "SETTLE_S": "0", "CALL_S": "60",
+           "WAIT_S": "60"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+
+    def run(part: int) -> tuple[float, str]:
+        shutil.rmtree(tmp_path / "out", ignore_errors=True)
+        t0 = time.monotonic()
+        # piped into tail, as a device call runs it: the call ends only when every writer of the pipe has
+        out = subprocess.run(["bash", "-c", f"bash {SCRIPT} {part} 2>&1 | tail -n 200"], cwd=REPO, env=env,
+                             capture_output=True, text=True, timeout=60).stdout
+        return time.monotonic() - t0, out
+
+    def calls() -> list[dict]:
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+
+    return run, calls, root, request.param
+
+
+def _one(calls: list[dict], script: str, *must: str) -> dict:
+    hits = [c for c in calls if c["args"] and c["args"][0].endswith(script) and all(m in c["args"] for m in must)]
+    assert len(hits) == 1, (script, must, [c["args"] for c in calls if c["args"] and c["args"][0].endswith(script)])
+    return hits[0]
+
+
+def test_session_runs_every_job_with_its_arguments(session):
+    """Two GPUs: the side chain (8B rate, SmolLM2 rate, side by side) on GPU 1 from call 1, the recipe and
+    speculative decoding on GPU 0 from call 2. One GPU: the 8B rate in call 1, one chain for the rest."""
+    run, calls, root, ngpus = session
+    side = str(ngpus - 1)
+    took, out = run(1)
+    if ngpus > 1:
+        assert "chain side started on GPU 1" in out, out
+        # the side chain now waits for the target (call 2): the call must not wait for it
+        assert took < 30, (took, out)
+    took, out = run(2)
+    assert "chain main started on GPU 0" in out, out
+    took, out = run(3)
+    assert "chains still running: 0" in out, out
+
+    c = calls()
+    bench = _one(c, "train_bench.py", "--no-compile", "--no-reference")
+    assert bench["gpu"] == (side if ngpus > 1 else None)  # one GPU: in the call itself, all GPUs visible
+    rates = [x for x in c if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
+    assert [(x["args"][x["args"].index("--cache") + 1], "--cast-once" in x["args"]) for x in rates] == \
+        [("off", False), ("on", False), ("on", True)]
+    assert all(x["gpu"] == side and "131072" in x["args"] for x in rates)
+    recipe = _one(c, "scaling_study.py")
+    a = recipe["args"]
+    assert recipe["gpu"] == "0" and a[a.index("--conversations") + 1] == "17293" and a[a.index("--gpus") + 1] == "0"
+    assert a[a.index("--steps") + 1] == "2400" and a[a.index("--max-minutes") + 1] == "28"
+    sets = [a[i + 1] for i, x in enumerate(a) if x == "--set"]
+    assert {s.split("=")[0] for s in sets} == {"target", "regenerate.source", "eval.prompts"}, sets
+    assert recipe["cwd"] == str(root / "run")  # the chains run from a copy of the repository
+    spec = _one(c, "specdec_bench.py")
+    assert spec["gpu"] == "0" and spec["args"][spec["args"].index("--drafter") + 1] == \
+        str(root / "scaling" / "n17293-s2400" / "train" / "drafter")
+    sbs = _one(c, "specforge_side_by_side.py")
+    assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == \
+        str(root / "scaling" / "n17293-s2400" / "prepared")
+    assert (root / "smol" / "config.json").exists()
+    if ngpus == 1:  # one job at a time: the recipe, speculative decoding, the SmolLM2 rate, the side by side
+        order = [c.index(x) for x in (recipe, spec, rates[0], sbs)]
+        assert order == sorted(order), order
