@@ -9,15 +9,16 @@
 # Usage: bash benchmarks/quality_session.sh 1|2|3 (3 repeated until it reports that the chains ended).
 # Two or more GPUs (`nvidia-h200-x2`, `-x4`):
 #   1 (carry .stage/a2): staging (1/2); starts the last GPU's chain: the 8B training rate (default options and
-#     the per-step weight casts) against SpecForge in one process; once the target exists, the SmolLM2
+#     the other TTTConfig.cast_once setting) against SpecForge in one process; once the target exists, the SmolLM2
 #     training rate (500 chats, the target on every batch vs the state cache; weights cast once); once the
-#     recipe's prepared data exists, eyas vs SpecForge side by side on it
+#     recipe's prepared data exists, eyas vs SpecForge side by side on it; profiles of the 8B and SmolLM2 steps
 #   2 (carry .stage/b, and .stage/r when it exists): staging (2/2); starts GPU 0's chain: the recipe on all
 #     17,293 records with STEPS steps (4 GPUs: the scaling study's 2,000 / 6,000 / 17,293 records on GPUs 0-2),
 #     then speculative decoding with its drafter at batch 1, 4 and 16; collects until CALL_S
 #   3: collects until the chains end or WAIT_S; brings the regeneration back as $OUT/regen.tgz
 # One GPU (`nvidia-h200`): call 1 stages and measures the 8B rate against SpecForge in the foreground;
-# call 2 starts one chain (the recipe, speculative decoding, the SmolLM2 rate, the side by side); 3 collects.
+# call 2 starts one chain (the recipe, speculative decoding, the SmolLM2 rate, the side by side, the profiles);
+# 3 collects.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -88,13 +89,18 @@ side_by_side() {
     python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
+profiles() {  # where the step time goes, 8B and SmolLM2 shapes (synthetic states): op tables, copies by shape
+    timeout 150 python benchmarks/train_bench.py --profile 40 --no-specforge > $ROOT/q/profile_8b.log 2>&1
+    timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
+        > $ROOT/q/profile_small.log 2>&1
+}
 recipe() { python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling.log 2>&1; }
 specdec() {
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
-export -f waitfor train_8b smol_rate side_by_side recipe specdec
+export -f waitfor train_8b smol_rate side_by_side profiles recipe specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
     # `cd $R || exit;` and not `cd $R && ...&`: an &&-list sent to the background is a subshell that keeps this
@@ -118,7 +124,7 @@ case "$part" in
     fi
     snapshot
     last=$(( NG - 1 ))
-    chain $last side "train_8b; waitfor $ROOT/smol/config.json; smol_rate; side_by_side"
+    chain $last side "train_8b; waitfor $ROOT/smol/config.json; smol_rate; side_by_side; profiles"
     sleep ${SETTLE_S:-20}; summary
     ;;
 2)
@@ -131,7 +137,7 @@ case "$part" in
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
     if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01)
-        chain 0 main "recipe $ALL 0; specdec; smol_rate; side_by_side"
+        chain 0 main "recipe $ALL 0; specdec; smol_rate; side_by_side; profiles"
     elif [ "$NG" -ge 4 ]; then
         chain 0 main "recipe 2000,6000,$ALL 0,1,2; specdec"
     else

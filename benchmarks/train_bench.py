@@ -265,12 +265,19 @@ def suite_8b(args, dist) -> dict:
                               compile_parts=device.type == "cuda", cast_once=CAST[args.cast_once])
         for _ in range(3):
             step()
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
             for _ in range(2):
                 step()
             sync(device)
-        print(prof.key_averages().table(sort_by="cuda_time_total" if device.type == "cuda" else "cpu_time_total",
-                                        row_limit=args.profile))
+        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+        print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=args.profile))
+        # where the copies, casts and additions come from: the same ops split by their input shapes
+        by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
+                    if e.key in ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone")]
+        by_shape.sort(key=lambda e: getattr(e, key), reverse=True)
+        print(f"{'op':16s} {'calls':>6s} {'self ms':>8s}  input shapes")
+        for e in by_shape[:args.profile]:
+            print(f"{e.key:16s} {e.count:6d} {getattr(e, key) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
         return result
     # "eyas" = `eyas train`'s default options: the drafter's pieces compiled on CUDA
     _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,

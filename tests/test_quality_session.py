@@ -122,6 +122,8 @@ def test_session_runs_every_job_with_its_arguments(session):
     sbs = _one(c, "specforge_side_by_side.py")
     assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == \
         str(root / "scaling" / "n17293-s2400" / "prepared")
+    profiles = [x for x in c if "--profile" in x["args"]]
+    assert len(profiles) == 2 and {x["gpu"] for x in profiles} == {side} and "--small" in profiles[1]["args"]
     assert (root / "smol" / "config.json").exists()
     if ngpus == 1:  # one job at a time: the recipe, speculative decoding, the SmolLM2 rate, the side by side
         order = [c.index(x) for x in (recipe, spec, rates[0], sbs)]

@@ -315,6 +315,8 @@ class _SharedLinear(torch.autograd.Function):
             raise RuntimeError("shared_linear: a use of a shared weight ran backward after its first use")
         dy = dy.to(weight.dtype)
         dx = dy @ weight if ctx.needs_input_grad[0] else None
+        if not ctx.needs_input_grad[1]:  # a frozen weight
+            return dx, None, None
         dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
         if s.grad is None:
             s.grad = dy2.T @ x2
