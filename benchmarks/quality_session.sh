@@ -17,7 +17,7 @@
 #     then speculative decoding with its drafter at batch 1, 4 and 16; collects until CALL_S
 #   3: collects until the chains end or WAIT_S; brings the regeneration back as $OUT/regen.tgz
 # One GPU (`nvidia-h200`): call 1 stages and measures the 8B rate against SpecForge in the foreground;
-# call 2 starts one chain (the recipe, speculative decoding, the SmolLM2 rate, the side by side, the profiles);
+# call 2 starts one chain (the recipe, speculative decoding, the SmolLM2 rate, the profiles, the side by side);
 # 3 collects.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
@@ -137,7 +137,7 @@ case "$part" in
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
     if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01)
-        chain 0 main "recipe $ALL 0; specdec; smol_rate; side_by_side; profiles"
+        chain 0 main "recipe $ALL 0; specdec; smol_rate; profiles; side_by_side"
     elif [ "$NG" -ge 4 ]; then
         chain 0 main "recipe 2000,6000,$ALL 0,1,2; specdec"
     else
