@@ -36,12 +36,18 @@ def tiny_drafter(seed=0, **kw) -> Eagle3Drafter:
     return m
 
 
+@pytest.mark.parametrize("repeat_diagonals", [False, True])
+@pytest.mark.parametrize("kv_heads", [6, 2])  # 6: one key head per query head; 2: each shared by 3
 @pytest.mark.parametrize("kernel", ["math", "cpu-flash"])
-def test_fast_attention_matches_dense_reference(kernel):
+def test_fast_attention_matches_dense_reference(kernel, kv_heads, repeat_diagonals, monkeypatch):
+    import eyas.drafter.ttt as ttt
+
+    monkeypatch.setattr(ttt, "REPEAT_DIAGONAL_KEYS", repeat_diagonals)
     g = torch.Generator().manual_seed(1)
-    B, H, T, d, steps = 2, 3, 37, 16, 4
-    mk = lambda: torch.randn(B, H, T, d, generator=g, dtype=torch.float64 if kernel == "math" else torch.float32).requires_grad_()
-    q, ks, vs = mk(), [mk() for _ in range(steps)], [mk() for _ in range(steps)]
+    B, H, T, d, steps = 2, 6, 37, 16, 4
+    dt = torch.float64 if kernel == "math" else torch.float32
+    mk = lambda h: torch.randn(B, h, T, d, generator=g, dtype=dt).requires_grad_()
+    q, ks, vs = mk(H), [mk(kv_heads) for _ in range(steps)], [mk(kv_heads) for _ in range(steps)]
     dout = torch.randn(B, H, T, d, generator=g, dtype=q.dtype)
     for n in (1, steps):  # step 0 alone, and with diagonals
         ref = reference_attention(q, ks[:n], vs[:n])

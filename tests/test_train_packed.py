@@ -57,8 +57,8 @@ def _head(seed=7, Vt=80):
 def test_varlen_attention_matches_block_diagonal_reference(kernel):
     g = torch.Generator().manual_seed(0)
     seg = Segments.from_lengths([5, 1, 9, 4])
-    mk = lambda: torch.randn(1, 4, 19, 8, generator=g).requires_grad_()  # noqa: E731
-    q, ks, vs = mk(), [mk() for _ in range(3)], [mk() for _ in range(3)]
+    mk = lambda h: torch.randn(1, h, 19, 8, generator=g).requires_grad_()  # noqa: E731
+    q, ks, vs = mk(4), [mk(2) for _ in range(3)], [mk(2) for _ in range(3)]  # 2 key/value heads for 4 query heads
     dout = torch.randn(1, 4, 19, 8, generator=g)
     ref = reference_attention(q, ks, vs, seg=seg)
     fast = fast_attention(q, ks, vs, seg=seg, kernel=kernel)

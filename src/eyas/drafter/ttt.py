@@ -156,8 +156,11 @@ def step_denominators(loss_mask_BT: torch.Tensor, steps: int) -> torch.Tensor:
 
 
 def reference_attention(q_BHTd, keys, values, *, seg=None) -> torch.Tensor:
-    """Dense-mask reference. keys/values: lists of [B, H, T, d], index 0 causal (within each
-    segment of a packed row when `seg` is given), the rest diagonal."""
+    """Dense-mask reference. keys/values: lists of [B, K, T, d] (K key/value heads, K divides H;
+    each shared by H/K query heads), index 0 causal (within each segment of a packed row when `seg`
+    is given), the rest diagonal."""
+    groups = q_BHTd.shape[1] // keys[0].shape[1]
+    keys, values = [repeat_kv(k, groups) for k in keys], [repeat_kv(v, groups) for v in values]
     T = q_BHTd.shape[2]
     dev = q_BHTd.device
     if seg is None:
@@ -220,26 +223,42 @@ def pick_kernel(q: torch.Tensor) -> str:
     return "math"
 
 
+def _grouped(x_BHTd: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, H, T, d] -> [B, K, H/K, T, d]: query head h reads key/value head h // (H/K) (repeat_kv's order)."""
+    B, H, T, d = x_BHTd.shape
+    return x_BHTd.reshape(B, kv_heads, H // kv_heads, T, d)
+
+
 def _merge_fwd(q, kd, vd, out_c, lse_c32, scale: float):
-    """Merge J diagonal keys into the causal attention's (out, lse) under one softmax (fp32 math)."""
-    s = (q.float()[:, :, :, None, :] * kd.float()).sum(-1) * scale  # B,H,T,J
+    """Merge J diagonal keys into the causal attention's (out, lse) under one softmax (fp32 math).
+    kd/vd: [B, K, T, J, d], K key/value heads each shared by H/K query heads (never repeated)."""
+    B, H, T, d = q.shape
+    K = kd.shape[1]
+    kdf, vdf = kd.float()[:, :, None], vd.float()[:, :, None]  # B,K,1,T,J,d
+    s = (_grouped(q.float(), K)[..., None, :] * kdf).sum(-1) * scale  # B,K,G,T,J
+    s = s.reshape(B, H, T, -1)
     lse = torch.logsumexp(torch.cat([lse_c32[..., None], s], -1), -1)
     p = torch.exp(s - lse[..., None])
-    out = torch.exp(lse_c32 - lse)[..., None] * out_c.float() + (p[..., None] * vd.float()).sum(-2)
+    pv = (_grouped(p, K)[..., None] * vdf).sum(-2).reshape(B, H, T, d)
+    out = torch.exp(lse_c32 - lse)[..., None] * out_c.float() + pv
     return out.to(q.dtype), lse
 
 
 def _merge_bwd(q, kd, vd, out, lse, dout, dq_c, scale: float):
-    """Gradients through the diagonal keys; dq_c is the causal keys' share from the flash backward."""
-    qf, do, lse = q.float(), dout.float(), lse.float()
-    s = (qf[:, :, :, None, :] * kd.float()).sum(-1) * scale
-    p = torch.exp(s - lse[..., None])
-    D = (do * out.float()).sum(-1, keepdim=True)
-    dp = (do[:, :, :, None, :] * vd.float()).sum(-1)
+    """Gradients through the diagonal keys; dq_c is the causal keys' share from the flash backward.
+    dkd/dvd sum the H/K query heads that share each key/value head."""
+    B, H, T, d = q.shape
+    K = kd.shape[1]
+    kdf, vdf = kd.float()[:, :, None], vd.float()[:, :, None]  # B,K,1,T,J,d
+    qf, do = _grouped(q.float(), K), _grouped(dout.float(), K)  # B,K,G,T,d
+    s = (qf[..., None, :] * kdf).sum(-1) * scale  # B,K,G,T,J
+    p = torch.exp(s - _grouped(lse.float()[..., None], K))
+    D = (do * _grouped(out.float(), K)).sum(-1, keepdim=True)
+    dp = (do[..., None, :] * vdf).sum(-1)
     ds = p * (dp - D) * scale
-    dq = (dq_c.float() + (ds[..., None] * kd.float()).sum(-2)).to(q.dtype)
-    dkd = (ds[..., None] * qf[:, :, :, None, :]).to(kd.dtype)
-    dvd = (p[..., None] * do[:, :, :, None, :]).to(vd.dtype)
+    dq = (_grouped(dq_c.float(), K) + (ds[..., None] * kdf).sum(-2)).reshape(B, H, T, d).to(q.dtype)
+    dkd = (ds[..., None] * qf[..., None, :]).sum(2).to(kd.dtype)
+    dvd = (p[..., None] * do[..., None, :]).sum(2).to(vd.dtype)
     return dq, dkd, dvd
 
 
@@ -315,20 +334,31 @@ def _kernel_pair(kernel: str, seg):
             lambda dout, q, k, v, out, lse, scale, aux: bwd(dout, q, k, v, out, lse, scale, seg, aux))
 
 
+REPEAT_DIAGONAL_KEYS = False
+"""True: `fast_attention` repeats the diagonal keys/values to every query head before merging them
+(the earlier path; benchmarks/train_bench.py measures it beside the default, which reads each
+key/value head once for the H/K query heads sharing it)."""
+
+
 def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None) -> torch.Tensor:
     """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
-    row, B = 1) the step-0 keys are causal within each segment."""
+    row, B = 1) the step-0 keys are causal within each segment. keys/values: [B, K, T, d]; only the
+    step-0 ones are repeated to the H query heads (the flash kernels want equal heads)."""
     if kernel is None:
         from eyas.packing import pick_varlen_kernel
 
         kernel = pick_varlen_kernel(q_BHTd) if seg is not None else pick_kernel(q_BHTd)
     scale = 1.0 / math.sqrt(q_BHTd.shape[-1])
     B, H, T, d = q_BHTd.shape
+    groups = H // keys[0].shape[1]
+    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
+    if REPEAT_DIAGONAL_KEYS:
+        keys, values = [k0, *(repeat_kv(k, groups) for k in keys[1:])], [v0, *(repeat_kv(v, groups) for v in values[1:])]
     if len(keys) > 1:
         kd, vd = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
     else:
-        kd = vd = q_BHTd.new_zeros(B, H, T, 0, d)
-    return _CausalPlusDiagonals.apply(q_BHTd, keys[0], values[0], kd, vd, kernel, scale, seg)
+        kd = vd = q_BHTd.new_zeros(B, keys[0].shape[1], T, 0, d)
+    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kd, vd, kernel, scale, seg)
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
@@ -396,7 +426,6 @@ def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: tor
     """
     B, T = input_ids_BT.shape
     dev = input_ids_BT.device
-    groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
     attn_fn = fast_attention if attention == "fast" else reference_attention
     feature = drafter.project_aux(aux_BTAD)
     positions = torch.arange(T, device=dev)[None].expand(B, T)
@@ -407,8 +436,8 @@ def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: tor
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = drafter.rope(positions + k, cdtype)
         q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin)
-        keys.append(repeat_kv(kk, groups))
-        values.append(repeat_kv(vv, groups))
+        keys.append(kk)  # [B, K, T, d]: the attention repeats what it must
+        values.append(vv)
         hidden = drafter.midlayer.finish(attn_fn(q, keys, values), feature)
         yield k, hidden
         feature = hidden
@@ -738,7 +767,6 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
     (t - start of t's sample) + k; step-0 keys are causal within each sample."""
     N = input_ids_N.shape[0]
     dev = input_ids_N.device
-    groups = drafter.config.num_attention_heads // drafter.config.num_key_value_heads
     feature = drafter.project_aux(aux_NAD[None])
     t = torch.arange(N, device=dev)
     keys, values = [], []
@@ -754,8 +782,8 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = drafter.rope((seg.positions_N + k)[None], cdtype)
         q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin, w)
-        keys.append(repeat_kv(kk, groups))
-        values.append(repeat_kv(vv, groups))
+        keys.append(kk)  # [1, K, N, d]: the attention repeats what it must
+        values.append(vv)
         if attention == "fast":
             att = fast_attention(q, keys, values, seg=seg)
         else:
