@@ -302,3 +302,17 @@ def test_state_cache_gathers_what_it_was_given():
     a, f = c.gather([items[2], items[0]], total=8)  # another order, padded to 8 rows
     assert torch.equal(a[:2], aux[8:10]) and torch.equal(a[2:5], aux[:3]) and torch.equal(f[5:], torch.zeros(3, 4))
     assert StateCache.bytes_needed([3, 5, 2], n_aux=2, hidden=4, dtype=torch.bfloat16) == 11 * 3 * 4 * 2
+
+
+def test_bf16_training_casts_the_weights_once_or_per_step_alike(world, tmp_path, capsys):
+    """`eyas train` under bf16 autocast through both TTT weight paths: it says which one it took, and
+    the first step's loss (before any update) agrees within bf16 rounding."""
+    from eyas.train.loop import run
+
+    first = {}
+    for once in (True, False):
+        run(_cfg(world, tmp_path / f"once-{once}", store=world["store"], model_dtype="bf16", ttt_cast_once=once, steps=2))
+        err = capsys.readouterr().err
+        assert ("cast to bf16 once a forward" in err) == once and ("cast by each step" in err) != once, err[-2000:]
+        first[once] = _train_records(tmp_path / f"once-{once}")[0]["loss"]
+    assert abs(first[True] - first[False]) <= 0.02 * abs(first[False]), first

@@ -400,6 +400,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if d.is_main:
             probe = torch.empty(1, 1, 1, dcfg.head_dim, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
             log(f"packed attention kernel: {pick_varlen_kernel(probe)} (check vs exact: max |diff| {err:.4f})")
+    if bf16 and not cfg.fsdp and d.is_main:  # (FSDP2 keeps bf16 parameters: nothing to cast)
+        once = ttt_cfg.cast_once_for(dcfg.hidden_size)
+        log(f"TTT weights: {'cast to bf16 once a forward, gradients summed inside the matmuls' if once else 'cast by each step'}"
+            f" ({'set' if cfg.ttt_cast_once is not None else f'default for hidden size {dcfg.hidden_size}'})")
     if d.is_main:
         log(f"draft vocab: {vocab.size} of {vocab_size} target ids, coverage {vocab.coverage():.4f} of "
             f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
