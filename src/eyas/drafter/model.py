@@ -245,8 +245,6 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
     def linear_weights(self, dtype: torch.dtype) -> dict[str, SharedWeight]:
         """The linear weights cast to `dtype` once (differentiable casts) for several steps to share:
         q/k/v as one [H*d + 2*K*d, 2D] matrix and gate/up as one [2I, D] matrix (one matmul each per
@@ -294,7 +292,7 @@ class SharedWeight:
 
     def __init__(self, weight: torch.Tensor):
         self.weight = weight
-        self.uses = 0
+        self.used = False  # a first use exists: the later ones only accumulate
         self.grad: torch.Tensor | None = None
         self.done = False
 
@@ -303,8 +301,8 @@ class _SharedLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, shared: SharedWeight):
         ctx.save_for_backward(x, weight)
-        ctx.shared, ctx.first = shared, shared.uses == 0
-        shared.uses += 1
+        ctx.shared, ctx.first = shared, not shared.used
+        shared.used = True
         return F.linear(x, weight)
 
     @staticmethod
