@@ -16,9 +16,9 @@
 #     17,293 records with STEPS steps (4 GPUs: the scaling study's 2,000 / 6,000 / 17,293 records on GPUs 0-2),
 #     then speculative decoding with its drafter at batch 1, 4 and 16; collects until CALL_S
 #   3: collects until the chains end or WAIT_S; brings the regeneration back as $OUT/regen.tgz
-# One GPU (`nvidia-h200`): call 1 stages and measures the 8B rate against SpecForge in the foreground;
-# call 2 starts one chain (the recipe, speculative decoding, the SmolLM2 rate, the profiles, the side by side);
-# 3 collects.
+# One GPU (`nvidia-h200`): call 1 stages and runs the SmolLM2-shaped training step on synthetic states (every
+# variant, a minute); call 2 starts one chain (the recipe, speculative decoding, the side by side, the SmolLM2 rate
+# with the state cache, the 8B rate against SpecForge, the profiles); 3 collects.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -76,13 +76,25 @@ prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 # the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
 train_8b() { timeout 330 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
-smol_rate() {  # the SmolLM2 training rate on 500 chats: the target on every batch, the state cache, weights cast once
+smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default all three):
+    # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
-    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1
-    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1
-    timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on > $ROOT/q/train_smol_cast_once.log 2>&1
+    local run
+    for run in ${@:-off on once}; do
+        case $run in
+        off) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1 ;;
+        on) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
+        once) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
+            > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
+        esac
+    done
+}
+gpu_check() {  # one GPU, call 1 (a minute): the SmolLM2-shaped step on synthetic states, every variant of the
+    # default path (the other cast setting, the repeated diagonals) in one process: the GPU kernels run before the chain
+    timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
+        > $ROOT/q/gpu_check.log 2>&1
 }
 side_by_side() {
     waitfor $prep/meta.json
@@ -100,7 +112,7 @@ specdec() {
         --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
-export -f waitfor train_8b smol_rate side_by_side profiles recipe specdec
+export -f waitfor train_8b smol_rate gpu_check side_by_side profiles recipe specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
     # `cd $R || exit;` and not `cd $R && ...&`: an &&-list sent to the background is a subshell that keeps this
@@ -118,9 +130,9 @@ case "$part" in
 1)
     nvidia-smi -L | tee -a "$L/session.log"
     stage1
-    if [ "$NG" -eq 1 ]; then  # one GPU: the 8B rate against SpecForge in the foreground (the chain comes in call 2)
-        train_8b; cp $ROOT/q/train_8b.log "$L/"
-        echo "== train_8b"; grep -v warmup $ROOT/q/train_8b.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
+    if [ "$NG" -eq 1 ]; then  # one GPU: a minute's check of the training step's kernels (the chain comes in call 2)
+        gpu_check; cp $ROOT/q/gpu_check.log "$L/"
+        echo "== gpu_check"; grep -v warmup $ROOT/q/gpu_check.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
     fi
     snapshot
     last=$(( NG - 1 ))
@@ -136,8 +148,9 @@ case "$part" in
     [ -f $STAGE/r/regen.tgz ] && tar xzf $STAGE/r/regen.tgz -C $ROOT/scaling && note "regeneration restaged"
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
-    if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01)
-        chain 0 main "recipe $ALL 0; specdec; smol_rate; profiles; side_by_side"
+    if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01);
+        # the issues' open figures first: the recipe's tau, speculative decoding, the side by side
+        chain 0 main "recipe $ALL 0; specdec; side_by_side; smol_rate on; train_8b; profiles"
     elif [ "$NG" -ge 4 ]; then
         chain 0 main "recipe 2000,6000,$ALL 0,1,2; specdec"
     else

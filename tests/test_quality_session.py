@@ -89,7 +89,8 @@ def _one(calls: list[dict], script: str, *must: str) -> dict:
 
 def test_session_runs_every_job_with_its_arguments(session):
     """Two GPUs: the side chain (8B rate, SmolLM2 rate, side by side) on GPU 1 from call 1, the recipe and
-    speculative decoding on GPU 0 from call 2. One GPU: the 8B rate in call 1, one chain for the rest."""
+    speculative decoding on GPU 0 from call 2. One GPU: a check of the step's kernels in call 1, one chain for
+    the rest."""
     run, calls, root, ngpus = session
     side = str(ngpus - 1)
     took, out = run(1)
@@ -103,11 +104,13 @@ def test_session_runs_every_job_with_its_arguments(session):
     assert "chains still running: 0" in out, out
 
     c = calls()
-    bench = _one(c, "train_bench.py", "--no-compile", "--no-reference")
-    assert bench["gpu"] == (side if ngpus > 1 else None)  # one GPU: in the call itself, all GPUs visible
+    bench = [x for x in c if x["args"][0].endswith("train_bench.py") and "--no-reference" in x["args"]
+             and "--small" not in x["args"]]
+    assert len(bench) == 1 and bench[0]["gpu"] == side and "--no-specforge" not in bench[0]["args"]
     rates = [x for x in c if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
-    assert [(x["args"][x["args"].index("--cache") + 1], "--cast-once" in x["args"]) for x in rates] == \
-        [("off", False), ("on", False), ("on", True)]
+    runs = [(x["args"][x["args"].index("--cache") + 1], "--cast-once" in x["args"]) for x in rates]
+    # one GPU: the state cache's default run only (the device time goes to the recipe and the side by side)
+    assert runs == ([("off", False), ("on", False), ("on", True)] if ngpus > 1 else [("on", False)]), runs
     assert all(x["gpu"] == side and "131072" in x["args"] for x in rates)
     recipe = _one(c, "scaling_study.py")
     a = recipe["args"]
@@ -125,6 +128,9 @@ def test_session_runs_every_job_with_its_arguments(session):
     profiles = [x for x in c if "--profile" in x["args"]]
     assert len(profiles) == 2 and {x["gpu"] for x in profiles} == {side} and "--small" in profiles[1]["args"]
     assert (root / "smol" / "config.json").exists()
-    if ngpus == 1:  # one job at a time: the recipe, speculative decoding, the SmolLM2 rate, the side by side
-        order = [c.index(x) for x in (recipe, spec, rates[0], sbs)]
+    if ngpus == 1:  # call 1 checks the step's kernels; then one job at a time, the open figures first
+        check = [x for x in c if x["args"][0].endswith("train_bench.py") and "--small" in x["args"]
+                 and "--profile" not in x["args"]]
+        assert len(check) == 1 and check[0]["gpu"] is None and "--no-specforge" in check[0]["args"]
+        order = [c.index(x) for x in (check[0], recipe, spec, sbs, rates[0], bench[0], profiles[0])]
         assert order == sorted(order), order
