@@ -92,7 +92,7 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     done
 }
 gpu_check() {  # one GPU, call 1 (a minute): the SmolLM2-shaped step on synthetic states, every variant of the
-    # default path (the other cast setting, the repeated diagonals) in one process: the GPU kernels run before the chain
+    # default path (the other cast setting, the grouped diagonals) in one process: the GPU kernels run before the chain
     timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
         > $ROOT/q/gpu_check.log 2>&1
 }

@@ -13,9 +13,9 @@ materialised teacher probabilities (`reference`), the other setting of TTTConfig
 default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid layer's weights
 itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, gradients
 accumulated inside the matmuls), and SpecForge 0.2.0's own trainer on the same configuration when it
-is importable (benchmarks/specforge_peer.py); `eyas-repeated-diagonals`: the TTT attention's diagonal keys
-repeated to every query head (ttt.REPEAT_DIAGONAL_KEYS, the path before each key/value head was read once
-for its query heads). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of
+is importable (benchmarks/specforge_peer.py); `eyas-grouped-diagonals`: the TTT attention's diagonal keys
+merged per key/value head for the query heads sharing it (ttt.GROUPED_DIAGONALS) instead of repeated to
+every query head. Metrics: train_8b_tok_s, train_8b_vs_specforge (both of
 the default options), train_8b_per_step_casts_vs_specforge.
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
@@ -158,16 +158,16 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     return step
 
 
-def repeated_diagonals(step):
-    """`step` with ttt.REPEAT_DIAGONAL_KEYS set while it runs."""
+def grouped_diagonals(step):
+    """`step` with ttt.GROUPED_DIAGONALS set while it runs."""
     import eyas.drafter.ttt as ttt
 
     def run():
-        ttt.REPEAT_DIAGONAL_KEYS = True
+        ttt.GROUPED_DIAGONALS = True
         try:
             return step()
         finally:
-            ttt.REPEAT_DIAGONAL_KEYS = False
+            ttt.GROUPED_DIAGONALS = False
     return run
 
 
@@ -306,10 +306,10 @@ def suite_8b(args, dist) -> dict:
         _try(label, runs, lambda: measure(make_fast_step(
             c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True, cast_once=other),
             warmup=warmup, steps=steps, label=label, **kw))
-    if device.type == "cuda" and not args.fsdp:  # the diagonal keys repeated to every query head (the earlier path)
-        _try("eyas-repeated-diagonals", runs, lambda: measure(repeated_diagonals(make_fast_step(
+    if device.type == "cuda" and not args.fsdp:  # the diagonal keys merged per key/value head
+        _try("eyas-grouped-diagonals", runs, lambda: measure(grouped_diagonals(make_fast_step(
             c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True)),
-            warmup=warmup, steps=steps, label="eyas-repeated-diagonals", **kw))
+            warmup=warmup, steps=steps, label="eyas-grouped-diagonals", **kw))
     if device.type == "cuda" and not args.no_compile:
         _try("eyas-no-compile", runs, lambda: measure(
             make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce),

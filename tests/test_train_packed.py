@@ -162,10 +162,15 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes", [("reference", 0), ("fast", 0), ("fast", 1 << 20)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes):
+@pytest.mark.parametrize("attention,cache_bytes,grouped",
+                         [("reference", 0, False), ("fast", 0, False), ("fast", 1 << 20, False), ("fast", 0, True)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
-    gradients as the same samples right-padded in a batch through the reference `ttt_loss`."""
+    gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
+    drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS)."""
+    import eyas.drafter.ttt as ttt
+
+    monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()
