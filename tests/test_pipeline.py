@@ -136,7 +136,7 @@ def test_shipped_recipes_name_only_real_options(tmp_path):
     assert (st["regenerate"].max_turns, st["regenerate"].max_new_tokens) == (2, 512)
     assert (st["train"].ttt_steps, st["train"].draft_vocab, str(st["train"].data)) == (7, 32000, str(tmp_path / "g" / "prepared"))
     assert st["train"].tokens_per_batch == 65536 and st["train"].draft_intermediate_size == 6144
-    assert st["regenerate"].limit == 17671 and st["train"].epochs == 10.0
+    assert st["regenerate"].limit == 17671 and st["train"].steps == 2400
     assert st["prepare"].source == str(tmp_path / "g" / "regenerate" / "chats.jsonl")
     assert (st["eval"].prompts, st["eval"].chain_k, st["eval"].tree_tokens) == ("mtbench", 7, 60)
     assert st["export"].formats == ["sglang", "vllm"]
