@@ -18,7 +18,9 @@
 #   3: collects until the chains end or WAIT_S; brings the regeneration back as $OUT/regen.tgz
 # One GPU (`nvidia-h200`): call 1 stages and runs the SmolLM2-shaped training step on synthetic states (every
 # variant, a minute); call 2 starts one chain (the recipe, speculative decoding, the side by side, the SmolLM2 rate
-# with the state cache, the 8B rate against SpecForge, the profiles); 3 collects.
+# with the state cache, the 8B rate against SpecForge, the profiles); 3 collects. JOBS="..." picks the chain's jobs
+# (functions below, in order), e.g. JOBS="prepare_only side_by_side train_8b profiles" when the recipe's figures
+# exist and the regeneration is restaged.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -107,12 +109,21 @@ profiles() {  # where the step time goes, 8B and SmolLM2 shapes (synthetic state
         > $ROOT/q/profile_small.log 2>&1
 }
 recipe() { python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling.log 2>&1; }
+recipe_all() { recipe $ALL 0; }
+prepare_only() {  # the recipe point's regenerate and prepare stages alone, in its workdir with its settings (a later
+    # recipe run skips them): the side by side's data without the recipe's training (.stage/r restages the regeneration)
+    python -m eyas pipeline recipes/smollm2-gpu.toml --workdir $ROOT/scaling/n$ALL-s$STEPS --until prepare \
+        --set regenerate.out=$ROOT/scaling/regen --set regenerate.limit=$ALL --set train.steps=$STEPS \
+        --set target=$ROOT/smol --set regenerate.source=$S/chats_all.jsonl --set eval.prompts=$S/question.jsonl \
+        > $ROOT/q/prepare.log 2>&1
+}
+smol_rate_cached() { smol_rate on; }
 specdec() {
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
-export -f waitfor train_8b smol_rate gpu_check side_by_side profiles recipe specdec
+export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side profiles recipe recipe_all prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
     # `cd $R || exit;` and not `cd $R && ...&`: an &&-list sent to the background is a subshell that keeps this
@@ -150,7 +161,9 @@ case "$part" in
     [ -d $R/src ] || snapshot
     if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01);
         # the issues' open figures first: the recipe's tau, speculative decoding, the side by side
-        chain 0 main "recipe $ALL 0; specdec; side_by_side; smol_rate on; train_8b; profiles"
+        jobs=(${JOBS:-recipe_all specdec side_by_side smol_rate_cached train_8b profiles})
+        for j in "${jobs[@]}"; do declare -F "$j" > /dev/null || { note "JOBS: no job named $j"; exit 2; }; done
+        chain 0 main "$(IFS=';'; echo "${jobs[*]}")"
     elif [ "$NG" -ge 4 ]; then
         chain 0 main "recipe 2000,6000,$ALL 0,1,2; specdec"
     else

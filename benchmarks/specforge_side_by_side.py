@@ -73,7 +73,7 @@ def log(msg: str) -> None:
 
 
 def step(name: str, done: bool) -> bool:
-    log(f"\n== side by side: {name}: {'SKIPPED (output present)' if done else 'running'} ==")
+    log(f"\n== side by side: {name}: {'SKIPPED (output present)' if done else 'running'} ({time.strftime('%H:%M:%S')}) ==")
     return not done
 
 
@@ -121,14 +121,16 @@ def specforge_env(args) -> dict | None:
 
 
 def run_logged(cmd: list[str], env: dict, log_path: Path) -> None:
-    """Run `cmd`, its stdout and stderr streamed to our stderr (our stdout carries only the JSON line) and
-    appended to `log_path`; CalledProcessError when it fails."""
+    """Run `cmd`, its stdout and stderr streamed to our stderr (our stdout carries only the JSON line), each
+    line after the seconds since the start (SpecForge's step lines carry no time), and appended as written to
+    `log_path`; CalledProcessError when it fails."""
     log("    " + " ".join(cmd))
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
     with open(log_path, "a") as fh, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                                     text=True, bufsize=1) as proc:
         for line in proc.stdout:
-            sys.stderr.write(line)
+            sys.stderr.write(f"[{time.perf_counter() - t0:7.1f}s] {line}")
             fh.write(line)
     if proc.returncode:
         raise subprocess.CalledProcessError(proc.returncode, cmd)

@@ -38,18 +38,26 @@ elif args and args[0].endswith("scaling_study.py"):  # a recipe point: its prepa
         (point / "prepared").mkdir(parents=True, exist_ok=True)
         (point / "prepared" / "meta.json").write_text("{{}}")
         (point / "train" / "drafter").mkdir(parents=True, exist_ok=True)
+elif args[:3] == ["-m", "eyas", "pipeline"] and "--until" in args:  # stages up to prepare, in the given workdir
+    work = pathlib.Path(args[args.index("--workdir") + 1])
+    (work / "prepared").mkdir(parents=True, exist_ok=True)
+    (work / "prepared" / "meta.json").write_text("{{}}")
 '''
 
 
 @pytest.fixture(params=[2, 1], ids=["2gpu", "1gpu"])
 def session(tmp_path, request):
     """(run(part) -> (seconds, output), the stub's log reader, root, GPUs) for a session under tmp_path."""
+    return _session(tmp_path, request.param)
+
+
+def _session(tmp_path, ngpus, **extra_env):
     if shutil.which("setsid") is None or shutil.which("timeout") is None:
         pytest.skip("needs setsid and timeout (util-linux, coreutils)")
     bin_ = tmp_path / "bin"
-    bin_.mkdir()
+    bin_.mkdir(parents=True)
     (bin_ / "python").write_text(STUB_PYTHON.format(python=sys.executable))
-    gpus = "".join(f"GPU {i}: H200\\n" for i in range(request.param))
+    gpus = "".join(f"GPU {i}: H200\\n" for i in range(ngpus))
     (bin_ / "nvidia-smi").write_text(f"#!/bin/sh\nprintf '{gpus}'\n")
     for stub in bin_.iterdir():
         stub.chmod(0o755)
@@ -64,7 +72,7 @@ def session(tmp_path, request):
     root, log = tmp_path / "root", tmp_path / "calls.jsonl"
     env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SESSION_ROOT": str(root), "STAGE_DIR": str(stage),
            "OUT": str(tmp_path / "out"), "STUB_LOG": str(log), "POLL_S": "0.2", "SETTLE_S": "0", "CALL_S": "60",
-           "WAIT_S": "60"}
+           "WAIT_S": "60", **extra_env}
     env.pop("CUDA_VISIBLE_DEVICES", None)
 
     def run(part: int) -> tuple[float, str]:
@@ -78,7 +86,7 @@ def session(tmp_path, request):
     def calls() -> list[dict]:
         return [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
 
-    return run, calls, root, request.param
+    return run, calls, root, ngpus
 
 
 def _one(calls: list[dict], script: str, *must: str) -> dict:
@@ -134,3 +142,30 @@ def test_session_runs_every_job_with_its_arguments(session):
         assert len(check) == 1 and check[0]["gpu"] is None and "--no-specforge" in check[0]["args"]
         order = [c.index(x) for x in (check[0], recipe, spec, sbs, rates[0], bench[0], profiles[0])]
         assert order == sorted(order), order
+
+
+def test_one_gpu_chain_runs_the_jobs_named_in_JOBS(tmp_path):
+    """JOBS picks the one-GPU chain's jobs: the recipe's stages up to prepare (its workdir and settings, no
+    training), then the side by side on that data; a name that is no job stops call 2 before any chain starts."""
+    run, calls, root, _ = _session(tmp_path, 1, JOBS="prepare_only side_by_side")
+    run(1)
+    took, out = run(2)
+    assert "chain main started on GPU 0" in out, out
+    assert "chains still running: 0" in run(3)[1]
+    c = calls()
+    assert not any(x["args"][0].endswith("scaling_study.py") for x in c)
+    prep = [x for x in c if x["args"][:3] == ["-m", "eyas", "pipeline"]]
+    assert len(prep) == 1 and prep[0]["gpu"] == "0", prep
+    a = prep[0]["args"]
+    work = root / "scaling" / "n17293-s2400"
+    assert a[a.index("--workdir") + 1] == str(work) and a[a.index("--until") + 1] == "prepare"
+    sets = dict(x.split("=", 1) for x in (a[i + 1] for i, y in enumerate(a) if y == "--set"))
+    assert sets["regenerate.limit"] == "17293" and sets["train.steps"] == "2400" and sets["target"] == str(root / "smol")
+    sbs = _one(c, "specforge_side_by_side.py")
+    assert sbs["args"][sbs["args"].index("--prepared") + 1] == str(work / "prepared")
+    assert c.index(prep[0]) < c.index(sbs)
+
+    run, calls, root, _ = _session(tmp_path / "bad", 1, JOBS="prepare_only side_by_sid")
+    run(1)
+    took, out = run(2)
+    assert "JOBS: no job named side_by_sid" in out and "chain main started" not in out, out
