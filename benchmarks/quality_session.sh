@@ -118,9 +118,9 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
         > $ROOT/q/prepare.log 2>&1
 }
 smol_rate_cached() { smol_rate on; }
-specdec() {
+specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
-        --limit 10 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
+        --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
 export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side profiles recipe recipe_all prepare_only specdec

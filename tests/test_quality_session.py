@@ -130,6 +130,8 @@ def test_session_runs_every_job_with_its_arguments(session):
     spec = _one(c, "specdec_bench.py")
     assert spec["gpu"] == "0" and spec["args"][spec["args"].index("--drafter") + 1] == \
         str(root / "scaling" / "n17293-s2400" / "train" / "drafter")
+    a = spec["args"]
+    assert a[a.index("--batch-sizes") + 1] == "1,4,16" and a[a.index("--limit") + 1] == "16"  # 16 rows at batch 16
     sbs = _one(c, "specforge_side_by_side.py")
     assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == \
         str(root / "scaling" / "n17293-s2400" / "prepared")
