@@ -20,7 +20,8 @@
 # variant, a minute); call 2 starts one chain (the recipe, speculative decoding, the side by side, the SmolLM2 rate
 # with the state cache, the 8B rate against SpecForge, the profiles); 3 collects. JOBS="..." picks the chain's jobs
 # (functions below, in order), e.g. JOBS="prepare_only side_by_side train_8b profiles" when the recipe's figures
-# exist and the regeneration is restaged.
+# exist and the regeneration is restaged. Two GPUs: JOBS is GPU 0's chain, SIDE_JOBS the last GPU's, e.g.
+# JOBS=points SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles".
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -108,8 +109,12 @@ profiles() {  # where the step time goes, 8B and SmolLM2 shapes (synthetic state
     timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
         > $ROOT/q/profile_small.log 2>&1
 }
-recipe() { python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling.log 2>&1; }
+recipe() {  # recipe CONVERSATIONS GPUS: scaling-study points with the recipe
+    python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling-${1//,/-}.log 2>&1
+}
 recipe_all() { recipe $ALL 0; }
+points() { recipe 2000,6000 0; }  # the study's smaller points, one after another on this chain's GPU
+wait_target() { waitfor $ROOT/smol/config.json; }  # a chain started in call 1 waits for call 2's target
 prepare_only() {  # the recipe point's regenerate and prepare stages alone, in its workdir with its settings (a later
     # recipe run skips them): the side by side's data without the recipe's training (.stage/r restages the regeneration)
     python -m eyas pipeline recipes/smollm2-gpu.toml --workdir $ROOT/scaling/n$ALL-s$STEPS --until prepare \
@@ -123,7 +128,8 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
-export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side profiles recipe recipe_all prepare_only specdec
+export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side profiles recipe recipe_all points wait_target \
+    prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
     # `cd $R || exit;` and not `cd $R && ...&`: an &&-list sent to the background is a subshell that keeps this
@@ -131,6 +137,11 @@ chain() {  # chain GPU NAME 'commands': detached (a new process session), from t
     (cd $R || exit; CUDA_VISIBLE_DEVICES=$gpu PYTHONPATH=$R/src:$ROOT/site setsid nohup bash -c "$*; touch $ROOT/q/$name.done" \
         < /dev/null > $ROOT/q/$name.chain.log 2>&1 &)
     note "chain $name started on GPU $gpu"
+}
+jobs_chain() {  # jobs_chain GPU NAME VAR DEFAULT: the chain of the jobs listed in $VAR (else DEFAULT), names checked first
+    local gpu=$1 name=$2 var=$3 j; local -a jobs=(${!var:-$4})
+    for j in "${jobs[@]}"; do declare -F "$j" > /dev/null || { note "$var: no job named $j"; exit 2; }; done
+    chain $gpu $name "$(IFS=';'; echo "${jobs[*]}")"
 }
 running() { local n=0; for c in $ROOT/q/*.chain.log; do [ -e "$c" ] && [ ! -e "${c%.chain.log}.done" ] && n=$((n + 1)); done; echo $n; }
 
@@ -147,27 +158,25 @@ case "$part" in
     fi
     snapshot
     last=$(( NG - 1 ))
-    chain $last side "train_8b; waitfor $ROOT/smol/config.json; smol_rate; side_by_side; profiles"
+    jobs_chain $last side SIDE_JOBS "train_8b wait_target smol_rate side_by_side profiles"
     sleep ${SETTLE_S:-20}; summary
     ;;
 2)
     need $S/smol.gguf.aa $S/chats_all.jsonl $S/question.jsonl
     cp $STAGE/b/* $S/ && cat $S/smol.gguf.aa $S/smol.gguf.ab > $S/smol.gguf.part && md5sum $S/smol.gguf.part
     python -c "from pathlib import Path; from eyas.defaults import convert_gguf; convert_gguf(Path('$S/smol.gguf.part'), Path('$ROOT/smol.part'))" 2>&1 | tail -1
-    [ -d $ROOT/smol ] || mv $ROOT/smol.part $ROOT/smol  # the side chain waits for $ROOT/smol/config.json: only once it is whole
-    mkdir -p $ROOT/scaling
+    mkdir -p $ROOT/scaling  # the regeneration before the target: a side chain waiting for the target may read it next
     [ -f $STAGE/r/regen.tgz ] && tar xzf $STAGE/r/regen.tgz -C $ROOT/scaling && note "regeneration restaged"
+    [ -d $ROOT/smol ] || mv $ROOT/smol.part $ROOT/smol  # the side chain waits for $ROOT/smol/config.json: only once it is whole
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
     if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01);
         # the issues' open figures first: the recipe's tau, speculative decoding, the side by side
-        jobs=(${JOBS:-recipe_all specdec side_by_side smol_rate_cached train_8b profiles})
-        for j in "${jobs[@]}"; do declare -F "$j" > /dev/null || { note "JOBS: no job named $j"; exit 2; }; done
-        chain 0 main "$(IFS=';'; echo "${jobs[*]}")"
+        jobs_chain 0 main JOBS "recipe_all specdec side_by_side smol_rate_cached train_8b profiles"
     elif [ "$NG" -ge 4 ]; then
         chain 0 main "recipe 2000,6000,$ALL 0,1,2; specdec"
     else
-        chain 0 main "recipe $ALL 0; specdec"
+        jobs_chain 0 main JOBS "recipe_all specdec"
     fi
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ] && [ "$(running)" -gt 0 ]; do sleep $POLL_S; done
     collect; summary

@@ -146,28 +146,41 @@ def test_session_runs_every_job_with_its_arguments(session):
         assert order == sorted(order), order
 
 
-def test_one_gpu_chain_runs_the_jobs_named_in_JOBS(tmp_path):
-    """JOBS picks the one-GPU chain's jobs: the recipe's stages up to prepare (its workdir and settings, no
-    training), then the side by side on that data; a name that is no job stops call 2 before any chain starts."""
-    run, calls, root, _ = _session(tmp_path, 1, JOBS="prepare_only side_by_side")
+@pytest.mark.parametrize("ngpus", [1, 2])
+def test_chains_run_the_jobs_named_in_JOBS(tmp_path, ngpus):
+    """JOBS picks GPU 0's chain, SIDE_JOBS the last GPU's: here the recipe's stages up to prepare (its workdir and
+    settings, no training), then the side by side on that data (two GPUs: on GPU 1, beside the study's smaller
+    points on GPU 0); a name that is no job stops the call before its chain starts."""
+    side = str(ngpus - 1)
+    jobs = {"JOBS": "prepare_only side_by_side"} if ngpus == 1 else \
+        {"JOBS": "points", "SIDE_JOBS": "train_8b wait_target prepare_only side_by_side"}
+    run, calls, root, _ = _session(tmp_path, ngpus, **jobs)
     run(1)
     took, out = run(2)
     assert "chain main started on GPU 0" in out, out
     assert "chains still running: 0" in run(3)[1]
     c = calls()
-    assert not any(x["args"][0].endswith("scaling_study.py") for x in c)
+    studies = [x for x in c if x["args"][0].endswith("scaling_study.py")]
+    if ngpus == 1:
+        assert not studies
+    else:
+        assert len(studies) == 1 and studies[0]["gpu"] == "0", studies
+        a = studies[0]["args"]
+        assert a[a.index("--conversations") + 1] == "2000,6000" and a[a.index("--steps") + 1] == "2400"
+        assert _one(c, "train_bench.py", "--no-compile")["gpu"] == side
     prep = [x for x in c if x["args"][:3] == ["-m", "eyas", "pipeline"]]
-    assert len(prep) == 1 and prep[0]["gpu"] == "0", prep
+    assert len(prep) == 1 and prep[0]["gpu"] == side, prep
     a = prep[0]["args"]
     work = root / "scaling" / "n17293-s2400"
     assert a[a.index("--workdir") + 1] == str(work) and a[a.index("--until") + 1] == "prepare"
     sets = dict(x.split("=", 1) for x in (a[i + 1] for i, y in enumerate(a) if y == "--set"))
     assert sets["regenerate.limit"] == "17293" and sets["train.steps"] == "2400" and sets["target"] == str(root / "smol")
     sbs = _one(c, "specforge_side_by_side.py")
-    assert sbs["args"][sbs["args"].index("--prepared") + 1] == str(work / "prepared")
+    assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == str(work / "prepared")
     assert c.index(prep[0]) < c.index(sbs)
 
-    run, calls, root, _ = _session(tmp_path / "bad", 1, JOBS="prepare_only side_by_sid")
-    run(1)
-    took, out = run(2)
-    assert "JOBS: no job named side_by_sid" in out and "chain main started" not in out, out
+    bad = {"JOBS": "prepare_only side_by_sid"} if ngpus == 1 else {"SIDE_JOBS": "train_8b side_by_sid"}
+    run, calls, root, _ = _session(tmp_path / "bad", ngpus, **bad)
+    took, out = run(1) if ngpus > 1 else (run(1), run(2))[1]
+    var = "JOBS" if ngpus == 1 else "SIDE_JOBS"
+    assert f"{var}: no job named side_by_sid" in out and "started" not in out, out
