@@ -23,6 +23,7 @@ import os
 import sys
 
 import typer
+import typer.main
 
 from eyas.errors import CheckFailed, EyasError
 
@@ -119,8 +120,26 @@ def _register() -> None:
 _register()
 
 
+# click's base error class (click's own, or the copy that newer typer releases vendor), found through a class typer exports
+_CLICK_ERROR = next(c for c in typer.BadParameter.__mro__ if c.__name__ == "ClickException")
+
+
 def main() -> None:
-    app()
+    """The `eyas` command. A usage error (unknown command or option, a value of the wrong type, a missing
+    option) is one line naming the command and the option, exit 2, instead of click's framed usage text."""
+    command = typer.main.get_command(app)
+    try:
+        code = command.main(prog_name="eyas", standalone_mode=False)
+    except _CLICK_ERROR as exc:
+        ctx, message = getattr(exc, "ctx", None), exc.format_message()
+        path = ctx.command_path if ctx else "eyas"
+        if message:  # none after a bare `eyas`, which printed the help
+            print(f"error: {path}: {message} (see `{path} --help`)", file=sys.stderr, flush=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:  # an interrupt outside a command (inside one, _contract handles it)
+        print("interrupted", file=sys.stderr, flush=True)
+        sys.exit(130)
+    sys.exit(code if isinstance(code, int) else 0)
 
 
 if __name__ == "__main__":
