@@ -284,6 +284,50 @@ def test_verify_server_names_the_flag_when_replay_batches_cannot_be_matched(tiny
     assert checks["plugin_counters"]["unmatched_forwards"] >= 1
 
 
+def run_model_runner_forward_elsewhere(monkeypatch, *, old_plugin: bool) -> None:
+    """The plugin's ModelRunner.forward hook runs on another thread than the logits step: it sees the
+    scheduler's batches but cannot give the rid-less replay batches their ids. `old_plugin`: a status
+    without the `rid_less_forwards` counter (eyas before it was added)."""
+    import threading
+
+    from eyas.sglang import plugin
+
+    real, real_status = plugin._State.on_model_runner_forward, plugin._State.status
+
+    def elsewhere(self, fb):
+        t = threading.Thread(target=real, args=(self, fb))
+        t.start(), t.join()
+
+    def status(self):
+        st = real_status(self)
+        st["stats"].pop("rid_less_forwards")
+        return st
+
+    monkeypatch.setattr(plugin._State, "on_model_runner_forward", elsewhere)
+    if old_plugin:
+        monkeypatch.setattr(plugin._State, "status", status)
+
+
+@pytest.mark.parametrize("old_plugin", [False, True])
+def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batch(tiny_target_dir, tmp_path,
+                                                                                  monkeypatch, old_plugin):
+    # no dump at all (not even a rejected one): the counters must name the flag, not the dump directory
+    from eyas.commands.verify_server import verify_server
+
+    run_model_runner_forward_elsewhere(monkeypatch, old_plugin=old_plugin)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        with pytest.raises(CheckFailed) as exc:
+            verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None,
+                          prompt_tokens=24, tolerance=None, device="cpu", seed=0, dump_wait_s=0.3)
+    checks = exc.value.summary["checks"]
+    assert "no dump appeared" in checks["unique_prompt"]["reason"]
+    counters = checks["plugin_counters"]
+    assert not counters["ok"] and "--disable-prefill-cuda-graph" in counters["fix"]
+    assert "--disable-prefill-cuda-graph" in str(exc.value)
+    assert counters["live_batches"] > 0 and counters["rids_from_live_batch"] == 0
+    assert counters["rid_less_forwards"] == (0 if old_plugin else counters["live_batches"])
+
+
 def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_dir, tmp_path, monkeypatch):
     # A server that captures the OUTPUT of the named layers (SGLang's convention) while claiming
     # eyas's (their input): shapes, counts and positions all pass; only the numbers can tell.
@@ -375,4 +419,20 @@ def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, t
         plan = preflight(srv.url, LAYERS)
         with pytest.raises(EyasError, match="saw no scheduler batch.*--disable-prefill-cuda-graph"):
             probe(plan, torch.arange(100, 120), layer_ids=LAYERS, tag="probe", dump_wait_s=1.0, max_retries=0)
+        assert not list((tmp_path / "dumps").iterdir())
+
+
+@pytest.mark.parametrize("old_plugin", [False, True])
+def test_probe_names_the_flag_when_replay_batches_find_no_scheduler_batch(tiny_target_dir, tmp_path, monkeypatch,
+                                                                          old_plugin):
+    # the plugin saw scheduler batches but took no request ids from them: the flag, not the dump directory
+    from eyas.sglang.client import probe
+
+    run_model_runner_forward_elsewhere(monkeypatch, old_plugin=old_plugin)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        plan = preflight(srv.url, LAYERS)
+        with pytest.raises(EyasError, match="could not find.*--disable-prefill-cuda-graph") as exc:
+            probe(plan, torch.arange(100, 120), layer_ids=LAYERS, tag="probe", dump_wait_s=1.0, max_retries=0)
+        assert "run the client on the host" not in str(exc.value)
+        assert ("rid_less_forwards" in str(exc.value)) != old_plugin
         assert not list((tmp_path / "dumps").iterdir())

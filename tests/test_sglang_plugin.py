@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import threading
 import types
 
 import pytest
@@ -317,6 +318,60 @@ def test_an_unmatched_replay_batch_rejects_naming_the_flag(state, tmp_path):
     d = read_dump(tmp_path / ra)
     assert d.status == "rejected" and "--disable-prefill-cuda-graph" in d.meta["reason"]
     assert state.status()["stats"]["unmatched_forwards"] == 1
+
+
+@pytest.mark.parametrize("live", ["none", "other_thread", "without_rids"])
+def test_a_replay_batch_with_no_live_batch_to_take_ids_from_is_counted(state, tmp_path, live):
+    # nobody can be told (no rids, so no rejected dumps): the forward is dropped, but counted for the client
+    runner = types.SimpleNamespace(is_draft_worker=False)
+    ra = make_rid(4, "rl")
+    fb, hidden, aux = batch(ForwardMode.EXTEND, [(ra, 4, 0, 4)], pad=4)
+    replay = replay_batch(fb, bucket=8)
+    if live == "other_thread":  # ModelRunner.forward ran on another thread than this logits step
+        t = threading.Thread(target=plugin._on_model_runner_forward, args=(runner, fb))
+        t.start(), t.join()
+    elif live == "without_rids":
+        plugin._on_model_runner_forward(runner, replay)
+    plugin._on_logits(LogitsProcessor(), replay.input_ids, hidden, None, replay, aux)
+    assert list(tmp_path.iterdir()) == [] and state.errors == 0
+    assert state.status()["stats"]["rid_less_forwards"] == 1 and state.counts["rids_from_live_batch"] == 0
+    # a batch carrying its own rids, a matched replay batch, and a live batch of other traffic are not counted
+    rb = make_rid(4, "own")
+    own, _, _ = batch(ForwardMode.EXTEND, [(rb, 4, 0, 4)], pad=4)
+    plugin._on_logits(LogitsProcessor(), own.input_ids, hidden, None, own, aux)
+    other, _, _ = batch(ForwardMode.EXTEND, [("user-req", 4, 0, 4)], pad=4)
+    for b in (fb, other):
+        plugin._on_model_runner_forward(runner, b)
+        plugin._on_logits(LogitsProcessor(), replay.input_ids, hidden, None, replay_batch(b, bucket=8), aux)
+    assert read_dump(tmp_path / ra).status == read_dump(tmp_path / rb).status == "complete"
+    assert state.counts["rid_less_forwards"] == 1 and state.counts["rids_from_live_batch"] == 1
+    assert state.counts["unmatched_forwards"] == 0 and state.errors == 0
+
+
+def test_the_source_contract_reads_code_not_comments_or_docstrings(tmp_path):
+    # the parallel ranks named only in prose must not pass for declared; the same names in code do
+    rc = tmp_path / "sglang/srt/runtime_context.py"
+    rc.parent.mkdir(parents=True)
+
+    def rank_problems(source: str) -> list[str]:
+        rc.write_text(source)
+        return [p for p in plugin.check_contract_in_source(tmp_path) if "parallel rank" in p]
+
+    prose = ('def get_parallel():\n'
+             '    """Answers "attn_tp_rank", "pp_rank" and f"pp_size"."""\n'
+             '    # ranks: "attn_tp_rank", "pp_rank", "pp_size"\n'
+             '    "pp_size"\n'
+             '    return f"{None}pp_size"\n')
+    assert rank_problems(prose) == [f"sglang.srt.runtime_context: parallel rank {n!r} not declared"
+                                    for n in ("attn_tp_rank", "pp_rank", "pp_size")]
+    code = ('class ParallelContext:\n'
+            '    @property\n'
+            '    def attn_tp_rank(self):\n'
+            '        return self._read("pp_rank")\n'
+            '_WIDTHS = ("pp_size",)\n'
+            'def get_parallel():\n'
+            '    return ParallelContext()\n')
+    assert rank_problems(code) == []
 
 
 @pytest.mark.parametrize("ranks", [dict(attn_tp_rank=1, pp_rank=0, pp_size=1), dict(attn_tp_rank=0, pp_rank=0, pp_size=2)])

@@ -9,9 +9,11 @@ Checks, in order (each a real request through the same path as `eyas capture --b
 3. batched: four prompts of different lengths sent at once (so the server packs them into shared
    EXTEND forwards, through the prefill CUDA graph when it is on) all dump every token;
 4. plugin_counters: after those requests the plugin reports no hook or write errors and no forward
-   whose request ids it could not find (a prefill CUDA-graph replay batch it could not match to the
-   scheduler's batch: the fix is --disable-prefill-cuda-graph); it also reports how many forwards
-   took their request ids from the scheduler's batch (`rids_from_live_batch` > 0: the graph path ran);
+   whose request ids it could not find: a prefill CUDA-graph replay batch it could not match to the
+   scheduler's batch (`unmatched_forwards`), or one with no scheduler batch on its thread to take
+   them from (`rid_less_forwards`, dropped without a dump); the fix for both is
+   --disable-prefill-cuda-graph. It also reports how many forwards took their request ids from the
+   scheduler's batch (`rids_from_live_batch` > 0: the graph path ran);
 5. numbers (with --target, when the model fits here): the unique prompt's dumped aux and final
    states match `eyas.target.reference_hidden_states` of the local copy of the model.
 """
@@ -44,7 +46,7 @@ def verify_server(
 
     from eyas.config_checks import check_device, check_in, check_url, check_value, parse_int_list
     from eyas.errors import CheckFailed, EyasError
-    from eyas.sglang.client import capture_one, get_server_info, plugin_state, preflight
+    from eyas.sglang.client import capture_one, get_server_info, plugin_state, preflight, request_ids_lost
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
@@ -75,10 +77,13 @@ def verify_server(
 
     tag = f"verify{nonce:08x}"
     checks: dict[str, dict] = {}
+    missing: list[str] = []  # requests whose dump never appeared
 
     def run(name: str, ids: torch.Tensor, k: int):
         res = capture_one(plan, name, ids, f"{tag}-{k}", layer_ids=layer_ids, max_retries=3, backoff_s=0.5,
                           request_timeout_s=600.0, dump_wait_s=dump_wait_s)
+        if res.reason is not None and res.reason.startswith("no dump appeared"):
+            missing.append(name)
         return res
 
     # 1. a unique prompt of known length
@@ -107,13 +112,17 @@ def verify_server(
     # 4. what the plugin counted while serving them
     after = plugin_state(get_server_info(plan.url)) or {}
     stats = after.get("stats", {})
-    counters = {k: int(stats.get(k, 0)) for k in ("live_batches", "rids_from_live_batch", "unmatched_forwards")}
+    ids_lost = ("unmatched_forwards", "rid_less_forwards")
+    counters = {k: int(stats.get(k, 0)) for k in ("live_batches", "rids_from_live_batch", *ids_lost)}
     counters.update(hook_errors=int(after.get("hook_errors", 0)), write_errors=int(after.get("write_errors", 0)))
-    bad = {k: v for k, v in counters.items() if k in ("unmatched_forwards", "hook_errors", "write_errors") and v}
-    checks["plugin_counters"] = {"ok": not bad, **counters, "last_error": after.get("last_error", ""),
-                                 "fix": ("restart the server with --disable-prefill-cuda-graph"
-                                         if bad.get("unmatched_forwards") else "see the server log for `eyas capture`")
-                                 if bad else ""}
+    bad = {k: v for k, v in counters.items() if k in (*ids_lost, "hook_errors", "write_errors") and v}
+    # the helper also covers an older plugin without rid_less_forwards, once dumps are known to be missing
+    lost = any(k in bad for k in ids_lost) or (bool(missing) and request_ids_lost(plan.status.get("stats") or {},
+                                                                                  stats, plan.info))
+    fix = ("restart the server with --disable-prefill-cuda-graph (the plugin could not find the request ids of "
+           "prefill CUDA-graph replay batches)" if lost else "see the server log for `eyas capture`" if bad else "")
+    checks["plugin_counters"] = {"ok": not bad and not lost, **counters, "last_error": after.get("last_error", ""),
+                                 "fix": fix}
 
     # 5. the numbers, against the transformers reference on a local copy of the model
     if target is not None:
@@ -125,7 +134,8 @@ def verify_server(
                "model": model_info, "checks": checks}
     if not ok:
         failed = [k for k, c in checks.items() if not c["ok"]]
-        raise CheckFailed(f"server {plan.url} failed: {', '.join(failed)}", summary)
+        fix = checks["plugin_counters"]["fix"]  # the counters say why dumps are missing better than the dump checks
+        raise CheckFailed(f"server {plan.url} failed: {', '.join(failed)}" + (f"; fix: {fix}" if fix else ""), summary)
     return summary
 
 

@@ -322,6 +322,18 @@ def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: 
                    dump_dtype=dump.meta.get("dtype"), pieces=int(dump.meta.get("pieces", 0)))
 
 
+def request_ids_lost(before: dict[str, Any], after: dict[str, Any], info: dict[str, Any]) -> bool:
+    """Whether the plugin dropped forwards between two readings of its stats because it found no request
+    ids for them (`rid_less_forwards` grew). A plugin without that counter: it saw scheduler batches
+    but took no ids from them, although the prefill CUDA graph is on."""
+    def grew(key: str) -> int:
+        return int(after.get(key, 0) or 0) - int(before.get(key, 0) or 0)
+
+    if "rid_less_forwards" in after:
+        return grew("rid_less_forwards") > 0
+    return grew("live_batches") > 0 and grew("rids_from_live_batch") <= 0 and not info.get("disable_prefill_cuda_graph")
+
+
 def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int], tag: str,
           dump_wait_s: float = 60.0, request_timeout_s: float = 120.0, max_retries: int = 5,
           backoff_s: float = 1.0) -> Outcome:
@@ -339,6 +351,12 @@ def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int]
                 hint = (" The plugin saw no scheduler batch (its ModelRunner.forward hook is not active: look for "
                         "'Failed to apply hooks' in the server log); until that is fixed, restart the server with "
                         "--disable-prefill-cuda-graph")
+            elif request_ids_lost(plan.status.get("stats") or {}, stats, plan.info):
+                n = stats.get("rid_less_forwards")
+                hint = (" The plugin dropped forwards whose request ids it could not find (prefill CUDA-graph replay "
+                        "batches without rids, and no scheduler batch on the same thread to take them from"
+                        + (f": rid_less_forwards = {n}" if n is not None else "")
+                        + "); restart the server with --disable-prefill-cuda-graph")
             else:
                 hint = (f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host "
                         "where the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share "

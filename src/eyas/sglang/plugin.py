@@ -33,7 +33,8 @@ Hooks (sglang.srt.plugins.hook_registry.HookRegistry):
         processor, a ForwardBatch rebuilt for graph replay (PrefillCudaGraphRunner.load_batch) that
         does NOT copy `rids`; it does copy `extend_seq_lens_cpu` / `extend_prefix_lens_cpu`, so the
         logits hook takes the request ids of the live batch whose lengths match. A forward it cannot
-        match rejects its eyas requests with a reason naming --disable-prefill-cuda-graph.
+        match rejects its eyas requests with a reason naming --disable-prefill-cuda-graph; one with no
+        live batch on its thread has no requests to reject and is counted (`rid_less_forwards`).
     BEFORE LogitsProcessor.forward   every model hands the logits processor the final POST-NORM
         hidden states of all rows and the aux states, with the batch. The graph runners replay the
         transformer body only; this tail runs eagerly, so the hook sees every EXTEND forward. Only
@@ -303,9 +304,36 @@ def check_contract_in_source(root) -> list[str]:
             problems += [f"{name}.{m} not defined" for m in members if member(cls, m) is None]
     mod, name, names = CONTRACT["parallel"]
     if top(mod, name) is not None:
-        text = (root.joinpath(*mod.split(".")).with_suffix(".py")).read_text()
-        problems += [f"{mod}: parallel rank {n!r} not declared" for n in names if f'"{n}"' not in text]
+        declared = code_words(tree(mod))
+        problems += [f"{mod}: parallel rank {n!r} not declared" for n in names if n not in declared]
     return problems
+
+
+def code_words(tree) -> set[str]:
+    """The words a module's code uses: defined, read and keyword names, attributes, and whole string
+    literals (field-name tuples, dict keys). Comments are not in the tree; docstrings, other bare
+    string statements and the text of f-strings are left out, so prose never counts as code."""
+    import ast
+
+    prose = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):
+            prose.add(id(node.value))
+        elif isinstance(node, ast.JoinedStr):
+            prose.update(id(v) for v in node.values)
+    words = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            words.add(node.name)
+        elif isinstance(node, ast.Name):
+            words.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            words.add(node.attr)
+        elif isinstance(node, (ast.arg, ast.keyword)) and node.arg:
+            words.add(node.arg)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            words.add(node.value)
+    return words
 
 
 def sglang_version() -> str | None:
@@ -353,7 +381,7 @@ class _State:
         self.last_error = ""
         self.logits_sig: inspect.Signature | None = None
         self._live: tuple[int, Any] | None = None  # (thread id, the scheduler's ForwardBatch)
-        self.counts = {"live_batches": 0, "rids_from_live_batch": 0, "unmatched_forwards": 0}
+        self.counts = {"live_batches": 0, "rids_from_live_batch": 0, "unmatched_forwards": 0, "rid_less_forwards": 0}
 
     def is_writer(self) -> bool:
         r = self.ranks
@@ -403,15 +431,21 @@ class _State:
         [5, 3], prefix lens [0, 0]; the replay batch has rids None and the same two length lists
         (copied by reference), so it takes [a, b]. A replay batch whose lengths differ from the live
         batch's cannot be matched: its eyas requests are rejected, never written under another rid.
+        With no live batch on this thread (or one without rids) nobody can be told: the forward is
+        counted in `rid_less_forwards`, which the client and `eyas verify-server` report with REPLAY_FLAG.
         """
         rids = getattr(fb, "rids", None)
         live, self._live = self._live, None  # consumed: a later, unrelated call never reuses it
         if rids is not None:
             return list(rids)
-        if live is None or live[0] != threading.get_ident():
-            return None
-        lb = live[1]
+        lb = live[1] if live is not None and live[0] == threading.get_ident() else None
         live_rids = list(getattr(lb, "rids", None) or [])
+        if not live_rids:
+            self.counts["rid_less_forwards"] += 1
+            if self.counts["rid_less_forwards"] == 1:
+                logger.warning("eyas capture: a forward without request ids and no scheduler batch to take them from "
+                               "was dropped (prefill CUDA-graph replay?); restart the server with %s", REPLAY_FLAG)
+            return None
         if not any(parse_rid(r) is not None for r in live_rids):
             return None
         same = (list(getattr(lb, "extend_seq_lens_cpu", None) or []) == list(fb.extend_seq_lens_cpu or [])
