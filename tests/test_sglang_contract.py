@@ -10,8 +10,9 @@ source (the layer-id rules of Llama, DeepSeek-V2/V3 and the Kimi-K2.5 wrapper), 
 so the real one is loaded and the plugin's real hook functions are registered and run through it.
 
 Wheels and unpacked files are cached in $EYAS_SGLANG_WHEEL_DIR (default ~/.cache/eyas/sglang-wheels):
-the first run downloads about 250 MB, later runs read the cache (a few seconds in all). A version
-whose download fails for network reasons is skipped with the reason; any other failure fails.
+the first run downloads about 250 MB, later runs read the cache (a few seconds in all; a change to
+NEEDED unpacks the cached wheels again). A version whose download fails for network reasons is
+skipped with the reason; a claimed version the index does not have fails, as does any other failure.
 """
 
 from __future__ import annotations
@@ -34,8 +35,10 @@ from eyas.sglang import plugin
 from eyas.sglang.core import make_rid, read_dump
 from eyas.sglang.standin import ForwardBatch, ForwardMode, replay_batch
 
+# Only these mean the index could not be reached. "No matching distribution" alone is not one of them: pip
+# says it when the index answered without the version (a claimed release was yanked or deleted), which fails.
 NETWORK_ERRORS = ("NewConnectionError", "ConnectionError", "Temporary failure in name resolution", "Max retries",
-                  "timed out", "Network is unreachable", "ProxyError", "Connection refused", "No matching distribution")
+                  "timed out", "Network is unreachable", "ProxyError", "Connection refused")
 # the files read below, relative to the wheel root (prefixes: a package's whole folder)
 NEEDED = ("sglang/srt/plugins/", "sglang/srt/model_executor/model_runner.py", "sglang/srt/layers/logits_processor.py",
           "sglang/srt/managers/scheduler_components/internal_state", "sglang/srt/managers/scheduler.py",
@@ -43,7 +46,9 @@ NEEDED = ("sglang/srt/plugins/", "sglang/srt/model_executor/model_runner.py", "s
           "sglang/srt/models/llama.py", "sglang/srt/models/deepseek_v2.py", "sglang/srt/models/kimi_k25.py",
           "sglang/srt/managers/io_struct.py", "sglang/srt/managers/schedule_batch.py",
           "sglang/srt/mem_cache/radix_cache.py", "sglang/srt/entrypoints/http_server.py",
-          "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py")
+          "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py",
+          "sglang/srt/model_executor/cuda_graph_config.py", "sglang/srt/server_args.py",
+          "sglang/srt/arg_groups/fields/")
 
 
 def cache_dir() -> Path:
@@ -57,11 +62,24 @@ def _vkey(v: str) -> tuple:
     return tuple(int(x) for x in base.split(".")) + (int(post or 0),)
 
 
+def download_failure(version: str, output: str) -> tuple[bool, str]:
+    """(skip?, message) for a failed `pip download sglang==version`: skip only when the index could not be
+    reached; a version it does not list (yanked or deleted, yet claimed in SUPPORTED_VERSIONS) fails."""
+    tail = output.strip()[-300:]
+    if any(e in output for e in NETWORK_ERRORS):
+        return True, f"cannot download sglang=={version} (package index unreachable): {tail}"
+    if "No matching distribution" in output:
+        return False, (f"sglang=={version} is claimed in plugin.SUPPORTED_VERSIONS but the package index has no "
+                       f"cp311 manylinux wheel of it (yanked or deleted?): {tail}")
+    return False, f"pip download sglang=={version} failed:\n{output[-2000:]}"
+
+
 def sglang_source(version: str) -> Path:
-    """The unpacked files of sglang==version (downloaded once, then cached)."""
+    """The unpacked files of sglang==version (downloaded once, then cached; unpacked again when NEEDED changes)."""
     cache = cache_dir()
     src = cache / f"src-{version}"
-    if (src / ".done").is_file():
+    stamp = "\n".join((version,) + NEEDED)
+    if (src / ".done").is_file() and (src / ".done").read_text() == stamp:
         return src
     wheels = [w for w in cache.glob(f"sglang-{version}-*.whl")]
     if not wheels:
@@ -69,14 +87,13 @@ def sglang_source(version: str) -> Path:
                "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(cache), "-q"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
-            if any(e in res.stderr + res.stdout for e in NETWORK_ERRORS):
-                pytest.skip(f"cannot download sglang=={version} (package index unreachable): {res.stderr.strip()[-300:]}")
-            pytest.fail(f"pip download sglang=={version} failed:\n{res.stderr[-2000:]}")
+            skip, why = download_failure(version, res.stderr + res.stdout)
+            (pytest.skip if skip else pytest.fail)(why)
         wheels = list(cache.glob(f"sglang-{version}-*.whl"))
     with zipfile.ZipFile(wheels[0]) as z:
         z.extractall(src, [n for n in z.namelist() if n.endswith(".py") and n.startswith(NEEDED)])
     assert (src / "sglang/srt/plugins/hook_registry.py").is_file(), f"{wheels[0]} has no sglang/srt/plugins"
-    (src / ".done").write_text(version)
+    (src / ".done").write_text(stamp)
     return src
 
 
@@ -179,6 +196,92 @@ def test_the_replay_batch_copies_the_lengths_the_plugin_matches_on(sglang_src):
     # and ModelRunner.forward, which the plugin hooks for the live batch, receives the scheduler's batch
     mr = method(sglang_src / "sglang/srt/model_executor/model_runner.py", "ModelRunner", "forward")
     assert [a.arg for a in mr.args.args[:2]] == ["self", "forward_batch"]
+    assert_breakable_replay_runs_the_tail_eagerly_on_the_static_batch(sglang_src)
+
+
+def _parents(tree) -> dict:
+    return {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+
+
+def _is_model_forward_call(node, batch: str | None = None) -> bool:
+    """`self.model_runner.model.forward(B.input_ids, B.positions, B, ...)`: the whole model, tail included."""
+    if not (isinstance(node, ast.Call) and code(node.func) == "self.model_runner.model.forward"
+            and len(node.args) >= 3):
+        return False
+    b = code(node.args[2])
+    return (batch in (None, b)) and [code(a) for a in node.args[:2]] == [f"{b}.input_ids", f"{b}.positions"]
+
+
+def assert_breakable_replay_runs_the_tail_eagerly_on_the_static_batch(sglang_src: Path) -> None:
+    """On the default CUDA prefill graph (breakable) the replay runs the captured transformer body and
+    then the model's forward, so its LogitsProcessor (the plugin's hook), eagerly on the batch load_batch
+    rebuilt (no rids). 0.5.15 does it in `execute` under `self.layer_model is not None` (set only for the
+    breakable and full backends); 0.5.16+ moved it to `_execute_body_capture`, called from `execute`
+    under `self._uses_eager_prefill_tail()` (breakable or full). The full backend runs its tail on the
+    live batch instead (a copy of it from 0.5.20): the plugin handles both. Not checked here: the prefill
+    context-parallel branch `execute` takes first from 0.5.17 (execute_prefill_cp_bcg, --enable-prefill-cp)."""
+    runner = sglang_src / "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py"
+    version = _vkey(sglang_src.name.removeprefix("src-"))
+    cls = class_def(runner, "PrefillCudaGraphRunner")
+    fns = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
+    # the default prefill backend on CUDA is the breakable one
+    cfg = next(n for n in parse(sglang_src / "sglang/srt/model_executor/cuda_graph_config.py").body
+               if isinstance(n, ast.FunctionDef) and n.name == "default_prefill_backend")
+    assert code(cfg.body[-1]).startswith("return Backend.BREAKABLE if is_cuda() else"), code(cfg)
+    assert "self._is_full_backend = isinstance(self.backend, FullCudaGraphBackend)" in code(fns["__init__"])
+    # the scheduler's replay goes through execute, whose static batch is load_batch's rebuilt one
+    mr = code(class_def(sglang_src / "sglang/srt/model_executor/model_runner.py", "ModelRunner"))
+    assert "self.prefill_cuda_graph_runner.execute(" in mr
+    load = fns["load_batch"]
+    built = [n for n in ast.walk(load) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
+             and getattr(n.value.func, "id", None) == "ForwardBatch"]
+    assert [code(t) for n in built for t in n.targets] == ["static_forward_batch"]
+    assert code(load.body[-1]) in ("return static_forward_batch", "return (static_forward_batch, shared_read_ends)")
+    execute = fns["execute"]
+    assert any(code(n).startswith(("static_forward_batch = self.load_batch(forward_batch",
+                                   "static_forward_batch, shared_read_ends = self.load_batch(forward_batch"))
+               for n in ast.walk(execute) if isinstance(n, ast.Assign)), code(execute)
+    if version < (0, 5, 16):
+        tail_fn = execute
+        guard = next(n for n in ast.walk(execute)
+                     if isinstance(n, ast.If) and code(n.test) == "self.layer_model is not None")
+        assert any(_is_model_forward_call(n) for n in ast.walk(guard))
+        init = code(fns["__init__"])
+        sets = init.index("self.layer_model = language_model.model")
+        assert "if isinstance(self.backend, (BreakableCudaGraphBackend, FullCudaGraphBackend)):" in init[:sets]
+    else:
+        tail_fn = fns["_execute_body_capture"]
+        assert "Backend.BREAKABLE" in code(fns["_uses_eager_prefill_tail"])
+        guard = next(n for n in ast.walk(execute) if isinstance(n, ast.If)
+                     and code(n.test) == "self._uses_eager_prefill_tail()")
+        calls = [code(n) for n in ast.walk(ast.Module(guard.body, [])) if isinstance(n, ast.Call)]
+        assert any(c.startswith("self._execute_body_capture(forward_batch, static_forward_batch") for c in calls), calls
+    # the tail: the model's forward on `tail_batch`, which is the static batch unless the backend is full
+    tail_calls = [n for n in ast.walk(tail_fn) if _is_model_forward_call(n, "tail_batch")]
+    assert len(tail_calls) == 1, code(tail_fn)
+    body = code(tail_fn)
+    assert "full_path = self._is_full_backend" in body
+    assert ("tail_batch = forward_batch if full_path else static_forward_batch" in body
+            or any(code(n.test) == "full_path" and [code(x) for x in n.orelse] == ["tail_batch = static_forward_batch"]
+                   for n in ast.walk(tail_fn) if isinstance(n, ast.If))), body
+    # ... run while the body's forward is swapped for the graph replay, so only the body replays
+    assert "self.layer_model.forward = replay_layer_forward" in body
+    swap = body.index("self.layer_model.forward = replay_layer_forward")
+    assert swap < body.index("self.model_runner.model.forward(")
+    replay = next(n for n in ast.walk(tail_fn) if isinstance(n, ast.FunctionDef) and n.name == "replay_layer_forward")
+    assert "self.backend.replay(" in code(replay)
+    # ... eagerly: not under a graph-capture context, and not on a capture path
+    parents = _parents(tail_fn)
+    node = tail_calls[0]
+    while node is not tail_fn:
+        node = parents[node]
+        if isinstance(node, ast.With):
+            items = " ".join(code(i) for i in node.items)
+            assert "capture" not in items and "cuda.graph" not in items, items
+    for name, fn in fns.items():
+        if "capture" in name and fn is not tail_fn:
+            called = {code(n.func) for n in ast.walk(fn) if isinstance(n, ast.Call)}
+            assert not called & {"self.execute", f"self.{tail_fn.name}"}, name
 
 
 def test_layer_id_rules_run_from_sglangs_own_code(sglang_src):
@@ -242,6 +345,162 @@ def test_semantics_the_plugin_relies_on(sglang_src):
     if _vkey(sglang_src.name.removeprefix("src-")) >= (0, 5, 22):
         # the `salt` bypass (the client uses it from 0.5.22): the radix tree is keyed by cache_salt
         assert "self.cache_salt != other.cache_salt" in codes(srt / "mem_cache/radix_cache.py", ast.Compare)
+
+
+# ----------------------------------------------------------------------------- server args
+
+
+# ServerArgs fields the plugin or the client read that older releases lack: (first release that has it, why
+# reading it with a default is harmless before). The test checks each entry is exact, for every release.
+NEWER_FIELDS = {
+    "attn_dp_size": ("0.5.22", "before, DP attention is only --enable-dp-attention, which is read too"),
+    "enable_return_aux_hidden_states": ("0.5.23", "before, there is no such flag to refuse"),
+}
+# keys of /server_info that are not ServerArgs fields: SGLang's handler adds them, or the plugin does
+PLUGIN_INFO_KEYS = {"eyas_capture"}  # the plugin's status (plugin._on_internal_state, in internal_states[i])
+
+
+def names_read(fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef], _seen=None) -> dict[str, bool]:
+    """Names read off `var` in `fn`, each with whether every read has a default: getattr(var, "x"[, d]),
+    var.x, var.get("x"[, d]) (always a default: None), var["x"]; a name looped over string constants
+    (for flag in ("a", "b"): getattr(var, flag)) stands for each; same-module helpers called with `var`
+    are followed."""
+    _seen = {fn.name} if _seen is None else _seen | {fn.name}
+    loops = {n.target.id: [e.value for e in n.iter.elts if isinstance(e, ast.Constant)]
+             for n in ast.walk(fn) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
+             and isinstance(n.iter, (ast.Tuple, ast.List))}
+    parents = _parents(fn)
+    out: dict[str, bool] = {}
+
+    def add(key, defaulted: bool) -> None:
+        keys = [key] if isinstance(key, str) else [key.value] if isinstance(key, ast.Constant) \
+            else loops.get(getattr(key, "id", None), [])
+        assert keys, f"{fn.name}: cannot tell which name `{code(key)}` reads off {var}"
+        for k in keys:
+            out[k] = out.get(k, True) and defaulted
+
+    def is_var(node) -> bool:
+        return isinstance(node, ast.Name) and node.id == var
+
+    for n in ast.walk(fn):
+        if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "getattr" and n.args and is_var(n.args[0]):
+            add(n.args[1], len(n.args) > 2)
+        elif isinstance(n, ast.Attribute) and is_var(n.value):
+            if isinstance(parents.get(n), ast.Call) and parents[n].func is n:  # a method: only dict.get is expected
+                assert n.attr == "get", f"{fn.name}: {code(parents[n])}"
+                add(parents[n].args[0], True)
+            else:
+                add(n.attr, False)
+        elif isinstance(n, ast.Subscript) and is_var(n.value):
+            add(n.slice, False)
+        elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in module and n.func.id not in _seen:
+            callee = module[n.func.id]
+            params = [a.arg for a in callee.args.posonlyargs + callee.args.args]
+            for i, a in enumerate(n.args):
+                if is_var(a):
+                    for k, d in names_read(callee, params[i], module, _seen).items():
+                        add(k, d)
+    return out
+
+
+def module_functions(mod) -> dict[str, ast.FunctionDef]:
+    return {n.name: n for n in parse(Path(mod.__file__)).body if isinstance(n, ast.FunctionDef)}
+
+
+def server_args_fields(srt: Path) -> set[str]:
+    """ServerArgs's fields, read from the wheel: a dataclass in server_args.py up to 0.5.19; from 0.5.20 a
+    msgspec struct assembled from the namespaces `_INPUT_NAMESPACES` lists (classes in arg_groups/fields/)."""
+    tree = parse(srt / "server_args.py")
+    imports = {a.asname or a.name: n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
+               for a in n.names}
+
+    def annotated(cls: ast.ClassDef) -> set[str]:
+        return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
+                and "ClassVar" not in code(n.annotation)}
+
+    fields = annotated(class_def(srt / "server_args.py", "ServerArgs"))
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_INPUT_NAMESPACES" for t in node.targets):
+            for e in node.value.elts:
+                path = srt.parent.parent.joinpath(*imports[e.id].split(".")).with_suffix(".py")
+                fields |= annotated(class_def(path, e.id))
+    return fields
+
+
+def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
+    from eyas.sglang import client
+
+    srt = sglang_src / "sglang/srt"
+    version = _vkey(sglang_src.name.removeprefix("src-"))
+    fields = server_args_fields(srt)
+    assert {"tp_size", "pp_size", "disable_radix_cache"} <= fields, "ServerArgs not found where it was"
+    # the plugin's start-up check, on the ServerArgs object
+    plugin_reads = names_read(module_functions(plugin)["check_server_args"], "args", module_functions(plugin))
+    # the client's preflight, on /server_info: ServerArgs's fields plus what the handler adds itself
+    client_fns = module_functions(client)
+    client_reads = names_read(client_fns["preflight"], "info", client_fns)
+    handler = next(n for n in parse(srt / "entrypoints/http_server.py").body
+                   if isinstance(n, ast.AsyncFunctionDef) and n.name == "server_info")
+    dicts = [n for n in ast.walk(handler) if isinstance(n, ast.Dict)]
+    assert any(any(s in code(d) for s in ("dataclasses.asdict(server_args)", "server_args.resolved_dict()",
+                                         "build_server_info(server_args")) for d in dicts), code(handler)
+    handler_keys = {k.value for d in dicts for k in d.keys if isinstance(k, ast.Constant)}
+    assert {"internal_states", "version"} <= handler_keys
+    client_fields = {k: d for k, d in client_reads.items() if k not in handler_keys | PLUGIN_INFO_KEYS}
+    assert {"speculative_algorithm", "enable_dp_attention"} <= set(plugin_reads) & set(client_fields)
+    for who, reads in (("plugin.check_server_args", plugin_reads), ("client.preflight", client_fields)):
+        for name, defaulted in sorted(reads.items()):
+            if name in NEWER_FIELDS:
+                since = NEWER_FIELDS[name][0]
+                assert (name in fields) == (version >= _vkey(since)), f"NEWER_FIELDS[{name!r}]: since {since}?"
+                assert defaulted, f"{who} reads {name} without a default, but releases before {since} lack it"
+            else:
+                assert name in fields, f"{who} reads ServerArgs.{name}, which this release does not have"
+    # the prefill-graph backend the plugin refuses, read through cuda_graph_config.prefill.backend
+    refused = [c.comparators[0].value for c in ast.walk(module_functions(plugin)["check_server_args"])
+               if isinstance(c, ast.Compare) and code(c.left) == "_prefill_graph_backend(args)"]
+    cgc = sglang_src / "sglang/srt/model_executor/cuda_graph_config.py"
+    backends = {n.targets[0].id: n.value.value for n in class_def(cgc, "Backend").body
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)}
+    assert refused == ["tc_piecewise"] and backends["TC_PIECEWISE"] == "tc_piecewise"
+    assert {"prefill", "decode"} <= {n.target.id for n in class_def(cgc, "CudaGraphConfig").body
+                                     if isinstance(n, ast.AnnAssign)}
+    assert "backend" in {n.target.id for n in class_def(cgc, "PhaseConfig").body if isinstance(n, ast.AnnAssign)}
+
+
+def test_names_read_follows_the_code():
+    # the walk that feeds the test above, on a function shaped like the plugin's and the client's
+    src = """
+def check(args, info):
+    if getattr(args, "a", None) or args.b:
+        print(args.h)
+    for flag in ("c", "d"):
+        getattr(args, flag, False)
+    helper(args)
+    info.get("e")
+    info["f"]
+
+def helper(x):
+    return getattr(x, "g")
+"""
+    fns = {n.name: n for n in ast.parse(src).body}
+    want = {"a": True, "b": False, "c": True, "d": True, "g": False, "h": False}
+    assert names_read(fns["check"], "args", fns) == want
+    assert names_read(fns["check"], "info", fns) == {"e": True, "f": False}
+
+
+def test_a_claimed_version_missing_from_the_index_fails_and_an_unreachable_index_skips():
+    missing = ("ERROR: Could not find a version that satisfies the requirement sglang==0.5.99 (from versions: "
+               "0.5.22, 0.5.23)\nERROR: No matching distribution found for sglang==0.5.99")
+    offline = ("WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after "
+               "connection broken by 'NewConnectionError('<HTTPConnection object>: Failed to establish a new "
+               "connection: [Errno 111] Connection refused')': /simple/sglang/\nERROR: Could not find a version that "
+               "satisfies the requirement sglang==0.5.23 (from versions: none)\nERROR: No matching distribution "
+               "found for sglang==0.5.23")
+    skip, why = download_failure("0.5.99", missing)
+    assert not skip and "claimed in plugin.SUPPORTED_VERSIONS" in why
+    assert download_failure("0.5.23", offline)[0]
+    assert not download_failure("0.5.23", "ERROR: THESE PACKAGES DO NOT MATCH THE HASHES")[0]
 
 
 # ----------------------------------------------------------------------------- the real hook registry

@@ -17,14 +17,18 @@ implements the parts of SGLang's contract the client relies on:
   return_logprob is set) is "cached" and never computed, exactly the case the plugin must reject.
 
 Hidden states are real: each piece's rows come from `eyas.target.forward_capture` on the target
-(recomputing the prefix instead of keeping a KV cache; same numbers). Dumps are written by the
-plugin's own hook code: every forward calls, on every simulated TP rank's plugin state,
-`_State.on_model_runner_forward(batch)` then `_State.on_logits(processor, input_ids, hidden, lm_head,
-logits_batch, aux_hidden_states=aux)`, the bodies of the hooks plugin.py registers with SGLang.
-With `prefill_cuda_graph=True` (the default, as on a CUDA SGLang server) the logits step gets the
-batch rebuilt for graph replay the way SGLang's PrefillCudaGraphRunner.load_batch builds it:
-padded input_ids/positions slots, the length lists copied, and NO `rids`. A plugin that reads
-request ids only from the batch it is handed writes nothing here, and CI fails.
+(recomputing the prefix instead of keeping a KV cache; same numbers), at the layers the plugin
+turned on. The plugin is driven through its real entry points, one state per simulated TP rank:
+each rank is set up by `plugin.enable` (what its init_attention_backends hook calls) on a model
+wrapper with SGLang's `set_eagle3_layers_to_capture`, and every forward runs the functions
+`plugin.register_hooks` registers, called as SGLang's HookRegistry calls them, with `plugin._STATE`
+pointing at that rank's state: BEFORE ModelRunner.forward(runner, live batch), then BEFORE
+LogitsProcessor.forward(processor, input_ids, hidden, lm_head, logits batch, aux_hidden_states=aux);
+server info goes through the AFTER get_internal_state hook. With `prefill_cuda_graph=True` (the
+default, as on a CUDA SGLang server) the logits step gets the batch rebuilt for graph replay the way
+SGLang's PrefillCudaGraphRunner.load_batch builds it: padded input_ids/positions slots, the length
+lists copied, and NO `rids`. A plugin that reads request ids only from the batch it is handed, or
+whose hook functions do nothing, writes nothing here, and CI fails.
 
 Run by hand: `python -m eyas.sglang.standin --target DIR --port 30000 [--chunk 64] [--radix]`.
 """
@@ -32,12 +36,14 @@ Run by hand: `python -m eyas.sglang.standin --target DIR --port 30000 [--chunk 6
 from __future__ import annotations
 
 import argparse
+import contextlib
 import enum
 import inspect
 import json
 import queue
 import threading
 import time
+import types
 import uuid
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -47,7 +53,7 @@ from typing import Any
 import torch
 
 from eyas.sglang import plugin as eyas_plugin
-from eyas.sglang.core import DEFAULT_DUMP_DIR, DumpWriter
+from eyas.sglang.core import DEFAULT_DUMP_DIR
 
 STANDIN_VERSION = "0.5.23"
 
@@ -79,15 +85,19 @@ class StandinConfig:
     legacy_info_path: bool = False
     """Serve only the older /get_server_info (404 on /server_info)."""
     speculative_algorithm: str | None = None
-    """Reported in server info (a capture server must have none)."""
+    """Reported in server info only (a capture server must have none): the plugin, which would refuse to
+    start, is not shown it, so the client's own refusal can be tested (a server with an older plugin)."""
     batch_wait_s: float = 0.01
     """How long the scheduler waits to gather requests into one forward."""
     prefill_cuda_graph: bool = True
     """True: the logits step gets a graph-replay batch without rids (SGLang's CUDA default)."""
     enable_dp_attention: bool = False
-    """Reported in server info (the client refuses DP attention)."""
+    """Reported in server info only (the client refuses DP attention; the plugin is not shown it)."""
     enable_two_batch_overlap: bool = False
-    """Reported in server info (the client refuses two-batch overlap)."""
+    """Reported in server info only (the client refuses two-batch overlap; the plugin is not shown it)."""
+    server_args: dict[str, Any] = field(default_factory=dict)
+    """More ServerArgs fields the plugin's start-up check sees (it refuses some: then the stand-in does
+    not start, as a real server would not)."""
 
 
 class ForwardMode(enum.IntEnum):
@@ -132,17 +142,105 @@ def replay_batch(live: ForwardBatch, *, bucket: int) -> ForwardBatch:
                         extend_seq_lens_cpu=live.extend_seq_lens_cpu)
 
 
+class HookType(enum.Enum):
+    """SGLang's HookType members the plugin registers with."""
+
+    BEFORE = "before"
+    AFTER = "after"
+
+
+def _target(key: str) -> str:
+    mod, qual, _ = eyas_plugin.CONTRACT["hooks"][key]
+    return f"{mod}.{qual}"
+
+
+LIVE_BATCH_TARGET, LOGITS_TARGET = _target("live_batch"), _target("logits")
+STATUS_TARGET = eyas_plugin.CONTRACT["status_hooks"][0][:2]  # SGLang 0.5.22+ (STANDIN_VERSION)
+
+_PLUGIN_STATE_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def plugin_state(st):
+    """Point `plugin._STATE` (one per server process, i.e. per GPU rank) at one simulated rank's state
+    while its hook runs; the lock keeps ranks and stand-in servers in one process from mixing."""
+    with _PLUGIN_STATE_LOCK:
+        saved, eyas_plugin._STATE = eyas_plugin._STATE, st
+        try:
+            yield
+        finally:
+            eyas_plugin._STATE = saved
+
+
+class HookTable:
+    """What `plugin.register_hooks` registers, by target, and the calls SGLang's HookRegistry makes:
+    a BEFORE hook gets the method's arguments (self first; a non-None result replaces them), an
+    AFTER hook the result, then the arguments."""
+
+    def __init__(self):
+        self.hooks: dict[str, list[tuple[HookType, Any]]] = {}
+
+    def register(self, target: str, fn, hook_type: HookType = HookType.AFTER) -> None:
+        self.hooks.setdefault(target, []).append((hook_type, fn))
+
+    def before(self, target: str, st, *args, **kwargs) -> tuple[tuple, dict]:
+        for kind, fn in self.hooks.get(target, []):
+            if kind is HookType.BEFORE:
+                with plugin_state(st):
+                    got = fn(*args, **kwargs)
+                if got is not None:
+                    args, kwargs = got
+        return args, kwargs
+
+    def after(self, target: str, st, result, *args, **kwargs):
+        for kind, fn in self.hooks.get(target, []):
+            if kind is HookType.AFTER:
+                with plugin_state(st):
+                    got = fn(result, *args, **kwargs)
+                result = result if got is None else got
+        return result
+
+
+class CaptureModel:
+    """The SGLang model as `plugin.enable` sees it: `config`, `.model.layers_to_capture` and
+    `set_eagle3_layers_to_capture` with LlamaForCausalLM's rule (SGLang id k: capture the input of
+    decoder layer k + 1; None: 2, N//2, N-3). The stand-in captures the layers this ends up with."""
+
+    def __init__(self, config):
+        self.config = config
+        self.model = types.SimpleNamespace(layers_to_capture=[])
+        self.capture_aux_hidden_states = False
+
+    def set_eagle3_layers_to_capture(self, layer_ids: list[int] | None = None) -> None:
+        self.capture_aux_hidden_states = True
+        if layer_ids is None:
+            n = int(self.config.num_hidden_layers)
+            self.model.layers_to_capture = [2, n // 2, n - 3]
+        else:
+            self.model.layers_to_capture = [v + 1 for v in layer_ids]
+
+
+@dataclass
+class ModelRunner:
+    """One simulated rank's ModelRunner: what the plugin's ModelRunner hooks are handed."""
+
+    model: CaptureModel
+    server_args: Any
+    state: Any
+    is_draft_worker: bool = False
+
+
 class LogitsProcessor:
     """SGLang's LogitsProcessor.forward signature; the plugin's BEFORE hook runs ahead of it."""
 
-    def __init__(self, states: list):
-        self.states = states
+    def __init__(self, states: list, hooks: HookTable):
+        self.states, self.hooks = states, hooks
 
     def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
                 hidden_states_before_norm=None):
         for st in self.states:  # every TP rank runs the same tail on the same (replicated) rows
-            eyas_plugin._State.on_logits(st, self, input_ids, hidden_states, lm_head, logits_metadata,
-                                         aux_hidden_states=aux_hidden_states)
+            self.hooks.before(LOGITS_TARGET, st, self, input_ids, hidden_states, lm_head, logits_metadata,
+                              aux_hidden_states=aux_hidden_states)
         return None
 
 
@@ -168,12 +266,19 @@ class StandinServer:
         self.cfg = cfg
         self.model = load_target(cfg.target)
         n = num_layers_of(self.model.config)
-        self.layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_aux_layer_ids(n)
         self.num_layers = n
         self.dump_dir = Path(cfg.dump_dir)
         self.dump_dir.mkdir(parents=True, exist_ok=True)
-        self.states = [self._plugin_state(rank) for rank in range(cfg.tp_size)] if cfg.plugin else []
-        self.logits = LogitsProcessor(self.states)
+        self.hooks = HookTable()
+        self.runners = [self._enable_rank(rank) for rank in range(cfg.tp_size)] if cfg.plugin else []
+        self.states = [r.state for r in self.runners]
+        if self.runners:  # the layers the plugin turned on in the model (every rank the same)
+            captured = {tuple(r.model.model.layers_to_capture) for r in self.runners}
+            assert len(captured) == 1, f"ranks capture different layers: {captured}"
+            self.layer_ids = list(captured.pop())
+        else:
+            self.layer_ids = list(cfg.layer_ids) if cfg.layer_ids is not None else default_aux_layer_ids(n)
+        self.logits = LogitsProcessor(self.states, self.hooks)
         self.radix: list[tuple[str | None, list[int]]] = []
         self.queue: queue.Queue[_Req] = queue.Queue()
         self.forwards: list[dict[str, Any]] = []  # (rids, prefix, lens) of each forward, for tests
@@ -184,20 +289,33 @@ class StandinServer:
         self.httpd.daemon_threads = True
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
 
-    def _plugin_state(self, rank: int):
-        """One TP rank's plugin state, set up as plugin.enable leaves it (the HF model has no
-        set_eagle3_layers_to_capture, so the layer ids are given directly)."""
-        st = eyas_plugin._State(eyas_plugin.PluginConfig(layer_ids=self.layer_ids, dump_dir=str(self.dump_dir)))
-        st.layer_ids, st.ranks = list(self.layer_ids), {"attn_tp_rank": rank, "pp_rank": 0, "pp_size": 1}
-        text = self.model.config
-        st.model = {"class": type(self.model).__name__, "num_layers": self.num_layers,
-                    "hidden_size": int(text.hidden_size), "vocab_size": int(text.vocab_size)}
-        st.logits_sig = inspect.signature(LogitsProcessor.forward)
-        if st.is_writer():
-            st.writer = DumpWriter(self.dump_dir, layer_ids=self.layer_ids, threads=2,
-                                   writer={**st.ranks, "standin": True})
-        st.enabled = True
-        return st
+    def server_args(self) -> types.SimpleNamespace:
+        """The ServerArgs the plugin's start-up check reads: the stand-in's settings and cfg.server_args
+        (not the flags it only reports: see StandinConfig)."""
+        cfg = self.cfg
+        return types.SimpleNamespace(**{
+            "tp_size": cfg.tp_size, "pp_size": 1, "dp_size": 1, "disable_radix_cache": cfg.disable_radix_cache,
+            "chunked_prefill_size": cfg.chunked_prefill_size, "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
+            "speculative_algorithm": None, "enable_dp_attention": False, "enable_two_batch_overlap": False,
+            **cfg.server_args})
+
+    def _enable_rank(self, rank: int) -> ModelRunner:
+        """One TP rank, set up as in a server process: register() builds the state from the environment
+        and registers the hooks; the init_attention_backends hook calls plugin.enable on the rank's model
+        (here directly: the hook reads the ranks from SGLang's runtime context, which needs SGLang)."""
+        env = {"EYAS_CAPTURE": "1", "EYAS_DUMP_DIR": str(self.dump_dir)}
+        if self.cfg.layer_ids is not None:
+            env["EYAS_CAPTURE_LAYERS"] = ",".join(str(i) for i in self.cfg.layer_ids)
+        st = eyas_plugin._State(eyas_plugin.PluginConfig.from_env(env))
+        st.logits_sig = inspect.signature(LogitsProcessor.forward)  # register() reads SGLang's
+        if rank == 0:
+            eyas_plugin.register_hooks(self.hooks, HookType, status_target=STATUS_TARGET)
+        runner = ModelRunner(model=CaptureModel(self.model.config), server_args=self.server_args(), state=st)
+        eyas_plugin.enable(st, runner.model, server_args=runner.server_args,
+                           ranks={"attn_tp_rank": rank, "pp_rank": 0, "pp_size": 1})
+        if st.writer is not None:
+            st.writer.writer["standin"] = True
+        return runner
 
     # -- lifecycle
 
@@ -228,15 +346,17 @@ class StandinServer:
     def server_info(self) -> dict[str, Any]:
         cfg = self.cfg
         state: dict[str, Any] = {"effective_max_running_requests_per_dp": 64}
-        if cfg.plugin:
-            status = self.states[0].status()
-            status.update(sglang_version=cfg.version, standin=True)
-            state["eyas_capture"] = status
+        if cfg.plugin:  # SchedulerInternalStateController.get_internal_state(recv_req), then its AFTER hook
+            result = types.SimpleNamespace(internal_state=state)
+            state = self.hooks.after(".".join(STATUS_TARGET), self.states[0], result, None, None).internal_state
+            if isinstance(state.get("eyas_capture"), dict):
+                state["eyas_capture"].update(sglang_version=cfg.version, standin=True)
         return {
             "model_path": str(cfg.target), "version": cfg.version, "disable_radix_cache": cfg.disable_radix_cache,
             "chunked_prefill_size": cfg.chunked_prefill_size, "enable_mixed_chunk": False, "tp_size": cfg.tp_size,
             "dp_size": 1, "pp_size": 1, "enable_dp_attention": cfg.enable_dp_attention,
             "enable_two_batch_overlap": cfg.enable_two_batch_overlap, "page_size": 1,
+            "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
             "speculative_algorithm": cfg.speculative_algorithm, "internal_states": [state],
         }
 
@@ -380,8 +500,8 @@ class StandinServer:
         self.forwards.append({"rids": live.rids, "extend_prefix_lens": live.extend_prefix_lens_cpu,
                               "extend_seq_lens": live.extend_seq_lens_cpu})
         if self.cfg.plugin:
-            for st in self.states:  # ModelRunner.forward(live batch) on every rank
-                eyas_plugin._State.on_model_runner_forward(st, live)
+            for runner in self.runners:  # ModelRunner.forward(live batch) on every rank
+                self.hooks.before(LIVE_BATCH_TARGET, runner.state, runner, live)
             fb = replay_batch(live, bucket=max(1, self.cfg.pad_rows_to)) if self.cfg.prefill_cuda_graph else live
             if pad:  # rows past the real ones hold garbage, as a replayed CUDA graph's do
                 aux.append(torch.full((pad,) + aux[0].shape[1:], 1e4))
