@@ -68,6 +68,12 @@ def bad(tmp_path_factory):
     p["prepared_like"].mkdir()
     (p["prepared_like"] / "meta.json").write_text("{}\n")
     write_marker(p["prepared_like"], kind="prepare")
+    # a training run written before runs had a kind (marker kind null): still recognised as one
+    p["train_run"] = root / "train_run"
+    (p["train_run"] / "checkpoints").mkdir(parents=True)
+    (p["train_run"] / "checkpoints" / "step-000002.safetensors").write_bytes(b"x")
+    (p["train_run"] / "metrics.jsonl").write_text('{"step": 2}\n')
+    write_marker(p["train_run"])
     # a target whose model_type transformers does not know, and one whose config is random bytes
     p["bogus_target"] = root / "bogus_target"
     p["bogus_target"].mkdir()
@@ -86,6 +92,15 @@ def bad(tmp_path_factory):
     p["garbage_drafter"].mkdir()
     (p["garbage_drafter"] / "config.json").write_text("{}")
     (p["garbage_drafter"] / "model.safetensors").write_bytes(bytes(rng.randrange(256) for _ in range(1000)))
+    # a drafter directory whose config.json is `{}` (valid weights), and a prompts file
+    from safetensors.torch import save_file
+
+    p["empty_cfg_drafter"] = root / "empty_cfg_drafter"
+    p["empty_cfg_drafter"].mkdir()
+    (p["empty_cfg_drafter"] / "config.json").write_text("{}")
+    save_file({"fc.weight": torch.zeros(2, 2)}, str(p["empty_cfg_drafter"] / "model.safetensors"))
+    p["prompts"] = root / "prompts.jsonl"
+    p["prompts"].write_text('{"turns": ["Hi"]}\n')
     for name in ("ro", "ro_owned"):
         p[name] = root / name
         p[name].mkdir()
@@ -172,7 +187,20 @@ CASES = [
     ("option-capture-backend", ["capture", "--data", D, "--out", "{root}/o5", "--backend", "vllm"], r"--backend"),
     ("option-eval-device", ["eval", "--drafter", D, "--out", "{root}/o3", "--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
     ("option-eval-max-new", ["eval", "--drafter", D, "--out", "{root}/o3", "--max-new-tokens", "0"], r"--max-new-tokens must be >= 1"),
-    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--dtype", "fp4"], r"--model-dtype: `fp4` is not one of"),
+    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--dtype", "fp4"], r"--model-dtype fp4: not a dtype eyas knows; it takes auto, fp32, bf16, fp16"),
+    ("option-eval-dtype-fp8", ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "float8_e4m3fn"], r"--model-dtype float8_e4m3fn: fp8 is not supported here; it takes auto, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$"),
+    ("option-export-dtype-int8", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--weights-dtype", "int8"], r"--weights-dtype int8: not a dtype eyas knows; it takes keep, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$"),
+    ("struct-eval-drafter-no-config", ["eval", "--drafter", D, "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"], r"--drafter .*some_dir: no config\.json"),
+    ("struct-eval-drafter-empty-config", ["eval", "--drafter", "{empty_cfg_drafter}", "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"], r"--drafter .*empty_cfg_drafter/config\.json: cannot tell the drafter layout"),
+    ("option-train-aux-layers-range", ["train", "--data", D, "--out", "{root}/o4", "--aux-layers", "2,15,99"], r"--aux-layers \(target .*\): ids \[2, 15, 99\] include \[99\]"),
+    ("option-train-draft-vocab-range", ["train", "--data", D, "--out", "{root}/o4", "--draft-vocab", "100000"], r"--draft-vocab 100000 exceeds the vocabulary of target .*\(49152 tokens\)"),
+    ("option-train-eval-store-online", ["train", "--data", D, "--out", "{root}/o4", "--eval-store", D], r"--eval-store is for offline training \(--store\)"),
+    ("option-train-cache-states-offline", ["train", "--store", D, "--out", "{root}/o4", "--cache-states"], r"--cache-states .*online training \(--data\); with --store"),
+    ("option-prepare-hf-split-file", ["prepare", "--source", "{turns5}", "--out", "{root}/o1", "--hf-split", "validation"], r"--hf-split validation: --source .*turns5\.jsonl is a file, not a DatasetDict"),
+    ("option-regenerate-hf-split-file", ["regenerate", "--source", "{turns5}", "--out", "{root}/o2", "--hf-split", "validation"], r"--hf-split validation: --source .*turns5\.jsonl is a file"),
+    ("option-regenerate-attention-generate", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--engine", "generate", "--attention", "triton"], r"--attention triton .*--engine generate does not use it"),
+    ("option-regenerate-server-model", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-model", "foo"], r"--server-model foo .*pass --server-url too"),
+    ("option-pipeline-directory", ["pipeline", D], r"pipeline file .*some_dir is a directory; pass a pipeline TOML file"),
     ("option-eval-tree-topk", ["eval", "--drafter", D, "--out", "{root}/o3", "--tree-topk", "0"], r"--tree-topk must be >= 1"),
     ("option-prepare-eval-fraction", ["prepare", "--out", "{root}/o1", "--eval-fraction", "nan"], r"--eval-fraction"),
     ("option-prepare-policy", ["prepare", "--out", "{root}/o1", "--length-policy", "squash"], r"--length-policy"),
@@ -217,6 +245,17 @@ CASES = [
     ("owner-export-overwrite", ["export", "--drafter", D, "--format", "vllm", "--out", "{user}", "--overwrite"], r"--overwrite: .*user_dir holds files eyas did not create"),
     ("owner-train-out", ["train", "--data", D, "--out", "{user}"], r"--out: .*user_dir holds files eyas did not create"),
     ("owner-capture-out", ["capture", "--data", D, "--out", "{user}"], r"--out: .*user_dir holds files eyas did not create"),
+    # owner: another stage's eyas output (a kind check, before anything is written into it or deleted)
+    ("owner-demo-other-stage", ["demo", "--out", "{prepared_like}", "--overwrite"], r"--overwrite: .*prepared_like is an eyas `prepare` output, not a `demo` output"),
+    ("owner-demo-out-other-stage", ["demo", "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `demo` output"),
+    ("owner-prepare-over-train-run", ["prepare", "--out", "{train_run}", "--overwrite"], r"--overwrite: .*train_run is an eyas `train` output, not a `prepare` output"),
+    ("owner-train-out-other-stage", ["train", "--data", D, "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `train` output"),
+    ("owner-capture-out-other-stage", ["capture", "--data", D, "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `store` output"),
+    ("owner-export-other-stage", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}", "--overwrite"], r"--overwrite: .*train_run is an eyas `train` output, not a `export` output"),
+    # owner: generate's --out file (existing: only with --overwrite, and only generate's own records)
+    ("owner-generate-existing-file", ["generate", "--drafter", D, "--out", "{file}"], r"--out .*a_file already exists: pass --overwrite"),
+    ("owner-generate-overwrite-user-file", ["generate", "--drafter", D, "--out", "{file}", "--overwrite"], r"--overwrite: .*a_file is not an `eyas generate` records file \(line 1"),
+    ("outfile-generate-under-file", ["generate", "--drafter", D, "--out", "{file}/x.jsonl"], r"--out .*a_file/x\.jsonl: .*a_file is a file"),
 ]
 
 RO_CASES = [
@@ -240,14 +279,15 @@ def _snapshot(root: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("case_id,args,pattern", CASES, ids=[c[0] for c in CASES])
 def test_bad_input_is_refused_before_any_model_loads(case_id, args, pattern, bad, no_model_loads):
-    user_before = _snapshot(bad["user"])
+    kept = ("user", "prepared_like", "train_run")
+    before = {k: _snapshot(bad[k]) for k in kept}
     r = _run(_fill(args, bad))
     line = _one_line_error(r)
     assert r.exit_code == 2, (r.exit_code, r.stderr)
     assert line.startswith("error: "), line
     assert re.search(pattern, line), (pattern, line)
     assert r.stdout.strip() == "", "no JSON summary for a refused command"
-    assert _snapshot(bad["user"]) == user_before, "a user file was changed or deleted"
+    assert {k: _snapshot(bad[k]) for k in kept} == before, "a file was changed, added (a lock) or deleted"
     assert bad["file"].read_text() == "user's file\n"
 
 
@@ -567,6 +607,46 @@ def test_overwrite_replaces_an_eyas_output_but_not_a_user_dir(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
+def _tree(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def test_overwrite_removes_only_what_eyas_wrote(tmp_path):
+    from eyas.common import MARKER, atomic_directory, remove_owned_dir, write_marker
+
+    out = tmp_path / "p"
+    with atomic_directory(out, kind="prepare") as t:
+        for name in ("meta.json", "train.safetensors", "old.ids.json"):
+            (t / name).write_text("old")
+    (out / "NOTES.txt").write_text("mine")
+    (out / "mine").mkdir()
+    (out / "mine" / "a").write_text("1")
+    with atomic_directory(out, overwrite=True, kind="prepare") as t:
+        (t / "meta.json").write_text("new")
+    # eyas's old files are gone (even one the new output does not write), the user's are kept
+    assert _tree(out) == [MARKER, "NOTES.txt", "meta.json", "mine", "mine/a"]
+    assert (out / "meta.json").read_text() == "new" and (out / "NOTES.txt").read_text() == "mine"
+    assert [p.name for p in tmp_path.iterdir()] == ["p"]  # no temporary or old directory left
+
+    demo = tmp_path / "demo"  # `demo --overwrite`: each stage's outputs go, a user file anywhere stays
+    for sub, kind in ((demo, "demo"), (demo / "store", "store"), (demo / "train", "train")):
+        sub.mkdir(parents=True, exist_ok=True)
+        write_marker(sub, kind=kind)
+    (demo / "store" / "manifest.json").write_text("{}")
+    (demo / "store" / "shard-00000.safetensors").write_text("x")
+    (demo / "store" / "NOTES.txt").write_text("mine")
+    (demo / "train" / "checkpoints").mkdir()
+    (demo / "train" / "checkpoints" / "step-000001.safetensors").write_text("x")
+    (demo / "train" / "metrics.jsonl").write_text("{}")
+    (demo / "NOTES.txt").write_text("mine")
+    remove_owned_dir(demo, kind="demo")
+    assert _tree(demo) == [MARKER, "NOTES.txt", "store", f"store/{MARKER}", "store/NOTES.txt"]
+    (demo / "NOTES.txt").unlink()
+    (demo / "store" / "NOTES.txt").unlink()
+    remove_owned_dir(demo, kind="demo")
+    assert not demo.exists()  # nothing of the user's left: the directory goes too
+
+
 def test_atomic_directory_removes_its_own_stale_temp_dirs(tmp_path):
     from eyas.common import MARKER, atomic_directory
 
@@ -599,3 +679,14 @@ def test_raw_finite_bit_test_agrees_with_torch(name, dtype):
         x[5] = v
         y = x.to(dtype)
         assert _all_finite(y.view(torch.uint8).numpy(), name) == bool(torch.isfinite(y.float()).all()), (name, v)
+
+
+def test_a_missing_cuda_device_suggests_only_a_device_the_command_takes(bad, monkeypatch, no_model_loads):
+    """demo takes cpu or cuda (not auto): the hint must not name an option value it would refuse."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for args in (["demo", "--out", bad["root"] / "o7", "--device", "cuda"],
+                 ["train", "--data", bad["dir"], "--out", bad["root"] / "o4", "--device", "cuda"]):
+        r = _run(args)
+        line = _one_line_error(r)
+        assert r.exit_code == 2, line
+        assert line.endswith("--device cuda: CUDA is not available on this machine; use --device cpu"), line

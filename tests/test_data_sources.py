@@ -88,6 +88,26 @@ def test_openai_jsonl_and_hf_dataset(tmp_path):
     assert len(list(iter_conversations(tmp_path / "hfd", hf_split="test"))) == 1
 
 
+def test_hf_split_is_refused_where_it_would_be_ignored(tmp_path):
+    """--hf-split picks a split of a saved DatasetDict; with any other source it is refused, not dropped."""
+    import datasets
+
+    p = tmp_path / "chats.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
+    with pytest.raises(EyasError, match=r"^--hf-split validation: --source .*chats\.jsonl is a file, not a DatasetDict"):
+        list(iter_conversations(p, hf_split="validation"))
+    with pytest.raises(EyasError, match=r"^--hf-split train: --source sharegpt is the embedded ShareGPT file"):
+        list(iter_conversations("sharegpt", hf_split="train"))
+    regen = tmp_path / "regen"
+    regen.mkdir()
+    (regen / "chats.jsonl").write_text("")
+    with pytest.raises(EyasError, match=r"is an `eyas regenerate` output"):
+        list(iter_conversations(regen, hf_split="train"))
+    datasets.Dataset.from_list([{"messages": []}]).save_to_disk(str(tmp_path / "hf"))
+    with pytest.raises(EyasError, match=r"is a single saved Dataset \(no splits\)"):
+        list(iter_conversations(tmp_path / "hf", hf_split="train"))
+
+
 @pytest.mark.parametrize(
     "raw,expected",
     [

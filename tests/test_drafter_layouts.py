@@ -141,3 +141,34 @@ def test_default_aux_layers_and_the_one_range_check():
     for bad in ([0, 2, 3], [1, 2, 6], []):
         with pytest.raises(EyasError, match="1..5"):
             check_layer_ids(bad, 6, what="--layers")
+
+
+def test_check_drafter_dir_refuses_what_read_drafter_would_naming_the_path(tmp_path):
+    """Read from config.json alone (eval calls it before the target loads); every message names the folder."""
+    from eyas.drafter.layouts import check_drafter_dir
+
+    sgl = _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]})
+    assert check_drafter_dir(_write(tmp_path / "ok", sgl, _weights())) == "sglang"
+    assert check_drafter_dir(_write(tmp_path / "okbin", sgl, _weights(), bin=True)) == "sglang"
+    with pytest.raises(EyasError, match=r"--drafter .*nope: not a directory"):
+        check_drafter_dir(tmp_path / "nope")
+    (tmp_path / "store").mkdir()
+    with pytest.raises(EyasError, match=r"--drafter .*store: no config\.json"):
+        check_drafter_dir(tmp_path / "store")
+    with pytest.raises(EyasError, match=r"--drafter .*empty/config\.json: cannot tell the drafter layout"):
+        check_drafter_dir(_write(tmp_path / "empty", {}, _weights()))
+    with pytest.raises(EyasError, match=r"--drafter .*list/config\.json: expected a JSON object, got list"):
+        check_drafter_dir(_write(tmp_path / "list", [1], _weights()))
+    no_hidden = {k: v for k, v in sgl.items() if k != "hidden_size"}
+    with pytest.raises(EyasError, match=r"--drafter .*nohidden/config\.json: config lacks 'hidden_size'"):
+        check_drafter_dir(_write(tmp_path / "nohidden", no_hidden, _weights()))
+    with pytest.raises(EyasError, match=r"eyas/config\.json: schema 'eyas\.drafter/0', expected"):
+        check_drafter_dir(_write(tmp_path / "eyas", {"schema": "eyas.drafter/0", "drafter": {}}, _weights()))
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text(json.dumps(sgl))
+    with pytest.raises(EyasError, match=r"--drafter .*noweights: no \*\.safetensors or pytorch_model\*\.bin weights"):
+        check_drafter_dir(tmp_path / "noweights")
+    layer = {k: v for k, v in sgl.items() if k not in ("architectures", "intermediate_size")}
+    with pytest.raises(EyasError, match=r"--drafter .*spec/config\.json: config lacks 'intermediate_size'"):
+        check_drafter_dir(_write(tmp_path / "spec", {"speculators_model_type": "eagle3", "transformer_layer_config": layer},
+                                 _weights()))

@@ -48,8 +48,16 @@ def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, ti
 
     # one training option changed: train, eval and export rerun; regenerate and prepare are kept
     mtime = (work / "prepared" / "meta.json").stat().st_mtime_ns
+    notes = [work / "train" / "NOTES.txt", work / "eval" / "NOTES.txt", work / "export" / "sglang" / "NOTES.txt"]
+    for n in notes:  # files of the user's inside the stage folders survive the rerun
+        n.write_text("mine")
     res, s3 = _run(*base, "--set", "train.lr=2e-3")
     assert res.exit_code == 0, res.output
+    assert [n.read_text() for n in notes] == ["mine"] * 3
+    from eyas.common import marker_kind
+
+    assert [marker_kind(work / d) for d in ("prepared", "train", "eval", "export")] == ["prepare", "train", "eval",
+                                                                                          "exports"]
     assert _statuses(s3) == {"regenerate": "skipped", "prepare": "skipped", "train": "rerun", "eval": "rerun",
                              "export": "rerun"}
     assert (work / "prepared" / "meta.json").stat().st_mtime_ns == mtime
@@ -82,6 +90,22 @@ def test_a_stage_without_its_predecessor_and_a_missing_file_are_errors(tmp_path)
     assert res.exit_code == 2 and "[train] is missing" in res.stderr
     res, _ = _run(str(tmp_path / "nope.toml"))
     assert res.exit_code == 2 and "does not exist" in res.stderr
+
+
+def test_a_directory_or_binary_file_is_not_a_pipeline_file(tmp_path):
+    res, _ = _run(str(tmp_path))
+    assert res.exit_code == 2, res.output
+    assert res.stderr.strip() == (f"error: pipeline file {tmp_path} is a directory; pass a pipeline TOML file "
+                                  "(e.g. recipes/smollm2-gpu.toml)")
+    binary = tmp_path / "p.toml"
+    binary.write_bytes(b"workdir = \xff\xfe\n")
+    res, _ = _run(str(binary))
+    assert res.exit_code == 2 and f"pipeline file {binary} is not UTF-8 text" in res.stderr
+
+
+def test_help_shows_the_section_brackets():
+    res = CliRunner().invoke(app, ["pipeline", "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"})
+    assert res.exit_code == 0 and "and one [section] per stage" in res.output
 
 
 def test_a_directory_eyas_did_not_write_is_never_replaced(tmp_path):

@@ -121,3 +121,41 @@ def test_sigterm_commits_finished_conversations_then_resume(chats, tiny_target_d
     s = regenerate(RegenConfig(out=tmp_path / "out", **kw))
     assert s["resumed"] and s["written"] == ref["written"] == 5
     assert read_chats(tmp_path / "out") == read_chats(tmp_path / "ref")
+
+
+def test_refusals_that_need_no_model_come_before_it_loads(chats, tiny_target_dir, tmp_path, monkeypatch):
+    import eyas.regen.attention
+    import eyas.target
+    from eyas.errors import EyasError
+
+    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=3, max_length=200, device="cpu",
+              batch_size=2)
+    regenerate(RegenConfig(out=tmp_path / "r", **kw))
+
+    def boom(*a, **k):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(eyas.target, "load_target", boom)
+    with pytest.raises(EyasError, match=r"--out .*r holds a run with different settings \(max_new_tokens\)"):
+        regenerate(RegenConfig(out=tmp_path / "r", **{**kw, "max_new_tokens": 5}))
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    with pytest.raises(EyasError, match=r"--out .*mine exists and is not a regenerate output"):
+        regenerate(RegenConfig(out=mine, **kw))
+    monkeypatch.setattr(eyas.regen.attention, "triton_unavailable", lambda device: "triton is not importable (test)")
+    with pytest.raises(EyasError, match=r"^--attention triton: triton is not importable \(test\); use --attention sdpa"):
+        regenerate(RegenConfig(out=tmp_path / "t", attention="triton", **kw))
+    assert not (tmp_path / "t").exists()
+
+
+def test_options_the_engine_would_ignore_are_refused(tmp_path):
+    from eyas.errors import EyasError
+
+    for engine in ("generate", "server"):
+        urls = ["http://127.0.0.1:9"] if engine == "server" else []
+        with pytest.raises(EyasError, match=rf"^--attention sdpa .*--engine {engine} does not use it"):
+            RegenConfig(out=tmp_path / "o", engine=engine, attention="sdpa", server_urls=urls)
+    with pytest.raises(EyasError, match=r"^--server-model foo .*pass --server-url too"):
+        RegenConfig(out=tmp_path / "o", server_model="foo")
+    RegenConfig(out=tmp_path / "o", server_model="foo", server_urls=["http://127.0.0.1:9"])

@@ -163,8 +163,10 @@ def test_resume_with_other_settings_is_refused(source, tmp_path):
     _drive(source, out, engine=FakeEngine())
     with pytest.raises(EyasError, match="different settings.*max_new_tokens"):
         ChatsWriter(out, settings={**SETTINGS, "max_new_tokens": 6}, extra_meta={})
+    (out / "NOTES.txt").write_text("mine")
     w = ChatsWriter(out, settings={**SETTINGS, "max_new_tokens": 6}, extra_meta={}, overwrite=True)
     assert not w.resumed and read_chats(out) == []
+    assert (out / "NOTES.txt").read_text() == "mine"  # --overwrite removes only what regenerate wrote
 
 
 def test_changed_source_is_detected_on_resume(source, tmp_path):

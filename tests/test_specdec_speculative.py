@@ -160,6 +160,26 @@ def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
     assert res.exit_code == 2 and needle in res.output, res.output
 
 
+def test_generate_out_replaces_only_its_own_records(setup, tiny_target_dir, prompts_file, tmp_path):
+    *_, drafter_dir = setup
+    out = tmp_path / "out.jsonl"
+    args = ["--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 2,
+            "--tree-topk", 2, "--tree-depth", 2, "--tree-tokens", 3, "--device", "cpu", "--limit", 1, "--no-baseline",
+            "--warmup", 0]
+    res, _ = _cli(*args, "--out", out)
+    assert res.exit_code == 0, res.output
+    first = out.read_text()
+    res, _ = _cli(*args, "--out", out)
+    assert res.exit_code == 2 and "already exists: pass --overwrite" in res.output and out.read_text() == first
+    res, s = _cli(*args, "--out", out, "--overwrite")  # generate's own records: replaced
+    assert res.exit_code == 0 and s["out"] == str(out), res.output
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"id": "x"}\n')
+    res, _ = _cli(*args, "--out", mine, "--overwrite")
+    assert res.exit_code == 2 and "is not an `eyas generate` records file" in res.output
+    assert mine.read_text() == '{"id": "x"}\n'
+
+
 def test_generate_missing_drafter_exits_2(tmp_path):
     res, _ = _cli("--drafter", tmp_path / "nope")
     assert res.exit_code == 2 and "--drafter" in res.output, res.output

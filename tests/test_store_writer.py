@@ -135,6 +135,15 @@ def test_resume_refuses_other_settings_and_duplicates(tmp_path):
         StoreWriter(tmp_path / "junk", spec())
 
 
+def test_a_refused_directory_is_left_as_it_was(tmp_path):
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    (junk / "x.bin").write_bytes(b"1")
+    with pytest.raises(EyasError, match="not an eyas store"):
+        StoreWriter(junk, spec())
+    assert [p.name for p in junk.iterdir()] == ["x.bin"]  # no .lock left behind
+
+
 def test_second_writer_is_locked_out(tmp_path):
     w = StoreWriter(tmp_path / "s", spec())
     with pytest.raises(EyasError, match="another process"):

@@ -136,3 +136,49 @@ def test_bf16_gradient_reduce_trains_like_fp32_within_bf16_rounding(world, tmp_p
         assert d.max() <= 3 * lr, k  # 3 steps
         # only gradients that bf16 rounding flips (near zero) move Adam's step noticeably
         assert (d > lr / 10).float().mean() < 0.01, (k, (d > lr / 10).float().mean())
+
+
+RANK1_SIGTERM = '''
+import os, signal, sys
+from eyas.train import loop
+
+calls, real = [], loop._clip
+
+
+def clip(*a, **k):  # rank 1 alone is told to stop, during step 2
+    calls.append(1)
+    if len(calls) == 2 and os.environ["RANK"] == "1":
+        os.kill(os.getpid(), signal.SIGTERM)
+    return real(*a, **k)
+
+
+loop._clip = clip
+from eyas.cli import main
+
+sys.argv = ["eyas", *sys.argv[1:]]
+main()
+'''
+
+
+def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_checkpoint(world, tmp_path):  # noqa: F811
+    """SIGTERM reaching rank 1 only: both ranks finish step 2, rank 0 alone writes its checkpoint, both
+    exit 130 saying so; one process resumes from it and ends where an uninterrupted run ends."""
+    from test_train_loop import _cfg
+
+    from eyas.train.loop import run
+
+    one = tmp_path / "one"
+    run(_cfg(world, one, data=world["prep"], steps=4, batch_size=2))
+    script = tmp_path / "rank1_sigterm.py"
+    script.write_text(RANK1_SIGTERM)
+    two = tmp_path / "two"
+    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                          str(script), *_args(world, two, "--steps", "4", "--batch-size", "1")],
+                         check=False, capture_output=True, text=True, timeout=180,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert res.returncode != 0
+    assert res.stderr.count("interrupted: stopped after step 2 of 4, saved in ") == 2, res.stderr[-3000:]
+    assert sorted(p.name for p in (two / "checkpoints").iterdir()) == ["step-000002.safetensors"]
+    assert [r["step"] for r in _train_records(two)] == [1, 2]
+    run(_cfg(world, two, data=world["prep"], steps=4, batch_size=2, resume="auto"))
+    assert [r["loss"] for r in _train_records(two)] == pytest.approx([r["loss"] for r in _train_records(one)], rel=1e-5)

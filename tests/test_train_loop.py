@@ -151,6 +151,146 @@ def test_checkpoint_from_another_config_is_refused(world, tmp_path):
         run(_cfg(world, out, data=world["prep"], steps=2, ttt_steps=3, resume="auto"))
 
 
+def test_overwrite_starts_over_without_the_old_runs_checkpoints(world, tmp_path):
+    from eyas.common import marker_kind
+    from eyas.train.loop import run
+
+    out = tmp_path / "r"
+    run(_cfg(world, out, data=world["prep"], steps=2, save_every=1))
+    assert marker_kind(out) == "train"
+    (out / "NOTES.txt").write_text("mine")
+    run(_cfg(world, out, data=world["prep"], steps=1, ttt_steps=2, overwrite=True))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000001.safetensors"]
+    assert [r["step"] for r in _train_records(out)] == [1]
+    s = run(_cfg(world, out, data=world["prep"], steps=3, ttt_steps=2, resume="auto"))  # resumes the new run
+    assert s["steps"] == 3 and (out / "NOTES.txt").read_text() == "mine"
+
+
+def _interrupt_at_step(monkeypatch, n: int, signum=None):
+    """Send `signum` (SIGINT) to this process during step `n` (1-based), as Ctrl-C or a job scheduler would."""
+    import signal
+
+    from eyas.train import loop
+
+    calls, real = [], loop._clip
+
+    def clip(*a, **k):  # runs once a step, before the step's stats are reduced
+        calls.append(1)
+        if len(calls) == n:
+            os.kill(os.getpid(), signum or signal.SIGINT)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "_clip", clip)
+
+
+def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world, tmp_path, monkeypatch):
+    """SIGINT mid-run (no --save-every): the step in progress finishes, its checkpoint is written, the run
+    stops saying how to continue, and `--resume auto` from there gives the uninterrupted run's losses."""
+    import signal
+
+    from eyas.errors import Interrupted
+    from eyas.train.loop import run
+
+    kw = dict(data=world["prep"], steps=5, batch_size=2, grad_accum=2)
+    full = tmp_path / "full"
+    run(_cfg(world, full, **kw))
+    part = tmp_path / "part"
+    _interrupt_at_step(monkeypatch, 2)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(Interrupted, match=r"stopped after step 2 of 5, saved in .*step-000002\.safetensors; rerun the "
+                                          r"same command with --resume auto to continue from there"):
+        run(_cfg(world, part, **kw))
+    assert signal.getsignal(signal.SIGINT) is before  # the handlers are restored
+    assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step-000002.safetensors"]
+    assert not (part / "drafter").exists()
+    monkeypatch.undo()
+    run(_cfg(world, part, resume="auto", **kw))
+    a, b = _train_records(full), _train_records(part)
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    for x, y in zip(a, b):
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
+
+
+def test_interrupt_before_the_first_step_does_not_claim_a_resume(world, tmp_path, monkeypatch):
+    import eyas.drafter.vocab
+    from eyas.errors import Interrupted
+    from eyas.train.loop import run
+
+    def ctrl_c(*a, **k):  # Ctrl-C while the run is still being set up
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(eyas.drafter.vocab, "build_draft_vocab", ctrl_c)
+    with pytest.raises(KeyboardInterrupt) as exc:
+        run(_cfg(world, tmp_path / "early", data=world["prep"]))
+    assert isinstance(exc.value, Interrupted)
+    assert str(exc.value) == "no training step was saved, so a rerun starts from step 0"
+    # a resumed run interrupted the same way names the checkpoint a rerun continues from
+    monkeypatch.undo()
+    run(_cfg(world, tmp_path / "r", data=world["prep"], steps=1))
+    monkeypatch.setattr(eyas.drafter.vocab, "build_draft_vocab", ctrl_c)
+    with pytest.raises(Interrupted, match=r"the latest checkpoint is .*step-000001\.safetensors \(step 1\); rerun the "
+                                          r"same command to continue from it"):
+        run(_cfg(world, tmp_path / "r", data=world["prep"], steps=2, resume="auto"))
+
+
+def test_interrupt_through_the_cli_says_how_to_continue(world, tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from eyas.cli import app
+
+    _interrupt_at_step(monkeypatch, 1)
+    r = CliRunner().invoke(app, ["train", "--target", str(world["target"]), "--data", str(world["prep"]), "--out",
+                                 str(tmp_path / "cli"), "--steps", "50", "--draft-vocab", str(VOCAB_CAP), "--aux-layers",
+                                 "1,3,4", "--device", "cpu", "--ttt-steps", "2", "--max-length", "64"])
+    assert r.exit_code == 130, r.output
+    assert "interrupted: stopped after step 1 of 50, saved in " in r.stderr and "--resume auto" in r.stderr
+
+
+def test_options_that_do_not_fit_the_target_fail_before_it_loads(world, tmp_path, monkeypatch):
+    import eyas.target
+    from eyas.train.loop import run
+
+    def boom(*a, **k):
+        raise AssertionError("the target was loaded before the bad option was refused")
+
+    monkeypatch.setattr(eyas.target, "load_target", boom)
+    with pytest.raises(EyasError, match=r"^--aux-layers \(target .*\): ids \[1, 3, 9\] include \[9\], expected inputs "
+                                        r"to decoder layers 1\.\.5 of a 6-layer target"):
+        run(_cfg(world, tmp_path / "a", data=world["prep"], aux_layers=[1, 3, 9]))
+    vocab = json.loads((world["target"] / "config.json").read_text())["vocab_size"]
+    with pytest.raises(EyasError, match=rf"^--draft-vocab {vocab + 1} exceeds the vocabulary of target .* "
+                                        rf"\({vocab} tokens\)"):
+        run(_cfg(world, tmp_path / "b", data=world["prep"], draft_vocab=vocab + 1))
+
+
+def test_options_fit_target_reads_only_the_config(world):
+    """The check the demo can run before its stages: config.json only, no weights."""
+    from eyas.train.loop import check_options_fit_target
+
+    check_options_fit_target(world["target"], aux_layers=[1, 5], draft_vocab=VOCAB_CAP)
+    with pytest.raises(EyasError, match=r"^--draft-vocab 100000 exceeds the vocabulary of target .*target \(\d+ tokens\)"):
+        check_options_fit_target(world["target"], draft_vocab=100000)
+    with pytest.raises(EyasError, match=r"^--aux-layers \(target .*\): ids \[6\] include \[6\]"):
+        check_options_fit_target(world["target"], aux_layers=[6])
+
+
+def test_options_the_source_would_ignore_are_refused(world, tmp_path):
+    with pytest.raises(EyasError, match=r"^--eval-store is for offline training \(--store\)"):
+        _cfg(world, tmp_path / "a", data=world["prep"], eval_store=world["eval_store"])
+    with pytest.raises(EyasError, match=r"^--cache-states .* online training \(--data\); with --store"):
+        _cfg(world, tmp_path / "b", store=world["store"], cache_states=True, aux_layers=None)
+    _cfg(world, tmp_path / "c", store=world["store"], cache_states=False)  # what offline does anyway
+
+
+def test_a_max_length_that_cuts_off_every_answer_is_named(world, tmp_path):
+    from eyas.train.loop import run
+
+    # every sample masks at least its first 2 tokens (the prompt)
+    with pytest.raises(EyasError, match=r"^--max-length 2 leaves no loss-masked \(assistant\) tokens .* "
+                                        r"raise --max-length"):
+        run(_cfg(world, tmp_path / "m", store=world["store"], aux_layers=None, max_length=2))
+
+
 def test_bad_inputs_fail_before_training(world, tmp_path):
     from eyas.data.prepared import write_prepared
     from eyas.train.loop import run

@@ -25,7 +25,7 @@ import sys
 import typer
 import typer.main
 
-from eyas.errors import CheckFailed, EyasError
+from eyas.errors import CheckFailed, EyasError, Interrupted
 
 app = typer.Typer(
     name="eyas",
@@ -84,6 +84,9 @@ def _contract(fn, name: str):
             raise typer.Exit(1) from None
         except (typer.Exit, typer.Abort, SystemExit):
             raise
+        except Interrupted as exc:  # the stage said what it saved and how to continue
+            print(f"interrupted: {exc}", file=sys.stderr, flush=True)
+            raise typer.Exit(130) from None
         except KeyboardInterrupt:
             print("interrupted; rerun the same command to resume where it stopped", file=sys.stderr, flush=True)
             raise typer.Exit(130) from None

@@ -7,12 +7,15 @@ pipeline can read the summary with `tail -n 1`.
 Ownership of outputs: every directory eyas creates as an output holds a marker file
 (`.eyas-output`, see `claim_output_dir`). `--overwrite` and resume only ever delete or rewrite a
 directory carrying the marker; a non-empty directory without it belongs to the user and is refused
-with its path named, so eyas never deletes or clobbers what it did not write.
+with its path named, so eyas never deletes or clobbers what it did not write. The marker names the
+kind of output (the stage), so one stage never replaces another's; and a replace removes only the
+entries that stage writes (`OUTPUT_ENTRIES`): a file the user put into an eyas folder is kept.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import glob
 import hashlib
 import json
@@ -113,6 +116,7 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
             old = final.with_name(f".{final.name}.old-{os.getpid()}-{time.time_ns()}")
             os.replace(final, old)
             os.replace(tmp, final)
+            _carry_over(old, final, kind)  # a crash before the rmtree leaves the user's files in `old`, not lost
             shutil.rmtree(old, ignore_errors=True)
         else:
             os.replace(tmp, final)
@@ -160,6 +164,113 @@ def marker_kind(directory: Path) -> str | None:
         return None
 
 
+STAGE_KINDS = {"regenerate": None, "prepare": "prepare", "train": "train", "eval": "eval", "export": "exports"}
+"""Kind of output of each `eyas pipeline` stage directory (regenerate's holds a selection and `run/`)."""
+
+
+def output_kind(directory: Path) -> str | None:
+    """The kind of eyas output `directory` is: its marker's, else what its files show (directories
+    written before the marker named training runs and exports), else None (any stage may take it)."""
+    d = Path(directory)
+    kind = marker_kind(d)
+    if kind is not None or not (d / MARKER).is_file():
+        return kind
+    try:
+        stage = json.loads((d / "stage.json").read_text()).get("stage")
+    except (OSError, ValueError, AttributeError):
+        stage = None
+    if stage in STAGE_KINDS:
+        return STAGE_KINDS[stage]
+    if (d / "metrics.jsonl").is_file() or (d / "checkpoints").is_dir():
+        return "train"
+    return "export" if (d / "eyas_export.json").is_file() else None
+
+
+# What eyas writes into an output of each kind: glob patterns on entry names; `NAME/KIND` is a directory
+# holding a KIND output. Replacing or clearing an output deletes these entries (and COMMON_ENTRIES) and
+# keeps every other one, so a file the user put into an eyas folder survives an --overwrite.
+OUTPUT_ENTRIES: dict[str, tuple[str, ...]] = {
+    "prepare": ("meta.json", "*.safetensors", "*.ids.json"),
+    "store": ("manifest.json", "shard-*.safetensors", ".lock", ".ranks/ranks"),
+    "ranks": ("rank-*/store",),
+    "train": ("metrics.jsonl", "curves.png", "checkpoints/checkpoints", "drafter/drafter"),
+    "checkpoints": ("step-*.safetensors",),
+    "drafter": ("config.json", "model.safetensors"),
+    "eval": ("report.json", "report.md", "acceptance.png", "sequences.jsonl"),
+    "export": ("config.json", "model.safetensors", "eyas_export.json"),
+    "exports": ("sglang/export", "vllm/export"),
+    "regenerate": ("chats.jsonl", "done.jsonl", "meta.json"),
+    "demo": ("prepared/prepare", "store/store", "train/train", "eval/eval", "export/exports"),
+}
+COMMON_ENTRIES = ("stage.json", ".*.tmp")
+"""In every output: the pipeline's stage record and eyas's temporary files (atomic writes, killed runs)."""
+
+
+def _eyas_entry(name: str, kind: str | None) -> tuple[bool, str | None]:
+    """(whether eyas writes an entry `name` into a `kind` output, the kind of its contents if it is a directory
+    of outputs)."""
+    for pattern in COMMON_ENTRIES + OUTPUT_ENTRIES.get(kind or "", ()):
+        pattern, _, sub = pattern.partition("/")
+        if fnmatch.fnmatchcase(name, pattern):
+            return True, sub or None
+    return False, None
+
+
+def _delete(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p)
+    else:
+        p.unlink()
+
+
+def remove_outputs(directory: Path, kind: str | None) -> list[str]:
+    """Delete what eyas writes into the `kind` output `directory`, and the directory once nothing else is left;
+    returns the entries kept (paths relative to it): the user's, which stay with the directory and its marker.
+    Ownership is the caller's check (require_owned)."""
+    d = Path(directory)
+    if not d.is_dir():
+        return []
+    kept = []
+    for p in sorted(d.iterdir()):
+        if p.name == MARKER:
+            continue
+        ours, sub = _eyas_entry(p.name, kind)
+        if ours and sub and p.is_dir() and not p.is_symlink():
+            kept += [f"{p.name}/{k}" for k in remove_outputs(p, sub)]
+        elif ours:
+            _delete(p)
+        else:
+            kept.append(p.name)
+    if not kept:
+        (d / MARKER).unlink(missing_ok=True)
+        d.rmdir()
+    return kept
+
+
+def _carry_over(old: Path, new: Path, kind: str | None) -> None:
+    """Move the entries of the replaced output `old` that eyas did not write into its replacement `new`."""
+    kept = []
+    for p in sorted(old.iterdir()):
+        if p.name == MARKER or os.path.lexists(new / p.name):  # the new output's own entry replaces it
+            continue
+        ours, sub = _eyas_entry(p.name, kind)
+        if ours and sub and p.is_dir() and not p.is_symlink():
+            inner = remove_outputs(p, sub)
+            if inner:
+                os.replace(p, new / p.name)
+                kept += [f"{p.name}/{k}" for k in inner]
+        elif not ours:
+            os.replace(p, new / p.name)
+            kept.append(p.name)
+    _log_kept(kept, new)
+
+
+def _log_kept(kept: list[str], where: Path) -> None:
+    if kept:
+        log(f"eyas: kept {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} in {where}: eyas did not write "
+            f"{'it' if len(kept) == 1 else 'them'}")
+
+
 def is_owned(directory: Path) -> bool:
     """True when `directory` carries eyas's marker (or is empty: nothing of the user's to lose)."""
     d = Path(directory)
@@ -175,9 +286,10 @@ def require_owned(directory: Path, *, option: str = "--out", kind: str | None = 
     if d.is_dir() and not is_owned(d):
         raise EyasError(f"{option}: {d} holds files eyas did not create (no {MARKER} marker); eyas never deletes or "
                         "overwrites those: choose another --out, or move the directory away yourself")
-    found = marker_kind(d) if d.is_dir() else None
+    found = output_kind(d) if d.is_dir() else None
     if kind is not None and found is not None and found != kind:
-        raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to replace it: "
+        act = "replace it" if option == "--overwrite" else "write into it"
+        raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to {act}: "
                         "choose another --out")
 
 
@@ -192,16 +304,31 @@ def check_out_path(path: Path | None, *, option: str = "--out") -> None:
     p = Path(path)
     if p.exists() and not p.is_dir():
         raise EyasError(f"{option} {p} is an existing file, not a directory: choose another path")
+    _check_creatable(p, option=option)
+
+
+def check_out_file(path: Path, *, option: str = "--out") -> None:
+    """Fail early when `path` cannot become an output file: a directory, a path under an existing file, or
+    a location that is not writable. Whether an existing file may be replaced is the caller's decision."""
+    p = Path(path)
+    if p.is_dir():
+        raise EyasError(f"{option} {p} is a directory; give a file path")
+    _check_creatable(p.parent, option=option, shown=p)
+
+
+def _check_creatable(p: Path, *, option: str, shown: Path | None = None) -> None:
+    """Refuse a directory `p` that cannot be created: under a file, or in a location that is not writable."""
+    shown = p if shown is None else shown
     probe = p
     while not probe.exists():
         if probe.parent == probe:
             break
         probe = probe.parent
     if probe.exists() and not probe.is_dir():
-        raise EyasError(f"{option} {p}: {probe} is a file, so no directory can be created under it")
+        raise EyasError(f"{option} {shown}: {probe} is a file, so no directory can be created under it")
     if probe.exists() and not os.access(probe, os.W_OK | os.X_OK):
         why = "a read-only filesystem" if _read_only_fs(probe) else "not writable by this user"
-        raise EyasError(f"{option} {p}: {probe} is {why}; choose a writable location")
+        raise EyasError(f"{option} {shown}: {probe} is {why}; choose a writable location")
 
 
 def _read_only_fs(path: Path) -> bool:
@@ -225,12 +352,14 @@ def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--ou
 
 
 def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | None = None) -> None:
-    """Delete an output directory eyas created (for stage `kind`); anything else is refused, path named."""
+    """Delete what eyas wrote into the output directory `path` of stage `kind` (default: the kind it is), and
+    the directory unless files of the user's are left in it (kept); a directory eyas did not create, or
+    created for another stage, is refused with its path named."""
     p = Path(path)
     if not p.exists():
         return
     require_owned(p, option=option, kind=kind)
-    shutil.rmtree(p)
+    _log_kept(remove_outputs(p, kind or output_kind(p)), p)
 
 
 # ----------------------------------------------------------------------------------------------

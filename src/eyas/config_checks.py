@@ -87,7 +87,7 @@ def check_device(device: str, *, option: str = "--device") -> None:
         import torch
 
         if not torch.cuda.is_available():
-            raise EyasError(f"{option} {device}: CUDA is not available on this machine; use --device cpu or auto")
+            raise EyasError(f"{option} {device}: CUDA is not available on this machine; use --device cpu")
         if ":" in device and int(device.split(":")[1]) >= torch.cuda.device_count():
             raise EyasError(f"{option} {device}: this machine has {torch.cuda.device_count()} CUDA device(s)")
 

@@ -47,7 +47,7 @@ class DemoConfig:
     device: str = "cpu"
     """cpu or cuda."""
     overwrite: bool = False
-    """Delete --out first."""
+    """Start over: delete what an earlier demo wrote in --out (other files there are kept)."""
 
     def __post_init__(self):
         for name in ("chats", "max_length", "train_steps", "eval_questions", "max_new_tokens", "ttt_steps", "draft_vocab"):
@@ -61,7 +61,7 @@ class DemoConfig:
             raise EyasError(f"--device must be cpu or cuda, got {self.device!r}")
         check_device(self.device)
         check_out_path(self.out)
-        require_owned(self.out, option="--overwrite" if self.overwrite else "--out")
+        require_owned(self.out, option="--overwrite" if self.overwrite else "--out", kind="demo")
 
 
 def run_demo(cfg: DemoConfig) -> dict[str, Any]:
@@ -72,9 +72,12 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from eyas.store.verify import verify_store
     from eyas.train.loop import TrainConfig, run as train
 
+    from eyas.train.loop import check_options_fit_target
+
+    check_options_fit_target("default", draft_vocab=cfg.draft_vocab)  # before any stage runs or anything is removed
     out = Path(cfg.out)
     if cfg.overwrite:
-        remove_owned_dir(out)  # only a directory eyas created (its marker file); anything else is refused
+        remove_owned_dir(out, kind="demo")  # only what eyas's demo wrote there; anything else is refused or kept
     claim_output_dir(out, kind="demo")
     times: dict[str, float] = {}
     results: dict[str, Any] = {}

@@ -28,14 +28,21 @@ SHORT: dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model can run in
 
 
-def to_dtype(name: str | torch.dtype, *, what: str = "--dtype",
-             allowed: Iterable[torch.dtype] | None = None) -> torch.dtype:
-    """A dtype name (either vocabulary) -> torch dtype; `allowed` limits it; the error names `what`."""
+LONG: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                                torch.float8_e4m3fn: "float8_e4m3fn"}
+
+
+def to_dtype(name: str | torch.dtype, *, what: str = "--dtype", allowed: Iterable[torch.dtype] | None = None,
+             also: Iterable[str] = ()) -> torch.dtype:
+    """A dtype name (either vocabulary) -> torch dtype; `allowed` limits it; the error names `what` and
+    lists what it takes (`also`: the option's other words, e.g. auto, listed in the error only)."""
     dt = name if isinstance(name, torch.dtype) else DTYPES.get(str(name).lower().removeprefix("torch."))
     allowed = tuple(allowed) if allowed is not None else tuple(SHORT)
     if dt not in allowed:
-        raise EyasError(f"{what}: `{name}` is not one of {', '.join(SHORT[d] for d in allowed)} "
-                        "(or their long names: float32, bfloat16, float16, float8_e4m3fn)")
+        takes = ", ".join([*also, *(SHORT[d] for d in allowed)])
+        longs = ", ".join(LONG[d] for d in allowed)
+        why = f"{SHORT[dt]} is not supported here" if dt is not None else "not a dtype eyas knows"
+        raise EyasError(f"{what} {name}: {why}; it takes {takes} (or the long names {longs})")
     return dt
 
 

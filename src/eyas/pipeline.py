@@ -32,7 +32,8 @@ fingerprint reruns the stage and everything after it (a stage's fingerprint incl
 an unfinished one resumes: regenerate continues its committed chats, train restarts from its latest
 checkpoint (`save_every`, 200 steps unless set), prepare/eval/export are redone (they write
 atomically). A directory is only ever replaced or cleared when it holds a stage.json or an eyas
-artifact of that stage; anything else in the way is an error (exit 2).
+artifact of that stage; anything else in the way is an error (exit 2). Replacing or clearing one
+removes only what eyas wrote there: files the user added to it are kept.
 
 Trade-off: fingerprints hash options, not the bytes of inputs, except where the bytes are cheap and
 decide the result (the selected regenerated chats, the prepared splits' own fingerprints), so a
@@ -47,7 +48,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import shutil
 import time
 import tomllib
 import types
@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.common import atomic_write_json, log, write_marker
+from eyas.common import STAGE_KINDS, atomic_write_json, log, remove_outputs, write_marker
 from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 
@@ -94,7 +94,7 @@ class ExportOptions:
         if self.weights_dtype != "keep":  # refused before any drafter is read
             from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-            to_dtype(self.weights_dtype, what="--weights-dtype", allowed=MODEL_DTYPES)
+            to_dtype(self.weights_dtype, what="--weights-dtype", allowed=MODEL_DTYPES, also=("keep",))
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
             raise EyasError(f"formats {self.formats}: expected a non-empty list of {', '.join(FORMATS)}")
@@ -164,10 +164,19 @@ def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | P
     if until is not None and until not in STAGES:
         raise EyasError(f"--until {until!r}: not a stage; expected one of {', '.join(STAGES)}")
     path = Path(path)
+    if path.is_dir():
+        raise EyasError(f"pipeline file {path} is a directory; pass a pipeline TOML file "
+                        "(e.g. recipes/smollm2-gpu.toml)")
     try:
         raw = tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise EyasError(f"pipeline file {path} does not exist") from None
+    except UnicodeDecodeError as exc:
+        raise EyasError(f"pipeline file {path} is not UTF-8 text (invalid byte at offset {exc.start}); "
+                        "pass a pipeline TOML file") from None
+    except OSError as exc:
+        raise EyasError(f"pipeline file {path}: cannot read it ({exc.strerror or exc}); "
+                        "pass a readable TOML file") from None
     except tomllib.TOMLDecodeError as exc:
         raise EyasError(f"{path}: not valid TOML ({exc})") from None
     for item in overrides:
@@ -333,7 +342,7 @@ def read_record(directory: Path) -> dict[str, Any] | None:
 
 def write_record(directory: Path, **rec: Any) -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    write_marker(directory)  # eyas made this directory: the stage's own command may write into it
+    write_marker(directory, kind=STAGE_KINDS[rec["stage"]])  # eyas made it: the stage's own command may write into it
     atomic_write_json(directory / "stage.json", _jsonable({"schema": STAGE_SCHEMA, **rec}))
 
 
@@ -372,10 +381,11 @@ def claim(stage: str, directory: Path) -> None:
 
 
 def clear(stage: str, directory: Path) -> None:
-    """Delete a stage directory before a fresh run: only one this pipeline (or eyas) wrote."""
+    """Delete what eyas wrote in a stage directory before a fresh run (only one this pipeline or eyas wrote;
+    files the user put there are kept)."""
     if directory.exists():
         claim(stage, directory)
-        shutil.rmtree(directory)
+        remove_outputs(directory, STAGE_KINDS[stage])
 
 
 # -- stages ------------------------------------------------------------------------------------------

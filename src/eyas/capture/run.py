@@ -100,6 +100,8 @@ class CaptureSettings:
         check_out_path(self.out)
         if Path(self.out).is_dir() and not is_owned(self.out) and not (Path(self.out) / "manifest.json").is_file():
             require_owned(self.out)
+        if Path(self.out).is_dir() and is_owned(self.out):
+            require_owned(self.out, kind="store")  # another stage's eyas output is refused before anything is written
 
     @property
     def resolved_model_dtype(self) -> str:

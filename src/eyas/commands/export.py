@@ -19,7 +19,7 @@ def export(
     drafter: Path = typer.Option(..., "--drafter", help="Drafter directory to export: eyas (`eyas train` output), SGLang or vLLM/speculators layout."),
     format: str = typer.Option(..., "--format", help="`sglang` (LlamaForCausalLMEagle3, --speculative-draft-model-path) or `vllm` (speculators Eagle3Speculator, speculative_config model)."),
     out: Path = typer.Option(..., "--out", help="Directory to create."),
-    overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out directory."),
+    overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out export (files eyas did not write there are kept)."),
 ) -> dict:
     """Export a drafter for serving, with the aux layer ids converted to the engine's convention."""
     from eyas.common import check_out_path, check_safetensors_dir, require_owned
@@ -30,7 +30,7 @@ def export(
         raise EyasError(f"--drafter {drafter} is not a directory (expected `eyas train`'s <out>/drafter)")
     check_out_path(out)
     if overwrite:
-        require_owned(out, option="--overwrite")
+        require_owned(out, option="--overwrite", kind="export")
     check_safetensors_dir(drafter, what="--drafter")
     return export_drafter(drafter, format, out, overwrite=overwrite, dtype=cfg.weights_dtype, verifier=cfg.verifier,
                           speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)

@@ -16,8 +16,10 @@ from eyas.cli_options import options_from
 def generate(
     cfg,
     out: Optional[Path] = typer.Option(None, "--out", help="Write one JSONL record per turn (ids, text, accepted per round, seconds) to this file."),
+    overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out file written by `eyas generate`."),
 ) -> dict:
     """Speculative decoding (batch 1, or --batch-size B) with a trained EAGLE-3 drafter: tokens/s vs target-only, tau, time split."""
-    from eyas.specdec.generate_run import generate_to
+    from eyas.specdec.generate_run import check_records_out, generate_to
 
-    return generate_to(cfg, out=out)
+    check_records_out(out, overwrite=overwrite)
+    return generate_to(cfg, out=out, overwrite=overwrite)

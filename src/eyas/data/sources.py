@@ -182,9 +182,18 @@ def read_hf_records(path: Path, info: SourceInfo, hf_split: str | None) -> Itera
             raise EyasError(f"{path}: a DatasetDict with splits {list(ds)}; choose one with --hf-split")
         info.notes.append(f"using split `{split}` of {list(ds)}")
         ds = ds[split]
+    else:
+        _no_split(hf_split, path, "a single saved Dataset (no splits)")
     for record in ds:
         info.records += 1
         yield record
+
+
+def _no_split(hf_split: str | None, source: Any, kind: str) -> None:
+    """--hf-split picks a split of a saved DatasetDict; any other source would ignore it silently."""
+    if hf_split is not None:
+        raise EyasError(f"--hf-split {hf_split}: --source {source} is {kind}, not a DatasetDict saved with "
+                        "save_to_disk; drop --hf-split")
 
 
 def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[Iterator[Any], SourceInfo]:
@@ -192,6 +201,7 @@ def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[It
     if str(source) == "sharegpt":
         from eyas.defaults import sharegpt_path
 
+        _no_split(hf_split, source, "the embedded ShareGPT file")
         path = sharegpt_path()
         info = SourceInfo(path=str(path), format="sharegpt-json")
         return read_json_records(path, info), info
@@ -200,6 +210,7 @@ def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[It
         raise EyasError(f"chat source `{source}` does not exist (expected `sharegpt`, a .json/.jsonl file or a dataset directory)")
     if path.is_dir():
         if (path / "chats.jsonl").is_file():
+            _no_split(hf_split, path, "an `eyas regenerate` output")
             info = SourceInfo(path=str(path), format="eyas-chats")
             return read_eyas_chats(path, info), info
         if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
@@ -208,6 +219,7 @@ def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[It
         raise EyasError(
             f"{path}: a directory but not a known dataset format (no chats.jsonl, dataset_info.json or dataset_dict.json)"
         )
+    _no_split(hf_split, path, "a file")
     try:
         with open(path, "rb") as f:
             head = f.read(4096).lstrip()

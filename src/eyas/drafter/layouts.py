@@ -220,7 +220,7 @@ def _check_single_llama_layer(cfg: dict[str, Any], *, where: str) -> None:
         raise EyasError(f"--drafter {where}: hidden_act={act!r}; the EAGLE-3 draft layer uses silu")
 
 
-def detect_format(cfg: dict[str, Any]) -> str:
+def detect_format(cfg: dict[str, Any], *, where: str | Path = CONFIG_FILE) -> str:
     archs = cfg.get("architectures") or []
     if cfg.get("speculators_model_type") is not None or "Eagle3Speculator" in archs:
         return "speculators"
@@ -229,7 +229,7 @@ def detect_format(cfg: dict[str, Any]) -> str:
     if str(cfg.get("schema", "")).startswith("eyas") or "drafter" in cfg:
         return "eyas"
     raise EyasError(
-        f"config.json: cannot tell the drafter layout (architectures={archs}); expected eyas "
+        f"--drafter {where}: cannot tell the drafter layout (architectures={archs}); expected eyas "
         "(schema eyas.drafter/1), SGLang (LlamaForCausalLMEagle3) or speculators (speculators_model_type)"
     )
 
@@ -277,8 +277,8 @@ def _config_from_sglang(cfg: dict[str, Any], *, where: str, target_layers: int |
     return config, Provenance(format="sglang", layer_ids=source)
 
 
-def _config_from_speculators(cfg: dict[str, Any], *, where: str, target_layers: int | None,
-                             target_model_type: str | None) -> tuple[DrafterConfig, Provenance]:
+def _speculators_layer(cfg: dict[str, Any], *, where: str) -> dict[str, Any]:
+    """The draft layer's Llama config of a speculators config, after refusing the variants eyas does not read."""
     if cfg.get("speculators_model_type", "eagle3") != "eagle3":
         raise EyasError(f"--drafter {where}: speculators_model_type={cfg.get('speculators_model_type')!r}; only eagle3 is supported")
     for flag in ("norm_before_fc", "fc_norm", "norm_output"):
@@ -288,6 +288,12 @@ def _config_from_speculators(cfg: dict[str, Any], *, where: str, target_layers: 
     if not isinstance(layer, dict):
         raise EyasError(f"--drafter {where}: speculators config without a transformer_layer_config object")
     _check_single_llama_layer(layer, where=where)
+    return layer
+
+
+def _config_from_speculators(cfg: dict[str, Any], *, where: str, target_layers: int | None,
+                             target_model_type: str | None) -> tuple[DrafterConfig, Provenance]:
+    layer = _speculators_layer(cfg, where=where)
     dims = llama_dims(layer, where=f"--drafter {where}")
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
     config = _build(
@@ -418,7 +424,7 @@ def read_drafter(directory: str | Path, *, target_layers: int | None = None,
         raise EyasError(f"--drafter {directory}: not a directory")
     where = str(directory)
     cfg = _read_json(directory / CONFIG_FILE, what="config.json names the layout")
-    fmt = detect_format(cfg)
+    fmt = detect_format(cfg, where=directory / CONFIG_FILE)
     if fmt == "eyas":
         config, _ = read_eyas_config(directory)
         provenance = Provenance(format="eyas", layer_ids=list(config.aux_layer_ids))
@@ -434,6 +440,30 @@ def read_drafter(directory: str | Path, *, target_layers: int | None = None,
     complete_vocab_maps(config, weights, where=where)
     check_shapes(config, weights, where=where)
     return DraftCheckpoint(config=config, weights=weights, path=directory, provenance=provenance)
+
+
+def check_drafter_dir(directory: str | Path) -> str:
+    """Refuse a drafter directory that `read_drafter` would refuse for its config or its missing weights,
+    reading config.json only (so eval and generate fail before the target loads); returns the layout."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        raise EyasError(f"--drafter {directory}: not a directory (expected `eyas train`'s <out>/drafter or an "
+                        "`eyas export` directory)")
+    path = directory / CONFIG_FILE
+    cfg = _read_json(path, what="config.json names the layout")
+    if not isinstance(cfg, dict):
+        raise EyasError(f"--drafter {path}: expected a JSON object, got {type(cfg).__name__}")
+    fmt = detect_format(cfg, where=path)
+    if fmt == "eyas":
+        read_eyas_config(directory)
+    elif fmt == "sglang":
+        _check_single_llama_layer(cfg, where=str(directory))
+        llama_dims(cfg, where=f"--drafter {path}")
+    else:
+        llama_dims(_speculators_layer(cfg, where=str(directory)), where=f"--drafter {path}")
+    if not any(directory.glob("*.safetensors")) and not any(directory.glob("pytorch_model*.bin")):
+        raise EyasError(f"--drafter {directory}: no *.safetensors or pytorch_model*.bin weights found")
+    return fmt
 
 
 def check_against_target(config: DrafterConfig, target_config, *, where: str) -> None:

@@ -134,7 +134,8 @@ class DrafterConfig:
             text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             cfg = text.to_dict()
         n_layers = int(cfg["num_hidden_layers"])
-        aux = check_layer_ids(aux_layer_ids, n_layers) if aux_layer_ids else default_aux_layer_ids(n_layers)
+        aux = (check_layer_ids(aux_layer_ids, n_layers, what="--aux-layers") if aux_layer_ids
+               else default_aux_layer_ids(n_layers))
         dims = llama_dims(cfg, where="target", max_positions=2048)
         values = dict(
             **dims,

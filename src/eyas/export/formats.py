@@ -108,7 +108,8 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
         raise EyasError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-    weights_dtype = None if dtype == "keep" else to_dtype(dtype, what="--weights-dtype", allowed=MODEL_DTYPES)
+    weights_dtype = None if dtype == "keep" else to_dtype(dtype, what="--weights-dtype", allowed=MODEL_DTYPES,
+                                                          also=("keep",))
     if speculative_tokens < 1:
         raise EyasError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
     if out.exists() and not overwrite:
@@ -123,7 +124,7 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
         log(f"export: no Hub repository id for the target (--verifier, or `_name_or_path` in its config): "
             f"`vllm serve {out}` will refuse the local path; serve with `vllm serve <target> --speculative-config "
             f"'{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'` or export again with --verifier OWNER/NAME")
-    with atomic_directory(out, overwrite=overwrite) as tmp:
+    with atomic_directory(out, overwrite=overwrite, kind="export") as tmp:
         record = write_export(
             ckpt, fmt, tmp, dtype=weights_dtype,
             verifier=hub or local, verifier_path=local, verifier_architectures=arch,

@@ -41,6 +41,43 @@ def settings_differ(old: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
 
 
+def check_out_before_load(out: Path, settings: dict[str, Any], *, overwrite: bool) -> None:
+    """Refuse what ChatsWriter would refuse about an existing --out (not a regenerate output, or a run
+    with other settings), reading meta.json only, so the error comes before any model loads."""
+    out = Path(out)
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    if not (out / META).is_file():
+        if overwrite:
+            raise EyasError(f"--overwrite: {out} is not a regenerate output (no meta.json); refusing to delete it")
+        raise EyasError(f"--out {out} exists and is not a regenerate output (no meta.json); choose a new directory")
+    if not overwrite:
+        _check_meta(out, _read_meta(out), settings)
+
+
+def _read_meta(out: Path) -> dict[str, Any]:
+    try:
+        meta = json.loads((out / META).read_text(encoding="utf-8"))
+    except (ValueError, OSError) as exc:
+        raise EyasError(f"{out / META}: unreadable ({exc}); pass --overwrite to start over, "
+                        "or choose a new --out") from None
+    if not isinstance(meta, dict):
+        raise EyasError(f"{out / META}: expected a JSON object; pass --overwrite to start over, or choose a new --out")
+    return meta
+
+
+def _check_meta(out: Path, meta: dict[str, Any], settings: dict[str, Any]) -> None:
+    """A recorded run resumes only with the same schema and settings."""
+    if meta.get("schema") != SCHEMA:
+        raise EyasError(f"{out / META}: schema {meta.get('schema')!r}, expected {SCHEMA!r}; choose a new --out")
+    diff = settings_differ(meta.get("settings", {}), settings)
+    if diff:
+        raise EyasError(
+            f"--out {out} holds a run with different settings ({', '.join(diff)}); "
+            "rerun with the same settings to resume, pass --overwrite to start over, or choose a new --out"
+        )
+
+
 def _cut(path: Path, size: int) -> None:
     if not path.exists():
         if size:
@@ -68,14 +105,16 @@ class ChatsWriter:
         self.elapsed_before = 0.0
         self.resumed = False
         meta_path = self.out / META
+        cleared = False
         if self.out.exists() and overwrite and any(self.out.iterdir()):
             if not meta_path.is_file():  # never delete a directory that is not ours
                 raise EyasError(f"--overwrite: {self.out} is not a regenerate output (no meta.json); refusing to delete it")
-            remove_owned_dir(self.out, kind="regenerate")  # only what eyas's regenerate created (its marker)
-        if self.out.exists() and any(self.out.iterdir()):
+            remove_owned_dir(self.out, kind="regenerate")  # only what regenerate wrote there; the user's files stay
+            cleared = True
+        if not cleared and self.out.exists() and any(self.out.iterdir()):
             if not meta_path.is_file():
                 raise EyasError(f"--out {self.out} exists and is not a regenerate output (no meta.json); choose a new directory")
-            self._resume(json.loads(meta_path.read_text()))
+            self._resume(_read_meta(self.out))
         else:
             claim_output_dir(self.out, kind="regenerate")
             for name in (CHATS, DONE):
@@ -87,14 +126,7 @@ class ChatsWriter:
         self._done_buf: list[str] = []
 
     def _resume(self, meta: dict[str, Any]) -> None:
-        if meta.get("schema") != SCHEMA:
-            raise EyasError(f"{self.out / META}: schema {meta.get('schema')!r}, expected {SCHEMA!r}; choose a new --out")
-        diff = settings_differ(meta.get("settings", {}), self.settings)
-        if diff:
-            raise EyasError(
-                f"--out {self.out} holds a run with different settings ({', '.join(diff)}); "
-                "rerun with the same settings to resume, pass --overwrite to start over, or choose a new --out"
-            )
+        _check_meta(self.out, meta, self.settings)
         self.committed = dict(meta["committed"])
         self.created = meta.get("created", time.time())
         self.elapsed_before = float(meta.get("elapsed_s", 0.0))

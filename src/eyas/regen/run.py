@@ -103,11 +103,17 @@ class RegenConfig:
         if self.model_dtype != "auto":
             from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES)
+            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
         if self.max_length < 2:
             raise EyasError(f"--max-length must be >= 2, got {self.max_length}")
         if self.attention not in ATTENTIONS:
             raise EyasError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
+        if self.attention != "auto" and self.engine in ("generate", "server"):
+            raise EyasError(f"--attention {self.attention} picks the static engine's decode attention; --engine "
+                            f"{self.engine} does not use it: drop --attention, or use --engine static")
+        if self.server_model is not None and not self.server_urls:
+            raise EyasError(f"--server-model {self.server_model} names the model of the servers given with "
+                            "--server-url; pass --server-url too, or drop --server-model")
         if self.batch_size < 0:
             raise EyasError(f"--batch-size must be >= 0 (0 = auto), got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
@@ -211,7 +217,7 @@ def regen_settings(config: RegenConfig) -> dict[str, Any]:
 def regenerate(config: RegenConfig) -> dict[str, Any]:
     from eyas.data.sources import iter_conversations
     from eyas.regen.driver import RegenOptions, Regenerator
-    from eyas.regen.output import ChatsWriter
+    from eyas.regen.output import ChatsWriter, check_out_before_load
     from eyas.regen.sampling import Sampling
 
     try:
@@ -225,6 +231,15 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
     if total == 0:
         raise EyasError(f"--source {config.source}: no records (empty dataset); nothing to regenerate")
     settings = regen_settings(config)
+    # what would be refused after the engine is built is refused now, before any model loads
+    check_out_before_load(config.out, settings, overwrite=config.overwrite)
+    if config.engine != "server" and config.attention == "triton":
+        from eyas.dtypes import resolve_device
+        from eyas.regen.attention import triton_unavailable
+
+        why = triton_unavailable(resolve_device(config.device))
+        if why is not None:
+            raise EyasError(f"--attention triton: {why}; use --attention sdpa or auto")
 
     if config.engine == "server":
         from eyas.regen.server import ServerEngine, ServerOptions

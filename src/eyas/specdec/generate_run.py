@@ -98,7 +98,7 @@ class GenerateConfig:
         for name in ("chain_k", "tree_topk", "tree_depth", "tree_tokens"):
             check_number(self, name, ge=1)
         if self.model_dtype != "auto":
-            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES)
+            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
         check_device(self.device)
         try:
             self.tree()
@@ -157,6 +157,9 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
     engine = resolve_engine(cfg.engine, device)
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
+    from eyas.drafter.layouts import check_drafter_dir
+
+    check_drafter_dir(cfg.drafter)  # and a drafter folder eval could not read
     t0 = time.perf_counter()
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
@@ -294,14 +297,48 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     return summary, records
 
 
-def generate_to(cfg: GenerateConfig, *, out: Path | None = None) -> dict[str, Any]:
+RECORD_KEYS = ("id", "turn", "generated_ids", "accepted")
+"""Keys of every per-turn record `--out` holds: a file whose lines all carry them was written by eyas generate."""
+
+
+def check_records_out(out: Path | None, *, overwrite: bool) -> None:
+    """Refuse an --out that eyas must not write (before any model loads): a directory, a path under a file,
+    an existing file without --overwrite, and, even with it, a file eyas generate did not write."""
+    import json
+
+    from eyas.common import check_out_file
+
+    if out is None:
+        return
+    out = Path(out)
+    check_out_file(out)
+    if not out.exists():
+        return
+    if not overwrite:
+        raise EyasError(f"--out {out} already exists: pass --overwrite to replace it, or choose another --out")
+    try:
+        with open(out, "rb") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    rec = None
+                if not (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS)):
+                    raise EyasError(f"--overwrite: {out} is not an `eyas generate` records file (line {lineno} is not "
+                                    "a record); eyas never overwrites files it did not write: choose another --out")
+    except OSError as exc:
+        raise EyasError(f"--out {out}: cannot read it ({exc.strerror or exc})") from None
+
+
+def generate_to(cfg: GenerateConfig, *, out: Path | None = None, overwrite: bool = False) -> dict[str, Any]:
     """Run `eyas generate`; with `out`, write the per-turn records there as JSONL (atomically)."""
     import json
 
     from eyas.common import atomic_write_bytes
 
-    if out is not None and out.exists() and out.is_dir():
-        raise EyasError(f"--out {out} is a directory; give a file path for the JSONL records")
+    check_records_out(out, overwrite=overwrite)
     summary, records = run_generate(cfg)
     if out is not None:
         atomic_write_bytes(out, "".join(json.dumps(r) + "\n" for r in records).encode())

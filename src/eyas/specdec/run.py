@@ -70,7 +70,7 @@ class EvalConfig:
         if self.gen_batch_size < 1 or self.replay_tokens < 1:
             raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
         if self.model_dtype != "auto":
-            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES)
+            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
         from eyas.config_checks import check_device, check_number
 
         for name in ("tree_topk", "tree_tokens"):
@@ -184,6 +184,7 @@ def mode_summary(name: str, tree: TreeConfig, rounds: list[list[int]], seqs) -> 
 def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run everything; returns (report, per-sequence records). Writes nothing."""
     from eyas.defaults import resolve_target
+    from eyas.drafter.layouts import check_drafter_dir
     from eyas.specdec.generate import generate_conversations, load_prompts
     from eyas.target import CONVENTION, load_target, load_tokenizer, model_identity, tokenizer_hash
 
@@ -192,6 +193,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     modes = cfg.modes()
     t0 = time.perf_counter()
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
+    check_drafter_dir(cfg.drafter)  # and so does a drafter without a usable config or weights
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, device=device, dtype=dtype)

@@ -173,8 +173,11 @@ class StoreWriter:
         self.spec = spec
         self.shard_bytes = shard_bytes
         self._sd = stored_dtype(spec.dtype)
+        made = [p for p in (self.path, *self.path.parents) if not p.exists()]
         self.path.mkdir(parents=True, exist_ok=True)
-        self._lock = open(self.path / ".lock", "a+")
+        lock_path = self.path / ".lock"
+        new_lock = not lock_path.exists()
+        self._lock = open(lock_path, "a+")
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -184,6 +187,11 @@ class StoreWriter:
             self.manifest = self._open_or_create()
         except BaseException:
             self._lock.close()  # releases the lock: the store was not touched
+            if new_lock:  # a refused directory keeps nothing of this attempt
+                lock_path.unlink(missing_ok=True)
+                for p in made:
+                    with contextlib.suppress(OSError):
+                        p.rmdir()
             raise
         self._ids: set[str] = {s["id"] for s in self.manifest["samples"]}
         self._lines = {k: [json.dumps(r, sort_keys=True) for r in self.manifest[k]] for k in ("shards", "samples")}

@@ -20,6 +20,8 @@ It equals greedy chain-drafting tau when the data are the target's own greedy ou
 from __future__ import annotations
 
 import math
+import signal
+import threading
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
@@ -30,7 +32,7 @@ import torch
 from torch import nn
 
 from eyas.common import log
-from eyas.errors import EyasError
+from eyas.errors import EyasError, Interrupted
 
 def default_tokens_per_batch(device: torch.device) -> int:
     """Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given: the fastest
@@ -125,7 +127,8 @@ class TrainConfig:
     seed: int = 0
     """Seeds weights and data order."""
     overwrite: bool = False
-    """Replace a finished run's drafter in --out."""
+    """Start the run in --out over (without --resume): its checkpoints, metrics and drafter are deleted once
+    the run's inputs are checked; files eyas did not write there are kept."""
 
     def __post_init__(self):
         from eyas.common import check_out_path, require_owned
@@ -133,6 +136,12 @@ class TrainConfig:
 
         if (self.store is None) == (self.data is None):
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
+        if self.data is not None and self.eval_store is not None:
+            raise EyasError("--eval-store is for offline training (--store); with --data the prepared dataset's "
+                            "eval split is used: drop --eval-store, or train from a store")
+        if self.store is not None and self.cache_states:
+            raise EyasError("--cache-states keeps the target's states in online training (--data); with --store they "
+                            "are read from the store: drop --cache-states")
         for name in ("batch_size", "grad_accum", "max_length", "eval_samples"):
             check_number(self, name, ge=1)
         check_number(self, "steps", ge=1, optional=True)
@@ -164,7 +173,7 @@ class TrainConfig:
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
             raise EyasError(f"--resume {self.resume}: no such checkpoint file (or pass `--resume auto`)")
         check_out_path(self.out)
-        require_owned(self.out)
+        require_owned(self.out, kind="train")  # never checkpoints written into a store or a prepared dataset
         check_number(self, "tokens_per_batch", ge=1, optional=True)
         if self.tokens_per_batch is not None and self.tokens_per_batch < self.max_length:
             raise EyasError(f"--tokens-per-batch must be >= --max-length ({self.max_length}) so every sample fits "
@@ -250,10 +259,65 @@ def _fmt_eta(s: float) -> str:
     return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m" if s >= 60 else f"{s:.0f}s"
 
 
+class StopRequest:
+    """SIGINT/SIGTERM during the loop: the current step finishes, a checkpoint is saved, and the run
+    stops (`signum` is set; the loop reads it between steps). A second SIGINT stops at once. Handlers
+    can only be installed from the main thread; elsewhere signals keep their default behaviour."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._old: dict[int, Any] = {}
+
+    def install(self) -> None:
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGINT, signal.SIGTERM):
+                self._old[s] = signal.signal(s, self._handle)
+
+    def restore(self) -> None:
+        for s, h in self._old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._old.clear()
+
+    def _handle(self, signum, frame):
+        # no logging here: the handler may run in the middle of the loop's own write to stderr
+        if signum == signal.SIGINT and self.signum is not None:
+            raise KeyboardInterrupt
+        self.signum = self.signum or signum
+
+
+def _continue_hint(cfg: TrainConfig) -> str:
+    return "rerun the same command" if cfg.resume == "auto" else "rerun the same command with --resume auto"
+
+
+def _interrupted_message(cfg: TrainConfig) -> str:
+    """What an interrupt outside the loop's clean stop leaves: the latest checkpoint, if any."""
+    from eyas.train.checkpoint import CKPT_RE, latest_checkpoint
+
+    path = latest_checkpoint(Path(cfg.out) / "checkpoints")
+    if path is None:
+        return "no training step was saved, so a rerun starts from step 0"
+    step = int(CKPT_RE.match(path.name).group(1))
+    return f"the latest checkpoint is {path} (step {step}); {_continue_hint(cfg)} to continue from it"
+
+
 # ----------------------------------------------------------------------------------------------
 
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
+    """Train (see the module docstring). On SIGINT/SIGTERM in the loop it stops after the current step
+    with a checkpoint of it; every interrupt ends in `Interrupted`, whose message says what a rerun does."""
+    stop = StopRequest()
+    try:
+        return _train(cfg, stop)
+    except Interrupted:
+        raise
+    except KeyboardInterrupt:
+        raise Interrupted(_interrupted_message(cfg)) from None
+    finally:
+        stop.restore()
+
+
+def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
     from eyas.drafter.ttt import TTTConfig
     from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
@@ -300,6 +364,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     target_id = model_identity(target_dir)
     tcfg_text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
     n_layers, hidden = num_layers_of(tcfg), int(tcfg_text.hidden_size)
+    check_options_fit_target(target_dir, aux_layers=cfg.aux_layers, draft_vocab=cfg.draft_vocab, tcfg=tcfg)
     target_model = None
     if cfg.store is not None:
         reader, split, man = open_store(cfg.store)
@@ -380,6 +445,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     item_ids = [it.id for it in train_items]
     del train_items
     if int(counts.sum()) == 0:
+        if max(lengths) >= cfg.max_length:  # samples were cut: the assistant turns may lie past the cut
+            raise EyasError(f"--max-length {cfg.max_length} leaves no loss-masked (assistant) tokens in the training "
+                            f"split ({cfg.store or cfg.data}): samples are cut to their first {cfg.max_length} tokens, "
+                            "before any answer; raise --max-length")
         raise EyasError(f"the training split has no loss-masked (assistant) tokens ({cfg.store or cfg.data}); nothing to learn")
     vocab = build_draft_vocab(counts, dcfg.draft_vocab_size)
     drafter = Eagle3Drafter(dcfg)
@@ -452,6 +521,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             del state
 
     # -- 8. loop ---------------------------------------------------------------------------------
+    if cfg.overwrite and cfg.resume is None and d.is_main:  # the old run's checkpoints would mislead a later resume
+        from eyas.common import remove_owned_dir
+
+        remove_owned_dir(out, kind="train")
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=d.is_main, append=start > 0)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else nullcontext()
     world_scale = float(d.world)  # DDP/FSDP average gradients; our loss is already a global mean
@@ -470,12 +543,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
                                 steps=K, pad_to=tokens_per_batch)
+    stop.install()
     for step in range(start, total):
         t0 = time.perf_counter()
         micro = plan.micro_indices(step, d.rank)
         denoms = torch.from_numpy(den_table[plan.step_indices(step)].sum(0)).to(dev)
         stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=dev)
-        counts_t = torch.zeros(3, dtype=torch.float64, device=dev)  # real, padded, supervised tokens
+        # real, padded, supervised tokens; stop requests (summed with them, so every rank stops after the same step)
+        counts_t = torch.zeros(4, dtype=torch.float64, device=dev)
         batches = []
         for m, idx in enumerate(micro):
             batch = prefetch.next_batch()
@@ -488,8 +563,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
                 (loss * world_scale).backward()
             stats += st.double()
             if idx:
-                counts_t += torch.tensor([batch.tokens, batch.padded_tokens, batch.supervised], dtype=torch.float64,
-                                         device=dev)
+                counts_t[:3] += torch.tensor([batch.tokens, batch.padded_tokens, batch.supervised], dtype=torch.float64,
+                                             device=dev)
             batches.append(batch)
         gnorm = _clip(module, params, cfg.grad_clip)
         opt.step()
@@ -498,6 +573,8 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         if step == start and isinstance(train_src, OnlineSource) and cfg.cache_states is not False:
             _start_state_cache(cfg, train_src, item_ids, lengths, hidden=hidden, dev=dev,
                                epochs=(total - start) / plan.steps_per_epoch, log_it=d.is_main)
+        if stop.signum is not None:
+            counts_t[3] = 1
         dd.all_reduce_sum(stats, d)
         dd.all_reduce_sum(counts_t, d)
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
@@ -505,7 +582,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
         loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
         loss_v = sum(w * l for w, l in zip(ttt_cfg.weights, loss_k))
         acc_k = (correct / valid.clamp_min(1)).tolist()
-        tokens, padded, supervised = (int(x) for x in counts_t.tolist())
+        tokens, padded, supervised, stopping = (int(x) for x in counts_t.tolist())
         target_s = sum(target_seconds(b) for b in batches)
         dt = time.perf_counter() - t0
         tok_run, pad_run, sup_run, target_run = tok_run + tokens, pad_run + padded, sup_run + supervised, target_run + target_s
@@ -534,12 +611,19 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             if d.is_main:
                 log(f"eval  {step + 1:05d} | loss {ev['loss']:.3f} | acc "
                     + " ".join(f"{a:.2f}" for a in ev["acc_per_step"]) + f" | tau {ev['acceptance_length']:.2f}")
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done:
-            p = ck.save_checkpoint(ckdir / f"step-{step + 1:06d}.safetensors", model=module, optimizer=opt, scheduler=sched,
-                                   step=step + 1, identity=identity, extra={"world": d.world}, is_main=d.is_main)
+        ck_path = ckdir / f"step-{step + 1:06d}.safetensors"
+        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done or stopping:
+            p = ck.save_checkpoint(ck_path, model=module, optimizer=opt, scheduler=sched, step=step + 1,
+                                   identity=identity, extra={"world": d.world}, is_main=d.is_main)
             if p is not None:
                 log(f"checkpoint {p}")
+        if stopping and not done:
+            prefetch.close()
+            dd.teardown(d)
+            raise Interrupted(f"stopped after step {step + 1} of {total}, saved in {ck_path}; "
+                              f"{_continue_hint(cfg)} to continue from there")
 
+    stop.restore()  # the final save is quick; an interrupt there leaves the last step's checkpoint to resume from
     prefetch.close()
 
     # -- final drafter ----------------------------------------------------------------------------
@@ -648,6 +732,28 @@ def _start_state_cache(cfg: TrainConfig, src, ids: list[str], lengths: list[int]
     src.cache = StateCache(ids, lengths, n_aux=A, hidden=D, dtype=dtype, device=dev)
     if log_it:
         log(f"state cache: on, {what}: after the first epoch the target runs only for samples not yet seen")
+
+
+def check_options_fit_target(target: str | Path, *, aux_layers: list[int] | None = None,
+                             draft_vocab: int | None = None, tcfg=None) -> None:
+    """--aux-layers and --draft-vocab against the target's config (`tcfg`, else read from its config.json;
+    no weights), so a run that cannot fit fails before any model loads (train, and the demo before its stages)."""
+    from eyas.drafter.layouts import check_layer_ids
+    from eyas.target import num_layers_of
+
+    if tcfg is None:
+        from transformers import AutoConfig
+
+        from eyas.defaults import resolve_target
+
+        tcfg = AutoConfig.from_pretrained(resolve_target(target))
+    text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
+    if aux_layers:
+        check_layer_ids(aux_layers, num_layers_of(tcfg), what=f"--aux-layers (target {target})")
+    vocab = int(text.vocab_size)
+    if draft_vocab is not None and draft_vocab > vocab:
+        raise EyasError(f"--draft-vocab {draft_vocab} exceeds the vocabulary of target {target} ({vocab} tokens); "
+                        f"pass at most {vocab}")
 
 
 def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, target_id: dict) -> None:

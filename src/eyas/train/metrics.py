@@ -23,7 +23,7 @@ class MetricsWriter:
         if enabled:
             from eyas.common import claim_output_dir
 
-            claim_output_dir(self.path.parent)
+            claim_output_dir(self.path.parent, kind="train")
             if not append:
                 self.path.write_text("")
 
