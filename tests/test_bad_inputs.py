@@ -73,6 +73,8 @@ def bad(tmp_path_factory):
     (p["train_run"] / "checkpoints").mkdir(parents=True)
     (p["train_run"] / "checkpoints" / "step-000002.safetensors").write_bytes(b"x")
     (p["train_run"] / "metrics.jsonl").write_text('{"step": 2}\n')
+    (p["train_run"] / "drafter").mkdir()  # the run's drafter: eyas wrote it, yet it carries no marker of its own
+    (p["train_run"] / "drafter" / "config.json").write_text("{}\n")
     write_marker(p["train_run"])
     # a target whose model_type transformers does not know, and one whose config is random bytes
     p["bogus_target"] = root / "bogus_target"
@@ -210,6 +212,8 @@ CASES = [
     ("option-regenerate-device", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--device", "tpu"], r"--device"),
     ("option-regenerate-timeout", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--request-timeout", "-5"], r"--request-timeout must be > 0"),
     ("option-export-format", ["export", "--drafter", D, "--format", "onnx", "--out", "{root}/o6"], r"--format 'onnx'"),
+    ("option-export-verifier-empty-dir", ["export", "--drafter", D, "--format", "vllm", "--out", "{root}/o6", "--verifier", D], r"--verifier .*some_dir: a directory without config\.json; expected a Hub repository id OWNER/NAME or a model directory with config\.json$"),
+    ("option-export-verifier-not-vllm", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--verifier", "foo/bar"], r"--verifier only applies to --format vllm .*not --format sglang"),
     ("option-export-target-layers", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--target-layers", "0"], r"--target-layers must be >= 1"),
     ("option-verify-numbers", ["verify", "--store", D, "--numbers", "-1"], r"--numbers must be >= 0"),
     ("option-verify-tolerance", ["verify", "--store", D, "--tolerance", "nan"], r"--tolerance must be a finite number"),
@@ -251,6 +255,13 @@ CASES = [
     ("owner-prepare-over-train-run", ["prepare", "--out", "{train_run}", "--overwrite"], r"--overwrite: .*train_run is an eyas `train` output, not a `prepare` output"),
     ("owner-train-out-other-stage", ["train", "--data", D, "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `train` output"),
     ("owner-capture-out-other-stage", ["capture", "--data", D, "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `store` output"),
+    # owner: a training run's drafter/ is part of that run, not a directory of the user's nor an export
+    ("owner-export-over-train-drafter", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}/drafter", "--overwrite"], r"--overwrite: .*train_run/drafter is the `drafter` folder of the eyas `train` output .*train_run, not an output of its own; refusing to replace it"),
+    ("owner-export-into-train-drafter", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}/drafter"], r"^(?!.*--overwrite).*--out: .*train_run/drafter is the `drafter` folder of the eyas `train` output"),
+    # owner: without --overwrite, a user's directory is refused without suggesting --overwrite (which is refused too)
+    ("owner-prepare-out-user", ["prepare", "--out", "{user}"], r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create"),
+    ("owner-eval-out-user", ["eval", "--drafter", D, "--out", "{user}", "--device", "cpu"], r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create"),
+    ("owner-export-out-user", ["export", "--drafter", D, "--format", "sglang", "--out", "{user}"], r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create"),
     ("owner-export-other-stage", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}", "--overwrite"], r"--overwrite: .*train_run is an eyas `train` output, not a `export` output"),
     # owner: generate's --out file (existing: only with --overwrite, and only generate's own records)
     ("owner-generate-existing-file", ["generate", "--drafter", D, "--out", "{file}"], r"--out .*a_file already exists: pass --overwrite"),

@@ -281,6 +281,55 @@ def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_
                                    "--verifier", "not a/valid id"])
     assert res.exit_code == 2 and "--verifier" in res.output
 
+    # an existing directory without config.json is no verifier: refused before the drafter is read
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--out", str(tmp_path / "d"),
+                                   "--verifier", str(empty)])
+    assert res.exit_code == 2 and "a directory without config.json" in res.output and "OWNER/NAME" in res.output
+    assert not (tmp_path / "d").exists()
+    from eyas.errors import EyasError
+    from eyas.export.formats import export_drafter
+
+    with pytest.raises(EyasError, match="a directory without config.json"):
+        export_drafter(src, "vllm", tmp_path / "d", verifier=str(empty))
+
+
+def test_verifier_only_goes_with_the_vllm_format(eyas_drafter, tmp_path):
+    src, _, _ = eyas_drafter
+    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
+                                   "--verifier", "foo/bar"])
+    assert res.exit_code == 2 and "--verifier only applies to --format vllm" in res.output
+    assert "--format sglang" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    from eyas.errors import EyasError
+    from eyas.pipeline import ExportOptions
+
+    with pytest.raises(EyasError, match="only applies to the vllm format"):
+        ExportOptions(formats=["sglang"], verifier="foo/bar")
+    assert ExportOptions(formats=["sglang", "vllm"], verifier="foo/bar").verifier == "foo/bar"
+
+
+def test_export_refuses_a_training_runs_drafter_folder(eyas_drafter, tmp_path):
+    """`train`'s <out>/drafter has no marker of its own but is eyas's: refused as part of the run, not as the user's."""
+    import shutil
+
+    from eyas.common import write_marker
+
+    src, _, _ = eyas_drafter
+    run = tmp_path / "run"
+    shutil.copytree(src, run / "drafter")
+    (run / "metrics.jsonl").write_text('{"step": 2}\n')
+    write_marker(run, kind="train")
+    before = {p.name: p.read_bytes() for p in (run / "drafter").iterdir()}
+    for extra in ([], ["--overwrite"]):
+        res = CliRunner().invoke(app, ["export", "--drafter", str(run / "drafter"), "--format", "sglang",
+                                       "--out", str(run / "drafter"), *extra])
+        assert res.exit_code == 2, res.output
+        assert "is the `drafter` folder of the eyas `train` output" in res.output
+        assert "did not create" not in res.output and len(res.output.strip().splitlines()) == 1
+    assert {p.name: p.read_bytes() for p in (run / "drafter").iterdir()} == before
+
 
 def test_full_vocabulary_drafter_exports_without_vocab_maps(tiny_target_dir, tmp_path):
     """Draft vocab == target vocab: SGLang leaves hot_token_id None, vLLM has no draft_id_to_target_id."""

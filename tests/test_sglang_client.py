@@ -7,6 +7,11 @@ what CI runs in place of a real SGLang server.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
+import threading
+
 import pytest
 import torch
 
@@ -436,3 +441,37 @@ def test_probe_names_the_flag_when_replay_batches_find_no_scheduler_batch(tiny_t
         assert "run the client on the host" not in str(exc.value)
         assert ("rid_less_forwards" in str(exc.value)) != old_plugin
         assert not list((tmp_path / "dumps").iterdir())
+
+
+@contextlib.contextmanager
+def plain_http_server(directory):
+    """A stock `python -m http.server` on a free port: what a wrong --url often reaches (404 pages in HTML)."""
+    handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+    handler.log_message = lambda *a: None
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_a_wrong_port_serving_html_gets_a_one_line_error(tmp_path):
+    # a web server on the wrong port answers every path with a whole HTML page: one line, no page, on every path
+    from eyas.sglang.client import TransientHTTPError, http_json
+
+    (tmp_path / "www").mkdir()
+    (tmp_path / "www" / "server_info").write_text("<html><body>\n<h1>not json</h1>\n</body></html>\n")
+    with plain_http_server(tmp_path / "www") as url:
+        with pytest.raises(EyasError) as exc:
+            preflight(url + "/nothing-here", LAYERS)
+        msg = str(exc.value)
+        assert "\n" not in msg and "<" not in msg and len(msg) < 300, msg
+        assert "HTTP 404 from /server_info" in msg and "not an SGLang server" in msg
+        with pytest.raises(TransientHTTPError, match="HTTP 501 from .*/generate") as exc:
+            http_json("POST", f"{url}/generate", {"text": "x"})  # 501 Unsupported method, as an HTML page
+        assert "\n" not in str(exc.value) and "<" not in str(exc.value) and len(str(exc.value)) < 300
+        with pytest.raises(EyasError, match="not JSON") as exc:
+            preflight(url, LAYERS)  # a 200 answer that is a page, not JSON
+        assert "\n" not in str(exc.value) and "<" not in str(exc.value)

@@ -20,6 +20,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 import sys
 import tempfile
@@ -124,6 +125,16 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def http_body_excerpt(body: bytes | str, *, limit: int = 120) -> str:
+    """A short one-line excerpt of an HTTP error body for a message: HTML tags dropped, whitespace folded, cut."""
+    text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
+    if re.search(r"<(!doctype|html|head|body)\b", text[:500], re.IGNORECASE):
+        text = re.sub(r"(?is)<(script|style|title)\b.*?</\1>", " ", text)
+        text = re.sub(r"<[^>]*>", " ", text)
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -277,18 +288,31 @@ def is_owned(directory: Path) -> bool:
     return (d / MARKER).is_file() or (d.is_dir() and not any(d.iterdir()))
 
 
+def _output_holding(directory: Path) -> tuple[Path, str] | None:
+    """(the eyas output, its kind) that `directory` is one of eyas's own entries of (a training run's drafter/),
+    else None: such a folder carries no marker of its own, yet eyas wrote it."""
+    parent = Path(directory).absolute().parent
+    kind = output_kind(parent) if (parent / MARKER).is_file() else None
+    if kind is None or not _eyas_entry(Path(directory).name, kind)[0]:
+        return None
+    return Path(directory).parent, kind
+
+
 def require_owned(directory: Path, *, option: str = "--out", kind: str | None = None) -> None:
     """Refuse to replace or write into a non-empty directory eyas did not create (or, with `kind`,
     one eyas created for another stage: `regenerate --overwrite` must not delete a prepared dataset)."""
     d = Path(directory)
     if d.exists() and not d.is_dir():
         raise EyasError(f"{option} {d} is an existing file, not a directory: choose another path")
+    act = "replace it" if option == "--overwrite" else "write into it"
+    if d.is_dir() and not is_owned(d) and (host := _output_holding(d)) is not None:
+        raise EyasError(f"{option}: {d} is the `{d.name}` folder of the eyas `{host[1]}` output {host[0]}, not an "
+                        f"output of its own; refusing to {act}: choose another --out")
     if d.is_dir() and not is_owned(d):
         raise EyasError(f"{option}: {d} holds files eyas did not create (no {MARKER} marker); eyas never deletes or "
                         "overwrites those: choose another --out, or move the directory away yourself")
     found = output_kind(d) if d.is_dir() else None
     if kind is not None and found is not None and found != kind:
-        act = "replace it" if option == "--overwrite" else "write into it"
         raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to {act}: "
                         "choose another --out")
 

@@ -88,7 +88,7 @@ class ExportOptions:
 
     def __post_init__(self):
         from eyas.config_checks import check_number
-        from eyas.export.formats import FORMATS
+        from eyas.export.formats import FORMATS, check_verifier
 
         check_number(self, "target_layers", ge=1, optional=True)
         if self.weights_dtype != "keep":  # refused before any drafter is read
@@ -98,6 +98,10 @@ class ExportOptions:
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
             raise EyasError(f"formats {self.formats}: expected a non-empty list of {', '.join(FORMATS)}")
+        if self.verifier is not None and "vllm" not in self.formats:
+            raise EyasError(f"verifier {self.verifier!r}: only applies to the vllm format, and formats = "
+                            f"{self.formats}; add \"vllm\" to formats or drop verifier")
+        check_verifier(self.verifier)
 
 
 def _config_classes() -> dict[str, type]:

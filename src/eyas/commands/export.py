@@ -26,11 +26,13 @@ def export(
     from eyas.errors import EyasError
     from eyas.export.formats import export_drafter
 
+    if cfg.verifier is not None and format != "vllm":
+        raise EyasError(f"--verifier only applies to --format vllm (the speculators config names the verifier), not "
+                        f"--format {format}: drop --verifier, or export with --format vllm")
     if not drafter.is_dir():
         raise EyasError(f"--drafter {drafter} is not a directory (expected `eyas train`'s <out>/drafter)")
     check_out_path(out)
-    if overwrite:
-        require_owned(out, option="--overwrite", kind="export")
+    require_owned(out, option="--overwrite" if overwrite else "--out", kind="export")
     check_safetensors_dir(drafter, what="--drafter")
     return export_drafter(drafter, format, out, overwrite=overwrite, dtype=cfg.weights_dtype, verifier=cfg.verifier,
                           speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)

@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from eyas.common import atomic_directory
+from eyas.common import atomic_directory, require_owned
 from eyas.errors import EyasError
 
 SCHEMA = "eyas.prepared/1"
@@ -73,6 +73,7 @@ def write_prepared(
 
     out = Path(out)
     if out.exists() and not overwrite:
+        require_owned(out, kind="prepare")  # --overwrite is suggested only where it would work
         raise EyasError(f"{out} already exists: pass --overwrite to replace it, or choose another --out")
     meta = dict(meta)
     meta["schema"] = SCHEMA

@@ -42,6 +42,20 @@ SCHEMA = "eyas.export/1"
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 
 
+def check_verifier(verifier: str | None, *, option: str = "--verifier") -> None:
+    """Refuse a --verifier that is neither a Hub id nor a model directory, before any drafter is read: an empty
+    or unrelated directory would otherwise be written into the export as the verifier."""
+    if verifier is None:
+        return
+    if Path(verifier).is_dir():
+        if not (Path(verifier) / "config.json").is_file():
+            raise EyasError(f"{option} {verifier}: a directory without config.json; expected a Hub repository id "
+                            "OWNER/NAME or a model directory with config.json")
+    elif not HUB_ID.match(verifier) or ".." in verifier:
+        raise EyasError(f"{option} {verifier!r}: neither a local target directory nor a Hub repository id "
+                        "(owner/name); pass the id the target is published under")
+
+
 def resolve_verifier(verifier: str | None, recorded_path: str | None) -> tuple[str | None, str | None, list[str] | None]:
     """(Hub repository id, local target path, architectures) for speculators_config.verifier.
 
@@ -49,10 +63,8 @@ def resolve_verifier(verifier: str | None, recorded_path: str | None) -> tuple[s
     The Hub id of a local directory is its config's `_name_or_path` when that is one.
     """
     local = None
+    check_verifier(verifier)
     if verifier is not None and not Path(verifier).is_dir():
-        if not HUB_ID.match(verifier) or ".." in verifier:
-            raise EyasError(f"--verifier {verifier!r}: neither a local target directory nor a Hub repository id "
-                            "(owner/name); pass the id the target is published under")
         hub = verifier
     else:
         hub = None
@@ -101,7 +113,7 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
                    verifier: str | None = None, speculative_tokens: int = 5,
                    target_layers: int | None = None) -> dict[str, Any]:
     """Read any drafter directory and write it atomically in `fmt` layout; returns the CLI summary."""
-    from eyas.common import atomic_directory, log
+    from eyas.common import atomic_directory, log, require_owned
 
     drafter, out = Path(drafter), Path(out)
     if fmt not in FORMATS:
@@ -113,6 +125,7 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
     if speculative_tokens < 1:
         raise EyasError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
     if out.exists() and not overwrite:
+        require_owned(out, kind="export")  # --overwrite is suggested only where it would work
         raise EyasError(f"--out {out} already exists: pass --overwrite to replace it, or choose another --out")
     if out.resolve() == drafter.resolve():
         raise EyasError(f"--out {out} is the --drafter directory itself; choose another --out")

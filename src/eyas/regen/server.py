@@ -29,7 +29,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
 
-from eyas.common import log
+from eyas.common import http_body_excerpt, log
 from eyas.errors import EyasError
 from eyas.regen.requests import CONTEXT_OVERFLOW, SERVER_ERROR, Deliver, Pull, Request, Result
 from eyas.regen.sampling import Sampling
@@ -173,7 +173,7 @@ class ServerEngine:
             answered = True
             if status == 200:
                 return self._parse(req, text, url)
-            last = f"{url}: HTTP {status}: {text[:300]}"
+            last = f"{url}: HTTP {status}: {http_body_excerpt(text, limit=300)}"
             if status in (400, 413, 422) and _is_context_error(text):
                 return Result(req.key, failure=CONTEXT_OVERFLOW, detail=last)
             if status == 429 or status >= 500:
@@ -190,7 +190,8 @@ class ServerEngine:
             content = (choice.get("message") or {}).get("content") or ""
             usage = data.get("usage") or {}
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            return Result(req.key, failure=SERVER_ERROR, detail=f"{url}: malformed answer: {text[:300]}")
+            return Result(req.key, failure=SERVER_ERROR,
+                          detail=f"{url}: malformed answer: {http_body_excerpt(text, limit=300)}")
         return Result(req.key, text=content, prompt_tokens=int(usage.get("prompt_tokens") or 0),
                       new_tokens=int(usage.get("completion_tokens") or 0),
                       truncated=choice.get("finish_reason") == "length")

@@ -40,7 +40,7 @@ from typing import Any, Sequence
 
 import torch
 
-from eyas.common import log, progress
+from eyas.common import http_body_excerpt, log, progress
 from eyas.errors import EyasError
 from eyas.sglang.core import (
     CONVENTION,
@@ -66,20 +66,31 @@ class TransientHTTPError(Exception):
 class PermanentHTTPError(Exception):
     """A 4xx answer (bad request, prompt too long): retrying will not help."""
 
+    def __init__(self, message: str, *, code: int = 0):
+        super().__init__(message)
+        self.code = code
+
 
 def http_json(method: str, url: str, body: dict | None = None, *, timeout: float = 60.0) -> Any:
+    """One JSON request; an HTTP error's body is cut to a one-line excerpt (a wrong port may serve a whole page)."""
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return json.loads(resp.read() or b"null")
+            raw = resp.read()
     except urllib.error.HTTPError as exc:
-        detail = exc.read()[:300].decode(errors="replace")
+        detail = http_body_excerpt(exc.read(4096))
+        msg = f"HTTP {exc.code} from {url}" + (f": {detail}" if detail else "")
         if exc.code >= 500 or exc.code == 429:
-            raise TransientHTTPError(f"HTTP {exc.code} from {url}: {detail}") from None
-        raise PermanentHTTPError(f"HTTP {exc.code} from {url}: {detail}") from None
+            raise TransientHTTPError(msg) from None
+        raise PermanentHTTPError(msg, code=exc.code) from None
     except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
         raise TransientHTTPError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
+    try:
+        return json.loads(raw or b"null")
+    except ValueError:
+        raise PermanentHTTPError(f"{url} answered with something that is not JSON: {http_body_excerpt(raw)!r}",
+                                 code=200) from None
 
 
 def get_server_info(url: str, *, timeout: float = 30.0) -> dict[str, Any]:
@@ -87,8 +98,15 @@ def get_server_info(url: str, *, timeout: float = 30.0) -> dict[str, Any]:
     url = url.rstrip("/")
     try:
         return http_json("GET", f"{url}/server_info", timeout=timeout)
-    except PermanentHTTPError:
-        return http_json("GET", f"{url}/get_server_info", timeout=timeout)
+    except PermanentHTTPError as exc:
+        if exc.code != 404:
+            raise
+        try:
+            return http_json("GET", f"{url}/get_server_info", timeout=timeout)
+        except PermanentHTTPError as again:
+            if again.code != 404:
+                raise
+            raise PermanentHTTPError("HTTP 404 from /server_info and /get_server_info", code=404) from None
 
 
 def plugin_state(info: dict[str, Any]) -> dict[str, Any] | None:
@@ -153,7 +171,9 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
     url = url.rstrip("/")
     try:
         info = get_server_info(url, timeout=timeout)
-    except (TransientHTTPError, PermanentHTTPError) as exc:
+    except PermanentHTTPError as exc:
+        raise EyasError(f"--url {url}: {exc} (not an SGLang server with the eyas plugin?)") from None
+    except TransientHTTPError as exc:
         raise EyasError(f"--url {url}: cannot read the server's info ({exc}); is the SGLang server up?") from None
     if not isinstance(info, dict):
         raise EyasError(f"--url {url}: /server_info returned {type(info).__name__}, expected a JSON object")

@@ -280,9 +280,9 @@ def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) ->
 
     out = Path(out)
     check_out_path(out)
+    require_owned(out, option="--overwrite" if overwrite else "--out", kind="eval")  # before suggesting --overwrite
     if out.exists() and any(out.iterdir()) and not overwrite:
         raise EyasError(f"--out {out} already exists and is not empty: pass --overwrite to replace it, or choose another --out")
-    require_owned(out, option="--overwrite" if overwrite else "--out", kind="eval")
     cfg.modes()  # validates the tree options before any work
     report, records = run_eval(cfg)
     with atomic_directory(out, overwrite=True, kind="eval") as tmp:  # never a half-written report
