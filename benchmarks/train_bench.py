@@ -12,11 +12,11 @@ per-step statistics read back to the host. In the same process: the earlier padd
 materialised teacher probabilities (`reference`), the other setting of TTTConfig.cast_once than the
 default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid layer's weights
 itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, gradients
-accumulated inside the matmuls), and SpecForge 0.2.0's own trainer on the same configuration when it
-is importable (benchmarks/specforge_peer.py); `eyas-grouped-diagonals`: the TTT attention's diagonal keys
-merged per key/value head for the query heads sharing it (ttt.GROUPED_DIAGONALS) instead of repeated to
-every query head. Metrics: train_8b_tok_s, train_8b_vs_specforge (both of
-the default options), train_8b_per_step_casts_vs_specforge.
+accumulated inside the matmuls), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
+key/value head for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query
+head), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
+(benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
+options), train_8b_per_step_casts_vs_specforge.
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
@@ -52,7 +52,7 @@ import time
 
 import torch
 
-CAST = {"auto": None, "on": True, "off": False}  # --cast-once -> TTTConfig.cast_once
+AUTO_ON_OFF = {"auto": None, "on": True, "off": False}  # --cast-once, --cache -> the config fields (None: default)
 
 H200_PEAK, H200_MEASURED = 989e12, 756e12
 
@@ -277,7 +277,7 @@ def suite_8b(args, dist) -> dict:
         from torch.profiler import ProfilerActivity, profile
 
         step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
-                              compile_parts=device.type == "cuda", cast_once=CAST[args.cast_once])
+                              compile_parts=device.type == "cuda", cast_once=AUTO_ON_OFF[args.cast_once])
         for _ in range(3):
             step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -298,15 +298,15 @@ def suite_8b(args, dist) -> dict:
     _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
                                                       compile_parts=device.type == "cuda"),
                                        warmup=warmup, steps=steps, label="eyas", **kw))
-    if device.type == "cuda" and not args.fsdp:  # the other TTTConfig.cast_once setting than the default's
+    if device.type == "cuda" and not args.fsdp:
         from eyas.drafter.ttt import TTTConfig
 
-        other = not TTTConfig().cast_once_for(c["hidden_size"])
+        other = not TTTConfig().cast_once_for(c["hidden_size"])  # the other cast_once setting than the default's
         label = "eyas-cast-once" if other else "eyas-per-step-casts"
         _try(label, runs, lambda: measure(make_fast_step(
             c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True, cast_once=other),
             warmup=warmup, steps=steps, label=label, **kw))
-    if device.type == "cuda" and not args.fsdp:  # the diagonal keys merged per key/value head
+        # the diagonal keys merged per key/value head
         _try("eyas-grouped-diagonals", runs, lambda: measure(grouped_diagonals(make_fast_step(
             c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True)),
             warmup=warmup, steps=steps, label="eyas-grouped-diagonals", **kw))
@@ -394,8 +394,8 @@ def suite_smol(args) -> dict:
                         target=args.target, data=Path(data), out=work / label, steps=steps, tokens_per_batch=budget,
                         ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, device=args.device or "cuda",
                         eval_samples=8, compile=compiled, max_length=min(2048, budget), overwrite=True, lr=1e-4,
-                        cache_states={"auto": None, "on": True, "off": False}[args.cache],
-                        ttt_cast_once=CAST[args.cast_once]))
+                        cache_states=AUTO_ON_OFF[args.cache],
+                        ttt_cast_once=AUTO_ON_OFF[args.cast_once]))
                     r = _steady(work / label / "metrics.jsonl", args.skip)
                     r.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, wall_s=time.perf_counter() - t0,
                              steps=steps, data=str(data), tokens_per_batch=budget, compiled=compiled,
@@ -441,7 +441,7 @@ def main() -> None:
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
                                                                                    "all-reduce dtype (eyas train --grad-reduce)")
     ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop")
-    ap.add_argument("--cast-once", default="auto", choices=list(CAST),
+    ap.add_argument("--cast-once", default="auto", choices=list(AUTO_ON_OFF),
                     help="8b --profile and smol: TTTConfig.cast_once (auto: the default, by the drafter's size)")
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
     ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")
@@ -452,7 +452,7 @@ def main() -> None:
     ap.add_argument("--compile-smol", action="store_true", help="smol: also run the last budget with --no-compile")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="smol: draft vocabulary size")
     ap.add_argument("--skip", type=int, default=3, help="smol: steps left out of the steady-state rate")
-    ap.add_argument("--cache", default="auto", choices=["auto", "on", "off"],
+    ap.add_argument("--cache", default="auto", choices=list(AUTO_ON_OFF),
                     help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
                          "of a few batches, --skip past the first epoch measures the cached rate")
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
