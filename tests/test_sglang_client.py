@@ -235,12 +235,18 @@ def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
 
 
-def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
+def _verify(srv, **kw) -> dict:
+    """`eyas verify-server` against `srv`; a typer command, so every option is passed (these defaults, then `kw`)."""
     from eyas.commands.verify_server import verify_server
 
+    args = dict(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None, prompt_tokens=24,
+                tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+    return verify_server(**{**args, **kw})
+
+
+def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=32) as srv:
-        out = verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=str(tiny_target_dir),
-                            prompt_tokens=None, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+        out = _verify(srv, target=str(tiny_target_dir), prompt_tokens=None)
     assert out["ok"] and out["cache_bypass"] == "salt"
     assert out["checks"]["unique_prompt"]["tokens"] == 51 and out["checks"]["unique_prompt"]["pieces"] == 2
     assert out["checks"]["batched"]["ok"] and out["checks"]["batched"]["tokens"] == [51, 25, 17, 10]
@@ -253,14 +259,11 @@ def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
 
 
 def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, tmp_path):
-    from eyas.commands.verify_server import verify_server
-
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
         info = srv.server_info
         srv.server_info = lambda: {**info(), "disable_radix_cache": True}
         with pytest.raises(CheckFailed) as exc:
-            verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None,
-                          prompt_tokens=64, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+            _verify(srv, prompt_tokens=64)
     checks = exc.value.summary["checks"]
     assert checks["unique_prompt"]["ok"] and not checks["shared_prefix"]["ok"]
     assert "cached_tokens" in checks["shared_prefix"]["reason_b"]
@@ -268,7 +271,6 @@ def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, t
 
 def test_verify_server_names_the_flag_when_replay_batches_cannot_be_matched(tiny_target_dir, tmp_path, monkeypatch):
     # a graph runner that rebuilds the batch with lengths the plugin cannot match to the scheduler's
-    from eyas.commands.verify_server import verify_server
     from eyas.sglang import standin
 
     real = standin.replay_batch
@@ -281,8 +283,7 @@ def test_verify_server_names_the_flag_when_replay_batches_cannot_be_matched(tiny
     monkeypatch.setattr(standin, "replay_batch", foreign)
     with serve(tiny_target_dir, tmp_path) as srv:
         with pytest.raises(CheckFailed) as exc:
-            verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None,
-                          prompt_tokens=24, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+            _verify(srv)
     checks = exc.value.summary["checks"]
     assert "--disable-prefill-cuda-graph" in checks["unique_prompt"]["reason"]
     assert not checks["plugin_counters"]["ok"] and "--disable-prefill-cuda-graph" in checks["plugin_counters"]["fix"]
@@ -293,8 +294,6 @@ def run_model_runner_forward_elsewhere(monkeypatch, *, old_plugin: bool) -> None
     """The plugin's ModelRunner.forward hook runs on another thread than the logits step: it sees the
     scheduler's batches but cannot give the rid-less replay batches their ids. `old_plugin`: a status
     without the `rid_less_forwards` counter (eyas before it was added)."""
-    import threading
-
     from eyas.sglang import plugin
 
     real, real_status = plugin._State.on_model_runner_forward, plugin._State.status
@@ -317,13 +316,10 @@ def run_model_runner_forward_elsewhere(monkeypatch, *, old_plugin: bool) -> None
 def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batch(tiny_target_dir, tmp_path,
                                                                                   monkeypatch, old_plugin):
     # no dump at all (not even a rejected one): the counters must name the flag, not the dump directory
-    from eyas.commands.verify_server import verify_server
-
     run_model_runner_forward_elsewhere(monkeypatch, old_plugin=old_plugin)
     with serve(tiny_target_dir, tmp_path) as srv:
         with pytest.raises(CheckFailed) as exc:
-            verify_server(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None,
-                          prompt_tokens=24, tolerance=None, device="cpu", seed=0, dump_wait_s=0.3)
+            _verify(srv, dump_wait_s=0.3)
     checks = exc.value.summary["checks"]
     assert "no dump appeared" in checks["unique_prompt"]["reason"]
     counters = checks["plugin_counters"]
@@ -333,11 +329,37 @@ def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batc
     assert counters["rid_less_forwards"] == (0 if old_plugin else counters["live_batches"])
 
 
+def test_verify_server_passes_an_older_plugin_whose_replay_batches_keep_their_rids(tiny_target_dir, tmp_path,
+                                                                                     monkeypatch):
+    # a graph backend that copies rids (no ids taken from the scheduler's batches) and a status without
+    # rid_less_forwards: with every dump present, the counters must not be read as lost request ids
+    from eyas.sglang import plugin, standin
+
+    real, real_status = standin.replay_batch, plugin._State.status
+
+    def with_rids(live, *, bucket):
+        fb = real(live, bucket=bucket)
+        fb.rids = list(live.rids)
+        return fb
+
+    def status(self):
+        st = real_status(self)
+        st["stats"].pop("rid_less_forwards")
+        return st
+
+    monkeypatch.setattr(standin, "replay_batch", with_rids)
+    monkeypatch.setattr(plugin._State, "status", status)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        out = _verify(srv)
+    counters = out["checks"]["plugin_counters"]
+    assert out["ok"] and counters["ok"] and counters["fix"] == ""
+    assert counters["live_batches"] > 0 and counters["rids_from_live_batch"] == 0
+
+
 def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_dir, tmp_path, monkeypatch):
     # A server that captures the OUTPUT of the named layers (SGLang's convention) while claiming
     # eyas's (their input): shapes, counts and positions all pass; only the numbers can tell.
     import eyas.target
-    from eyas.commands.verify_server import verify_server
 
     real = eyas.target.forward_capture
 
@@ -347,8 +369,7 @@ def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_
     monkeypatch.setattr(eyas.target, "forward_capture", shifted)
     with serve(tiny_target_dir, tmp_path) as srv:
         with pytest.raises(CheckFailed) as exc:
-            verify_server(url=srv.url, layers="2,3,4", dump_dir=None, cache_bypass="auto", target=str(tiny_target_dir),
-                          prompt_tokens=40, tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+            _verify(srv, layers="2,3,4", target=str(tiny_target_dir), prompt_tokens=40)
     checks = exc.value.summary["checks"]
     assert checks["unique_prompt"]["ok"] and checks["shared_prefix"]["ok"] and not checks["numbers"]["ok"]
     assert min(checks["numbers"]["mean_rel_l2"][k] for k in ("aux2", "aux3", "aux4")) > 0.05

@@ -62,6 +62,11 @@ def _vkey(v: str) -> tuple:
     return tuple(int(x) for x in base.split(".")) + (int(post or 0),)
 
 
+def release(sglang_src: Path) -> tuple:
+    """The release an unpacked wheel's source directory (`src-<version>`) holds, as a version key."""
+    return _vkey(sglang_src.name.removeprefix("src-"))
+
+
 def download_failure(version: str, output: str) -> tuple[bool, str]:
     """(skip?, message) for a failed `pip download sglang==version`: skip only when the index could not be
     reached; a version it does not list (yanked or deleted, yet claimed in SUPPORTED_VERSIONS) fails."""
@@ -221,7 +226,7 @@ def assert_breakable_replay_runs_the_tail_eagerly_on_the_static_batch(sglang_src
     live batch instead (a copy of it from 0.5.20): the plugin handles both. Not checked here: the prefill
     context-parallel branch `execute` takes first from 0.5.17 (execute_prefill_cp_bcg, --enable-prefill-cp)."""
     runner = sglang_src / "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py"
-    version = _vkey(sglang_src.name.removeprefix("src-"))
+    version = release(sglang_src)
     cls = class_def(runner, "PrefillCudaGraphRunner")
     fns = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
     # the default prefill backend on CUDA is the breakable one
@@ -342,7 +347,7 @@ def test_semantics_the_plugin_relies_on(sglang_src):
     assert "max_prefix_len = min(max_prefix_len, self.logprob_start_len)" in codes(srt / "managers/schedule_batch.py", ast.Assign)
     # /server_info carries the schedulers' internal states (where the plugin reports itself)
     assert any("'internal_states': internal_states" in c for c in codes(srt / "entrypoints/http_server.py", ast.Dict))
-    if _vkey(sglang_src.name.removeprefix("src-")) >= (0, 5, 22):
+    if release(sglang_src) >= (0, 5, 22):
         # the `salt` bypass (the client uses it from 0.5.22): the radix tree is keyed by cache_salt
         assert "self.cache_salt != other.cache_salt" in codes(srt / "mem_cache/radix_cache.py", ast.Compare)
 
@@ -431,11 +436,12 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     from eyas.sglang import client
 
     srt = sglang_src / "sglang/srt"
-    version = _vkey(sglang_src.name.removeprefix("src-"))
+    version = release(sglang_src)
     fields = server_args_fields(srt)
     assert {"tp_size", "pp_size", "disable_radix_cache"} <= fields, "ServerArgs not found where it was"
     # the plugin's start-up check, on the ServerArgs object
-    plugin_reads = names_read(module_functions(plugin)["check_server_args"], "args", module_functions(plugin))
+    plugin_fns = module_functions(plugin)
+    plugin_reads = names_read(plugin_fns["check_server_args"], "args", plugin_fns)
     # the client's preflight, on /server_info: ServerArgs's fields plus what the handler adds itself
     client_fns = module_functions(client)
     client_reads = names_read(client_fns["preflight"], "info", client_fns)
@@ -457,7 +463,7 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
             else:
                 assert name in fields, f"{who} reads ServerArgs.{name}, which this release does not have"
     # the prefill-graph backend the plugin refuses, read through cuda_graph_config.prefill.backend
-    refused = [c.comparators[0].value for c in ast.walk(module_functions(plugin)["check_server_args"])
+    refused = [c.comparators[0].value for c in ast.walk(plugin_fns["check_server_args"])
                if isinstance(c, ast.Compare) and code(c.left) == "_prefill_graph_backend(args)"]
     cgc = sglang_src / "sglang/srt/model_executor/cuda_graph_config.py"
     backends = {n.targets[0].id: n.value.value for n in class_def(cgc, "Backend").body

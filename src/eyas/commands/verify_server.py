@@ -46,7 +46,8 @@ def verify_server(
 
     from eyas.config_checks import check_device, check_in, check_url, check_value, parse_int_list
     from eyas.errors import CheckFailed, EyasError
-    from eyas.sglang.client import capture_one, get_server_info, plugin_state, preflight, request_ids_lost
+    from eyas.sglang.client import NO_DUMP, capture_one, get_server_info, missing_dump_cause, plugin_state, preflight
+    from eyas.sglang.core import REPLAY_FLAG
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
@@ -77,14 +78,10 @@ def verify_server(
 
     tag = f"verify{nonce:08x}"
     checks: dict[str, dict] = {}
-    missing: list[str] = []  # requests whose dump never appeared
 
     def run(name: str, ids: torch.Tensor, k: int):
-        res = capture_one(plan, name, ids, f"{tag}-{k}", layer_ids=layer_ids, max_retries=3, backoff_s=0.5,
-                          request_timeout_s=600.0, dump_wait_s=dump_wait_s)
-        if res.reason is not None and res.reason.startswith("no dump appeared"):
-            missing.append(name)
-        return res
+        return capture_one(plan, name, ids, f"{tag}-{k}", layer_ids=layer_ids, max_retries=3, backoff_s=0.5,
+                           request_timeout_s=600.0, dump_wait_s=dump_wait_s)
 
     # 1. a unique prompt of known length
     unique = rand_ids(L)
@@ -116,13 +113,15 @@ def verify_server(
     counters = {k: int(stats.get(k, 0)) for k in ("live_batches", "rids_from_live_batch", *ids_lost)}
     counters.update(hook_errors=int(after.get("hook_errors", 0)), write_errors=int(after.get("write_errors", 0)))
     bad = {k: v for k, v in counters.items() if k in (*ids_lost, "hook_errors", "write_errors") and v}
-    # the helper also covers an older plugin without rid_less_forwards, once dumps are known to be missing
-    lost = any(k in bad for k in ids_lost) or (bool(missing) and request_ids_lost(plan.status.get("stats") or {},
-                                                                                  stats, plan.info))
-    fix = ("restart the server with --disable-prefill-cuda-graph (the plugin could not find the request ids of "
-           "prefill CUDA-graph replay batches)" if lost else "see the server log for `eyas capture`" if bad else "")
-    checks["plugin_counters"] = {"ok": not bad and not lost, **counters, "last_error": after.get("last_error", ""),
-                                 "fix": fix}
+    # missing dumps: the counters may say why (also for an older plugin without rid_less_forwards)
+    missing = any((r.reason or "").startswith(NO_DUMP) for r in (r1, ra, rb, *rs))
+    cause = missing_dump_cause(plan, stats) if missing else None
+    if cause is None and any(k in bad for k in ids_lost):
+        cause = ("plugin could not find the request ids of prefill CUDA-graph replay batches; restart the server "
+                 f"with {REPLAY_FLAG}")
+    fix = f"the {cause}" if cause else "see the server log for `eyas capture`" if bad else ""
+    checks["plugin_counters"] = {"ok": not bad and cause is None, **counters,
+                                 "last_error": after.get("last_error", ""), "fix": fix}
 
     # 5. the numbers, against the transformers reference on a local copy of the model
     if target is not None:

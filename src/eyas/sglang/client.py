@@ -44,6 +44,7 @@ from eyas.common import http_body_excerpt, log, progress
 from eyas.errors import EyasError
 from eyas.sglang.core import (
     CONVENTION,
+    REPLAY_FLAG,
     Dump,
     all_finite,
     make_rid,
@@ -96,17 +97,13 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout: float
 def get_server_info(url: str, *, timeout: float = 30.0) -> dict[str, Any]:
     """`GET /server_info`, falling back to the older `/get_server_info` when the first is absent."""
     url = url.rstrip("/")
-    try:
-        return http_json("GET", f"{url}/server_info", timeout=timeout)
-    except PermanentHTTPError as exc:
-        if exc.code != 404:
-            raise
+    for path in ("/server_info", "/get_server_info"):
         try:
-            return http_json("GET", f"{url}/get_server_info", timeout=timeout)
-        except PermanentHTTPError as again:
-            if again.code != 404:
+            return http_json("GET", f"{url}{path}", timeout=timeout)
+        except PermanentHTTPError as exc:
+            if exc.code != 404:
                 raise
-            raise PermanentHTTPError("HTTP 404 from /server_info and /get_server_info", code=404) from None
+    raise PermanentHTTPError("HTTP 404 from /server_info and /get_server_info", code=404)
 
 
 def plugin_state(info: dict[str, Any]) -> dict[str, Any] | None:
@@ -199,7 +196,7 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
     if int(status.get("plugin_version") or 0) < 2 and not info.get("disable_prefill_cuda_graph"):
         raise EyasError(f"--url {url}: the server's eyas plugin (version {status.get('plugin_version')}) cannot find "
                         "request ids under the prefill CUDA graph, which SGLang turns on by default on CUDA. Install "
-                        "this eyas into the server's environment, or restart it with --disable-prefill-cuda-graph")
+                        "this eyas into the server's environment, or restart it with " + REPLAY_FLAG)
     have = [int(i) for i in status.get("layer_ids", [])]
     if layer_ids is not None and list(layer_ids) != have:
         raise EyasError(
@@ -242,6 +239,10 @@ def wait_for_dump(dump_dir: Path, rid: str, *, timeout: float) -> Dump | None:
         delay = min(delay * 2, 0.1)
 
 
+NO_DUMP = "no dump appeared"
+"""How `check_sample`'s reason for a request without a dump begins (`missing_dump_cause` explains it)."""
+
+
 def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump | None, *,
                  layer_ids: Sequence[int], hidden_size: int | None = None) -> str | None:
     """Why this sample cannot be trusted, or None when every check passes."""
@@ -253,7 +254,7 @@ def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump 
     if prompt is None or int(prompt) != L:
         return f"prompt_tokens = {prompt}, sent {L} input ids"
     if dump is None:
-        return "no dump appeared (plugin writer behind or dump dir not shared?)"
+        return f"{NO_DUMP} (plugin writer behind or dump dir not shared?)"
     m = dump.meta
     if m.get("status") != "complete":
         return f"plugin rejected it: {m.get('reason') or m.get('status')}"
@@ -354,6 +355,20 @@ def request_ids_lost(before: dict[str, Any], after: dict[str, Any], info: dict[s
     return grew("live_batches") > 0 and grew("rids_from_live_batch") <= 0 and not info.get("disable_prefill_cuda_graph")
 
 
+def missing_dump_cause(plan: ServerPlan, stats: dict[str, Any]) -> str | None:
+    """Why dumps are missing, from the plugin's counters read after the requests (`stats`; {} when unread),
+    as a sentence with its fix; None when the counters show nothing (then the dump directory is the suspect)."""
+    if not int(stats.get("live_batches", 1) or 0):
+        return ("plugin saw no scheduler batch (its ModelRunner.forward hook is not active: look for 'Failed to "
+                f"apply hooks' in the server log); until that is fixed, restart the server with {REPLAY_FLAG}")
+    if request_ids_lost(plan.status.get("stats") or {}, stats, plan.info):
+        n = stats.get("rid_less_forwards")
+        return ("plugin dropped forwards whose request ids it could not find (prefill CUDA-graph replay batches "
+                "without rids, and no scheduler batch on the same thread to take them from"
+                + (f": rid_less_forwards = {n}" if n is not None else "") + f"); restart the server with {REPLAY_FLAG}")
+    return None
+
+
 def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int], tag: str,
           dump_wait_s: float = 60.0, request_timeout_s: float = 120.0, max_retries: int = 5,
           backoff_s: float = 1.0) -> Outcome:
@@ -362,25 +377,16 @@ def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int]
                       backoff_s=backoff_s, request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s)
     if res.reason is not None:
         hint = ""
-        if "no dump appeared" in res.reason:
+        if res.reason.startswith(NO_DUMP):
             try:
                 stats = (plugin_state(get_server_info(plan.url)) or {}).get("stats", {})
             except (TransientHTTPError, PermanentHTTPError):
                 stats = {}
-            if not int(stats.get("live_batches", 1) or 0):
-                hint = (" The plugin saw no scheduler batch (its ModelRunner.forward hook is not active: look for "
-                        "'Failed to apply hooks' in the server log); until that is fixed, restart the server with "
-                        "--disable-prefill-cuda-graph")
-            elif request_ids_lost(plan.status.get("stats") or {}, stats, plan.info):
-                n = stats.get("rid_less_forwards")
-                hint = (" The plugin dropped forwards whose request ids it could not find (prefill CUDA-graph replay "
-                        "batches without rids, and no scheduler batch on the same thread to take them from"
-                        + (f": rid_less_forwards = {n}" if n is not None else "")
-                        + "); restart the server with --disable-prefill-cuda-graph")
-            else:
-                hint = (f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host "
-                        "where the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share "
-                        "EYAS_DUMP_DIR")
+            cause = missing_dump_cause(plan, stats)
+            hint = (f" The {cause}" if cause else
+                    f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host "
+                    "where the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share "
+                    "EYAS_DUMP_DIR")
         raise EyasError(f"--url {plan.url}: the probe request failed: {res.reason}.{hint}")
     return res
 

@@ -53,6 +53,8 @@ from eyas.drafter.layouts import eyas_layer_ids as _eyas_layer_ids
 DUMP_SCHEMA = "eyas.sglang-dump/1"
 STATUS_SCHEMA = "eyas.sglang-plugin/1"
 DEFAULT_DUMP_DIR = "/dev/shm/eyas-dumps"
+REPLAY_FLAG = "--disable-prefill-cuda-graph"
+"""The server flag that keeps prefill forwards off the CUDA-graph replay path, whose batches carry no request ids."""
 TENSORS_FILE = "tensors.safetensors"
 META_FILE = "meta.json"
 

@@ -66,6 +66,7 @@ from eyas.sglang.core import (
     CaptureCore,
     CompletedSample,
     DumpWriter,
+    REPLAY_FLAG,
     ForwardInfo,
     parse_rid,
     plugin_status,
@@ -357,8 +358,6 @@ def version_supported(v: str | None) -> bool:
 
 # ----------------------------------------------------------------------------- live state
 
-
-REPLAY_FLAG = "--disable-prefill-cuda-graph"
 
 
 class _State:
@@ -655,15 +654,20 @@ def _on_internal_state(result, *args, **kwargs):
     return result
 
 
+def hook_target(key: str) -> str:
+    """The dotted method name SGLang's HookRegistry takes for the hook point CONTRACT["hooks"][key]."""
+    mod, qual, _ = CONTRACT["hooks"][key]
+    return f"{mod}.{qual}"
+
+
 def register_hooks(registry, hook_type, *, status_target: tuple[str, str] | None = None) -> list[str]:
     """Register the four hooks with SGLang's HookRegistry; returns the targets."""
     targets = []
     for key, fn, kind in (("enable", _on_init_attention_backends, hook_type.BEFORE),
                           ("live_batch", _on_model_runner_forward, hook_type.BEFORE),
                           ("logits", _on_logits, hook_type.BEFORE)):
-        mod, qual, _ = CONTRACT["hooks"][key]
-        registry.register(f"{mod}.{qual}", fn, kind)
-        targets.append(f"{mod}.{qual}")
+        registry.register(hook_target(key), fn, kind)
+        targets.append(hook_target(key))
     if status_target is not None:
         registry.register(".".join(status_target), _on_internal_state, hook_type.AFTER)
         targets.append(".".join(status_target))

@@ -149,13 +149,9 @@ class HookType(enum.Enum):
     AFTER = "after"
 
 
-def _target(key: str) -> str:
-    mod, qual, _ = eyas_plugin.CONTRACT["hooks"][key]
-    return f"{mod}.{qual}"
-
-
-LIVE_BATCH_TARGET, LOGITS_TARGET = _target("live_batch"), _target("logits")
+LIVE_BATCH_TARGET, LOGITS_TARGET = eyas_plugin.hook_target("live_batch"), eyas_plugin.hook_target("logits")
 STATUS_TARGET = eyas_plugin.CONTRACT["status_hooks"][0][:2]  # SGLang 0.5.22+ (STANDIN_VERSION)
+STATUS_HOOK = ".".join(STATUS_TARGET)
 
 _PLUGIN_STATE_LOCK = threading.Lock()
 
@@ -209,10 +205,8 @@ class CaptureModel:
     def __init__(self, config):
         self.config = config
         self.model = types.SimpleNamespace(layers_to_capture=[])
-        self.capture_aux_hidden_states = False
 
     def set_eagle3_layers_to_capture(self, layer_ids: list[int] | None = None) -> None:
-        self.capture_aux_hidden_states = True
         if layer_ids is None:
             n = int(self.config.num_hidden_layers)
             self.model.layers_to_capture = [2, n // 2, n - 3]
@@ -348,7 +342,7 @@ class StandinServer:
         state: dict[str, Any] = {"effective_max_running_requests_per_dp": 64}
         if cfg.plugin:  # SchedulerInternalStateController.get_internal_state(recv_req), then its AFTER hook
             result = types.SimpleNamespace(internal_state=state)
-            state = self.hooks.after(".".join(STATUS_TARGET), self.states[0], result, None, None).internal_state
+            state = self.hooks.after(STATUS_HOOK, self.states[0], result, None, None).internal_state
             if isinstance(state.get("eyas_capture"), dict):
                 state["eyas_capture"].update(sglang_version=cfg.version, standin=True)
         return {
