@@ -260,19 +260,10 @@ def remove_outputs(directory: Path, kind: str | None) -> list[str]:
 
 def _carry_over(old: Path, new: Path, kind: str | None) -> None:
     """Move the entries of the replaced output `old` that eyas did not write into its replacement `new`."""
-    kept = []
-    for p in sorted(old.iterdir()):
-        if p.name == MARKER or os.path.lexists(new / p.name):  # the new output's own entry replaces it
-            continue
-        ours, sub = _eyas_entry(p.name, kind)
-        if ours and sub and p.is_dir() and not p.is_symlink():
-            inner = remove_outputs(p, sub)
-            if inner:
-                os.replace(p, new / p.name)
-                kept += [f"{p.name}/{k}" for k in inner]
-        elif not ours:
-            os.replace(p, new / p.name)
-            kept.append(p.name)
+    kept = remove_outputs(old, kind)  # eyas's entries of `old` deleted; the user's listed
+    for name in dict.fromkeys(k.split("/")[0] for k in kept):
+        if not os.path.lexists(new / name):  # the new output's own entry replaces it
+            os.replace(old / name, new / name)
     _log_kept(kept, new)
 
 
@@ -291,8 +282,7 @@ def is_owned(directory: Path) -> bool:
 def _output_holding(directory: Path) -> tuple[Path, str] | None:
     """(the eyas output, its kind) that `directory` is one of eyas's own entries of (a training run's drafter/),
     else None: such a folder carries no marker of its own, yet eyas wrote it."""
-    parent = Path(directory).absolute().parent
-    kind = output_kind(parent) if (parent / MARKER).is_file() else None
+    kind = output_kind(Path(directory).absolute().parent)  # None without a marker
     if kind is None or not _eyas_entry(Path(directory).name, kind)[0]:
         return None
     return Path(directory).parent, kind
@@ -363,10 +353,11 @@ def _read_only_fs(path: Path) -> bool:
 
 
 def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--out") -> Path:
-    """Check `path` (check_out_path + require_owned), create it and write the eyas marker."""
+    """Check `path` (check_out_path + require_owned: eyas's, and not another stage's), create it and write the
+    eyas marker of `kind`."""
     p = Path(path)
     check_out_path(p, option=option)
-    require_owned(p, option=option)
+    require_owned(p, option=option, kind=kind)
     try:
         p.mkdir(parents=True, exist_ok=True)
         write_marker(p, kind=kind)

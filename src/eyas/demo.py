@@ -70,9 +70,7 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     from eyas.export.formats import export_drafter
     from eyas.specdec.run import EvalConfig, evaluate_to
     from eyas.store.verify import verify_store
-    from eyas.train.loop import TrainConfig, run as train
-
-    from eyas.train.loop import check_options_fit_target
+    from eyas.train.loop import TrainConfig, check_options_fit_target, run as train
 
     check_options_fit_target("default", draft_vocab=cfg.draft_vocab)  # before any stage runs or anything is removed
     out = Path(cfg.out)

@@ -19,7 +19,6 @@ def generate(
     overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out file written by `eyas generate`."),
 ) -> dict:
     """Speculative decoding (batch 1, or --batch-size B) with a trained EAGLE-3 drafter: tokens/s vs target-only, tau, time split."""
-    from eyas.specdec.generate_run import check_records_out, generate_to
+    from eyas.specdec.generate_run import generate_to
 
-    check_records_out(out, overwrite=overwrite)
-    return generate_to(cfg, out=out, overwrite=overwrite)
+    return generate_to(cfg, out=out, overwrite=overwrite)  # --out is checked first, before any model loads

@@ -220,7 +220,7 @@ def _check_single_llama_layer(cfg: dict[str, Any], *, where: str) -> None:
         raise EyasError(f"--drafter {where}: hidden_act={act!r}; the EAGLE-3 draft layer uses silu")
 
 
-def detect_format(cfg: dict[str, Any], *, where: str | Path = CONFIG_FILE) -> str:
+def detect_format(cfg: dict[str, Any], *, where: str | Path) -> str:
     archs = cfg.get("architectures") or []
     if cfg.get("speculators_model_type") is not None or "Eagle3Speculator" in archs:
         return "speculators"

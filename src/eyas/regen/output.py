@@ -41,18 +41,22 @@ def settings_differ(old: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return sorted(k for k in set(old) | set(now) if old.get(k) != now.get(k))
 
 
-def check_out_before_load(out: Path, settings: dict[str, Any], *, overwrite: bool) -> None:
-    """Refuse what ChatsWriter would refuse about an existing --out (not a regenerate output, or a run
-    with other settings), reading meta.json only, so the error comes before any model loads."""
+def check_out_before_load(out: Path, settings: dict[str, Any], *, overwrite: bool) -> dict[str, Any] | None:
+    """Refuse an existing --out that is not a regenerate output, or (without `overwrite`) holds a run with
+    other settings, reading meta.json only, so that `eyas regenerate` can refuse it before any model loads
+    (ChatsWriter checks the same way). Returns the recorded meta of a run that resumes, else None."""
     out = Path(out)
     if not out.is_dir() or not any(out.iterdir()):
-        return
+        return None
     if not (out / META).is_file():
         if overwrite:
             raise EyasError(f"--overwrite: {out} is not a regenerate output (no meta.json); refusing to delete it")
         raise EyasError(f"--out {out} exists and is not a regenerate output (no meta.json); choose a new directory")
-    if not overwrite:
-        _check_meta(out, _read_meta(out), settings)
+    if overwrite:
+        return None
+    meta = _read_meta(out)
+    _check_meta(out, meta, settings)
+    return meta
 
 
 def _read_meta(out: Path) -> dict[str, Any]:
@@ -104,17 +108,11 @@ class ChatsWriter:
         self.decisions: list[dict[str, Any]] = []  # every done.jsonl line (for the counts)
         self.elapsed_before = 0.0
         self.resumed = False
-        meta_path = self.out / META
-        cleared = False
-        if self.out.exists() and overwrite and any(self.out.iterdir()):
-            if not meta_path.is_file():  # never delete a directory that is not ours
-                raise EyasError(f"--overwrite: {self.out} is not a regenerate output (no meta.json); refusing to delete it")
+        meta = check_out_before_load(self.out, settings, overwrite=overwrite)  # never a directory that is not ours
+        if overwrite and self.out.is_dir() and any(self.out.iterdir()):
             remove_owned_dir(self.out, kind="regenerate")  # only what regenerate wrote there; the user's files stay
-            cleared = True
-        if not cleared and self.out.exists() and any(self.out.iterdir()):
-            if not meta_path.is_file():
-                raise EyasError(f"--out {self.out} exists and is not a regenerate output (no meta.json); choose a new directory")
-            self._resume(_read_meta(self.out))
+        if meta is not None:
+            self._resume(meta)
         else:
             claim_output_dir(self.out, kind="regenerate")
             for name in (CHATS, DONE):
@@ -126,7 +124,6 @@ class ChatsWriter:
         self._done_buf: list[str] = []
 
     def _resume(self, meta: dict[str, Any]) -> None:
-        _check_meta(self.out, meta, self.settings)
         self.committed = dict(meta["committed"])
         self.created = meta.get("created", time.time())
         self.elapsed_before = float(meta.get("elapsed_s", 0.0))

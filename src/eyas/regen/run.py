@@ -233,7 +233,7 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
     settings = regen_settings(config)
     # what would be refused after the engine is built is refused now, before any model loads
     check_out_before_load(config.out, settings, overwrite=config.overwrite)
-    if config.engine != "server" and config.attention == "triton":
+    if config.attention == "triton":  # RegenConfig refused it with the server engine
         from eyas.dtypes import resolve_device
         from eyas.regen.attention import triton_unavailable
 
