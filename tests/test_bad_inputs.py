@@ -202,7 +202,7 @@ CASES = [
     ("option-regenerate-hf-split-file", ["regenerate", "--source", "{turns5}", "--out", "{root}/o2", "--hf-split", "validation"], r"--hf-split validation: --source .*turns5\.jsonl is a file"),
     ("option-regenerate-attention-generate", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--engine", "generate", "--attention", "triton"], r"--attention triton .*--engine generate does not use it"),
     ("option-regenerate-server-model", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-model", "foo"], r"--server-model foo .*pass --server-url too"),
-    ("option-pipeline-directory", ["pipeline", D], r"pipeline file .*some_dir is a directory; pass a pipeline TOML file"),
+    ("option-pipeline-directory", ["pipeline", D], r"pipeline file .*some_dir is a directory, expected a file"),
     ("option-eval-tree-topk", ["eval", "--drafter", D, "--out", "{root}/o3", "--tree-topk", "0"], r"--tree-topk must be >= 1"),
     ("option-prepare-eval-fraction", ["prepare", "--out", "{root}/o1", "--eval-fraction", "nan"], r"--eval-fraction"),
     ("option-prepare-policy", ["prepare", "--out", "{root}/o1", "--length-policy", "squash"], r"--length-policy"),

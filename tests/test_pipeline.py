@@ -95,12 +95,12 @@ def test_a_stage_without_its_predecessor_and_a_missing_file_are_errors(tmp_path)
 def test_a_directory_or_binary_file_is_not_a_pipeline_file(tmp_path):
     res, _ = _run(str(tmp_path))
     assert res.exit_code == 2, res.output
-    assert res.stderr.strip() == (f"error: pipeline file {tmp_path} is a directory; pass a pipeline TOML file "
-                                  "(e.g. recipes/smollm2-gpu.toml)")
+    assert res.stderr.strip() == f"error: pipeline file {tmp_path} is a directory, expected a file"
     binary = tmp_path / "p.toml"
     binary.write_bytes(b"workdir = \xff\xfe\n")
     res, _ = _run(str(binary))
     assert res.exit_code == 2 and f"pipeline file {binary} is not UTF-8 text" in res.stderr
+    assert "convert it to UTF-8 TOML" in res.stderr
 
 
 def test_help_shows_the_section_brackets():

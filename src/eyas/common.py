@@ -381,8 +381,9 @@ def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | Non
 # inputs
 
 
-def read_text_file(path: Path, *, what: str) -> str:
-    """A text input file read as UTF-8; binary or mis-encoded files are refused naming the byte offset."""
+def read_text_file(path: Path, *, what: str, expected: str = "UTF-8 JSON/JSONL") -> str:
+    """A text input file read as UTF-8; binary or mis-encoded files are refused naming the byte offset
+    (`expected`: what the file should be, for the message)."""
     p = Path(path)
     try:
         data = p.read_bytes()
@@ -396,10 +397,10 @@ def read_text_file(path: Path, *, what: str) -> str:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise EyasError(f"{what} {p} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-                        "convert it to UTF-8 JSON/JSONL") from None
+                        f"convert it to {expected}") from None
     if "\x00" in text:
         raise EyasError(f"{what} {p} contains NUL bytes at offset {text.index(chr(0))}: it looks like a binary file, "
-                        "expected UTF-8 JSON/JSONL text")
+                        f"expected {expected} text")
     return text.removeprefix("\ufeff")
 
 

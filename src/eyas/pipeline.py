@@ -56,7 +56,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.common import STAGE_KINDS, atomic_write_json, log, remove_outputs, write_marker
+from eyas.common import STAGE_KINDS, atomic_write_json, log, read_text_file, remove_outputs, write_marker
 from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 
@@ -168,19 +168,8 @@ def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | P
     if until is not None and until not in STAGES:
         raise EyasError(f"--until {until!r}: not a stage; expected one of {', '.join(STAGES)}")
     path = Path(path)
-    if path.is_dir():
-        raise EyasError(f"pipeline file {path} is a directory; pass a pipeline TOML file "
-                        "(e.g. recipes/smollm2-gpu.toml)")
     try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise EyasError(f"pipeline file {path} does not exist") from None
-    except UnicodeDecodeError as exc:
-        raise EyasError(f"pipeline file {path} is not UTF-8 text (invalid byte at offset {exc.start}); "
-                        "pass a pipeline TOML file") from None
-    except OSError as exc:
-        raise EyasError(f"pipeline file {path}: cannot read it ({exc.strerror or exc}); "
-                        "pass a readable TOML file") from None
+        raw = tomllib.loads(read_text_file(path, what="pipeline file", expected="UTF-8 TOML"))
     except tomllib.TOMLDecodeError as exc:
         raise EyasError(f"{path}: not valid TOML ({exc})") from None
     for item in overrides:
