@@ -21,7 +21,9 @@
 # with the state cache, the 8B rate against SpecForge, the profiles); 3 collects. JOBS="..." picks the chain's jobs
 # (functions below, in order), e.g. JOBS="prepare_only side_by_side train_8b profiles" when the recipe's figures
 # exist and the regeneration is restaged. Two GPUs: JOBS is GPU 0's chain, SIDE_JOBS the last GPU's, e.g.
-# JOBS=points SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles".
+# JOBS=points SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles". One GPU with SIDE_JOBS set:
+# call 1 starts that chain instead of the check (jobs needing no target run while call 2 stages it), and call 2
+# with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -78,7 +80,7 @@ SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol 
 prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 # the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
-train_8b() { timeout 330 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
+train_8b() { timeout 400 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default all three):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
@@ -152,7 +154,8 @@ case "$part" in
 1)
     nvidia-smi -L | tee -a "$L/session.log"
     stage1
-    if [ "$NG" -eq 1 ]; then  # one GPU: a minute's check of the training step's kernels (the chain comes in call 2)
+    if [ "$NG" -eq 1 ] && [ -z "${SIDE_JOBS:-}" ]; then  # one GPU: a minute's check of the step's kernels (the chain
+        # comes in call 2)
         gpu_check; cp $ROOT/q/gpu_check.log "$L/"
         echo "== gpu_check"; grep -v warmup $ROOT/q/gpu_check.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
     fi
@@ -170,7 +173,9 @@ case "$part" in
     [ -d $ROOT/smol ] || mv $ROOT/smol.part $ROOT/smol  # the side chain waits for $ROOT/smol/config.json: only once it is whole
     note "staged (2/2)"
     [ -d $R/src ] || snapshot
-    if [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01);
+    if [ "${JOBS:-}" = none ]; then  # the chain of call 1 (SIDE_JOBS) goes on alone
+        note "JOBS=none: no chain started"
+    elif [ "$NG" -eq 1 ]; then  # one job at a time (sharing the GPU, the recipe ran 2.7x slower on 2026-12-01);
         # the issues' open figures first: the recipe's tau, speculative decoding, the side by side
         jobs_chain 0 main JOBS "recipe_all specdec side_by_side smol_rate_cached train_8b profiles"
     elif [ "$NG" -ge 4 ]; then

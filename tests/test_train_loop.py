@@ -280,6 +280,9 @@ def test_options_the_source_would_ignore_are_refused(world, tmp_path):
     with pytest.raises(EyasError, match=r"^--cache-states .* online training \(--data\); with --store"):
         _cfg(world, tmp_path / "b", store=world["store"], cache_states=True, aux_layers=None)
     _cfg(world, tmp_path / "c", store=world["store"], cache_states=False)  # what offline does anyway
+    # a batch sized two ways: before, --batch-size was dropped silently on CUDA for the default token budget
+    with pytest.raises(EyasError, match=r"^--batch-size 2 and --tokens-per-batch 96 both size a micro-batch"):
+        _cfg(world, tmp_path / "d", data=world["prep"], tokens_per_batch=96)
 
 
 def test_a_max_length_that_cuts_off_every_answer_is_named(world, tmp_path):
@@ -386,7 +389,7 @@ def test_token_batches_offline_equal_online(world, tmp_path):
     """Packing by tokens: the same steps offline and online, every real token counted once."""
     from eyas.train.loop import run
 
-    kw = dict(steps=3, tokens_per_batch=96, batch_size=1)
+    kw = dict(steps=3, tokens_per_batch=96, batch_size=None)
     off = run(_cfg(world, tmp_path / "off", store=world["store"], eval_store=world["eval_store"], **kw))
     on = run(_cfg(world, tmp_path / "on", data=world["prep"], **kw))
     r_off, r_on = _train_records(tmp_path / "off"), _train_records(tmp_path / "on")
@@ -413,7 +416,7 @@ def test_state_cache_skips_the_target_after_the_first_epoch(world, tmp_path):
     for samples not seen before (the first two batches are read before the cache starts)."""
     from eyas.train.loop import run
 
-    kw = dict(data=world["prep"], steps=12, tokens_per_batch=96, batch_size=1)
+    kw = dict(data=world["prep"], steps=12, tokens_per_batch=96, batch_size=None)
     plain = run(_cfg(world, tmp_path / "plain", cache_states=False, **kw))
     cached = run(_cfg(world, tmp_path / "cached", cache_states=True, **kw))
     assert not plain["state_cache"] and cached["state_cache"]

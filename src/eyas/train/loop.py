@@ -63,11 +63,11 @@ class TrainConfig:
     """Passes over the training split when --steps is not given."""
     tokens_per_batch: int | None = None
     """Tokens per micro-batch per process: samples are packed end to end into one row of exactly
-    this many tokens (no attention across samples, a padding tail). Default on CUDA: 131072 (32768
-    on GPUs under 64 GiB); on the CPU, --batch-size samples per row."""
-    batch_size: int = 1
-    """Samples per micro-batch per process when --tokens-per-batch is not used (global batch = this x
-    --grad-accum x processes)."""
+    this many tokens (no attention across samples, a padding tail). Default on CUDA when --batch-size
+    is not given: 131072 (32768 on GPUs under 64 GiB)."""
+    batch_size: int | None = None
+    """Samples per micro-batch per process instead of --tokens-per-batch (global batch = this x
+    --grad-accum x processes), packed into one row. Default on the CPU: 1."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float = 1e-4
@@ -142,8 +142,9 @@ class TrainConfig:
         if self.store is not None and self.cache_states:
             raise EyasError("--cache-states keeps the target's states in online training (--data); with --store they "
                             "are read from the store: drop --cache-states")
-        for name in ("batch_size", "grad_accum", "max_length", "eval_samples"):
+        for name in ("grad_accum", "max_length", "eval_samples"):
             check_number(self, name, ge=1)
+        check_number(self, "batch_size", ge=1, optional=True)
         check_number(self, "steps", ge=1, optional=True)
         check_number(self, "epochs", gt=0)
         check_number(self, "lr", gt=0)
@@ -175,6 +176,9 @@ class TrainConfig:
         check_out_path(self.out)
         require_owned(self.out, kind="train")  # never checkpoints written into a store or a prepared dataset
         check_number(self, "tokens_per_batch", ge=1, optional=True)
+        if self.tokens_per_batch is not None and self.batch_size is not None:
+            raise EyasError(f"--batch-size {self.batch_size} and --tokens-per-batch {self.tokens_per_batch} both size "
+                            "a micro-batch: give one of them")
         if self.tokens_per_batch is not None and self.tokens_per_batch < self.max_length:
             raise EyasError(f"--tokens-per-batch must be >= --max-length ({self.max_length}) so every sample fits "
                             f"in a row, got {self.tokens_per_batch}")
@@ -478,15 +482,17 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
             f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
 
     # -- 5. optimizer and schedule -------------------------------------------------------------
-    tokens_per_batch = cfg.tokens_per_batch or (default_tokens_per_batch(dev) if dev.type == "cuda" else None)
+    tokens_per_batch = cfg.tokens_per_batch or (default_tokens_per_batch(dev)
+                                                if dev.type == "cuda" and cfg.batch_size is None else None)
+    batch_size = cfg.batch_size or 1
     if tokens_per_batch is not None:
         tokens_per_batch = max(tokens_per_batch, min(cfg.max_length, max(lengths)))
         plan = TokenPlan(lengths=lengths, tokens_per_batch=tokens_per_batch, accum=cfg.grad_accum, world=d.world,
                          seed=cfg.seed)
     else:
-        plan = Plan(n=len(train_src), micro_batch=cfg.batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
+        plan = Plan(n=len(train_src), micro_batch=batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
     if d.is_main:
-        log(f"batches: {'%d tokens' % tokens_per_batch if tokens_per_batch else '%d samples' % cfg.batch_size} per "
+        log(f"batches: {'%d tokens' % tokens_per_batch if tokens_per_batch else '%d samples' % batch_size} per "
             f"micro-batch (packed rows), {plan.steps_per_epoch} steps per epoch")
     total = cfg.steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total // 50)
@@ -604,7 +610,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
         done = step + 1 == total
         if eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done):
             ev = evaluate(module, eval_src, forward_batch=forward_batch, K=K, weights=ttt_cfg.weights, d=d,
-                          tokens_per_batch=tokens_per_batch or cfg.batch_size * cfg.max_length, device=dev)
+                          tokens_per_batch=tokens_per_batch or batch_size * cfg.max_length, device=dev)
             ev["step"] = step + 1
             evals.append(ev)
             metrics.write({"eval": True, **ev})
