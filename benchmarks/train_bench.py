@@ -14,7 +14,9 @@ default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid
 itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, gradients
 accumulated inside the matmuls), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
 key/value head for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query
-head), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
+head), `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's
+product, as before ttt.addmm_fp32_), `eyas-deferred-stats` (the statistics read one step late: what the
+per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
 (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
 options), train_8b_per_step_casts_vs_specforge.
 
@@ -115,8 +117,11 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
-                   compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None):
-    """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory."""
+                   compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
+                   defer_stats: bool = False):
+    """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
+    `defer_stats`: the step's statistics are read back after the NEXT step is queued (the loop reads them
+    every step, which waits for the GPU: this variant measures what a one-step-late read would gain)."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
     from eyas.train.loop import PackedTTTModule, lr_lambda
@@ -152,9 +157,14 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        stats.tolist()  # the loop reads its statistics back every step
+        if not defer_stats:
+            stats.tolist()  # the loop reads its statistics back every step
+        elif pending:
+            pending.pop().tolist()
+        pending.append(stats)
         return loss
 
+    pending: list[torch.Tensor] = []
     return step
 
 
@@ -168,6 +178,23 @@ def grouped_diagonals(step):
             return step()
         finally:
             ttt.GROUPED_DIAGONALS = False
+    return run
+
+
+def head_grad_copies(step, device):
+    """`step` with the head's weight gradient summed through fp32 copies of each product (the path before
+    `ttt.addmm_fp32_` summed it inside the matmul)."""
+    import eyas.drafter.ttt as ttt
+
+    key = (device.type, torch.bfloat16)
+
+    def run():
+        before = ttt._ADDMM_FP32.get(key)
+        ttt._ADDMM_FP32[key] = False
+        try:
+            return step()
+        finally:
+            ttt._ADDMM_FP32.pop(key) if before is None else ttt._ADDMM_FP32.__setitem__(key, before)
     return run
 
 
@@ -289,10 +316,13 @@ def suite_8b(args, dist) -> dict:
         # where the copies, casts and additions come from: the same ops split by their input shapes
         by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
                     if e.key in ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone")]
-        by_shape.sort(key=lambda e: getattr(e, key), reverse=True)
+        def self_us(e):  # torch 2.11 names the device time self_device_time_total (self_cuda_time_total before)
+            return getattr(e, "self_device_time_total", None) if device.type == "cuda" and \
+                hasattr(e, "self_device_time_total") else getattr(e, key)
+        by_shape.sort(key=self_us, reverse=True)
         print(f"{'op':16s} {'calls':>6s} {'self ms':>8s}  input shapes")
         for e in by_shape[:args.profile]:
-            print(f"{e.key:16s} {e.count:6d} {getattr(e, key) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
+            print(f"{e.key:16s} {e.count:6d} {self_us(e) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
         return result
     # "eyas" = `eyas train`'s default options: the drafter's pieces compiled on CUDA
     _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
@@ -310,6 +340,15 @@ def suite_8b(args, dist) -> dict:
         _try("eyas-grouped-diagonals", runs, lambda: measure(grouped_diagonals(make_fast_step(
             c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True)),
             warmup=warmup, steps=steps, label="eyas-grouped-diagonals", **kw))
+        import eyas.drafter.ttt as ttt
+
+        log(f"head weight gradient summed inside the matmul: {ttt._ADDMM_FP32.get(('cuda', torch.bfloat16))}")
+        _try("eyas-head-grad-copies", runs, lambda: measure(head_grad_copies(make_fast_step(
+            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True), device),
+            warmup=warmup, steps=steps, label="eyas-head-grad-copies", **kw))
+        _try("eyas-deferred-stats", runs, lambda: measure(make_fast_step(
+            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True,
+            defer_stats=True), warmup=warmup, steps=steps, label="eyas-deferred-stats", **kw))
     if device.type == "cuda" and not args.no_compile:
         _try("eyas-no-compile", runs, lambda: measure(
             make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce),

@@ -92,6 +92,30 @@ def test_chunked_head_loss_and_grads_equal_plain_reference():
     assert torch.equal(hits, (x @ w.T).argmax(-1) == top)
 
 
+def test_head_weight_gradient_sums_into_fp32_without_losing_the_fallback(monkeypatch):
+    """addmm_fp32_: fp32 inputs sum in place; 16-bit inputs sum inside the matmul only where the backend's
+    out_dtype addmm passes its check (not on the CPU: no such kernel), else through the product's fp32 copy;
+    a backend whose out_dtype addmm sums wrongly is caught by the check."""
+    import eyas.drafter.ttt as ttt
+
+    g = torch.Generator().manual_seed(3)
+    acc = torch.randn(6, 5, generator=g)
+    a, b = torch.randn(4, 6, generator=g), torch.randn(4, 5, generator=g)
+    want = acc + a.T @ b
+    ttt.addmm_fp32_(acc, a.T, b)
+    torch.testing.assert_close(acc, want)
+    acc16 = torch.randn(6, 5, generator=g)
+    want16 = acc16 + (a.bfloat16().T @ b.bfloat16()).float()
+    ttt.addmm_fp32_(acc16, a.bfloat16().T, b.bfloat16())
+    assert acc16.dtype == torch.float32 and torch.equal(acc16, want16)
+    assert ttt._ADDMM_FP32[("cpu", torch.bfloat16)] is False
+
+    def wrong(acc, a, b, *, out_dtype, out):  # a kernel that overwrites instead of summing
+        return out.copy_(a.float() @ b.float())
+    monkeypatch.setattr(torch, "addmm", wrong)
+    assert ttt.check_addmm_fp32(torch.device("cpu"), torch.bfloat16) is False
+
+
 def test_head_loss_over_ranges_equals_one_call_per_range():
     """Several row ranges (the TTT steps) in one call: the same total, per-range sums and gradients
     as one call per range, chunks never crossing a range (chunk 8 does not divide the ranges)."""

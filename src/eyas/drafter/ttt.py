@@ -674,6 +674,42 @@ def _chunk_ce_differs(out, ref, s_dtype: torch.dtype) -> str | None:
     return None
 
 
+_ADDMM_FP32: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b for an fp32 `acc`. With a and b in 16 bits the product is summed into `acc` inside the
+    matmul (`addmm` with out_dtype fp32) where the backend has it and it passes `check_addmm_fp32` once;
+    else through an fp32 copy of the product (one [M, N] cast and one addition more per call: at the 8B
+    shape, 14 of them a step for the head's [32000, 4096] weight gradient)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    key = (acc.device.type, a.dtype)
+    if key not in _ADDMM_FP32:
+        _ADDMM_FP32[key] = check_addmm_fp32(acc.device, a.dtype)
+    if _ADDMM_FP32[key]:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += (a @ b).float()
+
+
+@torch.no_grad()
+def check_addmm_fp32(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether `addmm(acc, a, b, out_dtype=fp32, out=acc)` runs on `device` for `dtype` inputs and sums
+    into `acc` in place as the plain fp32 computation does (a transposed `a`, as the head passes it)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    a = torch.randn(48, 64, generator=g).to(device, dtype).T
+    b = torch.randn(48, 32, generator=g).to(device, dtype)
+    acc = torch.randn(64, 32, generator=g).to(device)
+    want = acc + a.float() @ b.float()
+    try:
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+    return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+
+
 class _HeadSoftCE(torch.autograd.Function):
     """sum_n w_n * CE(softmax(teacher_n), softmax(x_n W^T)), gradients computed chunk by chunk in
     the forward (the loss is linear in its upstream gradient, so backward only scales them).
@@ -712,7 +748,7 @@ class _HeadSoftCE(torch.autograd.Function):
                     if dx is not None:
                         dx[a:b] = g @ wb
                     if dw is not None:
-                        dw += (g.T @ xb[a:b]).float()
+                        addmm_fp32_(dw, g.T, xb[a:b])
             ctx.save_for_backward(*(t for t in (dx, dw) if t is not None))
             ctx.has = (dx is not None, dw is not None)
             ctx.dtypes = (x_nD.dtype, w_VD.dtype)
