@@ -19,6 +19,9 @@ product, as before ttt.addmm_fp32_), `eyas-deferred-stats` (the statistics read 
 per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
 (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
 options), train_8b_per_step_casts_vs_specforge.
+On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
+resident first) and each one's median round is reported with its spread: one after another, the same code
+measured up to 13% apart within a call, because the 8B step is bound by the host.
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
@@ -251,6 +254,52 @@ def measure(step, *, warmup: int, steps: int, device, tokens_per_step: int, labe
     return res
 
 
+def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, steps: int, device,
+                   tokens_per_step: int) -> float | None:
+    """Every variant built and warmed up first, then timed in `rounds` rounds of `steps` steps, the variants taking
+    turns within each round; a variant's time is the median of its rounds. Run one after another, variants of the
+    same code differed by up to 13% between two calls (a step bound by the host: what else the host does moves
+    it), more than the variants' effects; taking turns spreads such drift over all of them. -> the peak GPU memory
+    of the whole run (all variants resident), None off CUDA."""
+    import statistics
+
+    built: dict = {}
+    for label, make in variants:
+        def warm(label=label, make=make):
+            step, t0 = make(), time.perf_counter()
+            for i in range(warmup):
+                loss = step()
+                sync(device)
+                log(f"[{label}] warmup {i + 1}/{warmup}: loss {float(loss.detach()):.3f} ({time.perf_counter() - t0:.1f}s)")
+            built[label] = step
+            return {"warmup_s": time.perf_counter() - t0}
+        _try(label, runs, warm)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times: dict = {label: [] for label in built}
+    for r in range(rounds):
+        for label in list(built):
+            try:
+                sync(device)
+                t0 = time.perf_counter()
+                for _ in range(steps):
+                    loss = built[label]()
+                sync(device)
+            except Exception as exc:  # e.g. out of memory with every variant resident: the others go on
+                log(f"[{label}] failed in round {r + 1} ({type(exc).__name__}: {str(exc)[:300]})")
+                runs[label] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                del built[label], times[label]
+                continue
+            times[label].append((time.perf_counter() - t0) / steps)
+            runs[label]["loss"] = float(loss.detach())
+        log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1] * 1000:.1f}" for k, v in times.items()) + " ms/step")
+    for label, ts in times.items():
+        dt = statistics.median(ts)
+        runs[label].update(s_per_step=dt, tokens_per_s=tokens_per_step / dt, rounds_ms=[round(t * 1000, 2) for t in ts],
+                           spread=(max(ts) - min(ts)) / dt)
+    return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+
+
 def _finish_runs(runs: dict, fl: dict, W: int) -> None:
     for r in runs.values():
         if "tokens_per_s" in r:
@@ -325,37 +374,23 @@ def suite_8b(args, dist) -> dict:
             print(f"{e.key:16s} {e.count:6d} {self_us(e) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
         return result
     # "eyas" = `eyas train`'s default options: the drafter's pieces compiled on CUDA
-    _try("eyas", runs, lambda: measure(make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
-                                                      compile_parts=device.type == "cuda"),
-                                       warmup=warmup, steps=steps, label="eyas", **kw))
+    fast = dict(c=c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce)
+    variants = [("eyas", lambda: make_fast_step(**fast, fsdp=args.fsdp, compile_parts=device.type == "cuda"))]
     if device.type == "cuda" and not args.fsdp:
         from eyas.drafter.ttt import TTTConfig
 
         other = not TTTConfig().cast_once_for(c["hidden_size"])  # the other cast_once setting than the default's
-        label = "eyas-cast-once" if other else "eyas-per-step-casts"
-        _try(label, runs, lambda: measure(make_fast_step(
-            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True, cast_once=other),
-            warmup=warmup, steps=steps, label=label, **kw))
-        # the diagonal keys merged per key/value head
-        _try("eyas-grouped-diagonals", runs, lambda: measure(grouped_diagonals(make_fast_step(
-            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True)),
-            warmup=warmup, steps=steps, label="eyas-grouped-diagonals", **kw))
-        import eyas.drafter.ttt as ttt
-
-        log(f"head weight gradient summed inside the matmul: {ttt._ADDMM_FP32.get(('cuda', torch.bfloat16))}")
-        _try("eyas-head-grad-copies", runs, lambda: measure(head_grad_copies(make_fast_step(
-            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True), device),
-            warmup=warmup, steps=steps, label="eyas-head-grad-copies", **kw))
-        _try("eyas-deferred-stats", runs, lambda: measure(make_fast_step(
-            c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce, compile_parts=True,
-            defer_stats=True), warmup=warmup, steps=steps, label="eyas-deferred-stats", **kw))
+        variants += [
+            ("eyas-cast-once" if other else "eyas-per-step-casts",
+             lambda: make_fast_step(**fast, compile_parts=True, cast_once=other)),
+            # the diagonal keys merged per key/value head
+            ("eyas-grouped-diagonals", lambda: grouped_diagonals(make_fast_step(**fast, compile_parts=True))),
+            ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
+            ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
     if device.type == "cuda" and not args.no_compile:
-        _try("eyas-no-compile", runs, lambda: measure(
-            make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce),
-            warmup=warmup, steps=steps, label="eyas-no-compile", **kw))
+        variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
     if W == 1 and not args.no_reference:
-        _try("eyas-reference-path", runs, lambda: measure(make_reference_step(c, B=B, T=T, K=K, device=device),
-                                                          warmup=warmup, steps=steps, label="reference", **kw))
+        variants.append(("eyas-reference-path", lambda: make_reference_step(c, B=B, T=T, K=K, device=device)))
     if W == 1 and device.type == "cuda" and not args.no_specforge:
         sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
         try:
@@ -365,12 +400,25 @@ def suite_8b(args, dist) -> dict:
         except Exception as exc:  # the peer harness itself missing or broken
             why = f"{type(exc).__name__}: {exc}"
         if why is None:
-            _try("specforge", runs, lambda: measure(
-                specforge_peer.build_specforge_step(c, seq=T, ttt_steps=K, device=device), warmup=warmup, steps=steps,
-                label="specforge", **kw))
+            variants.append(("specforge", lambda: specforge_peer.build_specforge_step(c, seq=T, ttt_steps=K,
+                                                                                      device=device)))
         else:
             log(f"SpecForge not measured: {why}")
             result["specforge_skipped"] = why
+    rounds = args.rounds if args.rounds is not None else (5 if device.type == "cuda" else 1)
+    result["rounds"] = rounds
+    if rounds > 1:
+        result["peak_mem_gb_all_variants"] = measure_rounds(variants, runs, rounds=rounds, warmup=warmup, steps=steps,
+                                                            **kw)
+    else:
+        for label, make in variants:
+            _try(label, runs, lambda label=label, make=make: measure(make(), warmup=warmup, steps=steps, label=label,
+                                                                     **kw))
+    if device.type == "cuda":
+        import eyas.drafter.ttt as ttt
+
+        result["head_grad_in_matmul"] = ttt._ADDMM_FP32.get((device.type, torch.bfloat16))
+        log(f"head weight gradient summed inside the matmul: {result['head_grad_in_matmul']}")
     _finish_runs(runs, fl, W)
     ours = [k for k in ("eyas", "eyas-no-compile") if "tokens_per_s" in runs.get(k, {})]
     result["runs"] = runs
@@ -386,13 +434,18 @@ def suite_8b(args, dist) -> dict:
                 result["train_8b_per_step_casts_vs_specforge"] = (runs["eyas-per-step-casts"]["tokens_per_s"]
                                                                   / runs["specforge"]["tokens_per_s"])
     if dist.is_main:
-        print(f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}")
+        print(f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}"
+              f" {'spread':>7s}")
         for name, r in runs.items():
             if "tokens_per_s" not in r:
                 print(f"{name:22s} failed: {r['error'][:80]}")
                 continue
             print(f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
-                  f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} {r.get('peak_mem_gb') or 0:8.1f}")
+                  f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} {r.get('peak_mem_gb') or 0:8.1f}"
+                  f" {r['spread'] if 'spread' in r else float('nan'):7.3f}")
+        if result.get("peak_mem_gb_all_variants"):
+            print(f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "
+                  f"ms/step: the median of {rounds} rounds (spread: (max - min) / median)")
     return result
 
 
@@ -476,6 +529,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (8b: default 10 on CUDA, 3 on CPU; smol: "
                                                              "optimizer steps per run, default by budget)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
+    ap.add_argument("--rounds", type=int, default=None, help="8b: time the variants in this many rounds of --steps "
+                    "steps, taking turns, and report each one's median (default 5 on CUDA; 1 = one after another)")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
                                                                                    "all-reduce dtype (eyas train --grad-reduce)")
