@@ -362,6 +362,8 @@ def suite_8b(args, dist) -> dict:
             sync(device)
         key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
         print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=args.profile))
+        if device.type == "cuda":  # the 8B step is bound by the host: where its CPU time goes
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
         # where the copies, casts and additions come from: the same ops split by their input shapes
         by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
                     if e.key in ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone")]
