@@ -24,6 +24,7 @@
 # JOBS=points SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles". One GPU with SIDE_JOBS set:
 # call 1 starts that chain instead of the check (jobs needing no target run while call 2 stages it), and call 2
 # with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
+# side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -44,7 +45,7 @@ pack() { tar czf "$OUT/logs.tgz" -C "$OUT" logs && rm -rf "$L"; }
 trap pack EXIT
 collect() {  # what the chains wrote, into $L (the machine may go back before the next call)
     cp $ROOT/q/*.log $ROOT/q/*.json "$L/" 2>/dev/null
-    for e in $ROOT/sbs/eval-*; do [ -f $e/report.json ] && cp $e/report.json "$L/sbs-$(basename $e).json"; done
+    for e in $ROOT/sbs*/eval-*; do [ -f $e/report.json ] && cp $e/report.json "$L/$(basename $(dirname $e))-$(basename $e).json"; done
     for r in $ROOT/scaling; do
         for w in $r/n*-s*; do
             [ -d "$w" ] || continue
@@ -106,6 +107,12 @@ side_by_side() {
     python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
+side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (the recipe's), on the first one's store
+    waitfor $prep/meta.json
+    mkdir -p $ROOT/sbs-lr3e-4 && [ -d $ROOT/sbs/store ] && ln -sfn $ROOT/sbs/store $ROOT/sbs-lr3e-4/store
+    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs-lr3e-4 --lr 3e-4 \
+        --eval-prompts $S/question.jsonl > $ROOT/q/sbs_lr3e-4.log 2>&1
+}
 profiles() {  # where the step time goes, 8B and SmolLM2 shapes (synthetic states): op tables, copies by shape
     timeout 150 python benchmarks/train_bench.py --profile 40 --no-specforge > $ROOT/q/profile_8b.log 2>&1
     timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
@@ -130,7 +137,7 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
-export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side profiles recipe recipe_all points wait_target \
+export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
