@@ -184,6 +184,56 @@ def test_preflight_refuses_a_plugin_blind_to_graph_replay_unless_the_graph_is_of
         assert preflight(srv.url, LAYERS).status["plugin_version"] == "2"
 
 
+def test_preflight_and_verify_server_refuse_prefill_cp_and_a_piecewise_prefill_graph(tiny_target_dir, tmp_path):
+    # what /server_info reports (SGLang's resolved ServerArgs): a server whose plugin let them through (older
+    # plugins read the raw fields, which from 0.5.19 miss what SGLang resolved) is refused before any request
+    with serve(tiny_target_dir, tmp_path) as srv:
+        info = srv.server_info
+        srv.server_info = lambda: {**info(), "enable_prefill_cp": True}
+        with pytest.raises(EyasError, match=r"^--url \S+: the server has enable_prefill_cp on: [^\n]*"
+                                            r"Restart it without --enable-prefill-cp$"):
+            preflight(srv.url, LAYERS)
+        with pytest.raises(EyasError, match="--enable-prefill-cp"):
+            _verify(srv)
+        piecewise = {"prefill": {"backend": "tc_piecewise"}, "decode": {"backend": "full"}}
+        srv.server_info = lambda: {**info(), "cuda_graph_config": piecewise}
+        with pytest.raises(EyasError, match=r"tc_piecewise[^\n]*--disable-prefill-cuda-graph[^\n]*$"):
+            preflight(srv.url, LAYERS)
+        with pytest.raises(EyasError, match="tc_piecewise"):
+            _verify(srv)
+        srv.server_info = lambda: {**info(), "enable_prefill_cp": False,
+                                   "cuda_graph_config": {"prefill": {"backend": "breakable"}}}
+        assert preflight(srv.url, LAYERS).status["enabled"]
+
+
+def test_the_prefill_graph_is_on_when_the_resolved_config_says_so_not_by_cuda_default(tiny_target_dir, tmp_path):
+    # Off CUDA the prefill graph is not on by default (0.5.15-0.5.21: tc_piecewise, turned off on HIP/NPU/XPU/CPU
+    # by SGLang's cascade; 0.5.22+: disabled), though disable_prefill_cuda_graph stays False: the resolved
+    # cuda_graph_config decides whether an older plugin, blind to graph-replay batches, can capture
+    with serve(tiny_target_dir, tmp_path) as srv:
+        info = srv.server_info
+
+        def old_plugin(backend):
+            out = info()
+            out["internal_states"][0]["eyas_capture"]["plugin_version"] = "1"
+            return {**out, "disable_prefill_cuda_graph": False, "cuda_graph_config": {"prefill": {"backend": backend}}}
+
+        srv.server_info = lambda: old_plugin("disabled")
+        assert preflight(srv.url, LAYERS).status["plugin_version"] == "1"
+        for backend in ("breakable", "full"):
+            srv.server_info = lambda: old_plugin(backend)
+            with pytest.raises(EyasError, match="restart it with --disable-prefill-cuda-graph"):
+                preflight(srv.url, LAYERS)
+    # and lost request ids are blamed on the graph only where it runs
+    from eyas.sglang.client import prefill_graph_on, request_ids_lost
+
+    before, after = {"live_batches": 0, "rids_from_live_batch": 0}, {"live_batches": 3, "rids_from_live_batch": 0}
+    assert request_ids_lost(before, after, {"cuda_graph_config": {"prefill": {"backend": "breakable"}}})
+    assert not request_ids_lost(before, after, {"cuda_graph_config": {"prefill": {"backend": "disabled"}}})
+    assert not prefill_graph_on({"disable_prefill_cuda_graph": True})  # servers that report no config
+    assert prefill_graph_on({"disable_prefill_cuda_graph": False})
+
+
 def test_legacy_info_path_retries_and_data_parallel(tiny_target_dir, prepared, tmp_path):
     with serve(tiny_target_dir, tmp_path, legacy_info_path=True, fail_first=3) as a, \
          serve(tiny_target_dir, tmp_path) as b:

@@ -48,7 +48,7 @@ NEEDED = ("sglang/srt/plugins/", "sglang/srt/model_executor/model_runner.py", "s
           "sglang/srt/mem_cache/radix_cache.py", "sglang/srt/entrypoints/http_server.py",
           "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py",
           "sglang/srt/model_executor/cuda_graph_config.py", "sglang/srt/server_args.py",
-          "sglang/srt/arg_groups/fields/")
+          "sglang/srt/arg_groups/")
 
 
 def cache_dir() -> Path:
@@ -363,17 +363,23 @@ NEWER_FIELDS = {
 }
 # keys of /server_info that are not ServerArgs fields: SGLang's handler adds them, or the plugin does
 PLUGIN_INFO_KEYS = {"eyas_capture"}  # the plugin's status (plugin._on_internal_state, in internal_states[i])
+# attributes of a ServerArgs object that are not fields: SGLang's resolution bookkeeping (0.5.19+), which
+# plugin.server_arg reads; test_the_plugin_reads_server_args_as_sglang_resolves_them checks them
+RESOLUTION_BOOKKEEPING = {"_raw_input", "_resolved_overrides"}
 
 
-def names_read(fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef], _seen=None) -> dict[str, bool]:
+def names_read(fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef], _seen=None,
+               _bound: dict[str, list] | None = None) -> dict[str, bool]:
     """Names read off `var` in `fn`, each with whether every read has a default: getattr(var, "x"[, d]),
     var.x, var.get("x"[, d]) (always a default: None), var["x"]; a name looped over string constants
     (for flag in ("a", "b"): getattr(var, flag)) stands for each; same-module helpers called with `var`
-    are followed."""
+    are followed, a parameter of theirs standing for the string constants (or the loop's) passed to it
+    (server_arg(args, "x") reads x)."""
     _seen = {fn.name} if _seen is None else _seen | {fn.name}
     loops = {n.target.id: [e.value for e in n.iter.elts if isinstance(e, ast.Constant)]
              for n in ast.walk(fn) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
              and isinstance(n.iter, (ast.Tuple, ast.List))}
+    loops = {**(_bound or {}), **loops}
     parents = _parents(fn)
     out: dict[str, bool] = {}
 
@@ -401,9 +407,12 @@ def names_read(fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef]
         elif isinstance(n, ast.Call) and getattr(n.func, "id", None) in module and n.func.id not in _seen:
             callee = module[n.func.id]
             params = [a.arg for a in callee.args.posonlyargs + callee.args.args]
+            passed = list(zip(params, n.args)) + [(k.arg, k.value) for k in n.keywords]
+            bound = {p: [a.value] if isinstance(a, ast.Constant) else loops[a.id] for p, a in passed
+                     if (isinstance(a, ast.Constant) and isinstance(a.value, str)) or getattr(a, "id", None) in loops}
             for i, a in enumerate(n.args):
                 if is_var(a):
-                    for k, d in names_read(callee, params[i], module, _seen).items():
+                    for k, d in names_read(callee, params[i], module, _seen, bound).items():
                         add(k, d)
     return out
 
@@ -442,6 +451,8 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     # the plugin's start-up check, on the ServerArgs object
     plugin_fns = module_functions(plugin)
     plugin_reads = names_read(plugin_fns["check_server_args"], "args", plugin_fns)
+    assert {k for k in plugin_reads if k.startswith("_")} == RESOLUTION_BOOKKEEPING
+    plugin_reads = {k: d for k, d in plugin_reads.items() if k not in RESOLUTION_BOOKKEEPING}
     # the client's preflight, on /server_info: ServerArgs's fields plus what the handler adds itself
     client_fns = module_functions(client)
     client_reads = names_read(client_fns["preflight"], "info", client_fns)
@@ -453,7 +464,8 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     handler_keys = {k.value for d in dicts for k in d.keys if isinstance(k, ast.Constant)}
     assert {"internal_states", "version"} <= handler_keys
     client_fields = {k: d for k, d in client_reads.items() if k not in handler_keys | PLUGIN_INFO_KEYS}
-    assert {"speculative_algorithm", "enable_dp_attention"} <= set(plugin_reads) & set(client_fields)
+    assert {"speculative_algorithm", "enable_dp_attention", "enable_prefill_cp", "cuda_graph_config"} \
+        <= set(plugin_reads) & set(client_fields)
     for who, reads in (("plugin.check_server_args", plugin_reads), ("client.preflight", client_fields)):
         for name, defaulted in sorted(reads.items()):
             if name in NEWER_FIELDS:
@@ -474,6 +486,121 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     assert "backend" in {n.target.id for n in class_def(cgc, "PhaseConfig").body if isinstance(n, ast.AnnAssign)}
 
 
+def top_function(path: Path, name: str) -> ast.FunctionDef:
+    for node in parse(path).body:
+        if isinstance(node, ast.FunctionDef) and node.name == name:
+            return node
+    raise AssertionError(f"function {name} not in {path}")
+
+
+def test_the_plugin_reads_server_args_as_sglang_resolves_them(sglang_src):
+    """plugin.server_arg: up to 0.5.18 ServerArgs's resolution ends by applying its declarations to the
+    fields (materialize_declarations), so the fields are the result; from 0.5.19 the resolution pipeline keeps
+    the raw input (`_raw_input`) and the declarations apply only where SGLang reads through
+    resolution_result, which the plugin must agree with (run here from the release's own source)."""
+    srt = sglang_src / "sglang/srt"
+    overrides = srt / "arg_groups/overrides.py"
+    if release(sglang_src) < (0, 5, 19):
+        assert "materialize_declarations(self)" in codes(srt / "server_args.py", ast.Call)
+        assert not any("_raw_input" in c for c in codes(srt / "server_args.py", ast.Assign))
+        # a record of these releases carries its declarations too, already applied: the fields decide
+        rec = types.SimpleNamespace(enable_prefill_cp=True, _resolved_overrides=[("x", {"enable_prefill_cp": False})])
+        assert plugin.server_arg(rec, "enable_prefill_cp") is True
+        return
+    pipeline = code(top_function(srt / "arg_groups/pipeline.py", "run_resolution_pipeline"))
+    assert "server_args._raw_input = {" in pipeline and "server_args._resolved_overrides = list(" in pipeline
+    ns = {"Any": object, "with_fallback": lambda cls, name, value: value}  # declared fallbacks: None only
+    exec(compile(ast.Module([top_function(overrides, "resolution_result")], []), str(overrides), "exec"), ns)
+    resolution_result = ns["resolution_result"]
+    rec = types.SimpleNamespace(
+        enable_prefill_cp=False, attn_cp_size=1, cuda_graph_config=None, pp_size=1,
+        _raw_input={"enable_prefill_cp": False, "attn_cp_size": 1, "cuda_graph_config": None, "pp_size": 1},
+        _resolved_overrides=[("_handle_legacy_cp_arguments", {"enable_prefill_cp": True}),
+                             ("a", {"attn_cp_size": 2}), ("b", {"attn_cp_size": 4}),
+                             ("_parse_cuda_graph_config", {"cuda_graph_config": "resolved"})])
+    for name in ("enable_prefill_cp", "attn_cp_size", "cuda_graph_config", "pp_size", "tp_size"):
+        assert plugin.server_arg(rec, name, 8) == resolution_result(rec, name, 8), name
+    # what the fields alone would have let through
+    with pytest.raises(plugin.PluginConfigError, match="--enable-prefill-cp"):
+        plugin.check_server_args(rec)
+
+
+def test_prefill_cp_and_its_older_spellings_end_in_enable_prefill_cp(sglang_src):
+    # --enable-prefill-context-parallel / --enable-nsa-prefill-context-parallel (up to 0.5.19) turn
+    # enable_prefill_cp on, as a field (<= 0.5.18) or a declaration (0.5.19): reading it covers them
+    srt = sglang_src / "sglang/srt"
+    fields = server_args_fields(srt)
+    assert "enable_prefill_cp" in fields
+    if "enable_prefill_context_parallel" not in fields:
+        assert release(sglang_src) >= (0, 5, 20)
+        return
+    if release(sglang_src) < (0, 5, 19):
+        handler = code(method(srt / "server_args.py", "ServerArgs", "_handle_legacy_cp_arguments"))
+        assert "self.enable_prefill_cp = True" in handler, handler
+    else:
+        handler = code(top_function(srt / "arg_groups/parallel_hook.py", "handle_legacy_cp_arguments"))
+        assert "enable_prefill_cp=True" in handler, handler
+    assert "enable_prefill_context_parallel or" in handler
+
+
+def load_cuda_graph_config(sglang_src: Path, monkeypatch, *, cuda: bool) -> types.ModuleType:
+    """The release's cuda_graph_config module, on a platform that is CUDA or not (its is_cuda patched)."""
+    name = "sglang.srt.model_executor.cuda_graph_config"
+    fakes = {n: types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.model_executor",
+                                               "sglang.srt.utils", "sglang.srt.runtime_context")}
+    fakes["sglang.srt.utils"].is_cuda = lambda: cuda
+    fakes["sglang.srt.runtime_context"].get_exec = lambda: None
+    for n, m in fakes.items():
+        monkeypatch.setitem(sys.modules, n, m)
+    spec = importlib.util.spec_from_file_location(name, sglang_src / "sglang/srt/model_executor/cuda_graph_config.py")
+    mod = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, name, mod)
+    spec.loader.exec_module(mod)
+    fakes["sglang.srt.model_executor"].cuda_graph_config = mod
+    return mod
+
+
+@pytest.mark.parametrize("cuda", [True, False], ids=["cuda", "not-cuda"])
+def test_the_prefill_graph_default_is_read_per_platform(sglang_src, monkeypatch, cuda):
+    """Off CUDA, 0.5.15-0.5.21 default the prefill graph to tc_piecewise (0.5.22+: disabled; CUDA:
+    breakable). The plugin refuses exactly when the resolved backend is tc_piecewise: from the field
+    (<= 0.5.18), from the declaration (0.5.19+, where the raw field stays None), and, for args with
+    no config at all, from SGLang's own default_prefill_backend."""
+    srt = sglang_src / "sglang/srt"
+    version = release(sglang_src)
+    mod = load_cuda_graph_config(sglang_src, monkeypatch, cuda=cuda)
+    cfg = mod.default_cuda_graph_config()
+    want = "breakable" if cuda else "tc_piecewise" if version < (0, 5, 22) else "disabled"
+    assert cfg.prefill.backend == want
+    # how the release keeps the resolved config on the ServerArgs the plugin is handed
+    if version < (0, 5, 19):
+        parse_fn = code(method(srt / "server_args.py", "ServerArgs", "_parse_cuda_graph_config"))
+        assert "self.cuda_graph_config = config" in parse_fn
+        rec = types.SimpleNamespace(cuda_graph_config=cfg, cuda_graph_backend_prefill=None)
+    else:
+        parse_fn = code(top_function(srt / "arg_groups/cuda_graph_hook.py", "parse_cuda_graph_config"))
+        assert "cuda_graph_config=config" in parse_fn and "declare_resolution(" in parse_fn
+        rec = types.SimpleNamespace(cuda_graph_config=None, cuda_graph_backend_prefill=None,
+                                    _raw_input={"cuda_graph_config": None, "cuda_graph_backend_prefill": None},
+                                    _resolved_overrides=[("_parse_cuda_graph_config", {"cuda_graph_config": cfg})])
+    bare = types.SimpleNamespace()  # no config, no flag: the plugin asks SGLang's default_prefill_backend
+    for args in (rec, bare):
+        assert plugin._prefill_graph_backend(args) == want
+        if want == "tc_piecewise":
+            with pytest.raises(plugin.PluginConfigError, match="tc_piecewise.*--disable-prefill-cuda-graph"):
+                plugin.check_server_args(args)
+        else:
+            plugin.check_server_args(args)
+    if version < (0, 5, 22):
+        # the compatibility cascade (an explicit backend skips it) turns the default off on HIP/NPU/CPU/
+        # MPS/XPU: a server there runs without the prefill graph unless tc_piecewise is asked for
+        hook = srt / ("server_args.py" if version < (0, 5, 19) else "arg_groups/cuda_graph_hook.py")
+        assert "non-CUDA hardware (HIP/NPU/CPU/MPS/XPU)" in {c.value for c in ast.walk(parse(hook))
+                                                            if isinstance(c, ast.Constant)}
+        # SGLang's runner builds tc_piecewise for any backend but breakable and full
+        assert mod.Backend.TC_PIECEWISE in mod.Backend.ALL
+
+
 def test_names_read_follows_the_code():
     # the walk that feeds the test above, on a function shaped like the plugin's and the client's
     src = """
@@ -485,12 +612,19 @@ def check(args, info):
     helper(args)
     info.get("e")
     info["f"]
+    read(args, "i")
+    for key in ("j", "k"):
+        read(args, key, False)
 
 def helper(x):
     return getattr(x, "g")
+
+def read(x, name, default=None):
+    return getattr(x, "_book", None) or getattr(x, name, default)
 """
     fns = {n.name: n for n in ast.parse(src).body}
-    want = {"a": True, "b": False, "c": True, "d": True, "g": False, "h": False}
+    want = {"a": True, "b": False, "c": True, "d": True, "g": False, "h": False, "_book": True, "i": True,
+            "j": True, "k": True}
     assert names_read(fns["check"], "args", fns) == want
     assert names_read(fns["check"], "info", fns) == {"e": True, "f": False}
 

@@ -225,6 +225,87 @@ def test_enable_refuses_bad_setups(tmp_path, monkeypatch, fake_sglang):
     assert plugin._STATE.enabled
 
 
+def resolved_record(raw: dict, *declarations: dict) -> types.SimpleNamespace:
+    """ServerArgs as SGLang 0.5.19+ hands it to the model runner: the fields keep the raw input, every
+    decision of its resolution is a declaration (test_sglang_contract.py checks the shape per release)."""
+    return types.SimpleNamespace(**raw, _raw_input=dict(raw),
+                                 _resolved_overrides=[(f"handler{i}", d) for i, d in enumerate(declarations)])
+
+
+def start(tmp_path, monkeypatch, server_args):
+    cfg = plugin.PluginConfig(layer_ids=[2, 3, 4], dump_dir=str(tmp_path))
+    monkeypatch.setattr(plugin, "_STATE", plugin._State(cfg))
+    plugin._on_init_attention_backends(types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False,
+                                                             server_args=server_args))
+    return plugin._STATE.enabled
+
+
+def test_prefill_context_parallelism_is_refused(tmp_path, monkeypatch, fake_sglang):
+    # a prefill's tokens split over the CP ranks: the writing rank's logits step sees part of each sequence
+    with pytest.raises(plugin.PluginConfigError, match=r"^eyas capture plugin: --enable-prefill-cp is set: [^\n]*$"):
+        start(tmp_path, monkeypatch, types.SimpleNamespace(enable_prefill_cp=True))
+    # 0.5.19: the older --enable-prefill-context-parallel leaves the field False and declares it True
+    with pytest.raises(plugin.PluginConfigError, match="--enable-prefill-cp"):
+        start(tmp_path, monkeypatch, resolved_record(
+            {"enable_prefill_cp": False, "enable_prefill_context_parallel": True}, {"enable_prefill_cp": True}))
+    assert start(tmp_path, monkeypatch, types.SimpleNamespace(enable_prefill_cp=False))
+    assert start(tmp_path, monkeypatch, types.SimpleNamespace())  # a release without the field
+
+
+def test_a_resolved_setting_wins_over_the_raw_field(tmp_path, monkeypatch, fake_sglang):
+    # 0.5.19+: DeepSeek's DSA prefill CP declares enable_dp_attention and attn_cp_size; the fields keep the input
+    with pytest.raises(plugin.PluginConfigError, match="DP attention"):
+        start(tmp_path, monkeypatch, resolved_record({"enable_dp_attention": False}, {"enable_dp_attention": True}))
+    with pytest.raises(plugin.PluginConfigError, match="--attn-cp-size"):
+        start(tmp_path, monkeypatch, resolved_record({"attn_cp_size": 1}, {"attn_cp_size": 4}, {"attn_cp_size": 8}))
+    # a later declaration undoes an earlier one; without `_raw_input` (<= 0.5.18) the fields are the result
+    assert start(tmp_path, monkeypatch, resolved_record({"attn_cp_size": 1}, {"attn_cp_size": 4}, {"attn_cp_size": 1}))
+    older = types.SimpleNamespace(attn_cp_size=1, _resolved_overrides=[("x", {"attn_cp_size": 4})])
+    assert start(tmp_path, monkeypatch, older)
+
+
+def graph_config(backend: str) -> types.SimpleNamespace:
+    """A resolved CudaGraphConfig (the plugin reads .prefill.backend)."""
+    return types.SimpleNamespace(prefill=types.SimpleNamespace(backend=backend),
+                                 decode=types.SimpleNamespace(backend="full"))
+
+
+def test_the_prefill_graph_backend_is_the_resolved_one_not_the_cuda_default(tmp_path, monkeypatch, fake_sglang):
+    # Off CUDA, SGLang 0.5.15-0.5.21 default the prefill graph to tc_piecewise (0.5.19+: as a declaration,
+    # the raw cuda_graph_config staying None); the flag is unset, so nothing but the resolved value says it
+    piecewise = resolved_record({"cuda_graph_config": None, "cuda_graph_backend_prefill": None},
+                                {"cuda_graph_config": graph_config("tc_piecewise")})
+    with pytest.raises(plugin.PluginConfigError, match=r"tc_piecewise[^\n]*--disable-prefill-cuda-graph[^\n]*$"):
+        start(tmp_path, monkeypatch, piecewise)
+    # ... which SGLang's cascade turns off on HIP/NPU/XPU/CPU unless asked for: then the server runs no prefill graph
+    piecewise._resolved_overrides.append(("_disable_tc_piecewise_cudagraph_if_incompatible",
+                                          {"cuda_graph_config": graph_config("disabled")}))
+    assert start(tmp_path, monkeypatch, piecewise)
+    # the JSON config wins over --cuda-graph-backend-prefill in SGLang, and so in what the plugin reads
+    with pytest.raises(plugin.PluginConfigError, match="tc_piecewise"):
+        start(tmp_path, monkeypatch, types.SimpleNamespace(cuda_graph_backend_prefill="breakable",
+                                                           cuda_graph_config=graph_config("tc_piecewise")))
+    assert start(tmp_path, monkeypatch, types.SimpleNamespace(cuda_graph_backend_prefill="tc_piecewise",
+                                                              cuda_graph_config=graph_config("breakable")))
+
+
+@pytest.mark.parametrize("default, refused", [("tc_piecewise", True), ("breakable", False), ("disabled", False)])
+def test_args_without_a_config_take_sglangs_platform_default(tmp_path, monkeypatch, fake_sglang, default, refused):
+    # no resolved config and no flag: the backend is SGLang's default_prefill_backend() on this platform
+    # (tc_piecewise off CUDA up to 0.5.21), not CUDA's breakable
+    cgc = types.ModuleType("sglang.srt.model_executor.cuda_graph_config")
+    cgc.default_prefill_backend = lambda: default
+    monkeypatch.setitem(sys.modules, cgc.__name__, cgc)
+    if refused:
+        with pytest.raises(plugin.PluginConfigError, match="tc_piecewise"):
+            start(tmp_path, monkeypatch, types.SimpleNamespace())
+    else:
+        assert start(tmp_path, monkeypatch, types.SimpleNamespace())
+    # the flags that turn the prefill graph off come before the default
+    assert start(tmp_path, monkeypatch, types.SimpleNamespace(disable_prefill_cuda_graph=True))
+    assert start(tmp_path, monkeypatch, types.SimpleNamespace(cuda_graph_backend_prefill="breakable"))
+
+
 def test_config_from_env():
     assert plugin.PluginConfig.from_env({}).layer_ids is None
     cfg = plugin.PluginConfig.from_env({"EYAS_CAPTURE_LAYERS": "2, 15,27", "EYAS_DUMP_DIR": "/tmp/x"})

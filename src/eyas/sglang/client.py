@@ -142,6 +142,27 @@ class ServerPlan:
         return int(self.status.get("model", {}).get("hidden_size") or 0)
 
 
+def prefill_graph_backend(info: dict[str, Any]) -> str | None:
+    """The prefill CUDA-graph backend a server runs, from its /server_info: the resolved
+    `cuda_graph_config.prefill.backend` (SGLang reports the resolved ServerArgs: dataclasses.asdict up
+    to 0.5.18, resolved_dict() from 0.5.19); None when the info has no such entry (the stand-in)."""
+    cfg = info.get("cuda_graph_config")
+    prefill = cfg.get("prefill") if isinstance(cfg, dict) else None
+    backend = prefill.get("backend") if isinstance(prefill, dict) else None
+    return None if backend is None else str(backend)
+
+
+def prefill_graph_on(info: dict[str, Any]) -> bool:
+    """Whether prefill forwards can take the prefill CUDA graph, whose replay batches carry no request ids.
+    The resolved backend says it; without one, only `disable_prefill_cuda_graph` can say no (CUDA's
+    default, breakable, is on; off CUDA SGLang's default is tc_piecewise up to 0.5.21, usually turned
+    off by its compatibility cascade, and disabled from 0.5.22)."""
+    backend = prefill_graph_backend(info)
+    if backend is not None:
+        return backend != "disabled"
+    return not info.get("disable_prefill_cuda_graph")
+
+
 def choose_bypass(info: dict[str, Any], requested: str) -> str:
     """The radix-cache bypass to use, or an EyasError naming the flags when none is safe."""
     if requested not in CACHE_BYPASS:
@@ -193,10 +214,19 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
         if info.get(flag):
             raise EyasError(f"--url {url}: the server has {flag} on: DeepSeek-family models skip aux capture for "
                             f"overlapped micro-batches. Restart it without --{flag.replace('_', '-')}")
-    if int(status.get("plugin_version") or 0) < 2 and not info.get("disable_prefill_cuda_graph"):
+    if info.get("enable_prefill_cp"):
+        raise EyasError(f"--url {url}: the server has enable_prefill_cp on: prefill context parallelism splits a "
+                        "prompt's tokens across ranks, so the writing rank would see only part of each sequence. "
+                        "Restart it without --enable-prefill-cp")
+    if prefill_graph_backend(info) == "tc_piecewise":
+        raise EyasError(f"--url {url}: the server's prefill CUDA graph backend is tc_piecewise (SGLang's default off "
+                        "CUDA up to 0.5.21): it compiles the logits step the plugin hooks. Restart it with "
+                        f"{REPLAY_FLAG}, or --cuda-graph-backend-prefill breakable or full where the platform "
+                        "supports them")
+    if int(status.get("plugin_version") or 0) < 2 and prefill_graph_on(info):
         raise EyasError(f"--url {url}: the server's eyas plugin (version {status.get('plugin_version')}) cannot find "
-                        "request ids under the prefill CUDA graph, which SGLang turns on by default on CUDA. Install "
-                        "this eyas into the server's environment, or restart it with " + REPLAY_FLAG)
+                        "request ids under the prefill CUDA graph, which this server runs (SGLang's default on "
+                        "CUDA). Install this eyas into the server's environment, or restart it with " + REPLAY_FLAG)
     have = [int(i) for i in status.get("layer_ids", [])]
     if layer_ids is not None and list(layer_ids) != have:
         raise EyasError(
@@ -352,7 +382,7 @@ def request_ids_lost(before: dict[str, Any], after: dict[str, Any], info: dict[s
 
     if "rid_less_forwards" in after:
         return grew("rid_less_forwards") > 0
-    return grew("live_batches") > 0 and grew("rids_from_live_batch") <= 0 and not info.get("disable_prefill_cuda_graph")
+    return grew("live_batches") > 0 and grew("rids_from_live_batch") <= 0 and prefill_graph_on(info)
 
 
 def missing_dump_cause(plan: ServerPlan, stats: dict[str, Any]) -> str | None:

@@ -44,10 +44,13 @@ Hooks (sglang.srt.plugins.hook_registry.HookRegistry):
         "eyas_capture" (layer ids, dump dir, model, counters) to /server_info, which the client checks.
 
 Refused at start-up (PluginConfigError, the server does not start): speculative decoding,
---enable-return-aux-hidden-states, --pp-size > 1, --attn-cp-size > 1, DP attention
-(--enable-dp-attention / --attn-dp-size > 1: rows of one batch spread over ranks), two-batch and
-single-batch overlap (DeepSeek skips aux capture for the overlapped stages), and the
-torch.compile prefill graph backend (tc_piecewise, 0.5.15-0.5.21: the tail would be compiled).
+--enable-return-aux-hidden-states, --pp-size > 1, prefill context parallelism (--enable-prefill-cp:
+a prefill's tokens split over ranks), --attn-cp-size > 1, DP attention (--enable-dp-attention /
+--attn-dp-size > 1: rows of one batch spread over ranks), two-batch and single-batch overlap
+(DeepSeek skips aux capture for the overlapped stages), and the torch.compile prefill graph backend
+(tc_piecewise, 0.5.15-0.5.21: the tail would be compiled), whether set by a flag or chosen by SGLang
+(its default off CUDA up to 0.5.21). Every setting is read as SGLang resolved it (`server_arg`:
+from 0.5.19 the ServerArgs fields keep the raw input and SGLang's decisions are declarations).
 """
 
 from __future__ import annotations
@@ -504,44 +507,92 @@ def _ranks() -> dict[str, int]:
     return {"attn_tp_rank": int(p.attn_tp_rank), "pp_rank": int(p.pp_rank), "pp_size": int(p.pp_size)}
 
 
+def server_arg(args, name: str, default: Any = None) -> Any:
+    """ServerArgs.<name> as SGLang resolved it, which is what the server runs with.
+
+    Up to 0.5.18 ServerArgs.__post_init__ leaves its decisions on the fields. From 0.5.19 the fields
+    keep the operator's raw input (`_raw_input` holds a copy) and each decision is a declaration
+    appended to `_resolved_overrides`, a list of (source, {field: value}) where the last writer wins;
+    SGLang reads them through arg_groups.overrides.resolution_result, which this mirrors without
+    importing SGLang. There, only a declaration carries e.g. the prefill CUDA-graph backend that the
+    platform's default or the compatibility cascade chose (the raw cuda_graph_config is None unless
+    the operator passed --cuda-graph-config), or enable_prefill_cp set by the older
+    --enable-prefill-context-parallel (0.5.19).
+    """
+    if isinstance(getattr(args, "_raw_input", None), dict):
+        for _source, declared in reversed(getattr(args, "_resolved_overrides", None) or ()):
+            if name in declared:
+                return declared[name]
+    return getattr(args, name, default)
+
+
+def _default_prefill_backend() -> str | None:
+    """SGLang's own default prefill CUDA-graph backend on this platform, None without SGLang.
+
+    0.5.15-0.5.21: breakable on CUDA, tc_piecewise on every other platform (ROCm, NPU, XPU, CPU,
+    out-of-tree platforms); 0.5.22+: breakable on CUDA, disabled elsewhere."""
+    try:
+        from sglang.srt.model_executor.cuda_graph_config import default_prefill_backend
+
+        backend = default_prefill_backend()
+    except Exception:  # no SGLang here (tests, the stand-in), or a release without the function
+        return None
+    return str(getattr(backend, "value", backend))
+
+
 def _prefill_graph_backend(args) -> str | None:
-    """The prefill CUDA-graph backend the server args ask for, when they say (None: the default)."""
-    backend = getattr(args, "cuda_graph_backend_prefill", None)
-    cfg = getattr(args, "cuda_graph_config", None)
-    if backend is None and cfg is not None:
-        prefill = cfg.get("prefill") if isinstance(cfg, dict) else getattr(cfg, "prefill", None)
-        backend = prefill.get("backend") if isinstance(prefill, dict) else getattr(prefill, "backend", None)
+    """The prefill CUDA-graph backend the server runs: the resolved cuda_graph_config.prefill.backend,
+    which folds in --cuda-graph-backend-prefill, --disable-prefill-cuda-graph, the JSON config, the
+    platform default and SGLang's compatibility cascade. Args without a resolved config (never a real
+    server) follow SGLang's precedence: the flags, then the platform default, which is NOT breakable
+    off CUDA. None: unknown (no config, no flag, no SGLang to ask)."""
+    cfg = server_arg(args, "cuda_graph_config")
+    prefill = cfg.get("prefill") if isinstance(cfg, dict) else getattr(cfg, "prefill", None)
+    backend = prefill.get("backend") if isinstance(prefill, dict) else getattr(prefill, "backend", None)
+    if backend is None:
+        backend = server_arg(args, "cuda_graph_backend_prefill")
+        if backend is None and (server_arg(args, "disable_prefill_cuda_graph", False)
+                                or server_arg(args, "disable_cuda_graph", False)):
+            backend = "disabled"
+        if backend is None:
+            backend = _default_prefill_backend()
     return None if backend is None else str(getattr(backend, "value", backend))
 
 
 def check_server_args(args) -> None:
-    """Refuse server settings under which capture would be wrong or incomplete (see module docstring)."""
+    """Refuse server settings under which capture would be wrong or incomplete (see module docstring).
+    Every setting is read as SGLang resolved it (server_arg)."""
     if args is None:
         return
-    spec = getattr(args, "speculative_algorithm", None)
+    spec = server_arg(args, "speculative_algorithm")
     if spec:
         raise PluginConfigError(f"--speculative-algorithm {spec} is set: a capture server runs the target alone "
                                 "(drop the speculative flags)")
-    if getattr(args, "enable_return_aux_hidden_states", False):
+    if server_arg(args, "enable_return_aux_hidden_states", False):
         raise PluginConfigError("--enable-return-aux-hidden-states is set: eyas turns aux capture on itself; "
                                 "drop that flag (and --return-aux-hidden-state-layer-ids), use EYAS_CAPTURE_LAYERS")
-    if int(getattr(args, "pp_size", 1) or 1) > 1:
+    if int(server_arg(args, "pp_size", 1) or 1) > 1:
         raise PluginConfigError("--pp-size > 1: SGLang captures aux states only on the last pipeline stage, so aux "
                                 "layers of earlier stages would be missing; capture with --pp-size 1 (use TP/EP)")
-    if int(getattr(args, "attn_cp_size", 1) or 1) > 1:
+    if server_arg(args, "enable_prefill_cp", False):
+        raise PluginConfigError("--enable-prefill-cp is set: prefill context parallelism splits each prompt's tokens "
+                                "across ranks, so the writing rank's logits step would see only part of a sequence's "
+                                "states; start the capture server without it (plain TP)")
+    if int(server_arg(args, "attn_cp_size", 1) or 1) > 1:
         raise PluginConfigError("--attn-cp-size > 1 splits a prompt's rows across ranks; capture needs attn_cp_size 1")
-    if getattr(args, "enable_dp_attention", False) or int(getattr(args, "attn_dp_size", 1) or 1) > 1:
+    if server_arg(args, "enable_dp_attention", False) or int(server_arg(args, "attn_dp_size", 1) or 1) > 1:
         raise PluginConfigError("DP attention is on (--enable-dp-attention / --attn-dp-size > 1): one batch's rows are "
                                 "spread over attention-DP ranks and the writing rank would see only its share; start "
                                 "the capture server without DP attention (plain TP, or --dp-size replicas)")
     for flag in ("enable_two_batch_overlap", "enable_single_batch_overlap"):
-        if getattr(args, flag, False):
+        if server_arg(args, flag, False):
             raise PluginConfigError(f"--{flag.replace('_', '-')} is set: DeepSeek-family models skip EAGLE-3 aux "
                                     "capture for overlapped micro-batches, so their states would be missing; drop it")
     if _prefill_graph_backend(args) == "tc_piecewise":
-        raise PluginConfigError("the prefill CUDA graph backend is tc_piecewise: it compiles the logits step the "
-                                "plugin hooks; use the default (breakable) or --cuda-graph-backend-prefill full, "
-                                f"or {REPLAY_FLAG}")
+        raise PluginConfigError("the prefill CUDA graph backend is tc_piecewise (SGLang's default off CUDA up to "
+                                "0.5.21, and for some multimodal models): it compiles the logits step the plugin "
+                                f"hooks; start the server with {REPLAY_FLAG}, or --cuda-graph-backend-prefill "
+                                "breakable or full where the platform supports them")
 
 
 def capture_owner(model) -> Any:
