@@ -143,6 +143,22 @@ def test_default_aux_layers_and_the_one_range_check():
             check_layer_ids(bad, 6, what="--layers")
 
 
+def test_an_eyas_drafter_config_is_read_once(tmp_path, monkeypatch):
+    """check_drafter_dir and read_drafter read an eyas drafter's config.json once, for its layout and its config."""
+    from pathlib import Path
+
+    from eyas.drafter.layouts import check_drafter_dir, write_eyas
+
+    ck = load_draft_checkpoint(_write(tmp_path / "s", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids":
+                                                                                  [1, 14, 26]}), _weights()))
+    d = write_eyas(tmp_path / "e", ck.config, ck.weights)
+    reads, read_text = [], Path.read_text
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
+    assert check_drafter_dir(d) == "eyas" and reads.count("config.json") == 1
+    reads.clear()
+    assert load_draft_checkpoint(d).config == ck.config and reads.count("config.json") == 1
+
+
 def test_check_drafter_dir_refuses_what_read_drafter_would_naming_the_path(tmp_path):
     """Read from config.json alone (eval calls it before the target loads); every message names the folder."""
     from eyas.drafter.layouts import check_drafter_dir

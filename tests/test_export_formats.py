@@ -310,6 +310,29 @@ def test_verifier_only_goes_with_the_vllm_format(eyas_drafter, tmp_path):
     assert ExportOptions(formats=["sglang", "vllm"], verifier="foo/bar").verifier == "foo/bar"
 
 
+def test_speculative_tokens_only_goes_with_the_vllm_format(eyas_drafter, tmp_path):
+    """Only the vllm format writes num_speculative_tokens: given with sglang it is refused, not dropped; left out,
+    the vllm export writes the default 5."""
+    src, _, _ = eyas_drafter
+    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
+                                   "--speculative-tokens", "3"])
+    assert res.exit_code == 2 and "--speculative-tokens only applies to --format vllm" in res.output
+    assert "--format sglang" in res.output and len(res.output.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+    _export(src, "sglang", tmp_path / "s")  # not given: nothing to refuse
+    for out, extra, n in ((tmp_path / "v5", [], 5), (tmp_path / "v3", ["--speculative-tokens", "3"], 3)):
+        _export(src, "vllm", out, *extra)
+        cfg = json.loads((out / "config.json").read_text())
+        assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == n
+    from eyas.errors import EyasError
+    from eyas.pipeline import ExportOptions
+
+    with pytest.raises(EyasError, match=r"^speculative_tokens 3: only applies to the vllm format, and formats = "
+                                        r"\['sglang'\]; add \"vllm\" to formats or drop speculative_tokens$"):
+        ExportOptions(formats=["sglang"], speculative_tokens=3)
+    assert ExportOptions(formats=["vllm"], speculative_tokens=3).speculative_tokens == 3
+
+
 def test_export_refuses_a_training_runs_drafter_folder(eyas_drafter, tmp_path):
     """`train`'s <out>/drafter has no marker of its own but is eyas's: refused as part of the run, not as the user's."""
     import shutil

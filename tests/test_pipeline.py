@@ -74,6 +74,8 @@ def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, ti
     (["--set", 'train.steps="ten"'], "[train] `steps` = 'ten': expected"),
     (["--set", "train.batch_size=0"], "[train] --batch-size must be >= 1"),
     (["--set", "colour=1"], "unknown top-level key `colour`"),
+    (["--set", 'export.formats=["sglang"]', "--set", "export.speculative_tokens=3"],
+     "[export] speculative_tokens 3: only applies to the vllm format"),
 ])
 def test_bad_keys_exit_2_naming_key_and_file_before_any_work(tmp_path, extra, needle):
     work = tmp_path / "work"
@@ -215,6 +217,41 @@ def test_until_stops_after_the_stage_and_a_covering_shared_regeneration_is_only_
     assert cov("regenerate.limit=5") is not None
     assert cov("regenerate.limit=6") is None  # record 5 not decided yet
     assert cov("regenerate.limit=5", "regenerate.max_new_tokens=9") is None  # other settings: not this run
+
+
+def test_export_speculative_tokens_is_recorded_as_5_only_with_the_vllm_format(tmp_path):
+    """Left unset, [export] speculative_tokens is the vllm default 5 in the stage's options (so its fingerprint is
+    what it was when 5 was always written); without vllm it stays unset: the sglang format has no such setting."""
+    from eyas.pipeline import check_config
+
+    def export(**section):
+        return check_config({"workdir": str(tmp_path), "export": section}, where="p.toml")["stages"]["export"]
+
+    assert export().speculative_tokens == 5 and export(speculative_tokens=2).speculative_tokens == 2
+    assert export(formats=["sglang"]).speculative_tokens is None
+
+
+def test_a_stage_folder_without_a_record_is_eyas_by_its_marker_or_files(tmp_path):
+    """No stage.json: a stage folder is eyas's when it is that stage's eyas output (common.output_kind: its marker) or
+    its files show one (a training run's metrics); a prepared dataset copied without its marker is refused up front,
+    not after the stages before it ran (prepare would refuse it: eyas never replaces what has no marker)."""
+    from eyas.common import write_marker
+    from eyas.errors import EyasError
+    from eyas.pipeline import claim
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    (prepared / "meta.json").write_text(json.dumps({"schema": "eyas.prepared/1"}))
+    with pytest.raises(EyasError, match="was not written by `eyas pipeline`"):
+        claim("prepare", prepared)
+    write_marker(prepared, kind="prepare")
+    claim("prepare", prepared)  # no error
+    with pytest.raises(EyasError, match="was not written by `eyas pipeline`"):
+        claim("eval", prepared)  # another stage's output
+    train = tmp_path / "train"
+    train.mkdir()
+    (train / "metrics.jsonl").write_text('{"step": 1}\n')
+    claim("train", train)  # no error
 
 
 def test_an_export_killed_mid_way_is_redone_not_refused(tmp_path):

@@ -186,6 +186,14 @@ def output_kind(directory: Path) -> str | None:
     kind = marker_kind(d)
     if kind is not None or not (d / MARKER).is_file():
         return kind
+    return files_kind(d)
+
+
+def files_kind(directory: Path) -> str | None:
+    """The kind of eyas output the files of `directory` show, marker or not: a pipeline stage record's,
+    a training run's (metrics.jsonl, checkpoints/), an export's (eyas_export.json), else None. Whether
+    eyas may replace the directory is the marker's to say (is_owned), not this."""
+    d = Path(directory)
     try:
         stage = json.loads((d / "stage.json").read_text()).get("stage")
     except (OSError, ValueError, AttributeError):
@@ -305,6 +313,19 @@ def require_owned(directory: Path, *, option: str = "--out", kind: str | None = 
     if kind is not None and found is not None and found != kind:
         raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to {act}: "
                         "choose another --out")
+
+
+def check_out_dir(path: Path, *, kind: str, overwrite: bool, empty_ok: bool = False) -> None:
+    """Refuse, before anything is read or written, an --out directory a `kind` output cannot go to: one that
+    cannot become a directory (check_out_path), one eyas did not create or created for another stage
+    (require_owned, naming --overwrite when it is given), and without `overwrite` one that exists
+    (`empty_ok`: unless it is empty), so --overwrite is suggested only where it would work."""
+    p = Path(path)
+    check_out_path(p)
+    require_owned(p, option="--overwrite" if overwrite else "--out", kind=kind)
+    if p.exists() and not overwrite and not (empty_ok and not any(p.iterdir())):
+        raise EyasError(f"--out {p} already exists{' and is not empty' if empty_ok else ''}: pass --overwrite to "
+                        "replace it, or choose another --out")
 
 
 def check_out_path(path: Path | None, *, option: str = "--out") -> None:

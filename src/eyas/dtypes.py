@@ -33,9 +33,12 @@ LONG: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloa
 
 
 def to_dtype(name: str | torch.dtype, *, what: str = "--dtype", allowed: Iterable[torch.dtype] | None = None,
-             also: Iterable[str] = ()) -> torch.dtype:
+             also: Iterable[str] = ()) -> torch.dtype | None:
     """A dtype name (either vocabulary) -> torch dtype; `allowed` limits it; the error names `what` and
-    lists what it takes (`also`: the option's other words, e.g. auto, listed in the error only)."""
+    lists what it takes. `also`: the option's words besides dtypes (auto, keep), accepted as None for
+    the caller to resolve, so an option taking `auto` is checked with one call."""
+    if isinstance(name, str) and name in also:
+        return None
     dt = name if isinstance(name, torch.dtype) else DTYPES.get(str(name).lower().removeprefix("torch."))
     allowed = tuple(allowed) if allowed is not None else tuple(SHORT)
     if dt not in allowed:

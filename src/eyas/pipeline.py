@@ -31,9 +31,9 @@ says complete with the same fingerprint, and whose output is present, is SKIPPED
 fingerprint reruns the stage and everything after it (a stage's fingerprint includes its input's);
 an unfinished one resumes: regenerate continues its committed chats, train restarts from its latest
 checkpoint (`save_every`, 200 steps unless set), prepare/eval/export are redone (they write
-atomically). A directory is only ever replaced or cleared when it holds a stage.json or an eyas
-artifact of that stage; anything else in the way is an error (exit 2). Replacing or clearing one
-removes only what eyas wrote there: files the user added to it are kept.
+atomically). A directory is only ever replaced or cleared when it holds a stage.json or is an eyas
+output of that stage (its marker, common.output_kind); anything else in the way is an error (exit 2).
+Replacing or clearing one removes only what eyas wrote there: files the user added to it are kept.
 
 Trade-off: fingerprints hash options, not the bytes of inputs, except where the bytes are cheap and
 decide the result (the selected regenerated chats, the prepared splits' own fingerprints), so a
@@ -56,7 +56,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from eyas.common import STAGE_KINDS, atomic_write_json, log, read_text_file, remove_outputs, write_marker
+from eyas.common import (STAGE_KINDS, atomic_write_json, files_kind, is_owned, log, output_kind, read_text_file,
+                         remove_outputs, write_marker)
 from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 
@@ -80,27 +81,27 @@ class ExportOptions:
     speculators_config.verifier.name_or_path so `vllm serve <out>` works; or a local target directory,
     whose config `_name_or_path` gives the id (default: the target recorded in the drafter). The local
     path is kept in `eyas_verifier_path`."""
-    speculative_tokens: int = 5
-    """vllm format: default num_speculative_tokens written into the proposal method."""
+    speculative_tokens: int | None = None
+    """vllm format: default num_speculative_tokens written into the proposal method (5 unless set)."""
     target_layers: int | None = None
     """Target layer count, only needed when a foreign drafter's config names no aux layer ids (the
     engines' default is then used)."""
 
     def __post_init__(self):
         from eyas.config_checks import check_number
-        from eyas.export.formats import FORMATS, check_verifier
+        from eyas.export.formats import FORMATS, VLLM_ONLY, check_verifier
 
         check_number(self, "target_layers", ge=1, optional=True)
-        if self.weights_dtype != "keep":  # refused before any drafter is read
-            from eyas.dtypes import MODEL_DTYPES, to_dtype
+        from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-            to_dtype(self.weights_dtype, what="--weights-dtype", allowed=MODEL_DTYPES, also=("keep",))
+        to_dtype(self.weights_dtype, what="--weights-dtype", allowed=MODEL_DTYPES, also=("keep",))  # before any drafter
         bad = [f for f in self.formats if f not in FORMATS]
         if bad or not self.formats:
             raise EyasError(f"formats {self.formats}: expected a non-empty list of {', '.join(FORMATS)}")
-        if self.verifier is not None and "vllm" not in self.formats:
-            raise EyasError(f"verifier {self.verifier!r}: only applies to the vllm format, and formats = "
-                            f"{self.formats}; add \"vllm\" to formats or drop verifier")
+        for name in VLLM_ONLY:
+            if getattr(self, name) is not None and "vllm" not in self.formats:
+                raise EyasError(f"{name} {getattr(self, name)!r}: only applies to the vllm format, and formats = "
+                                f"{self.formats}; add \"vllm\" to formats or drop {name}")
         check_verifier(self.verifier)
 
 
@@ -274,6 +275,11 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         try:
             with inputs_made_later():  # earlier stages write these stages' inputs
                 cfgs[stage] = cls(**kw)
+            if stage == "export" and "vllm" in cfgs[stage].formats and cfgs[stage].speculative_tokens is None:
+                from eyas.export.formats import SPECULATIVE_TOKENS
+
+                # the vllm default, recorded and fingerprinted as it was before the option could be left unset
+                cfgs[stage].speculative_tokens = SPECULATIVE_TOKENS
             if stage == "eval":
                 cfgs[stage].modes()
         except EyasError as exc:
@@ -339,31 +345,18 @@ def write_record(directory: Path, **rec: Any) -> None:
     atomic_write_json(directory / "stage.json", _jsonable({"schema": STAGE_SCHEMA, **rec}))
 
 
-# an eyas artifact of each stage: a directory holding it was written by eyas and may be replaced
-_ARTIFACT = {
-    "regenerate": ("meta.json", "eyas.chats/"),
-    "prepare": ("meta.json", "eyas.prepared/"),
-    "eval": ("report.json", "eyas.eval/"),
-}
-
-
 def _eyas_made(stage: str, directory: Path) -> bool:
+    """Whether eyas wrote `directory` for `stage`: its stage record, else the kind of eyas output it is
+    (common.output_kind: its marker's) or its files show (common.files_kind). An export directory gets its
+    record only once every format is written, so it also counts while each folder in it is an export or the
+    eyas-marked `.<fmt>.*.tmp` that an export killed mid-way leaves (removed by the next export)."""
     if read_record(directory) is not None:
         return True
-    if stage == "train":
-        return (directory / "metrics.jsonl").is_file() or (directory / "checkpoints").is_dir()
-    if stage == "export":
-        from eyas.common import MARKER
-
-        subdirs = [d for d in directory.iterdir() if d.is_dir()]
-        # an export killed mid-way leaves its format's eyas-marked `.<fmt>.*.tmp` sibling (removed by the next export)
-        return bool(subdirs) and all((d / "eyas_export.json").is_file() or (
-            d.name.startswith(".") and d.name.endswith(".tmp") and (d / MARKER).is_file()) for d in subdirs)
-    name, prefix = _ARTIFACT[stage]
-    try:
-        return str(json.loads((directory / name).read_text()).get("schema", "")).startswith(prefix)
-    except (OSError, ValueError, AttributeError):
-        return False
+    if stage != "export":
+        return output_kind(directory) == stage or files_kind(directory) == stage
+    subdirs = [d for d in directory.iterdir() if d.is_dir()]
+    return bool(subdirs) and all(output_kind(d) == "export" or files_kind(d) == "export" or (
+        d.name.startswith(".") and d.name.endswith(".tmp") and is_owned(d)) for d in subdirs)
 
 
 def claim(stage: str, directory: Path) -> None:

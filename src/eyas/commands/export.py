@@ -22,17 +22,19 @@ def export(
     overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out export (files eyas did not write there are kept)."),
 ) -> dict:
     """Export a drafter for serving, with the aux layer ids converted to the engine's convention."""
-    from eyas.common import check_out_path, check_safetensors_dir, require_owned
+    from eyas.common import check_out_dir, check_safetensors_dir
+    from eyas.config_checks import option_name
     from eyas.errors import EyasError
-    from eyas.export.formats import export_drafter
+    from eyas.export.formats import VLLM_ONLY, export_drafter
 
-    if cfg.verifier is not None and format != "vllm":
-        raise EyasError(f"--verifier only applies to --format vllm (the speculators config names the verifier), not "
-                        f"--format {format}: drop --verifier, or export with --format vllm")
+    for name, why in VLLM_ONLY.items():  # None: not given (the vllm format's defaults are resolved by export)
+        if getattr(cfg, name) is not None and format != "vllm":
+            flag = option_name(name)
+            raise EyasError(f"{flag} only applies to --format vllm ({why}), not --format {format}: drop {flag}, "
+                            "or export with --format vllm")
     if not drafter.is_dir():
         raise EyasError(f"--drafter {drafter} is not a directory (expected `eyas train`'s <out>/drafter)")
-    check_out_path(out)
-    require_owned(out, option="--overwrite" if overwrite else "--out", kind="export")
+    check_out_dir(out, kind="export", overwrite=overwrite)
     check_safetensors_dir(drafter, what="--drafter")
     return export_drafter(drafter, format, out, overwrite=overwrite, dtype=cfg.weights_dtype, verifier=cfg.verifier,
                           speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.common import human_bytes, log, progress, require_owned
+from eyas.common import check_out_dir, human_bytes, log, progress
 from eyas.data.prepared import write_prepared
 from eyas.data.sources import Conversation, iter_conversations
 from eyas.data.template import _special_ids, check_template, render
@@ -103,9 +103,7 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     from eyas.target import hidden_size_of, load_tokenizer, model_identity, tokenizer_hash
 
     out = Path(cfg.out)
-    if out.exists() and not cfg.overwrite:
-        require_owned(out, kind="prepare")  # --overwrite is suggested only where it would work
-        raise EyasError(f"--out {out} already exists: pass --overwrite to replace it, or choose another directory")
+    check_out_dir(out, kind="prepare", overwrite=cfg.overwrite)
     target_dir = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_dir)
     check_template(tokenizer, f"target {target_dir}")

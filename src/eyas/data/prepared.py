@@ -21,7 +21,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from eyas.common import atomic_directory, require_owned
+from eyas.common import atomic_directory, check_out_dir
 from eyas.errors import EyasError
 
 SCHEMA = "eyas.prepared/1"
@@ -72,9 +72,7 @@ def write_prepared(
     from safetensors.numpy import save_file
 
     out = Path(out)
-    if out.exists() and not overwrite:
-        require_owned(out, kind="prepare")  # --overwrite is suggested only where it would work
-        raise EyasError(f"{out} already exists: pass --overwrite to replace it, or choose another --out")
+    check_out_dir(out, kind="prepare", overwrite=overwrite)
     meta = dict(meta)
     meta["schema"] = SCHEMA
     meta["splits"] = {}

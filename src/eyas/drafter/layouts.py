@@ -311,15 +311,20 @@ def _config_from_speculators(cfg: dict[str, Any], *, where: str, target_layers: 
 
 def read_eyas_config(directory: str | Path) -> tuple[DrafterConfig, dict[str, Any]]:
     """(DrafterConfig, the whole config.json) of an eyas drafter directory, without its weights."""
-    from eyas.drafter.model import DrafterConfig
-
     directory = Path(directory)
     meta = _read_json(directory / CONFIG_FILE, what="an eyas drafter is written by `eyas train`")
+    return _eyas_config(meta, directory), meta
+
+
+def _eyas_config(meta: dict[str, Any], directory: Path) -> DrafterConfig:
+    """The DrafterConfig in `meta`, the config.json of the eyas drafter `directory` (read once by the caller)."""
+    from eyas.drafter.model import DrafterConfig
+
     if meta.get("schema") != SCHEMA or not isinstance(meta.get("drafter"), dict):
         raise EyasError(f"{directory / CONFIG_FILE}: schema {meta.get('schema')!r}, expected {SCHEMA!r} with a "
                         "`drafter` object; train one with `eyas train`")
     try:
-        return DrafterConfig.from_dict(meta["drafter"]), meta
+        return DrafterConfig.from_dict(meta["drafter"])
     except (KeyError, TypeError, ValueError) as exc:
         raise EyasError(f"--drafter {directory}: config.json is not a valid eyas drafter config ({exc})") from exc
 
@@ -426,7 +431,7 @@ def read_drafter(directory: str | Path, *, target_layers: int | None = None,
     cfg = _read_json(directory / CONFIG_FILE, what="config.json names the layout")
     fmt = detect_format(cfg, where=directory / CONFIG_FILE)
     if fmt == "eyas":
-        config, _ = read_eyas_config(directory)
+        config = _eyas_config(cfg, directory)
         provenance = Provenance(format="eyas", layer_ids=list(config.aux_layer_ids))
     elif fmt == "sglang":
         config, provenance = _config_from_sglang(cfg, where=where, target_layers=target_layers,
@@ -455,7 +460,7 @@ def check_drafter_dir(directory: str | Path) -> str:
         raise EyasError(f"--drafter {path}: expected a JSON object, got {type(cfg).__name__}")
     fmt = detect_format(cfg, where=path)
     if fmt == "eyas":
-        read_eyas_config(directory)
+        _eyas_config(cfg, directory)
     elif fmt == "sglang":
         _check_single_llama_layer(cfg, where=str(directory))
         llama_dims(cfg, where=f"--drafter {path}")

@@ -37,6 +37,11 @@ from eyas.errors import EyasError
 
 FORMATS = ENGINES
 SCHEMA = "eyas.export/1"
+SPECULATIVE_TOKENS = 5
+"""num_speculative_tokens the vllm format writes unless --speculative-tokens is given."""
+VLLM_ONLY = {"verifier": "the speculators config names the verifier",
+             "speculative_tokens": "the speculators config's proposal method takes it"}
+"""`eyas export` options only the vllm format writes (ExportOptions fields): given with no vllm format, refused."""
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -110,23 +115,22 @@ def write_export(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype: torch
 
 
 def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite: bool = False, dtype: str = "keep",
-                   verifier: str | None = None, speculative_tokens: int = 5,
+                   verifier: str | None = None, speculative_tokens: int | None = None,
                    target_layers: int | None = None) -> dict[str, Any]:
-    """Read any drafter directory and write it atomically in `fmt` layout; returns the CLI summary."""
-    from eyas.common import atomic_directory, log, require_owned
+    """Read any drafter directory and write it atomically in `fmt` layout; returns the CLI summary.
+    `speculative_tokens`: the vllm format's num_speculative_tokens, SPECULATIVE_TOKENS when None."""
+    from eyas.common import atomic_directory, check_out_dir, log
 
     drafter, out = Path(drafter), Path(out)
     if fmt not in FORMATS:
         raise EyasError(f"--format {fmt!r}: expected one of {', '.join(FORMATS)}")
     from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-    weights_dtype = None if dtype == "keep" else to_dtype(dtype, what="--weights-dtype", allowed=MODEL_DTYPES,
-                                                          also=("keep",))
+    weights_dtype = to_dtype(dtype, what="--weights-dtype", allowed=MODEL_DTYPES, also=("keep",))  # None: as stored
+    speculative_tokens = SPECULATIVE_TOKENS if speculative_tokens is None else speculative_tokens
     if speculative_tokens < 1:
         raise EyasError(f"--speculative-tokens must be >= 1, got {speculative_tokens}")
-    if out.exists() and not overwrite:
-        require_owned(out, kind="export")  # --overwrite is suggested only where it would work
-        raise EyasError(f"--out {out} already exists: pass --overwrite to replace it, or choose another --out")
+    check_out_dir(out, kind="export", overwrite=overwrite)
     if out.resolve() == drafter.resolve():
         raise EyasError(f"--out {out} is the --drafter directory itself; choose another --out")
     ckpt = read_drafter(drafter, target_layers=target_layers)

@@ -100,10 +100,9 @@ class RegenConfig:
             raise EyasError(f"--server-url was given with --engine {self.engine}; use --engine server (or auto)")
         if self.engine == "server" and not self.server_urls:
             raise EyasError("--engine server needs at least one --server-url")
-        if self.model_dtype != "auto":
-            from eyas.dtypes import MODEL_DTYPES, to_dtype
+        from eyas.dtypes import MODEL_DTYPES, to_dtype
 
-            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
+        to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
         if self.max_length < 2:
             raise EyasError(f"--max-length must be >= 2, got {self.max_length}")
         if self.attention not in ATTENTIONS:

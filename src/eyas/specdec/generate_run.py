@@ -97,8 +97,7 @@ class GenerateConfig:
             raise EyasError(f"--temperature {self.temperature} needs --batch-size 1: batched decoding is greedy only")
         for name in ("chain_k", "tree_topk", "tree_depth", "tree_tokens"):
             check_number(self, name, ge=1)
-        if self.model_dtype != "auto":
-            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
+        to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
         check_device(self.device)
         try:
             self.tree()

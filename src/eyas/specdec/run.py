@@ -69,8 +69,7 @@ class EvalConfig:
             raise ValueError(f"--limit must be >= 1, got {self.limit}")
         if self.gen_batch_size < 1 or self.replay_tokens < 1:
             raise ValueError("--gen-batch-size and --replay-tokens must be >= 1")
-        if self.model_dtype != "auto":
-            to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
+        to_dtype(self.model_dtype, what="--model-dtype", allowed=MODEL_DTYPES, also=("auto",))
         from eyas.config_checks import check_device, check_number
 
         for name in ("tree_topk", "tree_tokens"):
@@ -273,16 +272,11 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) -> dict[str, Any]:
     """Run the evaluation and write the report directory atomically; returns the CLI summary."""
-    from eyas.common import atomic_directory
+    from eyas.common import atomic_directory, check_out_dir
     from eyas.specdec.report import write_report
 
-    from eyas.common import check_out_path, require_owned
-
     out = Path(out)
-    check_out_path(out)
-    require_owned(out, option="--overwrite" if overwrite else "--out", kind="eval")  # before suggesting --overwrite
-    if out.exists() and any(out.iterdir()) and not overwrite:
-        raise EyasError(f"--out {out} already exists and is not empty: pass --overwrite to replace it, or choose another --out")
+    check_out_dir(out, kind="eval", overwrite=overwrite, empty_ok=True)
     cfg.modes()  # validates the tree options before any work
     report, records = run_eval(cfg)
     with atomic_directory(out, overwrite=True, kind="eval") as tmp:  # never a half-written report
