@@ -76,6 +76,7 @@ def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, ti
     (["--set", "colour=1"], "unknown top-level key `colour`"),
     (["--set", 'export.formats=["sglang"]', "--set", "export.speculative_tokens=3"],
      "[export] speculative_tokens 3: only applies to the vllm format"),
+    (["--set", "export.speculative_tokens=0"], "[export] --speculative-tokens must be >= 1"),  # not after training
 ])
 def test_bad_keys_exit_2_naming_key_and_file_before_any_work(tmp_path, extra, needle):
     work = tmp_path / "work"

@@ -92,6 +92,7 @@ class ExportOptions:
         from eyas.export.formats import FORMATS, VLLM_ONLY, check_verifier
 
         check_number(self, "target_layers", ge=1, optional=True)
+        check_number(self, "speculative_tokens", ge=1, optional=True)  # before training, not at the export stage
         from eyas.dtypes import MODEL_DTYPES, to_dtype
 
         to_dtype(self.weights_dtype, what="--weights-dtype", allowed=MODEL_DTYPES, also=("keep",))  # before any drafter
