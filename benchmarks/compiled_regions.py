@@ -1,0 +1,71 @@
+"""How many compiled regions one 8B-structured training step calls, and where dynamo breaks its graphs.
+
+The 8B step is bound by the host (benchmarks/RESULTS.md, 2026-12-01 evening): every call of a compiled
+region costs host time (guards, the wrapper, its kernel launches) whatever the tensor sizes. This runs the
+CUDA path's settings (compiled pieces, bf16 autocast, weights cast once or per step) on the CPU at tiny
+dimensions, where only the structure matters, and prints the compiled-region calls of one step (forward
+and backward) and dynamo's graph breaks:
+
+    PYTHONPATH=src python benchmarks/compiled_regions.py [--cast once|steps] [--ttt-steps 7]
+
+The CPU run has no Triton kernels: the attention merge and the head's chunk loss, compiled on CUDA only,
+add their own calls there (train_bench.py --profile shows those on the GPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cast", choices=["once", "steps"], default="once", help="TTTConfig.cast_once on or off")
+    ap.add_argument("--ttt-steps", type=int, default=7)
+    args = ap.parse_args()
+
+    import train_bench as tb
+    from torch._dynamo.utils import counters
+    from torch.profiler import ProfilerActivity, profile
+
+    from eyas.drafter.ttt import TTTConfig
+    from eyas.train.data import Item, PackedBatch, pack_tokens
+    from eyas.train.loop import PackedTTTModule
+
+    c = tb.shapes(False)  # the 8B drafter's head counts, everything else tiny
+    c.update(hidden_size=64, head_dim=2, intermediate_size=128, vocab_size=1024, draft_vocab_size=256,
+             target_hidden_size=64)
+    K, dev = args.ttt_steps, torch.device("cpu")
+    drafter = tb._drafter(c, dev, seed=0, compile_parts=True)
+    data = tb._synthetic(c, B=1, T=32, device=dev, seed=0, rank=0)
+    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=args.cast == "once"), head_VtD=data["head"])
+    ids, mask, seg, rows = pack_tokens([Item("0", data["ids"][0], data["mask"][0])], steps=K, pad_to=None)
+    b = PackedBatch(ids, seg, rows, data["aux"].flatten(0, 1), data["final"].flatten(0, 1), 32, 32, int(mask.sum()))
+    denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss, _ = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, denoms)
+        loss.backward()
+        module.zero_grad(set_to_none=True)
+
+    for _ in range(3):  # compiled, then steady
+        step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    ev = prof.key_averages()
+    fwd = sum(e.count for e in ev if e.key.startswith("Torch-Compiled Region"))
+    bwd = sum(e.count for e in ev if e.key == "CompiledFunctionBackward")
+    print(f"cast {args.cast}, TTT {K}: {fwd} compiled-region calls forward, {bwd} backward per step; "
+          f"{counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")
+    for reason, n in counters["graph_break"].items():
+        print(f"  break x{n}: {reason.splitlines()[0][:160]}")
+
+
+if __name__ == "__main__":
+    main()
