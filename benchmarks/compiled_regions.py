@@ -6,7 +6,10 @@ CUDA path's settings (compiled pieces, bf16 autocast, weights cast once or per s
 dimensions, where only the structure matters, and prints the compiled-region calls of one step (forward
 and backward) and dynamo's graph breaks:
 
-    PYTHONPATH=src python benchmarks/compiled_regions.py [--cast once|steps] [--ttt-steps 7]
+    PYTHONPATH=src python benchmarks/compiled_regions.py [--cast once|once-autograd|steps] [--ttt-steps 7]
+
+(once: shared_linear sums each weight's gradient inside its matmuls; once-autograd: ttt.SHARED_WEIGHT_GRADS off,
+the once-cast weights' gradients summed by autograd; steps: every TTT step casts the weights itself)
 
 The CPU run has no Triton kernels: the attention merge and the head's chunk loss, compiled on CUDA only,
 add their own calls there (train_bench.py --profile shows those on the GPU).
@@ -25,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cast", choices=["once", "steps"], default="once", help="TTTConfig.cast_once on or off")
+    ap.add_argument("--cast", choices=["once", "once-autograd", "steps"], default="once",
+                    help="TTTConfig.cast_once on (and how its gradients are summed) or off")
     ap.add_argument("--ttt-steps", type=int, default=7)
     args = ap.parse_args()
 
@@ -33,6 +37,7 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
+    import eyas.drafter.ttt as ttt
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, PackedBatch, pack_tokens
     from eyas.train.loop import PackedTTTModule
@@ -41,9 +46,10 @@ def main() -> None:
     c.update(hidden_size=64, head_dim=2, intermediate_size=128, vocab_size=1024, draft_vocab_size=256,
              target_hidden_size=64)
     K, dev = args.ttt_steps, torch.device("cpu")
+    ttt.SHARED_WEIGHT_GRADS = args.cast != "once-autograd"
     drafter = tb._drafter(c, dev, seed=0, compile_parts=True)
     data = tb._synthetic(c, B=1, T=32, device=dev, seed=0, rank=0)
-    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=args.cast == "once"), head_VtD=data["head"])
+    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=args.cast != "steps"), head_VtD=data["head"])
     ids, mask, seg, rows = pack_tokens([Item("0", data["ids"][0], data["mask"][0])], steps=K, pad_to=None)
     b = PackedBatch(ids, seg, rows, data["aux"].flatten(0, 1), data["final"].flatten(0, 1), 32, 32, int(mask.sum()))
     denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)

@@ -15,7 +15,8 @@ itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a 
 accumulated inside the matmuls), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
 key/value head for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query
 head), `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's
-product, as before ttt.addmm_fp32_), `eyas-deferred-stats` (the statistics read one step late: what the
+product, as before ttt.addmm_fp32_), `eyas-autograd-weight-sums` (weights cast once, their step gradients summed
+by autograd instead of inside the matmuls: ttt.SHARED_WEIGHT_GRADS off, no graph breaks), `eyas-deferred-stats` (the statistics read one step late: what the
 per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
 (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
 options), train_8b_per_step_casts_vs_specforge.
@@ -181,6 +182,20 @@ def grouped_diagonals(step):
             return step()
         finally:
             ttt.GROUPED_DIAGONALS = False
+    return run
+
+
+def autograd_weight_sums(step):
+    """`step` with ttt.SHARED_WEIGHT_GRADS off while it runs: the once-cast weights' gradients summed by autograd,
+    no graph breaks in the compiled pieces."""
+    import eyas.drafter.ttt as ttt
+
+    def run():
+        ttt.SHARED_WEIGHT_GRADS = False
+        try:
+            return step()
+        finally:
+            ttt.SHARED_WEIGHT_GRADS = True
     return run
 
 
@@ -388,6 +403,7 @@ def suite_8b(args, dist) -> dict:
             # the diagonal keys merged per key/value head
             ("eyas-grouped-diagonals", lambda: grouped_diagonals(make_fast_step(**fast, compile_parts=True))),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
+            ("eyas-autograd-weight-sums", lambda: autograd_weight_sums(make_fast_step(**fast, compile_parts=True))),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
@@ -407,6 +423,12 @@ def suite_8b(args, dist) -> dict:
         else:
             log(f"SpecForge not measured: {why}")
             result["specforge_skipped"] = why
+    if args.variants:
+        keep = args.variants.split(",")
+        unknown = sorted(set(keep) - {label for label, _ in variants})
+        if unknown:
+            raise SystemExit(f"--variants: {', '.join(unknown)} not among {', '.join(label for label, _ in variants)}")
+        variants = [v for v in variants if v[0] in keep]
     rounds = args.rounds if args.rounds is not None else (5 if device.type == "cuda" else 1)
     result["rounds"] = rounds
     if rounds > 1:
@@ -531,6 +553,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=None, help="timed steps (8b: default 10 on CUDA, 3 on CPU; smol: "
                                                              "optimizer steps per run, default by budget)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
+    ap.add_argument("--variants", default=None, help="8b: only these variants (comma-separated labels, e.g. "
+                    "eyas,eyas-autograd-weight-sums)")
     ap.add_argument("--rounds", type=int, default=None, help="8b: time the variants in this many rounds of --steps "
                     "steps, taking turns, and report each one's median (default 5 on CUDA; 1 = one after another)")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")

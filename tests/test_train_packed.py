@@ -269,11 +269,22 @@ def test_varlen_kernel_check_passes_on_cpu():
     assert check_varlen_kernel("cpu", torch.float32) < 1e-4
 
 
-def test_cast_once_casts_each_weight_once_and_trains_alike():
+@pytest.mark.parametrize("shared", [True, False], ids=["sums-in-matmuls", "autograd-sums"])
+def test_cast_once_casts_each_weight_once_and_trains_alike(shared, monkeypatch):
     """Under bf16 autocast, `cast_once` casts each mid-layer weight once per forward and gives the
-    loss and gradients of the default within bf16 rounding. (Eager autocast caches its casts too; the
-    compiled pieces, the CUDA default, cast inside every call: K casts per weight.)"""
+    loss and gradients of the default within bf16 rounding, whether the steps' weight gradients are
+    summed inside the matmuls (shared_linear) or by autograd (ttt.SHARED_WEIGHT_GRADS off). (Eager
+    autocast caches its casts too; the compiled pieces, the CUDA default, cast inside every call: K
+    casts per weight.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
+
+    import eyas.drafter.ttt as ttt
+
+    import eyas.drafter.model as model
+
+    monkeypatch.setattr(ttt, "SHARED_WEIGHT_GRADS", shared)
+    shared_uses = []
+    monkeypatch.setattr(model, "shared_linear", lambda x, w, f=model.shared_linear: shared_uses.append(1) or f(x, w))
 
     K = 4
     samples = _samples([9, 14])
@@ -310,6 +321,7 @@ def test_cast_once_casts_each_weight_once_and_trains_alike():
                                 cfg=TTTConfig(steps=K, cast_once=once), denominators=den)
         o.loss.backward()
         out[once] = (o.loss.detach(), CountCasts.n, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+    assert len(shared_uses) == (4 * K if shared else 0)  # q/k/v, o, gate/up, down in each of K steps
     loss, casts, grads = out[True]
     same_shape = sum(tuple(mod.weight.shape) == shape for mod in m.midlayer.modules()
                      if isinstance(mod, torch.nn.Linear))  # gate, up (each cast once, then concatenated)

@@ -246,16 +246,19 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def linear_weights(self, dtype: torch.dtype) -> dict[str, SharedWeight]:
+    def linear_weights(self, dtype: torch.dtype, *, shared: bool = True) -> dict[str, SharedWeight | torch.Tensor]:
         """The linear weights cast to `dtype` once (differentiable casts) for several steps to share:
         q/k/v as one [H*d + 2*K*d, 2D] matrix and gate/up as one [2I, D] matrix (one matmul each per
-        step), o_proj and down_proj alone. Each step's weight gradient is accumulated inside its
-        matmul (`shared_linear`), so the K steps add no gradient sums of their own."""
+        step), o_proj and down_proj alone. `shared`: each step's weight gradient is accumulated inside
+        its matmul (`shared_linear`), so the K steps add no gradient sums of their own, but every use
+        is a graph break in compiled code; else plain tensors, whose K gradients autograd sums in the
+        compute dtype (compiled pieces stay whole)."""
         a, m = self.self_attn, self.mlp
         cast = lambda *mods: torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 \
             else mods[0].weight.to(dtype)
-        return {"qkv": SharedWeight(cast(a.q_proj, a.k_proj, a.v_proj)), "o_proj": SharedWeight(cast(a.o_proj)),
-                "gate_up": SharedWeight(cast(m.gate_proj, m.up_proj)), "down_proj": SharedWeight(cast(m.down_proj))}
+        wrap = SharedWeight if shared else (lambda t: t)
+        return {"qkv": wrap(cast(a.q_proj, a.k_proj, a.v_proj)), "o_proj": wrap(cast(a.o_proj)),
+                "gate_up": wrap(cast(m.gate_proj, m.up_proj)), "down_proj": wrap(cast(m.down_proj))}
 
     def project_qkv(self, embeds_BTD, feature_BTD, cos, sin, w: dict[str, SharedWeight] | None = None):
         """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k). `w`: `linear_weights` to use instead of
@@ -267,7 +270,7 @@ class MidLayer(nn.Module):
         if w is None:
             q, k, v = attn.q_proj(x_BT2D), attn.k_proj(x_BT2D), attn.v_proj(x_BT2D)
         else:
-            q, k, v = shared_linear(x_BT2D, w["qkv"]).split([H * d, K * d, K * d], dim=-1)
+            q, k, v = _linear(w["qkv"])(x_BT2D, w["qkv"]).split([H * d, K * d, K * d], dim=-1)
         q = q.view(B, T, H, d).transpose(1, 2)
         k = k.view(B, T, K, d).transpose(1, 2)
         v = v.view(B, T, K, d).transpose(1, 2)
@@ -281,9 +284,9 @@ class MidLayer(nn.Module):
         if w is None:
             h = feature_BTD + self.self_attn.o_proj(o)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = feature_BTD + shared_linear(o, w["o_proj"])
-        gate, up = shared_linear(self.post_attention_layernorm(h), w["gate_up"]).chunk(2, dim=-1)
-        return h + shared_linear(F.silu(gate) * up, w["down_proj"])
+        h = feature_BTD + _linear(w["o_proj"])(o, w["o_proj"])
+        gate, up = _linear(w["gate_up"])(self.post_attention_layernorm(h), w["gate_up"]).chunk(2, dim=-1)
+        return h + _linear(w["down_proj"])(F.silu(gate) * up, w["down_proj"])
 
 
 class SharedWeight:
@@ -332,6 +335,16 @@ def shared_linear(x: torch.Tensor, shared: SharedWeight) -> torch.Tensor:
     """F.linear(x, shared.weight) whose weight gradient is summed with the other uses' inside their
     matmuls (see `SharedWeight`)."""
     return _SharedLinear.apply(x.to(shared.weight.dtype), shared.weight, shared)
+
+
+def _cast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.to(w.dtype), w)
+
+
+def _linear(w: SharedWeight | torch.Tensor):
+    """The matmul for a `linear_weights` entry (a SharedWeight, or a tensor already in the compute dtype), called
+    by the caller itself: a shared_linear call then breaks the caller's compiled graph and no other frame's."""
+    return shared_linear if isinstance(w, SharedWeight) else _cast_linear
 
 
 @dataclass

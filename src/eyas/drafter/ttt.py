@@ -106,6 +106,11 @@ CAST_ONCE_MIN_HIDDEN = 2048
 """The smallest drafter hidden size that casts its weights once by default (measured: 4096 faster,
 576 slower; the sizes between were not measured)."""
 
+# cast_once: each step's weight gradient summed inside its matmul (model.shared_linear, True), or the K
+# steps' gradients of the once-cast weights summed by autograd (False: no graph breaks in the compiled
+# pieces, 28 compiled-region calls a step instead of 84: benchmarks/compiled_regions.py)
+SHARED_WEIGHT_GRADS = True
+
 
 # ----------------------------------------------------------------------------------------------
 # teacher
@@ -819,7 +824,7 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
     if cast_once and torch.is_autocast_enabled(dev.type):
         cdtype = torch.get_autocast_dtype(dev.type)
         if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
-            w = drafter.midlayer.linear_weights(cdtype)
+            w = drafter.midlayer.linear_weights(cdtype, shared=SHARED_WEIGHT_GRADS)
     for k in range(steps):
         j = t + 1 + k
         tokens = torch.where(j < seg.ends_N, input_ids_N[j.clamp_max(N - 1)], 0)
