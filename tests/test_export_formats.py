@@ -295,42 +295,34 @@ def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_
         export_drafter(src, "vllm", tmp_path / "d", verifier=str(empty))
 
 
-def test_verifier_only_goes_with_the_vllm_format(eyas_drafter, tmp_path):
-    src, _, _ = eyas_drafter
-    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
-                                   "--verifier", "foo/bar"])
-    assert res.exit_code == 2 and "--verifier only applies to --format vllm" in res.output
-    assert "--format sglang" in res.output and len(res.output.strip().splitlines()) == 1
-    assert not (tmp_path / "o").exists()
+@pytest.mark.parametrize("option, value, field", [("--verifier", "foo/bar", "verifier"),
+                                                  ("--speculative-tokens", "3", "speculative_tokens")])
+def test_vllm_only_options_are_refused_with_another_format(eyas_drafter, tmp_path, option, value, field):
+    """Only the vllm format reads them: given with sglang they are refused (CLI and [export]), not dropped."""
     from eyas.errors import EyasError
     from eyas.pipeline import ExportOptions
 
-    with pytest.raises(EyasError, match="only applies to the vllm format"):
-        ExportOptions(formats=["sglang"], verifier="foo/bar")
-    assert ExportOptions(formats=["sglang", "vllm"], verifier="foo/bar").verifier == "foo/bar"
-
-
-def test_speculative_tokens_only_goes_with_the_vllm_format(eyas_drafter, tmp_path):
-    """Only the vllm format writes num_speculative_tokens: given with sglang it is refused, not dropped; left out,
-    the vllm export writes the default 5."""
     src, _, _ = eyas_drafter
     res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
-                                   "--speculative-tokens", "3"])
-    assert res.exit_code == 2 and "--speculative-tokens only applies to --format vllm" in res.output
+                                   option, value])
+    assert res.exit_code == 2 and f"{option} only applies to --format vllm" in res.output
     assert "--format sglang" in res.output and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+    typed = int(value) if field == "speculative_tokens" else value
+    with pytest.raises(EyasError, match=rf"^{field} {typed!r}: only applies to the vllm format, and formats = "
+                                        rf"\['sglang'\]; add \"vllm\" to formats or drop {field}$"):
+        ExportOptions(formats=["sglang"], **{field: typed})
+    assert getattr(ExportOptions(formats=["sglang", "vllm"], **{field: typed}), field) == typed
+
+
+def test_speculative_tokens_default_to_5_in_the_vllm_export(eyas_drafter, tmp_path):
+    """Left out, the vllm export writes 5; given, its value; the sglang export needs none."""
+    src, _, _ = eyas_drafter
     _export(src, "sglang", tmp_path / "s")  # not given: nothing to refuse
     for out, extra, n in ((tmp_path / "v5", [], 5), (tmp_path / "v3", ["--speculative-tokens", "3"], 3)):
         _export(src, "vllm", out, *extra)
         cfg = json.loads((out / "config.json").read_text())
         assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == n
-    from eyas.errors import EyasError
-    from eyas.pipeline import ExportOptions
-
-    with pytest.raises(EyasError, match=r"^speculative_tokens 3: only applies to the vllm format, and formats = "
-                                        r"\['sglang'\]; add \"vllm\" to formats or drop speculative_tokens$"):
-        ExportOptions(formats=["sglang"], speculative_tokens=3)
-    assert ExportOptions(formats=["vllm"], speculative_tokens=3).speculative_tokens == 3
 
 
 def test_export_refuses_a_training_runs_drafter_folder(eyas_drafter, tmp_path):
