@@ -91,7 +91,8 @@ def test_token_batches_across_an_epoch_end_and_a_one_process_checkpoint_on_two(w
     steps = plan.steps_per_epoch + 1  # the epoch's last step has an empty slot, then the next epoch
     assert [] in plan.micro_indices(plan.steps_per_epoch - 1, 0)
     one = tmp_path / "one"
-    run(_cfg(world, one, data=world["prep"], steps=steps, tokens_per_batch=budget, grad_accum=2, save_every=1))
+    run(_cfg(world, one, data=world["prep"], steps=steps, tokens_per_batch=budget, batch_size=None, grad_accum=2,
+             save_every=1))
     two = tmp_path / "two"
     _torchrun(*_args(world, two, "--steps", str(steps), "--tokens-per-batch", str(budget)))
     ref, got = _train_records(one), _train_records(two)
