@@ -24,7 +24,8 @@
 # JOBS=points SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles". One GPU with SIDE_JOBS set:
 # call 1 starts that chain instead of the check (jobs needing no target run while call 2 stages it), and call 2
 # with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
-# side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store.
+# side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store;
+# sbs_ablations runs the side by side with two eyas method variants (TTT decay 1.0, the head from the target's).
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -107,6 +108,13 @@ side_by_side() {
     python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
+sbs_ablations() {  # the side by side (resumed: reuses what the default root holds) with eyas method variants, each
+    # against the same SpecForge drafter: TTT decay 1.0 instead of 0.8; the head started from the target's
+    waitfor $prep/meta.json
+    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
+        --eval-prompts $S/question.jsonl --eyas-variant decay1:ttt_decay=1.0 --eyas-variant inithead:init_head=true \
+        > $ROOT/q/sbs_ablations.log 2>&1
+}
 side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (the recipe's), on the first one's store
     waitfor $prep/meta.json
     mkdir -p $ROOT/sbs-lr3e-4 && [ -d $ROOT/sbs/store ] && ln -sfn $ROOT/sbs/store $ROOT/sbs-lr3e-4/store
@@ -137,7 +145,7 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep
-export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side side_by_side_lr profiles recipe recipe_all points wait_target \
+export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side sbs_ablations side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2

@@ -32,6 +32,12 @@ device call ends early: every step resumes.
     PYTHONPATH=src python benchmarks/specforge_side_by_side.py --prepared runs/smollm2-gpu/prepared \
         --root runs/sbs --samples 3000 --steps 600 --batch-size 16 --draft-vocab 32000
 
+Method ablations against the same SpecForge drafter: `--eyas-variant NAME:KEY=VALUE[,KEY=VALUE]` (repeatable;
+keys from VARIANT_FIELDS: learning-rate schedule, weight decay, clipping, TTT decay, head init, dtype) trains one
+more eyas drafter per variant on the same store with the same steps and samples per step, exports and evaluates
+it with the same settings, and reports its ratios under `variants` (each variant about 3.5 GPU minutes at the
+defaults: training and one eval).
+
 SpecForge saves every 200 steps (and at the end); a repeated call resumes its training from the newest
 checkpoint, skips it when the last step's checkpoint exists, and exports that one.
 
@@ -192,6 +198,35 @@ def specforge_last_log(log_path: Path) -> dict:
     return {k: last[k] for k in ("step", "loss", "acc", "grad_norm", "lr") if k in last}
 
 
+VARIANT_FIELDS = frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "ttt_decay", "init_head",
+                            "model_dtype"})
+
+
+def parse_variants(specs: list[str]) -> dict[str, dict]:
+    """--eyas-variant NAME:KEY=VALUE[,KEY=VALUE] -> {NAME: {field: value}}; values as in `eyas pipeline --set`
+    (TOML: numbers, booleans, quoted strings); keys: the TrainConfig settings of the training method
+    (VARIANT_FIELDS), never the data, the budget (steps, samples per step) or the drafter's shape, which
+    keep the comparison with the SpecForge drafter fair."""
+    from eyas.pipeline import parse_value
+
+    fields = VARIANT_FIELDS
+    out: dict[str, dict] = {}
+    for spec in specs:
+        name, sep, body = spec.partition(":")
+        if not sep or not name or not name.replace("-", "").replace("_", "").isalnum() or name in out:
+            raise SystemExit(f"--eyas-variant {spec!r}: expected a new NAME (letters, digits, - and _), a colon, then "
+                             "KEY=VALUE pairs separated by commas")
+        sets = {}
+        for pair in body.split(","):
+            key, eq, value = pair.partition("=")
+            if not eq or key.strip() not in fields:
+                raise SystemExit(f"--eyas-variant {spec!r}: {key.strip()!r} is not a TrainConfig setting a variant may "
+                                 f"change ({', '.join(sorted(fields))})")
+            sets[key.strip()] = parse_value(value.strip())
+        out[name] = sets
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--prepared", type=Path, required=True, help="prepared dataset (`eyas prepare` / a pipeline's prepared/)")
@@ -215,7 +250,12 @@ def main() -> None:
     ap.add_argument("--eval-tree-depth", type=int, default=6, help="eval tree: draft steps per round")
     ap.add_argument("--eval-tree-tokens", type=int, default=60, help="eval tree: draft tokens per round")
     ap.add_argument("--specforge-path", type=Path, default=None, help="directory holding an unpacked specforge package")
+    ap.add_argument("--eyas-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+                    help="also train and evaluate an eyas drafter with these TrainConfig settings changed (same data, "
+                         "steps and samples per step), compared with the same SpecForge drafter: a method ablation "
+                         "against one SpecForge run, e.g. decay1:ttt_decay=1.0 (repeatable)")
     args = ap.parse_args()
+    variants = parse_variants(args.eyas_variant)
 
     from eyas.capture.run import CaptureSettings, run_capture
     from eyas.defaults import resolve_target
@@ -240,17 +280,28 @@ def main() -> None:
 
     # -- 2. eyas, offline ------------------------------------------------------------------------
     drafter = eyas_run / "drafter"
+    base_train = dict(target=args.target, store=store, eval_store=store, eval_samples=16, steps=args.steps,
+                      batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                      max_length=args.max_length, save_every=200, resume="auto", device=args.device, seed=args.seed)
     if step("eyas train", (drafter / "config.json").is_file()):
         t0 = time.perf_counter()
-        s = train(TrainConfig(target=args.target, out=eyas_run, store=store, eval_store=store, eval_samples=16,
-                              steps=args.steps, batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps,
-                              draft_vocab=args.draft_vocab, max_length=args.max_length, save_every=200,
-                              resume="auto", device=args.device, seed=args.seed))
+        s = train(TrainConfig(**base_train, out=eyas_run))
         seconds["eyas_train"] = round(time.perf_counter() - t0, 1)
         result["eyas_train"] = {"tokens_per_s": s.get("tokens_per_s"), "final_loss": s.get("final_loss")}
     eyas_sglang = root / "eyas-sglang"
     if step("eyas export", (eyas_sglang / "config.json").is_file()):
         export_drafter(drafter, "sglang", eyas_sglang, overwrite=False)
+    drafters = {"eyas": eyas_sglang}
+    for name, sets in variants.items():  # method ablations: the same run with these settings changed
+        run_dir, out = root / f"eyas-{name}-train", root / f"eyas-{name}-sglang"
+        if step(f"eyas train, variant {name} {sets}", (run_dir / "drafter" / "config.json").is_file()):
+            t0 = time.perf_counter()
+            s = train(TrainConfig(**{**base_train, **sets, "out": run_dir}))
+            seconds[f"eyas_{name}_train"] = round(time.perf_counter() - t0, 1)
+            result.setdefault("variants", {})[name] = {"settings": sets, "tokens_per_s": s.get("tokens_per_s")}
+        if not (out / "config.json").is_file():
+            export_drafter(run_dir / "drafter", "sglang", out, overwrite=False)
+        drafters[f"eyas-{name}"] = out
 
     # -- 3. convert --------------------------------------------------------------------------------
     t0 = time.perf_counter()
@@ -287,7 +338,7 @@ def main() -> None:
 
     # -- 5. eval, same settings ----------------------------------------------------------------------
     evals, eval_settings = {}, {}
-    for name, d in (("eyas", eyas_sglang), ("specforge", sf_sglang)):
+    for name, d in (*drafters.items(), ("specforge", sf_sglang)):
         if not (d / "config.json").is_file():
             continue
         out = root / f"eval-{name}"
@@ -312,12 +363,18 @@ def main() -> None:
         for m in ("tau_chain", "tau_tree"):
             a, b = evals["eyas"].get(m), evals["specforge"].get(m)
             result[f"{m}_vs_specforge"] = round(a / b, 4) if a and b else None
+            for name in variants:
+                a = evals.get(f"eyas-{name}", {}).get(m)
+                result.setdefault("variants", {}).setdefault(name, {"settings": variants[name]})[f"{m}_vs_specforge"] = \
+                    round(a / b, 4) if a and b else None
     result["seconds"] = seconds
     log("\n| drafter | tau chain | tau tree |\n|---|---|---|")
     for name, e in evals.items():
         log(f"| {name} | {e.get('tau_chain')} | {e.get('tau_tree')} |")
     if "tau_chain_vs_specforge" in result:
         log(f"| eyas / SpecForge | {result['tau_chain_vs_specforge']} | {result['tau_tree_vs_specforge']} |")
+        for name, v in result.get("variants", {}).items():
+            log(f"| eyas-{name} / SpecForge | {v.get('tau_chain_vs_specforge')} | {v.get('tau_tree_vs_specforge')} |")
     print(json.dumps(result), flush=True)
 
 

@@ -190,7 +190,7 @@ def test_one_gpu_chain_from_call_1_and_a_call_2_that_only_stages(tmp_path):
     """One GPU, SIDE_JOBS set: call 1 starts that chain (the 8B rate needs no target) instead of the kernel check,
     its target-waiting job runs once call 2 (JOBS=none: no second chain on the same GPU) has staged the target."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="train_8b wait_target prepare_only side_by_side "
-                                   "side_by_side_lr", JOBS="none")
+                                   "side_by_side_lr sbs_ablations", JOBS="none")
     took, out = run(1)
     assert "chain side started on GPU 0" in out and took < 30, (took, out)
     took, out = run(2)
@@ -199,6 +199,11 @@ def test_one_gpu_chain_from_call_1_and_a_call_2_that_only_stages(tmp_path):
     c = calls()
     assert not [x for x in c if "--small" in x["args"]]  # no kernel check
     bench, prep = _one(c, "train_bench.py", "--no-compile"), _one(c, "-m", "pipeline")
+    ablations = _one(c, "specforge_side_by_side.py", "--eyas-variant")
+    variants = [a for i, a in enumerate(ablations["args"]) if ablations["args"][i - 1] == "--eyas-variant"]
+    assert variants == ["decay1:ttt_decay=1.0", "inithead:init_head=true"]
+    assert ablations["args"][ablations["args"].index("--root") + 1] == str(root / "sbs")  # the first one's, resumed
+    c.remove(ablations)
     sbs = _one(c, "specforge_side_by_side.py", "--root", str(root / "sbs"))
     again = _one(c, "specforge_side_by_side.py", "--lr", "3e-4")  # the second one: lr 3e-4 for both trainers
     assert again["args"][again["args"].index("--root") + 1] == str(root / "sbs-lr3e-4")

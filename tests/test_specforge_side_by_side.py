@@ -55,11 +55,11 @@ def sbs_inputs(tmp_path_factory, smol_tokenizer):
     return target, prepared
 
 
-def _run(target: Path, prepared: Path, out: Path) -> tuple[dict, str]:
+def _run(target: Path, prepared: Path, out: Path, *extra: str) -> tuple[dict, str]:
     cmd = [sys.executable, str(SCRIPT), "--prepared", str(prepared), "--target", str(target), "--root", str(out),
            "--samples", str(SAMPLES), "--steps", str(STEPS), "--batch-size", str(BATCH), "--max-length", "128",
            "--draft-vocab", str(VOCAB), "--device", "cpu", "--eval-limit", "1", "--eval-max-new-tokens", "12",
-           "--eval-tree-topk", "4", "--eval-tree-depth", "3", "--eval-tree-tokens", "8"]
+           "--eval-tree-topk", "4", "--eval-tree-depth", "3", "--eval-tree-tokens", "8", *extra]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert res.returncode == 0, res.stderr[-4000:]
     lines = res.stdout.splitlines()
@@ -138,3 +138,19 @@ def test_side_by_side_runs_end_to_end_on_cpu(tmp_path, sbs_inputs):
     for name in ("eyas train", "eyas export", "specforge train", "specforge export", "eval eyas", "eval specforge"):
         assert f"side by side: {name}: SKIPPED" in err2, name
     assert again["eval"] == result["eval"] and again["specforge_train"] == result["specforge_train"]
+
+    # a method ablation against the same SpecForge drafter: only the variant trains and is evaluated
+    ablation, err3 = _run(target, prepared, root, "--eyas-variant", "decay1:ttt_decay=1.0,lr=3e-4")
+    for name in ("eyas train", "specforge train", "eval eyas", "eval specforge"):
+        assert f"side by side: {name}: SKIPPED" in err3, name
+    assert "side by side: eyas train, variant decay1 {'ttt_decay': 1.0, 'lr': 0.0003}: running" in err3
+    v = ablation["variants"]["decay1"]
+    assert v["settings"] == {"ttt_decay": 1.0, "lr": 3e-4}
+    for mode in ("chain", "tree"):
+        a, b = ablation["eval"]["eyas-decay1"][f"tau_{mode}"], ablation["eval"]["specforge"][f"tau_{mode}"]
+        assert v[f"tau_{mode}_vs_specforge"] == round(a / b, 4)
+    assert ablation["eval"]["eyas"] == result["eval"]["eyas"]  # the default drafter's report, reused
+    cfg_v = json.loads((root / "eyas-decay1-sglang" / "config.json").read_text())
+    assert cfg_v == eyas_cfg  # the same drafter shape: only the training differs
+    w_v = _safetensors(root / "eyas-decay1-sglang" / "model.safetensors")
+    assert any(not torch.equal(w_v[k], eyas_w[k]) for k in eyas_w if "embed" not in k and k in w_v)
