@@ -260,7 +260,8 @@ class MidLayer(nn.Module):
         return {"qkv": wrap(cast(a.q_proj, a.k_proj, a.v_proj)), "o_proj": wrap(cast(a.o_proj)),
                 "gate_up": wrap(cast(m.gate_proj, m.up_proj)), "down_proj": wrap(cast(m.down_proj))}
 
-    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin, w: dict[str, SharedWeight] | None = None):
+    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin,
+                    w: dict[str, SharedWeight | torch.Tensor] | None = None):
         """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k). `w`: `linear_weights` to use instead of
         the modules' own."""
         B, T, _ = embeds_BTD.shape
@@ -277,7 +278,7 @@ class MidLayer(nn.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor,
-               w: dict[str, SharedWeight] | None = None) -> torch.Tensor:
+               w: dict[str, SharedWeight | torch.Tensor] | None = None) -> torch.Tensor:
         """o_proj, residual from the (un-normalised) feature, then the MLP block -> hidden_prenorm_BTD."""
         B, H, T, d = attn_BHTd.shape
         o = attn_BHTd.transpose(1, 2).reshape(B, T, H * d)
