@@ -686,7 +686,7 @@ def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b for an fp32 `acc`. With a and b in 16 bits the product is summed into `acc` inside the
     matmul (`addmm` with out_dtype fp32) where the backend has it and it passes `check_addmm_fp32` once;
     else through an fp32 copy of the product (one [M, N] cast and one addition more per call: at the 8B
-    shape, 14 of them a step for the head's [32000, 4096] weight gradient)."""
+    shape, 7 a step, one per TTT step, for the head's [32000, 4096] weight gradient)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
