@@ -306,15 +306,15 @@ def split_by_tokens(todo: list[int], lengths: list[int], parts: int) -> list[lis
 def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
     import torch.distributed as tdist
 
-    from eyas.train.dist import setup, teardown
+    from eyas.train.dist import init_group, setup, teardown
 
-    if not tdist.is_initialized():
-        # gloo even on CUDA: the processes only exchange small objects (work list, reports), and a
-        # rank that finishes its share hours before another must not hit NCCL's default timeout
-        tdist.init_process_group(backend="gloo", timeout=datetime.timedelta(days=7))
-    d = setup(settings.device)
+    # gloo even on CUDA: the processes only exchange small objects (work list, reports), and a
+    # rank that finishes its share hours before another must not hit NCCL's default timeout
+    init_group("gloo", timeout=datetime.timedelta(days=7))
+    d = None
     writer: StoreWriter | None = None  # rank 0's writer of the shared store
     try:
+        d = setup(settings.device)
         spec, split, ctx = store_spec_for(settings)
         n = ctx["n"]
         lengths = [int(x) for x in split.lengths[:n]]
@@ -403,6 +403,7 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
     finally:
         if writer is not None:
             writer.abort()  # releases the store's lock (a no-op once closed); committed shards stay
+        # the group is freed here, its gloo threads joined, not left to race the interpreter's exit
         teardown(d)
     rows = sum(r["tokens"] for r in reports)
     slowest = max(r["seconds"] for r in reports)

@@ -3,11 +3,25 @@
 Launched plainly, world = 1 and nothing is initialised. Under torchrun (WORLD_SIZE > 1) the
 backend is NCCL on CUDA and gloo on CPU. Parallelism is applied from outside the model
 (`wrap_model`): DDP by default, FSDP2 (`fully_shard`) with --fsdp.
+
+Teardown must free the process group before the interpreter exits: a gloo group that outlives
+destroy_process_group() keeps its worker and socket-loop threads running into interpreter shutdown,
+and there they race the exit (now and then a rank aborts with "terminate called without an active
+exception" after all its work is done). The usual holder is a module imported after the group
+exists that binds `group.WORLD` as a default argument (torch.distributed.nn.functional, which
+transformers pulls in through torch.distributed.fsdp when it loads a config): `init_group` imports
+it first, and `teardown` drops any such default left over.
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import importlib
 import os
+import sys
+import types
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -31,6 +45,20 @@ class Dist:
         return self.world > 1
 
 
+# Modules whose functions take `group=group.WORLD` as a default: imported before the group exists they
+# bind None (the default group at call time); imported after, the group object itself, for good.
+_WORLD_DEFAULT_MODULES = ("torch.distributed.nn.functional",)
+
+
+def init_group(backend: str, **kwargs) -> None:
+    """torch.distributed.init_process_group(backend, **kwargs) unless a group exists, after importing
+    the modules that would otherwise keep the group alive past destroy_process_group()."""
+    for name in _WORLD_DEFAULT_MODULES:
+        importlib.import_module(name)
+    if not torch.distributed.is_initialized():
+        torch.distributed.init_process_group(backend=backend, **kwargs)
+
+
 def setup(device: str) -> Dist:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -43,13 +71,59 @@ def setup(device: str) -> Dist:
         torch.cuda.set_device(dev)
     if world > 1 and not torch.distributed.is_initialized():
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        torch.distributed.init_process_group(backend=backend, device_id=dev if dev.type == "cuda" else None)
+        init_group(backend, device_id=dev if dev.type == "cuda" else None)
     return Dist(rank, world, local, dev)
 
 
-def teardown(d: Dist) -> None:
-    if d.enabled and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+def teardown(d: Dist | None) -> None:
+    """Destroy the process group (d None: whatever group exists) and make sure it is freed now, with
+    its backend's threads joined, not at interpreter exit. Collectives must be over on every rank."""
+    if (d is not None and not d.enabled) or not torch.distributed.is_initialized():
+        return
+    pg = torch.distributed.group.WORLD
+    ref = weakref.ref(pg) if pg is not None else None
+    del pg
+    torch.distributed.destroy_process_group()
+    if ref is None or ref() is None:
+        return
+    with contextlib.suppress(Exception):  # teardown runs in `finally`: it must not hide the error in flight
+        _drop_default_args(ref())  # a module imported after init_group bound the group as a default
+    if ref() is not None:
+        gc.collect()
+    if ref() is not None:
+        from eyas.common import log
+
+        log(f"eyas: warning: the process group is still referenced after destroy_process_group ({sys.getrefcount(ref()) - 1} "
+            "references); its threads may outlive it and abort the process at exit")
+
+
+def _drop_default_args(pg: object) -> int:
+    """Replace `pg` by None in the default arguments of the loaded modules' functions (and their classes'
+    methods); returns how many functions held it."""
+    def fix(f) -> int:
+        if type(f) in (staticmethod, classmethod):
+            f = f.__func__
+        if type(f) is not types.FunctionType:
+            return 0
+        hit = 0
+        if f.__defaults__ and any(v is pg for v in f.__defaults__):
+            f.__defaults__ = tuple(None if v is pg else v for v in f.__defaults__)
+            hit = 1
+        if f.__kwdefaults__ and any(v is pg for v in f.__kwdefaults__.values()):
+            f.__kwdefaults__ = {k: None if v is pg else v for k, v in f.__kwdefaults__.items()}
+            hit = 1
+        return hit
+
+    n = 0
+    for mod in list(sys.modules.values()):
+        if not issubclass(type(mod), types.ModuleType):  # type(), not isinstance: nothing lazy is touched
+            continue
+        for v in list(vars(mod).values()):
+            if issubclass(type(v), type) and vars(v).get("__module__") == mod.__name__:
+                n += sum(fix(m) for m in list(vars(v).values()))
+            else:
+                n += fix(v)
+    return n
 
 
 def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
