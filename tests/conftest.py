@@ -36,6 +36,19 @@ def smol_tokenizer(smol_dir):
     return AutoTokenizer.from_pretrained(smol_dir)
 
 
+def load_benchmark(name: str):
+    """benchmarks/<name>.py as a module (registered in sys.modules: dataclasses resolve annotations there)."""
+    import importlib.util
+    import sys
+
+    if name not in sys.modules:
+        path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        sys.modules[name] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(sys.modules[name])
+    return sys.modules[name]
+
+
 def make_tiny_target(out: Path, tokenizer, *, family: str = "llama", seed: int = 0, **overrides) -> Path:
     """Save a tiny random causal LM of `family` (llama, qwen2, qwen3, deepseek_v3) with `tokenizer`."""
     import transformers

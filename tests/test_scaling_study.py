@@ -3,19 +3,11 @@ slot at a time, a failure that leaves the others' results, and the deadline stop
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "scaling_study.py"
+from tests.conftest import load_benchmark
 
 
 def _study():
-    spec = importlib.util.spec_from_file_location("scaling_study", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("scaling_study", mod)  # dataclasses resolve annotations through sys.modules
-    spec.loader.exec_module(sys.modules["scaling_study"])
-    return sys.modules["scaling_study"]
+    return load_benchmark("scaling_study")
 
 
 class Clock:

@@ -3,23 +3,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "specforge_side_by_side.py"
-
-
-def _module():
-    spec = importlib.util.spec_from_file_location("specforge_side_by_side", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from tests.conftest import load_benchmark
 
 
 def test_variants_parse_as_toml_values_and_refuse_what_would_change_the_budget():
-    parse = _module().parse_variants
+    parse = load_benchmark("specforge_side_by_side").parse_variants
     assert parse(["decay1:ttt_decay=1.0", "lr3:lr=3e-4,warmup_steps=5"]) == \
         {"decay1": {"ttt_decay": 1.0}, "lr3": {"lr": 3e-4, "warmup_steps": 5}}
     for bad, why in ((["steps:steps=100"], "'steps' is not a TrainConfig setting a variant may change"),

@@ -16,17 +16,14 @@ import torch
 from eyas.capture.run import CaptureSettings, run_capture
 from eyas.target import load_tokenizer, tokenizer_hash
 from eyas.train.data import open_store, store_order
+from tests.conftest import load_benchmark
 from tests.test_capture_run import make_prepared
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "specforge_convert.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("specforge_convert", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("specforge_convert")
 
 
 @pytest.fixture(scope="module")

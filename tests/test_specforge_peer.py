@@ -8,19 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-PEER = Path(__file__).resolve().parents[1] / "benchmarks" / "specforge_peer.py"
+from tests.conftest import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def peer():
-    spec = importlib.util.spec_from_file_location("specforge_peer", PEER)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("specforge_peer")
 
 
 def test_availability_is_reported_not_raised(peer):
