@@ -7,20 +7,18 @@ backend is NCCL on CUDA and gloo on CPU. Parallelism is applied from outside the
 Teardown must free the process group before the interpreter exits: a gloo group that outlives
 destroy_process_group() keeps its worker and socket-loop threads running into interpreter shutdown,
 and there they race the exit (now and then a rank aborts with "terminate called without an active
-exception" after all its work is done). The usual holder is a module imported after the group
+exception" after all its work is done). The holder found was a module imported after the group
 exists that binds `group.WORLD` as a default argument (torch.distributed.nn.functional, which
 transformers pulls in through torch.distributed.fsdp when it loads a config): `init_group` imports
-it first, and `teardown` drops any such default left over.
+it first, and `teardown` checks that the group is gone (a warning names the risk when it is not).
 """
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib
 import os
 import sys
-import types
 import weakref
 from dataclasses import dataclass
 
@@ -86,44 +84,13 @@ def teardown(d: Dist | None) -> None:
     torch.distributed.destroy_process_group()
     if ref is None or ref() is None:
         return
-    with contextlib.suppress(Exception):  # teardown runs in `finally`: it must not hide the error in flight
-        _drop_default_args(ref())  # a module imported after init_group bound the group as a default
-    if ref() is not None:
-        gc.collect()
+    gc.collect()  # a reference cycle holding it
     if ref() is not None:
         from eyas.common import log
 
         log(f"eyas: warning: the process group is still referenced after destroy_process_group ({sys.getrefcount(ref()) - 1} "
-            "references); its threads may outlive it and abort the process at exit")
-
-
-def _drop_default_args(pg: object) -> int:
-    """Replace `pg` by None in the default arguments of the loaded modules' functions (and their classes'
-    methods); returns how many functions held it."""
-    def fix(f) -> int:
-        if type(f) in (staticmethod, classmethod):
-            f = f.__func__
-        if type(f) is not types.FunctionType:
-            return 0
-        hit = 0
-        if f.__defaults__ and any(v is pg for v in f.__defaults__):
-            f.__defaults__ = tuple(None if v is pg else v for v in f.__defaults__)
-            hit = 1
-        if f.__kwdefaults__ and any(v is pg for v in f.__kwdefaults__.values()):
-            f.__kwdefaults__ = {k: None if v is pg else v for k, v in f.__kwdefaults__.items()}
-            hit = 1
-        return hit
-
-    n = 0
-    for mod in list(sys.modules.values()):
-        if not issubclass(type(mod), types.ModuleType):  # type(), not isinstance: nothing lazy is touched
-            continue
-        for v in list(vars(mod).values()):
-            if issubclass(type(v), type) and vars(v).get("__module__") == mod.__name__:
-                n += sum(fix(m) for m in list(vars(v).values()))
-            else:
-                n += fix(v)
-    return n
+            "references, e.g. a module imported after init_group that binds group.WORLD as a default argument); its "
+            "threads may outlive it and abort the process at exit")
 
 
 def all_reduce_sum(t: torch.Tensor, d: Dist) -> torch.Tensor:
