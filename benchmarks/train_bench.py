@@ -55,6 +55,7 @@ import argparse
 import json
 import sys
 import time
+from unittest import mock
 
 import torch
 
@@ -172,48 +173,34 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     return step
 
 
+def patched(step, patcher):
+    """`step` run under `patcher` (a unittest.mock patch of a ttt setting: the variants of the default path)."""
+    def run():
+        with patcher:
+            return step()
+    return run
+
+
 def grouped_diagonals(step):
-    """`step` with ttt.GROUPED_DIAGONALS set while it runs."""
+    """The diagonal keys merged per key/value head (ttt.GROUPED_DIAGONALS)."""
     import eyas.drafter.ttt as ttt
 
-    def run():
-        ttt.GROUPED_DIAGONALS = True
-        try:
-            return step()
-        finally:
-            ttt.GROUPED_DIAGONALS = False
-    return run
+    return patched(step, mock.patch.object(ttt, "GROUPED_DIAGONALS", True))
 
 
 def autograd_weight_sums(step):
-    """`step` with ttt.SHARED_WEIGHT_GRADS off while it runs: the once-cast weights' gradients summed by autograd,
-    no graph breaks in the compiled pieces."""
+    """The once-cast weights' gradients summed by autograd, no graph breaks (ttt.SHARED_WEIGHT_GRADS off)."""
     import eyas.drafter.ttt as ttt
 
-    def run():
-        ttt.SHARED_WEIGHT_GRADS = False
-        try:
-            return step()
-        finally:
-            ttt.SHARED_WEIGHT_GRADS = True
-    return run
+    return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", False))
 
 
 def head_grad_copies(step, device):
-    """`step` with the head's weight gradient summed through fp32 copies of each product (the path before
-    `ttt.addmm_fp32_` summed it inside the matmul)."""
+    """The head's weight gradient summed through fp32 copies of each product (the path before `ttt.addmm_fp32_`
+    summed it inside the matmul)."""
     import eyas.drafter.ttt as ttt
 
-    key = (device.type, torch.bfloat16)
-
-    def run():
-        before = ttt._ADDMM_FP32.get(key)
-        ttt._ADDMM_FP32[key] = False
-        try:
-            return step()
-        finally:
-            ttt._ADDMM_FP32.pop(key) if before is None else ttt._ADDMM_FP32.__setitem__(key, before)
-    return run
+    return patched(step, mock.patch.dict(ttt._ADDMM_FP32, {(device.type, torch.bfloat16): False}))
 
 
 def make_reference_step(c: dict, *, B: int, T: int, K: int, device, seed: int = 0):
@@ -249,12 +236,19 @@ def sync(device):
         torch.cuda.synchronize()
 
 
-def measure(step, *, warmup: int, steps: int, device, tokens_per_step: int, label: str) -> dict:
+def warm_up(step, *, warmup: int, device, label: str) -> float:
+    """`warmup` untimed steps (compiles, allocator), each logged; -> their seconds."""
     t0 = time.perf_counter()
     for i in range(warmup):
         loss = step()
         sync(device)
         log(f"[{label}] warmup {i + 1}/{warmup}: loss {float(loss.detach()):.3f} ({time.perf_counter() - t0:.1f}s)")
+    return time.perf_counter() - t0
+
+
+def measure(step, *, warmup: int, steps: int, device, tokens_per_step: int, label: str) -> dict:
+    t0 = time.perf_counter()
+    warm_up(step, warmup=warmup, device=device, label=label)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()
@@ -281,13 +275,10 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
     built: dict = {}
     for label, make in variants:
         def warm(label=label, make=make):
-            step, t0 = make(), time.perf_counter()
-            for i in range(warmup):
-                loss = step()
-                sync(device)
-                log(f"[{label}] warmup {i + 1}/{warmup}: loss {float(loss.detach()):.3f} ({time.perf_counter() - t0:.1f}s)")
+            step = make()
+            seconds = warm_up(step, warmup=warmup, device=device, label=label)
             built[label] = step
-            return {"warmup_s": time.perf_counter() - t0}
+            return {"warmup_s": seconds}
         _try(label, runs, warm)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
