@@ -38,27 +38,14 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     import eyas.drafter.ttt as ttt
-    from eyas.drafter.ttt import TTTConfig
-    from eyas.train.data import Item, PackedBatch, pack_tokens
-    from eyas.train.loop import PackedTTTModule
 
     c = tb.shapes(False)  # the 8B drafter's head counts, everything else tiny
     c.update(hidden_size=64, head_dim=2, intermediate_size=128, vocab_size=1024, draft_vocab_size=256,
              target_hidden_size=64)
-    K, dev = args.ttt_steps, torch.device("cpu")
     ttt.SHARED_WEIGHT_GRADS = args.cast != "once-autograd"
-    drafter = tb._drafter(c, dev, seed=0, compile_parts=True)
-    data = tb._synthetic(c, B=1, T=32, device=dev, seed=0, rank=0)
-    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=args.cast != "steps"), head_VtD=data["head"])
-    ids, mask, seg, rows = pack_tokens([Item("0", data["ids"][0], data["mask"][0])], steps=K, pad_to=None)
-    b = PackedBatch(ids, seg, rows, data["aux"].flatten(0, 1), data["final"].flatten(0, 1), 32, 32, int(mask.sum()))
-    denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
-
-    def step():
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss, _ = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, denoms)
-        loss.backward()
-        module.zero_grad(set_to_none=True)
+    # the CUDA path's settings on the CPU: compiled pieces, bf16 autocast
+    step = tb.make_fast_step(c, B=1, T=32, K=args.ttt_steps, device=torch.device("cpu"), compile_parts=True,
+                             cast_once=args.cast != "steps", bf16=True)
 
     for _ in range(3):  # compiled, then steady
         step()
@@ -67,7 +54,7 @@ def main() -> None:
     ev = prof.key_averages()
     fwd = sum(e.count for e in ev if e.key.startswith("Torch-Compiled Region"))
     bwd = sum(e.count for e in ev if e.key == "CompiledFunctionBackward")
-    print(f"cast {args.cast}, TTT {K}: {fwd} compiled-region calls forward, {bwd} backward per step; "
+    print(f"cast {args.cast}, TTT {args.ttt_steps}: {fwd} compiled-region calls forward, {bwd} backward per step; "
           f"{counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")
     for reason, n in counters["graph_break"].items():
         print(f"  break x{n}: {reason.splitlines()[0][:160]}")

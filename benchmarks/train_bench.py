@@ -123,10 +123,11 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
                    compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
-                   defer_stats: bool = False):
+                   defer_stats: bool = False, bf16: bool | None = None):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are read back after the NEXT step is queued (the loop reads them
-    every step, which waits for the GPU: this variant measures what a one-step-late read would gain)."""
+    every step, which waits for the GPU: this variant measures what a one-step-late read would gain).
+    `bf16`: bf16 autocast (default: on CUDA, as `eyas train`)."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
     from eyas.train.loop import PackedTTTModule, lr_lambda
@@ -134,7 +135,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
     data = _synthetic(c, B=B, T=T, device=device, seed=seed, rank=dist.rank if dist is not None else 0)
     module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=cast_once), head_VtD=data["head"]).to(device)
-    bf16 = device.type == "cuda"
+    bf16 = device.type == "cuda" if bf16 is None else bf16
     if dist is not None and dist.enabled:
         from eyas.train.dist import wrap_model
 
