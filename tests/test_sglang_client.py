@@ -308,6 +308,20 @@ def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
     assert nums["ok"] and max(nums["mean_rel_l2"].values()) < 1e-4
 
 
+def test_verify_server_sizes_its_prompts_to_the_context_length(tiny_target_dir, tmp_path):
+    """A chunk as long as the context (SmolLM2: 8192 and 8192 on a default SGLang server, which reports
+    context_length None) made the default probe 1.5 chunks long and every request an HTTP 400 (the first
+    live run, 2026-12-01). The model's own limit (2048 for the tiny target) bounds the probe."""
+    with serve(tiny_target_dir, tmp_path, chunked_prefill_size=2048) as srv:
+        assert srv.server_info()["context_length"] is None
+        out = _verify(srv, prompt_tokens=None)
+        assert out["ok"] and out["checks"]["unique_prompt"]["tokens"] == 2048 - 8
+        # a --context-length given to the server wins over the model's limit
+        srv.cfg.context_length = 300
+        out = _verify(srv, prompt_tokens=None)
+    assert out["ok"] and out["checks"]["unique_prompt"]["tokens"] == 300 - 8
+
+
 def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, tmp_path):
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
         info = srv.server_info

@@ -116,7 +116,7 @@ def test_logits_hook_without_aux_rejects_and_errors_never_raise(state, tmp_path)
 
 
 class _Config:
-    num_hidden_layers, hidden_size, vocab_size = 12, 8, 100
+    num_hidden_layers, hidden_size, vocab_size, max_position_embeddings = 12, 8, 100, 4096
 
 
 class LlamaLike:  # sglang/srt/models/llama.py: layers_to_capture = [val + 1 for val in layer_ids]
@@ -168,6 +168,34 @@ def test_enable_sets_layers_in_eyas_convention(tmp_path, monkeypatch, fake_sglan
     assert st.writer is None  # rank 1 never writes: no writer threads, nothing submitted
     status = st.status()
     assert status["layer_ids"] == want and status["writer"] is False
+
+
+def test_the_writer_rank_creates_the_dump_dir_before_any_dump(tmp_path, monkeypatch, fake_sglang):
+    """The client's preflight looks for the dump directory before the first request: a server that only
+    made it on its first dump failed every preflight (found by the first live run, 2026-12-01)."""
+    ddir = tmp_path / "not" / "yet" / "dumps"
+    st = plugin._State(plugin.PluginConfig(layer_ids=None, dump_dir=str(ddir)))
+    monkeypatch.setattr(plugin, "_STATE", st)
+    runner = types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None)
+    plugin._on_init_attention_backends(runner)
+    assert st.is_writer() and ddir.is_dir() and not any(ddir.iterdir())
+    status = st.status()
+    assert status["write_errors"] == 0
+    # the model's own context limit, which verify-server sizes its probes by when --context-length was not given
+    assert status["model"]["max_position_embeddings"] == 4096
+    # a rank that never writes makes nothing; a directory that cannot be made is reported, never raised
+    fake_sglang.attn_tp_rank = 1
+    other = tmp_path / "rank1"
+    st = plugin._State(plugin.PluginConfig(layer_ids=None, dump_dir=str(other)))
+    monkeypatch.setattr(plugin, "_STATE", st)
+    plugin._on_init_attention_backends(types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None))
+    assert not other.exists()
+    fake_sglang.attn_tp_rank = 0
+    (tmp_path / "a-file").write_text("x")
+    st = plugin._State(plugin.PluginConfig(layer_ids=None, dump_dir=str(tmp_path / "a-file" / "dumps")))
+    monkeypatch.setattr(plugin, "_STATE", st)
+    plugin._on_init_attention_backends(types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None))
+    assert st.enabled and st.status()["write_errors"] == 1 and "a-file" in st.writer.errors[0]
 
 
 @pytest.mark.parametrize("cls", [DeepseekLike, KimiLike])

@@ -65,7 +65,10 @@ def verify_server(
     model_info = plan.status.get("model", {})
     vocab = int(model_info.get("vocab_size") or 0) or 32000
     chunk = int(plan.info.get("chunked_prefill_size") or -1)
-    context = int(plan.info.get("context_length") or 0) or (1 << 30)
+    # --context-length as the server was started with, else the model's own limit (SGLang's default context
+    # length; /server_info reports None for it when the flag was not given)
+    context = int(plan.info.get("context_length") or 0) or int(model_info.get("max_position_embeddings") or 0) \
+        or (1 << 30)
     L = prompt_tokens or min(chunk + chunk // 2 + 3 if chunk > 0 else 300, context - 8)
     if L < 8:
         raise EyasError(f"--prompt-tokens: {L}, expected >= 8")

@@ -59,6 +59,7 @@ import dataclasses
 import inspect
 import logging
 import os
+from pathlib import Path
 import threading
 from typing import Any
 
@@ -671,11 +672,16 @@ def enable(st: _State, model, *, server_args, ranks: dict[str, int]) -> None:
     st.ranks = dict(ranks)
     st.model = {"class": type(model).__name__, "num_layers": n, "hidden_size": int(getattr(text, "hidden_size", 0) or 0),
                 "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
+                "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 0),
                 "layers_to_capture": list(capture_owner(model).layers_to_capture),
                 "ids_passed": passed, "layer_id_rule": rule}
     if st.is_writer():
         writer = {**st.ranks, "pid": os.getpid()}
         st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threads=WRITER_THREADS)
+        try:  # the client's preflight looks for the directory before the first dump: it exists from the start
+            Path(st.cfg.dump_dir).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # reported by /eyas_capture's errors and the client, never raised into the server
+            st.writer.errors.append(f"dump dir {st.cfg.dump_dir}: {type(exc).__name__}: {exc}")
     st.enabled = True
     logger.info("eyas capture: layers %s (hf-input; passed %s, rule %s), dump dir %s, ranks %s, writer=%s",
                 layer_ids, passed, rule, st.cfg.dump_dir, st.ranks, st.is_writer())

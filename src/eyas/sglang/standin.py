@@ -95,6 +95,9 @@ class StandinConfig:
     """Reported in server info only (the client refuses DP attention; the plugin is not shown it)."""
     enable_two_batch_overlap: bool = False
     """Reported in server info only (the client refuses two-batch overlap; the plugin is not shown it)."""
+    context_length: int | None = None
+    """--context-length; None: the model's max_position_embeddings, reported as None in server info (as SGLang
+    reports a flag that was not given). Longer prompts are answered HTTP 400 with SGLang's message."""
     server_args: dict[str, Any] = field(default_factory=dict)
     """More ServerArgs fields the plugin's start-up check sees (it refuses some: then the stand-in does
     not start, as a real server would not)."""
@@ -347,7 +350,8 @@ class StandinServer:
                 state["eyas_capture"].update(sglang_version=cfg.version, standin=True)
         return {
             "model_path": str(cfg.target), "version": cfg.version, "disable_radix_cache": cfg.disable_radix_cache,
-            "chunked_prefill_size": cfg.chunked_prefill_size, "enable_mixed_chunk": False, "tp_size": cfg.tp_size,
+            "chunked_prefill_size": cfg.chunked_prefill_size, "context_length": cfg.context_length,
+            "enable_mixed_chunk": False, "tp_size": cfg.tp_size,
             "dp_size": 1, "pp_size": 1, "enable_dp_attention": cfg.enable_dp_attention,
             "enable_two_batch_overlap": cfg.enable_two_batch_overlap, "page_size": 1,
             "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
@@ -405,6 +409,10 @@ class StandinServer:
         vocab = int(self.model.config.vocab_size)
         if max(ids) >= vocab or min(ids) < 0:
             return 400, {"error": f"input_ids out of range for vocab {vocab}"}
+        limit = self.cfg.context_length or int(self.model.config.max_position_embeddings)
+        if len(ids) > limit:
+            return 400, {"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's context "
+                                              f"length ({limit} tokens)."}}
         sp = body.get("sampling_params") or {}
         if int(sp.get("max_new_tokens", 1)) != 1:
             return 400, {"error": "the stand-in serves max_new_tokens 1 only"}
