@@ -11,12 +11,13 @@ fly), bf16 autocast with fp32 master weights, grad clipping, fused AdamW, the LR
 per-step statistics read back to the host. In the same process: the earlier padded path with
 materialised teacher probabilities (`reference`), the other setting of TTTConfig.cast_once than the
 default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid layer's weights
-itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, gradients
-accumulated inside the matmuls), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
+itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, autograd summing the
+steps' gradients), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
 key/value head for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query
 head), `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's
-product, as before ttt.addmm_fp32_), `eyas-autograd-weight-sums` (weights cast once, their step gradients summed
-by autograd instead of inside the matmuls: ttt.SHARED_WEIGHT_GRADS off, no graph breaks), `eyas-deferred-stats` (the statistics read one step late: what the
+product, as before ttt.addmm_fp32_), `eyas-shared-weight-grads` (weights cast once, each step's weight gradient
+summed inside its matmul instead of by autograd: ttt.SHARED_WEIGHT_GRADS on, a graph break in every compiled piece;
+the default before 2026-12-01 evening), `eyas-deferred-stats` (the statistics read one step late: what the
 per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
 (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
 options), train_8b_per_step_casts_vs_specforge.
@@ -189,11 +190,12 @@ def grouped_diagonals(step):
     return patched(step, mock.patch.object(ttt, "GROUPED_DIAGONALS", True))
 
 
-def autograd_weight_sums(step):
-    """The once-cast weights' gradients summed by autograd, no graph breaks (ttt.SHARED_WEIGHT_GRADS off)."""
+def shared_weight_grads(step):
+    """Each TTT step's weight gradient summed inside its matmul (ttt.SHARED_WEIGHT_GRADS on; the default before
+    2026-12-01 evening): a graph break in every compiled piece."""
     import eyas.drafter.ttt as ttt
 
-    return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", False))
+    return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", True))
 
 
 def head_grad_copies(step, device):
@@ -395,7 +397,7 @@ def suite_8b(args, dist) -> dict:
             # the diagonal keys merged per key/value head
             ("eyas-grouped-diagonals", lambda: grouped_diagonals(make_fast_step(**fast, compile_parts=True))),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
-            ("eyas-autograd-weight-sums", lambda: autograd_weight_sums(make_fast_step(**fast, compile_parts=True))),
+            ("eyas-shared-weight-grads", lambda: shared_weight_grads(make_fast_step(**fast, compile_parts=True))),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
@@ -546,7 +548,7 @@ def main() -> None:
                                                              "optimizer steps per run, default by budget)")
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
     ap.add_argument("--variants", default=None, help="8b: only these variants (comma-separated labels, e.g. "
-                    "eyas,eyas-autograd-weight-sums)")
+                    "eyas,eyas-shared-weight-grads)")
     ap.add_argument("--rounds", type=int, default=None, help="8b: time the variants in this many rounds of --steps "
                     "steps, taking turns, and report each one's median (default 5 on CUDA; 1 = one after another)")
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")

@@ -79,11 +79,12 @@ class TTTConfig:
     """'fast' (flash + diagonal merge) or 'reference' (dense mask; tests and tiny runs)."""
     cast_once: bool | None = None
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
-    forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, each step's
-    weight gradient accumulated inside its matmul (model.shared_linear), instead of every step casting
-    the weights itself with autograd summing K gradients per weight. None (default): on for drafters
-    of hidden size >= CAST_ONCE_MIN_HIDDEN. Measured on one H200 (benchmarks/RESULTS.md, 2026-12-01):
-    5-6% faster for the Llama-8B shape (hidden 4096), 3-5% slower for SmolLM2's (576)."""
+    forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, instead of every
+    step casting the weights itself (SHARED_WEIGHT_GRADS says how the K steps' weight gradients are summed).
+    None (default): on for drafters of hidden size >= CAST_ONCE_MIN_HIDDEN. Measured on one H200
+    (benchmarks/RESULTS.md, 2026-12-01): faster for the Llama-8B shape (hidden 4096; 80.3 ms a step with
+    autograd's sums against 87.2 with per-step casts, medians of 5 rounds in one process), 3-5% slower for
+    SmolLM2's (576)."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -106,10 +107,12 @@ CAST_ONCE_MIN_HIDDEN = 2048
 """The smallest drafter hidden size that casts its weights once by default (measured: 4096 faster,
 576 slower; the sizes between were not measured)."""
 
-# cast_once: each step's weight gradient summed inside its matmul (model.shared_linear, True), or the K
-# steps' gradients of the once-cast weights summed by autograd (False: no graph breaks in the compiled
-# pieces, 28 compiled-region calls a step instead of 84: benchmarks/compiled_regions.py)
-SHARED_WEIGHT_GRADS = True
+# cast_once: the K steps' gradients of the once-cast weights summed by autograd (False, the default: no graph
+# breaks in the compiled pieces, 28 compiled-region calls a step instead of 84, benchmarks/compiled_regions.py),
+# or each step's weight gradient summed inside its matmul (model.shared_linear, True). The 8B step is bound by
+# the host; on one H200 (2026-12-01, train_bench.py, 5 rounds in one process) False ran 80.3 ms a step (rounds
+# 79.3-81.7) and True 86.5 ms (78.1-90.6)
+SHARED_WEIGHT_GRADS = False
 
 
 # ----------------------------------------------------------------------------------------------
