@@ -309,19 +309,61 @@ def _interrupted_message(cfg: TrainConfig) -> str:
 
 def run(cfg: TrainConfig) -> dict[str, Any]:
     """Train (see the module docstring). On SIGINT/SIGTERM in the loop it stops after the current step
-    with a checkpoint of it; every interrupt ends in `Interrupted`, whose message says what a rerun does."""
+    with a checkpoint of it; every interrupt ends in `Interrupted`, whose message says what a rerun does.
+
+    The process group (torchrun) is torn down here, once `_train`'s frame is gone (the DDP/FSDP module
+    it held keeps the group alive): at the end of a run with a plain destroy, and when training raises
+    (a bad batch, an EyasError, an interrupt, a collective failing because another rank stopped) with
+    `dist.abort`, which cannot block on ranks still waiting in a collective and never raises, so the
+    error that stopped the run is the one the CLI reports (exit 2 for an EyasError, 130 for an interrupt)."""
+    from eyas.train import dist as dd
+
     stop = StopRequest()
+    d = None
+    had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
-        return _train(cfg, stop)
-    except Interrupted:
+        d = dd.setup(cfg.device)
+        summary = _train(cfg, stop, d)
+    except BaseException as exc:
+        stop.restore()  # a Ctrl-C from here on is the default one (abort() does not let it replace this error)
+        _clear_frames(exc)
+        if d is not None or not had_group:  # (a group that existed before this run is the caller's, unless setup took it)
+            dd.abort(d)
+        if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
+            raise Interrupted(_interrupted_message(cfg)) from None
         raise
-    except KeyboardInterrupt:
-        raise Interrupted(_interrupted_message(cfg)) from None
     finally:
         stop.restore()
+    try:
+        dd.teardown(d)
+    except Exception as exc:  # the run is done and saved: a failed destroy is worth a line, not a failed command
+        log(f"eyas: warning: destroying the process group after the run failed ({type(exc).__name__}: {exc})")
+    if not d.is_main:
+        # under torchrun every rank runs the CLI; only rank 0's summary may be the last stdout line
+        import os
+        import sys
+
+        sys.stdout = open(os.devnull, "w")
+    return summary
 
 
-def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
+def _clear_frames(exc: BaseException) -> None:
+    """Drop the local variables of the finished frames in exc's traceback (and those of its cause and
+    context): the failed run's model, optimizer and DDP reducer go now, not when the traceback does, so
+    the process group they reference can be freed by the teardown. Line numbers stay for printing."""
+    import traceback
+
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)  # skips the frames still running (run's own)
+        if exc.__cause__ is not None and id(exc.__cause__) not in seen:
+            _clear_frames(exc.__cause__)
+        exc = exc.__context__
+
+
+def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
     from eyas.drafter.ttt import TTTConfig
     from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
@@ -341,8 +383,7 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
     from eyas.train.metrics import MetricsWriter, plot_curves
 
     torch.manual_seed(cfg.seed)
-    # -- 1. processes and devices -------------------------------------------------------------
-    d = dd.setup(cfg.device)
+    # -- 1. processes and devices (d: dd.setup's, in run(), which also tears the group down) --------
     dev = d.device
     bf16 = cfg.model_dtype == "bf16" or (cfg.model_dtype == "auto" and dev.type == "cuda")
     out = Path(cfg.out)
@@ -625,7 +666,6 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
                 log(f"checkpoint {p}")
         if stopping and not done:
             prefetch.close()
-            dd.teardown(d)
             raise Interrupted(f"stopped after step {step + 1} of {total}, saved in {ck_path}; "
                               f"{_continue_hint(cfg)} to continue from there")
 
@@ -656,13 +696,6 @@ def _train(cfg: TrainConfig, stop: StopRequest) -> dict[str, Any]:
                    "target_forwards": getattr(train_src, "target_forwards", None),
                    "eval": evals[-1] if evals else None, "metrics": str(out / "metrics.jsonl"),
                    "plot": str(out / "curves.png")}
-    dd.teardown(d)
-    if not d.is_main:
-        # under torchrun every rank runs the CLI; only rank 0's summary may be the last stdout line
-        import os
-        import sys
-
-        sys.stdout = open(os.devnull, "w")
     return summary
 
 
