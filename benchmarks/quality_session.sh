@@ -25,7 +25,8 @@
 # call 1 starts that chain instead of the check (jobs needing no target run while call 2 stages it), and call 2
 # with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
 # side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store;
-# sbs_ablations runs the side by side with two eyas method variants (TTT decay 1.0, the head from the target's).
+# sbs_ablations runs the side by side with three eyas method variants (the head from the target's, lr 3e-4, TTT
+# decay 1.0).
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -109,11 +110,12 @@ side_by_side() {
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
 sbs_ablations() {  # the side by side (resumed: reuses what the default root holds) with eyas method variants, each
-    # against the same SpecForge drafter: TTT decay 1.0 instead of 0.8; the head started from the target's
+    # against the same SpecForge drafter (its default lr 1e-4): the head started from the target's; lr 3e-4 (the
+    # recipe's) for eyas alone; TTT decay 1.0 instead of 0.8
     waitfor $prep/meta.json
     python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
-        --eval-prompts $S/question.jsonl --eyas-variant decay1:ttt_decay=1.0 --eyas-variant inithead:init_head=true \
-        > $ROOT/q/sbs_ablations.log 2>&1
+        --eval-prompts $S/question.jsonl --eyas-variant inithead:init_head=true --eyas-variant lr3e-4:lr=3e-4 \
+        --eyas-variant decay1:ttt_decay=1.0 > $ROOT/q/sbs_ablations.log 2>&1
 }
 side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (the recipe's), on the first one's store
     waitfor $prep/meta.json

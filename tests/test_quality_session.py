@@ -201,7 +201,7 @@ def test_one_gpu_chain_from_call_1_and_a_call_2_that_only_stages(tmp_path):
     bench, prep = _one(c, "train_bench.py", "--no-compile"), _one(c, "-m", "pipeline")
     ablations = _one(c, "specforge_side_by_side.py", "--eyas-variant")
     variants = [a for i, a in enumerate(ablations["args"]) if ablations["args"][i - 1] == "--eyas-variant"]
-    assert variants == ["decay1:ttt_decay=1.0", "inithead:init_head=true"]
+    assert variants == ["inithead:init_head=true", "lr3e-4:lr=3e-4", "decay1:ttt_decay=1.0"]
     assert ablations["args"][ablations["args"].index("--root") + 1] == str(root / "sbs")  # the first one's, resumed
     c.remove(ablations)
     sbs = _one(c, "specforge_side_by_side.py", "--root", str(root / "sbs"))

@@ -111,7 +111,10 @@ CAST_ONCE_MIN_HIDDEN = 2048
 # breaks in the compiled pieces, 28 compiled-region calls a step instead of 84, benchmarks/compiled_regions.py),
 # or each step's weight gradient summed inside its matmul (model.shared_linear, True). The 8B step is bound by
 # the host; on one H200 (2026-12-01, train_bench.py, 5 rounds in one process) False ran 80.3 ms a step (rounds
-# 79.3-81.7) and True 86.5 ms (78.1-90.6)
+# 79.3-81.7) and True 86.5 ms (78.1-90.6). Precision: with False autograd adds the K steps' bf16 gradients in bf16
+# before the one cast back to the fp32 master weight (True accumulates them in fp32); the loss and gradients match
+# within bf16 rounding (tests/test_train_packed.py::test_cast_once_casts_each_weight_once_and_trains_alike). The
+# cast-once path is the default only for drafters of hidden size >= CAST_ONCE_MIN_HIDDEN.
 SHARED_WEIGHT_GRADS = False
 
 
