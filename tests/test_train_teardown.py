@@ -275,7 +275,8 @@ def _two_ranks(script, args, *, timeout=60):
 def test_two_ranks_exit_promptly_with_the_error_and_no_group_left(world, tmp_path, what, where):  # noqa: F811
     """A step that raises on rank 1 (or on both): that rank prints its own error and exits with its
     status (2 for an EyasError, 130 for an interrupt); a rank left waiting in the step's all-reduce is
-    released at once (its peer's teardown closes the connection: "closed" or "reset by peer") and fails too. Every rank has
+    released at once (its peer's teardown closes the connection: "closed" or "reset by peer") and exits 2, saying that
+    another rank stopped first. Every rank has
     destroyed and freed its group before its interpreter exits."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
@@ -289,6 +290,17 @@ def test_two_ranks_exit_promptly_with_the_error_and_no_group_left(world, tmp_pat
                 assert code == 2 and f"error: bad batch on rank {r}\n" in err, tail
             else:
                 assert code == 130 and "interrupted: no training step was saved" in err, tail
-        else:  # the peer left waiting: its collective failed when rank 1 tore its group down
-            assert code == 3 and "internal error: RuntimeError" in err and "by peer" in err, tail  # (closed or reset)
+        else:  # the peer left waiting: its collective failed when rank 1 tore its group down; it says so, and
+            # not "internal error ... a bug"
+            assert code == 2 and f"error: rank {r}: stopped because another rank of this job stopped first" in err, tail
+            assert "by peer" in err and "internal error" not in err, tail  # (closed or reset)
     assert took < 60
+
+
+def test_only_a_collective_failed_by_a_departed_peer_is_called_the_other_ranks_doing():
+    from eyas.train.loop import _peer_stopped
+
+    assert _peer_stopped(RuntimeError("[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [10.0.0.2]:123"))
+    assert _peer_stopped(RuntimeError("NCCL communicator was aborted on rank 0."))
+    assert not _peer_stopped(RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB"))
+    assert not _peer_stopped(ValueError("Connection closed by peer"))  # not a collective's error type

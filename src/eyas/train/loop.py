@@ -331,6 +331,10 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
             dd.abort(d)
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
             raise Interrupted(_interrupted_message(cfg)) from None
+        if d is not None and d.enabled and _peer_stopped(exc):
+            msg = " ".join(str(exc).split())[:200]
+            raise EyasError(f"rank {d.rank}: stopped because another rank of this job stopped first (its own error is "
+                            f"printed above; this rank's collective failed: {type(exc).__name__}: {msg})") from None
         raise
     finally:
         stop.restore()
@@ -345,6 +349,14 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
 
         sys.stdout = open(os.devnull, "w")
     return summary
+
+
+def _peer_stopped(exc: BaseException) -> bool:
+    """A collective that failed because another rank left the group (gloo: the peer's connection closed or
+    reset; NCCL: the communicator aborted by the peer's teardown), not an error of this rank's own."""
+    text = str(exc)  # (by its words: a DistBackendError can also be this rank's own, a CUDA error in NCCL say)
+    return isinstance(exc, RuntimeError) and any(
+        s in text for s in ("by peer", "Connection closed", "Connection reset", "communicator was aborted"))
 
 
 def _clear_frames(exc: BaseException) -> None:
