@@ -459,7 +459,8 @@ def suite_8b(args, dist) -> dict:
                 print(f"{name:22s} failed: {r['error'][:80]}")
                 continue
             print(f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
-                  f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} {r.get('peak_mem_gb') or 0:8.1f}"
+                  f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} "
+                  f"{'%8.1f' % r['peak_mem_gb'] if r.get('peak_mem_gb') is not None else '%8s' % '-'}"
                   f" {r['spread'] if 'spread' in r else float('nan'):7.3f}")
         if result.get("peak_mem_gb_all_variants"):
             print(f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "

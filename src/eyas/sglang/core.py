@@ -405,6 +405,10 @@ class DumpWriter:
         self.layer_ids = list(layer_ids)
         self.writer = writer or {}
         self.errors: list[str] = []
+        try:  # made now, not at the first dump: the client's preflight looks for it before sending anything
+            self.dump_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # counted like a failed write (the plugin's write_errors), never raised into a server
+            self.errors.append(f"dump dir {self.dump_dir}: {type(exc).__name__}: {exc}")
         self.written = 0
         self._count_lock = threading.Lock()
         self._q: queue.Queue | None = None

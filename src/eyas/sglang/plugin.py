@@ -60,7 +60,6 @@ import inspect
 import logging
 import os
 import threading
-from pathlib import Path
 from typing import Any
 
 from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
@@ -678,10 +677,6 @@ def enable(st: _State, model, *, server_args, ranks: dict[str, int]) -> None:
     if st.is_writer():
         writer = {**st.ranks, "pid": os.getpid()}
         st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threads=WRITER_THREADS)
-        try:  # the client's preflight looks for the directory before the first dump: it exists from the start
-            Path(st.cfg.dump_dir).mkdir(parents=True, exist_ok=True)
-        except OSError as exc:  # counted in the status's write_errors, never raised into the server
-            st.writer.errors.append(f"dump dir {st.cfg.dump_dir}: {type(exc).__name__}: {exc}")
     st.enabled = True
     logger.info("eyas capture: layers %s (hf-input; passed %s, rule %s), dump dir %s, ranks %s, writer=%s",
                 layer_ids, passed, rule, st.cfg.dump_dir, st.ranks, st.is_writer())
