@@ -24,9 +24,9 @@
 # JOBS=points SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles". One GPU with SIDE_JOBS set:
 # call 1 starts that chain instead of the check (jobs needing no target run while call 2 stages it), and call 2
 # with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
-# side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store;
-# sbs_ablations runs the side by side with three eyas method variants (the head from the target's, lr 3e-4, TTT
-# decay 1.0).
+# side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store (and
+# its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
+# variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0).
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -110,17 +110,25 @@ side_by_side() {
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
 sbs_ablations() {  # the side by side (resumed: reuses what the default root holds) with eyas method variants, each
-    # against the same SpecForge drafter (its default lr 1e-4): the head started from the target's; lr 3e-4 (the
-    # recipe's) for eyas alone; TTT decay 1.0 instead of 0.8
+    # against the same SpecForge drafter (its default lr 1e-4); SBS_VARIANTS, default: the head from the target's,
+    # lr 3e-4 (the recipe's) for eyas alone, TTT decay 1.0 instead of 0.8
     waitfor $prep/meta.json
+    local v; local -a vs=()
+    for v in ${SBS_VARIANTS:-inithead:init_head=true lr3e-4:lr=3e-4 decay1:ttt_decay=1.0}; do vs+=(--eyas-variant "$v"); done
     python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
-        --eval-prompts $S/question.jsonl --eyas-variant inithead:init_head=true --eyas-variant lr3e-4:lr=3e-4 \
-        --eyas-variant decay1:ttt_decay=1.0 > $ROOT/q/sbs_ablations.log 2>&1
+        --eval-prompts $S/question.jsonl "${vs[@]}" > $ROOT/q/sbs_ablations.log 2>&1
 }
 side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (the recipe's), on the first one's store
+    # and SpecForge files; the eyas drafter, its export and eval are sbs_ablations' lr3e-4 variant where it ran
     waitfor $prep/meta.json
-    mkdir -p $ROOT/sbs-lr3e-4 && [ -d $ROOT/sbs/store ] && ln -sfn $ROOT/sbs/store $ROOT/sbs-lr3e-4/store
-    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs-lr3e-4 --lr 3e-4 \
+    local r=$ROOT/sbs-lr3e-4 d
+    mkdir -p $r
+    for d in store specforge-features; do [ -d $ROOT/sbs/$d ] && ln -sfn $ROOT/sbs/$d $r/$d; done
+    if [ -f $ROOT/sbs/eyas-lr3e-4-train/drafter/config.json ]; then
+        ln -sfn $ROOT/sbs/eyas-lr3e-4-train $r/eyas-train && ln -sfn $ROOT/sbs/eyas-lr3e-4-sglang $r/eyas-sglang
+        [ -d $ROOT/sbs/eval-eyas-lr3e-4 ] && ln -sfn $ROOT/sbs/eval-eyas-lr3e-4 $r/eval-eyas
+    fi
+    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $r --lr 3e-4 \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs_lr3e-4.log 2>&1
 }
 profiles() {  # where the step time goes, 8B and SmolLM2 shapes (synthetic states): op tables, copies by shape
@@ -146,7 +154,7 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
-export ROOT POLL_S S ALL STEPS SCALE prep
+export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS
 export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side sbs_ablations side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end

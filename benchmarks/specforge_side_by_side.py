@@ -10,6 +10,8 @@ Order of work (each step resumes or is skipped when its output is already there)
                lr, TTT length, max length and grad clip; its draft config is the one eyas exports for
                SGLang (same shape). Then its own exporter writes an SGLang directory.
   5. eval      `eyas eval` on both drafters (SGLang layout for both), identical settings
+  6. variants  (--eyas-variant) each trained, exported and evaluated in turn, after the two above: a run
+               cut short keeps the ratios it reached (each eval's taus are logged as it ends)
 Both trainers see the same samples (all of the store) with the same batch size in samples, so the
 same tokens per step on average (the orders differ: each trainer shuffles with its own seed).
 What stays each trainer's own: its loss, schedule details (eyas: cosine to 10% of lr, 2% warmup;
@@ -112,6 +114,9 @@ def same_eval(report: Path, cfg) -> bool:
         return False
     done = json.loads(report.read_text()).get("settings", {})
     want = {f.name: str(v) if isinstance(v := getattr(cfg, f.name), Path) else v for f in dataclasses.fields(cfg)}
+    if "drafter" in done:  # the same drafter reached through a link (a run reusing another root's drafter)
+        done["drafter"] = str(Path(done["drafter"]).resolve())
+        want["drafter"] = str(Path(want["drafter"]).resolve())
     return all(done.get(k, v) == v for k, v in want.items())
 
 
@@ -291,18 +296,6 @@ def main() -> None:
     eyas_sglang = root / "eyas-sglang"
     if step("eyas export", (eyas_sglang / "config.json").is_file()):
         export_drafter(drafter, "sglang", eyas_sglang, overwrite=False)
-    drafters = {"eyas": eyas_sglang}
-    for name, sets in variants.items():  # method ablations: the same run with these settings changed
-        run_dir, out = root / f"eyas-{name}-train", root / f"eyas-{name}-sglang"
-        if step(f"eyas train, variant {name} {sets}", (run_dir / "drafter" / "config.json").is_file()):
-            t0 = time.perf_counter()
-            s = train(TrainConfig(**{**base_train, **sets, "out": run_dir}))
-            seconds[f"eyas_{name}_train"] = round(time.perf_counter() - t0, 1)
-            result.setdefault("variants", {})[name] = {"settings": sets, "tokens_per_s": s.get("tokens_per_s")}
-        if not (out / "config.json").is_file():
-            export_drafter(run_dir / "drafter", "sglang", out, overwrite=False)
-        drafters[f"eyas-{name}"] = out
-
     # -- 3. convert --------------------------------------------------------------------------------
     t0 = time.perf_counter()
     man = convert(store, features, max_length=args.max_length, drafter=drafter)
@@ -336,11 +329,11 @@ def main() -> None:
             log(f"SpecForge failed ({exc}); the eyas side is still evaluated")
             result["specforge_error"] = str(exc)
 
-    # -- 5. eval, same settings ----------------------------------------------------------------------
+    # -- 5. eval, same settings: eyas and SpecForge first, then each variant right after its training (a
+    # session cut short keeps the ratios it reached) ---------------------------------------------------
     evals, eval_settings = {}, {}
-    for name, d in (*drafters.items(), ("specforge", sf_sglang)):
-        if not (d / "config.json").is_file():
-            continue
+
+    def evaluate(name: str, d: Path) -> None:
         out = root / f"eval-{name}"
         ecfg = EvalConfig(drafter=d, target=args.target, prompts=args.eval_prompts, limit=args.eval_limit,
                           max_new_tokens=args.eval_max_new_tokens, chain_k=args.eval_chain_k,
@@ -354,6 +347,21 @@ def main() -> None:
         evals[name] = {f"tau_{m}": round(v["acceptance_length"], 4) if v["acceptance_length"] is not None else None
                        for m, v in rep["modes"].items()}
         eval_settings[name] = {k: v for k, v in rep["settings"].items() if k != "drafter"}
+        log(f"eval {name}: " + ", ".join(f"{k} {v}" for k, v in evals[name].items()))
+
+    for name, d in (("eyas", eyas_sglang), ("specforge", sf_sglang)):
+        if (d / "config.json").is_file():
+            evaluate(name, d)
+    for name, sets in variants.items():  # method ablations: the same run with these settings changed
+        run_dir, out = root / f"eyas-{name}-train", root / f"eyas-{name}-sglang"
+        if step(f"eyas train, variant {name} {sets}", (run_dir / "drafter" / "config.json").is_file()):
+            t0 = time.perf_counter()
+            s = train(TrainConfig(**{**base_train, **sets, "out": run_dir}))
+            seconds[f"eyas_{name}_train"] = round(time.perf_counter() - t0, 1)
+            result.setdefault("variants", {})[name] = {"settings": sets, "tokens_per_s": s.get("tokens_per_s")}
+        if not (out / "config.json").is_file():
+            export_drafter(run_dir / "drafter", "sglang", out, overwrite=False)
+        evaluate(f"eyas-{name}", out)
     result["eval"] = evals
     if eval_settings:
         result["eval_settings"] = next(iter(eval_settings.values()))

@@ -21,3 +21,27 @@ def test_variants_parse_as_toml_values_and_refuse_what_would_change_the_budget()
                      (["a/b:lr=1e-4"], "expected a new NAME")):
         with pytest.raises(SystemExit, match=why):
             parse(bad)
+
+
+def test_an_eval_is_reused_for_the_same_drafter_reached_through_a_link(tmp_path):
+    """side_by_side_lr (quality_session.sh) links the lr3e-4 variant's drafter and eval into its own root: the
+    eval is reused there, not run again; a different drafter or setting is run."""
+    import json
+
+    from eyas.specdec.run import EvalConfig
+
+    same_eval = load_benchmark("specforge_side_by_side").same_eval
+    real, other = tmp_path / "sbs" / "eyas-lr3e-4-sglang", tmp_path / "sbs" / "eyas-sglang"
+    real.mkdir(parents=True)
+    other.mkdir()
+    link = tmp_path / "sbs-lr3e-4" / "eyas-sglang"
+    link.parent.mkdir()
+    link.symlink_to(real)
+    cfg = EvalConfig(drafter=real, target="t", prompts="mtbench", limit=2, max_new_tokens=8)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"settings": {"drafter": str(real), "target": "t", "prompts": "mtbench", "limit": 2,
+                                               "max_new_tokens": 8}}))
+    assert same_eval(report, cfg)
+    assert same_eval(report, EvalConfig(drafter=link, target="t", prompts="mtbench", limit=2, max_new_tokens=8))
+    assert not same_eval(report, EvalConfig(drafter=other, target="t", prompts="mtbench", limit=2, max_new_tokens=8))
+    assert not same_eval(report, EvalConfig(drafter=link, target="t", prompts="mtbench", limit=3, max_new_tokens=8))

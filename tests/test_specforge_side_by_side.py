@@ -144,6 +144,8 @@ def test_side_by_side_runs_end_to_end_on_cpu(tmp_path, sbs_inputs):
     for name in ("eyas train", "specforge train", "eval eyas", "eval specforge"):
         assert f"side by side: {name}: SKIPPED" in err3, name
     assert "side by side: eyas train, variant decay1 {'ttt_decay': 1.0, 'lr': 0.0003}: running" in err3
+    # the variants come after both evals: a session cut short still has the main ratio
+    assert err3.index("side by side: eval specforge: SKIPPED") < err3.index("side by side: eyas train, variant decay1")
     v = ablation["variants"]["decay1"]
     assert v["settings"] == {"ttt_decay": 1.0, "lr": 3e-4}
     for mode in ("chain", "tree"):
