@@ -198,6 +198,14 @@ def shared_weight_grads(step):
     return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", True))
 
 
+def teacher_per_step(step):
+    """The recomputed teacher's logits made once per TTT step (ttt.TEACHER_ONCE off; the path before 2026-12-01
+    late), not once per group of teacher rows for all steps."""
+    import eyas.drafter.ttt as ttt
+
+    return patched(step, mock.patch.object(ttt, "TEACHER_ONCE", False))
+
+
 def head_grad_copies(step, device):
     """The head's weight gradient summed through fp32 copies of each product (the path before `ttt.addmm_fp32_`
     summed it inside the matmul)."""
@@ -399,6 +407,10 @@ def suite_8b(args, dist) -> dict:
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
             ("eyas-shared-weight-grads", lambda: shared_weight_grads(make_fast_step(**fast, compile_parts=True))),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
+        import eyas.drafter.ttt as ttt
+
+        if B * T * c["draft_vocab_size"] * 2 > ttt.TEACHER_CACHE_BYTES:  # the teacher is recomputed at this size
+            variants.append(("eyas-teacher-per-step", lambda: teacher_per_step(make_fast_step(**fast, compile_parts=True))))
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
     if W == 1 and not args.no_reference:

@@ -147,6 +147,55 @@ def test_head_loss_over_ranges_equals_one_call_per_range():
         head_soft_ce_ranges(x, w, f, wt, weight, top, [30], chunk_rows=8)
 
 
+@pytest.mark.parametrize("chunk", [4, 7, 64])
+def test_teacher_computed_once_per_row_group_gives_the_per_step_result(chunk, monkeypatch):
+    """TEACHER_ONCE: the recomputed teacher's logits made once per group of teacher rows for every step that
+    reads them give the same total, per-step sums, hits and gradients as one recomputation per step; the
+    groups cover every row once, each slice inside its step's range with its teacher rows inside the group."""
+    import eyas.drafter.ttt as ttt
+
+    g = torch.Generator().manual_seed(5)
+    N, K = 40, 4
+    rows = [torch.sort(torch.randperm(N - 1 - k, generator=g)[: 25 - 3 * k]).values for k in range(K)]
+    rows[2] = rows[2][:0]  # an empty step
+    lengths = [int(r.numel()) for r in rows]
+    tr = torch.cat([r + 1 + k for k, r in enumerate(rows)])
+    n = sum(lengths)
+    x = torch.randn(n, D, generator=g, requires_grad=True)
+    w = torch.randn(V, D, generator=g, requires_grad=True)
+    f, wt = torch.randn(N, D, generator=g), torch.randn(V, D, generator=g)
+    weight = (torch.rand(n, generator=g) > 0.2).float() * torch.rand(n, generator=g)
+    top = (f @ wt.T).argmax(-1)[tr]
+
+    groups = ttt.teacher_groups(tr, lengths, N, chunk)
+    starts = [sum(lengths[:i]) for i in range(K + 1)]
+    covered = []
+    for t_lo, t_hi, slices in groups:
+        assert 0 <= t_lo < t_hi <= N and t_hi - t_lo <= chunk
+        for i, a, b in slices:
+            assert starts[i] <= a < b <= starts[i + 1] and b - a <= chunk
+            assert bool(((tr[a:b] >= t_lo) & (tr[a:b] < t_hi)).all())
+            covered += range(a, b)
+    assert sorted(covered) == list(range(n))
+    # fewer teacher products than the per-step path's one per chunk of each step
+    assert 0 < len(groups) <= -(-N // chunk) < sum(-(-m // chunk) for m in lengths)
+
+    def run(once):
+        monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
+        total, per, hits = head_soft_ce_ranges(x, w, f, wt, weight, top, lengths, chunk_rows=chunk, teacher_rows=tr)
+        return (total, per, hits, *torch.autograd.grad(total * 0.5, [x, w]))
+
+    a, b = run(True), run(False)
+    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-6)
+    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-6)
+    assert torch.equal(a[2], b[2])
+    torch.testing.assert_close(a[3], b[3], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(a[4], b[4], atol=1e-6, rtol=1e-5)
+    # a step whose teacher rows are not ascending, or a row past the table: no groups (the per-step path)
+    assert ttt.teacher_groups(tr.flip(0), lengths[::-1], N, chunk) is None
+    assert ttt.teacher_groups(torch.cat([tr[:-1], tr.new_tensor([N + 3])]), lengths, N, chunk) is None
+
+
 def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
     """The packed TTT loss sends every step's rows through ONE head call (one [V, D] weight-gradient
     buffer), not one call per step."""
@@ -154,7 +203,7 @@ def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
 
     calls = []
     real = ttt._HeadSoftCE.apply
-    monkeypatch.setattr(ttt._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-1])) or real(*a))
+    monkeypatch.setattr(ttt._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-2])) or real(*a))
     K = 4
     samples = _samples([9, 14])
     m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
@@ -186,15 +235,18 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped",
-                         [("reference", 0, False), ("fast", 0, False), ("fast", 1 << 20, False), ("fast", 0, True)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes,grouped,once",
+                         [("reference", 0, False, True), ("fast", 0, False, True), ("fast", 1 << 20, False, True),
+                          ("fast", 0, True, True), ("fast", 0, False, False)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
-    drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS)."""
+    drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
+    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE)."""
     import eyas.drafter.ttt as ttt
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
+    monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()

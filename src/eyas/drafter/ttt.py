@@ -728,10 +728,12 @@ class _HeadSoftCE(torch.autograd.Function):
     `t_src` [n, D] (or its rows `t_idx`) @ wt_VD.T recomputed per chunk. `bounds`: row ranges (a, b) covering the rows in
     order; chunks never cross one, and the per-range sums come back as a third output (detached):
     several TTT steps share ONE call, so the head's weight gradient is summed in a single fp32
-    buffer instead of one [V, D] buffer per step, each scaled and added into `.grad` on its own."""
+    buffer instead of one [V, D] buffer per step, each scaled and added into `.grad` on its own.
+    `groups` (recomputed teacher only; `teacher_groups`): the work ordered by teacher rows instead, each
+    group's teacher logits computed once for the slices of every range that read them."""
 
     @staticmethod
-    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, weight_n, top_n, chunk_rows, compute_dtype, bounds):
+    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, weight_n, top_n, chunk_rows, compute_dtype, bounds, groups):
         with torch.autocast(x_nD.device.type, enabled=False):
             need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             xb, wb = x_nD.to(compute_dtype), w_VD.to(compute_dtype)
@@ -744,22 +746,31 @@ class _HeadSoftCE(torch.autograd.Function):
             t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
             chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
             wf = weight_n.float()
-            for i, (lo, hi) in enumerate(bounds):
-                for a in range(lo, hi, chunk_rows):
-                    b = min(hi, a + chunk_rows)
-                    s = xb[a:b] @ wb.T  # student logits [c, V]
-                    if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
-                        t, t_rows = t_src, t_idx[a:b]
-                    else:  # rows of the final states (all of t_src, or rows t_idx of it) times the target head
-                        f = t_src[a:b] if t_idx is None else t_src.index_select(0, t_idx[a:b])
-                        t, t_rows = f.to(compute_dtype) @ wtb.T, None
-                    ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b], t_rows=t_rows)
-                    sums[i] += ce
-                    hits[a:b] = hit
-                    if dx is not None:
-                        dx[a:b] = g @ wb
-                    if dw is not None:
-                        addmm_fp32_(dw, g.T, xb[a:b])
+
+            def rows(i, a, b, t, t_rows):  # student rows a:b of range i against teacher logits t (rows t_rows of it)
+                s = xb[a:b] @ wb.T  # student logits [c, V]
+                ce, hit, g = chunk(s, t, wf[a:b], top_n[a:b], t_rows=t_rows)
+                sums[i] += ce
+                hits[a:b] = hit
+                if dx is not None:
+                    dx[a:b] = g @ wb
+                if dw is not None:
+                    addmm_fp32_(dw, g.T, xb[a:b])
+
+            if groups is not None:
+                for t_lo, t_hi, slices in groups:
+                    t = t_src[t_lo:t_hi].to(compute_dtype) @ wtb.T  # [t_hi - t_lo, V], once for every range
+                    for i, a, b in slices:
+                        rows(i, a, b, t, t_idx[a:b] - t_lo)
+            else:
+                for i, (lo, hi) in enumerate(bounds):
+                    for a in range(lo, hi, chunk_rows):
+                        b = min(hi, a + chunk_rows)
+                        if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
+                            rows(i, a, b, t_src, t_idx[a:b])
+                        else:  # rows of the final states (all of t_src, or rows t_idx of it) times the target head
+                            f = t_src[a:b] if t_idx is None else t_src.index_select(0, t_idx[a:b])
+                            rows(i, a, b, f.to(compute_dtype) @ wtb.T, None)
             ctx.save_for_backward(*(t for t in (dx, dw) if t is not None))
             ctx.has = (dx is not None, dw is not None)
             ctx.dtypes = (x_nD.dtype, w_VD.dtype)
@@ -772,7 +783,46 @@ class _HeadSoftCE(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         dx = saved.pop(0).mul(g_total).to(ctx.dtypes[0]) if ctx.has[0] else None
         dw = saved.pop(0).mul_(g_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return dx, dw, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None
+
+
+TEACHER_ONCE = True
+"""The recomputed teacher's logits (a batch too large for `TEACHER_CACHE_BYTES`) computed once per chunk of
+teacher rows for all TTT steps (`teacher_groups`), not once per step: the K steps read nearly the same teacher
+rows (step k's row t reads p_{t+1+k}), so per-step recomputation repeats the [rows x D] @ [D x V] product K
+times. False: per step (the path before 2026-12-01 late; train_bench.py's variant `eyas-teacher-per-step`)."""
+
+
+def teacher_groups(t_idx: torch.Tensor, lengths: list[int], n_teacher: int, chunk_rows: int):
+    """The work of a recomputed-teacher head call ordered by teacher rows: ((t_lo, t_hi, ((range, a, b), ...)),
+    ...) with teacher rows [t_lo, t_hi) at most `chunk_rows` of them, and for each range (TTT step) the
+    slice a:b of its rows whose teacher rows lie there. Needs every range's `t_idx` ascending and without
+    repeats (then a slice has at most `chunk_rows` rows); None when one is not (or there is nothing to do).
+    One device-to-host read of [ranges x groups] boundaries."""
+    edges = torch.arange(0, n_teacher + chunk_rows, chunk_rows, device=t_idx.device).clamp_max(n_teacher)
+    parts = t_idx.split([int(n) for n in lengths])
+    ok = [(p[1:] > p[:-1]).all() for p in parts if p.numel() > 1]
+    cuts = [torch.searchsorted(p, edges) for p in parts]
+    if not cuts:
+        return None
+    flat = torch.cat([torch.stack(ok).all().reshape(1).long() if ok else edges.new_ones(1), *cuts]).tolist()
+    if not flat[0]:
+        return None
+    G = edges.numel()
+    starts = list(itertools.accumulate((int(n) for n in lengths), initial=0))
+    groups = []
+    for g in range(G - 1):
+        t_lo, t_hi = g * chunk_rows, min(n_teacher, (g + 1) * chunk_rows)
+        slices = []
+        for i in range(len(parts)):
+            a, b = flat[1 + i * G + g], flat[1 + i * G + g + 1]
+            if b > a:
+                slices.append((i, starts[i] + a, starts[i] + b))
+        if slices:
+            groups.append((t_lo, t_hi, tuple(slices)))
+    if sum(b - a for *_, slices in groups for _, a, b in slices) != starts[-1]:
+        return None  # a teacher row outside [0, n_teacher): the per-range path (which would fail on it loudly)
+    return tuple(groups) or None
 
 
 def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | None, wt_VD: torch.Tensor | None,
@@ -804,9 +854,12 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
     bounds = tuple(zip(ends[:-1], ends[1:]))
     if teacher_logits is not None:
         return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, weight_n, top_n, chunk_rows,
-                                 compute_dtype, bounds)
+                                 compute_dtype, bounds, None)
+    groups = None
+    if TEACHER_ONCE and teacher_rows is not None and len(lengths) > 1:
+        groups = teacher_groups(teacher_rows, lengths, f_nD.shape[0], chunk_rows)
     return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, teacher_rows, weight_n, top_n, chunk_rows, compute_dtype,
-                             bounds)
+                             bounds, groups)
 
 
 def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
