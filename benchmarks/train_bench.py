@@ -124,11 +124,13 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
                    compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
-                   defer_stats: bool = False, bf16: bool | None = None):
+                   defer_stats: bool = False, bf16: bool | None = None, upload_ahead: bool = False):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are read back after the NEXT step is queued (the loop reads them
     every step, which waits for the GPU: this variant measures what a one-step-late read would gain).
-    `bf16`: bf16 autocast (default: on CUDA, as `eyas train`)."""
+    `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
+    `upload_ahead` (CUDA): the next step's batch is copied to the GPU on a side stream while this step runs
+    (the loop's offline reader copies on the compute stream: this variant measures what overlapping gains)."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
     from eyas.train.loop import PackedTTTModule, lr_lambda
@@ -155,8 +157,30 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup=10, total=10_000, min_ratio=0.1))
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)
 
+    copier = torch.cuda.Stream(device) if upload_ahead and device.type == "cuda" else None
+
+    def upload():
+        """The batch on the GPU: copied on the side stream (an event marks its end), else on this one."""
+        if copier is None:
+            return _packed_to(host, device), None
+        copier.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(copier):
+            b = _packed_to(host, device)
+            done = torch.cuda.Event()
+            done.record()
+        return b, done
+
+    ahead: list = []
+
     def step():
-        b = _packed_to(host, device)
+        b, done = ahead.pop() if ahead else upload()
+        if done is not None:
+            main = torch.cuda.current_stream(device)
+            main.wait_event(done)
+            for t in (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N,
+                      *b.rows):
+                t.record_stream(main)  # made on the side stream, used (and freed) on this one
+            ahead.append(upload())  # the next step's copy overlaps this step's compute
         with amp:
             loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, denoms.to(device))
         loss.backward()
@@ -204,6 +228,14 @@ def teacher_per_step(step):
     import eyas.drafter.ttt as ttt
 
     return patched(step, mock.patch.object(ttt, "TEACHER_ONCE", False))
+
+
+def fused_head_rows(step):
+    """The head's normed rows made by the compiled `normed_rows` (ttt.FUSED_HEAD_ROWS on; off by default until
+    measured)."""
+    import eyas.drafter.ttt as ttt
+
+    return patched(step, mock.patch.object(ttt, "FUSED_HEAD_ROWS", True))
 
 
 def head_grad_copies(step, device):
@@ -409,6 +441,8 @@ def suite_8b(args, dist) -> dict:
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
         import eyas.drafter.ttt as ttt
 
+        variants += [("eyas-fused-head-rows", lambda: fused_head_rows(make_fast_step(**fast, compile_parts=True))),
+                     ("eyas-upload-ahead", lambda: make_fast_step(**fast, compile_parts=True, upload_ahead=True))]
         if B * T * c["draft_vocab_size"] * 2 > ttt.TEACHER_CACHE_BYTES:  # the teacher is recomputed at this size
             variants.append(("eyas-teacher-per-step", lambda: teacher_per_step(make_fast_step(**fast, compile_parts=True))))
     if device.type == "cuda" and not args.no_compile:

@@ -225,6 +225,34 @@ def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
     assert m.lm_head.weight.grad is not None and m.lm_head.weight.grad.abs().sum() > 0
 
 
+def test_normed_rows_equal_the_drafter_norm_and_compile_for_any_row_count():
+    """`normed_rows` is the drafter's RMSNorm of the selected rows (bitwise, eager), and its compiled form
+    (as `compile_drafter` makes it, dynamic in the rows' count) gives the same values and gradients for two
+    different counts (bf16 input, fp32 weight: the autocast layout of training)."""
+    import eyas.drafter.ttt as ttt
+    from eyas.drafter.model import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    norm = RMSNorm(D, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    h = torch.randn(50, D, generator=g).bfloat16().requires_grad_()
+    rows = torch.sort(torch.randperm(50, generator=g)[:30]).values
+    assert torch.equal(ttt.normed_rows(h, rows, norm.weight, norm.eps), norm(h.index_select(0, rows)))
+    compiled = torch.compile(ttt.normed_rows, dynamic=True)
+    for n in (30, 17):
+        r = rows[:n]
+        want = ttt.normed_rows(h, r, norm.weight, norm.eps)
+        got = compiled(h, r, norm.weight, norm.eps)
+        assert got.shape == (n, D) and got.dtype == want.dtype == torch.float32
+        torch.testing.assert_close(got, want, atol=1e-2, rtol=1e-2)
+        gw = torch.autograd.grad(want.square().sum(), [h, norm.weight])
+        gg = torch.autograd.grad(got.square().sum(), [h, norm.weight])
+        for a, b in zip(gg, gw):
+            torch.testing.assert_close(a.float(), b.float(), atol=5e-2, rtol=2e-2)
+        assert not gg[0][torch.ones(50, dtype=torch.bool).index_fill_(0, r, False)].any()  # rows not taken: no grad
+
+
 def test_supervised_rows_stay_inside_samples():
     # two samples [a b c d] [e f g]; mask on c, d (sample 0) and f, g (sample 1)
     mask = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
@@ -235,18 +263,21 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped,once",
-                         [("reference", 0, False, True), ("fast", 0, False, True), ("fast", 1 << 20, False, True),
-                          ("fast", 0, True, True), ("fast", 0, False, False)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes,grouped,once,fused_rows",
+                         [("reference", 0, False, True, False), ("fast", 0, False, True, False),
+                          ("fast", 1 << 20, False, True, False), ("fast", 0, True, True, False),
+                          ("fast", 0, False, False, False), ("fast", 0, False, True, True)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, fused_rows, monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
     drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
-    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE)."""
+    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); the head's rows
+    normed by `normed_rows` or by the drafter's norm (FUSED_HEAD_ROWS)."""
     import eyas.drafter.ttt as ttt
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
     monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
+    monkeypatch.setattr(ttt, "FUSED_HEAD_ROWS", fused_rows)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()

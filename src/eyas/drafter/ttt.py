@@ -427,14 +427,31 @@ def soft_ce(logits_BnV: torch.Tensor, probs_BnV: torch.Tensor) -> torch.Tensor:
 
 def compile_drafter(drafter: Eagle3Drafter) -> Eagle3Drafter:
     """torch.compile the per-step pieces (norms + q/k/v + RoPE; o_proj + residual + MLP; final norm +
-    lm_head; the soft cross-entropy): small graphs that compile in seconds and fuse the elementwise
-    work around the matmuls. The attention and the step loop stay eager."""
+    lm_head; the soft cross-entropy; the head's normed rows when FUSED_HEAD_ROWS): small graphs that compile
+    in seconds and fuse the elementwise work around the matmuls. The attention and the step loop stay eager."""
     mid = drafter.midlayer
     mid.project_qkv = torch.compile(mid.project_qkv)
     mid.finish = torch.compile(mid.finish)
     drafter.compute_logits = torch.compile(drafter.compute_logits)
     drafter._soft_ce = torch.compile(soft_ce)
+    drafter._normed_rows = torch.compile(normed_rows, dynamic=True)  # the rows' count changes every step
     return drafter
+
+
+FUSED_HEAD_ROWS = False
+"""The packed loss's head input, each step's supervised rows of the hidden state through the final norm, made by
+`normed_rows` (compiled by `compile_drafter`: the gather and the norm in one kernel each way) instead of eager
+`index_select` + `RMSNorm` (a gather, five elementwise kernels and an atomic scatter in backward). Off until
+measured on a GPU (train_bench.py's variant `eyas-fused-head-rows`); the eager ops cost about 27 ms of a 234 ms
+SmolLM2-shaped step in the 2026-12-01 profile (benchmarks/RESULTS.md)."""
+
+
+def normed_rows(hidden_ND: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm (model.RMSNorm's arithmetic) of rows `rows` of hidden_ND."""
+    x = hidden_ND.index_select(0, rows)
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: torch.Tensor, *, steps: int,
@@ -787,12 +804,12 @@ class _HeadSoftCE(torch.autograd.Function):
 
 
 TEACHER_ONCE = True
-"""The recomputed teacher's logits (a batch too large for `TEACHER_CACHE_BYTES`) computed once per chunk of
-teacher rows for all TTT steps (`teacher_groups`), not once per step: the K steps read nearly the same teacher
-rows (step k's row t reads p_{t+1+k}), so per-step recomputation repeats the [rows x D] @ [D x V] product K
-times. Measured on one H200 (SmolLM2 drafter shape, 65,536 tokens a step, the table's cap forced to 1 GiB): 240.0
-ms a step against 259.9 per step; 235.9 with the table kept. False: per step (the path before 2026-12-01 late;
-train_bench.py's variant `eyas-teacher-per-step`)."""
+"""The recomputed teacher's logits (a batch over the kept table's cap, `packed_teacher`'s `cache_bytes`)
+computed once per chunk of teacher rows for all TTT steps (`teacher_groups`), not once per step: the K steps
+read nearly the same teacher rows (step k's row t reads p_{t+1+k}), so per-step recomputation repeats the
+[rows x D] @ [D x V] product K times. Measured on one H200 (SmolLM2 drafter shape, 65,536 tokens a step, the
+table's cap forced to 1 GiB): 240.0 ms a step against 259.9 per step; 235.9 with the table kept. False: per step
+(the path before 2026-12-01 late; train_bench.py's variant `eyas-teacher-per-step`)."""
 
 
 def teacher_groups(t_idx: torch.Tensor, lengths: list[int], n_teacher: int, chunk_rows: int):
@@ -945,7 +962,11 @@ def ttt_loss_packed(
             loss = loss + 0.0 * last.float().sum()
         valid_k.append(teacher.in_vocab_N[trs[k]])
         if lengths[k]:
-            x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, rows[k]))
+            if FUSED_HEAD_ROWS:
+                fn = getattr(drafter, "_normed_rows", normed_rows)
+                x[offsets[k]:offsets[k + 1]] = fn(hidden[0], rows[k], drafter.norm.weight, drafter.norm.eps)
+            else:
+                x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, rows[k]))
     hit_k = [torch.zeros(0, dtype=torch.bool, device=dev)] * K
     if offsets[-1]:  # one range per step (empty ones too): per_step[k] is step k's weighted sum
         tr = torch.cat(trs)
