@@ -226,7 +226,8 @@ def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
 
 
 def test_normed_rows_equal_the_drafter_norm_and_compile_for_any_row_count():
-    """`normed_rows` is the drafter's RMSNorm of the selected rows (bitwise, eager), and its compiled form
+    """`normed_rows` is the drafter's RMSNorm of the selected rows (bitwise, eager; cast to a given dtype as the
+    packed loss's buffer casts it), and its compiled form
     (as `compile_drafter` makes it, dynamic in the rows' count) gives the same values and gradients for two
     different counts (bf16 input, fp32 weight: the autocast layout of training)."""
     import eyas.drafter.ttt as ttt
@@ -239,6 +240,8 @@ def test_normed_rows_equal_the_drafter_norm_and_compile_for_any_row_count():
     h = torch.randn(50, D, generator=g).bfloat16().requires_grad_()
     rows = torch.sort(torch.randperm(50, generator=g)[:30]).values
     assert torch.equal(ttt.normed_rows(h, rows, norm.weight, norm.eps), norm(h.index_select(0, rows)))
+    half = ttt.normed_rows(h, rows, norm.weight, norm.eps, torch.bfloat16)  # cast to the head's compute dtype
+    assert half.dtype == torch.bfloat16 and torch.equal(half, norm(h.index_select(0, rows)).bfloat16())
     compiled = torch.compile(ttt.normed_rows, dynamic=True)
     for n in (30, 17):
         r = rows[:n]

@@ -440,18 +440,22 @@ def compile_drafter(drafter: Eagle3Drafter) -> Eagle3Drafter:
 
 FUSED_HEAD_ROWS = False
 """The packed loss's head input, each step's supervised rows of the hidden state through the final norm, made by
-`normed_rows` (compiled by `compile_drafter`: the gather and the norm in one kernel each way) instead of eager
-`index_select` + `RMSNorm` (a gather, five elementwise kernels and an atomic scatter in backward). Off until
-measured on a GPU (train_bench.py's variant `eyas-fused-head-rows`); the eager ops cost about 27 ms of a 234 ms
-SmolLM2-shaped step in the 2026-12-01 profile (benchmarks/RESULTS.md)."""
+`normed_rows` (compiled by `compile_drafter`: the gather, the norm and the cast to the compute dtype in one kernel
+each way) and concatenated once, instead of eager `index_select` + `RMSNorm` written into one buffer slice by
+slice (a gather, five elementwise kernels, a cast and an atomic scatter per step, and autograd cloning the
+buffer's whole gradient once per step). Off until measured on a GPU (train_bench.py's variant
+`eyas-fused-head-rows`); those eager ops took about 30 ms of a 234 ms SmolLM2-shaped step in the 2026-12-01
+profile (benchmarks/RESULTS.md)."""
 
 
-def normed_rows(hidden_ND: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm (model.RMSNorm's arithmetic) of rows `rows` of hidden_ND."""
+def normed_rows(hidden_ND: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
+    """RMSNorm (model.RMSNorm's arithmetic) of rows `rows` of hidden_ND, cast to `dtype` when given."""
     x = hidden_ND.index_select(0, rows)
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(x.dtype)
+    out = weight * x32.to(x.dtype)
+    return out if dtype is None else out.to(dtype)
 
 
 def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: torch.Tensor, *, steps: int,
@@ -950,7 +954,11 @@ def ttt_loss_packed(
     lengths = [int(r.numel()) for r in rows]
     offsets = list(itertools.accumulate(lengths, initial=0))
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.lm_head.weight.dtype
-    x = torch.empty(offsets[-1], drafter.config.hidden_size, dtype=cdtype, device=dev)
+    # FUSED_HEAD_ROWS: each step's rows normed straight into the compute dtype and concatenated once (a slice
+    # write into one buffer makes autograd clone the whole buffer's gradient once per step in backward)
+    fused = FUSED_HEAD_ROWS
+    x = None if fused else torch.empty(offsets[-1], drafter.config.hidden_size, dtype=cdtype, device=dev)
+    parts: list[torch.Tensor] = []
     scale = [cfg.weights[k] / denominators[k].float() for k in range(K)]
     trs, valid_k = [r + 1 + k for k, r in enumerate(rows)], []  # teacher row of step k: p_{t+1+k}
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
@@ -961,12 +969,13 @@ def ttt_loss_packed(
             last = torch.nn.functional.linear(drafter.norm(hidden[0, :1]), drafter.lm_head.weight)
             loss = loss + 0.0 * last.float().sum()
         valid_k.append(teacher.in_vocab_N[trs[k]])
-        if lengths[k]:
-            if FUSED_HEAD_ROWS:
-                fn = getattr(drafter, "_normed_rows", normed_rows)
-                x[offsets[k]:offsets[k + 1]] = fn(hidden[0], rows[k], drafter.norm.weight, drafter.norm.eps)
-            else:
-                x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, rows[k]))
+        if lengths[k] and fused:
+            fn = getattr(drafter, "_normed_rows", normed_rows)
+            parts.append(fn(hidden[0], rows[k], drafter.norm.weight, drafter.norm.eps, cdtype))
+        elif lengths[k]:
+            x[offsets[k]:offsets[k + 1]] = drafter.norm(hidden[0].index_select(0, rows[k]))
+    if fused:
+        x = torch.cat(parts) if parts else torch.empty(0, drafter.config.hidden_size, dtype=cdtype, device=dev)
     hit_k = [torch.zeros(0, dtype=torch.bool, device=dev)] * K
     if offsets[-1]:  # one range per step (empty ones too): per_step[k] is step k's weighted sum
         tr = torch.cat(trs)
