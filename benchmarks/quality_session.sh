@@ -17,7 +17,7 @@
 #     then speculative decoding with its drafter at batch 1, 4 and 16; collects until CALL_S
 #   3: collects until the chains end or WAIT_S; brings the regeneration back as $OUT/regen.tgz
 # One GPU (`nvidia-h200`): call 1 stages and runs the SmolLM2-shaped training step on synthetic states (every
-# variant, a minute); call 2 starts one chain (the recipe, speculative decoding, the side by side, the SmolLM2 rate
+# variant, a few minutes); call 2 starts one chain (the recipe, speculative decoding, the side by side, the SmolLM2 rate
 # with the state cache, the 8B rate against SpecForge, the profiles); 3 collects. JOBS="..." picks the chain's jobs
 # (functions below, in order), e.g. JOBS="prepare_only side_by_side train_8b profiles" when the recipe's figures
 # exist and the regeneration is restaged. Two GPUs: JOBS is GPU 0's chain, SIDE_JOBS the last GPU's, e.g.
@@ -83,7 +83,7 @@ SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol 
 prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 # the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
-train_8b() { timeout 400 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
+train_8b() { timeout 600 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default all three):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
@@ -99,9 +99,9 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
         esac
     done
 }
-gpu_check() {  # one GPU, call 1 (a minute): the SmolLM2-shaped step on synthetic states, every variant of the
-    # default path (the other cast setting, the grouped diagonals) in one process: the GPU kernels run before the chain
-    timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
+gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
+    # default path and the ones to measure (train_bench.py) in one process: the GPU kernels run before the chain
+    timeout 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
         > $ROOT/q/gpu_check.log 2>&1
 }
 side_by_side() {
@@ -179,7 +179,7 @@ case "$part" in
 1)
     nvidia-smi -L | tee -a "$L/session.log"
     stage1
-    if [ "$NG" -eq 1 ] && [ -z "${SIDE_JOBS:-}" ]; then  # one GPU: a minute's check of the step's kernels (the chain
+    if [ "$NG" -eq 1 ] && [ -z "${SIDE_JOBS:-}" ]; then  # one GPU: a few minutes. check of the step's kernels (the chain
         # comes in call 2)
         gpu_check; cp $ROOT/q/gpu_check.log "$L/"
         echo "== gpu_check"; grep -v warmup $ROOT/q/gpu_check.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0

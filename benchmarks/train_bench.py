@@ -238,6 +238,14 @@ def fused_head_rows(step):
     return patched(step, mock.patch.object(ttt, "FUSED_HEAD_ROWS", True))
 
 
+def diagonal_list(step):
+    """The diagonal keys/values passed to the attention one tensor each (ttt.DIAGONAL_LIST on; off by default
+    until measured)."""
+    import eyas.drafter.ttt as ttt
+
+    return patched(step, mock.patch.object(ttt, "DIAGONAL_LIST", True))
+
+
 def head_grad_copies(step, device):
     """The head's weight gradient summed through fp32 copies of each product (the path before `ttt.addmm_fp32_`
     summed it inside the matmul)."""
@@ -442,7 +450,11 @@ def suite_8b(args, dist) -> dict:
         import eyas.drafter.ttt as ttt
 
         variants += [("eyas-fused-head-rows", lambda: fused_head_rows(make_fast_step(**fast, compile_parts=True))),
-                     ("eyas-upload-ahead", lambda: make_fast_step(**fast, compile_parts=True, upload_ahead=True))]
+                     ("eyas-diagonal-list", lambda: diagonal_list(make_fast_step(**fast, compile_parts=True))),
+                     ("eyas-upload-ahead", lambda: make_fast_step(**fast, compile_parts=True, upload_ahead=True)),
+                     # the three together: gains of a few percent each are near the rounds' spread alone
+                     ("eyas-next", lambda: fused_head_rows(diagonal_list(
+                         make_fast_step(**fast, compile_parts=True, upload_ahead=True))))]
         if B * T * c["draft_vocab_size"] * 2 > ttt.TEACHER_CACHE_BYTES:  # the teacher is recomputed at this size
             variants.append(("eyas-teacher-per-step", lambda: teacher_per_step(make_fast_step(**fast, compile_parts=True))))
     if device.type == "cuda" and not args.no_compile:

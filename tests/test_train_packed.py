@@ -53,8 +53,12 @@ def _head(seed=7, Vt=80):
     return torch.randn(Vt, D, generator=g) * 0.7
 
 
+@pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("kernel", ["math", "segments", "cpu-flash"])
-def test_varlen_attention_matches_block_diagonal_reference(kernel):
+def test_varlen_attention_matches_block_diagonal_reference(kernel, listed, monkeypatch):
+    import eyas.drafter.ttt as ttt
+
+    monkeypatch.setattr(ttt, "DIAGONAL_LIST", listed)
     g = torch.Generator().manual_seed(0)
     seg = Segments.from_lengths([5, 1, 9, 4])
     mk = lambda h: torch.randn(1, h, 19, 8, generator=g).requires_grad_()  # noqa: E731
@@ -256,6 +260,31 @@ def test_normed_rows_equal_the_drafter_norm_and_compile_for_any_row_count():
         assert not gg[0][torch.ones(50, dtype=torch.bool).index_fill_(0, r, False)].any()  # rows not taken: no grad
 
 
+def test_listed_diagonal_merge_equals_the_stacked_one_eager_and_compiled():
+    """The merge over diagonal keys passed one tensor each (DIAGONAL_LIST) gives the stacked merge's out, lse and
+    gradients: bitwise in eager, and compiled as `_fast` compiles it on CUDA (2 of 6 query heads' key/value heads,
+    so the grouped reads are exercised)."""
+    import eyas.drafter.ttt as ttt
+
+    g = torch.Generator().manual_seed(6)
+    B, H, K, T, d, J = 1, 6, 2, 20, 8, 2
+    mk = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    q, out_c, lse_c, dout, dq_c = mk(B, H, T, d), mk(B, H, T, d), mk(B, H, T), mk(B, H, T, d), mk(B, H, T, d)
+    kds, vds = [mk(B, K, T, d) for _ in range(J)], [mk(B, K, T, d) for _ in range(J)]
+    kd, vd = torch.stack(kds, 3), torch.stack(vds, 3)
+    out, lse = ttt._merge_fwd(q, kd, vd, out_c, lse_c, 0.3)
+    dq, dkd, dvd = ttt._merge_bwd(q, kd, vd, out, lse, dout, dq_c, 0.3)
+    for fwd, bwd, exact in ((ttt._merge_fwd_list, ttt._merge_bwd_list, True),
+                            (torch.compile(ttt._merge_fwd_list, dynamic=True),
+                             torch.compile(ttt._merge_bwd_list, dynamic=True), False)):
+        same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
+        o, l = fwd(q, kds, vds, out_c, lse_c, 0.3)
+        assert same(o, out) and same(l, lse)
+        gq, gks, gvs = bwd(q, kds, vds, out, lse, dout, dq_c, 0.3)
+        assert same(gq, dq) and len(gks) == len(gvs) == J
+        assert all(same(gks[j], dkd[:, :, :, j]) and same(gvs[j], dvd[:, :, :, j]) for j in range(J))
+
+
 def test_supervised_rows_stay_inside_samples():
     # two samples [a b c d] [e f g]; mask on c, d (sample 0) and f, g (sample 1)
     mask = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)
@@ -266,21 +295,25 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped,once,fused_rows",
-                         [("reference", 0, False, True, False), ("fast", 0, False, True, False),
-                          ("fast", 1 << 20, False, True, False), ("fast", 0, True, True, False),
-                          ("fast", 0, False, False, False), ("fast", 0, False, True, True)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, fused_rows, monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes,grouped,once,fused_rows,listed",
+                         [("reference", 0, False, True, False, False), ("fast", 0, False, True, False, False),
+                          ("fast", 1 << 20, False, True, False, False), ("fast", 0, True, True, False, False),
+                          ("fast", 0, False, False, False, False), ("fast", 0, False, True, True, False),
+                          ("fast", 0, False, True, False, True), ("fast", 0, True, True, False, True)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, fused_rows, listed,
+                                                      monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
     drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
     recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); the head's rows
-    normed by `normed_rows` or by the drafter's norm (FUSED_HEAD_ROWS)."""
+    normed by `normed_rows` or by the drafter's norm (FUSED_HEAD_ROWS); the diagonals stacked or listed
+    (DIAGONAL_LIST)."""
     import eyas.drafter.ttt as ttt
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
     monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
     monkeypatch.setattr(ttt, "FUSED_HEAD_ROWS", fused_rows)
+    monkeypatch.setattr(ttt, "DIAGONAL_LIST", listed)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()

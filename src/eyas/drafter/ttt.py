@@ -334,6 +334,67 @@ class _CausalPlusDiagonals(torch.autograd.Function):
         return dq, dk0, dv0, dkd, dvd, None, None, None
 
 
+def _merge_fwd_list(q, kds, vds, out_c, lse_c32, scale: float):
+    """`_merge_fwd` with the J diagonal keys/values as lists of [B, K, T, d] (never stacked: no copy of the
+    earlier steps' keys at every step)."""
+    B, H, T, d = q.shape
+    K = kds[0].shape[1]
+    qg = _grouped(q.float(), K)  # B,K,G,T,d
+    s = torch.stack([(qg * k.float()[:, :, None]).sum(-1) for k in kds], -1) * scale  # B,K,G,T,J
+    s = s.reshape(B, H, T, -1)
+    lse = torch.logsumexp(torch.cat([lse_c32[..., None], s], -1), -1)
+    p = _grouped(torch.exp(s - lse[..., None]), K)  # B,K,G,T,J
+    pv = sum(p[..., j, None] * v.float()[:, :, None] for j, v in enumerate(vds)).reshape(B, H, T, d)
+    out = torch.exp(lse_c32 - lse)[..., None] * out_c.float() + pv
+    return out.to(q.dtype), lse
+
+
+def _merge_bwd_list(q, kds, vds, out, lse, dout, dq_c, scale: float):
+    """`_merge_bwd` over lists of diagonal keys/values: (dq, [dk_j], [dv_j])."""
+    B, H, T, d = q.shape
+    K = kds[0].shape[1]
+    qf, do = _grouped(q.float(), K), _grouped(dout.float(), K)  # B,K,G,T,d
+    s = torch.stack([(qf * k.float()[:, :, None]).sum(-1) for k in kds], -1) * scale  # B,K,G,T,J
+    p = torch.exp(s - _grouped(lse.float()[..., None], K))
+    D = (do * _grouped(out.float(), K)).sum(-1, keepdim=True)
+    dp = torch.stack([(do * v.float()[:, :, None]).sum(-1) for v in vds], -1)
+    ds = p * (dp - D) * scale
+    dq = _grouped(dq_c.float(), K) + sum(ds[..., j, None] * k.float()[:, :, None] for j, k in enumerate(kds))
+    dks = [(ds[..., j, None] * qf).sum(2).to(k.dtype) for j, k in enumerate(kds)]
+    dvs = [(p[..., j, None] * do).sum(2).to(v.dtype) for j, v in enumerate(vds)]
+    return dq.reshape(B, H, T, d).to(q.dtype), dks, dvs
+
+
+class _CausalPlusDiagonalList(torch.autograd.Function):
+    """`_CausalPlusDiagonals` with the J >= 1 diagonal keys and values passed one tensor each (DIAGONAL_LIST)."""
+
+    @staticmethod
+    def forward(ctx, q, k0, v0, kernel, scale, seg, J, *kv):
+        with torch.autocast(q.device.type, enabled=False):  # the merge must stay in fp32
+            fwd, _ = _kernel_pair(kernel, seg)
+            out_c, lse_c, aux = fwd(q, k0, v0, scale)
+            T = q.shape[2]
+            out, lse = _fast(_merge_fwd_list, q.device)(q, list(kv[:J]), list(kv[J:]), out_c,
+                                                        lse_c[..., :T].float(), scale)
+            lse_k = lse_c.clone()
+            lse_k[..., :T] = lse.to(lse_c.dtype)
+            ctx.save_for_backward(q, k0, v0, out, lse_k, *kv)
+            ctx.kernel, ctx.scale, ctx.aux, ctx.seg, ctx.J = kernel, scale, aux, seg, J
+            return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        with torch.autocast(dout.device.type, enabled=False):
+            q, k0, v0, out, lse_k, *kv = ctx.saved_tensors
+            _, bwd = _kernel_pair(ctx.kernel, ctx.seg)
+            dout = dout.contiguous().to(q.dtype)
+            dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
+            J, T = ctx.J, q.shape[2]
+            dq, dks, dvs = _fast(_merge_bwd_list, q.device)(q, kv[:J], kv[J:], out, lse_k[..., :T], dout, dq,
+                                                            ctx.scale)
+            return dq, dk0, dv0, None, None, None, None, *dks, *dvs
+
+
 def _kernel_pair(kernel: str, seg):
     """(fwd, bwd) of the step-0 attention: dense rows, or a packed row (`seg`: packing.Segments)."""
     if seg is None:
@@ -351,6 +412,14 @@ attention merges repeated diagonals. True: the merge reads each key/value head o
 heads sharing it. On an H200, for the SmolLM2-sized drafter, that took 2.1 GB less peak memory but
 4% more time, 254.9 ms a step against 244.8 for repeating every diagonal inside each step's attention
 (benchmarks/train_bench.py measures it beside the default as eyas-grouped-diagonals)."""
+
+
+DIAGONAL_LIST = False
+"""The diagonal keys/values of steps 1..k handed to the attention one tensor each (`_CausalPlusDiagonalList`)
+instead of stacked into one [B, K, T, J, d] tensor at every step, which copies all earlier steps' keys and values
+again each step: 42 copies a step at TTT 7, about 4 ms of a 234 ms SmolLM2-shaped step and 1 ms of the 8B one in
+the 2026-12-01 profiles. The merge compiles once per J instead of once. Off until measured on a GPU
+(train_bench.py's variant `eyas-diagonal-list`)."""
 
 
 def _step_keys(x_BKTd: torch.Tensor, heads: int) -> torch.Tensor:
@@ -374,6 +443,9 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
     k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
     if not GROUPED_DIAGONALS and groups > 1:
         keys, values = [k0, *(repeat_kv(k, groups) for k in keys[1:])], [v0, *(repeat_kv(v, groups) for v in values[1:])]
+    if len(keys) > 1 and DIAGONAL_LIST:
+        return _CausalPlusDiagonalList.apply(q_BHTd, k0, v0, kernel, scale, seg, len(keys) - 1, *keys[1:],
+                                             *values[1:])
     if len(keys) > 1:
         kd, vd = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
     else:
