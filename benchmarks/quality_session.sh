@@ -179,7 +179,7 @@ case "$part" in
 1)
     nvidia-smi -L | tee -a "$L/session.log"
     stage1
-    if [ "$NG" -eq 1 ] && [ -z "${SIDE_JOBS:-}" ]; then  # one GPU: a few minutes. check of the step's kernels (the chain
+    if [ "$NG" -eq 1 ] && [ -z "${SIDE_JOBS:-}" ]; then  # one GPU: a check of the step's kernels, a few minutes (the chain
         # comes in call 2)
         gpu_check; cp $ROOT/q/gpu_check.log "$L/"
         echo "== gpu_check"; grep -v warmup $ROOT/q/gpu_check.log | tail -8 | cut -c1-300; note "call 1 finished"; exit 0
