@@ -459,3 +459,17 @@ def test_bf16_training_casts_the_weights_once_or_per_step_alike(world, tmp_path,
         assert ("cast to bf16 once a forward" in err) == once and ("cast by each step" in err) != once, err[-2000:]
         first[once] = _train_records(tmp_path / f"once-{once}")[0]["loss"]
     assert abs(first[True] - first[False]) <= 0.02 * abs(first[False]), first
+
+
+def test_the_default_learning_rate_follows_the_drafters_width(world, tmp_path):
+    """--lr unset: 3e-4 for a drafter under hidden size 2048 (the tiny target's here), 1e-4 from 2048 on; the
+    resolved rate is what the optimizer ran (warmup 1: step 1 is at the peak) and what the drafter records."""
+    from eyas.train.loop import LARGE_DRAFTER_HIDDEN, default_lr, run
+
+    assert default_lr(576) == default_lr(LARGE_DRAFTER_HIDDEN - 1) == 3e-4
+    assert default_lr(LARGE_DRAFTER_HIDDEN) == default_lr(4096) == 1e-4
+    out = tmp_path / "lr"
+    run(_cfg(world, out, data=world["prep"], steps=2, lr=None))
+    first = _train_records(out)[0]
+    assert first["lr"] == pytest.approx(3e-4)
+    assert json.loads((out / "drafter" / "config.json").read_text())["training"]["lr"] == 3e-4
