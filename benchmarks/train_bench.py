@@ -222,28 +222,12 @@ def shared_weight_grads(step):
     return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", True))
 
 
-def teacher_per_step(step):
-    """The recomputed teacher's logits made once per TTT step (ttt.TEACHER_ONCE off; the path before 2026-12-01
-    late), not once per group of teacher rows for all steps."""
+def ttt_flag(step, name: str, value: bool):
+    """`step` with one module setting of drafter/ttt.py changed: the variants still off by default
+    (FUSED_HEAD_ROWS, DIAGONAL_LIST) and the path before TEACHER_ONCE."""
     import eyas.drafter.ttt as ttt
 
-    return patched(step, mock.patch.object(ttt, "TEACHER_ONCE", False))
-
-
-def fused_head_rows(step):
-    """The head's normed rows made by the compiled `normed_rows` (ttt.FUSED_HEAD_ROWS on; off by default until
-    measured)."""
-    import eyas.drafter.ttt as ttt
-
-    return patched(step, mock.patch.object(ttt, "FUSED_HEAD_ROWS", True))
-
-
-def diagonal_list(step):
-    """The diagonal keys/values passed to the attention one tensor each (ttt.DIAGONAL_LIST on; off by default
-    until measured)."""
-    import eyas.drafter.ttt as ttt
-
-    return patched(step, mock.patch.object(ttt, "DIAGONAL_LIST", True))
+    return patched(step, mock.patch.object(ttt, name, value))
 
 
 def head_grad_copies(step, device):
@@ -447,16 +431,20 @@ def suite_8b(args, dist) -> dict:
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
             ("eyas-shared-weight-grads", lambda: shared_weight_grads(make_fast_step(**fast, compile_parts=True))),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
-        import eyas.drafter.ttt as ttt
+        from eyas.train.loop import teacher_cache_bytes
 
-        variants += [("eyas-fused-head-rows", lambda: fused_head_rows(make_fast_step(**fast, compile_parts=True))),
-                     ("eyas-diagonal-list", lambda: diagonal_list(make_fast_step(**fast, compile_parts=True))),
+        variants += [("eyas-fused-head-rows", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
+                                                               "FUSED_HEAD_ROWS", True)),
+                     ("eyas-diagonal-list", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
+                                                             "DIAGONAL_LIST", True)),
                      ("eyas-upload-ahead", lambda: make_fast_step(**fast, compile_parts=True, upload_ahead=True)),
                      # the three together: gains of a few percent each are near the rounds' spread alone
-                     ("eyas-next", lambda: fused_head_rows(diagonal_list(
-                         make_fast_step(**fast, compile_parts=True, upload_ahead=True))))]
-        if B * T * c["draft_vocab_size"] * 2 > ttt.TEACHER_CACHE_BYTES:  # the teacher is recomputed at this size
-            variants.append(("eyas-teacher-per-step", lambda: teacher_per_step(make_fast_step(**fast, compile_parts=True))))
+                     ("eyas-next", lambda: ttt_flag(ttt_flag(
+                         make_fast_step(**fast, compile_parts=True, upload_ahead=True), "DIAGONAL_LIST", True),
+                         "FUSED_HEAD_ROWS", True))]
+        if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)
+            variants.append(("eyas-teacher-per-step", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
+                                                                       "TEACHER_ONCE", False)))
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
     if W == 1 and not args.no_reference:
