@@ -26,7 +26,9 @@
 # with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
 # side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store (and
 # its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
-# variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0).
+# variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0); smol_next runs the
+# SmolLM2 rate with the settings still off by default turned on (ttt.FUSED_HEAD_ROWS, ttt.DIAGONAL_LIST,
+# packing.COMPILED_LAYERS) against the default, the target on every batch and the state cache.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -99,6 +101,14 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
         esac
     done
 }
+smol_next() {  # the SmolLM2 rate (500 chats) with the settings still off by default turned on, against the default:
+    # the target on every batch (off) and the state cache (on), one run each, one after another
+    smol_rate off on
+    local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb
+                --flag ttt.FUSED_HEAD_ROWS --flag ttt.DIAGONAL_LIST --flag packing.COMPILED_LAYERS)
+    timeout 180 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_next_cache_off.log 2>&1
+    timeout 180 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_next_cache_on.log 2>&1
+}
 gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
     # default path and the ones to measure (train_bench.py) in one process: the GPU kernels run before the chain
     timeout 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
@@ -155,7 +165,7 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS
-export -f waitfor train_8b smol_rate smol_rate_cached gpu_check side_by_side sbs_ablations side_by_side_lr profiles recipe recipe_all points wait_target \
+export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check side_by_side sbs_ablations side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2

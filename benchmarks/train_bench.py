@@ -222,6 +222,23 @@ def shared_weight_grads(step):
     return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", True))
 
 
+FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing"}
+
+
+def set_flag(spec: str) -> None:
+    """--flag MODULE.NAME[=0]: set an existing boolean module setting of eyas (the smol suite's real `eyas train`)."""
+    import importlib
+
+    name, _, value = spec.partition("=")
+    mod, _, attr = name.partition(".")
+    if mod not in FLAG_MODULES or value not in ("", "0", "1"):
+        raise SystemExit(f"--flag {spec!r}: expected MODULE.NAME or MODULE.NAME=0, MODULE one of {', '.join(FLAG_MODULES)}")
+    module = importlib.import_module(FLAG_MODULES[mod])
+    if not isinstance(getattr(module, attr, None), bool):
+        raise SystemExit(f"--flag {spec!r}: {FLAG_MODULES[mod]} has no boolean setting {attr!r}")
+    setattr(module, attr, value != "0")
+
+
 def ttt_flag(step, name: str, value: bool):
     """`step` with one module setting of drafter/ttt.py changed: the variants still off by default
     (FUSED_HEAD_ROWS, DIAGONAL_LIST) and the path before TEACHER_ONCE."""
@@ -539,7 +556,8 @@ def suite_smol(args) -> dict:
             for compiled in ([None, False] if (args.compile_smol and budget == budgets[-1]) else [None]):
                 label = (f"data{di}-{budget // 1024}k" + ("-no-compile" if compiled is False else "")
                          + (f"-cache-{args.cache}" if args.cache != "auto" else "")
-                         + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else ""))
+                         + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else "")
+                         + "".join(f"-{f.replace('=', '-')}" for f in args.flag))
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
                 def one():
@@ -617,7 +635,12 @@ def main() -> None:
                     help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
                          "of a few batches, --skip past the first epoch measures the cached rate")
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
+    ap.add_argument("--flag", action="append", default=[], metavar="MODULE.NAME[=0]",
+                    help="smol: turn on (=0: off) a module setting of eyas for the run, MODULE one of "
+                         f"{', '.join(FLAG_MODULES)}, e.g. ttt.FUSED_HEAD_ROWS, packing.COMPILED_LAYERS (repeatable)")
     args = ap.parse_args()
+    for spec in args.flag:
+        set_flag(spec)
 
     if args.suite == "smol":
         if not args.target or not args.data:

@@ -360,13 +360,24 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
         torch.testing.assert_close(grads_f[n], grads_r[n], atol=1e-4, rtol=1e-4, msg=n)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family):
-    """The online teacher over a packed row == each sample run alone through Hugging Face (fp32)."""
+def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family, compiled, monkeypatch):
+    """The online teacher over a packed row == each sample run alone through Hugging Face (fp32), its layers
+    eager or through the two compiled pieces every layer shares (COMPILED_LAYERS: one graph each for all six
+    layers and both row lengths, not one per layer)."""
+    import eyas.packing as packing
     from eyas.packing import packed_unsupported_reason, target_forward_packed
     from eyas.target import load_target, reference_hidden_states
     from tests.conftest import make_tiny_target
 
+    monkeypatch.setattr(packing, "COMPILED_LAYERS", compiled)
+    if compiled:
+        import torch._dynamo as dynamo
+
+        dynamo.reset()
+        monkeypatch.setattr(packing, "_LAYER_FNS", {})
+        dynamo.utils.counters.clear()
     model = load_target(make_tiny_target(tmp_path / family, smol_tokenizer, family=family))
     assert packed_unsupported_reason(model) is None
     g = torch.Generator().manual_seed(3)
@@ -380,6 +391,9 @@ def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokeniz
         ra, rf = reference_hidden_states(model, seqs[s], layer_ids=layers)
         torch.testing.assert_close(aux[a:b], ra, atol=2e-5, rtol=1e-4)
         torch.testing.assert_close(final[a:b], rf, atol=2e-5, rtol=1e-4)
+    if compiled:  # another row length: the same two graphs (dynamic in the row's length)
+        target_forward_packed(model, torch.cat(seqs[:3]), Segments.from_lengths(lengths[:3]), layer_ids=layers)
+        assert dynamo.utils.counters["stats"]["unique_graphs"] == 2, dict(dynamo.utils.counters["stats"])
 
 
 def test_varlen_kernel_check_passes_on_cpu():

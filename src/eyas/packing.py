@@ -291,12 +291,21 @@ def tail_forward_packed(model, start_ND: torch.Tensor, seg: Segments, *, first_l
     return base.norm(x)[0]
 
 
-def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *, kernel: str | None) -> torch.Tensor:
-    """One Llama/Qwen decoder layer over a packed row (residual stream in, residual stream out)."""
-    x = x_1ND
-    N = x.shape[1]
+COMPILED_LAYERS = False
+"""Run each decoder layer's pieces around the attention (norm + q/k/v + RoPE; o_proj + residual + norm + MLP) as
+two torch.compile'd functions shared by every layer (the layer is an argument: one compiled graph each, reused
+across layers), instead of eager Hugging Face modules (a dozen elementwise kernels per layer at [tokens x hidden]).
+Off until measured on a GPU (`train_bench.py --suite smol --cache off --flag packing.COMPILED_LAYERS`, the
+target on every batch); the attention stays eager."""
+
+_LAYER_FNS: dict[str, tuple] = {}
+
+
+def _attn_inputs(layer, x, cos, sin):
+    """q, k, v [1, H, N, d] (k, v repeated to the query heads) for the layer's attention over x [1, N, D]."""
     attn = layer.self_attn
     d = int(attn.head_dim)
+    N = x.shape[1]
     h = layer.input_layernorm(x)
     q = attn.q_proj(h).view(1, N, -1, d)
     k = attn.k_proj(h).view(1, N, -1, d)
@@ -308,10 +317,33 @@ def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-    scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(d)))
-    o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
-    x = x + attn.o_proj(o.transpose(1, 2).reshape(1, N, -1))
+    return q, k, v
+
+
+def _attn_output_and_mlp(layer, x, o):
+    """The residual stream after the layer, from its input x [1, N, D] and the attention's output o [1, H, N, d]."""
+    N = x.shape[1]
+    x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(1, N, -1))
     return x + layer.mlp(layer.post_attention_layernorm(x))
+
+
+def _layer_fns(compiled: bool):
+    if not compiled:
+        return _attn_inputs, _attn_output_and_mlp
+    if "compiled" not in _LAYER_FNS:
+        _LAYER_FNS["compiled"] = (torch.compile(_attn_inputs, dynamic=True),
+                                  torch.compile(_attn_output_and_mlp, dynamic=True))
+    return _LAYER_FNS["compiled"]
+
+
+def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *, kernel: str | None) -> torch.Tensor:
+    """One Llama/Qwen decoder layer over a packed row (residual stream in, residual stream out)."""
+    pre, post = _layer_fns(COMPILED_LAYERS)
+    q, k, v = pre(layer, x_1ND, cos, sin)
+    attn = layer.self_attn
+    scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(int(attn.head_dim))))
+    o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
+    return post(layer, x_1ND, o)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
