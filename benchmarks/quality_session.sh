@@ -26,7 +26,9 @@
 # with JOBS=none only stages: SIDE_JOBS="train_8b wait_target prepare_only side_by_side profiles", then JOBS=none.
 # side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store (and
 # its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
-# variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0); smol_next runs the
+# variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0), sbs_ablations_lr the
+# same at lr 3e-4 for both trainers (default variants: teacher temperature 0.5, the head from the target's, TTT decay
+# 1.0); smol_next runs the
 # SmolLM2 rate with the settings still off by default turned on (ttt.FUSED_HEAD_ROWS, ttt.DIAGONAL_LIST,
 # packing.COMPILED_LAYERS) against the default, the target on every batch and the state cache.
 # What a call writes comes back as $OUT/logs.tgz.
@@ -122,11 +124,20 @@ side_by_side() {
 sbs_ablations() {  # the side by side (resumed: reuses what the default root holds) with eyas method variants, each
     # against the same SpecForge drafter (its default lr 1e-4); SBS_VARIANTS, default: the head from the target's,
     # lr 3e-4 (the recipe's) for eyas alone, TTT decay 1.0 instead of 0.8
+    sbs_with_variants $ROOT/sbs 1e-4 sbs_ablations "inithead:init_head=true lr3e-4:lr=3e-4 decay1:ttt_decay=1.0"
+}
+sbs_ablations_lr() {  # the same at lr 3e-4 for both trainers (eyas's default for this drafter since 2026-12-01), in
+    # side_by_side_lr's root; SBS_VARIANTS, default: the teacher at temperature 0.5, the head from the target's, TTT
+    # decay 1.0
+    sbs_with_variants $ROOT/sbs-lr3e-4 3e-4 sbs_ablations_lr \
+        "temp05:teacher_temperature=0.5 inithead:init_head=true decay1:ttt_decay=1.0"
+}
+sbs_with_variants() {  # sbs_with_variants ROOT LR LOG DEFAULT_VARIANTS
     waitfor $prep/meta.json
     local v; local -a vs=()
-    for v in ${SBS_VARIANTS:-inithead:init_head=true lr3e-4:lr=3e-4 decay1:ttt_decay=1.0}; do vs+=(--eyas-variant "$v"); done
-    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
-        --eval-prompts $S/question.jsonl "${vs[@]}" > $ROOT/q/sbs_ablations.log 2>&1
+    for v in ${SBS_VARIANTS:-$4}; do vs+=(--eyas-variant "$v"); done
+    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $1 --lr $2 \
+        --eval-prompts $S/question.jsonl "${vs[@]}" > $ROOT/q/$3.log 2>&1
 }
 side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (the recipe's), on the first one's store
     # and SpecForge files; the eyas drafter, its export and eval are sbs_ablations' lr3e-4 variant where it ran
@@ -165,7 +176,8 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS
-export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check side_by_side sbs_ablations side_by_side_lr profiles recipe recipe_all points wait_target \
+export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check side_by_side sbs_ablations sbs_ablations_lr \
+    sbs_with_variants side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2

@@ -227,3 +227,16 @@ def test_smol_next_and_sbs_variants_from_the_environment(tmp_path):
     ablations = _one(c, "specforge_side_by_side.py", "--eyas-variant")["args"]
     assert [a for i, a in enumerate(ablations) if ablations[i - 1] == "--eyas-variant"] == \
         ["a:lr=1e-3", "b:init_head=true,lr=3e-4"]
+    assert ablations[ablations.index("--lr") + 1] == "1e-4" and ablations[ablations.index("--root") + 1] == str(root / "sbs")
+
+
+def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
+    """sbs_ablations_lr: both trainers at lr 3e-4 in side_by_side_lr's root, its default variants."""
+    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only sbs_ablations_lr", JOBS="none")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    a = _one(calls(), "specforge_side_by_side.py", "--eyas-variant")["args"]
+    assert a[a.index("--lr") + 1] == "3e-4" and a[a.index("--root") + 1] == str(root / "sbs-lr3e-4")
+    assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == \
+        ["temp05:teacher_temperature=0.5", "inithead:init_head=true", "decay1:ttt_decay=1.0"]

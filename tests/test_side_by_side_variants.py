@@ -10,8 +10,8 @@ from tests.conftest import load_benchmark
 
 def test_variants_parse_as_toml_values_and_refuse_what_would_change_the_budget():
     parse = load_benchmark("specforge_side_by_side").parse_variants
-    assert parse(["decay1:ttt_decay=1.0", "lr3:lr=3e-4,warmup_steps=5"]) == \
-        {"decay1": {"ttt_decay": 1.0}, "lr3": {"lr": 3e-4, "warmup_steps": 5}}
+    assert parse(["decay1:ttt_decay=1.0", "lr3:lr=3e-4,warmup_steps=5", "t05:teacher_temperature=0.5"]) == \
+        {"decay1": {"ttt_decay": 1.0}, "lr3": {"lr": 3e-4, "warmup_steps": 5}, "t05": {"teacher_temperature": 0.5}}
     for bad, why in ((["steps:steps=100"], "'steps' is not a TrainConfig setting a variant may change"),
                      (["b:batch_size=32"], "'batch_size' is not"),
                      (["w:draft_intermediate_size=6144"], "'draft_intermediate_size' is not"),

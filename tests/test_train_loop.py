@@ -473,3 +473,23 @@ def test_the_default_learning_rate_follows_the_drafters_width(world, tmp_path):
     first = _train_records(out)[0]
     assert first["lr"] == pytest.approx(3e-4)
     assert json.loads((out / "drafter" / "config.json").read_text())["training"]["lr"] == 3e-4
+
+
+def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_path):
+    """--teacher-temperature 0.5: the same first forward (same seed and data) agrees with the target's top token
+    exactly as often as at 1 (the top token does not move), but learns from sharper targets (another loss); the
+    drafter records it, a resume at another temperature is refused, and 0 is refused before any work."""
+    from eyas.errors import EyasError
+    from eyas.train.loop import run
+
+    run(_cfg(world, tmp_path / "t1", data=world["prep"], steps=1))
+    run(_cfg(world, tmp_path / "t05", data=world["prep"], steps=2, save_every=1, teacher_temperature=0.5))
+    r1, r05 = _train_records(tmp_path / "t1")[0], _train_records(tmp_path / "t05")[0]
+    assert r1["acc_per_step"] == r05["acc_per_step"]
+    assert abs(r1["loss"] - r05["loss"]) > 1e-3
+    assert json.loads((tmp_path / "t05" / "drafter" / "config.json").read_text())["training"]["teacher_temperature"] == 0.5
+    ckpt = sorted((tmp_path / "t05" / "checkpoints").glob("step-*.safetensors"))[0]
+    with pytest.raises(EyasError, match="teacher_temperature"):
+        run(_cfg(world, tmp_path / "t05b", data=world["prep"], steps=2, resume=str(ckpt)))
+    with pytest.raises(EyasError, match="--teacher-temperature"):
+        _cfg(world, tmp_path / "t0", data=world["prep"], teacher_temperature=0.0)

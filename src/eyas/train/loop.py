@@ -87,6 +87,11 @@ class TrainConfig:
     """Training-time-test steps."""
     ttt_decay: float = 0.8
     """Loss weight of TTT step k = decay**k."""
+    teacher_temperature: float = 1.0
+    """Temperature of the target's distribution the drafter learns (the soft cross-entropy's targets:
+    softmax(target logits / T)). Below 1 it is sharper, closer to the target's top token, which is what
+    greedy decoding accepts; the top token itself, so the top-1 statistics, does not change. The held-out
+    loss is reported at the same temperature."""
     ttt_cast_once: bool | None = None
     """TTTConfig.cast_once (None: by the drafter's size; set for benchmarks/train_bench.py's comparisons)."""
     draft_vocab: int | None = None
@@ -157,6 +162,7 @@ class TrainConfig:
         check_number(self, "grad_clip", ge=0)
         check_number(self, "ttt_steps", ge=1)
         check_number(self, "ttt_decay", gt=0, le=1)
+        check_number(self, "teacher_temperature", gt=0)
         check_number(self, "draft_vocab", ge=1, optional=True)
         check_number(self, "draft_intermediate_size", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
@@ -526,7 +532,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                              tensors["lm_head"].float().cpu() if cfg.init_head else None,
                              tensors.get("final_norm").float().cpu() if cfg.init_head and "final_norm" in tensors else None)
     drafter.to(dev)
-    head_w = tensors["lm_head"].to(dev, torch.bfloat16 if bf16 else torch.float32)
+    # the teacher's logits / T: the head scaled once (argmax, hence the top-1 flags, unchanged)
+    head_w = (tensors["lm_head"].float() / cfg.teacher_temperature).to(dev, torch.bfloat16 if bf16 else torch.float32)
     del tensors
     ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
                         cast_once=cfg.ttt_cast_once)
@@ -576,6 +583,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     # -- 7. resume ------------------------------------------------------------------------------
     identity = {"drafter": dcfg.to_dict(), "ttt": asdict(ttt_cfg) | {"attention": None}, "global_batch": plan.global_batch,
                 "data": data_fp, "seed": cfg.seed, "draft_vocab_sha": _vocab_sha(vocab.used)}
+    if cfg.teacher_temperature != 1.0:  # (absent at 1: checkpoints from before the setting still resume)
+        identity["teacher_temperature"] = cfg.teacher_temperature
     ckdir = out / "checkpoints"
     start = 0
     if cfg.resume:
@@ -707,6 +716,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         final.load_state_dict({k.removeprefix("drafter."): v for k, v in model_sd.items()})
         final.save(final_dir, target={**target_id, "tokenizer_hash": tok_hash},
                    extra={"training": {"steps": total, "global_batch": plan.global_batch, "lr": lr,
+                                       "teacher_temperature": cfg.teacher_temperature,
                                        "ttt_steps": K, "source": "store" if cfg.store else "online",
                                        "vocab": vocab.report()}})
         plot_curves(out / "metrics.jsonl", out / "curves.png")
