@@ -516,7 +516,7 @@ FUSED_HEAD_ROWS = False
 each way) and concatenated once, instead of eager `index_select` + `RMSNorm` written into one buffer slice by
 slice (a gather, five elementwise kernels, a cast and an atomic scatter per step, and autograd cloning the
 buffer's whole gradient once per step). Off until measured on a GPU (train_bench.py's variant
-`eyas-fused-head-rows`); those eager ops took about 30 ms of a 234 ms SmolLM2-shaped step in the 2026-12-01
+`eyas-fused-head-rows`); those eager ops took about 27 ms of a 234 ms SmolLM2-shaped step in the 2026-12-01
 profile (benchmarks/RESULTS.md)."""
 
 
