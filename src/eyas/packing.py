@@ -261,7 +261,6 @@ def target_forward_packed(model, input_ids_N: torch.Tensor, seg: Segments, *, la
     wanted: dict[int, list[int]] = {}  # layer -> aux slots (an id may be asked for twice)
     for a, i in enumerate(layer_ids):
         wanted.setdefault(i, []).append(a)
-    N = input_ids_N.shape[0]
     x = base.embed_tokens(input_ids_N[None])  # 1, N, D
     cos, sin = base.rotary_emb(x, seg.positions_N[None])  # 1, N, d
     cos, sin = cos[:, None], sin[:, None]  # 1, 1, N, d
