@@ -532,8 +532,10 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                              tensors["lm_head"].float().cpu() if cfg.init_head else None,
                              tensors.get("final_norm").float().cpu() if cfg.init_head and "final_norm" in tensors else None)
     drafter.to(dev)
-    # the teacher's logits / T: the head scaled once (argmax, hence the top-1 flags, unchanged)
-    head_w = (tensors["lm_head"].float() / cfg.teacher_temperature).to(dev, torch.bfloat16 if bf16 else torch.float32)
+    head_w = tensors["lm_head"]
+    if cfg.teacher_temperature != 1.0:  # the teacher's logits / T: the head scaled once (its argmax unchanged)
+        head_w = head_w.float() / cfg.teacher_temperature
+    head_w = head_w.to(dev, torch.bfloat16 if bf16 else torch.float32)
     del tensors
     ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
                         cast_once=cfg.ttt_cast_once)
