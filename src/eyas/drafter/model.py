@@ -161,8 +161,15 @@ class DrafterConfig:
 # building blocks
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama RMSNorm: normalise in fp32, back to x's dtype, then scale by `weight`."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
 class RMSNorm(nn.Module):
-    """Llama RMSNorm: normalise in fp32, scale in the input dtype."""
+    """Llama RMSNorm (`rms_norm`) with its weight."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -170,10 +177,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 def rope_inv_freq(cfg: DrafterConfig) -> torch.Tensor:

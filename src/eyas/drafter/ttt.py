@@ -65,7 +65,7 @@ import torch.nn.functional as F
 
 from eyas.common import log
 from eyas.drafter import ce_kernel as CE
-from eyas.drafter.model import Eagle3Drafter, repeat_kv
+from eyas.drafter.model import Eagle3Drafter, repeat_kv, rms_norm
 from eyas.errors import EyasError
 
 
@@ -292,46 +292,53 @@ def _fast(fn, device: torch.device):
 
 
 class _CausalPlusDiagonals(torch.autograd.Function):
-    """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T."""
+    """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T. The
+    diagonals come stacked, kv = (kd, vd) of [B, K, T, J, d] (J may be 0), or listed (DIAGONAL_LIST),
+    kv = (k_1, ..., k_J, v_1, ..., v_J) of [B, K, T, d] each (J >= 1)."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kd, vd, kernel, scale, seg=None):
+    def forward(ctx, q, k0, v0, kernel, scale, seg, listed, *kv):
         with torch.autocast(q.device.type, enabled=False):  # the merge must stay in fp32
-            return _CausalPlusDiagonals._forward(ctx, q, k0, v0, kd, vd, kernel, scale, seg)
-
-    @staticmethod
-    def _forward(ctx, q, k0, v0, kd, vd, kernel, scale, seg):
-        fwd, _ = _kernel_pair(kernel, seg)
-        out_c, lse_c, aux = fwd(q, k0, v0, scale)
-        T = q.shape[2]
-        lse_c32 = lse_c[..., :T].float()  # some kernels pad the lse's last dim
-        if kd.shape[3]:
-            out, lse = _fast(_merge_fwd, q.device)(q, kd, vd, out_c, lse_c32, scale)
-        else:
-            lse, out = lse_c32, out_c
-        lse_k = lse_c.clone()
-        lse_k[..., :T] = lse.to(lse_c.dtype)
-        ctx.save_for_backward(q, k0, v0, kd, vd, out, lse_k)
-        ctx.kernel, ctx.scale, ctx.aux, ctx.seg = kernel, scale, aux, seg
-        return out
+            fwd, _ = _kernel_pair(kernel, seg)
+            out_c, lse_c, aux = fwd(q, k0, v0, scale)
+            T = q.shape[2]
+            lse_c32 = lse_c[..., :T].float()  # some kernels pad the lse's last dim
+            J = len(kv) // 2 if listed else kv[0].shape[3]
+            if J:
+                merge = _merge_fwd_list if listed else _merge_fwd
+                out, lse = _fast(merge, q.device)(q, *_diagonals(kv, listed), out_c, lse_c32, scale)
+            else:
+                lse, out = lse_c32, out_c
+            lse_k = lse_c.clone()
+            lse_k[..., :T] = lse.to(lse_c.dtype)
+            ctx.save_for_backward(q, k0, v0, out, lse_k, *kv)
+            ctx.kernel, ctx.scale, ctx.aux, ctx.seg, ctx.listed, ctx.J = kernel, scale, aux, seg, listed, J
+            return out
 
     @staticmethod
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):
-            return _CausalPlusDiagonals._backward(ctx, dout)
+            q, k0, v0, out, lse_k, *kv = ctx.saved_tensors
+            _, bwd = _kernel_pair(ctx.kernel, ctx.seg)
+            dout = dout.contiguous().to(q.dtype)
+            # flash backward with the MERGED out/lse gives the causal keys' share of the joint softmax
+            dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
+            if not ctx.J:
+                return dq, dk0, dv0, None, None, None, None, *(None for _ in kv)
+            T = q.shape[2]
+            merge = _merge_bwd_list if ctx.listed else _merge_bwd
+            dq, dk, dv = _fast(merge, q.device)(q, *_diagonals(kv, ctx.listed), out, lse_k[..., :T], dout, dq,
+                                                ctx.scale)
+            return (dq, dk0, dv0, None, None, None, None, *dk, *dv) if ctx.listed else \
+                (dq, dk0, dv0, None, None, None, None, dk, dv)
 
-    @staticmethod
-    def _backward(ctx, dout):
-        q, k0, v0, kd, vd, out, lse_k = ctx.saved_tensors
-        _, bwd = _kernel_pair(ctx.kernel, ctx.seg)
-        dout = dout.contiguous().to(q.dtype)
-        # flash backward with the MERGED out/lse gives the causal keys' share of the joint softmax
-        dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
-        if not kd.shape[3]:
-            return dq, dk0, dv0, None, None, None, None, None
-        T = q.shape[2]
-        dq, dkd, dvd = _fast(_merge_bwd, q.device)(q, kd, vd, out, lse_k[..., :T], dout, dq, ctx.scale)
-        return dq, dk0, dv0, dkd, dvd, None, None, None
+
+def _diagonals(kv, listed: bool):
+    """The merge's key and value arguments: (kd, vd) stacked, or the lists of J keys and J values."""
+    if not listed:
+        return kv
+    J = len(kv) // 2
+    return list(kv[:J]), list(kv[J:])
 
 
 def _merge_fwd_list(q, kds, vds, out_c, lse_c32, scale: float):
@@ -365,36 +372,6 @@ def _merge_bwd_list(q, kds, vds, out, lse, dout, dq_c, scale: float):
     return dq.reshape(B, H, T, d).to(q.dtype), dks, dvs
 
 
-class _CausalPlusDiagonalList(torch.autograd.Function):
-    """`_CausalPlusDiagonals` with the J >= 1 diagonal keys and values passed one tensor each (DIAGONAL_LIST)."""
-
-    @staticmethod
-    def forward(ctx, q, k0, v0, kernel, scale, seg, J, *kv):
-        with torch.autocast(q.device.type, enabled=False):  # the merge must stay in fp32
-            fwd, _ = _kernel_pair(kernel, seg)
-            out_c, lse_c, aux = fwd(q, k0, v0, scale)
-            T = q.shape[2]
-            out, lse = _fast(_merge_fwd_list, q.device)(q, list(kv[:J]), list(kv[J:]), out_c,
-                                                        lse_c[..., :T].float(), scale)
-            lse_k = lse_c.clone()
-            lse_k[..., :T] = lse.to(lse_c.dtype)
-            ctx.save_for_backward(q, k0, v0, out, lse_k, *kv)
-            ctx.kernel, ctx.scale, ctx.aux, ctx.seg, ctx.J = kernel, scale, aux, seg, J
-            return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        with torch.autocast(dout.device.type, enabled=False):
-            q, k0, v0, out, lse_k, *kv = ctx.saved_tensors
-            _, bwd = _kernel_pair(ctx.kernel, ctx.seg)
-            dout = dout.contiguous().to(q.dtype)
-            dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
-            J, T = ctx.J, q.shape[2]
-            dq, dks, dvs = _fast(_merge_bwd_list, q.device)(q, kv[:J], kv[J:], out, lse_k[..., :T], dout, dq,
-                                                            ctx.scale)
-            return dq, dk0, dv0, None, None, None, None, *dks, *dvs
-
-
 def _kernel_pair(kernel: str, seg):
     """(fwd, bwd) of the step-0 attention: dense rows, or a packed row (`seg`: packing.Segments)."""
     if seg is None:
@@ -415,11 +392,11 @@ heads sharing it. On an H200, for the SmolLM2-sized drafter, that took 2.1 GB le
 
 
 DIAGONAL_LIST = False
-"""The diagonal keys/values of steps 1..k handed to the attention one tensor each (`_CausalPlusDiagonalList`)
+"""The diagonal keys/values of steps 1..k handed to the attention one tensor each (`_CausalPlusDiagonals`, listed)
 instead of stacked into one [B, K, T, J, d] tensor at every step, which copies all earlier steps' keys and values
 again each step: 42 copies a step at TTT 7, about 4 ms of a 234 ms SmolLM2-shaped step and 1 ms of the 8B one in
 the 2026-12-01 profiles. The merge compiles once per J instead of once. Off until measured on a GPU
-(train_bench.py's variant `eyas-diagonal-list`)."""
+(train_bench.py's variant `eyas-diagonal-list`); once measured, one of the two merges goes."""
 
 
 def _step_keys(x_BKTd: torch.Tensor, heads: int) -> torch.Tensor:
@@ -444,13 +421,12 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
     if not GROUPED_DIAGONALS and groups > 1:
         keys, values = [k0, *(repeat_kv(k, groups) for k in keys[1:])], [v0, *(repeat_kv(v, groups) for v in values[1:])]
     if len(keys) > 1 and DIAGONAL_LIST:
-        return _CausalPlusDiagonalList.apply(q_BHTd, k0, v0, kernel, scale, seg, len(keys) - 1, *keys[1:],
-                                             *values[1:])
+        return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, True, *keys[1:], *values[1:])
     if len(keys) > 1:
         kd, vd = torch.stack(keys[1:], dim=3), torch.stack(values[1:], dim=3)
     else:
         kd = vd = q_BHTd.new_zeros(B, keys[0].shape[1], T, 0, d)
-    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kd, vd, kernel, scale, seg)
+    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, False, kd, vd)
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
@@ -522,11 +498,8 @@ profile (benchmarks/RESULTS.md)."""
 
 def normed_rows(hidden_ND: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float,
                 dtype: torch.dtype | None = None) -> torch.Tensor:
-    """RMSNorm (model.RMSNorm's arithmetic) of rows `rows` of hidden_ND, cast to `dtype` when given."""
-    x = hidden_ND.index_select(0, rows)
-    x32 = x.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    out = weight * x32.to(x.dtype)
+    """`rms_norm` of rows `rows` of hidden_ND, cast to `dtype` when given."""
+    out = rms_norm(hidden_ND.index_select(0, rows), weight, eps)
     return out if dtype is None else out.to(dtype)
 
 
@@ -898,8 +871,6 @@ def teacher_groups(t_idx: torch.Tensor, lengths: list[int], n_teacher: int, chun
     parts = t_idx.split([int(n) for n in lengths])
     ok = [(p[1:] > p[:-1]).all() for p in parts if p.numel() > 1]
     cuts = [torch.searchsorted(p, edges) for p in parts]
-    if not cuts:
-        return None
     flat = torch.cat([torch.stack(ok).all().reshape(1).long() if ok else edges.new_ones(1), *cuts]).tolist()
     if not flat[0]:
         return None
