@@ -88,11 +88,13 @@ prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 # the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
 train_8b() { timeout 600 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
-smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default all three):
-    # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once
+smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
+    # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
+    # next-off, next-on: off and on with the settings still off by default turned on (NEXT)
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
+    local next=(--flag ttt.FUSED_HEAD_ROWS --flag ttt.DIAGONAL_LIST --flag packing.COMPILED_LAYERS)
     local run
     for run in ${@:-off on once}; do
         case $run in
@@ -100,17 +102,12 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
         on) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
         once) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
             > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
+        next-off|next-on) timeout 180 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
+            > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
         esac
     done
 }
-smol_next() {  # the SmolLM2 rate (500 chats) with the settings still off by default turned on, against the default:
-    # the target on every batch (off) and the state cache (on), one run each, one after another
-    smol_rate off on
-    local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb
-                --flag ttt.FUSED_HEAD_ROWS --flag ttt.DIAGONAL_LIST --flag packing.COMPILED_LAYERS)
-    timeout 180 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_next_cache_off.log 2>&1
-    timeout 180 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_next_cache_on.log 2>&1
-}
+smol_next() { smol_rate off on next-off next-on; }  # the default and the settings still off by default, one after another
 gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
     # default path and the ones to measure (train_bench.py) in one process: the GPU kernels run before the chain
     timeout 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \

@@ -207,21 +207,6 @@ def patched(step, patcher):
     return run
 
 
-def grouped_diagonals(step):
-    """The diagonal keys merged per key/value head (ttt.GROUPED_DIAGONALS)."""
-    import eyas.drafter.ttt as ttt
-
-    return patched(step, mock.patch.object(ttt, "GROUPED_DIAGONALS", True))
-
-
-def shared_weight_grads(step):
-    """Each TTT step's weight gradient summed inside its matmul (ttt.SHARED_WEIGHT_GRADS on; the default before
-    2026-12-01 evening): a graph break in every compiled piece."""
-    import eyas.drafter.ttt as ttt
-
-    return patched(step, mock.patch.object(ttt, "SHARED_WEIGHT_GRADS", True))
-
-
 FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing"}
 
 
@@ -240,8 +225,8 @@ def set_flag(spec: str) -> None:
 
 
 def ttt_flag(step, name: str, value: bool):
-    """`step` with one module setting of drafter/ttt.py changed: the variants still off by default
-    (FUSED_HEAD_ROWS, DIAGONAL_LIST) and the path before TEACHER_ONCE."""
+    """`step` with one module setting of drafter/ttt.py changed while it runs: the default path's variants
+    (GROUPED_DIAGONALS, SHARED_WEIGHT_GRADS, FUSED_HEAD_ROWS, DIAGONAL_LIST; TEACHER_ONCE off)."""
     import eyas.drafter.ttt as ttt
 
     return patched(step, mock.patch.object(ttt, name, value))
@@ -444,9 +429,12 @@ def suite_8b(args, dist) -> dict:
             ("eyas-cast-once" if other else "eyas-per-step-casts",
              lambda: make_fast_step(**fast, compile_parts=True, cast_once=other)),
             # the diagonal keys merged per key/value head
-            ("eyas-grouped-diagonals", lambda: grouped_diagonals(make_fast_step(**fast, compile_parts=True))),
+            ("eyas-grouped-diagonals", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
+                                                        "GROUPED_DIAGONALS", True)),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
-            ("eyas-shared-weight-grads", lambda: shared_weight_grads(make_fast_step(**fast, compile_parts=True))),
+            # each step's weight gradient summed inside its matmul: the default before 2026-12-01 evening
+            ("eyas-shared-weight-grads", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
+                                                          "SHARED_WEIGHT_GRADS", True)),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
         from eyas.train.loop import teacher_cache_bytes
 
