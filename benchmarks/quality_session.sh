@@ -27,10 +27,8 @@
 # side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store (and
 # its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
 # variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0), sbs_ablations_lr the
-# same at lr 3e-4 for both trainers (default variants: teacher temperature 0.5, the head from the target's, TTT decay
-# 1.0); smol_next runs the
-# SmolLM2 rate with the settings still off by default turned on (ttt.FUSED_HEAD_ROWS, ttt.DIAGONAL_LIST,
-# packing.COMPILED_LAYERS) against the default, the target on every batch and the state cache.
+# same at lr 3e-4 for both trainers (default variants: the reachability mask align_topk at 1, 4 and 10); smol_next runs the SmolLM2 rate with the module settings of SMOL_FLAGS (train_bench.py --flag) against the
+# default, the target on every batch and the state cache.
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -90,24 +88,25 @@ waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
 train_8b() { timeout 600 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
-    # next-off, next-on: off and on with the settings still off by default turned on (NEXT)
+    # next-off, next-on: off and on with the module settings of SMOL_FLAGS (train_bench.py --flag, e.g.
+    # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs)
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
-    local next=(--flag ttt.FUSED_HEAD_ROWS --flag ttt.DIAGONAL_LIST --flag packing.COMPILED_LAYERS)
-    local run
+    local next=() flag run
+    for flag in ${SMOL_FLAGS:-}; do next+=(--flag $flag); done
     for run in ${@:-off on once}; do
         case $run in
         off) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1 ;;
         on) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
         once) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
             > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
-        next-off|next-on) timeout 180 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
+        next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout 180 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
             > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
         esac
     done
 }
-smol_next() { smol_rate off on next-off next-on; }  # the default and the settings still off by default, one after another
+smol_next() { smol_rate off on next-off next-on; }  # the default and SMOL_FLAGS's settings, one after another
 gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
     # default path and the ones to measure (train_bench.py) in one process: the GPU kernels run before the chain
     timeout 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
@@ -124,10 +123,10 @@ sbs_ablations() {  # the side by side (resumed: reuses what the default root hol
     sbs_with_variants $ROOT/sbs 1e-4 sbs_ablations "inithead:init_head=true lr3e-4:lr=3e-4 decay1:ttt_decay=1.0"
 }
 sbs_ablations_lr() {  # the same at lr 3e-4 for both trainers (eyas's default for this drafter since 2026-12-01), in
-    # side_by_side_lr's root; SBS_VARIANTS, default: the teacher at temperature 0.5, the head from the target's, TTT
-    # decay 1.0
+    # side_by_side_lr's root; SBS_VARIANTS, default: the loss masked past the first step whose target token left the
+    # drafter's top 1, 4 and 10 (align_topk)
     sbs_with_variants $ROOT/sbs-lr3e-4 3e-4 sbs_ablations_lr \
-        "temp05:teacher_temperature=0.5 inithead:init_head=true decay1:ttt_decay=1.0"
+        "align1:align_topk=1 align4:align_topk=4 align10:align_topk=10"
 }
 sbs_with_variants() {  # sbs_with_variants ROOT LR LOG DEFAULT_VARIANTS
     waitfor $prep/meta.json

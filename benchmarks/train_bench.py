@@ -124,15 +124,15 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
                    compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
-                   defer_stats: bool = False, bf16: bool | None = None, upload_ahead: bool = False):
+                   defer_stats: bool = False, bf16: bool | None = None):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are read back after the NEXT step is queued (the loop reads them
     every step, which waits for the GPU: this variant measures what a one-step-late read would gain).
     `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
-    `upload_ahead` (CUDA): the next step's batch is copied to the GPU on a side stream while this step runs
-    (the loop's offline reader copies on the compute stream: this variant measures what overlapping gains)."""
+    On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
+    does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
-    from eyas.train.data import Item, _packed_to, pack_tokens, PackedBatch
+    from eyas.train.data import AheadUploader, Item, _packed_to, pack_tokens, PackedBatch
     from eyas.train.loop import PackedTTTModule, lr_lambda
 
     drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
@@ -157,30 +157,16 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup=10, total=10_000, min_ratio=0.1))
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)
 
-    copier = torch.cuda.Stream(device) if upload_ahead and device.type == "cuda" else None
-
-    def upload():
-        """The batch on the GPU: copied on the side stream (an event marks its end), else on this one."""
-        if copier is None:
-            return _packed_to(host, device), None
-        copier.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(copier):
-            b = _packed_to(host, device)
-            done = torch.cuda.Event()
-            done.record()
-        return b, done
-
-    ahead: list = []
+    uploader = AheadUploader(device) if pin else None
 
     def step():
-        b, done = ahead.pop() if ahead else upload()
-        if done is not None:
-            main = torch.cuda.current_stream(device)
-            main.wait_event(done)
-            for t in (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N,
-                      *b.rows):
-                t.record_stream(main)  # made on the side stream, used (and freed) on this one
-            ahead.append(upload())  # the next step's copy overlaps this step's compute
+        if uploader is None:
+            b = _packed_to(host, device)
+        else:
+            if not uploader.started:
+                uploader.start(host)
+            b = uploader.take()
+            uploader.start(host)  # the next step's copy overlaps this step's compute
         with amp:
             loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, denoms.to(device))
         loss.backward()
@@ -226,7 +212,7 @@ def set_flag(spec: str) -> None:
 
 def ttt_flag(step, name: str, value: bool):
     """`step` with one module setting of drafter/ttt.py changed while it runs: the default path's variants
-    (GROUPED_DIAGONALS, SHARED_WEIGHT_GRADS, FUSED_HEAD_ROWS, DIAGONAL_LIST; TEACHER_ONCE off)."""
+    (GROUPED_DIAGONALS, SHARED_WEIGHT_GRADS; TEACHER_ONCE off)."""
     import eyas.drafter.ttt as ttt
 
     return patched(step, mock.patch.object(ttt, name, value))
@@ -438,15 +424,6 @@ def suite_8b(args, dist) -> dict:
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
         from eyas.train.loop import teacher_cache_bytes
 
-        variants += [("eyas-fused-head-rows", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
-                                                               "FUSED_HEAD_ROWS", True)),
-                     ("eyas-diagonal-list", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
-                                                             "DIAGONAL_LIST", True)),
-                     ("eyas-upload-ahead", lambda: make_fast_step(**fast, compile_parts=True, upload_ahead=True)),
-                     # the three together: gains of a few percent each are near the rounds' spread alone
-                     ("eyas-next", lambda: ttt_flag(ttt_flag(
-                         make_fast_step(**fast, compile_parts=True, upload_ahead=True), "DIAGONAL_LIST", True),
-                         "FUSED_HEAD_ROWS", True))]
         if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)
             variants.append(("eyas-teacher-per-step", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
                                                                        "TEACHER_ONCE", False)))
@@ -625,7 +602,7 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
     ap.add_argument("--flag", action="append", default=[], metavar="MODULE.NAME[=0]",
                     help="smol: turn on (=0: off) a module setting of eyas for the run, MODULE one of "
-                         f"{', '.join(FLAG_MODULES)}, e.g. ttt.FUSED_HEAD_ROWS, packing.COMPILED_LAYERS (repeatable)")
+                         f"{', '.join(FLAG_MODULES)}, e.g. ttt.GROUPED_DIAGONALS, packing.COMPILED_LAYERS=0 (repeatable)")
     args = ap.parse_args()
     for spec in args.flag:
         set_flag(spec)

@@ -212,17 +212,18 @@ def test_one_gpu_chain_from_call_1_and_a_call_2_that_only_stages(tmp_path):
 
 
 def test_smol_next_and_sbs_variants_from_the_environment(tmp_path):
-    """smol_next runs the SmolLM2 rate with and without the settings still off by default, the target on every
-    batch and the state cache; SBS_VARIANTS replaces sbs_ablations' default variants."""
+    """smol_next runs the SmolLM2 rate with and without SMOL_FLAGS's module settings, the target on every batch
+    and the state cache; SBS_VARIANTS replaces sbs_ablations' default variants."""
+    flags = ["ttt.GROUPED_DIAGONALS", "packing.COMPILED_LAYERS=0"]
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only smol_next sbs_ablations",
-                                   JOBS="none", SBS_VARIANTS="a:lr=1e-3 b:init_head=true,lr=3e-4")
+                                   JOBS="none", SBS_VARIANTS="a:lr=1e-3 b:init_head=true,lr=3e-4",
+                                   SMOL_FLAGS=" ".join(flags))
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
     c = calls()
     rates = [x["args"] for x in c if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
     runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y == "--flag"]) for a in rates]
-    flags = ["ttt.FUSED_HEAD_ROWS", "ttt.DIAGONAL_LIST", "packing.COMPILED_LAYERS"]
     assert runs == [("off", []), ("on", []), ("off", flags), ("on", flags)], runs
     ablations = _one(c, "specforge_side_by_side.py", "--eyas-variant")["args"]
     assert [a for i, a in enumerate(ablations) if ablations[i - 1] == "--eyas-variant"] == \
@@ -239,4 +240,4 @@ def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
     a = _one(calls(), "specforge_side_by_side.py", "--eyas-variant")["args"]
     assert a[a.index("--lr") + 1] == "3e-4" and a[a.index("--root") + 1] == str(root / "sbs-lr3e-4")
     assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == \
-        ["temp05:teacher_temperature=0.5", "inithead:init_head=true", "decay1:ttt_decay=1.0"]
+        ["align1:align_topk=1", "align4:align_topk=4", "align10:align_topk=10"]

@@ -475,6 +475,26 @@ def test_the_default_learning_rate_follows_the_drafters_width(world, tmp_path):
     assert json.loads((out / "drafter" / "config.json").read_text())["training"]["lr"] == 3e-4
 
 
+def test_align_topk_masks_unreachable_rows_in_a_real_run(world, tmp_path):
+    """--align-topk 1: the same first forward (same seed and data) has the same accuracies (every row still counted)
+    and a smaller loss (rows past a miss dropped); the drafter records it and a resume without it is refused."""
+    from eyas.errors import EyasError
+    from eyas.train.loop import run
+
+    run(_cfg(world, tmp_path / "a0", data=world["prep"], steps=1))
+    run(_cfg(world, tmp_path / "a1", data=world["prep"], steps=2, save_every=1, align_topk=1))
+    r0, r1 = _train_records(tmp_path / "a0")[0], _train_records(tmp_path / "a1")[0]
+    assert r0["acc_per_step"] == r1["acc_per_step"]
+    assert r1["loss_per_step"][0] == pytest.approx(r0["loss_per_step"][0], rel=1e-6)  # step 0: nothing masked
+    assert sum(r1["loss_per_step"][1:]) < sum(r0["loss_per_step"][1:]) - 1e-3
+    assert json.loads((tmp_path / "a1" / "drafter" / "config.json").read_text())["training"]["align_topk"] == 1
+    ckpt = sorted((tmp_path / "a1" / "checkpoints").glob("step-*.safetensors"))[0]
+    with pytest.raises(EyasError, match="align_topk"):
+        run(_cfg(world, tmp_path / "a1b", data=world["prep"], steps=2, resume=str(ckpt)))
+    with pytest.raises(EyasError, match="--align-topk"):
+        _cfg(world, tmp_path / "am", data=world["prep"], align_topk=-1)
+
+
 def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_path):
     """--teacher-temperature 0.5: the same first forward (same seed and data) agrees with the target's top token
     exactly as often as at 1 (the top token does not move), but learns from sharper targets (another loss); the

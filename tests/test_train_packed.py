@@ -53,12 +53,8 @@ def _head(seed=7, Vt=80):
     return torch.randn(Vt, D, generator=g) * 0.7
 
 
-@pytest.mark.parametrize("listed", [False, True])
 @pytest.mark.parametrize("kernel", ["math", "segments", "cpu-flash"])
-def test_varlen_attention_matches_block_diagonal_reference(kernel, listed, monkeypatch):
-    import eyas.drafter.ttt as ttt
-
-    monkeypatch.setattr(ttt, "DIAGONAL_LIST", listed)
+def test_varlen_attention_matches_block_diagonal_reference(kernel):
     g = torch.Generator().manual_seed(0)
     seg = Segments.from_lengths([5, 1, 9, 4])
     mk = lambda h: torch.randn(1, h, 19, 8, generator=g).requires_grad_()  # noqa: E731
@@ -207,7 +203,7 @@ def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
 
     calls = []
     real = ttt._HeadSoftCE.apply
-    monkeypatch.setattr(ttt._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-2])) or real(*a))
+    monkeypatch.setattr(ttt._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-3])) or real(*a))  # bounds
     K = 4
     samples = _samples([9, 14])
     m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
@@ -260,10 +256,13 @@ def test_normed_rows_equal_the_drafter_norm_and_compile_for_any_row_count():
         assert not gg[0][torch.ones(50, dtype=torch.bool).index_fill_(0, r, False)].any()  # rows not taken: no grad
 
 
-def test_listed_diagonal_merge_equals_the_stacked_one_eager_and_compiled():
-    """The merge over diagonal keys passed one tensor each (DIAGONAL_LIST) gives the stacked merge's out, lse and
-    gradients: bitwise in eager, and compiled as `_fast` compiles it on CUDA (2 of 6 query heads' key/value heads,
-    so the grouped reads are exercised)."""
+def test_diagonal_merge_compiles_as_on_cuda_and_keeps_a_graph_per_diagonal_count(monkeypatch):
+    """The merge over listed diagonal keys, compiled as `_fast` compiles it on CUDA, gives eager's out, lse and
+    gradients (2 key/value heads for 6 query heads: the grouped reads); `_fast` raises dynamo's recompile limit so
+    that one graph per diagonal count for packed rows and for dense batches (12 at TTT 7) never falls back to
+    eager, as 8 did on an H200."""
+    import torch._dynamo as dynamo
+
     import eyas.drafter.ttt as ttt
 
     g = torch.Generator().manual_seed(6)
@@ -271,18 +270,28 @@ def test_listed_diagonal_merge_equals_the_stacked_one_eager_and_compiled():
     mk = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     q, out_c, lse_c, dout, dq_c = mk(B, H, T, d), mk(B, H, T, d), mk(B, H, T), mk(B, H, T, d), mk(B, H, T, d)
     kds, vds = [mk(B, K, T, d) for _ in range(J)], [mk(B, K, T, d) for _ in range(J)]
-    kd, vd = torch.stack(kds, 3), torch.stack(vds, 3)
-    out, lse = ttt._merge_fwd(q, kd, vd, out_c, lse_c, 0.3)
-    dq, dkd, dvd = ttt._merge_bwd(q, kd, vd, out, lse, dout, dq_c, 0.3)
-    for fwd, bwd, exact in ((ttt._merge_fwd_list, ttt._merge_bwd_list, True),
-                            (torch.compile(ttt._merge_fwd_list, dynamic=True),
-                             torch.compile(ttt._merge_bwd_list, dynamic=True), False)):
-        same = torch.equal if exact else (lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5))
-        o, l = fwd(q, kds, vds, out_c, lse_c, 0.3)
-        assert same(o, out) and same(l, lse)
-        gq, gks, gvs = bwd(q, kds, vds, out, lse, dout, dq_c, 0.3)
-        assert same(gq, dq) and len(gks) == len(gvs) == J
-        assert all(same(gks[j], dkd[:, :, :, j]) and same(gvs[j], dvd[:, :, :, j]) for j in range(J))
+    out, lse = ttt._merge_fwd(q, kds, vds, out_c, lse_c, 0.3)
+    dq, dks, dvs = ttt._merge_bwd(q, kds, vds, out, lse, dout, dq_c, 0.3)
+    assert len(dks) == len(dvs) == J and dks[0].shape == kds[0].shape
+    close = lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5)  # noqa: E731
+    o, l = torch.compile(ttt._merge_fwd, dynamic=True)(q, kds, vds, out_c, lse_c, 0.3)
+    assert close(o, out) and close(l, lse)
+    gq, gks, gvs = torch.compile(ttt._merge_bwd, dynamic=True)(q, kds, vds, out, lse, dout, dq_c, 0.3)
+    assert close(gq, dq) and all(close(a, b) for a, b in zip(gks + gvs, dks + dvs))
+
+    monkeypatch.setattr(ttt, "_COMPILED", {})
+    with dynamo.config.patch(recompile_limit=8):  # dynamo's default
+        ttt._fast(ttt._merge_fwd, torch.device("cuda"))  # compiles lazily: no GPU needed to build it
+        assert dynamo.config.recompile_limit >= 12
+        dynamo.reset()
+        dynamo.utils.counters.clear()
+        merge = torch.compile(ttt._merge_fwd, backend="eager", dynamic=True)
+        for batch in (1, 2):
+            for j in range(1, 7):
+                ks = [torch.randn(batch, K, T, d) for _ in range(j)]
+                merge(torch.randn(batch, H, T, d), ks, ks, torch.randn(batch, H, T, d), torch.randn(batch, H, T), 0.3)
+        assert dynamo.utils.counters["stats"]["unique_graphs"] == 12, dict(dynamo.utils.counters["stats"])
+        dynamo.reset()
 
 
 def test_supervised_rows_stay_inside_samples():
@@ -295,25 +304,18 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped,once,fused_rows,listed",
-                         [("reference", 0, False, True, False, False), ("fast", 0, False, True, False, False),
-                          ("fast", 1 << 20, False, True, False, False), ("fast", 0, True, True, False, False),
-                          ("fast", 0, False, False, False, False), ("fast", 0, False, True, True, False),
-                          ("fast", 0, False, True, False, True), ("fast", 0, True, True, False, True)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, fused_rows, listed,
-                                                      monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes,grouped,once",
+                         [("reference", 0, False, True), ("fast", 0, False, True), ("fast", 1 << 20, False, True),
+                          ("fast", 0, True, True), ("fast", 0, False, False)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
     drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
-    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); the head's rows
-    normed by `normed_rows` or by the drafter's norm (FUSED_HEAD_ROWS); the diagonals stacked or listed
-    (DIAGONAL_LIST)."""
+    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE)."""
     import eyas.drafter.ttt as ttt
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
     monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
-    monkeypatch.setattr(ttt, "FUSED_HEAD_ROWS", fused_rows)
-    monkeypatch.setattr(ttt, "DIAGONAL_LIST", listed)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()
@@ -372,6 +374,7 @@ def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokeniz
     from tests.conftest import make_tiny_target
 
     monkeypatch.setattr(packing, "COMPILED_LAYERS", compiled)
+    monkeypatch.setattr(packing, "_COMPILE_ON", ("cuda", "cpu"))  # compiled here as on a GPU
     if compiled:
         import torch._dynamo as dynamo
 
@@ -511,3 +514,106 @@ def test_shared_linear_sums_every_use_gradient_once():
     first.sum().backward()
     with pytest.raises(RuntimeError, match="after its first use"):
         later.sum().backward()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams (runs on a GPU machine)")
+def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
+    """The offline reader on CUDA copies the batch after the one handed out on a side stream (AheadUploader): every
+    batch reaches the GPU equal to what `store_packed` packs on the host, in schedule order."""
+    import time
+
+    from eyas.train.data import Item, PackedPrefetcher, StoreSource, store_packed
+
+    lens = [5, 9, 3, 7, 4, 6, 8]
+
+    class Reader:
+        path = "memory"
+
+        def get(self, sid, dtype):
+            g = torch.Generator().manual_seed(int(sid))
+            T = lens[int(sid)]
+            return torch.randn(T, 3, 8, generator=g).to(dtype), torch.randn(T, 8, generator=g).to(dtype)
+
+    src = StoreSource.__new__(StoreSource)
+    src.reader, src.dtype = Reader(), torch.float32
+    items = [Item(str(i), torch.arange(n) + i, torch.arange(n) % 2 == 0) for i, n in enumerate(lens)]
+    schedule = [items[0:2], items[2:4], items[4:5], items[5:7]]
+    prefetch = PackedPrefetcher(src, iter(schedule), "cuda", steps=2, pad_to=None)
+    try:
+        for i, part in enumerate(schedule):
+            if i % 2:
+                time.sleep(0.2)  # the reader has packed the next batch: its copy starts ahead
+            got = prefetch.next_batch()
+            want = store_packed(src, part, steps=2, pad_to=None)
+            torch.cuda.synchronize()
+            for a, b in ((got.input_ids_N, want.input_ids_N), (got.aux_NAD, want.aux_NAD),
+                         (got.final_ND, want.final_ND), *zip(got.rows, want.rows)):
+                assert a.is_cuda and torch.equal(a.cpu(), b)
+            assert got.tokens == want.tokens == sum(len(x.input_ids) for x in part)
+    finally:
+        prefetch.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA head loss (the fused kernel where it runs)"))])
+@pytest.mark.parametrize("path", ["table", "recomputed-once", "recomputed-per-step"])
+def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, device, monkeypatch):
+    """The reachability mask (TTTConfig.align_topk) in the chunked head loss equals a plain reference: step k's
+    row at position t keeps its weight only if at every earlier step the teacher's top token was among the
+    drafter's top K at t (and in the draft vocabulary); loss and gradients match for a kept teacher table and a
+    recomputed one (once per row group for all steps, or per step), chunks smaller than a step."""
+    import eyas.drafter.ttt as ttt
+
+    monkeypatch.setattr(ttt, "TEACHER_ONCE", path == "recomputed-once")
+    g = torch.Generator().manual_seed(11)
+    N, Dm, V, steps, topk = 40, 12, 30, 3, 8
+    rows = [torch.randperm(N - 1 - k, generator=g)[: 24 - 4 * k].sort().values.to(device) for k in range(steps)]
+    pos = torch.cat(rows)
+    tr = torch.cat([r + 1 + k for k, r in enumerate(rows)])
+    n = pos.numel()
+    x = torch.randn(n, Dm, generator=g).to(device).requires_grad_()
+    W = torch.randn(V, Dm, generator=g).to(device).requires_grad_()
+    f, wt = torch.randn(N, Dm, generator=g).to(device), torch.randn(V, Dm, generator=g).to(device)
+    top = (f @ wt.T).argmax(-1)[tr]
+    w = torch.rand(n, generator=g).to(device) + 0.1
+    w[::7] = 0  # teacher's top token outside the draft vocab: no loss, and the chain ends there
+    # reference: whole logits, steps in order
+    with torch.no_grad():
+        S = x @ W.T
+        reach = ((S > S.gather(1, top[:, None])).sum(1) < topk) & (w > 0)
+        alive, w_ref, a = torch.ones(N, device=device), w.clone(), 0
+        for r in rows:
+            b = a + r.numel()
+            w_ref[a:b] *= alive[r]
+            alive[r] *= reach[a:b].float()
+            a = b
+    assert 0 < int((w_ref == 0).sum() - (w == 0).sum()) < int((w > 0).sum())  # the mask drops some rows, not all
+    want = ttt.reference_head_soft_ce(x, W, f[tr], wt, w_ref)
+    gx_want, gw_want = torch.autograd.grad(want, [x, W])
+    lengths = [r.numel() for r in rows]
+    if path == "table":
+        kw = dict(teacher_logits=f @ wt.T, teacher_rows=tr)
+        args = (None, None)
+    else:
+        kw = dict(teacher_rows=tr)
+        args = (f, wt)
+    total, per_step, hits = ttt.head_soft_ce_ranges(x, W, *args, w, top, lengths, chunk_rows=5,
+                                                    compute_dtype=torch.float32, align=(pos, N, topk), **kw)
+    torch.testing.assert_close(total, want, atol=1e-4, rtol=1e-5)
+    gx, gw = torch.autograd.grad(total, [x, W])
+    torch.testing.assert_close(gx, gx_want, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(gw, gw_want, atol=1e-5, rtol=1e-4)
+    assert torch.equal(hits, S.argmax(-1) == top)  # the statistics still count every row
+    plain, _, _ = ttt.head_soft_ce_ranges(x, W, *args, w, top, lengths, chunk_rows=5, compute_dtype=torch.float32,
+                                          **kw)
+    assert float(plain.detach()) > float(total.detach()) + 1e-3
+
+
+def test_align_topk_is_refused_by_the_padded_reference_and_below_zero():
+    from eyas.drafter.ttt import TTTConfig
+
+    with pytest.raises(ValueError, match="align-topk"):
+        TTTConfig(align_topk=-1)
+    cfg = TTTConfig(align_topk=2)
+    with pytest.raises(ValueError, match="packed path"):
+        ttt_loss(None, input_ids_BT=None, loss_mask_BT=None, aux_BTAD=None, teacher=None, cfg=cfg)

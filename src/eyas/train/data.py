@@ -268,6 +268,50 @@ def _packed_to(b: PackedBatch, device) -> PackedBatch:
                        b.tokens, b.padded_tokens, b.supervised, b.target_timing)
 
 
+def _batch_tensors(b: PackedBatch) -> tuple[torch.Tensor, ...]:
+    return (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows)
+
+
+def hand_over(b: PackedBatch, done, device) -> PackedBatch:
+    """A batch made on a side stream (`done`: the event recorded after it), for the current stream: it waits for
+    the event, and the batch's tensors are marked as used there (freed only once its work is done)."""
+    main = torch.cuda.current_stream(device)
+    main.wait_event(done)
+    for t in _batch_tensors(b):
+        t.record_stream(main)
+    return b
+
+
+class AheadUploader:
+    """Host batches (pinned) copied to the GPU on a side stream, one batch ahead: the next batch's copy overlaps
+    the current step's compute instead of queueing in front of it on the compute stream (the 8B-shaped step
+    81.6 ms against 82.8 on an H200, 2026-12-01: its aux states are 50 MB a step)."""
+
+    def __init__(self, device):
+        self.device = torch.device(device)
+        self._stream = torch.cuda.Stream(self.device)
+        self._ahead = None
+
+    def start(self, host: PackedBatch) -> None:
+        """Queue `host`'s copy behind the work queued so far (the batch before it may still be in use)."""
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self._stream):
+            b = _packed_to(host, self.device)
+            done = torch.cuda.Event()
+            done.record()
+        self._ahead = (b, done)
+
+    @property
+    def started(self) -> bool:
+        return self._ahead is not None
+
+    def take(self) -> PackedBatch:
+        """The started batch, ready for the current stream."""
+        b, done = self._ahead
+        self._ahead = None
+        return hand_over(b, done, self.device)
+
+
 def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int | None, pin: bool = False) -> PackedBatch:
     """A packed batch of stored states on the host (safe in a background thread)."""
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
@@ -350,7 +394,8 @@ def _target_states(src: OnlineSource, items: list[Item], ids_d, seg_d, dev) -> t
 class PackedPrefetcher:
     """Packed batches in consumption order, the next one prepared while the current one trains.
 
-    Offline: a background thread reads and packs stored states into pinned host memory.
+    Offline: a background thread reads and packs stored states into pinned host memory; on CUDA the batch after
+    the one handed out is copied to the GPU on a side stream when it is ready (AheadUploader).
     Online on CUDA: the target's forward for batch i+1 is enqueued on a side stream before the
     drafter's step on batch i, so the two overlap on the GPU; the side stream's start/end events
     give the time the target took. Online on the CPU: sequential.
@@ -368,6 +413,7 @@ class PackedPrefetcher:
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._work, daemon=True)
             self._thread.start()
+            self._uploader = AheadUploader(self.device) if self.device.type == "cuda" else None
         else:
             self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             self._pending = None
@@ -410,20 +456,28 @@ class PackedPrefetcher:
 
     def next_batch(self) -> PackedBatch:
         if self.offline:
-            got = self._q.get()
-            if isinstance(got, BaseException):
-                raise got
-            return _packed_to(got, self.device)
+            up = self._uploader
+            if up is None:
+                return _packed_to(self._host(self._q.get()), self.device)
+            if not up.started:
+                up.start(self._host(self._q.get()))
+            b = up.take()
+            if not self._q.empty():  # the next batch is packed already: its copy overlaps this batch's step
+                up.start(self._host(self._q.get()))
+            return b
         b = self._pending
         if b is None:
             raise StopIteration("the training schedule ran out of batches")
         if self._stream is not None:
-            main = torch.cuda.current_stream(self.device)
-            main.wait_event(b.target_timing[1])
-            for t in (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows):
-                t.record_stream(main)  # made on the side stream, used (and freed) on the main one
+            hand_over(b, b.target_timing[1], self.device)
         self._launch()  # the next target forward overlaps this batch's drafter step
         return b
+
+    @staticmethod
+    def _host(got):
+        if isinstance(got, BaseException):  # the reader thread's error, surfaced here
+            raise got
+        return got
 
     def close(self) -> None:
         if self.offline:

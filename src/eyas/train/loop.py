@@ -92,6 +92,12 @@ class TrainConfig:
     softmax(target logits / T)). Below 1 it is sharper, closer to the target's top token, which is what
     greedy decoding accepts; the top token itself, so the top-1 statistics, does not change. The held-out
     loss is reported at the same temperature."""
+    align_topk: int = 0
+    """0: every step's supervised rows carry their loss. K > 0: the loss of TTT step k at a position counts only
+    while the draft chain from that position is still reachable: at every earlier step the target's top token was
+    among the drafter's top K there (K = 1: a chain decoder; larger K: a tree of that branching). Rows past a miss
+    are states decoding never reaches; masking them spends the drafter on the ones it does. The per-step losses
+    then sum the reachable rows only."""
     ttt_cast_once: bool | None = None
     """TTTConfig.cast_once (None: by the drafter's size; set for benchmarks/train_bench.py's comparisons)."""
     draft_vocab: int | None = None
@@ -163,6 +169,7 @@ class TrainConfig:
         check_number(self, "ttt_steps", ge=1)
         check_number(self, "ttt_decay", gt=0, le=1)
         check_number(self, "teacher_temperature", gt=0)
+        check_number(self, "align_topk", ge=0)
         check_number(self, "draft_vocab", ge=1, optional=True)
         check_number(self, "draft_intermediate_size", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
@@ -538,7 +545,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     head_w = head_w.to(dev, torch.bfloat16 if bf16 else torch.float32)
     del tensors
     ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
-                        cast_once=cfg.ttt_cast_once)
+                        cast_once=cfg.ttt_cast_once, align_topk=cfg.align_topk)
     if dev.type == "cuda" and cfg.attention == "fast":
         from eyas.packing import check_varlen_kernel, pick_varlen_kernel
 
@@ -583,10 +590,14 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
 
     # -- 7. resume ------------------------------------------------------------------------------
-    identity = {"drafter": dcfg.to_dict(), "ttt": asdict(ttt_cfg) | {"attention": None}, "global_batch": plan.global_batch,
+    ttt_id = {k: v for k, v in asdict(ttt_cfg).items() if k != "align_topk"} | {"attention": None}
+    identity = {"drafter": dcfg.to_dict(), "ttt": ttt_id, "global_batch": plan.global_batch,
                 "data": data_fp, "seed": cfg.seed, "draft_vocab_sha": _vocab_sha(vocab.used)}
-    if cfg.teacher_temperature != 1.0:  # (absent at 1: checkpoints from before the setting still resume)
+    # (absent at their defaults: checkpoints from before these settings still resume)
+    if cfg.teacher_temperature != 1.0:
         identity["teacher_temperature"] = cfg.teacher_temperature
+    if cfg.align_topk:
+        identity["align_topk"] = cfg.align_topk
     ckdir = out / "checkpoints"
     start = 0
     if cfg.resume:
@@ -719,6 +730,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         final.save(final_dir, target={**target_id, "tokenizer_hash": tok_hash},
                    extra={"training": {"steps": total, "global_batch": plan.global_batch, "lr": lr,
                                        "teacher_temperature": cfg.teacher_temperature,
+                                       "align_topk": cfg.align_topk,
                                        "ttt_steps": K, "source": "store" if cfg.store else "online",
                                        "vocab": vocab.report()}})
         plot_curves(out / "metrics.jsonl", out / "curves.png")
