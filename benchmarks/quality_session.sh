@@ -75,7 +75,7 @@ stage1() {
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     note "staged (1/2)"
 }
-snapshot() { rm -rf $ROOT/run && mkdir -p $ROOT/run && cp -r src benchmarks recipes pyproject.toml $ROOT/run/; }
+snapshot() { rm -rf $ROOT/run && mkdir -p $ROOT/run && cp -r src benchmarks recipes tests pyproject.toml $ROOT/run/; }
 
 ALL=17293
 STEPS=${STEPS:-2400}
@@ -167,12 +167,17 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
         > $ROOT/q/prepare.log 2>&1
 }
 smol_rate_cached() { smol_rate on; }
+gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
+    # mask through the CUDA kernels; pytest is in the device's image)
+    timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py -k "prefetcher or align" \
+        > $ROOT/q/gpu_tests.log 2>&1
+}
 specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
 export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS
-export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check side_by_side sbs_ablations sbs_ablations_lr \
+export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check gpu_tests side_by_side sbs_ablations sbs_ablations_lr \
     sbs_with_variants side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end

@@ -241,3 +241,17 @@ def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
     assert a[a.index("--lr") + 1] == "3e-4" and a[a.index("--root") + 1] == str(root / "sbs-lr3e-4")
     assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == \
         ["align1:align_topk=1", "align4:align_topk=4", "align10:align_topk=10"]
+
+
+def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
+    """gpu_tests runs pytest on the GPU-only tests from the chain's copy of the repository, which holds the tests."""
+    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="gpu_tests", JOBS="none")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    hits = [c for c in calls() if c["args"][:2] == ["-m", "pytest"]]
+    assert len(hits) == 1, calls()
+    a = hits[0]
+    assert "tests/test_train_packed.py" in a["args"]
+    assert a["args"][a["args"].index("-k") + 1] == "prefetcher or align"
+    assert (Path(a["cwd"]) / "tests" / "test_train_packed.py").is_file() and a["gpu"] == "0"
