@@ -127,12 +127,13 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
                    defer_stats: bool = False, bf16: bool | None = None):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are read back after the NEXT step is queued (the loop reads them
-    every step, which waits for the GPU: this variant measures what a one-step-late read would gain).
+    every step, which waits for the GPU: this variant measures what a one-step-late read would gain; the loop
+    makes no other wait in a step, and neither does this one: its per-step denominators go through pinned memory).
     `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
     does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
-    from eyas.train.data import AheadUploader, Item, _packed_to, pack_tokens, PackedBatch
+    from eyas.train.data import AheadUploader, Item, _packed_to, pack_tokens, PackedBatch, to_device
     from eyas.train.loop import PackedTTTModule, lr_lambda
 
     drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
@@ -168,7 +169,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
             b = uploader.take()
             uploader.start(host)  # the next step's copy overlaps this step's compute
         with amp:
-            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, denoms.to(device))
+            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, to_device(denoms, device))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()

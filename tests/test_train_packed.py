@@ -617,3 +617,45 @@ def test_align_topk_is_refused_by_the_padded_reference_and_below_zero():
     cfg = TTTConfig(align_topk=2)
     with pytest.raises(ValueError, match="packed path"):
         ttt_loss(None, input_ids_BT=None, loss_mask_BT=None, aux_BTAD=None, teacher=None, cfg=cfg)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA synchronisation")
+def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
+    """Forward, backward, clipping, the optimizer step and the per-step denominators' upload (as `eyas train` runs
+    them) never make the host wait for the GPU (torch.cuda.set_sync_debug_mode "error" raises on any such op):
+    only the statistics read at the step's end does, so the host queues a step while the GPU runs the last one."""
+    from eyas.train.data import Item, pack_tokens, to_device
+    from eyas.train.loop import PackedTTTModule, _clip
+
+    dev, K = torch.device("cuda"), 4
+    samples = _samples([9, 3, 14])
+    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
+    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
+    pad = seg.total - sum(len(s[0]) for s in samples)
+    aux = torch.cat([s[2] for s in samples] + [torch.zeros(pad, 3, D)]).to(dev)
+    final = torch.cat([s[3] for s in samples] + [torch.zeros(pad, D)]).to(dev)
+    ids, seg, rows = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows]
+    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
+    m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
+    m.set_vocab(torch.arange(V) + 5)
+    module = PackedTTTModule(m, TTTConfig(steps=K), head_VtD=_head().to(dev)).to(dev)
+    params = [p for p in module.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss, stats = module(ids, seg, rows, aux, final, to_device(den, dev))
+        loss.backward()
+        norm = _clip(module, params, 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return stats, norm
+
+    step()  # kernels picked and compiled, checked against their references (those read results back)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        stats, norm = step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert float(norm) > 0 and stats.tolist()[2 * K] > 0  # rows of step 0 counted

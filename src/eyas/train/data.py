@@ -268,6 +268,13 @@ def _packed_to(b: PackedBatch, device) -> PackedBatch:
                        b.tokens, b.padded_tokens, b.supervised, b.target_timing)
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the GPU: on CUDA through pinned memory with an
+    asynchronous copy (a copy from pageable memory first waits for all the work queued on the stream)."""
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 def _batch_tensors(b: PackedBatch) -> tuple[torch.Tensor, ...]:
     return (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows)
 
@@ -342,6 +349,8 @@ def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, p
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
     dev = torch.device(device)
     nb = dev.type == "cuda"
+    if nb:  # pinned first: a copy from pageable memory waits for the work queued before it
+        ids, seg, rows = ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows]
     ids_d, seg_d = ids.to(dev, non_blocking=nb), seg.to(dev)
     cache = src.cache
     if cache is None:

@@ -415,6 +415,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         read_target_tensors,
         store_order,
         target_seconds,
+        to_device,
     )
     from eyas.train.metrics import MetricsWriter, plot_curves
 
@@ -640,10 +641,13 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     for step in range(start, total):
         t0 = time.perf_counter()
         micro = plan.micro_indices(step, d.rank)
-        denoms = torch.from_numpy(den_table[plan.step_indices(step)].sum(0)).to(dev)
+        # no step waits for the GPU before its statistics are read at its end: a plain host-to-device copy waits
+        # for all the work queued before it (so do float() and tolist()), so the small per-step tensors go
+        # through pinned memory and the gradient norm is read with the statistics
+        denoms = to_device(torch.from_numpy(den_table[plan.step_indices(step)].sum(0)), dev)
         stats = torch.zeros(3 * K + 2, dtype=torch.float64, device=dev)
         # real, padded, supervised tokens; stop requests (summed with them, so every rank stops after the same step)
-        counts_t = torch.zeros(4, dtype=torch.float64, device=dev)
+        counts = [0, 0, 0, 0]
         batches = []
         for m, idx in enumerate(micro):
             batch = prefetch.next_batch()
@@ -656,8 +660,9 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                 (loss * world_scale).backward()
             stats += st.double()
             if idx:
-                counts_t[:3] += torch.tensor([batch.tokens, batch.padded_tokens, batch.supervised], dtype=torch.float64,
-                                             device=dev)
+                counts[0] += batch.tokens
+                counts[1] += batch.padded_tokens
+                counts[2] += batch.supervised
             batches.append(batch)
         gnorm = _clip(module, params, cfg.grad_clip)
         opt.step()
@@ -667,7 +672,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
             _start_state_cache(cfg, train_src, item_ids, lengths, hidden=hidden, dev=dev,
                                epochs=(total - start) / plan.steps_per_epoch, log_it=d.is_main)
         if stop.signum is not None:
-            counts_t[3] = 1
+            counts[3] = 1
+        counts_t = to_device(torch.tensor(counts, dtype=torch.float64), dev)
         dd.all_reduce_sum(stats, d)
         dd.all_reduce_sum(counts_t, d)
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
@@ -683,7 +689,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         rate = tok_run / wall
         eta = (total - step - 1) * wall / (step + 1 - start)
         last = {"step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
-                "lr": sched.get_last_lr()[0], "grad_norm": gnorm, "tokens": tokens, "padded_tokens": padded,
+                "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "tokens": tokens, "padded_tokens": padded,
                 "supervised_tokens": supervised, "step_s": dt, "tokens_per_s": rate,
                 "supervised_tokens_per_s": sup_run / wall, "useful_fraction": tok_run / max(pad_run, 1),
                 "target_share": target_run / wall if train_src is not None and cfg.store is None else 0.0}
@@ -892,9 +898,11 @@ def _dummy(item):
     return Item(item.id, item.input_ids, torch.zeros_like(item.loss_mask))
 
 
-def _clip(module, params, max_norm: float) -> float:
+def _clip(module, params, max_norm: float) -> torch.Tensor | float:
+    """The gradients' global norm (after clipping them to `max_norm` when it is > 0), left on the device: read
+    with the step's statistics, not before the optimizer step is queued (a read waits for the backward)."""
     if max_norm > 0:
         n = torch.nn.utils.clip_grad_norm_(params, max_norm)
-        return float(n.full_tensor() if hasattr(n, "full_tensor") else n)  # FSDP2 returns a DTensor
+        return n.full_tensor() if hasattr(n, "full_tensor") else n  # FSDP2 returns a DTensor
     grads = [p.grad for p in params if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))) if grads else 0.0
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])) if grads else 0.0
