@@ -6,10 +6,10 @@ CUDA path's settings (compiled pieces, bf16 autocast, weights cast once or per s
 dimensions, where only the structure matters, and prints the compiled-region calls of one step (forward
 and backward) and dynamo's graph breaks:
 
-    PYTHONPATH=src python benchmarks/compiled_regions.py [--cast once|once-shared|steps] [--ttt-steps 7]
+    PYTHONPATH=src python benchmarks/compiled_regions.py [--cast once|steps] [--ttt-steps 7]
 
-(once, the 8B default: the once-cast weights' gradients summed by autograd; once-shared: ttt.SHARED_WEIGHT_GRADS
-on, shared_linear sums each weight's gradient inside its matmuls; steps: every TTT step casts the weights itself)
+(once, the 8B default: the once-cast weights' gradients summed by autograd; steps: every TTT step casts the
+weights itself)
 
 The CPU run has no Triton kernels: the attention merge and the head's chunk loss, compiled on CUDA only,
 add their own calls there (train_bench.py --profile shows those on the GPU).
@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--cast", choices=["once", "once-shared", "steps"], default="once",
-                    help="TTTConfig.cast_once on (and how its gradients are summed) or off")
+    ap.add_argument("--cast", choices=["once", "steps"], default="once", help="TTTConfig.cast_once on or off")
     ap.add_argument("--ttt-steps", type=int, default=7)
     args = ap.parse_args()
 
@@ -37,12 +36,9 @@ def main() -> None:
     from torch._dynamo.utils import counters
     from torch.profiler import ProfilerActivity, profile
 
-    import eyas.drafter.ttt as ttt
-
     c = tb.shapes(False)  # the 8B drafter's head counts, everything else tiny
     c.update(hidden_size=64, head_dim=2, intermediate_size=128, vocab_size=1024, draft_vocab_size=256,
              target_hidden_size=64)
-    ttt.SHARED_WEIGHT_GRADS = args.cast == "once-shared"
     # the CUDA path's settings on the CPU: compiled pieces, bf16 autocast
     step = tb.make_fast_step(c, B=1, T=32, K=args.ttt_steps, device=torch.device("cpu"), compile_parts=True,
                              cast_once=args.cast != "steps", bf16=True)

@@ -5,7 +5,7 @@ Two suites, one JSON document as the last stdout line (metric names of benchmark
 `--suite 8b` (default): the Llama-3.1-8B-shaped drafter (H 4096, 32 heads / 8 KV heads, head dim 128,
 intermediate 14336, target vocab 128256, draft vocab 32000, llama3 RoPE), TTT 7, one sample of 2048
 tokens per step, synthetic stored states (aux [T, 3, H] and final [T, H] in bf16, copied from pinned
-host memory every step as the store loader does). A step is what `eyas train` runs: the packed
+host memory every step on a side stream, one step ahead, as the store loader does). A step is what `eyas train` runs: the packed
 forward/backward with the fused chunked head loss (teacher logits from the target lm_head on the
 fly), bf16 autocast with fp32 master weights, grad clipping, fused AdamW, the LR scheduler and the
 per-step statistics read back to the host. In the same process: the earlier padded path with
@@ -15,10 +15,8 @@ itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a 
 steps' gradients), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
 key/value head for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query
 head), `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's
-product, as before ttt.addmm_fp32_), `eyas-shared-weight-grads` (weights cast once, each step's weight gradient
-summed inside its matmul instead of by autograd: ttt.SHARED_WEIGHT_GRADS on, a graph break in every compiled piece;
-the default before 2026-12-01 evening), `eyas-deferred-stats` (the statistics read one step late: what the
-per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
+product, as before ttt.addmm_fp32_), `eyas-deferred-stats` (the statistics read one step late, as
+train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
 (benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
 options), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
@@ -194,7 +192,7 @@ def patched(step, patcher):
     return run
 
 
-FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing"}
+FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop"}
 
 
 def set_flag(spec: str) -> None:
@@ -213,7 +211,7 @@ def set_flag(spec: str) -> None:
 
 def ttt_flag(step, name: str, value: bool):
     """`step` with one module setting of drafter/ttt.py changed while it runs: the default path's variants
-    (GROUPED_DIAGONALS, SHARED_WEIGHT_GRADS; TEACHER_ONCE off)."""
+    (GROUPED_DIAGONALS; TEACHER_ONCE off)."""
     import eyas.drafter.ttt as ttt
 
     return patched(step, mock.patch.object(ttt, name, value))
@@ -419,9 +417,6 @@ def suite_8b(args, dist) -> dict:
             ("eyas-grouped-diagonals", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
                                                         "GROUPED_DIAGONALS", True)),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
-            # each step's weight gradient summed inside its matmul: the default before 2026-12-01 evening
-            ("eyas-shared-weight-grads", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
-                                                          "SHARED_WEIGHT_GRADS", True)),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
         from eyas.train.loop import teacher_cache_bytes
 

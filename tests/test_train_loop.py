@@ -211,6 +211,33 @@ def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world,
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
 
 
+def test_deferred_statistics_give_the_same_records_and_stop_a_step_later(world, tmp_path, monkeypatch):
+    """loop.DEFER_STATS: each step's statistics read after the next step is queued give the same records (loss,
+    accuracies, learning rate, gradient norm, tokens) as reading them at once; a stop asked during step 2 is read
+    with step 2's statistics, during step 3, so the run stops after step 3 with its checkpoint and every record up
+    to it, and resumes to the same losses."""
+    from eyas.errors import Interrupted
+    from eyas.train import loop
+
+    kw = dict(data=world["prep"], steps=5, batch_size=2, grad_accum=2)
+    loop.run(_cfg(world, tmp_path / "now", **kw))
+    monkeypatch.setattr(loop, "DEFER_STATS", True)
+    loop.run(_cfg(world, tmp_path / "late", **kw))
+    now, late = _train_records(tmp_path / "now"), _train_records(tmp_path / "late")
+    keys = ("step", "loss_per_step", "acc_per_step", "lr", "tokens", "padded_tokens", "supervised_tokens")
+    assert [[r[k] for k in keys] for r in late] == [[r[k] for k in keys] for r in now]
+    assert [r["grad_norm"] for r in late] == pytest.approx([r["grad_norm"] for r in now], rel=1e-6)
+    part = tmp_path / "part"
+    _interrupt_at_step(monkeypatch, 2)
+    with pytest.raises(Interrupted, match=r"stopped after step 3 of 5, saved in .*step-000003\.safetensors"):
+        loop.run(_cfg(world, part, **kw))
+    assert [r["step"] for r in _train_records(part)] == [1, 2, 3]
+    monkeypatch.undo()
+    monkeypatch.setattr(loop, "DEFER_STATS", True)
+    loop.run(_cfg(world, part, resume="auto", **kw))
+    assert [r["loss"] for r in _train_records(part)] == pytest.approx([r["loss"] for r in now], rel=1e-6)
+
+
 def test_interrupt_before_the_first_step_does_not_claim_a_resume(world, tmp_path, monkeypatch):
     import eyas.drafter.vocab
     from eyas.errors import Interrupted

@@ -405,22 +405,12 @@ def test_varlen_kernel_check_passes_on_cpu():
     assert check_varlen_kernel("cpu", torch.float32) < 1e-4
 
 
-@pytest.mark.parametrize("shared", [True, False], ids=["sums-in-matmuls", "autograd-sums"])
-def test_cast_once_casts_each_weight_once_and_trains_alike(shared, monkeypatch):
+def test_cast_once_casts_each_weight_once_and_trains_alike():
     """Under bf16 autocast, `cast_once` casts each mid-layer weight once per forward and gives the
-    loss and gradients of the default within bf16 rounding, whether the steps' weight gradients are
-    summed inside the matmuls (shared_linear) or by autograd (ttt.SHARED_WEIGHT_GRADS off). (Eager
-    autocast caches its casts too; the compiled pieces, the CUDA default, cast inside every call: K
+    loss and gradients of the default within bf16 rounding (autograd sums the steps' weight gradients).
+    (Eager autocast caches its casts too; the compiled pieces, the CUDA default, cast inside every call: K
     casts per weight.)"""
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    import eyas.drafter.ttt as ttt
-
-    import eyas.drafter.model as model
-
-    monkeypatch.setattr(ttt, "SHARED_WEIGHT_GRADS", shared)
-    shared_uses = []
-    monkeypatch.setattr(model, "shared_linear", lambda x, w, f=model.shared_linear: shared_uses.append(1) or f(x, w))
 
     K = 4
     samples = _samples([9, 14])
@@ -457,7 +447,6 @@ def test_cast_once_casts_each_weight_once_and_trains_alike(shared, monkeypatch):
                                 cfg=TTTConfig(steps=K, cast_once=once), denominators=den)
         o.loss.backward()
         out[once] = (o.loss.detach(), CountCasts.n, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
-    assert len(shared_uses) == (4 * K if shared else 0)  # q/k/v, o, gate/up, down in each of K steps
     loss, casts, grads = out[True]
     same_shape = sum(tuple(mod.weight.shape) == shape for mod in m.midlayer.modules()
                      if isinstance(mod, torch.nn.Linear))  # gate, up (each cast once, then concatenated)
@@ -477,43 +466,6 @@ def test_cast_once_default_follows_the_drafter_size():
     assert TTTConfig().cast_once_for(4096) and not TTTConfig().cast_once_for(576)
     assert TTTConfig().cast_once_for(CAST_ONCE_MIN_HIDDEN) and not TTTConfig().cast_once_for(CAST_ONCE_MIN_HIDDEN - 1)
     assert TTTConfig(cast_once=True).cast_once_for(576) and not TTTConfig(cast_once=False).cast_once_for(4096)
-
-
-def test_shared_linear_sums_every_use_gradient_once():
-    """`shared_linear` over K chained uses of one weight (each use downstream of the first, as in
-    the TTT unroll): the weight's gradient (accumulated inside the matmuls, returned by the first
-    use) and the input's equal plain autograd's; a use whose output never reaches the loss adds
-    nothing; running a later use's backward after the first use's raises."""
-    from eyas.drafter.model import SharedWeight, shared_linear
-
-    g = torch.Generator().manual_seed(0)
-    W = torch.randn(6, 6, generator=g, dtype=torch.float64)
-    x0 = torch.randn(2, 3, 6, generator=g, dtype=torch.float64)
-
-    def run(shared: bool):
-        w = W.clone().requires_grad_(True)
-        x = x0.clone().requires_grad_(True)
-        sw = SharedWeight(w * 1.0) if shared else None
-        lin = (lambda h: shared_linear(h, sw)) if shared else (lambda h: h @ w.T)
-        h, loss = x, 0
-        for k in range(4):
-            h = torch.tanh(lin(h))
-            loss = loss + (0.7 ** k) * h.sum()
-        lin(h)  # a fifth use whose output is dropped: no gradient flows through it
-        loss.backward()
-        return w.grad, x.grad
-
-    (gw, gx), (rw, rx) = run(True), run(False)
-    torch.testing.assert_close(gw, rw)
-    torch.testing.assert_close(gx, rx)
-
-    w = W.clone().requires_grad_(True)
-    sw = SharedWeight(w * 1.0)
-    first = shared_linear(x0, sw)
-    later = shared_linear(x0, sw)  # not downstream of `first`: its backward may come after
-    first.sum().backward()
-    with pytest.raises(RuntimeError, match="after its first use"):
-        later.sum().backward()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams (runs on a GPU machine)")

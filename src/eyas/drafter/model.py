@@ -250,22 +250,20 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def linear_weights(self, dtype: torch.dtype, *, shared: bool = True) -> dict[str, SharedWeight | torch.Tensor]:
+    def linear_weights(self, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The linear weights cast to `dtype` once (differentiable casts) for several steps to share:
         q/k/v as one [H*d + 2*K*d, 2D] matrix and gate/up as one [2I, D] matrix (one matmul each per
-        step), o_proj and down_proj alone. `shared`: each step's weight gradient is accumulated inside
-        its matmul (`shared_linear`), so the K steps add no gradient sums of their own, but every use
-        is a graph break in compiled code; else plain tensors, whose K gradients autograd sums in the
-        compute dtype (compiled pieces stay whole)."""
+        step), o_proj and down_proj alone; autograd sums the steps' gradients in the compute dtype. (Summing
+        them inside each matmul instead, through a shared-weight autograd function, was slower on an H200 in
+        three measurements: every use broke the compiled pieces' graphs.)"""
         a, m = self.self_attn, self.mlp
         cast = lambda *mods: torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 \
             else mods[0].weight.to(dtype)
-        wrap = SharedWeight if shared else (lambda t: t)
-        return {"qkv": wrap(cast(a.q_proj, a.k_proj, a.v_proj)), "o_proj": wrap(cast(a.o_proj)),
-                "gate_up": wrap(cast(m.gate_proj, m.up_proj)), "down_proj": wrap(cast(m.down_proj))}
+        return {"qkv": cast(a.q_proj, a.k_proj, a.v_proj), "o_proj": cast(a.o_proj),
+                "gate_up": cast(m.gate_proj, m.up_proj), "down_proj": cast(m.down_proj)}
 
     def project_qkv(self, embeds_BTD, feature_BTD, cos, sin,
-                    w: dict[str, SharedWeight | torch.Tensor] | None = None):
+                    w: dict[str, torch.Tensor] | None = None):
         """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k). `w`: `linear_weights` to use instead of
         the modules' own."""
         B, T, _ = embeds_BTD.shape
@@ -275,81 +273,27 @@ class MidLayer(nn.Module):
         if w is None:
             q, k, v = attn.q_proj(x_BT2D), attn.k_proj(x_BT2D), attn.v_proj(x_BT2D)
         else:
-            q, k, v = _linear(w["qkv"])(x_BT2D, w["qkv"]).split([H * d, K * d, K * d], dim=-1)
+            q, k, v = _cast_linear(x_BT2D, w["qkv"]).split([H * d, K * d, K * d], dim=-1)
         q = q.view(B, T, H, d).transpose(1, 2)
         k = k.view(B, T, K, d).transpose(1, 2)
         v = v.view(B, T, K, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor,
-               w: dict[str, SharedWeight | torch.Tensor] | None = None) -> torch.Tensor:
+               w: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
         """o_proj, residual from the (un-normalised) feature, then the MLP block -> hidden_prenorm_BTD."""
         B, H, T, d = attn_BHTd.shape
         o = attn_BHTd.transpose(1, 2).reshape(B, T, H * d)
         if w is None:
             h = feature_BTD + self.self_attn.o_proj(o)
             return h + self.mlp(self.post_attention_layernorm(h))
-        h = feature_BTD + _linear(w["o_proj"])(o, w["o_proj"])
-        gate, up = _linear(w["gate_up"])(self.post_attention_layernorm(h), w["gate_up"]).chunk(2, dim=-1)
-        return h + _linear(w["down_proj"])(F.silu(gate) * up, w["down_proj"])
-
-
-class SharedWeight:
-    """One weight (already in the compute dtype) used by several matmuls of one forward, the TTT
-    steps. `shared_linear` accumulates the weight's gradient of every use into one buffer inside the
-    matmul (beta = 1) and hands the sum back through the FIRST use, which backward reaches last."""
-
-    def __init__(self, weight: torch.Tensor):
-        self.weight = weight
-        self.used = False  # a first use exists: the later ones only accumulate
-        self.grad: torch.Tensor | None = None
-        self.done = False
-
-
-class _SharedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, shared: SharedWeight):
-        ctx.save_for_backward(x, weight)
-        ctx.shared, ctx.first = shared, not shared.used
-        shared.used = True
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
-        s: SharedWeight = ctx.shared
-        if s.done:  # every later use lies downstream of the first one, so the first is the last to run
-            raise RuntimeError("shared_linear: a use of a shared weight ran backward after its first use")
-        dy = dy.to(weight.dtype)
-        dx = dy @ weight if ctx.needs_input_grad[0] else None
-        if not ctx.needs_input_grad[1]:  # a frozen weight
-            return dx, None, None
-        dy2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
-        if s.grad is None:
-            s.grad = dy2.T @ x2
-        else:
-            s.grad.addmm_(dy2.T, x2)
-        if not ctx.first:
-            return dx, None, None
-        grad, s.grad, s.done = s.grad, None, True
-        return dx, grad, None
-
-
-@torch.compiler.disable  # holds Python state across calls: always eager (a graph break in compiled pieces)
-def shared_linear(x: torch.Tensor, shared: SharedWeight) -> torch.Tensor:
-    """F.linear(x, shared.weight) whose weight gradient is summed with the other uses' inside their
-    matmuls (see `SharedWeight`)."""
-    return _SharedLinear.apply(x.to(shared.weight.dtype), shared.weight, shared)
+        h = feature_BTD + _cast_linear(o, w["o_proj"])
+        gate, up = _cast_linear(self.post_attention_layernorm(h), w["gate_up"]).chunk(2, dim=-1)
+        return h + _cast_linear(F.silu(gate) * up, w["down_proj"])
 
 
 def _cast_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(w.dtype), w)
-
-
-def _linear(w: SharedWeight | torch.Tensor):
-    """The matmul for a `linear_weights` entry (a SharedWeight, or a tensor already in the compute dtype), called
-    by the caller itself: a shared_linear call then breaks the caller's compiled graph and no other frame's."""
-    return shared_linear if isinstance(w, SharedWeight) else _cast_linear
 
 
 @dataclass

@@ -86,7 +86,7 @@ class TTTConfig:
     cast_once: bool | None = None
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
     forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, instead of every
-    step casting the weights itself (SHARED_WEIGHT_GRADS says how the K steps' weight gradients are summed).
+    step casting the weights itself (autograd sums the K steps' weight gradients in the compute dtype).
     None (default): on for drafters of hidden size >= CAST_ONCE_MIN_HIDDEN. Measured on one H200
     (benchmarks/RESULTS.md, 2026-12-01): faster for the Llama-8B shape (hidden 4096; 80.3 ms a step with
     autograd's sums against 87.2 with per-step casts, medians of 5 rounds in one process), 3-5% slower for
@@ -115,15 +115,9 @@ CAST_ONCE_MIN_HIDDEN = 2048
 """The smallest drafter hidden size that casts its weights once by default (measured: 4096 faster,
 576 slower; the sizes between were not measured)."""
 
-# cast_once: the K steps' gradients of the once-cast weights summed by autograd (False, the default: no graph
-# breaks in the compiled pieces, 28 compiled-region calls a step instead of 84, benchmarks/compiled_regions.py),
-# or each step's weight gradient summed inside its matmul (model.shared_linear, True). The 8B step is bound by
-# the host; on one H200 (2026-12-01, train_bench.py, 5 rounds in one process) False ran 80.3 ms a step (rounds
-# 79.3-81.7) and True 86.5 ms (78.1-90.6). Precision: with False autograd adds the K steps' bf16 gradients in bf16
-# before the one cast back to the fp32 master weight (True accumulates them in fp32); the loss and gradients match
-# within bf16 rounding (tests/test_train_packed.py::test_cast_once_casts_each_weight_once_and_trains_alike). The
-# cast-once path is the default only for drafters of hidden size >= CAST_ONCE_MIN_HIDDEN.
-SHARED_WEIGHT_GRADS = False
+# cast_once precision: autograd adds the K steps' bf16 gradients of the once-cast weights in bf16 before the one
+# cast back to the fp32 master weight; the loss and gradients match per-step casts within bf16 rounding
+# (tests/test_train_packed.py::test_cast_once_casts_each_weight_once_and_trains_alike).
 
 
 # ----------------------------------------------------------------------------------------------
@@ -913,7 +907,7 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
     if cast_once and torch.is_autocast_enabled(dev.type):
         cdtype = torch.get_autocast_dtype(dev.type)
         if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
-            w = drafter.midlayer.linear_weights(cdtype, shared=SHARED_WEIGHT_GRADS)
+            w = drafter.midlayer.linear_weights(cdtype)
     for k in range(steps):
         j = t + 1 + k
         tokens = torch.where(j < seg.ends_N, input_ids_N[j.clamp_max(N - 1)], 0)

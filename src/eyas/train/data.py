@@ -495,9 +495,9 @@ class PackedPrefetcher:
                 self._q.get_nowait()
 
 
-def target_seconds(b: PackedBatch) -> float:
-    """Seconds the online target took for this batch (0 offline); call after the step synchronised."""
-    t = b.target_timing
+def target_seconds(t) -> float:
+    """Seconds the online target took for a batch, from its `target_timing` (0 offline); call after the step
+    synchronised."""
     if t is None:
         return 0.0
     if isinstance(t, float):

@@ -635,11 +635,43 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         first = train_src.item(plan.step_indices(step)[0])
         return [[train_src.item(i) for i in idx] or [_dummy(first)] for idx in plan.micro_indices(step, d.rank)]
 
+    def report(step, stats, counts_t, denoms, gnorm, lr_s, timings) -> bool:
+        """Read a step's statistics back (this waits for the GPU to finish it), write its metrics record and log
+        line; True when a process asked to stop."""
+        nonlocal tok_run, pad_run, sup_run, target_run, last, t_last
+        ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
+        den = denoms.double().clamp_min(1)
+        loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
+        loss_v = sum(w * l for w, l in zip(ttt_cfg.weights, loss_k))
+        acc_k = (correct / valid.clamp_min(1)).tolist()
+        tokens, padded, supervised, stopping = (int(x) for x in counts_t.tolist())
+        target_s = sum(target_seconds(t) for t in timings)
+        now = time.perf_counter()
+        dt, t_last = now - t_last, now
+        tok_run, pad_run, sup_run, target_run = tok_run + tokens, pad_run + padded, sup_run + supervised, target_run + target_s
+        wall = now - t_run
+        rate = tok_run / wall
+        eta = (total - step - 1) * wall / (step + 1 - start)
+        last = {"step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
+                "lr": lr_s, "grad_norm": float(gnorm), "tokens": tokens, "padded_tokens": padded,
+                "supervised_tokens": supervised, "step_s": dt, "tokens_per_s": rate,
+                "supervised_tokens_per_s": sup_run / wall, "useful_fraction": tok_run / max(pad_run, 1),
+                "target_share": target_run / wall if train_src is not None and cfg.store is None else 0.0}
+        metrics.write(last)
+        if d.is_main:
+            accs = " ".join(f"{a:.2f}" for a in acc_k[:min(K, 4)])
+            extra = f" | target {last['target_share']:.0%}" if cfg.store is None else ""
+            log(f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {_fmt_rate(rate)} tok/s "
+                f"({_fmt_rate(last['supervised_tokens_per_s'])} supervised) | useful {last['useful_fraction']:.2f}"
+                f"{extra} | eta {_fmt_eta(eta)}")
+        return bool(stopping)
+
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
                                 steps=K, pad_to=tokens_per_batch)
     stop.install()
+    pending = None  # a step whose statistics are read once the next one is queued (DEFER_STATS)
+    t_last = time.perf_counter()
     for step in range(start, total):
-        t0 = time.perf_counter()
         micro = plan.micro_indices(step, d.rank)
         # no step waits for the GPU before its statistics are read at its end: a plain host-to-device copy waits
         # for all the work queued before it (so do float() and tolist()), so the small per-step tensors go
@@ -676,32 +708,17 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         counts_t = to_device(torch.tensor(counts, dtype=torch.float64), dev)
         dd.all_reduce_sum(stats, d)
         dd.all_reduce_sum(counts_t, d)
-        ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
-        den = denoms.double().clamp_min(1)
-        loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
-        loss_v = sum(w * l for w, l in zip(ttt_cfg.weights, loss_k))
-        acc_k = (correct / valid.clamp_min(1)).tolist()
-        tokens, padded, supervised, stopping = (int(x) for x in counts_t.tolist())
-        target_s = sum(target_seconds(b) for b in batches)
-        dt = time.perf_counter() - t0
-        tok_run, pad_run, sup_run, target_run = tok_run + tokens, pad_run + padded, sup_run + supervised, target_run + target_s
-        wall = time.perf_counter() - t_run
-        rate = tok_run / wall
-        eta = (total - step - 1) * wall / (step + 1 - start)
-        last = {"step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
-                "lr": sched.get_last_lr()[0], "grad_norm": float(gnorm), "tokens": tokens, "padded_tokens": padded,
-                "supervised_tokens": supervised, "step_s": dt, "tokens_per_s": rate,
-                "supervised_tokens_per_s": sup_run / wall, "useful_fraction": tok_run / max(pad_run, 1),
-                "target_share": target_run / wall if train_src is not None and cfg.store is None else 0.0}
-        metrics.write(last)
-        if d.is_main:
-            accs = " ".join(f"{a:.2f}" for a in acc_k[:min(K, 4)])
-            extra = f" | target {last['target_share']:.0%}" if cfg.store is None else ""
-            log(f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {_fmt_rate(rate)} tok/s "
-                f"({_fmt_rate(last['supervised_tokens_per_s'])} supervised) | useful {last['useful_fraction']:.2f}"
-                f"{extra} | eta {_fmt_eta(eta)}")
+        readings = (step, stats, counts_t, denoms, gnorm, sched.get_last_lr()[0], [b.target_timing for b in batches])
+        stop_seen = report(*pending) if pending is not None else False  # the step before, read one step late
+        pending = None
         done = step + 1 == total
-        if eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done):
+        eval_due = eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done)
+        save_due = bool(cfg.save_every and (step + 1) % cfg.save_every == 0) or done
+        if DEFER_STATS and not (done or eval_due or save_due or stop_seen):
+            pending = readings
+            continue
+        stopping = report(*readings) or stop_seen
+        if eval_due:
             ev = evaluate(module, eval_src, forward_batch=forward_batch, K=K, weights=ttt_cfg.weights, d=d,
                           tokens_per_batch=tokens_per_batch or batch_size * cfg.max_length, device=dev)
             ev["step"] = step + 1
@@ -711,7 +728,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                 log(f"eval  {step + 1:05d} | loss {ev['loss']:.3f} | acc "
                     + " ".join(f"{a:.2f}" for a in ev["acc_per_step"]) + f" | tau {ev['acceptance_length']:.2f}")
         ck_path = ckdir / f"step-{step + 1:06d}.safetensors"
-        if (cfg.save_every and (step + 1) % cfg.save_every == 0) or done or stopping:
+        if save_due or stopping:
             p = ck.save_checkpoint(ck_path, model=module, optimizer=opt, scheduler=sched, step=step + 1,
                                    identity=identity, extra={"world": d.world}, is_main=d.is_main)
             if p is not None:
@@ -896,6 +913,14 @@ def _dummy(item):
     from eyas.train.data import Item
 
     return Item(item.id, item.input_ids, torch.zeros_like(item.loss_mask))
+
+
+DEFER_STATS = False
+"""Read each step's statistics (loss, accuracies, token counts, gradient norm: one wait for the GPU) after the next
+step is queued, so the GPU never idles while the host logs and prepares a step; the records and log lines are then
+one step late (never at an evaluation, a checkpoint, the last step or a stop, which read at once). Off until
+measured on a GPU (benchmarks/train_bench.py: the 8B variant `eyas-deferred-stats`; `--suite smol --flag
+loop.DEFER_STATS` for the real `eyas train`)."""
 
 
 def _clip(module, params, max_norm: float) -> torch.Tensor | float:
