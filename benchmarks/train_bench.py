@@ -2,26 +2,26 @@
 
 Two suites, one JSON document as the last stdout line (metric names of benchmarks/results.jsonl):
 
-`--suite 8b` (default): the Llama-3.1-8B-shaped drafter (H 4096, 32 heads / 8 KV heads, head dim 128,
-intermediate 14336, target vocab 128256, draft vocab 32000, llama3 RoPE), TTT 7, one sample of 2048
-tokens per step, synthetic stored states (aux [T, 3, H] and final [T, H] in bf16, copied from pinned
-host memory every step on a side stream, one step ahead, as the store loader does). A step is what `eyas train` runs: the packed
-forward/backward with the fused chunked head loss (teacher logits from the target lm_head on the
-fly), bf16 autocast with fp32 master weights, grad clipping, fused AdamW, the LR scheduler and the
-per-step statistics read back to the host. In the same process: the earlier padded path with
-materialised teacher probabilities (`reference`), the other setting of TTTConfig.cast_once than the
-default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid layer's weights
-itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, autograd summing the
-steps' gradients), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per
-key/value head for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query
-head), `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's
-product, as before ttt.addmm_fp32_), `eyas-deferred-stats` (the statistics read one step late, as
-train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), and SpecForge 0.2.0's own trainer on the same configuration when it is importable
-(benchmarks/specforge_peer.py). Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default
-options), train_8b_per_step_casts_vs_specforge.
+`--suite 8b` (default): the Llama-3.1-8B-shaped drafter (H 4096, 32 heads / 8 KV heads, head dim 128, intermediate
+14336, target vocab 128256, draft vocab 32000, llama3 RoPE), TTT 7, one sample of 2048 tokens per step, synthetic
+stored states (aux [T, 3, H] and final [T, H] in bf16, copied from pinned host memory every step on a side stream,
+one step ahead, as the store loader does). A step is what `eyas train` runs: the packed forward/backward with the
+fused chunked head loss (teacher logits from the target lm_head on the fly), bf16 autocast with fp32 master weights,
+grad clipping, fused AdamW, the LR scheduler and the per-step statistics read back to the host. In the same process:
+the earlier padded path with materialised teacher probabilities (`reference`), the other setting of
+TTTConfig.cast_once than the default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid
+layer's weights itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, autograd
+summing the steps' gradients), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per key/value head
+for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query head),
+`eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's product, as before
+ttt.addmm_fp32_), `eyas-gqa-flash` (step 0's keys read by the varlen flash kernel's grouped-query mode instead of
+repeated to every query head, ttt.GQA_FLASH), `eyas-deferred-stats` (the statistics read one step late, as
+train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), `eyas-next` (those two together), and
+SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
+Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
-resident first) and each one's median round is reported with its spread: one after another, the same code
-measured up to 13% apart within a call, because the 8B step is bound by the host.
+resident first) and each one's median round is reported with its spread: one after another, the same code measured
+up to 13% apart within a call, because the 8B step is bound by the host.
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
@@ -211,7 +211,7 @@ def set_flag(spec: str) -> None:
 
 def ttt_flag(step, name: str, value: bool):
     """`step` with one module setting of drafter/ttt.py changed while it runs: the default path's variants
-    (GROUPED_DIAGONALS; TEACHER_ONCE off)."""
+    (GROUPED_DIAGONALS, GQA_FLASH; TEACHER_ONCE off)."""
     import eyas.drafter.ttt as ttt
 
     return patched(step, mock.patch.object(ttt, name, value))
@@ -417,7 +417,12 @@ def suite_8b(args, dist) -> dict:
             ("eyas-grouped-diagonals", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
                                                         "GROUPED_DIAGONALS", True)),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
-            ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True))]
+            # step 0's keys read by the flash kernel's grouped-query mode, not repeated to every query head
+            ("eyas-gqa-flash", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True), "GQA_FLASH", True)),
+            ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True)),
+            # the two together: gains of a few percent each are near the rounds' spread alone
+            ("eyas-next", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True, defer_stats=True), "GQA_FLASH",
+                                           True))]
         from eyas.train.loop import teacher_cache_bytes
 
         if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)

@@ -253,5 +253,5 @@ def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     assert len(hits) == 1, calls()
     a = hits[0]
     assert "tests/test_train_packed.py" in a["args"]
-    assert a["args"][a["args"].index("-k") + 1] == "prefetcher or align or queues"
+    assert a["args"][a["args"].index("-k") + 1] == "prefetcher or align or queues or gqa"
     assert (Path(a["cwd"]) / "tests" / "test_train_packed.py").is_file() and a["gpu"] == "0"

@@ -304,18 +304,22 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped,once",
-                         [("reference", 0, False, True), ("fast", 0, False, True), ("fast", 1 << 20, False, True),
-                          ("fast", 0, True, True), ("fast", 0, False, False)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes,grouped,once,gqa",
+                         [("reference", 0, False, True, False), ("fast", 0, False, True, False),
+                          ("fast", 1 << 20, False, True, False), ("fast", 0, True, True, False),
+                          ("fast", 0, False, False, False), ("fast", 0, False, True, True),
+                          ("reference", 0, True, True, True)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, gqa, monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
     drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
-    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE)."""
+    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); step 0's keys kept with
+    their own heads (GQA_FLASH: the CPU kernels then repeat them where the flash kernel would not)."""
     import eyas.drafter.ttt as ttt
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
     monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
+    monkeypatch.setattr(ttt, "GQA_FLASH", gqa)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()
@@ -611,3 +615,25 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert float(norm) > 0 and stats.tolist()[2 * K] > 0  # rows of step 0 counted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")
+def test_gqa_flash_equals_repeated_keys_on_cuda(monkeypatch):
+    """GQA_FLASH: the varlen flash kernel reading 2 key/value heads for 8 query heads gives the output and the
+    gradients of the same keys repeated to 8 heads (step 0 causal within each segment, two diagonals)."""
+    import eyas.drafter.ttt as ttt
+    from eyas.packing import check_varlen_kernel
+
+    assert check_varlen_kernel("cuda", torch.bfloat16) < 0.05 and ttt.gqa_flash_ok()
+    seg = Segments.from_lengths([37, 1, 200, 64], "cuda")
+    g = torch.Generator().manual_seed(4)
+    mk = lambda h: torch.randn(1, h, seg.total, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()  # noqa: E731
+    q, ks, vs = mk(8), [mk(2) for _ in range(3)], [mk(2) for _ in range(3)]
+    dout = torch.randn(1, 8, seg.total, 64, generator=g).to("cuda", torch.bfloat16)
+    out = {}
+    for gqa in (False, True):
+        monkeypatch.setattr(ttt, "GQA_FLASH", gqa)
+        o = fast_attention(q, ks, vs, seg=seg, kernel="cuda-flash")
+        out[gqa] = (o, *torch.autograd.grad(o, [q, *ks, *vs], dout))
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)

@@ -188,6 +188,9 @@ VARLEN_KERNELS = {"math": (math_fwd, math_bwd), "segments": (segments_fwd, segme
                   "cpu-flash": (cpu_fwd, cpu_bwd), "cuda-flash": (cuda_fwd, cuda_bwd)}
 _BROKEN: set[str] = set()
 """Kernels that failed `check_varlen_kernel` on this machine (pick_varlen_kernel avoids them)."""
+_CHECKED: set[str] = set()
+"""Kernel modes `check_varlen_kernel` ran (with _BROKEN: which of them passed); "cuda-flash-gqa" is the flash
+kernel reading K key/value heads for H query heads."""
 
 
 def pick_varlen_kernel(q: torch.Tensor) -> str:
@@ -217,6 +220,19 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float
         err = float("inf")
     if err > 0.05 and kernel != "segments":
         _BROKEN.add(kernel)
+    _CHECKED.add(kernel)
+    if kernel == "cuda-flash" and kernel not in _BROKEN:  # its grouped-query mode (ttt.GQA_FLASH): 2 heads for 4
+        kg, vg = k[:, :2].contiguous(), v[:, :2].contiguous()
+        ref_g, ref_lg, _ = segments_fwd(q, kg.repeat_interleave(2, 1), vg.repeat_interleave(2, 1), 0.125, seg)
+        try:
+            o, lse, _ = cuda_fwd(q, kg, vg, 0.125, seg)
+            err_g = max(float((o.float() - ref_g.float()).abs().max()),
+                        float((lse.float() - ref_lg.float()).abs().max()))
+        except Exception:  # noqa: BLE001  (then the keys are repeated, as without GQA_FLASH)
+            err_g = float("inf")
+        _CHECKED.add("cuda-flash-gqa")
+        if not err_g <= 0.05:
+            _BROKEN.add("cuda-flash-gqa")
     return err
 
 

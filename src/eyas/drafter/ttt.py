@@ -172,8 +172,8 @@ def reference_attention(q_BHTd, keys, values, *, seg=None) -> torch.Tensor:
     """Dense-mask reference. keys/values: lists of [B, K, T, d] (K key/value heads, K divides H;
     each shared by H/K query heads), index 0 causal (within each segment of a packed row when `seg`
     is given), the rest diagonal."""
-    groups = q_BHTd.shape[1] // keys[0].shape[1]
-    keys, values = [repeat_kv(k, groups) for k in keys], [repeat_kv(v, groups) for v in values]
+    H = q_BHTd.shape[1]
+    keys, values = [repeat_kv(k, H // k.shape[1]) for k in keys], [repeat_kv(v, H // v.shape[1]) for v in values]
     T = q_BHTd.shape[2]
     dev = q_BHTd.device
     if seg is None:
@@ -355,10 +355,20 @@ heads sharing it. On an H200, for the SmolLM2-sized drafter, that took 2.1 GB le
 (benchmarks/train_bench.py measures it beside the default as eyas-grouped-diagonals)."""
 
 
-def _step_keys(x_BKTd: torch.Tensor, heads: int) -> torch.Tensor:
+GQA_FLASH = False
+"""The packed unroll keeps step 0's keys/values with their own K heads and the varlen flash kernel reads each of
+them for the H/K query heads sharing it (flash attention's grouped-query mode), instead of repeating them to H
+heads every step (a [tokens, H, d] copy of each forward and a sum of the repeated gradients backward). Only with
+the "cuda-flash" kernel once `check_varlen_kernel` has checked its grouped mode; elsewhere they are repeated as
+before. Off until measured on a GPU (train_bench.py's variant `eyas-gqa-flash`)."""
+
+
+def _step_keys(x_BKTd: torch.Tensor, heads: int, *, step: int = 1) -> torch.Tensor:
     """One step's keys or values as the unrolls keep them: repeated to the query heads unless
-    GROUPED_DIAGONALS."""
-    return x_BKTd if GROUPED_DIAGONALS else repeat_kv(x_BKTd, heads // x_BKTd.shape[1])
+    GROUPED_DIAGONALS (the diagonals) or GQA_FLASH (step 0's, the flash kernel's)."""
+    if GROUPED_DIAGONALS if step else GQA_FLASH:
+        return x_BKTd
+    return repeat_kv(x_BKTd, heads // x_BKTd.shape[1])
 
 
 def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None) -> torch.Tensor:
@@ -371,11 +381,22 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
 
         kernel = pick_varlen_kernel(q_BHTd) if seg is not None else pick_kernel(q_BHTd)
     scale = 1.0 / math.sqrt(q_BHTd.shape[-1])
-    groups = q_BHTd.shape[1] // keys[0].shape[1]
-    k0, v0 = repeat_kv(keys[0], groups), repeat_kv(values[0], groups)
-    if not GROUPED_DIAGONALS and groups > 1:
-        keys, values = [k0, *(repeat_kv(k, groups) for k in keys[1:])], [v0, *(repeat_kv(v, groups) for v in values[1:])]
-    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, *keys[1:], *values[1:])
+    H = q_BHTd.shape[1]
+    rep = lambda x: repeat_kv(x, H // x.shape[1])  # noqa: E731  (a no-op for tensors of H heads)
+    k0, v0 = keys[0], values[0]
+    if not (GQA_FLASH and seg is not None and kernel == "cuda-flash" and gqa_flash_ok()):
+        k0, v0 = rep(k0), rep(v0)
+    kd, vd = keys[1:], values[1:]
+    if not GROUPED_DIAGONALS:
+        kd, vd = [rep(k) for k in kd], [rep(v) for v in vd]
+    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, *kd, *vd)
+
+
+def gqa_flash_ok() -> bool:
+    """The varlen flash kernel's grouped-query mode passed `check_varlen_kernel` on this machine."""
+    from eyas.packing import _BROKEN, _CHECKED
+
+    return "cuda-flash-gqa" in _CHECKED and "cuda-flash-gqa" not in _BROKEN
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
@@ -915,8 +936,8 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = drafter.rope((seg.positions_N + k)[None], cdtype)
         q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin, w)
-        keys.append(_step_keys(kk, drafter.config.num_attention_heads))
-        values.append(_step_keys(vv, drafter.config.num_attention_heads))
+        keys.append(_step_keys(kk, drafter.config.num_attention_heads, step=k))
+        values.append(_step_keys(vv, drafter.config.num_attention_heads, step=k))
         if attention == "fast":
             att = fast_attention(q, keys, values, seg=seg)
         else:
