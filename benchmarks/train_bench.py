@@ -15,7 +15,7 @@ summing the steps' gradients), `eyas-grouped-diagonals` (the TTT attention's dia
 for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query head),
 `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's product, as before
 ttt.addmm_fp32_), `eyas-gqa-flash` (step 0's keys read by the varlen flash kernel's grouped-query mode instead of
-repeated to every query head, ttt.GQA_FLASH), `eyas-deferred-stats` (the statistics read one step late, as
+repeated to every query head, packing.GQA_FLASH), `eyas-deferred-stats` (the statistics read one step late, as
 train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), `eyas-next` (those two together), and
 SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_per_step_casts_vs_specforge.
@@ -209,12 +209,12 @@ def set_flag(spec: str) -> None:
     setattr(module, attr, value != "0")
 
 
-def ttt_flag(step, name: str, value: bool):
-    """`step` with one module setting of drafter/ttt.py changed while it runs: the default path's variants
-    (GROUPED_DIAGONALS, GQA_FLASH; TEACHER_ONCE off)."""
-    import eyas.drafter.ttt as ttt
+def ttt_flag(step, name: str, value: bool, module: str = "ttt"):
+    """`step` with one module setting of drafter/ttt.py (or another of FLAG_MODULES) changed while it runs: the
+    default path's variants (ttt.GROUPED_DIAGONALS, packing.GQA_FLASH; ttt.TEACHER_ONCE off)."""
+    import importlib
 
-    return patched(step, mock.patch.object(ttt, name, value))
+    return patched(step, mock.patch.object(importlib.import_module(FLAG_MODULES[module]), name, value))
 
 
 def head_grad_copies(step, device):
@@ -418,11 +418,12 @@ def suite_8b(args, dist) -> dict:
                                                         "GROUPED_DIAGONALS", True)),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
             # step 0's keys read by the flash kernel's grouped-query mode, not repeated to every query head
-            ("eyas-gqa-flash", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True), "GQA_FLASH", True)),
+            ("eyas-gqa-flash", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True), "GQA_FLASH", True,
+                                                "packing")),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True)),
             # the two together: gains of a few percent each are near the rounds' spread alone
             ("eyas-next", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True, defer_stats=True), "GQA_FLASH",
-                                           True))]
+                                           True, "packing"))]
         from eyas.train.loop import teacher_cache_bytes
 
         if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)

@@ -314,12 +314,13 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
     drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
     recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); step 0's keys kept with
-    their own heads (GQA_FLASH: the CPU kernels then repeat them where the flash kernel would not)."""
+    their own heads (packing.GQA_FLASH: the CPU kernels then repeat them where the flash kernel would not)."""
     import eyas.drafter.ttt as ttt
+    from eyas import packing
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
     monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
-    monkeypatch.setattr(ttt, "GQA_FLASH", gqa)
+    monkeypatch.setattr(packing, "GQA_FLASH", gqa)
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()
@@ -371,13 +372,14 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
 def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family, compiled, monkeypatch):
     """The online teacher over a packed row == each sample run alone through Hugging Face (fp32), its layers
     eager or through the two compiled pieces every layer shares (COMPILED_LAYERS: one graph each for all six
-    layers and both row lengths, not one per layer)."""
+    layers and both row lengths, not one per layer); GQA_FLASH on, which the CPU kernels leave unused."""
     import eyas.packing as packing
     from eyas.packing import packed_unsupported_reason, target_forward_packed
     from eyas.target import load_target, reference_hidden_states
     from tests.conftest import make_tiny_target
 
     monkeypatch.setattr(packing, "COMPILED_LAYERS", compiled)
+    monkeypatch.setattr(packing, "GQA_FLASH", True)
     monkeypatch.setattr(packing, "_COMPILE_ON", ("cuda", "cpu"))  # compiled here as on a GPU
     if compiled:
         import torch._dynamo as dynamo
@@ -619,12 +621,13 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")
 def test_gqa_flash_equals_repeated_keys_on_cuda(monkeypatch):
-    """GQA_FLASH: the varlen flash kernel reading 2 key/value heads for 8 query heads gives the output and the
-    gradients of the same keys repeated to 8 heads (step 0 causal within each segment, two diagonals)."""
-    import eyas.drafter.ttt as ttt
-    from eyas.packing import check_varlen_kernel
+    """packing.GQA_FLASH: the varlen flash kernel reading 2 key/value heads for 8 query heads gives the output and
+    the gradients of the same keys repeated to 8 heads (step 0 causal within each segment, two diagonals)."""
+    from eyas import packing
 
-    assert check_varlen_kernel("cuda", torch.bfloat16) < 0.05 and ttt.gqa_flash_ok()
+    assert packing.check_varlen_kernel("cuda", torch.bfloat16) < 0.05
+    monkeypatch.setattr(packing, "GQA_FLASH", True)
+    assert packing.gqa_flash("cuda-flash")
     seg = Segments.from_lengths([37, 1, 200, 64], "cuda")
     g = torch.Generator().manual_seed(4)
     mk = lambda h: torch.randn(1, h, seg.total, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()  # noqa: E731
@@ -632,8 +635,32 @@ def test_gqa_flash_equals_repeated_keys_on_cuda(monkeypatch):
     dout = torch.randn(1, 8, seg.total, 64, generator=g).to("cuda", torch.bfloat16)
     out = {}
     for gqa in (False, True):
-        monkeypatch.setattr(ttt, "GQA_FLASH", gqa)
+        monkeypatch.setattr(packing, "GQA_FLASH", gqa)
         o = fast_attention(q, ks, vs, seg=seg, kernel="cuda-flash")
         out[gqa] = (o, *torch.autograd.grad(o, [q, *ks, *vs], dout))
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")
+def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(tmp_path, smol_tokenizer, monkeypatch):
+    """packing.GQA_FLASH in the online target's packed forward (bf16, compiled layers): the same states as with
+    the keys and values repeated to every query head."""
+    from eyas import packing
+    from eyas.target import load_target
+    from tests.conftest import make_tiny_target
+
+    model = load_target(make_tiny_target(tmp_path / "t", smol_tokenizer, family="llama"), device="cuda",
+                        dtype=torch.bfloat16)
+    assert packing.check_varlen_kernel("cuda", torch.bfloat16) < 0.05
+    g = torch.Generator().manual_seed(3)
+    lengths = [11, 1, 17, 6]
+    ids = torch.randint(0, model.config.vocab_size, (sum(lengths),), generator=g).cuda()
+    seg = Segments.from_lengths(lengths, "cuda")
+    out = {}
+    for gqa in (False, True):
+        monkeypatch.setattr(packing, "GQA_FLASH", gqa)
+        out[gqa] = packing.target_forward_packed(model, ids, seg, layer_ids=[1, 3, 4])
+    assert model.config.num_key_value_heads < model.config.num_attention_heads and packing.gqa_flash("cuda-flash")
+    for a, b in zip(out[True], out[False]):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)

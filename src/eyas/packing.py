@@ -194,10 +194,28 @@ kernel reading K key/value heads for H query heads."""
 
 
 def pick_varlen_kernel(q: torch.Tensor) -> str:
-    if q.device.type == "cuda":
-        ok = q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] <= 256 and q.shape[-1] % 8 == 0
+    return _pick_kernel(q.device, q.dtype, q.shape[-1])
+
+
+def _pick_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    if device.type == "cuda":
+        ok = dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0
         return "cuda-flash" if ok and "cuda-flash" not in _BROKEN else "segments"
-    return "cpu-flash" if q.device.type == "cpu" else "segments"
+    return "cpu-flash" if device.type == "cpu" else "segments"
+
+
+GQA_FLASH = False
+"""Keys/values with fewer heads than the queries go to the varlen flash kernel as they are, read in its
+grouped-query mode, instead of repeated to every query head first (a [tokens, heads, d] copy each and, in training,
+a sum of the repeated gradients): the drafter's step-0 keys at every TTT step, and the online target's keys and
+values in every layer. Used only with the "cuda-flash" kernel once `check_varlen_kernel` has checked the mode on
+this machine; elsewhere the keys are repeated as before. Off until measured on a GPU (train_bench.py's variant
+`eyas-gqa-flash`; `--suite smol --flag packing.GQA_FLASH`)."""
+
+
+def gqa_flash(kernel: str) -> bool:
+    """GQA_FLASH applies to this kernel: the flash kernel's grouped-query mode passed its check here."""
+    return GQA_FLASH and kernel == "cuda-flash" and "cuda-flash-gqa" in _CHECKED and "cuda-flash-gqa" not in _BROKEN
 
 
 def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float:
@@ -221,7 +239,7 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float
     if err > 0.05 and kernel != "segments":
         _BROKEN.add(kernel)
     _CHECKED.add(kernel)
-    if kernel == "cuda-flash" and kernel not in _BROKEN:  # its grouped-query mode (ttt.GQA_FLASH): 2 heads for 4
+    if kernel == "cuda-flash" and kernel not in _BROKEN:  # its grouped-query mode (GQA_FLASH): 2 heads for 4
         kg, vg = k[:, :2].contiguous(), v[:, :2].contiguous()
         ref_g, ref_lg, _ = segments_fwd(q, kg.repeat_interleave(2, 1), vg.repeat_interleave(2, 1), 0.125, seg)
         try:
@@ -318,8 +336,9 @@ _COMPILE_ON = ("cuda",)  # device types whose packed forward COMPILED_LAYERS com
 _LAYER_FNS: dict[str, tuple] = {}
 
 
-def _attn_inputs(layer, x, cos, sin):
-    """q, k, v [1, H, N, d] (k, v repeated to the query heads) for the layer's attention over x [1, N, D]."""
+def _attn_inputs(layer, x, cos, sin, repeat: bool = True):
+    """q [1, H, N, d], k, v [1, K, N, d] (repeated to the H query heads when `repeat`) for the layer's attention
+    over x [1, N, D]."""
     attn = layer.self_attn
     d = int(attn.head_dim)
     N = x.shape[1]
@@ -332,7 +351,7 @@ def _attn_inputs(layer, x, cos, sin):
     q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
     q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     groups = q.shape[1] // k.shape[1]
-    if groups > 1:
+    if groups > 1 and repeat:
         k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     return q, k, v
 
@@ -356,8 +375,9 @@ def _layer_fns(compiled: bool):
 def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *, kernel: str | None) -> torch.Tensor:
     """One Llama/Qwen decoder layer over a packed row (residual stream in, residual stream out)."""
     pre, post = _layer_fns(COMPILED_LAYERS and x_1ND.device.type in _COMPILE_ON)
-    q, k, v = pre(layer, x_1ND, cos, sin)
     attn = layer.self_attn
+    kernel = kernel or _pick_kernel(x_1ND.device, x_1ND.dtype, int(attn.head_dim))
+    q, k, v = pre(layer, x_1ND, cos, sin, not gqa_flash(kernel))
     scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(int(attn.head_dim))))
     o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
     return post(layer, x_1ND, o)

@@ -355,18 +355,12 @@ heads sharing it. On an H200, for the SmolLM2-sized drafter, that took 2.1 GB le
 (benchmarks/train_bench.py measures it beside the default as eyas-grouped-diagonals)."""
 
 
-GQA_FLASH = False
-"""The packed unroll keeps step 0's keys/values with their own K heads and the varlen flash kernel reads each of
-them for the H/K query heads sharing it (flash attention's grouped-query mode), instead of repeating them to H
-heads every step (a [tokens, H, d] copy of each forward and a sum of the repeated gradients backward). Only with
-the "cuda-flash" kernel once `check_varlen_kernel` has checked its grouped mode; elsewhere they are repeated as
-before. Off until measured on a GPU (train_bench.py's variant `eyas-gqa-flash`)."""
-
-
 def _step_keys(x_BKTd: torch.Tensor, heads: int, *, step: int = 1) -> torch.Tensor:
     """One step's keys or values as the unrolls keep them: repeated to the query heads unless
-    GROUPED_DIAGONALS (the diagonals) or GQA_FLASH (step 0's, the flash kernel's)."""
-    if GROUPED_DIAGONALS if step else GQA_FLASH:
+    GROUPED_DIAGONALS (the diagonals) or packing.GQA_FLASH (step 0's, the flash kernel's)."""
+    from eyas import packing
+
+    if GROUPED_DIAGONALS if step else packing.GQA_FLASH:
         return x_BKTd
     return repeat_kv(x_BKTd, heads // x_BKTd.shape[1])
 
@@ -376,27 +370,21 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
     row, B = 1) the step-0 keys are causal within each segment. keys/values: [B, K, T, d], K dividing
     H (K = H once repeated, as the unrolls keep them by default); the step-0 ones are repeated to the H
     query heads for the flash kernels, the others too unless GROUPED_DIAGONALS."""
-    if kernel is None:
-        from eyas.packing import pick_varlen_kernel
+    from eyas.packing import gqa_flash, pick_varlen_kernel
 
+    if kernel is None:
         kernel = pick_varlen_kernel(q_BHTd) if seg is not None else pick_kernel(q_BHTd)
     scale = 1.0 / math.sqrt(q_BHTd.shape[-1])
     H = q_BHTd.shape[1]
     rep = lambda x: repeat_kv(x, H // x.shape[1])  # noqa: E731  (a no-op for tensors of H heads)
     k0, v0 = keys[0], values[0]
-    if not (GQA_FLASH and seg is not None and kernel == "cuda-flash" and gqa_flash_ok()):
+    if seg is None or not gqa_flash(kernel):  # (the dense kernels have no grouped-query mode)
         k0, v0 = rep(k0), rep(v0)
     kd, vd = keys[1:], values[1:]
     if not GROUPED_DIAGONALS:
         kd, vd = [rep(k) for k in kd], [rep(v) for v in vd]
     return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, *kd, *vd)
 
-
-def gqa_flash_ok() -> bool:
-    """The varlen flash kernel's grouped-query mode passed `check_varlen_kernel` on this machine."""
-    from eyas.packing import _BROKEN, _CHECKED
-
-    return "cuda-flash-gqa" in _CHECKED and "cuda-flash-gqa" not in _BROKEN
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
