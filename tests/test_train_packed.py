@@ -643,15 +643,17 @@ def test_gqa_flash_equals_repeated_keys_on_cuda(monkeypatch):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")
-def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(tmp_path, smol_tokenizer, monkeypatch):
+def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(monkeypatch):
     """packing.GQA_FLASH in the online target's packed forward (bf16, compiled layers): the same states as with
-    the keys and values repeated to every query head."""
-    from eyas import packing
-    from eyas.target import load_target
-    from tests.conftest import make_tiny_target
+    the keys and values repeated to every query head (a tiny random Llama: 4 query heads, 2 key/value heads)."""
+    import transformers
 
-    model = load_target(make_tiny_target(tmp_path / "t", smol_tokenizer, family="llama"), device="cuda",
-                        dtype=torch.bfloat16)
+    from eyas import packing
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     assert packing.check_varlen_kernel("cuda", torch.bfloat16) < 0.05
     g = torch.Generator().manual_seed(3)
     lengths = [11, 1, 17, 6]
