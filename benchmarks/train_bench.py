@@ -195,26 +195,31 @@ def patched(step, patcher):
 FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop"}
 
 
-def set_flag(spec: str) -> None:
-    """--flag MODULE.NAME[=0]: set an existing boolean module setting of eyas (the smol suite's real `eyas train`)."""
+def flag_setting(name: str):
+    """MODULE.NAME (MODULE a key of FLAG_MODULES) -> (the eyas module, NAME), NAME one of its boolean settings."""
     import importlib
 
-    name, _, value = spec.partition("=")
     mod, _, attr = name.partition(".")
-    if mod not in FLAG_MODULES or value not in ("", "0", "1"):
-        raise SystemExit(f"--flag {spec!r}: expected MODULE.NAME or MODULE.NAME=0, MODULE one of {', '.join(FLAG_MODULES)}")
+    if mod not in FLAG_MODULES:
+        raise SystemExit(f"--flag {name!r}: expected MODULE.NAME, MODULE one of {', '.join(FLAG_MODULES)}")
     module = importlib.import_module(FLAG_MODULES[mod])
     if not isinstance(getattr(module, attr, None), bool):
-        raise SystemExit(f"--flag {spec!r}: {FLAG_MODULES[mod]} has no boolean setting {attr!r}")
-    setattr(module, attr, value != "0")
+        raise SystemExit(f"--flag {name!r}: {FLAG_MODULES[mod]} has no boolean setting {attr!r}")
+    return module, attr
 
 
-def ttt_flag(step, name: str, value: bool, module: str = "ttt"):
-    """`step` with one module setting of drafter/ttt.py (or another of FLAG_MODULES) changed while it runs: the
-    default path's variants (ttt.GROUPED_DIAGONALS, packing.GQA_FLASH; ttt.TEACHER_ONCE off)."""
-    import importlib
+def set_flag(spec: str) -> None:
+    """--flag MODULE.NAME[=0]: set a boolean module setting of eyas (the smol suite's real `eyas train`)."""
+    name, _, value = spec.partition("=")
+    if value not in ("", "0", "1"):
+        raise SystemExit(f"--flag {spec!r}: expected MODULE.NAME or MODULE.NAME=0")
+    setattr(*flag_setting(name), value != "0")
 
-    return patched(step, mock.patch.object(importlib.import_module(FLAG_MODULES[module]), name, value))
+
+def with_flag(step, name: str, value: bool):
+    """`step` with one boolean module setting (MODULE.NAME, as --flag) changed while it runs: the default path's
+    variants (ttt.GROUPED_DIAGONALS, packing.GQA_FLASH on; ttt.TEACHER_ONCE off)."""
+    return patched(step, mock.patch.object(*flag_setting(name), value))
 
 
 def head_grad_copies(step, device):
@@ -414,21 +419,21 @@ def suite_8b(args, dist) -> dict:
             ("eyas-cast-once" if other else "eyas-per-step-casts",
              lambda: make_fast_step(**fast, compile_parts=True, cast_once=other)),
             # the diagonal keys merged per key/value head
-            ("eyas-grouped-diagonals", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
-                                                        "GROUPED_DIAGONALS", True)),
+            ("eyas-grouped-diagonals", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
+                                                         "ttt.GROUPED_DIAGONALS", True)),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
             # step 0's keys read by the flash kernel's grouped-query mode, not repeated to every query head
-            ("eyas-gqa-flash", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True), "GQA_FLASH", True,
-                                                "packing")),
+            ("eyas-gqa-flash", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "packing.GQA_FLASH",
+                                                 True)),
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True)),
             # the two together: gains of a few percent each are near the rounds' spread alone
-            ("eyas-next", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True, defer_stats=True), "GQA_FLASH",
-                                           True, "packing"))]
+            ("eyas-next", lambda: with_flag(make_fast_step(**fast, compile_parts=True, defer_stats=True),
+                                            "packing.GQA_FLASH", True))]
         from eyas.train.loop import teacher_cache_bytes
 
         if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)
-            variants.append(("eyas-teacher-per-step", lambda: ttt_flag(make_fast_step(**fast, compile_parts=True),
-                                                                       "TEACHER_ONCE", False)))
+            variants.append(("eyas-teacher-per-step", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
+                                                                        "ttt.TEACHER_ONCE", False)))
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
     if W == 1 and not args.no_reference:

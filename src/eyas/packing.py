@@ -188,9 +188,9 @@ VARLEN_KERNELS = {"math": (math_fwd, math_bwd), "segments": (segments_fwd, segme
                   "cpu-flash": (cpu_fwd, cpu_bwd), "cuda-flash": (cuda_fwd, cuda_bwd)}
 _BROKEN: set[str] = set()
 """Kernels that failed `check_varlen_kernel` on this machine (pick_varlen_kernel avoids them)."""
-_CHECKED: set[str] = set()
-"""Kernel modes `check_varlen_kernel` ran (with _BROKEN: which of them passed); "cuda-flash-gqa" is the flash
-kernel reading K key/value heads for H query heads."""
+_GQA_PASSED = False
+"""`check_varlen_kernel` ran the flash kernel's grouped-query mode (K key/value heads for H query heads) here and it
+agreed with the exact kernel."""
 
 
 def pick_varlen_kernel(q: torch.Tensor) -> str:
@@ -215,7 +215,7 @@ this machine; elsewhere the keys are repeated as before. Off until measured on a
 
 def gqa_flash(kernel: str) -> bool:
     """GQA_FLASH applies to this kernel: the flash kernel's grouped-query mode passed its check here."""
-    return GQA_FLASH and kernel == "cuda-flash" and "cuda-flash-gqa" in _CHECKED and "cuda-flash-gqa" not in _BROKEN
+    return GQA_FLASH and kernel == "cuda-flash" and _GQA_PASSED
 
 
 def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float:
@@ -238,7 +238,6 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float
         err = float("inf")
     if err > 0.05 and kernel != "segments":
         _BROKEN.add(kernel)
-    _CHECKED.add(kernel)
     if kernel == "cuda-flash" and kernel not in _BROKEN:  # its grouped-query mode (GQA_FLASH): 2 heads for 4
         kg, vg = k[:, :2].contiguous(), v[:, :2].contiguous()
         ref_g, ref_lg, _ = segments_fwd(q, kg.repeat_interleave(2, 1), vg.repeat_interleave(2, 1), 0.125, seg)
@@ -248,9 +247,8 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float
                         float((lse.float() - ref_lg.float()).abs().max()))
         except Exception:  # noqa: BLE001  (then the keys are repeated, as without GQA_FLASH)
             err_g = float("inf")
-        _CHECKED.add("cuda-flash-gqa")
-        if not err_g <= 0.05:
-            _BROKEN.add("cuda-flash-gqa")
+        global _GQA_PASSED
+        _GQA_PASSED = err_g <= 0.05
     return err
 
 
@@ -376,9 +374,10 @@ def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *
     """One Llama/Qwen decoder layer over a packed row (residual stream in, residual stream out)."""
     pre, post = _layer_fns(COMPILED_LAYERS and x_1ND.device.type in _COMPILE_ON)
     attn = layer.self_attn
-    kernel = kernel or _pick_kernel(x_1ND.device, x_1ND.dtype, int(attn.head_dim))
+    d = int(attn.head_dim)
+    kernel = kernel or _pick_kernel(x_1ND.device, x_1ND.dtype, d)
     q, k, v = pre(layer, x_1ND, cos, sin, not gqa_flash(kernel))
-    scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(int(attn.head_dim))))
+    scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(d)))
     o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
     return post(layer, x_1ND, o)
 

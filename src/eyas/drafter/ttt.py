@@ -355,12 +355,13 @@ heads sharing it. On an H200, for the SmolLM2-sized drafter, that took 2.1 GB le
 (benchmarks/train_bench.py measures it beside the default as eyas-grouped-diagonals)."""
 
 
-def _step_keys(x_BKTd: torch.Tensor, heads: int, *, step: int = 1) -> torch.Tensor:
-    """One step's keys or values as the unrolls keep them: repeated to the query heads unless
-    GROUPED_DIAGONALS (the diagonals) or packing.GQA_FLASH (step 0's, the flash kernel's)."""
-    from eyas import packing
+def _step_keys(x_BKTd: torch.Tensor, heads: int, *, packed_step0: bool = False) -> torch.Tensor:
+    """One step's keys or values as the unrolls keep them: repeated to the query heads unless GROUPED_DIAGONALS
+    (the diagonals) or, for a packed row's step 0, the varlen flash kernel reads them grouped (packing.gqa_flash:
+    the same test `fast_attention` makes, so they are repeated here once or never)."""
+    from eyas.packing import gqa_flash, pick_varlen_kernel
 
-    if GROUPED_DIAGONALS if step else packing.GQA_FLASH:
+    if gqa_flash(pick_varlen_kernel(x_BKTd)) if packed_step0 else GROUPED_DIAGONALS:
         return x_BKTd
     return repeat_kv(x_BKTd, heads // x_BKTd.shape[1])
 
@@ -369,7 +370,8 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
     """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
     row, B = 1) the step-0 keys are causal within each segment. keys/values: [B, K, T, d], K dividing
     H (K = H once repeated, as the unrolls keep them by default); the step-0 ones are repeated to the H
-    query heads for the flash kernels, the others too unless GROUPED_DIAGONALS."""
+    query heads for the flash kernels (unless the varlen one reads them grouped: packing.gqa_flash), the others
+    too unless GROUPED_DIAGONALS."""
     from eyas.packing import gqa_flash, pick_varlen_kernel
 
     if kernel is None:
@@ -384,7 +386,6 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
     if not GROUPED_DIAGONALS:
         kd, vd = [rep(k) for k in kd], [rep(v) for v in vd]
     return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, *kd, *vd)
-
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
@@ -924,8 +925,8 @@ def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, au
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = drafter.rope((seg.positions_N + k)[None], cdtype)
         q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin, w)
-        keys.append(_step_keys(kk, drafter.config.num_attention_heads, step=k))
-        values.append(_step_keys(vv, drafter.config.num_attention_heads, step=k))
+        keys.append(_step_keys(kk, drafter.config.num_attention_heads, packed_step0=k == 0))
+        values.append(_step_keys(vv, drafter.config.num_attention_heads, packed_step0=k == 0))
         if attention == "fast":
             att = fast_attention(q, keys, values, seg=seg)
         else:
