@@ -86,7 +86,10 @@ SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol 
 prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 # the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
-train_8b() { timeout 600 python benchmarks/train_bench.py --no-compile --no-reference > $ROOT/q/train_8b.log 2>&1; }
+train_8b() {  # BENCH_VARIANTS (comma-separated train_bench.py labels): only those, else every variant
+    timeout 600 python benchmarks/train_bench.py --no-compile --no-reference ${BENCH_VARIANTS:+--variants $BENCH_VARIANTS} \
+        > $ROOT/q/train_8b.log 2>&1
+}
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
     # next-off, next-on: off and on with the module settings of SMOL_FLAGS (train_bench.py --flag, e.g.
@@ -169,15 +172,16 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
 }
 smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
-    # mask through the CUDA kernels, a training step that never waits for the GPU; pytest is in the device's image)
-    timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py -k "prefetcher or align or queues or gqa" \
+    # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
+    # kernel; pytest is in the device's image)
+    timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py -k "prefetcher or align or queues or gqa or pruned" \
         > $ROOT/q/gpu_tests.log 2>&1
 }
 specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
-export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS
+export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS BENCH_VARIANTS
 export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check gpu_tests side_by_side sbs_ablations sbs_ablations_lr \
     sbs_with_variants side_by_side_lr profiles recipe recipe_all points wait_target \
     prepare_only specdec

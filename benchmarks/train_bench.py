@@ -16,7 +16,9 @@ for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to ev
 `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's product, as before
 ttt.addmm_fp32_), `eyas-gqa-flash` (step 0's keys read by the varlen flash kernel's grouped-query mode instead of
 repeated to every query head, packing.GQA_FLASH), `eyas-deferred-stats` (the statistics read one step late, as
-train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), `eyas-next` (those two together), and
+train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), `eyas-next` (those two together),
+`eyas-all-positions` (every position through every TTT step, as before ttt.PRUNE_ROWS: the synthetic rows' first
+tenth carries no loss), and
 SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
@@ -167,7 +169,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
             b = uploader.take()
             uploader.start(host)  # the next step's copy overlaps this step's compute
         with amp:
-            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, to_device(denoms, device))
+            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, to_device(denoms, device), b.live)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -428,7 +430,10 @@ def suite_8b(args, dist) -> dict:
             ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True)),
             # the two together: gains of a few percent each are near the rounds' spread alone
             ("eyas-next", lambda: with_flag(make_fast_step(**fast, compile_parts=True, defer_stats=True),
-                                            "packing.GQA_FLASH", True))]
+                                            "packing.GQA_FLASH", True)),
+            # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
+            ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
+                                                     False))]
         from eyas.train.loop import teacher_cache_bytes
 
         if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)

@@ -11,6 +11,7 @@ from eyas.drafter.ttt import (
     TTTConfig,
     head_soft_ce,
     head_soft_ce_ranges,
+    live_positions,
     packed_teacher,
     reference_attention,
     reference_head_soft_ce,
@@ -73,6 +74,52 @@ def test_varlen_attention_matches_block_diagonal_reference(kernel):
     out2 = fast_attention(q.detach(), ks2, [v.detach() for v in vs], seg=seg, kernel=kernel)
     torch.testing.assert_close(out2[:, :, 6:], fast.detach()[:, :, 6:])
     assert not torch.allclose(out2[:, :, :5], fast.detach()[:, :, :5])
+
+
+@pytest.mark.parametrize("kernel", ["math", "segments", "cpu-flash", "reference"])
+def test_attention_on_some_query_rows_equals_the_full_attention_there(kernel):
+    """`rows=`: queries and diagonal keys/values at 9 of 19 positions, step-0 keys at all: the output and every
+    gradient equal the full attention's at those rows (whatever the other rows' queries and diagonals hold), with
+    the output gradient zero elsewhere."""
+    g = torch.Generator().manual_seed(5)
+    seg = Segments.from_lengths([5, 1, 9, 4])
+    rows = torch.tensor([0, 2, 3, 5, 7, 8, 12, 16, 18])
+    mk = lambda h, n: torch.randn(1, h, n, 8, generator=g).requires_grad_()  # noqa: E731
+    q, k0, v0 = mk(4, 9), mk(2, 19), mk(2, 19)
+    kd, vd = [mk(2, 9) for _ in range(2)], [mk(2, 9) for _ in range(2)]
+    dout = torch.randn(1, 4, 9, 8, generator=g)
+
+    def full(x):  # x at `rows`, noise elsewhere
+        base = torch.randn(1, x.shape[1], 19, 8, generator=g)
+        return base.index_copy(2, rows, x)
+
+    ref = reference_attention(full(q), [k0] + [full(k) for k in kd], [v0] + [full(v) for v in vd],
+                              seg=seg).index_select(2, rows)
+    if kernel == "reference":
+        out = reference_attention(q, [k0, *kd], [v0, *vd], seg=seg, rows=rows)
+    else:
+        out = fast_attention(q, [k0, *kd], [v0, *vd], seg=seg, kernel=kernel, rows=rows)
+    assert out.shape == (1, 4, 9, 8)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    leaves = [q, k0, v0, *kd, *vd]
+    for a, b in zip(torch.autograd.grad(out, leaves, dout), torch.autograd.grad(ref, leaves, dout)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_live_positions_are_the_rows_of_any_step_and_travel_with_the_batch():
+    """The union of the steps' rows, sorted; a packed batch made on the host carries it, and `_packed_to` too."""
+    from eyas.train.data import Item, PackedBatch, _packed_to, pack_tokens
+
+    mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
+    seg = Segments.from_lengths([4, 3, 4])
+    rows = supervised_rows(mask, seg.ends_N, 3)
+    assert live_positions(rows, 11).tolist() == [0, 1, 4, 7, 8]
+    items = [Item("a", torch.arange(4), mask[:4]), Item("b", torch.arange(3), mask[4:7]),
+             Item("c", torch.arange(4), mask[7:])]
+    ids, m, seg2, rows2 = pack_tokens(items, steps=3, pad_to=None)
+    b = PackedBatch(ids, seg2, rows2, torch.zeros(11, 3, D), torch.zeros(11, D), 11, 11, int(m.sum()))
+    assert b.live.tolist() == [0, 1, 4, 7, 8]
+    assert _packed_to(b, "cpu").live.tolist() == [0, 1, 4, 7, 8]
 
 
 def test_chunked_head_loss_and_grads_equal_plain_reference():
@@ -304,14 +351,17 @@ def test_supervised_rows_stay_inside_samples():
     assert rows[2].tolist() == []
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped,once",
-                         [("reference", 0, False, True), ("fast", 0, False, True), ("fast", 1 << 20, False, True),
-                          ("fast", 0, True, True), ("fast", 0, False, False)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes,grouped,once,prune",
+                         [("reference", 0, False, True, False), ("fast", 0, False, True, False),
+                          ("fast", 1 << 20, False, True, False), ("fast", 0, True, True, False),
+                          ("fast", 0, False, False, False), ("reference", 0, False, True, True),
+                          ("fast", 0, False, True, True), ("fast", 1 << 20, True, True, True)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, prune, monkeypatch):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
     gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
     drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
-    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE)."""
+    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); every position through
+    every step, or the loss-free ones only up to step 0's keys (`live`, PRUNE_ROWS)."""
     import eyas.drafter.ttt as ttt
 
     monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
@@ -347,8 +397,11 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
     assert [len(r) for r in rows] == den.long().tolist()
     pt = packed_teacher(final_N, head, head[used], used, t2d, chunk_rows=7, cache_bytes=cache_bytes)
     assert (pt.logits_NV is not None) == (cache_bytes > 0)
+    live = live_positions(rows, seg.total) if prune else None
+    if prune:  # the prompts' positions, the samples' last ones and the padding tail drop out
+        assert 0 < live.numel() < seg.total - pad and live.tolist() == sorted(set(torch.cat(rows).tolist()))
     out = ttt_loss_packed(fast_m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
-                          cfg=TTTConfig(steps=K, attention=attention), denominators=den, chunk_rows=5)
+                          cfg=TTTConfig(steps=K, attention=attention), denominators=den, chunk_rows=5, live=live)
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
     for name in ("ce_sum", "correct", "valid", "accepted", "rounds"):
@@ -589,7 +642,9 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     pad = seg.total - sum(len(s[0]) for s in samples)
     aux = torch.cat([s[2] for s in samples] + [torch.zeros(pad, 3, D)]).to(dev)
     final = torch.cat([s[3] for s in samples] + [torch.zeros(pad, D)]).to(dev)
-    ids, seg, rows = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows]
+    live = live_positions(rows, seg.total)
+    assert live.numel() < seg.total  # the loss-free positions pruned (PRUNE_ROWS) inside the checked step
+    ids, seg, rows, live = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows], live.to(dev)
     den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
     m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
     m.set_vocab(torch.arange(V) + 5)
@@ -599,7 +654,7 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss, stats = module(ids, seg, rows, aux, final, to_device(den, dev))
+            loss, stats = module(ids, seg, rows, aux, final, to_device(den, dev), live)
         loss.backward()
         norm = _clip(module, params, 0.5)
         opt.step()
@@ -614,6 +669,47 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert float(norm) > 0 and stats.tolist()[2 * K] > 0  # rows of step 0 counted
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel")
+def test_pruned_positions_give_the_same_step_on_cuda(monkeypatch):
+    """PRUNE_ROWS on CUDA (bf16 autocast, the varlen flash kernel with zero queries at the pruned rows, the compiled
+    merge): the loss, statistics and gradients of the packed step equal those with every position computed."""
+    import eyas.drafter.ttt as ttt
+    from eyas.train.data import Item, pack_tokens
+
+    dev, K = torch.device("cuda"), 4
+    samples = _samples([90, 33, 140], seed=3)
+    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
+    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
+    live = live_positions(rows, seg.total)
+    assert live.numel() < seg.total
+    aux = torch.cat([s[2] for s in samples]).to(dev)
+    final = torch.cat([s[3] for s in samples]).to(dev)
+    ids, seg, rows, live = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows], live.to(dev)
+    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64, device=dev)
+    head = _head().to(dev)
+    used = torch.arange(V, device=dev) + 5
+    t2d = torch.zeros(80, dtype=torch.bool, device=dev)
+    t2d[used] = True
+    res = {}
+    for prune in (False, True):
+        monkeypatch.setattr(ttt, "PRUNE_ROWS", prune)
+        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to(dev)
+        m.set_vocab(used.cpu())
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pt = packed_teacher(final, head, head[used], used, t2d)
+            out = ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
+                                  cfg=TTTConfig(steps=K), denominators=den, live=live)
+        out.loss.backward()
+        res[prune] = (out, {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
+    (a, ga), (b, gb) = res[True], res[False]
+    torch.testing.assert_close(a.loss, b.loss, atol=2e-3, rtol=2e-3)
+    for name in ("correct", "valid", "rounds"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert set(ga) == set(gb)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=2e-3, rtol=5e-2, msg=n)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")

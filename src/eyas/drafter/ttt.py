@@ -168,10 +168,16 @@ def step_denominators(loss_mask_BT: torch.Tensor, steps: int) -> torch.Tensor:
 # attention over causal step-0 keys + one diagonal per later step
 
 
-def reference_attention(q_BHTd, keys, values, *, seg=None) -> torch.Tensor:
+def reference_attention(q_BHTd, keys, values, *, seg=None, rows=None) -> torch.Tensor:
     """Dense-mask reference. keys/values: lists of [B, K, T, d] (K key/value heads, K divides H;
     each shared by H/K query heads), index 0 causal (within each segment of a packed row when `seg`
-    is given), the rest diagonal."""
+    is given), the rest diagonal. `rows`: as `fast_attention` (the queries and diagonals at those positions)."""
+    if rows is not None:
+        T = keys[0].shape[2]
+        q_BHTd = _scatter_rows(q_BHTd, rows, T)
+        keys = keys[:1] + [_scatter_rows(k, rows, T) for k in keys[1:]]
+        values = values[:1] + [_scatter_rows(v, rows, T) for v in values[1:]]
+        return reference_attention(q_BHTd, keys, values, seg=seg).index_select(2, rows)
     H = q_BHTd.shape[1]
     keys, values = [repeat_kv(k, H // k.shape[1]) for k in keys], [repeat_kv(v, H // v.shape[1]) for v in values]
     T = q_BHTd.shape[2]
@@ -268,40 +274,65 @@ class _CausalPlusDiagonals(torch.autograd.Function):
     """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T. The J diagonals
     come one tensor each, kv = (k_1, ..., k_J, v_1, ..., v_J) of [B, K, T, d] (J may be 0): never
     stacked, so no step copies the earlier steps' keys and values again (stacking them cost 42 copies a step at
-    TTT 7; passing them listed made the 8B-shaped step 78.9 ms against 82.8 on an H200, 2026-12-01)."""
+    TTT 7; passing them listed made the 8B-shaped step 78.9 ms against 82.8 on an H200, 2026-12-01).
+
+    `rows` (or None): q and the diagonals hold only these n of the T positions (sorted), the step-0 keys all T.
+    The causal kernel runs on a [T] query whose other rows are zero (their output is dropped, and a zero query
+    with a zero output gradient adds nothing to the keys' gradients), and the merge runs on the n rows."""
 
     @staticmethod
-    def forward(ctx, q, k0, v0, kernel, scale, seg, *kv):
+    def forward(ctx, q, k0, v0, kernel, scale, seg, rows, *kv):
         with torch.autocast(q.device.type, enabled=False):  # the merge must stay in fp32
             fwd, _ = _kernel_pair(kernel, seg)
-            out_c, lse_c, aux = fwd(q, k0, v0, scale)
-            T = q.shape[2]
+            T = k0.shape[2]
+            q_all = q if rows is None else _scatter_rows(q, rows, T)
+            out_c, lse_c, aux = fwd(q_all, k0, v0, scale)
             lse_c32 = lse_c[..., :T].float()  # some kernels pad the lse's last dim
+            if rows is not None:
+                out_c, lse_c32 = out_c.index_select(2, rows), lse_c32.index_select(2, rows)
             J = len(kv) // 2
             if J:
                 out, lse = _fast(_merge_fwd, q.device)(q, list(kv[:J]), list(kv[J:]), out_c, lse_c32, scale)
             else:
                 out, lse = out_c, lse_c32
             lse_k = lse_c.clone()
-            lse_k[..., :T] = lse.to(lse_c.dtype)
-            ctx.save_for_backward(q, k0, v0, out, lse_k, *kv)
-            ctx.kernel, ctx.scale, ctx.aux, ctx.seg = kernel, scale, aux, seg
+            if rows is None:
+                lse_k[..., :T] = lse.to(lse_c.dtype)
+                out_all = out
+            else:  # the flash backward reads the merged out/lse at all T rows (the others' are never used)
+                lse_k.index_copy_(2, rows, lse.to(lse_c.dtype))
+                out_all = _scatter_rows(out, rows, T)
+            ctx.save_for_backward(q_all, k0, v0, out_all, lse_k, *([] if rows is None else [rows]), *kv)
+            ctx.kernel, ctx.scale, ctx.aux, ctx.seg, ctx.subset = kernel, scale, aux, seg, rows is not None
             return out
 
     @staticmethod
     def backward(ctx, dout):
         with torch.autocast(dout.device.type, enabled=False):
             q, k0, v0, out, lse_k, *kv = ctx.saved_tensors
+            rows = kv.pop(0) if ctx.subset else None
             _, bwd = _kernel_pair(ctx.kernel, ctx.seg)
-            dout = dout.contiguous().to(q.dtype)
+            dout = dout.to(q.dtype)
+            T = k0.shape[2]
+            dout_all = dout.contiguous() if rows is None else _scatter_rows(dout, rows, T)
             # flash backward with the MERGED out/lse gives the causal keys' share of the joint softmax
-            dq, dk0, dv0 = bwd(dout, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
-            T, J = q.shape[2], len(kv) // 2
+            dq, dk0, dv0 = bwd(dout_all, q, k0, v0, out, lse_k, ctx.scale, ctx.aux)
+            lse = lse_k[..., :T]
+            if rows is not None:
+                q, out, lse, dq = (x.index_select(2, rows) for x in (q, out, lse, dq))
+            J = len(kv) // 2
             if not J:
-                return dq, dk0, dv0, None, None, None
-            dq, dk, dv = _fast(_merge_bwd, q.device)(q, list(kv[:J]), list(kv[J:]), out, lse_k[..., :T], dout, dq,
-                                                     ctx.scale)
-            return dq, dk0, dv0, None, None, None, *dk, *dv
+                return dq, dk0, dv0, None, None, None, None
+            dq, dk, dv = _fast(_merge_bwd, q.device)(q, list(kv[:J]), list(kv[J:]), out, lse, dout, dq, ctx.scale)
+            return dq, dk0, dv0, None, None, None, None, *dk, *dv
+
+
+def _scatter_rows(x_BHnd: torch.Tensor, rows: torch.Tensor, T: int) -> torch.Tensor:
+    """[B, H, n, d] at positions `rows` -> [B, H, T, d], zero elsewhere, laid out [B, T, H, d] in memory (as the
+    varlen kernels read it: no copy there)."""
+    B, H, _, d = x_BHnd.shape
+    out = x_BHnd.new_zeros(B, T, H, d)
+    return out.index_copy_(1, rows, x_BHnd.transpose(1, 2)).transpose(1, 2)
 
 
 def _merge_fwd(q, kds, vds, out_c, lse_c32, scale: float):
@@ -366,9 +397,10 @@ def _step_keys(x_BKTd: torch.Tensor, heads: int, *, packed_step0: bool = False) 
     return repeat_kv(x_BKTd, heads // x_BKTd.shape[1])
 
 
-def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None) -> torch.Tensor:
+def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None, rows=None) -> torch.Tensor:
     """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
-    row, B = 1) the step-0 keys are causal within each segment. keys/values: [B, K, T, d], K dividing
+    row, B = 1) the step-0 keys are causal within each segment. With `rows` (sorted positions, n of the
+    T), the queries and the diagonal keys/values hold those n positions only; the step-0 keys all T. keys/values: [B, K, T, d], K dividing
     H (K = H once repeated, as the unrolls keep them by default); the step-0 ones are repeated to the H
     query heads for the flash kernels (unless the varlen one reads them grouped: packing.gqa_flash), the others
     too unless GROUPED_DIAGONALS."""
@@ -376,6 +408,8 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
 
     if kernel is None:
         kernel = pick_varlen_kernel(q_BHTd) if seg is not None else pick_kernel(q_BHTd)
+    if rows is not None and seg is None:
+        raise ValueError("fast_attention: rows= needs a packed row (seg=)")
     scale = 1.0 / math.sqrt(q_BHTd.shape[-1])
     H = q_BHTd.shape[1]
     rep = lambda x: repeat_kv(x, H // x.shape[1])  # noqa: E731  (a no-op for tensors of H heads)
@@ -385,7 +419,7 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None)
     kd, vd = keys[1:], values[1:]
     if not GROUPED_DIAGONALS:
         kd, vd = [rep(k) for k in kd], [rep(v) for v in vd]
-    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, *kd, *vd)
+    return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, rows, *kd, *vd)
 
 
 def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
@@ -552,6 +586,22 @@ def supervised_rows(loss_mask_N: torch.Tensor, ends_N: torch.Tensor, steps: int)
         ok = (j < ends_N) & mask[j.clamp_max(N - 1)]
         rows.append(t[ok])
     return rows
+
+
+def live_positions(rows: list[torch.Tensor], N: int) -> torch.Tensor:
+    """int64 sorted positions that carry a loss at some TTT step (the union of `supervised_rows`): the only ones
+    whose hidden states the packed unroll computes past step 0's keys and values (PRUNE_ROWS)."""
+    live = torch.zeros(N, dtype=torch.bool, device=rows[0].device if rows else "cpu")
+    for r in rows:
+        live[r] = True
+    return live.nonzero().squeeze(1)
+
+
+PRUNE_ROWS = True
+"""True (the default): `ttt_loss_packed` computes the positions that carry no loss at any step (prompts, and the
+last tokens of each sample) only up to step 0's keys and values; every later piece of every step runs on the
+others. Same loss and gradients. False: every position at every step (benchmarks/train_bench.py's
+eyas-all-positions)."""
 
 
 @dataclass
@@ -904,33 +954,41 @@ def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
 
 
 def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
-                      steps: int, attention: str = "fast", cast_once: bool = False):
+                      steps: int, attention: str = "fast", cast_once: bool = False, live: torch.Tensor | None = None):
     """`ttt_unroll` over one packed row: yield (k, hidden_prenorm_1ND). Step k feeds x_{t+1+k} when
     t+1+k is inside t's sample (else token 0: such positions never carry a loss) at RoPE position
-    (t - start of t's sample) + k; step-0 keys are causal within each sample."""
+    (t - start of t's sample) + k; step-0 keys are causal within each sample.
+
+    `live` (sorted positions, or None for all N): the hidden states yielded hold these rows only. Past step 0's
+    keys and values, a position's states reach nothing but the same position's later steps (its queries read
+    the step-0 keys of earlier positions and its own diagonals), so the positions that carry no loss at any
+    step (`live_positions`) are computed at step 0 up to their keys and values, and never after."""
     N = input_ids_N.shape[0]
     dev = input_ids_N.device
     feature = drafter.project_aux(aux_NAD[None])
-    t = torch.arange(N, device=dev)
+    every = (torch.arange(N, device=dev), seg.ends_N, seg.positions_N)  # (t, end of t's sample, t's position)
+    pruned = every if live is None else (live, seg.ends_N.index_select(0, live), seg.positions_N.index_select(0, live))
     keys, values = [], []
     w = None  # the mid layer's weights cast once for all steps (cast_once)
     if cast_once and torch.is_autocast_enabled(dev.type):
         cdtype = torch.get_autocast_dtype(dev.type)
         if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
             w = drafter.midlayer.linear_weights(cdtype)
+    attend = fast_attention if attention == "fast" else reference_attention
     for k in range(steps):
+        rows = None if k == 0 else live
+        t, ends, positions = every if k == 0 else pruned
         j = t + 1 + k
-        tokens = torch.where(j < seg.ends_N, input_ids_N[j.clamp_max(N - 1)], 0)
+        tokens = torch.where(j < ends, input_ids_N[j.clamp_max(N - 1)], 0)
         emb = drafter.embed_tokens(tokens[None])
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
-        cos, sin = drafter.rope((seg.positions_N + k)[None], cdtype)
+        cos, sin = drafter.rope((positions + k)[None], cdtype)
         q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin, w)
         keys.append(_step_keys(kk, drafter.config.num_attention_heads, packed_step0=k == 0))
         values.append(_step_keys(vv, drafter.config.num_attention_heads, packed_step0=k == 0))
-        if attention == "fast":
-            att = fast_attention(q, keys, values, seg=seg)
-        else:
-            att = reference_attention(q, keys, values, seg=seg)
+        att = attend(q, keys, values, seg=seg, rows=rows)
+        if k == 0 and live is not None:  # step 0's keys and values are made for all N; the rest for `live`
+            att, feature = att.index_select(2, live), feature.index_select(1, live)
         hidden = drafter.midlayer.finish(att, feature, w)
         yield k, hidden
         feature = hidden
@@ -947,9 +1005,11 @@ def ttt_loss_packed(
     cfg: TTTConfig,
     denominators: torch.Tensor,
     chunk_rows: int = 4096,
+    live: torch.Tensor | None = None,
 ) -> TTTOutput:
     """`ttt_loss` on a packed row: same loss, same statistics, same normalisation (`denominators`:
-    the global batch's loss-mask counts per step = the summed lengths of `rows`)."""
+    the global batch's loss-mask counts per step = the summed lengths of `rows`). `live`: `live_positions(rows)`
+    (made by the data loader on the host: its length sets shapes), used when PRUNE_ROWS."""
     K = cfg.steps
     dev = input_ids_N.device
     N = input_ids_N.shape[0]
@@ -970,8 +1030,11 @@ def ttt_loss_packed(
     norm_rows = getattr(drafter, "_normed_rows", normed_rows)
     scale = [cfg.weights[k] / denominators[k].float() for k in range(K)]
     trs, valid_k = [r + 1 + k for k, r in enumerate(rows)], []  # teacher row of step k: p_{t+1+k}
+    if not (PRUNE_ROWS and live is not None and 0 < live.shape[0] < N):
+        live = None  # (no supervised row: the filler below needs a hidden row)
+    at = rows if live is None else [torch.searchsorted(live, r) for r in rows]  # rows of the yielded states
     for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
-                                       cast_once=cfg.cast_once_for(drafter.config.hidden_size)):
+                                       cast_once=cfg.cast_once_for(drafter.config.hidden_size), live=live):
         if k == K - 1 and not offsets[-1]:
             # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
             # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks
@@ -979,7 +1042,7 @@ def ttt_loss_packed(
             loss = loss + 0.0 * last.float().sum()
         valid_k.append(teacher.in_vocab_N[trs[k]])
         if lengths[k]:
-            parts.append(norm_rows(hidden[0], rows[k], drafter.norm.weight, drafter.norm.eps, cdtype))
+            parts.append(norm_rows(hidden[0], at[k], drafter.norm.weight, drafter.norm.eps, cdtype))
     x = torch.cat(parts) if parts else torch.empty(0, drafter.config.hidden_size, dtype=cdtype, device=dev)
     hit_k = [torch.zeros(0, dtype=torch.bool, device=dev)] * K
     if offsets[-1]:  # one range per step (empty ones too): per_step[k] is step k's weighted sum

@@ -246,6 +246,17 @@ class PackedBatch:
     """Loss-mask positions of the samples (answer tokens)."""
     target_timing: object = None
     """(start, end) CUDA events around the online target forward, or its seconds on the CPU."""
+    live: torch.Tensor | None = None
+    """Positions carrying a loss at some step (drafter/ttt.py live_positions): made from `rows` when they are on
+    the host (pinned when they are), else given; None leaves every position in every step."""
+
+    def __post_init__(self):
+        if self.live is None and self.rows and self.rows[0].device.type == "cpu":
+            from eyas.drafter.ttt import live_positions
+
+            self.live = live_positions(self.rows, self.input_ids_N.shape[0])
+            if self.rows[0].is_pinned():
+                self.live = self.live.pin_memory()
 
 
 def pack_tokens(items: list[Item], *, steps: int, pad_to: int | None):
@@ -265,7 +276,8 @@ def _packed_to(b: PackedBatch, device) -> PackedBatch:
     nb = torch.device(device).type == "cuda"
     mv = lambda t: t.to(device, non_blocking=nb)  # noqa: E731
     return PackedBatch(mv(b.input_ids_N), b.seg.to(device), [mv(r) for r in b.rows], mv(b.aux_NAD), mv(b.final_ND),
-                       b.tokens, b.padded_tokens, b.supervised, b.target_timing)
+                       b.tokens, b.padded_tokens, b.supervised, b.target_timing,
+                       None if b.live is None else mv(b.live))
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -276,7 +288,8 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
 
 
 def _batch_tensors(b: PackedBatch) -> tuple[torch.Tensor, ...]:
-    return (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows)
+    return (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows,
+            *([] if b.live is None else [b.live]))
 
 
 def hand_over(b: PackedBatch, done, device) -> PackedBatch:
@@ -349,8 +362,11 @@ def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, p
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
     dev = torch.device(device)
     nb = dev.type == "cuda"
+    from eyas.drafter.ttt import live_positions
+
+    live = live_positions(rows, seg.total)
     if nb:  # pinned first: a copy from pageable memory waits for the work queued before it
-        ids, seg, rows = ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows]
+        ids, seg, rows, live = ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows], live.pin_memory()
     ids_d, seg_d = ids.to(dev, non_blocking=nb), seg.to(dev)
     cache = src.cache
     if cache is None:
@@ -367,7 +383,7 @@ def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, p
         aux, final = cache.gather(items, seg.total)
     n = sum(it.input_ids.shape[0] for it in items)
     return PackedBatch(ids_d, seg_d, [r.to(dev, non_blocking=nb) for r in rows], aux, final, n, seg.total,
-                       int(mask.sum()))
+                       int(mask.sum()), live=live.to(dev, non_blocking=nb))
 
 
 def _target_states(src: OnlineSource, items: list[Item], ids_d, seg_d, dev) -> tuple[torch.Tensor, torch.Tensor]:

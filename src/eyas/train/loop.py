@@ -233,7 +233,7 @@ class PackedTTTModule(nn.Module):
         used = self.drafter.used_target_ids().to(head_VtD.device)
         self._head = (head_VtD, head_VtD.index_select(0, used), used, self.drafter.t2d.to(head_VtD.device))
 
-    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators):
+    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None):
         from eyas.drafter.ttt import packed_teacher, ttt_loss_packed
 
         head, head_used, used, t2d = self._head
@@ -241,7 +241,7 @@ class PackedTTTModule(nn.Module):
                                  cache_bytes=self.teacher_cache_bytes)
         out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
                               teacher=teacher, cfg=self.ttt_cfg, denominators=denominators,
-                              chunk_rows=self.chunk_rows)
+                              chunk_rows=self.chunk_rows, live=live)
         stats = torch.cat([out.ce_sum, out.correct, out.valid, out.accepted.view(1), out.rounds.view(1)])
         return out.loss, stats
 
@@ -628,7 +628,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
 
     def forward_batch(batch, denoms):
         with amp:
-            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms)
+            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms, batch.live)
 
     def micro_items(step):
         """[accum] item lists of this rank; a rank left without samples gets a loss-free dummy."""
