@@ -27,7 +27,8 @@
 # side_by_side_lr repeats the side by side with lr 3e-4 for both trainers, on the first one's captured store (and
 # its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
 # variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0), sbs_ablations_lr the
-# same at lr 3e-4 for both trainers (default variants: the reachability mask align_topk at 1, 4 and 10); smol_next
+# same at lr 3e-4 for both trainers (default variants: align_topk off, the default again, and the default with
+# ttt.PRUNE_UNREACHED); smol_next
 # runs the SmolLM2 rate with the module settings of SMOL_FLAGS (train_bench.py --flag) against the default, the
 # target on every batch and the state cache; gpu_tests runs the tests that need a GPU (pytest is in the image).
 # What a call writes comes back as $OUT/logs.tgz.
@@ -86,9 +87,10 @@ SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol 
 prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 # the chains' jobs, each writing $ROOT/q/<name>.log; exported: the chains call them through `bash -c`
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
-train_8b() {  # BENCH_VARIANTS (comma-separated train_bench.py labels): only those, else every variant
-    timeout 600 python benchmarks/train_bench.py --no-compile --no-reference ${BENCH_VARIANTS:+--variants $BENCH_VARIANTS} \
-        > $ROOT/q/train_8b.log 2>&1
+train_8b() {  # BENCH_VARIANTS (comma-separated train_bench.py labels): only those, else every variant; 10 rounds
+    # (5 left a 10% spread of single rounds around medians 2% apart, 2026-12-01)
+    timeout 600 python benchmarks/train_bench.py --no-compile --no-reference --rounds 10 \
+        ${BENCH_VARIANTS:+--variants $BENCH_VARIANTS} > $ROOT/q/train_8b.log 2>&1
 }
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
@@ -127,10 +129,11 @@ sbs_ablations() {  # the side by side (resumed: reuses what the default root hol
     sbs_with_variants $ROOT/sbs 1e-4 sbs_ablations "inithead:init_head=true lr3e-4:lr=3e-4 decay1:ttt_decay=1.0"
 }
 sbs_ablations_lr() {  # the same at lr 3e-4 for both trainers (eyas's default for this drafter since 2026-12-01), in
-    # side_by_side_lr's root; SBS_VARIANTS, default: the loss masked past the first step whose target token left the
-    # drafter's top 1, 4 and 10 (align_topk)
+    # side_by_side_lr's root; SBS_VARIANTS, default: the reachability mask (align_topk, 4 by default since 2026-12-01)
+    # off; the default again, trained warm (its rate without the compile, and the run-to-run spread of tau); the
+    # default with the unreachable positions pruned (ttt.PRUNE_UNREACHED: the same loss, its training rate)
     sbs_with_variants $ROOT/sbs-lr3e-4 3e-4 sbs_ablations_lr \
-        "align1:align_topk=1 align4:align_topk=4 align10:align_topk=10"
+        "noalign:align_topk=0 a4:align_topk=4 a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true"
 }
 sbs_with_variants() {  # sbs_with_variants ROOT LR LOG DEFAULT_VARIANTS
     waitfor $prep/meta.json

@@ -36,7 +36,8 @@ device call ends early: every step resumes.
 
 Method ablations against the same SpecForge drafter: `--eyas-variant NAME:KEY=VALUE[,KEY=VALUE]` (repeatable; keys
 from VARIANT_FIELDS: learning-rate schedule, weight decay, clipping, TTT decay, head init, dtype, teacher
-temperature, the reachability mask align_topk) trains one more eyas drafter per variant on the same store with the
+temperature, the reachability mask align_topk; or a boolean module setting MODULE.NAME=true|false as train_bench.py's
+--flag, e.g. ttt.PRUNE_UNREACHED=true, set while the variant trains) trains one more eyas drafter per variant on the same store with the
 same steps and samples per step, exports and evaluates it with the same settings, and reports its ratios under
 `variants` (each variant about 1.5 GPU minutes at the defaults: training and one eval, measured 91-101 s on
 2026-12-01).
@@ -63,6 +64,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import contextlib
 import importlib.util
 import json
 import os
@@ -70,6 +72,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parents[1]
 SF_RUN_ID = "sbs"
@@ -225,12 +228,37 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
         sets = {}
         for pair in body.split(","):
             key, eq, value = pair.partition("=")
-            if not eq or key.strip() not in fields:
-                raise SystemExit(f"--eyas-variant {spec!r}: {key.strip()!r} is not a TrainConfig setting a variant may "
-                                 f"change ({', '.join(sorted(fields))})")
-            sets[key.strip()] = parse_value(value.strip())
+            key = key.strip()
+            if eq and "." in key:  # a boolean module setting of eyas, as train_bench.py --flag
+                value = parse_value(value.strip())
+                if not isinstance(value, bool):
+                    raise SystemExit(f"--eyas-variant {spec!r}: {key} takes true or false")
+                module_flag(key)
+                sets[key] = value
+                continue
+            if not eq or key not in fields:
+                raise SystemExit(f"--eyas-variant {spec!r}: {key!r} is not a TrainConfig setting a variant may "
+                                 f"change ({', '.join(sorted(fields))}) nor a MODULE.NAME setting")
+            sets[key] = parse_value(value.strip())
         out[name] = sets
     return out
+
+
+def module_flag(name: str):
+    """(module, attribute) of a boolean module setting MODULE.NAME (train_bench.py's --flag)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_bench import flag_setting
+
+    return flag_setting(name)
+
+
+def module_flags(sets: dict):
+    """A context in which the variant's MODULE.NAME settings hold."""
+    stack = contextlib.ExitStack()
+    for key, value in sets.items():
+        if "." in key:
+            stack.enter_context(mock.patch.object(*module_flag(key), value))
+    return stack
 
 
 def main() -> None:
@@ -357,7 +385,9 @@ def main() -> None:
         run_dir, out = root / f"eyas-{name}-train", root / f"eyas-{name}-sglang"
         if step(f"eyas train, variant {name} {sets}", (run_dir / "drafter" / "config.json").is_file()):
             t0 = time.perf_counter()
-            s = train(TrainConfig(**{**base_train, **sets, "out": run_dir}))
+            with module_flags(sets):
+                s = train(TrainConfig(**{**base_train, **{k: v for k, v in sets.items() if "." not in k},
+                                         "out": run_dir}))
             seconds[f"eyas_{name}_train"] = round(time.perf_counter() - t0, 1)
             result.setdefault("variants", {})[name] = {"settings": sets, "tokens_per_s": s.get("tokens_per_s")}
         if not (out / "config.json").is_file():

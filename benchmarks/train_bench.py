@@ -14,11 +14,11 @@ layer's weights itself and autograd sums their gradients; `eyas-cast-once`: weig
 summing the steps' gradients), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per key/value head
 for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query head),
 `eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's product, as before
-ttt.addmm_fp32_), `eyas-gqa-flash` (step 0's keys read by the varlen flash kernel's grouped-query mode instead of
-repeated to every query head, packing.GQA_FLASH), `eyas-deferred-stats` (the statistics read one step late, as
-train/loop.py's DEFER_STATS: what the per-step wait for the GPU costs), `eyas-next` (those two together),
-`eyas-all-positions` (every position through every TTT step, as before ttt.PRUNE_ROWS: the synthetic rows' first
-tenth carries no loss), and
+ttt.addmm_fp32_), `eyas-repeated-keys` (step 0's keys repeated to every query head instead of read by the varlen
+flash kernel's grouped-query mode, packing.GQA_FLASH off), `eyas-stats-every-step` (the statistics read at the end of
+each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-step wait for the GPU costs),
+`eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
+carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), and
 SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
@@ -124,21 +124,28 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
                    compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
-                   defer_stats: bool = False, bf16: bool | None = None):
+                   defer_stats: bool | None = None, align_topk: int | None = None, bf16: bool | None = None):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
-    `defer_stats`: the step's statistics are read back after the NEXT step is queued (the loop reads them
-    every step, which waits for the GPU: this variant measures what a one-step-late read would gain; the loop
-    makes no other wait in a step, and neither does this one: its per-step denominators go through pinned memory).
+    `defer_stats`: the step's statistics are read back after the NEXT step is queued, as the loop does with
+    DEFER_STATS (None: the loop's setting); else at the step's end, which waits for the GPU. No other wait in a
+    step: its per-step denominators go through pinned memory, as the loop's. `align_topk`: TrainConfig's (None:
+    its default, as `eyas train`).
     `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
     does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.train.data import AheadUploader, Item, _packed_to, pack_tokens, PackedBatch, to_device
-    from eyas.train.loop import PackedTTTModule, lr_lambda
+    from eyas.train import loop
+    from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
+
+    defer_stats = loop.DEFER_STATS if defer_stats is None else defer_stats
+    if align_topk is None:
+        align_topk = TrainConfig.__dataclass_fields__["align_topk"].default
 
     drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
     data = _synthetic(c, B=B, T=T, device=device, seed=seed, rank=dist.rank if dist is not None else 0)
-    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=cast_once), head_VtD=data["head"]).to(device)
+    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=cast_once, align_topk=align_topk),
+                             head_VtD=data["head"]).to(device)
     bf16 = device.type == "cuda" if bf16 is None else bf16
     if dist is not None and dist.enabled:
         from eyas.train.dist import wrap_model
@@ -424,13 +431,11 @@ def suite_8b(args, dist) -> dict:
             ("eyas-grouped-diagonals", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
                                                          "ttt.GROUPED_DIAGONALS", True)),
             ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
-            # step 0's keys read by the flash kernel's grouped-query mode, not repeated to every query head
-            ("eyas-gqa-flash", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "packing.GQA_FLASH",
-                                                 True)),
-            ("eyas-deferred-stats", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=True)),
-            # the two together: gains of a few percent each are near the rounds' spread alone
-            ("eyas-next", lambda: with_flag(make_fast_step(**fast, compile_parts=True, defer_stats=True),
-                                            "packing.GQA_FLASH", True)),
+            # step 0's keys repeated to every query head, not read by the flash kernel's grouped-query mode
+            ("eyas-repeated-keys", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "packing.GQA_FLASH",
+                                                     False)),
+            ("eyas-stats-every-step", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=False)),
+            ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
             # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
             ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
                                                      False))]

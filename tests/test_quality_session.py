@@ -241,7 +241,7 @@ def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
     a = _one(calls(), "specforge_side_by_side.py", "--eyas-variant")["args"]
     assert a[a.index("--lr") + 1] == "3e-4" and a[a.index("--root") + 1] == str(root / "sbs-lr3e-4")
     assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == \
-        ["align1:align_topk=1", "align4:align_topk=4", "align10:align_topk=10"]
+        ["noalign:align_topk=0", "a4:align_topk=4", "a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true"]
 
 
 def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):

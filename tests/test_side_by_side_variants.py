@@ -23,6 +23,25 @@ def test_variants_parse_as_toml_values_and_refuse_what_would_change_the_budget()
             parse(bad)
 
 
+def test_a_variant_may_set_a_boolean_module_setting_while_it_trains():
+    """MODULE.NAME=true|false (train_bench.py's --flag): parsed as a bool, refused when it names no boolean setting,
+    and set only inside the variant's context."""
+    import eyas.drafter.ttt as ttt
+
+    sbs = load_benchmark("specforge_side_by_side")
+    sets = sbs.parse_variants(["p:align_topk=4,ttt.PRUNE_UNREACHED=true"])["p"]
+    assert sets == {"align_topk": 4, "ttt.PRUNE_UNREACHED": True}
+    before = ttt.PRUNE_UNREACHED
+    with sbs.module_flags(sets):
+        assert ttt.PRUNE_UNREACHED is True
+    assert ttt.PRUNE_UNREACHED is before
+    for bad, why in ((["p:ttt.PRUNE_UNREACHED=1"], "takes true or false"),
+                     (["p:ttt.NO_SUCH=true"], "no boolean setting"),
+                     (["p:nomodule.X=true"], "MODULE one of")):
+        with pytest.raises(SystemExit, match=why):
+            sbs.parse_variants(bad)
+
+
 def test_an_eval_is_reused_for_the_same_drafter_reached_through_a_link(tmp_path):
     """side_by_side_lr (quality_session.sh) links the lr3e-4 variant's drafter and eval into its own root: the
     eval is reused there, not run again; a different drafter or setting is run."""

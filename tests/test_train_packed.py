@@ -617,6 +617,55 @@ def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, devic
     assert float(plain.detach()) > float(total.detach()) + 1e-3
 
 
+@pytest.mark.parametrize("topk,static", [(1, True), (12, True), (12, False), (40, True)])
+def test_unreached_positions_pruned_give_the_align_loss_and_gradients(topk, static, monkeypatch):
+    """PRUNE_UNREACHED: with `align_topk`, the positions whose chain is no longer reachable leave the unroll after
+    each step; the loss, the per-step soft-CE sums, the counts and every gradient equal those of the full unroll
+    under the same mask, while the steps past 0 run on fewer positions (fewer at each step); the per-step hits
+    count only reachable rows (step 0's all)."""
+    import eyas.drafter.ttt as ttt
+
+    K = 5
+    samples = _samples([19, 7, 33], seed=4)
+    seg = Segments.from_lengths([19, 7, 33])
+    ids_N, mask_N = torch.cat([s[0] for s in samples]), torch.cat([s[1] for s in samples])
+    aux_N, final_N = torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples])
+    rows = supervised_rows(mask_N, seg.ends_N, K)
+    live = live_positions(rows, seg.total) if static else None
+    head = _head()
+    used = torch.arange(V) + 5
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[used] = True
+    den = torch.tensor([float(len(r)) for r in rows])
+    sizes: list[int] = []
+    real_step = ttt.PackedUnroll.step
+    monkeypatch.setattr(ttt.PackedUnroll, "step", lambda self, k, pos=None: sizes.append(
+        seg.total if pos is None else pos.numel()) or real_step(self, k, pos))
+    res = {}
+    for prune in (False, True):
+        monkeypatch.setattr(ttt, "PRUNE_UNREACHED", prune)
+        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
+        m.set_vocab(used)
+        pt = packed_teacher(final_N, head, head[used], used, t2d)
+        sizes.clear()
+        out = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
+                              cfg=TTTConfig(steps=K, align_topk=topk), denominators=den, chunk_rows=6, live=live)
+        out.loss.backward()
+        res[prune] = (out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, list(sizes))
+    (a, ga, sa), (b, gb, sb) = res[True], res[False]
+    torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
+    for name in ("ce_sum", "valid", "accepted", "rounds"):
+        torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-4, rtol=1e-5, msg=name)
+    assert float(a.correct[0]) == float(b.correct[0]) and bool((a.correct <= b.correct).all())
+    assert set(ga) == set(gb)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4, msg=n)
+    assert len(set(sb)) == 1  # without it: the same positions at every step (all N, or the live ones)
+    assert sa[0] == sb[0] and sa[1] < sb[1] and all(x >= y for x, y in zip(sa, sa[1:]))
+    if topk == 40:  # most chains stay reachable: the later steps still run
+        assert len(sa) == K and sa[-1] > 0
+
+
 def test_align_topk_is_refused_by_the_padded_reference_and_below_zero():
     from eyas.drafter.ttt import TTTConfig
 
@@ -710,6 +759,52 @@ def test_pruned_positions_give_the_same_step_on_cuda(monkeypatch):
     assert set(ga) == set(gb)
     for n in ga:
         torch.testing.assert_close(ga[n], gb[n], atol=2e-3, rtol=5e-2, msg=n)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel")
+def test_unreached_positions_pruned_on_cuda_give_the_align_loss(monkeypatch):
+    """PRUNE_UNREACHED on CUDA (bf16 autocast, the flash kernel on shrinking query sets, the compiled merge and
+    normed rows): loss and gradients of the full unroll under the same reachability mask (bf16 tolerances: a row
+    whose rank sits at the boundary may fall either side in two matmuls), on fewer positions at each step."""
+    import eyas.drafter.ttt as ttt
+    from eyas.train.data import Item, pack_tokens
+
+    dev, K = torch.device("cuda"), 5
+    samples = _samples([90, 33, 140], seed=5)
+    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
+    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
+    live = live_positions(rows, seg.total).to(dev)
+    aux = torch.cat([s[2] for s in samples]).to(dev)
+    final = torch.cat([s[3] for s in samples]).to(dev)
+    ids, seg, rows = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows]
+    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64, device=dev)
+    head = _head().to(dev)
+    used = torch.arange(V, device=dev) + 5
+    t2d = torch.zeros(80, dtype=torch.bool, device=dev)
+    t2d[used] = True
+    sizes: list[int] = []
+    real_step = ttt.PackedUnroll.step
+    monkeypatch.setattr(ttt.PackedUnroll, "step", lambda self, k, pos=None: sizes.append(
+        seg.total if pos is None else pos.numel()) or real_step(self, k, pos))
+    res = {}
+    for prune in (False, True):
+        monkeypatch.setattr(ttt, "PRUNE_UNREACHED", prune)
+        m = ttt.compile_drafter(tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to(dev))
+        m.set_vocab(used.cpu())
+        sizes.clear()
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            pt = packed_teacher(final, head, head[used], used, t2d)
+            out = ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
+                                  cfg=TTTConfig(steps=K, align_topk=20), denominators=den, live=live)
+        out.loss.backward()
+        res[prune] = (out, {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}, list(sizes))
+    (a, ga, sa), (b, gb, sb) = res[True], res[False]
+    torch.testing.assert_close(a.loss, b.loss, atol=2e-2, rtol=2e-2)
+    assert torch.equal(a.valid, b.valid) and float(a.correct[0]) == float(b.correct[0])
+    assert set(ga) == set(gb)
+    for n in ga:
+        torch.testing.assert_close(ga[n], gb[n], atol=5e-3, rtol=1e-1, msg=n)
+    assert len(set(sb)) == 1 and sa[1] < sb[1] and all(x >= y for x, y in zip(sa, sa[1:]))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")

@@ -204,13 +204,14 @@ def _pick_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str
     return "cpu-flash" if device.type == "cpu" else "segments"
 
 
-GQA_FLASH = False
+GQA_FLASH = True
 """Keys/values with fewer heads than the queries go to the varlen flash kernel as they are, read in its
 grouped-query mode, instead of repeated to every query head first (a [tokens, heads, d] copy each and, in training,
 a sum of the repeated gradients): the drafter's step-0 keys at every TTT step, and the online target's keys and
 values in every layer. Used only with the "cuda-flash" kernel once `check_varlen_kernel` has checked the mode on
-this machine; elsewhere the keys are repeated as before. Off until measured on a GPU (train_bench.py's variant
-`eyas-gqa-flash`; `--suite smol --flag packing.GQA_FLASH`)."""
+this machine; elsewhere the keys are repeated. On by default since it ran on an H200 with loop.DEFER_STATS (8% more
+SmolLM2 training tokens/s together, figures there); False: the keys repeated (train_bench.py's 8B variant
+`eyas-repeated-keys`)."""
 
 
 def gqa_flash(kernel: str) -> bool:

@@ -953,45 +953,86 @@ def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
     return (soft_ce(s, p) * weight_n.float()).sum()
 
 
-def ttt_unroll_packed(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
-                      steps: int, attention: str = "fast", cast_once: bool = False, live: torch.Tensor | None = None):
-    """`ttt_unroll` over one packed row: yield (k, hidden_prenorm_1ND). Step k feeds x_{t+1+k} when
-    t+1+k is inside t's sample (else token 0: such positions never carry a loss) at RoPE position
-    (t - start of t's sample) + k; step-0 keys are causal within each sample.
+class PackedUnroll:
+    """`ttt_unroll` over one packed row, one TTT step per `step` call. Step k feeds x_{t+1+k} when t+1+k is inside
+    t's sample (else token 0: such positions never carry a loss) at RoPE position (t - start of t's sample) + k;
+    step-0 keys are causal within each sample.
 
-    `live` (sorted positions, or None for all N): the hidden states yielded hold these rows only. Past step 0's
-    keys and values, a position's states reach nothing but the same position's later steps (its queries read
-    the step-0 keys of earlier positions and its own diagonals), so the positions that carry no loss at any
-    step (`live_positions`) are computed at step 0 up to their keys and values, and never after."""
-    N = input_ids_N.shape[0]
-    dev = input_ids_N.device
-    feature = drafter.project_aux(aux_NAD[None])
-    every = (torch.arange(N, device=dev), seg.ends_N, seg.positions_N)  # (t, end of t's sample, t's position)
-    pruned = every if live is None else (live, seg.ends_N.index_select(0, live), seg.positions_N.index_select(0, live))
-    keys, values = [], []
-    w = None  # the mid layer's weights cast once for all steps (cast_once)
-    if cast_once and torch.is_autocast_enabled(dev.type):
-        cdtype = torch.get_autocast_dtype(dev.type)
-        if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
-            w = drafter.midlayer.linear_weights(cdtype)
-    attend = fast_attention if attention == "fast" else reference_attention
-    for k in range(steps):
-        rows = None if k == 0 else live
-        t, ends, positions = every if k == 0 else pruned
+    Past step 0's keys and values, a position's states reach nothing but the same position's later steps (its
+    queries read the step-0 keys of earlier positions and its own diagonals). So each step may run on fewer
+    positions than the last (`pos`, sorted, a subset of the previous step's): the positions that carry no loss at
+    any step (PRUNE_ROWS: `live_positions`), and under `align_topk` the positions whose draft chain is no longer
+    reachable (PRUNE_UNREACHED), are computed at step 0 up to their keys and values and then dropped."""
+
+    def __init__(self, drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
+                 attention: str = "fast", cast_once: bool = False):
+        self.drafter, self.ids, self.seg = drafter, input_ids_N, seg
+        self.N = input_ids_N.shape[0]
+        dev = input_ids_N.device
+        self.all = torch.arange(self.N, device=dev)
+        self.feature = drafter.project_aux(aux_NAD[None])
+        self.pos = self.all  # positions of `feature`'s rows (and of the diagonal keys' rows)
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.w = None  # the mid layer's weights cast once for all steps (cast_once)
+        if cast_once and torch.is_autocast_enabled(dev.type):
+            cdtype = torch.get_autocast_dtype(dev.type)
+            if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
+                self.w = drafter.midlayer.linear_weights(cdtype)
+        self.attend = fast_attention if attention == "fast" else reference_attention
+
+    def step(self, k: int, pos: torch.Tensor | None = None) -> torch.Tensor:
+        """Step k's hidden_prenorm [1, n, D] at positions `pos` (None: all N), which hold a subset of the last
+        step's positions (step 0: computed at all N up to its keys and values, then kept at `pos`)."""
+        d, seg, N = self.drafter, self.seg, self.N
+        if pos is None:
+            pos = self.all
+        if k and pos is not self.pos:  # fewer positions than the last step: its states and diagonals narrowed
+            sub = torch.searchsorted(self.pos, pos)
+            self.feature = self.feature.index_select(1, sub)
+            self.keys[1:] = [x.index_select(2, sub) for x in self.keys[1:]]
+            self.values[1:] = [x.index_select(2, sub) for x in self.values[1:]]
+        t = self.all if k == 0 else pos
+        full = t is self.all
+        ends = seg.ends_N if full else seg.ends_N.index_select(0, t)
+        positions = seg.positions_N if full else seg.positions_N.index_select(0, t)
         j = t + 1 + k
-        tokens = torch.where(j < ends, input_ids_N[j.clamp_max(N - 1)], 0)
-        emb = drafter.embed_tokens(tokens[None])
+        tokens = torch.where(j < ends, self.ids[j.clamp_max(N - 1)], 0)
+        emb = d.embed_tokens(tokens[None])
+        dev = self.ids.device
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
-        cos, sin = drafter.rope((positions + k)[None], cdtype)
-        q, kk, vv = drafter.midlayer.project_qkv(emb, feature, cos, sin, w)
-        keys.append(_step_keys(kk, drafter.config.num_attention_heads, packed_step0=k == 0))
-        values.append(_step_keys(vv, drafter.config.num_attention_heads, packed_step0=k == 0))
-        att = attend(q, keys, values, seg=seg, rows=rows)
-        if k == 0 and live is not None:  # step 0's keys and values are made for all N; the rest for `live`
-            att, feature = att.index_select(2, live), feature.index_select(1, live)
-        hidden = drafter.midlayer.finish(att, feature, w)
-        yield k, hidden
-        feature = hidden
+        cos, sin = d.rope((positions + k)[None], cdtype)
+        q, kk, vv = d.midlayer.project_qkv(emb, self.feature, cos, sin, self.w)
+        self.keys.append(_step_keys(kk, d.config.num_attention_heads, packed_step0=k == 0))
+        self.values.append(_step_keys(vv, d.config.num_attention_heads, packed_step0=k == 0))
+        att = self.attend(q, self.keys, self.values, seg=seg, rows=None if full else t)
+        feature = self.feature
+        if k == 0 and pos is not self.all:  # step 0's keys and values are made for all N; the rest for `pos`
+            att, feature = att.index_select(2, pos), feature.index_select(1, pos)
+        hidden = d.midlayer.finish(att, feature, self.w)
+        self.feature, self.pos = hidden, pos
+        return hidden
+
+
+PRUNE_UNREACHED = False
+"""With `align_topk` K > 0: after each TTT step, the positions whose draft chain is no longer reachable (the
+target's top token left the drafter's top K at this step or an earlier one: their later losses are masked to zero)
+leave the unroll, so the later steps' mid layer and head run on the reachable positions only. Same loss and
+gradients as without it; it costs one wait for the GPU per step (the next step's count of positions) and a
+forward product of the head per step for the test. The per-step accuracies then count a hit only where the chain
+is still reachable. Off until measured on a GPU (benchmarks/specforge_side_by_side.py --eyas-variant; train_bench.py
+--flag ttt.PRUNE_UNREACHED)."""
+
+
+def _reach(x_nD: torch.Tensor, w_VD: torch.Tensor, top_n: torch.Tensor, topk: int, chunk_rows: int) -> torch.Tensor:
+    """[n] bool: the target's top token `top_n` among the top `topk` of the logits x @ w.T (as the head loss's
+    `align` test computes it), in row chunks."""
+    out = []
+    for a in range(0, x_nD.shape[0], chunk_rows):
+        s = x_nD[a:a + chunk_rows] @ w_VD.T
+        s_top = s.gather(1, top_n[a:a + chunk_rows, None].clamp(0, s.shape[1] - 1))
+        out.append((s > s_top).sum(1) < topk)
+    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool, device=x_nD.device)
 
 
 def ttt_loss_packed(
@@ -1023,33 +1064,56 @@ def ttt_loss_packed(
     # each step's rows are gathered, normed and cast to the head's compute dtype by one `normed_rows` (compiled
     # with the drafter), then concatenated once: written slice by slice into one buffer instead, autograd cloned
     # the buffer's whole gradient once per step (the 8B-shaped step 79.3 ms against 82.8 on an H200, 2026-12-01)
-    lengths = [int(r.numel()) for r in rows]
-    offsets = list(itertools.accumulate(lengths, initial=0))
+    supervised = sum(int(r.numel()) for r in rows)
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.lm_head.weight.dtype
     parts: list[torch.Tensor] = []
     norm_rows = getattr(drafter, "_normed_rows", normed_rows)
     scale = [cfg.weights[k] / denominators[k].float() for k in range(K)]
-    trs, valid_k = [r + 1 + k for k, r in enumerate(rows)], []  # teacher row of step k: p_{t+1+k}
     if not (PRUNE_ROWS and live is not None and 0 < live.shape[0] < N):
         live = None  # (no supervised row: the filler below needs a hidden row)
-    at = rows if live is None else [torch.searchsorted(live, r) for r in rows]  # rows of the yielded states
-    for k, hidden in ttt_unroll_packed(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
-                                       cast_once=cfg.cast_once_for(drafter.config.hidden_size), live=live):
-        if k == K - 1 and not offsets[-1]:
+    # PRUNE_UNREACHED: `alive` marks the positions whose chain is still reachable; each step's rows are those alive
+    unreached = PRUNE_UNREACHED and cfg.align_topk > 0 and supervised > 0
+    alive = torch.ones(N, dtype=torch.bool, device=dev) if unreached else None
+    w_head = drafter.lm_head.weight.to(cdtype) if unreached else None
+    step_rows: list[torch.Tensor] = []  # positions whose loss enters the head at step k
+    unroll = PackedUnroll(drafter, input_ids_N, seg, aux_NAD, attention=cfg.attention,
+                          cast_once=cfg.cast_once_for(drafter.config.hidden_size))
+    pos = live
+    for k in range(K):
+        hidden = unroll.step(k, pos)
+        if k == K - 1 and not supervised:
             # no supervised position (a rank's loss-free filler at an epoch's end): a zero that still
             # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks
             last = torch.nn.functional.linear(drafter.norm(hidden[0, :1]), drafter.lm_head.weight)
             loss = loss + 0.0 * last.float().sum()
-        valid_k.append(teacher.in_vocab_N[trs[k]])
-        if lengths[k]:
-            parts.append(norm_rows(hidden[0], at[k], drafter.norm.weight, drafter.norm.eps, cdtype))
+        r = rows[k] if alive is None else rows[k][alive[rows[k]]]  # (a wait for the GPU: the count)
+        step_rows.append(r)
+        if r.numel():
+            at = r if pos is None else torch.searchsorted(pos, r)  # rows of the step's states
+            parts.append(norm_rows(hidden[0], at, drafter.norm.weight, drafter.norm.eps, cdtype))
+        if alive is not None and k < K - 1:
+            with torch.no_grad():
+                tr = r + 1 + k
+                if r.numel():
+                    alive[r] = _reach(parts[-1], w_head, teacher.top_N[tr], cfg.align_topk, chunk_rows) \
+                        & teacher.in_vocab_N[tr]
+                cur = unroll.pos
+                pos = cur[alive.index_select(0, cur)]  # (a wait for the GPU: the count)
+            if not pos.numel():  # no chain reachable past this step: the later steps have no loss
+                break
+    step_rows += [rows[0].new_zeros(0)] * (K - len(step_rows))
+    lengths = [int(r.numel()) for r in step_rows]
+    trs = [r + 1 + k for k, r in enumerate(step_rows)]  # teacher row of step k: p_{t+1+k}
+    # every supervised row whose target top token is in the draft vocab (the statistics' denominators)
+    valid_all = [teacher.in_vocab_N[r + 1 + k] for k, r in enumerate(rows)]
+    valid_k = valid_all if alive is None else [teacher.in_vocab_N[t] for t in trs]
     x = torch.cat(parts) if parts else torch.empty(0, drafter.config.hidden_size, dtype=cdtype, device=dev)
     hit_k = [torch.zeros(0, dtype=torch.bool, device=dev)] * K
-    if offsets[-1]:  # one range per step (empty ones too): per_step[k] is step k's weighted sum
+    if sum(lengths):  # one range per step (empty ones too): per_step[k] is step k's weighted sum
         tr = torch.cat(trs)
         w = torch.cat([v.float() * c for v, c in zip(valid_k, scale)])
         top = teacher.top_N[tr]
-        align = (torch.cat(rows), N, cfg.align_topk) if cfg.align_topk else None
+        align = (torch.cat(step_rows), N, cfg.align_topk) if cfg.align_topk and alive is None else None
         if teacher.logits_NV is not None:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
                                                         chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
@@ -1064,13 +1128,14 @@ def ttt_loss_packed(
             for k in range(K):
                 if lengths[k]:
                     ce_sums[k] = (per_step[k] / scale[k]).double()  # the step's unweighted soft-CE sum
-                    corrects[k], valids[k] = hit_k[k].sum().double(), valid_k[k].sum().double()
+                    corrects[k] = hit_k[k].sum().double()
+    valids = [v.sum().double() if v.numel() else zero for v in valid_all]
     chain_alive = None  # [N] positions whose simulated chain is still fully accepted
     accepted, rounds = zero, zero
     with torch.no_grad():
         for k in range(K):
             hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
-            hit_N[rows[k]] = hit_k[k]
+            hit_N[step_rows[k]] = hit_k[k]
             if k == 0:
                 chain_alive, rounds = hit_N, valids[0]
             else:
