@@ -54,6 +54,37 @@ def _head(seed=7, Vt=80):
     return torch.randn(Vt, D, generator=g) * 0.7
 
 
+def _packed_on(dev, lengths, *, K, seed):
+    """Samples packed in one row on `dev` as the data loader hands them over: (ids, seg, rows, live, aux, final,
+    denominators), plus the target head, a draft vocab missing some target ids and its t2d mask."""
+    from eyas.train.data import Item, pack_tokens
+
+    samples = _samples(lengths, seed=seed)
+    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
+    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
+    live = live_positions(rows, seg.total)
+    assert live.numel() < seg.total
+    aux = torch.cat([s[2] for s in samples]).to(dev)
+    final = torch.cat([s[3] for s in samples]).to(dev)
+    ids, seg, rows, live = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows], live.to(dev)
+    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64, device=dev)
+    used = torch.arange(V, device=dev) + 5
+    t2d = torch.zeros(80, dtype=torch.bool, device=dev)
+    t2d[used] = True
+    return ids, seg, rows, live, aux, final, den, _head().to(dev), used, t2d
+
+
+def _count_positions(monkeypatch, total: int) -> list[int]:
+    """The positions each PackedUnroll.step runs on (`total` for all), appended as the steps run."""
+    import eyas.drafter.ttt as ttt
+
+    sizes: list[int] = []
+    real_step = ttt.PackedUnroll.step
+    monkeypatch.setattr(ttt.PackedUnroll, "step", lambda self, k, pos=None: sizes.append(
+        total if pos is None else pos.numel()) or real_step(self, k, pos))
+    return sizes
+
+
 @pytest.mark.parametrize("kernel", ["math", "segments", "cpu-flash"])
 def test_varlen_attention_matches_block_diagonal_reference(kernel):
     g = torch.Generator().manual_seed(0)
@@ -637,10 +668,7 @@ def test_unreached_positions_pruned_give_the_align_loss_and_gradients(topk, stat
     t2d = torch.zeros(80, dtype=torch.bool)
     t2d[used] = True
     den = torch.tensor([float(len(r)) for r in rows])
-    sizes: list[int] = []
-    real_step = ttt.PackedUnroll.step
-    monkeypatch.setattr(ttt.PackedUnroll, "step", lambda self, k, pos=None: sizes.append(
-        seg.total if pos is None else pos.numel()) or real_step(self, k, pos))
+    sizes = _count_positions(monkeypatch, seg.total)
     res = {}
     for prune in (False, True):
         monkeypatch.setattr(ttt, "PRUNE_UNREACHED", prune)
@@ -681,23 +709,16 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     """Forward, backward, clipping, the optimizer step and the per-step denominators' upload (as `eyas train` runs
     them) never make the host wait for the GPU (torch.cuda.set_sync_debug_mode "error" raises on any such op):
     only the statistics read at the step's end does, so the host queues a step while the GPU runs the last one."""
-    from eyas.train.data import Item, pack_tokens, to_device
+    from eyas.train.data import to_device
     from eyas.train.loop import PackedTTTModule, _clip
 
     dev, K = torch.device("cuda"), 4
-    samples = _samples([9, 3, 14])
-    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
-    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
-    pad = seg.total - sum(len(s[0]) for s in samples)
-    aux = torch.cat([s[2] for s in samples] + [torch.zeros(pad, 3, D)]).to(dev)
-    final = torch.cat([s[3] for s in samples] + [torch.zeros(pad, D)]).to(dev)
-    live = live_positions(rows, seg.total)
-    assert live.numel() < seg.total  # the loss-free positions pruned (PRUNE_ROWS) inside the checked step
-    ids, seg, rows, live = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows], live.to(dev)
-    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
+    # (fewer live positions than tokens: the pruning, PRUNE_ROWS, runs inside the checked step)
+    ids, seg, rows, live, aux, final, den, head, used, _ = _packed_on(dev, [9, 3, 14], K=K, seed=0)
+    den = den.cpu()  # uploaded each step, as the loop does
     m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
-    m.set_vocab(torch.arange(V) + 5)
-    module = PackedTTTModule(m, TTTConfig(steps=K), head_VtD=_head().to(dev)).to(dev)
+    m.set_vocab(used.cpu())
+    module = PackedTTTModule(m, TTTConfig(steps=K), head_VtD=head).to(dev)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-3, fused=True)
 
@@ -725,26 +746,13 @@ def test_pruned_positions_give_the_same_step_on_cuda(monkeypatch):
     """PRUNE_ROWS on CUDA (bf16 autocast, the varlen flash kernel with zero queries at the pruned rows, the compiled
     merge): the loss, statistics and gradients of the packed step equal those with every position computed."""
     import eyas.drafter.ttt as ttt
-    from eyas.train.data import Item, pack_tokens
 
-    dev, K = torch.device("cuda"), 4
-    samples = _samples([90, 33, 140], seed=3)
-    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
-    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
-    live = live_positions(rows, seg.total)
-    assert live.numel() < seg.total
-    aux = torch.cat([s[2] for s in samples]).to(dev)
-    final = torch.cat([s[3] for s in samples]).to(dev)
-    ids, seg, rows, live = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows], live.to(dev)
-    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64, device=dev)
-    head = _head().to(dev)
-    used = torch.arange(V, device=dev) + 5
-    t2d = torch.zeros(80, dtype=torch.bool, device=dev)
-    t2d[used] = True
+    K = 4
+    ids, seg, rows, live, aux, final, den, head, used, t2d = _packed_on("cuda", [90, 33, 140], K=K, seed=3)
     res = {}
     for prune in (False, True):
         monkeypatch.setattr(ttt, "PRUNE_ROWS", prune)
-        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to(dev)
+        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to("cuda")
         m.set_vocab(used.cpu())
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pt = packed_teacher(final, head, head[used], used, t2d)
@@ -767,29 +775,14 @@ def test_unreached_positions_pruned_on_cuda_give_the_align_loss(monkeypatch):
     normed rows): loss and gradients of the full unroll under the same reachability mask (bf16 tolerances: a row
     whose rank sits at the boundary may fall either side in two matmuls), on fewer positions at each step."""
     import eyas.drafter.ttt as ttt
-    from eyas.train.data import Item, pack_tokens
 
-    dev, K = torch.device("cuda"), 5
-    samples = _samples([90, 33, 140], seed=5)
-    items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
-    ids, _, seg, rows = pack_tokens(items, steps=K, pad_to=None)
-    live = live_positions(rows, seg.total).to(dev)
-    aux = torch.cat([s[2] for s in samples]).to(dev)
-    final = torch.cat([s[3] for s in samples]).to(dev)
-    ids, seg, rows = ids.to(dev), seg.to(dev), [r.to(dev) for r in rows]
-    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64, device=dev)
-    head = _head().to(dev)
-    used = torch.arange(V, device=dev) + 5
-    t2d = torch.zeros(80, dtype=torch.bool, device=dev)
-    t2d[used] = True
-    sizes: list[int] = []
-    real_step = ttt.PackedUnroll.step
-    monkeypatch.setattr(ttt.PackedUnroll, "step", lambda self, k, pos=None: sizes.append(
-        seg.total if pos is None else pos.numel()) or real_step(self, k, pos))
+    K = 5
+    ids, seg, rows, live, aux, final, den, head, used, t2d = _packed_on("cuda", [90, 33, 140], K=K, seed=5)
+    sizes = _count_positions(monkeypatch, seg.total)
     res = {}
     for prune in (False, True):
         monkeypatch.setattr(ttt, "PRUNE_UNREACHED", prune)
-        m = ttt.compile_drafter(tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to(dev))
+        m = ttt.compile_drafter(tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to("cuda"))
         m.set_vocab(used.cpu())
         sizes.clear()
         with torch.autocast("cuda", dtype=torch.bfloat16):
