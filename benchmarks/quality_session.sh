@@ -177,7 +177,8 @@ smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
     # kernel; pytest is in the device's image)
-    timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py -k "prefetcher or align or queues or gqa or pruned" \
+    timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
+        -k "prefetcher or align or queues or gqa or pruned" \
         > $ROOT/q/gpu_tests.log 2>&1
 }
 specdec() {  # 16 questions: batch 16 gets 16 rows

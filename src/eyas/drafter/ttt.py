@@ -400,8 +400,8 @@ def _step_keys(x_BKTd: torch.Tensor, heads: int, *, packed_step0: bool = False) 
 def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None, rows=None) -> torch.Tensor:
     """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
     row, B = 1) the step-0 keys are causal within each segment. With `rows` (sorted positions, n of the
-    T), the queries and the diagonal keys/values hold those n positions only; the step-0 keys all T. keys/values: [B, K, T, d], K dividing
-    H (K = H once repeated, as the unrolls keep them by default); the step-0 ones are repeated to the H
+    T), the queries and the diagonal keys/values hold those n positions only; the step-0 keys all T.
+    keys/values: [B, K, T, d], K dividing H (K = H once repeated, as the unrolls keep them by default); the step-0 ones are repeated to the H
     query heads for the flash kernels (unless the varlen one reads them grouped: packing.gqa_flash), the others
     too unless GROUPED_DIAGONALS."""
     from eyas.packing import gqa_flash, pick_varlen_kernel
@@ -1050,14 +1050,15 @@ def ttt_loss_packed(
 ) -> TTTOutput:
     """`ttt_loss` on a packed row: same loss, same statistics, same normalisation (`denominators`:
     the global batch's loss-mask counts per step = the summed lengths of `rows`). `live`: `live_positions(rows)`
-    (made by the data loader on the host: its length sets shapes), used when PRUNE_ROWS."""
+    (made by the data loader on the host: its length sets shapes), used when PRUNE_ROWS; PRUNE_UNREACHED narrows
+    the positions further, step by step, under `align_topk`."""
     K = cfg.steps
     dev = input_ids_N.device
     N = input_ids_N.shape[0]
     denominators = denominators.to(dev).clamp_min(1)
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
-    ce_sums, corrects, valids = [zero] * K, [zero] * K, [zero] * K
+    ce_sums, corrects = [zero] * K, [zero] * K
     # the head's loss never feeds a later step: all steps' supervised rows go through ONE head call
     # after the unroll (one weight-gradient buffer for the head instead of one per step), each row
     # weighted by its step's w_k / denominator_k
@@ -1129,7 +1130,7 @@ def ttt_loss_packed(
                 if lengths[k]:
                     ce_sums[k] = (per_step[k] / scale[k]).double()  # the step's unweighted soft-CE sum
                     corrects[k] = hit_k[k].sum().double()
-    valids = [v.sum().double() if v.numel() else zero for v in valid_all]
+    valids = [v.sum().double() for v in valid_all]
     chain_alive = None  # [N] positions whose simulated chain is still fully accepted
     accepted, rounds = zero, zero
     with torch.no_grad():

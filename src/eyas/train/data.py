@@ -359,11 +359,11 @@ def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int
 def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, pad_to: int | None) -> PackedBatch:
     """The packed row's states: read from the source's StateCache where it holds the samples, the
     target run over the others (and the cache filled with them)."""
+    from eyas.drafter.ttt import live_positions
+
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
     dev = torch.device(device)
     nb = dev.type == "cuda"
-    from eyas.drafter.ttt import live_positions
-
     live = live_positions(rows, seg.total)
     if nb:  # pinned first: a copy from pageable memory waits for the work queued before it
         ids, seg, rows, live = ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows], live.pin_memory()
