@@ -372,6 +372,26 @@ def test_diagonal_merge_compiles_as_on_cuda_and_keeps_a_graph_per_diagonal_count
         dynamo.reset()
 
 
+def test_top_rank_test_compiles_as_on_cuda_and_counts_ties_for_the_token():
+    """`top_rank_below` (the reachability test of align_topk), compiled as `_fast` compiles it on CUDA, equals eager
+    and a sort-based rank for two chunk sizes; a logit tied with the token's does not push it out of the top K."""
+    import eyas.drafter.ttt as ttt
+
+    g = torch.Generator().manual_seed(8)
+    fast = torch.compile(ttt.top_rank_below, dynamic=True)
+    for c in (7, 19):
+        s = torch.randn(c, 50, generator=g).bfloat16()
+        top = torch.randint(0, 50, (c,), generator=g)
+        s[0, 3] = s[0, top[0]]  # a tie
+        rank = (s > s.gather(1, top[:, None])).sum(1)  # logits strictly above the token's
+        for k in (1, 4, 10):
+            want = rank < k
+            assert torch.equal(ttt.top_rank_below(s, top, k), want) and torch.equal(fast(s, top, k), want)
+        assert 0 < int((rank < 10).sum()) < c
+    s = torch.zeros(2, 5)
+    assert ttt.top_rank_below(s, torch.tensor([1, 4]), 1).tolist() == [True, True]  # all tied: rank 0
+
+
 def test_supervised_rows_stay_inside_samples():
     # two samples [a b c d] [e f g]; mask on c, d (sample 0) and f, g (sample 1)
     mask = torch.tensor([0, 0, 1, 1, 0, 1, 1], dtype=torch.bool)

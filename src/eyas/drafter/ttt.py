@@ -821,6 +821,7 @@ class _HeadSoftCE(torch.autograd.Function):
             if align is not None:
                 pos_n, n_positions, topk = align
                 alive = torch.ones(n_positions, dtype=torch.float32, device=x_nD.device)
+                rank_below = _fast(top_rank_below, x_nD.device)
 
             def rows(i, a, b, t, t_rows):  # student rows a:b of range i against teacher logits t (rows t_rows of it)
                 s = xb[a:b] @ wb.T  # student logits [c, V]
@@ -828,8 +829,7 @@ class _HeadSoftCE(torch.autograd.Function):
                 if align is not None:  # (before the kernel, which may overwrite s)
                     pos = pos_n[a:b]
                     w = w * alive[pos]
-                    s_top = s.gather(1, top_n[a:b, None].clamp(0, s.shape[1] - 1))
-                    reach = ((s > s_top).sum(1) < topk) & (wf[a:b] > 0)  # out of the draft vocab: never reached
+                    reach = rank_below(s, top_n[a:b], topk) & (wf[a:b] > 0)  # out of the draft vocab: never reached
                     alive[pos] = alive[pos] * reach
                 ce, hit, g = chunk(s, t, w, top_n[a:b], t_rows=t_rows)
                 sums[i] += ce
@@ -1024,14 +1024,19 @@ is still reachable. Off until measured on a GPU (benchmarks/specforge_side_by_si
 --flag ttt.PRUNE_UNREACHED)."""
 
 
+def top_rank_below(s_cV: torch.Tensor, top_c: torch.Tensor, topk: int) -> torch.Tensor:
+    """[c] bool: fewer than `topk` logits of each row of s_cV above the one of token `top_c` (that token among the
+    row's top `topk`; ties count for it). Compiled on CUDA (`_fast`): one pass over the logits."""
+    s_top = s_cV.gather(1, top_c[:, None].clamp(0, s_cV.shape[1] - 1))
+    return (s_cV > s_top).sum(1) < topk
+
+
 def _reach(x_nD: torch.Tensor, w_VD: torch.Tensor, top_n: torch.Tensor, topk: int, chunk_rows: int) -> torch.Tensor:
     """[n] bool: the target's top token `top_n` among the top `topk` of the logits x @ w.T (as the head loss's
     `align` test computes it), in row chunks."""
-    out = []
-    for a in range(0, x_nD.shape[0], chunk_rows):
-        s = x_nD[a:a + chunk_rows] @ w_VD.T
-        s_top = s.gather(1, top_n[a:a + chunk_rows, None].clamp(0, s.shape[1] - 1))
-        out.append((s > s_top).sum(1) < topk)
+    rank_below = _fast(top_rank_below, x_nD.device)
+    out = [rank_below(x_nD[a:a + chunk_rows] @ w_VD.T, top_n[a:a + chunk_rows], topk)
+           for a in range(0, x_nD.shape[0], chunk_rows)]
     return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool, device=x_nD.device)
 
 
