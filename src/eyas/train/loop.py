@@ -235,12 +235,20 @@ class PackedTTTModule(nn.Module):
         used = self.drafter.used_target_ids().to(head_VtD.device)
         self._head = (head_VtD, head_VtD.index_select(0, used), used, self.drafter.t2d.to(head_VtD.device))
 
-    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None):
-        from eyas.drafter.ttt import packed_teacher, ttt_loss_packed
+    def teacher(self, final_ND):
+        """The packed row's teacher (drafter/ttt.py packed_teacher) from its final states."""
+        from eyas.drafter.ttt import packed_teacher
 
         head, head_used, used, t2d = self._head
-        teacher = packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
-                                 cache_bytes=self.teacher_cache_bytes)
+        return packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
+                              cache_bytes=self.teacher_cache_bytes)
+
+    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None, teacher=None):
+        """`teacher`: made ahead (TEACHER_AHEAD), else made here."""
+        from eyas.drafter.ttt import ttt_loss_packed
+
+        if teacher is None:
+            teacher = self.teacher(final_ND)
         out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
                               teacher=teacher, cfg=self.ttt_cfg, denominators=denominators,
                               chunk_rows=self.chunk_rows, live=live)
@@ -630,7 +638,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
 
     def forward_batch(batch, denoms):
         with amp:
-            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms, batch.live)
+            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms, batch.live,
+                          batch.teacher)
 
     def micro_items(step):
         """[accum] item lists of this rank; a rank left without samples gets a loss-free dummy."""
@@ -668,8 +677,10 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                 f"{extra} | eta {_fmt_eta(eta)}")
         return bool(stopping)
 
+    inner = module.module if hasattr(module, "module") else module  # (under DDP)
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
-                                steps=K, pad_to=tokens_per_batch)
+                                steps=K, pad_to=tokens_per_batch,
+                                prepare=(lambda b: inner.teacher(b.final_ND)) if TEACHER_AHEAD else None)
     stop.install()
     pending = None  # a step whose statistics are read once the next one is queued (DEFER_STATS)
     t_last = time.perf_counter()
@@ -928,6 +939,13 @@ packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 ch
 SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch, 285,431
 against 264,361 with the state cache. False: read at the end of each step (train_bench.py's 8B variant
 `eyas-stats-every-step`)."""
+
+
+TEACHER_AHEAD = False
+"""On CUDA, each batch's teacher (the target head's logits from its final states: the full-vocabulary argmax and the
+draft-vocabulary table) is made on the side stream that brings the batch in (offline: after its upload; online:
+after the target's forward), beside the drafter's step on the batch before, instead of at the start of the
+batch's own step. Same numbers. Off until measured on a GPU (train_bench.py's 8B variant `eyas-teacher-ahead`)."""
 
 
 def _clip(module, params, max_norm: float) -> torch.Tensor | float:
