@@ -28,9 +28,9 @@
 # its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
 # variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0), sbs_ablations_lr the
 # same at lr 3e-4 for both trainers (default variants: align_topk off, the default again, and the default with
-# ttt.PRUNE_UNREACHED); smol_next
-# runs the SmolLM2 rate with the module settings of SMOL_FLAGS (train_bench.py --flag) against the default, the
-# target on every batch and the state cache; gpu_tests runs the tests that need a GPU (pytest is in the image).
+# ttt.PRUNE_UNREACHED); smol_next runs the SmolLM2 rate with the module settings of SMOL_FLAGS (train_bench.py
+# --flag) against the default, the target on every batch and the state cache; gpu_tests runs the tests that need a
+# GPU (pytest is in the image).
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1

@@ -246,7 +246,9 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
 
 def module_flag(name: str):
     """(module, attribute) of a boolean module setting MODULE.NAME (train_bench.py's --flag)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    here = str(Path(__file__).resolve().parent)
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from train_bench import flag_setting
 
     return flag_setting(name)

@@ -20,8 +20,7 @@ each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-
 `eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
 carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0),
 `eyas-teacher-ahead` (the next batch's teacher made on the upload's side stream beside the step, loop.TEACHER_AHEAD),
-and
-SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
+and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
 resident first) and each one's median round is reported with its spread: one after another, the same code measured

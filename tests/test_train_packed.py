@@ -155,7 +155,8 @@ def test_live_positions_are_the_rows_of_any_step_and_travel_with_the_batch():
 
 def test_the_packed_step_takes_a_teacher_made_ahead():
     """PackedTTTModule.forward with the teacher made beforehand (`teacher(final)`, as loop.TEACHER_AHEAD makes it on
-    a side stream) gives the loss, statistics and gradients it gives when it makes the teacher itself."""
+    a side stream) gives the loss, statistics and gradients it gives when it makes the teacher itself; and it uses
+    the teacher it is given (one made from other final states gives another loss)."""
     from eyas.train.data import Item, pack_tokens
     from eyas.train.loop import PackedTTTModule
 
@@ -175,6 +176,8 @@ def test_the_packed_step_takes_a_teacher_made_ahead():
         res.append((loss, stats, [p.grad.clone() for p in m.parameters() if p.grad is not None]))
     assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
     assert len(res[0][2]) == len(res[1][2]) > 0 and all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
+    other, _ = module(ids, seg, rows, aux, final, den, None, module.teacher(final.flip(0)))
+    assert not torch.allclose(other, res[1][0])
 
 
 def test_chunked_head_loss_and_grads_equal_plain_reference():

@@ -604,7 +604,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     ttt_id = {k: v for k, v in asdict(ttt_cfg).items() if k != "align_topk"} | {"attention": None}
     identity = {"drafter": dcfg.to_dict(), "ttt": ttt_id, "global_batch": plan.global_batch,
                 "data": data_fp, "seed": cfg.seed, "draft_vocab_sha": _vocab_sha(vocab.used)}
-    # (absent at their defaults: checkpoints from before these settings still resume)
+    # (absent at the values runs had before these settings existed, temperature 1 and no mask: their checkpoints
+    # still resume with those values)
     if cfg.teacher_temperature != 1.0:
         identity["teacher_temperature"] = cfg.teacher_temperature
     if cfg.align_topk:
@@ -934,10 +935,9 @@ DEFER_STATS = True
 step is queued, so the GPU never idles while the host logs and prepares a step; the records and log lines are then
 one step late (never at an evaluation, a checkpoint, the last step or a stop in one process, which read at once);
 with several ranks, a stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank
-alike. With
-packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens a batch) the
-SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch, 285,431
-against 264,361 with the state cache. False: read at the end of each step (train_bench.py's 8B variant
+alike. With packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens
+a batch) the SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch,
+285,431 against 264,361 with the state cache. False: read at the end of each step (train_bench.py's 8B variant
 `eyas-stats-every-step`)."""
 
 
