@@ -112,7 +112,8 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
         esac
     done
 }
-smol_next() { smol_rate off on next-off next-on; }  # the default and SMOL_FLAGS's settings, one after another
+smol_next() { smol_rate ${SMOL_RUNS:-off on next-off next-on}; }  # the default and SMOL_FLAGS's settings, one after
+# another (SMOL_RUNS: some of them, e.g. "off next-off" for the target on every batch alone)
 gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
     # default path and the ones to measure (train_bench.py) in one process: the GPU kernels run before the chain
     timeout 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
@@ -155,8 +156,9 @@ side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (th
     python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $r --lr 3e-4 \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs_lr3e-4.log 2>&1
 }
-profiles() {  # where the step time goes, 8B and SmolLM2 shapes (synthetic states): op tables, copies by shape
-    timeout 150 python benchmarks/train_bench.py --profile 40 --no-specforge > $ROOT/q/profile_8b.log 2>&1
+profiles() { profile_8b; profile_small; }  # where the step time goes (synthetic states): op tables, copies by shape
+profile_8b() { timeout 150 python benchmarks/train_bench.py --profile 40 --no-specforge > $ROOT/q/profile_8b.log 2>&1; }
+profile_small() {
     timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
         > $ROOT/q/profile_small.log 2>&1
 }
@@ -176,18 +178,18 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
 smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
-    # kernel; pytest is in the device's image)
+    # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these)
     timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
-        -k "prefetcher or align or queues or gqa or pruned" \
+        -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned}" \
         > $ROOT/q/gpu_tests.log 2>&1
 }
 specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
-export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS BENCH_VARIANTS
+export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS BENCH_VARIANTS SMOL_RUNS GPU_TESTS
 export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check gpu_tests side_by_side sbs_ablations sbs_ablations_lr \
-    sbs_with_variants side_by_side_lr profiles recipe recipe_all points wait_target \
+    sbs_with_variants side_by_side_lr profiles profile_8b profile_small recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2
