@@ -21,7 +21,8 @@ each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-
 carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0),
 `eyas-teacher-ahead` (the next batch's teacher made on the upload's side stream beside the step, loop.TEACHER_AHEAD),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
-Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options), train_8b_per_step_casts_vs_specforge.
+Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
+train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
 resident first) and each one's median round is reported with its spread: one after another, the same code measured
 up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its GPU time). No variant
@@ -57,6 +58,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 from unittest import mock
@@ -313,8 +315,6 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
     same code differed by up to 13% between two calls (a step bound by the host: what else the host does moves
     it), more than the variants' effects; taking turns spreads such drift over all of them. -> the peak GPU memory
     of the whole run (all variants resident), None off CUDA."""
-    import statistics
-
     built: dict = {}
     for label, make in variants:
         def warm(label=label, make=make):
@@ -347,6 +347,16 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
         runs[label].update(s_per_step=dt, tokens_per_s=tokens_per_step / dt, rounds_ms=[round(t * 1000, 2) for t in ts],
                            spread=(max(ts) - min(ts)) / dt)
     return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
+
+
+def _paired_ratio(ours: dict, peer: dict) -> float | None:
+    """The median over rounds of peer ms / our ms, each round's pair timed back to back (None without rounds).
+    The rounds move together (the machine's state: 2026-12-01, every variant slow in the same rounds), which a
+    ratio of the two medians does not cancel."""
+    a, b = ours.get("rounds_ms"), peer.get("rounds_ms")
+    if not a or not b or len(a) != len(b):
+        return None
+    return statistics.median(y / x for x, y in zip(a, b))
 
 
 def _finish_runs(runs: dict, fl: dict, W: int) -> None:
@@ -503,6 +513,9 @@ def suite_8b(args, dist) -> dict:
         if "tokens_per_s" in runs.get("specforge", {}):
             result["train_8b_vs_specforge"] = runs["eyas"]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
             result["train_8b_best_vs_specforge"] = runs[best]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
+            paired = _paired_ratio(runs["eyas"], runs["specforge"])
+            if paired is not None:
+                result["train_8b_vs_specforge_paired"] = paired
             if "tokens_per_s" in runs.get("eyas-per-step-casts", {}):
                 result["train_8b_per_step_casts_vs_specforge"] = (runs["eyas-per-step-casts"]["tokens_per_s"]
                                                                   / runs["specforge"]["tokens_per_s"])

@@ -26,3 +26,12 @@ def test_flags_name_existing_boolean_settings_and_variants_restore_them(monkeypa
     before = ttt.GROUPED_DIAGONALS
     step()
     assert seen == [not before] and ttt.GROUPED_DIAGONALS is before  # changed only while the step ran
+
+
+def test_paired_ratio_is_the_median_of_the_per_round_ratios():
+    tb = load_benchmark("train_bench")
+    ours = {"rounds_ms": [80.0, 70.0, 100.0]}
+    peer = {"rounds_ms": [112.0, 119.0, 130.0]}  # per round 1.4, 1.7, 1.3: median 1.4 (the medians' ratio: 119 / 80)
+    assert tb._paired_ratio(ours, peer) == pytest.approx(1.4)
+    assert tb._paired_ratio({"rounds_ms": [80.0, 70.0]}, peer) is None  # a variant that failed in a round
+    assert tb._paired_ratio({}, peer) is None

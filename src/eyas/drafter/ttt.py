@@ -1020,8 +1020,10 @@ target's top token left the drafter's top K at this step or an earlier one: thei
 leave the unroll, so the later steps' mid layer and head run on the reachable positions only. Same loss and
 gradients as without it; it costs one wait for the GPU per step (the next step's count of positions) and a
 forward product of the head per step for the test. The per-step accuracies then count a hit only where the chain
-is still reachable. Off until measured on a GPU (benchmarks/specforge_side_by_side.py --eyas-variant; train_bench.py
---flag ttt.PRUNE_UNREACHED)."""
+is still reachable. Off: in a real run it halved the training rate for the same tau (H200, 2026-12-01,
+benchmarks/specforge_side_by_side.py, 600 steps of 16 samples: 51,667 against 105,699 tokens/s; MT-bench tau chain
+1.4250 / tree 1.9616 against 1.4153 / 1.9568): at that batch the step is queued by the host well ahead of the GPU, and
+each wait drains that queue. Larger batches are not measured."""
 
 
 def top_rank_below(s_cV: torch.Tensor, top_c: torch.Tensor, topk: int) -> torch.Tensor:
