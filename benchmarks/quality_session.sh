@@ -180,7 +180,7 @@ gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-str
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
     # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these)
     timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
-        -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned}" \
+        -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies}" \
         > $ROOT/q/gpu_tests.log 2>&1
 }
 specdec() {  # 16 questions: batch 16 gets 16 rows

@@ -17,6 +17,8 @@ for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to ev
 ttt.addmm_fp32_), `eyas-repeated-keys` (step 0's keys repeated to every query head instead of read by the varlen
 flash kernel's grouped-query mode, packing.GQA_FLASH off), `eyas-stats-every-step` (the statistics read at the end of
 each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-step wait for the GPU costs),
+`eyas-stats-late-on-device` (read one step late but from the device tensors, which waits for the step queued after
+them too: the loop before its pinned host copies, train/data.py HostCopies),
 `eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
 carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0),
 `eyas-teacher-ahead` (the next batch's teacher made on the upload's side stream beside the step, loop.TEACHER_AHEAD),
@@ -129,17 +131,20 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
                    compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
-                   defer_stats: bool | None = None, align_topk: int | None = None, bf16: bool | None = None):
+                   defer_stats: bool | None = None, align_topk: int | None = None, bf16: bool | None = None,
+                   host_copies: bool = True):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
-    `defer_stats`: the step's statistics are read back after the NEXT step is queued, as the loop does with
-    DEFER_STATS (None: the loop's setting); else at the step's end, which waits for the GPU. No other wait in a
+    `defer_stats`: the step's statistics are copied to pinned host memory behind it and read after the NEXT step is
+    queued, as the loop does with DEFER_STATS (None: the loop's setting); else at the step's end, which waits for the
+    GPU. `host_copies` False: the deferred statistics read from the device instead, which waits for the next step too
+    (the loop before HostCopies). No other wait in a
     step: its per-step denominators go through pinned memory, as the loop's. `align_topk`: TrainConfig's (None:
     its default, as `eyas train`).
     `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
     does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
-    from eyas.train.data import AheadUploader, Item, _packed_to, pack_tokens, PackedBatch, to_device
+    from eyas.train.data import AheadUploader, HostCopies, Item, _packed_to, pack_tokens, PackedBatch, to_device
     from eyas.train import loop
     from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
 
@@ -193,13 +198,25 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
         opt.zero_grad(set_to_none=True)
         if not defer_stats:
             stats.tolist()  # the loop reads its statistics back every step
-        elif pending:
-            pending.pop().tolist()
-        pending.append(stats)
+            return loss
+        if pending:  # the step before's, copied to the host behind it: waits for that step alone
+            pending.pop().get()[0].tolist()
+        pending.append(HostCopies((stats,)) if host_copies else _OnDevice(stats))
         return loss
 
     pending: list[torch.Tensor] = []
     return step
+
+
+class _OnDevice:
+    """A step's statistics kept on the device (`make_fast_step(host_copies=False)`): reading them waits for all the
+    work queued after them."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get(self):
+        return (self.t,)
 
 
 def patched(step, patcher):
@@ -452,6 +469,8 @@ def suite_8b(args, dist) -> dict:
             ("eyas-repeated-keys", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "packing.GQA_FLASH",
                                                      False)),
             ("eyas-stats-every-step", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=False)),
+            # read one step late from the device: the read waits for the step queued after them (before HostCopies)
+            ("eyas-stats-late-on-device", lambda: make_fast_step(**fast, compile_parts=True, host_copies=False)),
             ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
             # the next batch's teacher made on the upload's side stream, beside this step (loop.TEACHER_AHEAD)
             ("eyas-teacher-ahead", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "loop.TEACHER_AHEAD",

@@ -650,6 +650,34 @@ def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
         prefetch.close()
 
 
+def test_host_copies_pass_host_values_through():
+    from eyas.train.data import HostCopies
+
+    t = torch.arange(4.0)
+    got = HostCopies((3, t, None, 0.5)).get()
+    assert got[0] == 3 and got[1] is t and got[2] is None and got[3] == 0.5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and events")
+def test_host_copies_wait_for_the_work_before_them_and_not_after():
+    """A step's statistics read once the next step is queued (loop.DEFER_STATS): the copy made behind the step
+    holds the step's values, and reading it returns while work queued after it still runs on the GPU (reading the
+    device tensor would wait for that work too)."""
+    from eyas.train.data import HostCopies
+
+    x = torch.zeros(1000, device="cuda")
+    torch.cuda._sleep(50_000_000)  # the work before the copy (tens of ms), then its result
+    x += 1
+    copies = HostCopies((7, x.sum(), x[:3]))
+    torch.cuda._sleep(2_000_000_000)  # the next step: about a second of GPU time queued after the copy
+    after = torch.cuda.Event()
+    after.record()
+    n, total, head = copies.get()
+    assert not after.query()  # the work queued after the copy still runs
+    assert n == 7 and total.item() == 1000.0 and head.tolist() == [1.0, 1.0, 1.0] and not total.is_cuda
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
     not torch.cuda.is_available(), reason="the CUDA head loss (the fused kernel where it runs)"))])
 @pytest.mark.parametrize("path", ["table", "recomputed-once", "recomputed-per-step"])

@@ -290,6 +290,33 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
 
 
+class HostCopies:
+    """`values` with their CUDA tensors copied to pinned host memory behind the work queued so far, without
+    waiting for it. `get()` waits for those copies alone (an event), not for the work queued after them: reading
+    the device tensor itself (`.tolist()`, `float()`) queues its copy behind everything on the stream, so a step's
+    statistics read once the next step is queued would wait for that next step too, and the GPU would idle while
+    the host prepares the one after. Other values (and tensors on other devices) pass through."""
+
+    def __init__(self, values):
+        self.event = None
+        out = []
+        for v in values:
+            if isinstance(v, torch.Tensor) and v.device.type == "cuda":
+                h = torch.empty(v.shape, dtype=v.dtype, pin_memory=True)
+                h.copy_(v, non_blocking=True)
+                v = h
+                self.event = self.event or torch.cuda.Event()
+            out.append(v)
+        if self.event is not None:
+            self.event.record()
+        self.values = tuple(out)
+
+    def get(self) -> tuple:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.values
+
+
 def _batch_tensors(b: PackedBatch) -> tuple[torch.Tensor, ...]:
     t = b.teacher
     made = [] if t is None else [x for x in (t.final_ND, t.top_N, t.in_vocab_N, t.logits_NV) if x is not None]

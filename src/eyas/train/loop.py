@@ -416,6 +416,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     from eyas.train import checkpoint as ck
     from eyas.train import dist as dd
     from eyas.train.data import (
+        HostCopies,
         OnlineSource,
         PackedPrefetcher,
         Plan,
@@ -723,14 +724,14 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         dd.all_reduce_sum(stats, d)
         dd.all_reduce_sum(counts_t, d)
         readings = (step, stats, counts_t, denoms, gnorm, sched.get_last_lr()[0], [b.target_timing for b in batches])
-        stop_seen = report(*pending) if pending is not None else False  # the step before, read one step late
+        stop_seen = report(*pending.get()) if pending is not None else False  # the step before, one step late
         pending = None
         done = step + 1 == total
         eval_due = eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done)
         save_due = bool(cfg.save_every and (step + 1) % cfg.save_every == 0) or done
         stop_here = d.world == 1 and stop.signum is not None  # (ranks agree on a stop through the statistics only)
         if DEFER_STATS and not (done or eval_due or save_due or stop_seen or stop_here):
-            pending = readings
+            pending = HostCopies(readings)  # read once the next step is queued, waiting for this one alone
             continue
         stopping = report(*readings) or stop_seen
         if eval_due:
@@ -931,8 +932,10 @@ def _dummy(item):
 
 
 DEFER_STATS = True
-"""Read each step's statistics (loss, accuracies, token counts, gradient norm: one wait for the GPU) after the next
-step is queued, so the GPU never idles while the host logs and prepares a step; the records and log lines are then
+"""Read each step's statistics (loss, accuracies, token counts, gradient norm) after the next step is queued, so the
+GPU never idles while the host logs and prepares a step: they are copied to pinned host memory behind the step
+(`HostCopies`), and the read waits for that copy alone (reading the device tensors then would wait for the next
+step too, as it did when the figures below were measured); the records and log lines are then
 one step late (never at an evaluation, a checkpoint, the last step or a stop in one process, which read at once);
 with several ranks, a stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank
 alike. With packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens
