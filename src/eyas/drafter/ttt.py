@@ -1065,7 +1065,6 @@ def ttt_loss_packed(
     denominators = denominators.to(dev).clamp_min(1)
     loss = torch.zeros((), dtype=torch.float32, device=dev)
     zero = torch.zeros((), dtype=torch.float64, device=dev)
-    ce_sums, corrects = [zero] * K, [zero] * K
     # the head's loss never feeds a later step: all steps' supervised rows go through ONE head call
     # after the unroll (one weight-gradient buffer for the head instead of one per step), each row
     # weighted by its step's w_k / denominator_k
@@ -1076,7 +1075,6 @@ def ttt_loss_packed(
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.lm_head.weight.dtype
     parts: list[torch.Tensor] = []
     norm_rows = getattr(drafter, "_normed_rows", normed_rows)
-    scale = [cfg.weights[k] / denominators[k].float() for k in range(K)]
     if not (PRUNE_ROWS and live is not None and 0 < live.shape[0] < N):
         live = None  # (no supervised row: the filler below needs a hidden row)
     # PRUNE_UNREACHED: `alive` marks the positions whose chain is still reachable; each step's rows are those alive
@@ -1111,17 +1109,20 @@ def ttt_loss_packed(
                 break
     step_rows += [rows[0].new_zeros(0)] * (K - len(step_rows))
     lengths = [int(r.numel()) for r in step_rows]
-    trs = [r + 1 + k for k, r in enumerate(step_rows)]  # teacher row of step k: p_{t+1+k}
-    # every supervised row whose target top token is in the draft vocab (the statistics' denominators)
-    valid_all = [teacher.in_vocab_N[r + 1 + k] for k, r in enumerate(rows)]
-    valid_k = valid_all if alive is None else [teacher.in_vocab_N[t] for t in trs]
     x = torch.cat(parts) if parts else torch.empty(0, drafter.config.hidden_size, dtype=cdtype, device=dev)
-    hit_k = [torch.zeros(0, dtype=torch.bool, device=dev)] * K
+    # the statistics are made for all steps at once, over the steps' rows concatenated (each row's step from the
+    # host's lengths): a few kernels a step instead of a few per TTT step (the 8B-shaped step is bound by its host)
+    f64 = dict(dtype=torch.float64, device=dev)
+    ce_sum, correct, accepted = torch.zeros(K, **f64), torch.zeros(K, **f64), zero
     if sum(lengths):  # one range per step (empty ones too): per_step[k] is step k's weighted sum
-        tr = torch.cat(trs)
-        w = torch.cat([v.float() * c for v, c in zip(valid_k, scale)])
+        k_of_row = _step_of_rows(lengths, dev)
+        r_cat = torch.cat(step_rows)
+        tr = r_cat + 1 + k_of_row  # teacher row of step k's row t: p_{t+1+k}
+        valid = teacher.in_vocab_N[tr]  # the target's top token in the draft vocabulary
+        scale = _on(torch.tensor(cfg.weights, dtype=torch.float32), dev) / denominators.float()
+        w = valid.float() * scale.index_select(0, k_of_row)  # w_k / denominator_k where valid
         top = teacher.top_N[tr]
-        align = (torch.cat(step_rows), N, cfg.align_topk) if cfg.align_topk and alive is None else None
+        align = (r_cat, N, cfg.align_topk) if cfg.align_topk and alive is None else None
         if teacher.logits_NV is not None:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
                                                         chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
@@ -1132,22 +1133,32 @@ def ttt_loss_packed(
                                                         align=align)
         loss = loss + total
         with torch.no_grad():
-            hit_k = [h & v for h, v in zip(hits.split(lengths), valid_k)]
-            for k in range(K):
-                if lengths[k]:
-                    ce_sums[k] = (per_step[k] / scale[k]).double()  # the step's unweighted soft-CE sum
-                    corrects[k] = hit_k[k].sum().double()
-    valids = [v.sum().double() for v in valid_all]
-    chain_alive = None  # [N] positions whose simulated chain is still fully accepted
-    accepted, rounds = zero, zero
-    with torch.no_grad():
-        for k in range(K):
-            hit_N = torch.zeros(N, dtype=torch.bool, device=dev)
-            hit_N[step_rows[k]] = hit_k[k]
-            if k == 0:
-                chain_alive, rounds = hit_N, valids[0]
-            else:
-                chain_alive = chain_alive & hit_N
-            accepted = accepted + chain_alive.sum().double()
-    return TTTOutput(loss=loss, ce_sum=torch.stack(ce_sums), correct=torch.stack(corrects),
-                     valid=torch.stack(valids), accepted=accepted, rounds=rounds)
+            hit = hits & valid
+            ce_sum = (per_step / scale).double()  # each step's unweighted soft-CE sum (0 for an empty step)
+            correct = torch.zeros(K, **f64).index_add_(0, k_of_row, hit.double())
+            # the simulated chain: a position's step k is accepted while its steps 0..k all hit
+            hit_KN = torch.zeros(K, N, dtype=torch.float32, device=dev).index_put_((k_of_row, r_cat), hit.float())
+            accepted = hit_KN.cumprod(0).sum().double()
+    # every supervised row whose target top token is in the draft vocab (the statistics' denominators): the rows
+    # of the steps above, unless PRUNE_UNREACHED left some out
+    if alive is None and sum(lengths):
+        valids = torch.zeros(K, **f64).index_add_(0, k_of_row, valid.double())
+    else:
+        all_lengths = [int(r.numel()) for r in rows]
+        valids = torch.zeros(K, **f64)
+        if sum(all_lengths):
+            k_all = _step_of_rows(all_lengths, dev)
+            valids.index_add_(0, k_all, teacher.in_vocab_N[torch.cat(rows) + 1 + k_all].double())
+    return TTTOutput(loss=loss, ce_sum=ce_sum, correct=correct, valid=valids, accepted=accepted, rounds=valids[0])
+
+
+def _step_of_rows(lengths: list[int], device) -> torch.Tensor:
+    """[sum(lengths)] the step k of each row of the steps' rows concatenated (k repeated lengths[k] times), made on
+    the host."""
+    return _on(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), device)
+
+
+def _on(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device`: on CUDA through pinned memory, so the copy does not wait for the work
+    queued before it (a copy from pageable memory does)."""
+    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
