@@ -78,6 +78,21 @@ def test_llama3_rope_matches_transformers():
     assert not torch.allclose(plain, ref.float())  # the scaling changes the low frequencies
 
 
+def test_rope_table_rows_equal_rope_at_every_position_and_grow_past_it():
+    """`rope_at` (the TTT unroll's cos/sin, rows of a table kept on the drafter) gives exactly `rope`'s values,
+    at an offset, in the dtype asked, and past the table's end (it is made again, larger)."""
+    m = Eagle3Drafter(tiny_cfg())
+    pos = torch.tensor([0, 5, 1, 0, 1023, 7])
+    for offset, dtype, size in ((0, torch.float32, 1024), (3, torch.float32, 1027), (2, torch.bfloat16, 1026),
+                                (0, torch.float32, 3000)):
+        p = pos if size < 3000 else pos + 1900
+        cos, sin = m.rope_at(p, offset, dtype, size)
+        ref_cos, ref_sin = m.rope((p + offset)[None], dtype)
+        assert cos.dtype == dtype and cos.shape == ref_cos.shape == (1, 1, 6, 8)
+        assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)
+        assert m._rope_table[0].shape[0] >= size
+
+
 def test_cache_and_masks_match_full_pass():
     torch.manual_seed(0)
     m = Eagle3Drafter(tiny_cfg()).eval()

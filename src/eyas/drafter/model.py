@@ -345,6 +345,7 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         # a plain fp32 tensor, not a buffer: `.to(bfloat16)` must not round the RoPE frequencies
         self.inv_freq = rope_inv_freq(cfg)
+        self._rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) [P, d] (`rope_at`)
         self.reset_parameters()
 
     # -- setup --------------------------------------------------------------------------------
@@ -429,6 +430,19 @@ class Eagle3Drafter(nn.Module):
         if self.inv_freq.device != position_ids_BT.device:
             self.inv_freq = self.inv_freq.to(position_ids_BT.device)
         return rope_cos_sin(self.inv_freq, position_ids_BT, dtype)
+
+    def rope_at(self, positions_N: torch.Tensor, offset: int, dtype: torch.dtype, size: int):
+        """`rope` [1, 1, n, d] at positions_N + offset, every one below `size`: rows of a table of positions
+        0..size-1 made once (the same values as `rope`), two gathers a call instead of the few kernels that make
+        them (a training step's TTT unroll calls this once per step)."""
+        t = self._rope_table
+        dev = positions_N.device
+        if t is None or t[0].shape[0] < size or t[0].dtype != dtype or t[0].device != dev:
+            size = -(-size // 1024) * 1024  # (grown rarely: the longest sample so far, in steps of 1024)
+            cos, sin = self.rope(torch.arange(size, device=dev)[None], dtype)
+            t = self._rope_table = (cos[0, 0], sin[0, 0])
+        idx = positions_N + offset if offset else positions_N
+        return t[0].index_select(0, idx)[None, None], t[1].index_select(0, idx)[None, None]
 
     def forward_step(
         self,

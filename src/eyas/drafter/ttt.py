@@ -1001,7 +1001,7 @@ class PackedUnroll:
         emb = d.embed_tokens(tokens[None])
         dev = self.ids.device
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
-        cos, sin = d.rope((positions + k)[None], cdtype)
+        cos, sin = d.rope_at(positions, k, cdtype, seg.max_len + k)  # (positions restart per sample: < max_len)
         q, kk, vv = d.midlayer.project_qkv(emb, self.feature, cos, sin, self.w)
         self.keys.append(_step_keys(kk, d.config.num_attention_heads, packed_step0=k == 0))
         self.values.append(_step_keys(vv, d.config.num_attention_heads, packed_step0=k == 0))
