@@ -965,11 +965,16 @@ class PackedUnroll:
     reachable (PRUNE_UNREACHED), are computed at step 0 up to their keys and values and then dropped."""
 
     def __init__(self, drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
-                 attention: str = "fast", cast_once: bool = False):
+                 attention: str = "fast", cast_once: bool = False, steps: int | None = None):
         self.drafter, self.ids, self.seg = drafter, input_ids_N, seg
-        self.N = input_ids_N.shape[0]
+        self.N = N = input_ids_N.shape[0]
         dev = input_ids_N.device
-        self.all = torch.arange(self.N, device=dev)
+        self.all = torch.arange(N, device=dev)
+        # `steps` known: every step's input tokens made at once, [steps, N] (a few kernels for all steps)
+        self.tokens_KN = None
+        if steps is not None:
+            self.tokens_KN = self._tokens(self.all[None] + torch.arange(1, steps + 1, device=dev)[:, None],
+                                          seg.ends_N[None])
         self.feature = drafter.project_aux(aux_NAD[None])
         self.pos = self.all  # positions of `feature`'s rows (and of the diagonal keys' rows)
         self.keys: list[torch.Tensor] = []
@@ -981,10 +986,14 @@ class PackedUnroll:
                 self.w = drafter.midlayer.linear_weights(cdtype)
         self.attend = fast_attention if attention == "fast" else reference_attention
 
+    def _tokens(self, j: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """x_j where position j lies inside the sample (j < its end), else token 0."""
+        return torch.where(j < ends, self.ids[j.clamp_max(self.N - 1)], 0)
+
     def step(self, k: int, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Step k's hidden_prenorm [1, n, D] at positions `pos` (None: all N), which hold a subset of the last
         step's positions (step 0: computed at all N up to its keys and values, then kept at `pos`)."""
-        d, seg, N = self.drafter, self.seg, self.N
+        d, seg = self.drafter, self.seg
         if pos is None:
             pos = self.all
         if k and pos is not self.pos:  # fewer positions than the last step: its states and diagonals narrowed
@@ -994,10 +1003,11 @@ class PackedUnroll:
             self.values[1:] = [x.index_select(2, sub) for x in self.values[1:]]
         t = self.all if k == 0 else pos
         full = t is self.all
-        ends = seg.ends_N if full else seg.ends_N.index_select(0, t)
         positions = seg.positions_N if full else seg.positions_N.index_select(0, t)
-        j = t + 1 + k
-        tokens = torch.where(j < ends, self.ids[j.clamp_max(N - 1)], 0)
+        if self.tokens_KN is not None and k < self.tokens_KN.shape[0]:
+            tokens = self.tokens_KN[k] if full else self.tokens_KN[k].index_select(0, t)
+        else:
+            tokens = self._tokens(t + 1 + k, seg.ends_N if full else seg.ends_N.index_select(0, t))
         emb = d.embed_tokens(tokens[None])
         dev = self.ids.device
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
@@ -1083,7 +1093,7 @@ def ttt_loss_packed(
     w_head = drafter.lm_head.weight.to(cdtype) if unreached else None
     step_rows: list[torch.Tensor] = []  # positions whose loss enters the head at step k
     unroll = PackedUnroll(drafter, input_ids_N, seg, aux_NAD, attention=cfg.attention,
-                          cast_once=cfg.cast_once_for(drafter.config.hidden_size))
+                          cast_once=cfg.cast_once_for(drafter.config.hidden_size), steps=K)
     pos = live
     for k in range(K):
         hidden = unroll.step(k, pos)
