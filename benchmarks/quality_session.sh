@@ -166,7 +166,8 @@ recipe() {  # recipe CONVERSATIONS GPUS: scaling-study points with the recipe
     python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling-${1//,/-}.log 2>&1
 }
 recipe_all() { recipe $ALL 0; }
-points() { recipe 2000,6000 0; }  # the study's smaller points, one after another on this chain's GPU
+points() { recipe ${POINTS:-2000,6000} 0; }  # the study's smaller points (POINTS: some of them, e.g. 2000), one
+# after another on this chain's GPU
 wait_target() { waitfor $ROOT/smol/config.json; }  # a chain started in call 1 waits for call 2's target
 prepare_only() {  # the recipe point's regenerate and prepare stages alone, in its workdir with its settings (a later
     # recipe run skips them): the side by side's data without the recipe's training (.stage/r restages the regeneration)
@@ -187,7 +188,7 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
-export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS BENCH_VARIANTS SMOL_RUNS GPU_TESTS
+export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS BENCH_VARIANTS SMOL_RUNS GPU_TESTS POINTS
 export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check gpu_tests side_by_side sbs_ablations sbs_ablations_lr \
     sbs_with_variants side_by_side_lr profiles profile_8b profile_small recipe recipe_all points wait_target \
     prepare_only specdec
