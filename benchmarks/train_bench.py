@@ -144,7 +144,8 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
     does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
-    from eyas.train.data import AheadUploader, HostCopies, Item, _packed_to, pack_tokens, PackedBatch, to_device
+    from eyas.packing import to_device
+    from eyas.train.data import AheadUploader, HostCopies, Item, _packed_to, pack_tokens, PackedBatch
     from eyas.train import loop
     from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
 

@@ -794,7 +794,7 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     """Forward, backward, clipping, the optimizer step and the per-step denominators' upload (as `eyas train` runs
     them) never make the host wait for the GPU (torch.cuda.set_sync_debug_mode "error" raises on any such op):
     only the statistics read at the step's end does, so the host queues a step while the GPU runs the last one."""
-    from eyas.train.data import to_device
+    from eyas.packing import to_device
     from eyas.train.loop import PackedTTTModule, _clip
 
     dev, K = torch.device("cuda"), 4

@@ -34,6 +34,13 @@ from typing import Sequence
 import torch
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """A small host tensor on `device` without waiting for the GPU: on CUDA through pinned memory with an
+    asynchronous copy (a copy from pageable memory first waits for all the work queued on the stream)."""
+    device = torch.device(device)
+    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
+
+
 @dataclass
 class Segments:
     """Where each sample of a packed row starts and ends."""

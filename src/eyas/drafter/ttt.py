@@ -67,6 +67,7 @@ from eyas.common import log
 from eyas.drafter import ce_kernel as CE
 from eyas.drafter.model import Eagle3Drafter, repeat_kv, rms_norm
 from eyas.errors import EyasError
+from eyas.packing import to_device
 
 
 @dataclass(kw_only=True)
@@ -1129,7 +1130,7 @@ def ttt_loss_packed(
         r_cat = torch.cat(step_rows)
         tr = r_cat + 1 + k_of_row  # teacher row of step k's row t: p_{t+1+k}
         valid = teacher.in_vocab_N[tr]  # the target's top token in the draft vocabulary
-        scale = _on(torch.tensor(cfg.weights, dtype=torch.float32), dev) / denominators.float()
+        scale = to_device(torch.tensor(cfg.weights, dtype=torch.float32), dev) / denominators.float()
         w = valid.float() * scale.index_select(0, k_of_row)  # w_k / denominator_k where valid
         top = teacher.top_N[tr]
         align = (r_cat, N, cfg.align_topk) if cfg.align_topk and alive is None else None
@@ -1165,10 +1166,4 @@ def ttt_loss_packed(
 def _step_of_rows(lengths: list[int], device) -> torch.Tensor:
     """[sum(lengths)] the step k of each row of the steps' rows concatenated (k repeated lengths[k] times), made on
     the host."""
-    return _on(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), device)
-
-
-def _on(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on `device`: on CUDA through pinned memory, so the copy does not wait for the work
-    queued before it (a copy from pageable memory does)."""
-    return t.pin_memory().to(device, non_blocking=True) if torch.device(device).type == "cuda" else t.to(device)
+    return to_device(torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)), device)

@@ -283,13 +283,6 @@ def _packed_to(b: PackedBatch, device) -> PackedBatch:
                        None if b.live is None else mv(b.live))
 
 
-def to_device(t: torch.Tensor, device) -> torch.Tensor:
-    """A small host tensor on `device` without waiting for the GPU: on CUDA through pinned memory with an
-    asynchronous copy (a copy from pageable memory first waits for all the work queued on the stream)."""
-    device = torch.device(device)
-    return t.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else t.to(device)
-
-
 class HostCopies:
     """`values` with their CUDA tensors copied to pinned host memory behind the work queued so far, without
     waiting for it. `get()` waits for those copies alone (an event), not for the work queued after them: reading

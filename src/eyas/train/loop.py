@@ -426,8 +426,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         read_target_tensors,
         store_order,
         target_seconds,
-        to_device,
     )
+    from eyas.packing import to_device
     from eyas.train.metrics import MetricsWriter, plot_curves
 
     torch.manual_seed(cfg.seed)
