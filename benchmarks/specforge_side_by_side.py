@@ -208,7 +208,7 @@ def specforge_last_log(log_path: Path) -> dict:
 
 
 VARIANT_FIELDS = frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "ttt_decay", "init_head",
-                            "model_dtype", "teacher_temperature", "align_topk"})
+                            "model_dtype", "teacher_temperature", "align_topk", "feature_loss"})
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict]:

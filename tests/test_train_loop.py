@@ -525,6 +525,27 @@ def test_align_topk_masks_unreachable_rows_in_a_real_run(world, tmp_path):
         _cfg(world, tmp_path / "am", data=world["prep"], align_topk=-1)
 
 
+def test_feature_loss_changes_the_updates_not_the_reported_figures(world, tmp_path):
+    """--feature-loss 0.5: the first step's figures (the soft cross-entropy and accuracies, which it does not
+    enter) equal those without it, the second step's do not (the first update differed); the drafter records it,
+    a resume without it is refused, a negative weight is refused before anything runs."""
+    from eyas.errors import EyasError
+    from eyas.train.loop import run
+
+    run(_cfg(world, tmp_path / "f0", data=world["prep"], steps=2))
+    run(_cfg(world, tmp_path / "f1", data=world["prep"], steps=2, save_every=1, feature_loss=0.5))
+    (a0, b0), (a1, b1) = _train_records(tmp_path / "f0")[:2], _train_records(tmp_path / "f1")[:2]
+    assert a1["loss_per_step"] == pytest.approx(a0["loss_per_step"], rel=1e-6)
+    assert a1["acc_per_step"] == a0["acc_per_step"]
+    assert b1["loss_per_step"] != pytest.approx(b0["loss_per_step"], rel=1e-6)
+    assert json.loads((tmp_path / "f1" / "drafter" / "config.json").read_text())["training"]["feature_loss"] == 0.5
+    ckpt = sorted((tmp_path / "f1" / "checkpoints").glob("step-*.safetensors"))[0]
+    with pytest.raises(EyasError, match="feature_loss"):
+        run(_cfg(world, tmp_path / "f1b", data=world["prep"], steps=2, resume=str(ckpt)))
+    with pytest.raises(EyasError, match="--feature-loss"):
+        _cfg(world, tmp_path / "fm", data=world["prep"], feature_loss=-1.0)
+
+
 def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_path):
     """--teacher-temperature 0.5: the same first forward (same seed and data) agrees with the target's top token
     exactly as often as at 1 (the top token does not move), but learns from sharper targets (another loss); the

@@ -779,6 +779,53 @@ def test_unreached_positions_pruned_give_the_align_loss_and_gradients(topk, stat
         assert len(sa) == K and sa[-1] > 0
 
 
+def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows(monkeypatch):
+    """TTTConfig.feature_loss c: the packed loss grows by c x the sum over steps k and supervised rows t of
+    decay^k / denominator_k x mean smooth-L1(the drafter's normed state at (t, k), the target's final state at
+    t + 1 + k), computed here from a plain unroll; the statistics do not change, the gradients do."""
+    import eyas.drafter.ttt as ttt
+
+    monkeypatch.setattr(ttt, "PRUNE_ROWS", False)
+    K, c = 4, 0.7
+    samples = _samples([19, 7, 33], seed=5)
+    seg = Segments.from_lengths([19, 7, 33])
+    ids_N, mask_N = torch.cat([s[0] for s in samples]), torch.cat([s[1] for s in samples])
+    aux_N, final_N = torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples])
+    rows = supervised_rows(mask_N, seg.ends_N, K)
+    head = _head()
+    used = torch.arange(V) + 5
+    t2d = torch.zeros(80, dtype=torch.bool)
+    t2d[used] = True
+    den = torch.tensor([float(len(r)) + 3 for r in rows])  # (a larger global batch's counts)
+    res = {}
+    for weight in (0.0, c):
+        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
+        m.set_vocab(used)
+        pt = packed_teacher(final_N, head, head[used], used, t2d)
+        out = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
+                              cfg=TTTConfig(steps=K, feature_loss=weight), denominators=den, chunk_rows=6)
+        out.loss.backward()
+        res[weight] = (out, m.midlayer.mlp.down_proj.weight.grad.clone())
+    with torch.no_grad():
+        unroll = ttt.PackedUnroll(m, ids_N, seg, aux_N)
+        term = 0.0
+        for k in range(K):
+            x = m.norm(unroll.step(k)[0])[rows[k]]
+            reg = torch.nn.functional.smooth_l1_loss(x, final_N[rows[k] + 1 + k], reduction="none").mean(-1)
+            term += float(reg.sum()) * 0.8 ** k / float(den[k])
+    (a, ga), (b, gb) = res[c], res[0.0]
+    assert term > 0
+    assert float(a.loss.detach()) - float(b.loss.detach()) == pytest.approx(c * term, rel=1e-4)
+    for name in ("ce_sum", "correct", "valid", "accepted", "rounds"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert not torch.allclose(ga, gb)
+    with pytest.raises(ValueError, match="feature-loss"):
+        TTTConfig(feature_loss=-0.1)
+    with pytest.raises(ValueError, match="packed path"):
+        ttt_loss(None, input_ids_BT=None, loss_mask_BT=None, aux_BTAD=None, teacher=None,
+                 cfg=TTTConfig(feature_loss=0.5))
+
+
 def test_align_topk_is_refused_by_the_padded_reference_and_below_zero():
     from eyas.drafter.ttt import TTTConfig
 

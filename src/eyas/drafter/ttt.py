@@ -84,6 +84,12 @@ class TTTConfig:
     target's top token was among the drafter's top K at t (a tree of branching K could still hold it; the chain
     decoder is K = 1). Rows past a miss train the drafter on states decoding never reaches; the per-step losses
     then sum the reachable rows only (the accuracies still count every row)."""
+    feature_loss: float = 0.0
+    """Packed path: > 0 adds this weight times a regression of the drafter's head input (its normed state) at each
+    supervised row of step k onto the target's final post-norm state of the teacher row (the state whose head gives
+    the distribution the row learns), smooth L1 averaged over the hidden size, weighted like the row's soft
+    cross-entropy (w_k / denominator_k). A dense signal besides the distribution (EAGLE-1's feature loss, which
+    EAGLE-3 dropped); 0 (default): the cross-entropy alone."""
     cast_once: bool | None = None
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
     forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, instead of every
@@ -102,6 +108,8 @@ class TTTConfig:
             raise ValueError(f"TTT attention must be 'fast' or 'reference', got {self.attention!r}")
         if self.align_topk < 0:
             raise ValueError(f"--align-topk must be >= 0, got {self.align_topk}")
+        if not self.feature_loss >= 0:
+            raise ValueError(f"--feature-loss must be >= 0, got {self.feature_loss}")
 
     @property
     def weights(self) -> list[float]:
@@ -526,10 +534,10 @@ def ttt_loss(
     """Unroll K draft steps over one batch and return the weighted loss and per-step statistics.
 
     `denominators` [K]: the loss-mask counts of the GLOBAL batch (all micro-batches and ranks);
-    default this batch's own (`step_denominators`). The padded reference has no `align_topk`.
+    default this batch's own (`step_denominators`). The padded reference has no `align_topk` nor `feature_loss`.
     """
-    if cfg.align_topk:
-        raise ValueError("TTTConfig.align_topk: the packed path (ttt_loss_packed) only")
+    if cfg.align_topk or cfg.feature_loss:
+        raise ValueError("TTTConfig.align_topk and feature_loss: the packed path (ttt_loss_packed) only")
     T = input_ids_BT.shape[1]
     K = cfg.steps
     dev = input_ids_BT.device
@@ -1143,6 +1151,8 @@ def ttt_loss_packed(
                                                         top, lengths, chunk_rows=chunk_rows, teacher_rows=tr,
                                                         align=align)
         loss = loss + total
+        if cfg.feature_loss:
+            loss = loss + cfg.feature_loss * _feature_term(x, teacher.final_ND, tr, scale.index_select(0, k_of_row))
         with torch.no_grad():
             hit = hits & valid
             ce_sum = (per_step / scale).double()  # each step's unweighted soft-CE sum (0 for an empty step)
@@ -1161,6 +1171,12 @@ def ttt_loss_packed(
             k_all = _step_of_rows(all_lengths, dev)
             valids.index_add_(0, k_all, teacher.in_vocab_N[torch.cat(rows) + 1 + k_all].double())
     return TTTOutput(loss=loss, ce_sum=ce_sum, correct=correct, valid=valids, accepted=accepted, rounds=valids[0])
+
+
+def _feature_term(x_nD: torch.Tensor, final_ND: torch.Tensor, rows_n: torch.Tensor, w_n: torch.Tensor) -> torch.Tensor:
+    """sum_n w_n * mean_D smooth_l1(x_n, final[rows_n]) (TTTConfig.feature_loss), in fp32."""
+    reg = F.smooth_l1_loss(x_nD.float(), final_ND.index_select(0, rows_n).float(), reduction="none").mean(-1)
+    return (reg * w_n).sum()
 
 
 def _step_of_rows(lengths: list[int], device) -> torch.Tensor:

@@ -100,6 +100,10 @@ class TrainConfig:
     then sum the reachable rows only. Default 4: on 3,000 regenerated chats, 600 steps at lr 3e-4, MT-bench tau
     (chain / tree) 1.4356 / 1.9808 against 1.3898 / 1.9254 with 0 (K = 1: 1.4327 / 1.9775; H200, 2026-12-01,
     benchmarks/specforge_side_by_side.py)."""
+    feature_loss: float = 0.0
+    """> 0: adds this weight times a regression (smooth L1) of the drafter's normed state onto the target's final
+    state at the position whose distribution each row learns, weighted like the row's cross-entropy: a dense
+    signal besides the distribution (EAGLE-1's feature loss). 0: the cross-entropy alone. Not measured yet."""
     ttt_cast_once: bool | None = None
     """TTTConfig.cast_once (None: by the drafter's size; set for benchmarks/train_bench.py's comparisons)."""
     draft_vocab: int | None = None
@@ -172,6 +176,7 @@ class TrainConfig:
         check_number(self, "ttt_decay", gt=0, le=1)
         check_number(self, "teacher_temperature", gt=0)
         check_number(self, "align_topk", ge=0)
+        check_number(self, "feature_loss", ge=0)
         check_number(self, "draft_vocab", ge=1, optional=True)
         check_number(self, "draft_intermediate_size", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
@@ -557,7 +562,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     head_w = head_w.to(dev, torch.bfloat16 if bf16 else torch.float32)
     del tensors
     ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
-                        cast_once=cfg.ttt_cast_once, align_topk=cfg.align_topk)
+                        cast_once=cfg.ttt_cast_once, align_topk=cfg.align_topk, feature_loss=cfg.feature_loss)
     if dev.type == "cuda" and cfg.attention == "fast":
         from eyas.packing import check_varlen_kernel, pick_varlen_kernel
 
@@ -602,15 +607,18 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
 
     # -- 7. resume ------------------------------------------------------------------------------
-    ttt_id = {k: v for k, v in asdict(ttt_cfg).items() if k != "align_topk"} | {"attention": None}
+    later = ("align_topk", "feature_loss")  # (in the identity below, only when set)
+    ttt_id = {k: v for k, v in asdict(ttt_cfg).items() if k not in later} | {"attention": None}
     identity = {"drafter": dcfg.to_dict(), "ttt": ttt_id, "global_batch": plan.global_batch,
                 "data": data_fp, "seed": cfg.seed, "draft_vocab_sha": _vocab_sha(vocab.used)}
-    # (absent at the values runs had before these settings existed, temperature 1 and no mask: their checkpoints
-    # still resume with those values)
+    # (absent at the values runs had before these settings existed, temperature 1, no mask, no feature loss: their
+    # checkpoints still resume with those values)
     if cfg.teacher_temperature != 1.0:
         identity["teacher_temperature"] = cfg.teacher_temperature
     if cfg.align_topk:
         identity["align_topk"] = cfg.align_topk
+    if cfg.feature_loss:
+        identity["feature_loss"] = cfg.feature_loss
     ckdir = out / "checkpoints"
     start = 0
     if cfg.resume:
@@ -769,7 +777,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         final.save(final_dir, target={**target_id, "tokenizer_hash": tok_hash},
                    extra={"training": {"steps": total, "global_batch": plan.global_batch, "lr": lr,
                                        "teacher_temperature": cfg.teacher_temperature,
-                                       "align_topk": cfg.align_topk,
+                                       "align_topk": cfg.align_topk, "feature_loss": cfg.feature_loss,
                                        "ttt_steps": K, "source": "store" if cfg.store else "online",
                                        "vocab": vocab.report()}})
         plot_curves(out / "metrics.jsonl", out / "curves.png")
