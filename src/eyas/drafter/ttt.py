@@ -1022,6 +1022,9 @@ class PackedUnroll:
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = d.rope_at(positions, k, cdtype, seg.max_len + k)  # (positions restart per sample: < max_len)
         q, kk, vv = d.midlayer.project_qkv(emb, self.feature, cos, sin, self.w)
+        if k == 0:  # laid out [1, N, K, d] as the varlen kernels read them, once: v is a strided slice of the
+            # q/k/v product, which every step's attention (forward and backward) would copy again otherwise
+            vv = vv.transpose(1, 2).contiguous().transpose(1, 2)
         self.keys.append(_step_keys(kk, d.config.num_attention_heads, packed_step0=k == 0))
         self.values.append(_step_keys(vv, d.config.num_attention_heads, packed_step0=k == 0))
         att = self.attend(q, self.keys, self.values, seg=seg, rows=None if full else t)
