@@ -26,7 +26,8 @@ and SpecForge 0.2.0's own trainer on the same configuration when it is importabl
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
-resident first) and each one's median round is reported with its spread: one after another, the same code measured
+resident first) and each one's median round is reported with its spread and, for eyas's steps, the host's median
+wait for the GPU in a step (`wait ms`: near 0 where the host, not the GPU, bounds the step): one after another, the same code measured
 up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its GPU time). No variant
 prunes unreachable positions (ttt.PRUNE_UNREACHED): a random drafter reaches almost nothing past step 0, which would
 flatter it; its rate comes from real training (benchmarks/specforge_side_by_side.py --eyas-variant).
@@ -197,15 +198,19 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        t0 = time.perf_counter()
         if not defer_stats:
             stats.tolist()  # the loop reads its statistics back every step
-            return loss
-        if pending:  # the step before's, copied to the host behind it: waits for that step alone
-            pending.pop().get()[0].tolist()
-        pending.append(HostCopies((stats,)) if host_copies else _OnDevice(stats))
+        else:
+            if pending:  # the step before's, copied to the host behind it: waits for that step alone
+                pending.pop().get()[0].tolist()
+            pending.append(HostCopies((stats,)) if host_copies else _OnDevice(stats))
+        waited[0] += time.perf_counter() - t0
         return loss
 
-    pending: list[torch.Tensor] = []
+    pending: list = []
+    waited = [0.0]  # seconds the steps spent waiting for the GPU (their statistics' reads): measure_rounds' wait_ms
+    step.waited = waited
     return step
 
 
@@ -225,6 +230,7 @@ def patched(step, patcher):
     def run():
         with patcher:
             return step()
+    run.waited = getattr(step, "waited", None)
     return run
 
 
@@ -344,10 +350,13 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times: dict = {label: [] for label in built}
+    waits: dict = {label: [] for label in built}  # per step, the time the host waited for the GPU (eyas's steps)
     for r in range(rounds):
         for label in list(built):
+            waited = getattr(built[label], "waited", None)
             try:
                 sync(device)
+                w0 = waited[0] if waited else 0.0
                 t0 = time.perf_counter()
                 for _ in range(steps):
                     loss = built[label]()
@@ -358,12 +367,16 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
                 del built[label], times[label]
                 continue
             times[label].append((time.perf_counter() - t0) / steps)
+            if waited:
+                waits[label].append((waited[0] - w0) / steps)
             runs[label]["loss"] = float(loss.detach())
         log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1] * 1000:.1f}" for k, v in times.items()) + " ms/step")
     for label, ts in times.items():
         dt = statistics.median(ts)
         runs[label].update(s_per_step=dt, tokens_per_s=tokens_per_step / dt, rounds_ms=[round(t * 1000, 2) for t in ts],
                            spread=(max(ts) - min(ts)) / dt)
+        if waits[label]:  # near 0: the GPU waits for the host (the step is bound by the host), not the reverse
+            runs[label]["wait_ms"] = statistics.median(waits[label]) * 1000
     return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
 
 
@@ -541,7 +554,7 @@ def suite_8b(args, dist) -> dict:
                                                                   / runs["specforge"]["tokens_per_s"])
     if dist.is_main:
         print(f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}"
-              f" {'spread':>7s}")
+              f" {'spread':>7s} {'wait ms':>8s}")
         for name, r in runs.items():
             if "tokens_per_s" not in r:
                 print(f"{name:22s} failed: {r['error'][:80]}")
@@ -549,10 +562,12 @@ def suite_8b(args, dist) -> dict:
             print(f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
                   f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} "
                   f"{'%8.1f' % r['peak_mem_gb'] if r.get('peak_mem_gb') is not None else '%8s' % '-'}"
-                  f" {r['spread'] if 'spread' in r else float('nan'):7.3f}")
+                  f" {r['spread'] if 'spread' in r else float('nan'):7.3f}"
+                  f" {'%8.2f' % r['wait_ms'] if 'wait_ms' in r else '%8s' % '-'}")
         if result.get("peak_mem_gb_all_variants"):
             print(f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "
-                  f"ms/step: the median of {rounds} rounds (spread: (max - min) / median)")
+                  f"ms/step: the median of {rounds} rounds (spread: (max - min) / median); wait ms: the host's wait "
+                  "for the GPU in a step (its statistics' read), near 0 where the host bounds the step")
     return result
 
 

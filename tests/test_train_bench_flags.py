@@ -35,3 +35,30 @@ def test_paired_ratio_is_the_median_of_the_per_round_ratios():
     assert tb._paired_ratio(ours, peer) == pytest.approx(1.4)
     assert tb._paired_ratio({"rounds_ms": [80.0, 70.0]}, peer) is None  # a variant that failed in a round
     assert tb._paired_ratio({}, peer) is None
+
+
+def test_rounds_report_the_hosts_wait_per_step_where_a_step_counts_it():
+    """measure_rounds: a step that records its waits for the GPU (`waited`, as make_fast_step's) gets their median
+    per step in ms (here 1.5 ms a call); a step without it (SpecForge's) gets none; patched steps keep the count."""
+    import torch
+
+    from eyas.drafter import ttt
+
+    tb = load_benchmark("train_bench")
+
+    def make():
+        waited = [0.0]
+
+        def step():
+            waited[0] += 0.0015
+            return torch.tensor(1.0)
+        step.waited = waited
+        return step
+
+    wrapped = tb.with_flag(make(), "ttt.GROUPED_DIAGONALS", ttt.GROUPED_DIAGONALS)
+    assert wrapped.waited is not None
+    runs = {}
+    tb.measure_rounds([("eyas", make), ("peer", lambda: (lambda: torch.tensor(1.0))), ("wrapped", lambda: wrapped)],
+                      runs, rounds=3, warmup=1, steps=2, device=torch.device("cpu"), tokens_per_step=10)
+    assert runs["eyas"]["wait_ms"] == pytest.approx(1.5) and runs["wrapped"]["wait_ms"] == pytest.approx(1.5)
+    assert "wait_ms" not in runs["peer"] and runs["peer"]["tokens_per_s"] > 0
