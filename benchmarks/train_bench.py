@@ -27,8 +27,8 @@ Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
 resident first) and each one's median round is reported with its spread and, for eyas's steps, the host's median
-wait for the GPU in a step (`wait ms`: near 0 where the host, not the GPU, bounds the step): one after another, the same code measured
-up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its GPU time). No variant
+wait for the GPU in a step (`wait ms`: near 0 where the host, not the GPU, bounds the step): one after another,
+the same code measured up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its GPU time). No variant
 prunes unreachable positions (ttt.PRUNE_UNREACHED): a random drafter reaches almost nothing past step 0, which would
 flatter it; its rate comes from real training (benchmarks/specforge_side_by_side.py --eyas-variant).
 
