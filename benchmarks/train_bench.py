@@ -28,9 +28,10 @@ train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
 resident first) and each one's median round is reported with its spread and, for eyas's steps, the host's median
 wait for the GPU in a step (`wait ms`: near 0 where the host, not the GPU, bounds the step): one after another,
-the same code measured up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its GPU time). No variant
-prunes unreachable positions (ttt.PRUNE_UNREACHED): a random drafter reaches almost nothing past step 0, which would
-flatter it; its rate comes from real training (benchmarks/specforge_side_by_side.py --eyas-variant).
+the same code measured up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its
+GPU time). No variant prunes unreachable positions (ttt.PRUNE_UNREACHED): a random drafter reaches almost nothing
+past step 0, which would flatter it; its rate comes from real training (benchmarks/specforge_side_by_side.py
+--eyas-variant).
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
