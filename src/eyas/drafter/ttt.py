@@ -87,9 +87,10 @@ class TTTConfig:
     feature_loss: float = 0.0
     """Packed path: > 0 adds this weight times a regression of the drafter's head input (its normed state) at each
     supervised row of step k onto the target's final post-norm state of the teacher row (the state whose head gives
-    the distribution the row learns), smooth L1 averaged over the hidden size, weighted like the row's soft
-    cross-entropy (w_k / denominator_k). A dense signal besides the distribution (EAGLE-1's feature loss, which
-    EAGLE-3 dropped); 0 (default): the cross-entropy alone."""
+    the distribution the row learns), smooth L1 averaged over the hidden size, weighted by w_k / denominator_k:
+    every supervised row, also those the cross-entropy leaves out (past a miss under `align_topk`, or whose target
+    token lies outside the draft vocabulary). A dense signal besides the distribution (EAGLE-1's feature loss,
+    which EAGLE-3 dropped); 0 (default): the cross-entropy alone."""
     cast_once: bool | None = None
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
     forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, instead of every
