@@ -139,9 +139,9 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     `defer_stats`: the step's statistics are copied to pinned host memory behind it and read after the NEXT step is
     queued, as the loop does with DEFER_STATS (None: the loop's setting); else at the step's end, which waits for the
     GPU. `host_copies` False: the deferred statistics read from the device instead, which waits for the next step too
-    (the loop before HostCopies). No other wait in a
-    step: its per-step denominators go through pinned memory, as the loop's. `align_topk`: TrainConfig's (None:
-    its default, as `eyas train`).
+    (the loop before HostCopies). No other wait in a step: its per-step denominators go through pinned memory, as
+    the loop's. `align_topk`: TrainConfig's (None: its default, as `eyas train`). The step's `waited` holds the
+    seconds its statistics' reads waited for the GPU (measure_rounds' wait_ms).
     `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
     does (train/data.py AheadUploader)."""
@@ -210,7 +210,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
         return loss
 
     pending: list = []
-    waited = [0.0]  # seconds the steps spent waiting for the GPU (their statistics' reads): measure_rounds' wait_ms
+    waited = [0.0]
     step.waited = waited
     return step
 
@@ -261,7 +261,7 @@ def set_flag(spec: str) -> None:
 
 def with_flag(step, name: str, value: bool):
     """`step` with one boolean module setting (MODULE.NAME, as --flag) changed while it runs: the default path's
-    variants (ttt.GROUPED_DIAGONALS, packing.GQA_FLASH on; ttt.TEACHER_ONCE off)."""
+    variants (e.g. ttt.GROUPED_DIAGONALS on, packing.GQA_FLASH off)."""
     return patched(step, mock.patch.object(*flag_setting(name), value))
 
 

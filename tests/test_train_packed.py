@@ -807,7 +807,7 @@ def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows(monkeyp
         out.loss.backward()
         res[weight] = (out, m.midlayer.mlp.down_proj.weight.grad.clone())
     with torch.no_grad():
-        unroll = ttt.PackedUnroll(m, ids_N, seg, aux_N)
+        unroll = ttt.PackedUnroll(m, ids_N, seg, aux_N, steps=K)
         term = 0.0
         for k in range(K):
             x = m.norm(unroll.step(k)[0])[rows[k]]

@@ -411,9 +411,9 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None,
     """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
     row, B = 1) the step-0 keys are causal within each segment. With `rows` (sorted positions, n of the
     T), the queries and the diagonal keys/values hold those n positions only; the step-0 keys all T.
-    keys/values: [B, K, T, d], K dividing H (K = H once repeated, as the unrolls keep them by default); the step-0 ones are repeated to the H
-    query heads for the flash kernels (unless the varlen one reads them grouped: packing.gqa_flash), the others
-    too unless GROUPED_DIAGONALS."""
+    keys/values: [B, K, T, d], K dividing H (K = H once repeated, as the unrolls keep them by default); the step-0
+    ones are repeated to the H query heads for the flash kernels (unless the varlen one reads them grouped:
+    packing.gqa_flash), the others too unless GROUPED_DIAGONALS."""
     from eyas.packing import gqa_flash, pick_varlen_kernel
 
     if kernel is None:
@@ -975,16 +975,14 @@ class PackedUnroll:
     reachable (PRUNE_UNREACHED), are computed at step 0 up to their keys and values and then dropped."""
 
     def __init__(self, drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
-                 attention: str = "fast", cast_once: bool = False, steps: int | None = None):
+                 steps: int, attention: str = "fast", cast_once: bool = False):
         self.drafter, self.ids, self.seg = drafter, input_ids_N, seg
-        self.N = N = input_ids_N.shape[0]
+        N = input_ids_N.shape[0]
         dev = input_ids_N.device
         self.all = torch.arange(N, device=dev)
-        # `steps` known: every step's input tokens made at once, [steps, N] (a few kernels for all steps)
-        self.tokens_KN = None
-        if steps is not None:
-            self.tokens_KN = self._tokens(self.all[None] + torch.arange(1, steps + 1, device=dev)[:, None],
-                                          seg.ends_N[None])
+        # every step's input tokens at once, [steps, N]: x_{t+1+k} where t+1+k lies inside t's sample, else token 0
+        j = self.all[None] + torch.arange(1, steps + 1, device=dev)[:, None]
+        self.tokens_KN = torch.where(j < seg.ends_N[None], input_ids_N[j.clamp_max(N - 1)], 0)
         self.feature = drafter.project_aux(aux_NAD[None])
         self.pos = self.all  # positions of `feature`'s rows (and of the diagonal keys' rows)
         self.keys: list[torch.Tensor] = []
@@ -995,10 +993,6 @@ class PackedUnroll:
             if drafter.midlayer.self_attn.q_proj.weight.dtype != cdtype:
                 self.w = drafter.midlayer.linear_weights(cdtype)
         self.attend = fast_attention if attention == "fast" else reference_attention
-
-    def _tokens(self, j: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
-        """x_j where position j lies inside the sample (j < its end), else token 0."""
-        return torch.where(j < ends, self.ids[j.clamp_max(self.N - 1)], 0)
 
     def step(self, k: int, pos: torch.Tensor | None = None) -> torch.Tensor:
         """Step k's hidden_prenorm [1, n, D] at positions `pos` (None: all N), which hold a subset of the last
@@ -1014,10 +1008,7 @@ class PackedUnroll:
         t = self.all if k == 0 else pos
         full = t is self.all
         positions = seg.positions_N if full else seg.positions_N.index_select(0, t)
-        if self.tokens_KN is not None and k < self.tokens_KN.shape[0]:
-            tokens = self.tokens_KN[k] if full else self.tokens_KN[k].index_select(0, t)
-        else:
-            tokens = self._tokens(t + 1 + k, seg.ends_N if full else seg.ends_N.index_select(0, t))
+        tokens = self.tokens_KN[k] if full else self.tokens_KN[k].index_select(0, t)
         emb = d.embed_tokens(tokens[None])
         dev = self.ids.device
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
@@ -1105,8 +1096,8 @@ def ttt_loss_packed(
     alive = torch.ones(N, dtype=torch.bool, device=dev) if unreached else None
     w_head = drafter.lm_head.weight.to(cdtype) if unreached else None
     step_rows: list[torch.Tensor] = []  # positions whose loss enters the head at step k
-    unroll = PackedUnroll(drafter, input_ids_N, seg, aux_NAD, attention=cfg.attention,
-                          cast_once=cfg.cast_once_for(drafter.config.hidden_size), steps=K)
+    unroll = PackedUnroll(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
+                          cast_once=cfg.cast_once_for(drafter.config.hidden_size))
     pos = live
     for k in range(K):
         hidden = unroll.step(k, pos)
@@ -1143,7 +1134,8 @@ def ttt_loss_packed(
         tr = r_cat + 1 + k_of_row  # teacher row of step k's row t: p_{t+1+k}
         valid = teacher.in_vocab_N[tr]  # the target's top token in the draft vocabulary
         scale = to_device(torch.tensor(cfg.weights, dtype=torch.float32), dev) / denominators.float()
-        w = valid.float() * scale.index_select(0, k_of_row)  # w_k / denominator_k where valid
+        scale_n = scale.index_select(0, k_of_row)  # each row's w_k / denominator_k
+        w = valid.float() * scale_n  # (0 where the target's top token is outside the draft vocab)
         top = teacher.top_N[tr]
         align = (r_cat, N, cfg.align_topk) if cfg.align_topk and alive is None else None
         if teacher.logits_NV is not None:
@@ -1156,7 +1148,7 @@ def ttt_loss_packed(
                                                         align=align)
         loss = loss + total
         if cfg.feature_loss:
-            loss = loss + cfg.feature_loss * _feature_term(x, teacher.final_ND, tr, scale.index_select(0, k_of_row))
+            loss = loss + cfg.feature_loss * _feature_term(x, teacher.final_ND, tr, scale_n)
         with torch.no_grad():
             hit = hits & valid
             ce_sum = (per_step / scale).double()  # each step's unweighted soft-CE sum (0 for an empty step)

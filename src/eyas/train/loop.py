@@ -943,9 +943,8 @@ DEFER_STATS = True
 """Read each step's statistics (loss, accuracies, token counts, gradient norm) after the next step is queued, so the
 GPU never idles while the host logs and prepares a step: they are copied to pinned host memory behind the step
 (`HostCopies`), and the read waits for that copy alone (reading the device tensors then would wait for the next
-step too, as it did when the figures below were measured); the records and log lines are then
-one step late (never at an evaluation, a checkpoint, the last step or a stop in one process, which read at once);
-with several ranks, a stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank
+step too, as it did when the figures below were measured); the records and log lines are then one step late (never
+at an evaluation, a checkpoint, the last step or a stop in one process, which read at once); with several ranks, a stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank
 alike. With packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens
 a batch) the SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch,
 285,431 against 264,361 with the state cache. False: read at the end of each step (train_bench.py's 8B variant
