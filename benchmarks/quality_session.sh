@@ -28,9 +28,11 @@
 # its lr3e-4 variant's drafter when sbs_ablations ran it); sbs_ablations runs the side by side with eyas method
 # variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0), sbs_ablations_lr the
 # same at lr 3e-4 for both trainers (default variants: align_topk off, the default again, and the default with
-# ttt.PRUNE_UNREACHED); smol_next runs the SmolLM2 rate with the module settings of SMOL_FLAGS (train_bench.py
-# --flag) against the default, the target on every batch and the state cache; gpu_tests runs the tests that need a
-# GPU (pytest is in the image).
+# ttt.PRUNE_UNREACHED); sbs_at_lr runs it with both trainers at SBS_LR (default 1e-3) and eyas variants
+# SBS_LR_VARIANTS (default lr 2e-3 for eyas alone); smol_next runs the SmolLM2 rate with the module settings of
+# SMOL_FLAGS (train_bench.py --flag) against the default, the target on every batch and the state cache;
+# profile_smol_online profiles two steps of the run with the target on every batch; gpu_tests runs the tests that
+# need a GPU (pytest is in the image).
 # What a call writes comes back as $OUT/logs.tgz.
 set -uo pipefail
 part=$1
@@ -95,7 +97,8 @@ train_8b() {  # BENCH_VARIANTS (comma-separated train_bench.py labels): only tho
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
     # next-off, next-on: off and on with the module settings of SMOL_FLAGS (train_bench.py --flag, e.g.
-    # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs)
+    # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), profile: op tables of two steps of
+    # the run with the target on every batch (train_bench.py --profile; its rate is not a figure)
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
@@ -107,11 +110,14 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
         on) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
         once) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
             > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
+        profile) timeout 240 python benchmarks/train_bench.py "${args[@]}" --cache off --steps 14 --profile 40 \
+            > $ROOT/q/profile_smol_online.log 2>&1 ;;  # op tables of steps 12 and 13 (after 10 skipped, 1 warm)
         next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout 180 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
             > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
         esac
     done
 }
+profile_smol_online() { smol_rate profile; }
 smol_next() { smol_rate ${SMOL_RUNS:-off on next-off next-on}; }  # the default and SMOL_FLAGS's settings, one after
 # another (SMOL_RUNS: some of them, e.g. "off next-off" for the target on every batch alone)
 gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
@@ -129,12 +135,17 @@ sbs_ablations() {  # the side by side (resumed: reuses what the default root hol
     # lr 3e-4 (the recipe's) for eyas alone, TTT decay 1.0 instead of 0.8
     sbs_with_variants $ROOT/sbs 1e-4 sbs_ablations "inithead:init_head=true lr3e-4:lr=3e-4 decay1:ttt_decay=1.0"
 }
-sbs_ablations_lr() {  # the same at lr 3e-4 for both trainers (eyas's default for this drafter since 2026-12-01), in
+sbs_ablations_lr() {  # the same at lr 3e-4 for both trainers (eyas's default for this drafter on 2026-12-01), in
     # side_by_side_lr's root; SBS_VARIANTS, default: the reachability mask (align_topk, 4 by default since 2026-12-01)
     # off; the default again, trained warm (its rate without the compile, and the run-to-run spread of tau); the
     # default with the unreachable positions pruned (ttt.PRUNE_UNREACHED: the same loss, its training rate)
     sbs_with_variants $ROOT/sbs-lr3e-4 3e-4 sbs_ablations_lr \
         "noalign:align_topk=0 a4:align_topk=4 a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true"
+}
+sbs_at_lr() {  # the side by side with both trainers at SBS_LR (default 1e-3, eyas's default for this drafter since
+    # 2026-12-02) in a root of its own; eyas variants SBS_LR_VARIANTS (default: lr 2e-3 for eyas alone)
+    local lr=${SBS_LR:-1e-3}
+    SBS_VARIANTS=${SBS_LR_VARIANTS:-lr2e-3:lr=2e-3} sbs_with_variants $ROOT/sbs-lr$lr $lr sbs_lr$lr ""
 }
 sbs_with_variants() {  # sbs_with_variants ROOT LR LOG DEFAULT_VARIANTS
     waitfor $prep/meta.json
@@ -188,9 +199,9 @@ specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \
         --limit 16 --engine static --predict --batch-sizes 1,4,16 --prompts $S/question.jsonl > $ROOT/q/specdec.log 2>&1
 }
-export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS BENCH_VARIANTS SMOL_RUNS GPU_TESTS POINTS
-export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check gpu_tests side_by_side sbs_ablations sbs_ablations_lr \
-    sbs_with_variants side_by_side_lr profiles profile_8b profile_small recipe recipe_all points wait_target \
+export ROOT POLL_S S ALL STEPS SCALE prep SBS_VARIANTS SBS_LR SBS_LR_VARIANTS BENCH_VARIANTS SMOL_RUNS GPU_TESTS POINTS
+export -f waitfor train_8b smol_rate smol_rate_cached smol_next gpu_check gpu_tests side_by_side sbs_ablations sbs_ablations_lr sbs_at_lr \
+    sbs_with_variants side_by_side_lr profiles profile_8b profile_small profile_smol_online recipe recipe_all points wait_target \
     prepare_only specdec
 chain() {  # chain GPU NAME 'commands': detached (a new process session), from the copy; $ROOT/q/NAME.done at its end
     local gpu=$1 name=$2; shift 2

@@ -65,6 +65,7 @@ import json
 import statistics
 import sys
 import time
+from contextlib import nullcontext
 from unittest import mock
 
 import torch
@@ -451,20 +452,7 @@ def suite_8b(args, dist) -> dict:
             for _ in range(2):
                 step()
             sync(device)
-        key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-        print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=args.profile))
-        if device.type == "cuda":  # the 8B step is bound by the host: where its CPU time goes
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.profile))
-        # where the copies, casts and additions come from: the same ops split by their input shapes
-        by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
-                    if e.key in ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone")]
-        def self_us(e):  # torch 2.11 names the device time self_device_time_total (self_cuda_time_total before)
-            return getattr(e, "self_device_time_total", None) if device.type == "cuda" and \
-                hasattr(e, "self_device_time_total") else getattr(e, key)
-        by_shape.sort(key=self_us, reverse=True)
-        print(f"{'op':16s} {'calls':>6s} {'self ms':>8s}  input shapes")
-        for e in by_shape[:args.profile]:
-            print(f"{e.key:16s} {e.count:6d} {self_us(e) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
+        print_profile(prof, device, args.profile)
         return result
     # "eyas" = `eyas train`'s default options: the drafter's pieces compiled on CUDA
     fast = dict(c=c, B=B, T=T, K=K, device=device, dist=dist, grad_reduce=args.grad_reduce)
@@ -572,6 +560,26 @@ def suite_8b(args, dist) -> dict:
     return result
 
 
+def print_profile(prof, device, rows: int) -> None:
+    """The top `rows` ops of a finished torch profile by device time (CPU: CPU time), by host time on CUDA (where
+    a step bound by the host spends it), and the copies, casts and additions split by their input shapes (where
+    they come from)."""
+    key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=rows))
+    if device.type == "cuda":
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+    by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
+                if e.key in ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone")]
+
+    def self_us(e):  # torch 2.11 names the device time self_device_time_total (self_cuda_time_total before)
+        return getattr(e, "self_device_time_total", None) if device.type == "cuda" and \
+            hasattr(e, "self_device_time_total") else getattr(e, key)
+    by_shape.sort(key=self_us, reverse=True)
+    print(f"{'op':16s} {'calls':>6s} {'self ms':>8s}  input shapes")
+    for e in by_shape[:rows]:
+        print(f"{e.key:16s} {e.count:6d} {self_us(e) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
+
+
 def _steady(metrics_file, skip: int) -> dict:
     recs = [json.loads(x) for x in open(metrics_file) if '"eval"' not in x]
     tail = recs[skip:] or recs
@@ -582,11 +590,27 @@ def _steady(metrics_file, skip: int) -> dict:
             "target_share": tail[-1].get("target_share"), "final_loss": tail[-1]["loss"]}
 
 
+def _loop_profile(args, cuda: bool):
+    """With --profile: a torch profile of the real loop's steps --skip + 2 and + 3 (after one warm step), stepped
+    through `loop.STEP_END`; else None."""
+    if not args.profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile, schedule
+
+    from eyas.train import loop
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    prof = profile(activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1))
+    loop.STEP_END = lambda step: prof.step()
+    return prof
+
+
 def suite_smol(args) -> dict:
     """The real `eyas train` (online) on prepared data, per tokens-per-batch budget."""
     import tempfile
     from pathlib import Path
 
+    from eyas.train import loop
     from eyas.train.loop import TrainConfig, run
 
     budgets = [int(x) for x in args.budgets.split(",")]
@@ -598,32 +622,40 @@ def suite_smol(args) -> dict:
                 label = (f"data{di}-{budget // 1024}k" + ("-no-compile" if compiled is False else "")
                          + (f"-cache-{args.cache}" if args.cache != "auto" else "")
                          + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else "")
-                         + "".join(f"-{f.replace('=', '-')}" for f in args.flag))
+                         + "".join(f"-{f.replace('=', '-')}" for f in args.flag)
+                         + ("-profiled" if args.profile else ""))
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
                 def one():
                     cuda = args.device in (None, "cuda") or str(args.device).startswith("cuda")
                     if cuda:
                         torch.cuda.reset_peak_memory_stats()
+                    prof = _loop_profile(args, cuda)
                     t0 = time.perf_counter()
-                    summary = run(TrainConfig(
-                        target=args.target, data=Path(data), out=work / label, steps=steps, tokens_per_batch=budget,
-                        ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab, device=args.device or "cuda",
-                        eval_samples=8, compile=compiled, max_length=min(2048, budget), overwrite=True, lr=1e-4,
-                        cache_states=AUTO_ON_OFF[args.cache],
-                        ttt_cast_once=AUTO_ON_OFF[args.cast_once]))
+                    try:
+                        with prof or nullcontext():
+                            summary = run(TrainConfig(
+                                target=args.target, data=Path(data), out=work / label, steps=steps,
+                                tokens_per_batch=budget, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                                device=args.device or "cuda", eval_samples=8, compile=compiled,
+                                max_length=min(2048, budget), overwrite=True, lr=1e-4,
+                                cache_states=AUTO_ON_OFF[args.cache], ttt_cast_once=AUTO_ON_OFF[args.cast_once]))
+                    finally:
+                        loop.STEP_END = None
+                    if prof is not None:
+                        print_profile(prof, torch.device("cuda" if cuda else "cpu"), args.profile)
                     r = _steady(work / label / "metrics.jsonl", args.skip)
                     r.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, wall_s=time.perf_counter() - t0,
                              steps=steps, data=str(data), tokens_per_batch=budget, compiled=compiled,
                              summary_tokens_per_s=summary.get("tokens_per_s"), state_cache=summary.get("state_cache"),
-                             target_forwards=summary.get("target_forwards"))
+                             target_forwards=summary.get("target_forwards"), profiled=prof is not None)
                     log(f"[{label}] {r['tokens_per_s']:.0f} tok/s ({r['supervised_tokens_per_s']:.0f} supervised), "
                         f"useful {r['useful_fraction']:.3f}, target share {r['target_share']}, "
                         f"peak {r['peak_mem_gb']:.1f} GB")
                     return r
 
                 _try(label, result["runs"], one)
-    ok = {k: r for k, r in result["runs"].items() if "tokens_per_s" in r and r["compiled"] is None}
+    ok = {k: r for k, r in result["runs"].items() if "tokens_per_s" in r and r["compiled"] is None and not r["profiled"]}
     if ok:
         best = max(ok, key=lambda k: ok[k]["tokens_per_s"])
         result["best"] = best
@@ -660,7 +692,8 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
                                                                                    "all-reduce dtype (eyas train --grad-reduce)")
-    ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop")
+    ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop; "
+                    "smol: of two steps of each run after --skip (its rates are then left out of the figures)")
     ap.add_argument("--cast-once", default="auto", choices=list(AUTO_ON_OFF),
                     help="8b --profile and smol: TTTConfig.cast_once (auto: the default, by the drafter's size)")
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")

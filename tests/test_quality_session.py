@@ -244,6 +244,42 @@ def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
         ["noalign:align_topk=0", "a4:align_topk=4", "a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true"]
 
 
+def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
+    """sbs_at_lr: both trainers at SBS_LR (default 1e-3) in a root named by it, with SBS_LR_VARIANTS (default lr 2e-3
+    for eyas), not SBS_VARIANTS, which a job before it in the same chain reads."""
+    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only sbs_ablations_lr sbs_at_lr",
+                                   JOBS="none", SBS_VARIANTS="f1:feature_loss=1.0")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    sides = [x["args"] for x in calls() if x["args"][0].endswith("specforge_side_by_side.py")]
+    got = [(a[a.index("--lr") + 1], a[a.index("--root") + 1], [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"])
+           for a in sides]
+    assert got == [("3e-4", str(root / "sbs-lr3e-4"), ["f1:feature_loss=1.0"]),
+                   ("1e-3", str(root / "sbs-lr1e-3"), ["lr2e-3:lr=2e-3"])], got
+    run, calls, root, _ = _session(tmp_path / "again", 1, SIDE_JOBS="wait_target prepare_only sbs_at_lr", JOBS="none",
+                                   SBS_LR="2e-3", SBS_LR_VARIANTS="a:lr=3e-3 b:lr=1e-3")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    a = _one(calls(), "specforge_side_by_side.py", "--eyas-variant")["args"]
+    assert a[a.index("--lr") + 1] == "2e-3" and a[a.index("--root") + 1] == str(root / "sbs-lr2e-3")
+    assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == ["a:lr=3e-3", "b:lr=1e-3"]
+
+
+def test_profile_smol_online_profiles_past_the_skipped_steps(tmp_path):
+    """profile_smol_online: the SmolLM2 run with the target on every batch, profiled, with enough steps for the
+    profiler's schedule (--skip, one warm step, two recorded: the last --steps wins in argparse)."""
+    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target profile_smol_online", JOBS="none")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    a = _one(calls(), "train_bench.py", "--profile")["args"]
+    steps = [int(a[i + 1]) for i, x in enumerate(a) if x == "--steps"][-1]
+    skip = int(a[a.index("--skip") + 1])
+    assert a[a.index("--profile") + 1] == "40" and a[a.index("--cache") + 1] == "off" and steps >= skip + 3
+
+
 def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     """gpu_tests runs pytest on the GPU-only tests from the chain's copy of the repository, which holds the tests."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="gpu_tests", JOBS="none")

@@ -491,17 +491,17 @@ def test_bf16_training_casts_the_weights_once_or_per_step_alike(world, tmp_path,
 
 
 def test_the_default_learning_rate_follows_the_drafters_width(world, tmp_path):
-    """--lr unset: 3e-4 for a drafter under hidden size 2048 (the tiny target's here), 1e-4 from 2048 on; the
+    """--lr unset: 1e-3 for a drafter under hidden size 2048 (the tiny target's here), 1e-4 from 2048 on; the
     resolved rate is what the optimizer ran (warmup 1: step 1 is at the peak) and what the drafter records."""
     from eyas.train.loop import LARGE_DRAFTER_HIDDEN, default_lr, run
 
-    assert default_lr(576) == default_lr(LARGE_DRAFTER_HIDDEN - 1) == 3e-4
+    assert default_lr(576) == default_lr(LARGE_DRAFTER_HIDDEN - 1) == 1e-3
     assert default_lr(LARGE_DRAFTER_HIDDEN) == default_lr(4096) == 1e-4
     out = tmp_path / "lr"
     run(_cfg(world, out, data=world["prep"], steps=2, lr=None))
     first = _train_records(out)[0]
-    assert first["lr"] == pytest.approx(3e-4)
-    assert json.loads((out / "drafter" / "config.json").read_text())["training"]["lr"] == 3e-4
+    assert first["lr"] == pytest.approx(1e-3)
+    assert json.loads((out / "drafter" / "config.json").read_text())["training"]["lr"] == 1e-3
 
 
 def test_align_topk_masks_unreachable_rows_in_a_real_run(world, tmp_path):
@@ -564,3 +564,29 @@ def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_p
         run(_cfg(world, tmp_path / "t05b", data=world["prep"], steps=2, resume=str(ckpt)))
     with pytest.raises(EyasError, match="--teacher-temperature"):
         _cfg(world, tmp_path / "t0", data=world["prep"], teacher_temperature=0.0)
+
+
+def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatch, capsys):
+    """loop.STEP_END is called once per optimizer step with its index; train_bench.py's smol profile steps a torch
+    profiler through it (steps --skip + 1 warm, + 2 and + 3 recorded) and prints the recorded steps' op table."""
+    import argparse
+
+    from conftest import load_benchmark
+
+    from eyas.train import loop
+    from eyas.train.loop import run
+
+    seen = []
+    monkeypatch.setattr(loop, "STEP_END", seen.append)
+    run(_cfg(world, tmp_path / "a", data=world["prep"], steps=3))
+    assert seen == [0, 1, 2]
+    tb = load_benchmark("train_bench")
+    prof = tb._loop_profile(argparse.Namespace(profile=8, skip=1), cuda=False)
+    assert loop.STEP_END is not None and loop.STEP_END is not seen.append
+    with prof:
+        run(_cfg(world, tmp_path / "b", data=world["prep"], steps=4))
+    tb.print_profile(prof, torch.device("cpu"), 8)
+    out = capsys.readouterr().out
+    assert "Self CPU time total" in out and "aten::" in out
+    recorded = [e.count for e in prof.key_averages() if e.key == "ProfilerStep*"]
+    assert recorded == [2]  # two of the loop's steps, each a profiler step
