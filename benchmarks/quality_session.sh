@@ -29,8 +29,8 @@
 # variants (SBS_VARIANTS, default three: the head from the target's, lr 3e-4, TTT decay 1.0), sbs_ablations_lr the
 # same at lr 3e-4 for both trainers (default variants: align_topk off, the default again, and the default with
 # ttt.PRUNE_UNREACHED); sbs_at_lr runs it with both trainers at SBS_LR (default 1e-3) and eyas variants
-# SBS_LR_VARIANTS (default lr 2e-3 for eyas alone); smol_next runs the SmolLM2 rate with the module settings of
-# SMOL_FLAGS (train_bench.py --flag) against the default, the target on every batch and the state cache;
+# SBS_LR_VARIANTS (default lr 2e-3 for eyas alone, and Muon); smol_next runs the SmolLM2 rate with the module
+# settings of SMOL_FLAGS (train_bench.py --flag) against the default, the target on every batch and the state cache;
 # profile_smol_online profiles two steps of the run with the target on every batch; gpu_tests runs the tests that
 # need a GPU (pytest is in the image).
 # What a call writes comes back as $OUT/logs.tgz.
@@ -143,9 +143,9 @@ sbs_ablations_lr() {  # the same at lr 3e-4 for both trainers (eyas's default fo
         "noalign:align_topk=0 a4:align_topk=4 a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true"
 }
 sbs_at_lr() {  # the side by side with both trainers at SBS_LR (default 1e-3, eyas's default for this drafter since
-    # 2026-12-02) in a root of its own; eyas variants SBS_LR_VARIANTS (default: lr 2e-3 for eyas alone)
+    # 2026-12-02) in a root of its own; eyas variants SBS_LR_VARIANTS (default: lr 2e-3 for eyas alone, and Muon)
     local lr=${SBS_LR:-1e-3}
-    SBS_VARIANTS=${SBS_LR_VARIANTS:-lr2e-3:lr=2e-3} sbs_with_variants $ROOT/sbs-lr$lr $lr sbs_lr$lr ""
+    SBS_VARIANTS=${SBS_LR_VARIANTS:-lr2e-3:lr=2e-3 muon:optimizer=muon} sbs_with_variants $ROOT/sbs-lr$lr $lr sbs_lr$lr ""
 }
 sbs_with_variants() {  # sbs_with_variants ROOT LR LOG DEFAULT_VARIANTS
     waitfor $prep/meta.json

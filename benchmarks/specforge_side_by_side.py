@@ -36,11 +36,11 @@ device call ends early: every step resumes.
 
 Method ablations against the same SpecForge drafter: `--eyas-variant NAME:KEY=VALUE[,KEY=VALUE]` (repeatable; keys
 from VARIANT_FIELDS: learning-rate schedule, weight decay, clipping, TTT decay, head init, dtype, teacher
-temperature, the reachability mask align_topk; or a boolean module setting MODULE.NAME=true|false as
-train_bench.py's --flag, e.g. ttt.PRUNE_UNREACHED=true, set while the variant trains) trains one more eyas drafter
-per variant on the same store with the same steps and samples per step, exports and evaluates it with the same
-settings, and reports its ratios under `variants` (each variant about 1.5 GPU minutes at the defaults: training and
-one eval, measured 91-101 s on 2026-12-01).
+temperature, the reachability mask align_topk, the feature loss, the optimizer; or a boolean module setting
+MODULE.NAME=true|false as train_bench.py's --flag, e.g. ttt.PRUNE_UNREACHED=true, set while the variant trains)
+trains one more eyas drafter per variant on the same store with the same steps and samples per step, exports and
+evaluates it with the same settings, and reports its ratios under `variants` (each variant about 1.5 GPU minutes at
+the defaults: training and one eval, measured 91-101 s on 2026-12-01).
 
 SpecForge saves every 200 steps (and at the end); a repeated call resumes its training from the newest
 checkpoint, skips it when the last step's checkpoint exists, and exports that one.
@@ -208,7 +208,7 @@ def specforge_last_log(log_path: Path) -> dict:
 
 
 VARIANT_FIELDS = frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "ttt_decay", "init_head",
-                            "model_dtype", "teacher_temperature", "align_topk", "feature_loss"})
+                            "model_dtype", "teacher_temperature", "align_topk", "feature_loss", "optimizer"})
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict]:

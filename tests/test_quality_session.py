@@ -246,7 +246,7 @@ def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
 
 def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
     """sbs_at_lr: both trainers at SBS_LR (default 1e-3) in a root named by it, with SBS_LR_VARIANTS (default lr 2e-3
-    for eyas), not SBS_VARIANTS, which a job before it in the same chain reads."""
+    for eyas, and Muon), not SBS_VARIANTS, which a job before it in the same chain reads."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only sbs_ablations_lr sbs_at_lr",
                                    JOBS="none", SBS_VARIANTS="f1:feature_loss=1.0")
     run(1)
@@ -256,7 +256,7 @@ def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
     got = [(a[a.index("--lr") + 1], a[a.index("--root") + 1], [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"])
            for a in sides]
     assert got == [("3e-4", str(root / "sbs-lr3e-4"), ["f1:feature_loss=1.0"]),
-                   ("1e-3", str(root / "sbs-lr1e-3"), ["lr2e-3:lr=2e-3"])], got
+                   ("1e-3", str(root / "sbs-lr1e-3"), ["lr2e-3:lr=2e-3", "muon:optimizer=muon"])], got
     run, calls, root, _ = _session(tmp_path / "again", 1, SIDE_JOBS="wait_target prepare_only sbs_at_lr", JOBS="none",
                                    SBS_LR="2e-3", SBS_LR_VARIANTS="a:lr=3e-3 b:lr=1e-3")
     run(1)

@@ -187,3 +187,22 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_chec
     assert [r["step"] for r in _train_records(two)] == list(range(1, last + 1))
     run(_cfg(world, two, data=world["prep"], steps=4, batch_size=2, resume="auto"))
     assert [r["loss"] for r in _train_records(two)] == pytest.approx([r["loss"] for r in _train_records(one)], rel=1e-5)
+
+
+def test_muon_on_two_processes_equals_one(world, tmp_path):  # noqa: F811
+    """--optimizer muon under DDP: every rank orthogonalizes the same all-reduced gradients, so two processes train
+    exactly like one with the same global batch."""
+    from test_train_loop import _cfg
+
+    from eyas.train.loop import run
+
+    one, ddp = tmp_path / "one", tmp_path / "ddp"
+    run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2, optimizer="muon"))
+    _torchrun(*_args(world, ddp, "--steps", "3", "--batch-size", "1", "--optimizer", "muon"))
+    ref, got = _train_records(one), _train_records(ddp)
+    assert len(got) == 3
+    for a, b in zip(ref, got):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+    wa, wb = _weights(one), _weights(ddp)
+    for k in wa:
+        torch.testing.assert_close(wb[k], wa[k], atol=1e-5, rtol=1e-4, msg=k)

@@ -590,3 +590,35 @@ def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatc
     assert "Self CPU time total" in out and "aten::" in out
     recorded = [e.count for e in prof.key_averages() if e.key == "ProfilerStep*"]
     assert recorded == [2]  # two of the loop's steps, each a profiler step
+
+
+def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
+    """--optimizer muon: the first step's figures equal AdamW's (same start), the second's do not; a resume from its
+    step-2 checkpoint (momentum buffers and AdamW moments) gives the uninterrupted run's losses and weights; the
+    drafter records it; a resume with AdamW, an unknown optimizer and muon with --fsdp are refused before any work."""
+    from safetensors.torch import load_file
+
+    from eyas.errors import EyasError
+    from eyas.train.loop import run
+
+    run(_cfg(world, tmp_path / "adam", data=world["prep"], steps=2))
+    run(_cfg(world, tmp_path / "full", data=world["prep"], steps=4, optimizer="muon"))
+    run(_cfg(world, tmp_path / "part", data=world["prep"], steps=4, optimizer="muon", save_every=2))
+    ck2 = tmp_path / "part" / "checkpoints" / "step-000002.safetensors"
+    for later in ("step-000004.safetensors",):
+        (tmp_path / "part" / "checkpoints" / later).unlink()
+    run(_cfg(world, tmp_path / "part", data=world["prep"], steps=4, optimizer="muon", resume=str(ck2)))
+    a, full, part = (_train_records(tmp_path / x) for x in ("adam", "full", "part"))
+    assert full[0]["loss_per_step"] == pytest.approx(a[0]["loss_per_step"], rel=1e-6)
+    assert full[1]["loss_per_step"] != pytest.approx(a[1]["loss_per_step"], rel=1e-4)
+    assert [r["loss"] for r in part[-2:]] == pytest.approx([r["loss"] for r in full[-2:]], rel=1e-6)
+    wf, wp = (load_file(str(tmp_path / x / "drafter" / "model.safetensors")) for x in ("full", "part"))
+    for k in wf:
+        torch.testing.assert_close(wf[k], wp[k], atol=1e-6, rtol=1e-6)
+    assert json.loads((tmp_path / "full" / "drafter" / "config.json").read_text())["training"]["optimizer"] == "muon"
+    with pytest.raises(EyasError, match="optimizer"):
+        run(_cfg(world, tmp_path / "other", data=world["prep"], steps=4, resume=str(ck2)))
+    with pytest.raises(EyasError, match="--optimizer"):
+        _cfg(world, tmp_path / "bad", data=world["prep"], optimizer="sgd")
+    with pytest.raises(EyasError, match="--fsdp"):
+        _cfg(world, tmp_path / "sharded", data=world["prep"], optimizer="muon", fsdp=True)

@@ -1,7 +1,7 @@
 """`eyas train`: the training loop for the EAGLE-3 drafter (one process, one GPU or N under torchrun).
 
 Order of work, each block labelled below:
-  1. processes and devices (train/dist.py)          5. optimizer (AdamW 0.9/0.95), warmup + cosine
+  1. processes and devices (train/dist.py)          5. optimizer (train/optim.py), warmup + cosine
   2. data: offline store or online target           6. parallelism: DDP, or FSDP2 with --fsdp
   3. checks before any step (store vs target, ...)  7. resume: model, optimizer, scheduler, step, RNG
   4. draft vocabulary and the drafter               8. loop: accumulate, clip, step, log, eval, save
@@ -33,6 +33,7 @@ from torch import nn
 
 from eyas.common import log
 from eyas.errors import EyasError, Interrupted
+from eyas.train.optim import OPTIMIZERS, make_optimizer
 
 def default_tokens_per_batch(device: torch.device) -> int:
     """Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given: the fastest
@@ -71,10 +72,13 @@ class TrainConfig:
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (AdamW, betas 0.9/0.95). Default by the drafter's width: 1e-3 under hidden size
-    2048 (SmolLM2's 576-wide drafter, 600 steps of 16 samples on one H200: MT-bench tau +13% chain, +17% tree
-    at 3e-4 over 1e-4 (2026-12-01), then +8.3% chain, +9.4% tree at 1e-3 over 3e-4 (2026-12-02)), else 1e-4
-    (the usual setting for 8B-class drafters; higher is not measured there)."""
+    """Peak learning rate (AdamW, betas 0.9/0.95; with --optimizer muon, both of its groups'). Default by the
+    drafter's width: 1e-3 under hidden size 2048 (SmolLM2's 576-wide drafter, 600 steps of 16 samples on one H200:
+    MT-bench tau +13% chain, +17% tree at 3e-4 over 1e-4 (2026-12-01), then +8.3% chain, +9.4% tree at 1e-3 over
+    3e-4 (2026-12-02)), else 1e-4 (the usual setting for 8B-class drafters; higher is not measured there)."""
+    optimizer: str = "adamw"
+    """adamw, or muon: Muon (orthogonalized momentum updates) for fc and the decoder layer's matrices, AdamW for
+    lm_head and the norms, at the same learning rate (train/optim.py). Not with --fsdp. Not measured yet."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of --lr."""
     warmup_steps: int | None = None
@@ -186,6 +190,10 @@ class TrainConfig:
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
         check_choice(self, "grad_reduce", ("fp32", "bf16"))
+        check_choice(self, "optimizer", OPTIMIZERS)
+        if self.fsdp and self.optimizer == "muon":
+            raise EyasError("--optimizer muon orthogonalizes whole matrices; --fsdp shards them: use DDP (drop --fsdp) "
+                            "or --optimizer adamw")
         if self.fsdp and self.grad_reduce != "fp32":
             raise EyasError(f"--grad-reduce {self.grad_reduce} applies to DDP; --fsdp always reduces in fp32")
         check_device(self.device)
@@ -603,8 +611,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     module = dd.wrap_model(module, d, fsdp=cfg.fsdp, bf16=bf16, grad_reduce=cfg.grad_reduce)
     params = [p for p in module.parameters() if p.requires_grad]
     lr = default_lr(dcfg.hidden_size) if cfg.lr is None else cfg.lr
-    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay,
-                            fused=dev.type == "cuda" and not cfg.fsdp)
+    opt = make_optimizer(module, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay,
+                         fused=dev.type == "cuda" and not cfg.fsdp)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
 
@@ -613,14 +621,16 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     ttt_id = {k: v for k, v in asdict(ttt_cfg).items() if k not in later} | {"attention": None}
     identity = {"drafter": dcfg.to_dict(), "ttt": ttt_id, "global_batch": plan.global_batch,
                 "data": data_fp, "seed": cfg.seed, "draft_vocab_sha": _vocab_sha(vocab.used)}
-    # (absent at the values runs had before these settings existed, temperature 1, no mask, no feature loss: their
-    # checkpoints still resume with those values)
+    # (absent at the values runs had before these settings existed, temperature 1, no mask, no feature loss, AdamW:
+    # their checkpoints still resume with those values)
     if cfg.teacher_temperature != 1.0:
         identity["teacher_temperature"] = cfg.teacher_temperature
     if cfg.align_topk:
         identity["align_topk"] = cfg.align_topk
     if cfg.feature_loss:
         identity["feature_loss"] = cfg.feature_loss
+    if cfg.optimizer != "adamw":
+        identity["optimizer"] = cfg.optimizer
     ckdir = out / "checkpoints"
     start = 0
     if cfg.resume:
@@ -782,6 +792,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                    extra={"training": {"steps": total, "global_batch": plan.global_batch, "lr": lr,
                                        "teacher_temperature": cfg.teacher_temperature,
                                        "align_topk": cfg.align_topk, "feature_loss": cfg.feature_loss,
+                                       "optimizer": cfg.optimizer,
                                        "ttt_steps": K, "source": "store" if cfg.store else "online",
                                        "vocab": vocab.report()}})
         plot_curves(out / "metrics.jsonl", out / "curves.png")
