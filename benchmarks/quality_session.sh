@@ -97,11 +97,13 @@ train_8b() {  # BENCH_VARIANTS (comma-separated train_bench.py labels): only tho
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
     # next-off, next-on: off and on with the module settings of SMOL_FLAGS (train_bench.py --flag, e.g.
-    # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), profile: op tables of two steps of
-    # the run with the target on every batch (train_bench.py --profile; its rate is not a figure)
+    # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), regen-off: off on the recipe's
+    # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps of the run with the target on
+    # every batch (train_bench.py --profile; its rate is not a figure)
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
-    local args=(--suite smol --target $ROOT/smol --data $ROOT/prep500 --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
+    local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
+    local args=("${common[@]}" --data $ROOT/prep500)
     local next=() flag run
     for flag in ${SMOL_FLAGS:-}; do next+=(--flag $flag); done
     for run in ${@:-off on once}; do
@@ -110,6 +112,11 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
         on) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
         once) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
             > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
+        regen-off) if [ ! -f $prep/meta.json ]; then  # a job earlier in the chain makes them: waiting would hang it
+                echo "regen-off: $prep is not there (prepare_only or a recipe job before this one makes it)" \
+                    > $ROOT/q/train_smol_regen_cache_off.log; continue; fi
+            timeout 120 python benchmarks/train_bench.py "${common[@]}" --data $prep --cache off \
+            > $ROOT/q/train_smol_regen_cache_off.log 2>&1 ;;
         profile) timeout 240 python benchmarks/train_bench.py "${args[@]}" --cache off --steps 14 --profile 40 \
             > $ROOT/q/profile_smol_online.log 2>&1 ;;  # op tables of steps 12 and 13 (after 10 skipped, 1 warm)
         next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout 180 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \

@@ -280,6 +280,30 @@ def test_profile_smol_online_profiles_past_the_skipped_steps(tmp_path):
     assert a[a.index("--profile") + 1] == "40" and a[a.index("--cache") + 1] == "off" and steps >= skip + 3
 
 
+def test_smol_rate_on_the_regenerated_chats_made_before_it(tmp_path):
+    """SMOL_RUNS="off regen-off": the target-on-every-batch run on the 500 staged chats, then the same on the recipe's
+    regenerated chats that prepare_only made before it; without them the run is skipped with a line saying why (a
+    wait would hang the chain: its jobs run one after another)."""
+    run, calls, root, _ = _session(tmp_path / "none", 1, SIDE_JOBS="wait_target smol_next", JOBS="none",
+                                   SMOL_RUNS="regen-off")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    assert not [x for x in calls() if x["args"][0].endswith("train_bench.py")]
+    assert "prepare_only" in (root / "q" / "train_smol_regen_cache_off.log").read_text()
+    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only smol_next", JOBS="none",
+                                   SMOL_RUNS="off regen-off")
+    run(1)
+    run(2)
+    out = run(3)[1]
+    assert "chains still running: 0" in out, out
+    c = calls()
+    rates = [x["args"] for x in c if x["args"][0].endswith("train_bench.py")]
+    assert [a[a.index("--data") + 1] for a in rates] == [str(root / "prep500"),
+                                                        str(root / "scaling" / "n17293-s2400" / "prepared")]
+    assert all(a.count("--data") == 1 and a[a.index("--cache") + 1] == "off" for a in rates)
+
+
 def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     """gpu_tests runs pytest on the GPU-only tests from the chain's copy of the repository, which holds the tests."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="gpu_tests", JOBS="none")
