@@ -4,8 +4,8 @@ AdamW for the rest, as one torch optimizer (one learning-rate schedule, one chec
 Muon (momentum, then the update orthogonalized by a Newton-Schulz iteration) updates every matrix the same amount
 in every direction of its singular spectrum, where AdamW's update follows the gradient's dominant directions: on
 small language models it has reached a loss in fewer steps than tuned AdamW. Here it covers fc and the decoder
-layer's projections; lm_head (the output layer), the norms and the frozen embedding stay with AdamW, as usual for
-Muon. Its update is scaled by 0.2 * sqrt(max(rows, cols)) so its RMS matches AdamW's and the same learning rate and
+layer's projections; lm_head (the output layer) and the norms stay with AdamW, as usual for Muon (the embedding is
+the target's, frozen). Its update is scaled by 0.2 * sqrt(max(rows, cols)) so its RMS matches AdamW's and the same learning rate and
 weight decay serve both groups.
 
 Cost: five Newton-Schulz iterations a matrix a step, each three matmuls on [min x min] and [min x max] products
