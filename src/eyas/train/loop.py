@@ -78,7 +78,8 @@ class TrainConfig:
     3e-4 (2026-12-02)), else 1e-4 (the usual setting for 8B-class drafters; higher is not measured there)."""
     optimizer: str = "adamw"
     """adamw, or muon: Muon (orthogonalized momentum updates) for fc and the decoder layer's matrices, AdamW for
-    lm_head and the norms, at the same learning rate (train/optim.py). Not with --fsdp. Not measured yet."""
+    lm_head and the norms, at the same learning rate (train/optim.py; --grad-clip reaches Muon's update only through
+    its momentum's mix, the orthogonalization removes the scale). Not with --fsdp. Not measured yet."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of --lr."""
     warmup_steps: int | None = None
