@@ -622,3 +622,16 @@ def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
         _cfg(world, tmp_path / "bad", data=world["prep"], optimizer="sgd")
     with pytest.raises(EyasError, match="--fsdp"):
         _cfg(world, tmp_path / "sharded", data=world["prep"], optimizer="muon", fsdp=True)
+
+
+def test_split_teacher_head_trains_like_one_product(world, tmp_path, monkeypatch):
+    """ttt.SPLIT_TEACHER_HEAD in a real run: the same records (losses, accuracies) as the one-product teacher."""
+    from eyas.drafter import ttt
+    from eyas.train.loop import run
+
+    run(_cfg(world, tmp_path / "one", data=world["prep"], steps=2))
+    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", True)
+    run(_cfg(world, tmp_path / "split", data=world["prep"], steps=2))
+    for a, b in zip(_train_records(tmp_path / "one"), _train_records(tmp_path / "split"), strict=True):
+        assert b["loss_per_step"] == pytest.approx(a["loss_per_step"], rel=1e-6)
+        assert b["acc_per_step"] == a["acc_per_step"]

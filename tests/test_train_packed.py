@@ -493,18 +493,21 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
         torch.testing.assert_close(grads_f[n], grads_r[n], atol=1e-4, rtol=1e-4, msg=n)
 
 
-@pytest.mark.parametrize("compiled", [False, True])
+@pytest.mark.parametrize("compiled,fused", [(False, False), (True, False), (False, True), (True, True)])
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
-def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family, compiled, monkeypatch):
+def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family, compiled, fused,
+                                                          monkeypatch):
     """The online teacher over a packed row == each sample run alone through Hugging Face (fp32), its layers
     eager or through the two compiled pieces every layer shares (COMPILED_LAYERS: one graph each for all six
-    layers and both row lengths, not one per layer); GQA_FLASH on, which the CPU kernels leave unused."""
+    layers and both row lengths, not one per layer), with the model's own projections or stacked ones
+    (FUSED_PROJECTIONS; qwen2 has q/k/v biases); GQA_FLASH on, which the CPU kernels leave unused."""
     import eyas.packing as packing
     from eyas.packing import packed_unsupported_reason, target_forward_packed
     from eyas.target import load_target, reference_hidden_states
     from tests.conftest import make_tiny_target
 
     monkeypatch.setattr(packing, "COMPILED_LAYERS", compiled)
+    monkeypatch.setattr(packing, "FUSED_PROJECTIONS", fused)
     monkeypatch.setattr(packing, "GQA_FLASH", True)
     monkeypatch.setattr(packing, "_COMPILE_ON", ("cuda", "cpu"))  # compiled here as on a GPU
     if compiled:
@@ -529,6 +532,13 @@ def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokeniz
     if compiled:  # another row length: the same two graphs (dynamic in the row's length)
         target_forward_packed(model, torch.cat(seqs[:3]), Segments.from_lengths(lengths[:3]), layer_ids=layers)
         assert dynamo.utils.counters["stats"]["unique_graphs"] == 2, dict(dynamo.utils.counters["stats"])
+    if fused:  # the stacked weights: made once a layer, made again once a weight changes
+        first = model.model.layers[0]
+        kept = first.__dict__["_eyas_stacked"][1][0]
+        assert packing._stacked(first)[0] is kept
+        with torch.no_grad():
+            first.self_attn.k_proj.weight.mul_(2)
+        assert packing._stacked(first)[0] is not kept
 
 
 def test_varlen_kernel_check_passes_on_cpu():
@@ -979,3 +989,34 @@ def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(monkeypatch):
     assert model.config.num_key_value_heads < model.config.num_attention_heads and packing.gqa_flash("cuda-flash")
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_split_teacher_head_gives_the_one_product_teacher(monkeypatch, dtype):
+    """ttt.SPLIT_TEACHER_HEAD: the draft vocab's rows and the other rows multiplied apart give the same top draft
+    ids, full-vocab argmax flags and kept logits as one product over the whole head, ties included (rows built so
+    that a draft id and a smaller or a larger outside id share the maximum), in fp32 and bf16; a draft vocab that
+    is the whole vocab has every flag set."""
+    from eyas.drafter import ttt as T
+
+    g = torch.Generator().manual_seed(3)
+    Vt, N = 80, 41
+    head = _head(Vt=Vt).to(dtype)
+    used = torch.cat([torch.arange(5, 30), torch.arange(50, 70)])
+    t2d = torch.zeros(Vt, dtype=torch.bool)
+    t2d[used] = True
+    final = torch.randn(N, D, generator=g).to(dtype)
+    head[3] = head[20]  # outside id 3 ties draft id 20 (smaller outside id: the outside one is the argmax)
+    head[75] = head[60]  # outside id 75 ties draft id 60 (larger: the draft one is)
+    final[0] = head[20].float().to(dtype) * 4  # rows whose maximum is those ties
+    final[1] = head[60].float().to(dtype) * 4
+    ref = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16)
+    monkeypatch.setattr(T, "SPLIT_TEACHER_HEAD", True)
+    got = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16, unused=T.unused_head(head, t2d))
+    assert bool(ref.in_vocab_N[0]) is False and bool(ref.in_vocab_N[1]) is True  # the ties as built
+    assert torch.equal(got.top_N, ref.top_N) and torch.equal(got.in_vocab_N, ref.in_vocab_N)
+    assert torch.equal(got.logits_NV, ref.logits_NV)
+    assert not bool(ref.in_vocab_N.all())  # some rows' argmax lies outside the draft vocab
+    full = torch.ones(Vt, dtype=torch.bool)
+    whole = T.packed_teacher(final, head, head, torch.arange(Vt), full, unused=T.unused_head(head, full))
+    assert bool(whole.in_vocab_N.all())

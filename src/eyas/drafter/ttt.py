@@ -634,24 +634,59 @@ TEACHER_CACHE_BYTES = 1 << 30
 stays bounded by a constant and by tokens x hidden beyond it."""
 
 
+SPLIT_TEACHER_HEAD = False
+"""True: `packed_teacher` (given the head's rows outside the draft vocab) multiplies the final states by the draft
+vocab's rows and by the other rows apart, and takes the full-vocab argmax from the two maxima (ties to the smaller
+target id, as one argmax over the whole row takes its first), instead of making the whole [rows x target vocab]
+product and copying the draft vocab's columns out of it: the same products, without writing and re-reading a
+[rows x draft vocab] copy (SmolLM2: about 25 GB of memory traffic a 131,072-token step, counted, not timed). The
+argmax flags can differ from the one-product path only where two logits tie to the last bit of one product and
+not of the other. False (the default until measured): one product."""
+
+
+def unused_head(head_weight_VtD: torch.Tensor, t2d_Vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the head's rows outside the draft vocab [U, D], their ascending target ids [U]) for `packed_teacher`'s
+    SPLIT_TEACHER_HEAD path (reads the draft-vocab mask once: call it at set-up, not per step)."""
+    unused_U = (~t2d_Vt.bool()).nonzero().squeeze(1)
+    return head_weight_VtD.index_select(0, unused_U), unused_U
+
+
 @torch.no_grad()
 def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_used_VD: torch.Tensor,
                    used_V: torch.Tensor, t2d_Vt: torch.Tensor, *, chunk_rows: int = 4096,
-                   cache_bytes: int = TEACHER_CACHE_BYTES) -> PackedTeacher:
+                   cache_bytes: int = TEACHER_CACHE_BYTES,
+                   unused: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedTeacher:
     """Argmax flags over the full target vocab, in row chunks; the draft-vocab logits are kept only
-    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk)."""
+    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk). `unused`:
+    `unused_head(...)`, for SPLIT_TEACHER_HEAD."""
     flat = final_ND.to(head_weight_VtD.dtype)
     N, V = flat.shape[0], used_V.shape[0]
     keep = N * V * flat.element_size() <= cache_bytes
     tops, inv, kept = [], [], []
+    split = SPLIT_TEACHER_HEAD and unused is not None
     for a in range(0, N, chunk_rows):
-        logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
-        inv.append(t2d_Vt[logits.argmax(-1)])
-        restricted = logits.index_select(1, used_V)
-        tops.append(restricted.argmax(-1))
+        if split:
+            restricted = flat[a:a + chunk_rows] @ head_used_VD.T  # [n, V]
+            top_max, top = restricted.max(-1)  # (the first index of the maximum, as argmax)
+            inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
+        else:
+            logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
+            inv.append(t2d_Vt[logits.argmax(-1)])
+            restricted = logits.index_select(1, used_V)
+            top = restricted.argmax(-1)
+        tops.append(top)
         if keep:
             kept.append(restricted)
     return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), torch.cat(kept) if keep else None)
+
+
+def _draft_argmax_wins(flat_nD, used_max_n, used_id_n, head_unused_UD, unused_U) -> torch.Tensor:
+    """[n] bool: the full-vocab argmax is a draft-vocab id, given the draft vocab's maximum and its target id: above
+    the other rows' maximum, or equal to it at a smaller target id."""
+    if unused_U.numel() == 0:
+        return torch.ones_like(used_max_n, dtype=torch.bool)
+    other_max, other = (flat_nD @ head_unused_UD.T).max(-1)
+    return (used_max_n > other_max) | ((used_max_n == other_max) & (used_id_n < unused_U[other]))
 
 
 def _chunk_ce(s, t, w, top):

@@ -249,15 +249,20 @@ class PackedTTTModule(nn.Module):
 
     def set_teacher_head(self, head_VtD: torch.Tensor) -> None:
         used = self.drafter.used_target_ids().to(head_VtD.device)
-        self._head = (head_VtD, head_VtD.index_select(0, used), used, self.drafter.t2d.to(head_VtD.device))
+        t2d = self.drafter.t2d.to(head_VtD.device)
+        self._head = (head_VtD, head_VtD.index_select(0, used), used, t2d)
+        self._unused = None  # the rows outside the draft vocab, made on first use (ttt.SPLIT_TEACHER_HEAD)
 
     def teacher(self, final_ND):
         """The packed row's teacher (drafter/ttt.py packed_teacher) from its final states."""
-        from eyas.drafter.ttt import packed_teacher
+        from eyas.drafter import ttt
 
         head, head_used, used, t2d = self._head
-        return packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
-                              cache_bytes=self.teacher_cache_bytes)
+        if ttt.SPLIT_TEACHER_HEAD and self._unused is None:
+            self._unused = ttt.unused_head(head, t2d)
+        return ttt.packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
+                                  cache_bytes=self.teacher_cache_bytes,
+                                  unused=self._unused if ttt.SPLIT_TEACHER_HEAD else None)
 
     def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None, teacher=None):
         """`teacher`: made ahead (TEACHER_AHEAD), else made here."""
