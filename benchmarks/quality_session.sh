@@ -98,8 +98,8 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     # off: the target on every batch, on: the state cache, once: the state cache with the weights cast once;
     # next-off, next-on: off and on with the module settings of SMOL_FLAGS (train_bench.py --flag, e.g.
     # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), regen-off: off on the recipe's
-    # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps of the run with the target on
-    # every batch (train_bench.py --profile; its rate is not a figure)
+    # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps
+    # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure)
     timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)

@@ -21,7 +21,6 @@ each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-
 them too: the loop before its pinned host copies, train/data.py HostCopies),
 `eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
 carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0),
-`eyas-teacher-ahead` (the next batch's teacher made on the upload's side stream beside the step, loop.TEACHER_AHEAD),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
@@ -179,10 +178,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup=10, total=10_000, min_ratio=0.1))
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)
 
-    inner = module.module if hasattr(module, "module") else module  # (under DDP)
-    # the teacher made on the upload's side stream when loop.TEACHER_AHEAD is set (read at each start: with_flag)
-    uploader = AheadUploader(device, lambda b: inner.teacher(b.final_ND) if loop.TEACHER_AHEAD else None) \
-        if pin else None
+    uploader = AheadUploader(device) if pin else None
 
     def step():
         if uploader is None:
@@ -193,8 +189,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
             b = uploader.take()
             uploader.start(host)  # the next step's copy overlaps this step's compute
         with amp:
-            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, to_device(denoms, device), b.live,
-                                 b.teacher)
+            loss, stats = module(b.input_ids_N, b.seg, b.rows, b.aux_NAD, b.final_ND, to_device(denoms, device), b.live)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -475,9 +470,6 @@ def suite_8b(args, dist) -> dict:
             # read one step late from the device: the read waits for the step queued after them (before HostCopies)
             ("eyas-stats-late-on-device", lambda: make_fast_step(**fast, compile_parts=True, host_copies=False)),
             ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
-            # the next batch's teacher made on the upload's side stream, beside this step (loop.TEACHER_AHEAD)
-            ("eyas-teacher-ahead", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "loop.TEACHER_AHEAD",
-                                                     True)),
             # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
             ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
                                                      False))]

@@ -153,33 +153,6 @@ def test_live_positions_are_the_rows_of_any_step_and_travel_with_the_batch():
     assert _packed_to(b, "cpu").live.tolist() == [0, 1, 4, 7, 8]
 
 
-def test_the_packed_step_takes_a_teacher_made_ahead():
-    """PackedTTTModule.forward with the teacher made beforehand (`teacher(final)`, as loop.TEACHER_AHEAD makes it on
-    a side stream) gives the loss, statistics and gradients it gives when it makes the teacher itself; and it uses
-    the teacher it is given (one made from other final states gives another loss)."""
-    from eyas.train.data import Item, pack_tokens
-    from eyas.train.loop import PackedTTTModule
-
-    K = 3
-    samples = _samples([9, 14], seed=6)
-    ids, _, seg, rows = pack_tokens([Item(str(i), s[0], s[1]) for i, s in enumerate(samples)], steps=K, pad_to=None)
-    aux, final = torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples])
-    den = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
-    res = []
-    for ahead in (False, True):
-        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
-        m.set_vocab(torch.arange(V) + 5)
-        module = PackedTTTModule(m, TTTConfig(steps=K), head_VtD=_head())
-        teacher = module.teacher(final) if ahead else None
-        loss, stats = module(ids, seg, rows, aux, final, den, None, teacher)
-        loss.backward()
-        res.append((loss, stats, [p.grad.clone() for p in m.parameters() if p.grad is not None]))
-    assert torch.equal(res[0][0], res[1][0]) and torch.equal(res[0][1], res[1][1])
-    assert len(res[0][2]) == len(res[1][2]) > 0 and all(torch.equal(a, b) for a, b in zip(res[0][2], res[1][2]))
-    other, _ = module(ids, seg, rows, aux, final, den, None, module.teacher(final.flip(0)))
-    assert not torch.allclose(other, res[1][0])
-
-
 def test_chunked_head_loss_and_grads_equal_plain_reference():
     g = torch.Generator().manual_seed(1)
     x = torch.randn(37, D, generator=g, requires_grad=True)
@@ -612,9 +585,8 @@ def test_cast_once_default_follows_the_drafter_size():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams (runs on a GPU machine)")
 def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
-    """The offline reader on CUDA copies the batch after the one handed out on a side stream (AheadUploader), and
-    makes its teacher there (`prepare`, as loop.TEACHER_AHEAD): every batch reaches the GPU equal to what
-    `store_packed` packs on the host, in schedule order, with the teacher its final states give."""
+    """The offline reader on CUDA copies the batch after the one handed out on a side stream (AheadUploader): every
+    batch reaches the GPU equal to what `store_packed` packs on the host, in schedule order."""
     import time
 
     from eyas.train.data import Item, PackedPrefetcher, StoreSource, store_packed
@@ -633,12 +605,7 @@ def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
     src.reader, src.dtype = Reader(), torch.float32
     items = [Item(str(i), torch.arange(n) + i, torch.arange(n) % 2 == 0) for i, n in enumerate(lens)]
     schedule = [items[0:2], items[2:4], items[4:5], items[5:7]]
-    head = torch.randn(40, 8, generator=torch.Generator().manual_seed(9)).cuda()
-    used = torch.arange(30, device="cuda") + 3
-    t2d = torch.zeros(40, dtype=torch.bool, device="cuda")
-    t2d[used] = True
-    make = lambda f: packed_teacher(f, head, head[used], used, t2d)  # noqa: E731
-    prefetch = PackedPrefetcher(src, iter(schedule), "cuda", steps=2, pad_to=None, prepare=lambda b: make(b.final_ND))
+    prefetch = PackedPrefetcher(src, iter(schedule), "cuda", steps=2, pad_to=None)
     try:
         for i, part in enumerate(schedule):
             if i % 2:
@@ -652,10 +619,6 @@ def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
                          (got.final_ND, want.final_ND), *zip(got.rows, want.rows), (got.live, want.live)):
                 assert a.is_cuda and torch.equal(a.cpu(), b)
             assert got.tokens == want.tokens == sum(len(x.input_ids) for x in part)
-            ref = make(want.final_ND.cuda())
-            for a, b in ((got.teacher.top_N, ref.top_N), (got.teacher.in_vocab_N, ref.in_vocab_N),
-                         (got.teacher.logits_NV, ref.logits_NV)):
-                assert torch.equal(a, b)
     finally:
         prefetch.close()
 

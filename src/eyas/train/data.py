@@ -249,9 +249,6 @@ class PackedBatch:
     live: torch.Tensor | None = None
     """Positions carrying a loss at some step (drafter/ttt.py live_positions): made from `rows` when they are on
     the host (pinned when they are), else given; None leaves every position in every step."""
-    teacher: object = None
-    """The batch's drafter/ttt.py PackedTeacher when it was made ahead on a side stream (train/loop.py
-    TEACHER_AHEAD), else None (the loss makes it)."""
 
     def __post_init__(self):
         if self.live is None and self.rows and self.rows[0].device.type == "cpu":
@@ -311,10 +308,8 @@ class HostCopies:
 
 
 def _batch_tensors(b: PackedBatch) -> tuple[torch.Tensor, ...]:
-    t = b.teacher
-    made = [] if t is None else [x for x in (t.final_ND, t.top_N, t.in_vocab_N, t.logits_NV) if x is not None]
     return (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows,
-            *([] if b.live is None else [b.live]), *made)
+            *([] if b.live is None else [b.live]))
 
 
 def hand_over(b: PackedBatch, done, device) -> PackedBatch:
@@ -332,20 +327,16 @@ class AheadUploader:
     the current step's compute instead of queueing in front of it on the compute stream (the 8B-shaped step
     81.6 ms against 82.8 on an H200, 2026-12-01: its aux states are 50 MB a step)."""
 
-    def __init__(self, device, prepare=None):
+    def __init__(self, device):
         self.device = torch.device(device)
         self._stream = torch.cuda.Stream(self.device)
         self._ahead = None
-        self.prepare = prepare
-        """prepare(batch) -> its teacher or None, run on the side stream after the copy (TEACHER_AHEAD)."""
 
     def start(self, host: PackedBatch) -> None:
         """Queue `host`'s copy behind the work queued so far (the batch before it may still be in use)."""
         self._stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self._stream):
             b = _packed_to(host, self.device)
-            if self.prepare is not None:
-                b.teacher = self.prepare(b)
             done = torch.cuda.Event()
             done.record()
         self._ahead = (b, done)
@@ -452,16 +443,14 @@ class PackedPrefetcher:
     the one handed out is copied to the GPU on a side stream when it is ready (AheadUploader).
     Online on CUDA: the target's forward for batch i+1 is enqueued on a side stream before the
     drafter's step on batch i, so the two overlap on the GPU; the side stream's start/end events
-    give the time the target took. Online on the CPU: sequential. `prepare(batch)` (CUDA only): the batch's
-    teacher, made on the same side stream after its states (TEACHER_AHEAD; online, inside the target's timing).
+    give the time the target took. Online on the CPU: sequential.
     """
 
-    def __init__(self, src, schedule, device, *, steps: int, pad_to: int | None, depth: int = 2, prepare=None):
+    def __init__(self, src, schedule, device, *, steps: int, pad_to: int | None, depth: int = 2):
         import queue
         import threading
 
         self.src, self.device, self.steps, self.pad_to = src, torch.device(device), steps, pad_to
-        self.prepare = prepare if self.device.type == "cuda" else None
         self.offline = isinstance(src, StoreSource)
         self._schedule = iter(schedule)
         if self.offline:
@@ -469,7 +458,7 @@ class PackedPrefetcher:
             self._stop = threading.Event()
             self._thread = threading.Thread(target=self._work, daemon=True)
             self._thread.start()
-            self._uploader = AheadUploader(self.device, self.prepare) if self.device.type == "cuda" else None
+            self._uploader = AheadUploader(self.device) if self.device.type == "cuda" else None
         else:
             self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             self._pending = None
@@ -506,8 +495,6 @@ class PackedPrefetcher:
         with torch.cuda.stream(self._stream):
             start.record()
             b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to)
-            if self.prepare is not None:
-                b.teacher = self.prepare(b)
             end.record()
         b.target_timing = (start, end)
         self._pending = b

@@ -254,7 +254,9 @@ class PackedTTTModule(nn.Module):
         self._unused = None  # the rows outside the draft vocab, made on first use (ttt.SPLIT_TEACHER_HEAD)
 
     def teacher(self, final_ND):
-        """The packed row's teacher (drafter/ttt.py packed_teacher) from its final states."""
+        """The packed row's teacher (drafter/ttt.py packed_teacher) from its final states. (Made ahead of its step,
+        on the side stream that brings the batch in, it did not pay on an H200: benchmarks/RESULTS.md, 2026-12-01
+        night, TEACHER_AHEAD.)"""
         from eyas.drafter import ttt
 
         head, head_used, used, t2d = self._head
@@ -264,12 +266,10 @@ class PackedTTTModule(nn.Module):
                                   cache_bytes=self.teacher_cache_bytes,
                                   unused=self._unused if ttt.SPLIT_TEACHER_HEAD else None)
 
-    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None, teacher=None):
-        """`teacher`: made ahead (TEACHER_AHEAD), else made here."""
+    def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None):
         from eyas.drafter.ttt import ttt_loss_packed
 
-        if teacher is None:
-            teacher = self.teacher(final_ND)
+        teacher = self.teacher(final_ND)
         out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
                               teacher=teacher, cfg=self.ttt_cfg, denominators=denominators,
                               chunk_rows=self.chunk_rows, live=live)
@@ -666,8 +666,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
 
     def forward_batch(batch, denoms):
         with amp:
-            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms, batch.live,
-                          batch.teacher)
+            return module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms, batch.live)
 
     def micro_items(step):
         """[accum] item lists of this rank; a rank left without samples gets a loss-free dummy."""
@@ -705,10 +704,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                 f"{extra} | eta {_fmt_eta(eta)}")
         return bool(stopping)
 
-    inner = module.module if hasattr(module, "module") else module  # (under DDP)
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
-                                steps=K, pad_to=tokens_per_batch,
-                                prepare=(lambda b: inner.teacher(b.final_ND)) if TEACHER_AHEAD else None)
+                                steps=K, pad_to=tokens_per_batch)
     stop.install()
     pending = None  # a step whose statistics are read once the next one is queued (DEFER_STATS)
     t_last = time.perf_counter()
@@ -965,10 +962,11 @@ DEFER_STATS = True
 GPU never idles while the host logs and prepares a step: they are copied to pinned host memory behind the step
 (`HostCopies`), and the read waits for that copy alone (reading the device tensors then would wait for the next
 step too, as it did when the figures below were measured); the records and log lines are then one step late (never
-at an evaluation, a checkpoint, the last step or a stop in one process, which read at once); with several ranks, a stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank
-alike. With packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens
-a batch) the SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch,
-285,431 against 264,361 with the state cache. The read from the host copy, against the device tensors' read
+at an evaluation, a checkpoint, the last step or a stop in one process, which read at once); with several ranks, a
+stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank alike. With
+packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens a batch) the
+SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch, 285,431
+against 264,361 with the state cache. The read from the host copy, against the device tensors' read
 (train_bench.py's `eyas-stats-late-on-device`), 8B shape, one process (2026-12-02): 67.4 against 72.4 ms a step,
 the host's wait for the GPU 3.0 against 23.7 ms a step. False: read at the end of each step (train_bench.py's 8B
 variant `eyas-stats-every-step`)."""
@@ -977,16 +975,6 @@ variant `eyas-stats-every-step`)."""
 STEP_END = None
 """None, or a function called with each step's index once its optimizer step is queued: a profiler's `step()`
 (benchmarks/train_bench.py --suite smol --profile)."""
-
-
-TEACHER_AHEAD = False
-"""On CUDA, each batch's teacher (the target head's logits from its final states: the full-vocabulary argmax and the
-draft-vocabulary table) is made on the side stream that brings the batch in (offline: after its upload; online:
-after the target's forward), beside the drafter's step on the batch before, instead of at the start of the
-batch's own step. Same numbers. Off: measured on an H200 (2026-12-01), it did not pay. 8B shape
-(train_bench.py's `eyas-teacher-ahead`): 78.4 against 79.9 ms a step, inside the rounds' spread. SmolLM2 online,
-131,072 tokens a batch, target on every batch: 212,857 against 219,567 supervised tokens/s and 8.4 GB more memory
-(the next batch's teacher table held beside the step's)."""
 
 
 def _clip(module, params, max_norm: float) -> torch.Tensor | float:
