@@ -72,6 +72,10 @@ summary() {  # the last lines of each chain's logs
         echo "== $(basename $f)"; grep -v "Loading weights\|warmup\|^  \[" "$f" | tail -${1:-4} | cut -c1-300
     done
 }
+newest() {  # the chains' newest log and how long ago it was written: a job that hangs shows here, not in its tail
+    local f; f=$(ls -t $ROOT/q/*.log 2>/dev/null | head -1); [ -n "$f" ] || return 0
+    local age=$(( $(date +%s) - $(stat -c %Y "$f") )); note "newest log $(basename $f), written ${age}s ago$([ $age -gt 240 ] && echo ': a job may hang')"
+}
 need() { for f in "$@"; do [ -e "$f" ] || { note "fresh machine: $f is missing (staging lost)"; exit 1; }; done; }
 stage1() {
     cp $STAGE/a2/* $S/ && python -m pip install -q --no-index --no-deps --target $ROOT/site $S/*.whl
@@ -91,7 +95,7 @@ prep=$ROOT/scaling/n$ALL-s$STEPS/prepared
 waitfor() { while [ ! -e "$1" ]; do sleep $POLL_S; done; }
 train_8b() {  # BENCH_VARIANTS (comma-separated train_bench.py labels): only those, else every variant; 10 rounds
     # (5 left a 10% spread of single rounds around medians 2% apart, 2026-12-01)
-    timeout 600 python benchmarks/train_bench.py --no-compile --no-reference --rounds 10 \
+    timeout -k 30 600 python benchmarks/train_bench.py --no-compile --no-reference --rounds 10 \
         ${BENCH_VARIANTS:+--variants $BENCH_VARIANTS} > $ROOT/q/train_8b.log 2>&1
 }
 smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the arguments (default off on once):
@@ -100,7 +104,7 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), regen-off: off on the recipe's
     # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps
     # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure)
-    timeout 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
+    timeout -k 30 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
     local args=("${common[@]}" --data $ROOT/prep500)
@@ -108,18 +112,18 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     for flag in ${SMOL_FLAGS:-}; do next+=(--flag $flag); done
     for run in ${@:-off on once}; do
         case $run in
-        off) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1 ;;
-        on) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
-        once) timeout 120 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
+        off) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1 ;;
+        on) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
+        once) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
             > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
         regen-off) if [ ! -f $prep/meta.json ]; then  # a job earlier in the chain makes them: waiting would hang it
                 echo "regen-off: $prep is not there (prepare_only or a recipe job before this one makes it)" \
                     > $ROOT/q/train_smol_regen_cache_off.log; continue; fi
-            timeout 120 python benchmarks/train_bench.py "${common[@]}" --data $prep --cache off \
+            timeout -k 30 240 python benchmarks/train_bench.py "${common[@]}" --data $prep --cache off \
             > $ROOT/q/train_smol_regen_cache_off.log 2>&1 ;;
-        profile) timeout 240 python benchmarks/train_bench.py "${args[@]}" --cache off --steps 14 --profile 40 \
+        profile) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache off --steps 14 --profile 40 \
             > $ROOT/q/profile_smol_online.log 2>&1 ;;  # op tables of steps 12 and 13 (after 10 skipped, 1 warm)
-        next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout 180 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
+        next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
             > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
         esac
     done
@@ -129,7 +133,7 @@ smol_next() { smol_rate ${SMOL_RUNS:-off on next-off next-on}; }  # the default 
 # another (SMOL_RUNS: some of them, e.g. "off next-off" for the target on every batch alone)
 gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on synthetic states, every variant of the
     # default path and the ones to measure (train_bench.py) in one process: the GPU kernels run before the chain
-    timeout 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
+    timeout -k 30 300 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --no-compile --no-reference --no-specforge \
         > $ROOT/q/gpu_check.log 2>&1
 }
 side_by_side() {
@@ -175,9 +179,9 @@ side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (th
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs_lr3e-4.log 2>&1
 }
 profiles() { profile_8b; profile_small; }  # where the step time goes (synthetic states): op tables, copies by shape
-profile_8b() { timeout 150 python benchmarks/train_bench.py --profile 40 --no-specforge > $ROOT/q/profile_8b.log 2>&1; }
+profile_8b() { timeout -k 30 150 python benchmarks/train_bench.py --profile 40 --no-specforge > $ROOT/q/profile_8b.log 2>&1; }
 profile_small() {
-    timeout 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
+    timeout -k 30 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
         > $ROOT/q/profile_small.log 2>&1
 }
 recipe() {  # recipe CONVERSATIONS GPUS: scaling-study points with the recipe
@@ -198,7 +202,7 @@ smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
     # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these)
-    timeout 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
+    timeout -k 30 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
         -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies}" \
         > $ROOT/q/gpu_tests.log 2>&1
 }
@@ -262,13 +266,13 @@ case "$part" in
         jobs_chain 0 main JOBS "recipe_all specdec"
     fi
     while [ $(( $(date +%s) - T0 )) -lt ${CALL_S:-555} ] && [ "$(running)" -gt 0 ]; do sleep $POLL_S; done
-    collect; summary
+    collect; summary; newest
     ;;
 3)
     need $ROOT/smol
     while [ $(( $(date +%s) - T0 )) -lt ${WAIT_S:-540} ] && [ "$(running)" -gt 0 ]; do sleep $POLL_S; done
     collect; tar czf "$OUT/regen.tgz" -C $ROOT/scaling regen 2>/dev/null
-    summary 8
+    summary 8; newest
     n=$(running); note "chains still running: $n"; [ "$n" -gt 0 ] && note "call 3 again"
     ;;
 esac

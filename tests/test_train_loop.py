@@ -212,6 +212,82 @@ def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world,
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
 
 
+def test_a_stop_skips_the_evaluation_due_at_its_step_and_a_second_signal_stops_at_once(world, tmp_path, monkeypatch):
+    """SIGTERM during step 2 of 4 with an evaluation due at step 2: the run saves step 2 and stops without
+    evaluating first. Two SIGTERMs in one step: the second stops the run at once, with no checkpoint of the step
+    and a message that says what a rerun does."""
+    import signal
+
+    from eyas.errors import Interrupted
+    from eyas.train.loop import run
+
+    kw = dict(data=world["prep"], steps=4, batch_size=2, eval_every=2)
+    one = tmp_path / "one"
+    _interrupt_at_step(monkeypatch, 2, signal.SIGTERM)
+    with pytest.raises(Interrupted, match=r"stopped after step 2 of 4, saved in .*step-000002\.safetensors"):
+        run(_cfg(world, one, **kw))
+    lines = [json.loads(x) for x in (one / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in lines if not r.get("eval")] == [1, 2]
+    assert not [r for r in lines if r.get("eval")]  # the evaluation due at step 2 did not run
+    monkeypatch.undo()
+
+    from eyas.train import loop
+
+    calls, real = [], loop._clip
+
+    def clip(*a, **k):  # two SIGTERMs during step 2, as a scheduler that repeats its stop, or a second `kill`
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real(*a, **k)
+
+    monkeypatch.setattr(loop, "_clip", clip)
+    two = tmp_path / "two"
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Interrupted) as exc:
+        run(_cfg(world, two, **kw))
+    assert str(exc.value) == "no training step was saved, so a rerun starts from step 0"
+    assert not list((two / "checkpoints").glob("*.safetensors"))
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_compile_workers_start_with_the_stop_signals_ignored(monkeypatch):
+    """start_compile_workers_shielded: the worker processes torch starts there ignore SIGINT and SIGTERM (a
+    signal to the whole process group leaves them alive while the run finishes its step), and this process's
+    handlers are as before. torch's pool start is replaced by a plain child process (this machine has no Triton,
+    so torch starts no pool here); the child inherits the dispositions as inductor's sidecar does."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import torch._inductor.async_compile as ac
+
+    from eyas.train.loop import start_compile_workers_shielded
+
+    children = []
+
+    def warm():
+        children.append(subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]))
+
+    monkeypatch.setattr(ac, "maybe_warm_pool", warm)
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    start_compile_workers_shielded()
+    (child,) = children
+    try:
+        assert {s: signal.getsignal(s) for s in before} == before
+        time.sleep(0.5)  # (the child's interpreter has started)
+        ignored = int(next(x for x in open(f"/proc/{child.pid}/status") if x.startswith("SigIgn:")).split()[1], 16)
+        assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1
+        child.send_signal(signal.SIGTERM)
+        time.sleep(0.3)
+        assert child.poll() is None  # still running
+    finally:
+        child.kill()
+        child.wait()
+
+
 def test_deferred_statistics_give_the_same_records_and_stop_at_once_in_one_process(world, tmp_path, monkeypatch):
     """loop.DEFER_STATS: each step's statistics read after the next step is queued give the same records (loss,
     accuracies, learning rate, gradient norm, tokens) as reading them at once; in one process a stop asked during

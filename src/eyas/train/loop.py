@@ -320,8 +320,9 @@ def _fmt_eta(s: float) -> str:
 
 class StopRequest:
     """SIGINT/SIGTERM during the loop: the current step finishes, a checkpoint is saved, and the run
-    stops (`signum` is set; the loop reads it between steps). A second SIGINT stops at once. Handlers
-    can only be installed from the main thread; elsewhere signals keep their default behaviour."""
+    stops (`signum` is set; the loop reads it between steps). A second signal (SIGINT or SIGTERM)
+    stops at once, without that checkpoint. Handlers can only be installed from the main thread;
+    elsewhere signals keep their default behaviour."""
 
     def __init__(self):
         self.signum: int | None = None
@@ -339,9 +340,33 @@ class StopRequest:
 
     def _handle(self, signum, frame):
         # no logging here: the handler may run in the middle of the loop's own write to stderr
-        if signum == signal.SIGINT and self.signum is not None:
+        if self.signum is not None:
             raise KeyboardInterrupt
         self.signum = self.signum or signum
+
+
+def start_compile_workers_shielded() -> None:
+    """Start torch inductor's compile workers now, with SIGINT and SIGTERM ignored (a disposition they
+    inherit), instead of at the first compile inside the loop.
+
+    A SIGTERM sent to the whole process group (`timeout`, a batch scheduler's preemption) otherwise
+    kills those workers while the run itself, asked to stop, finishes its step: a compile after that
+    (the final evaluation's first) waits forever for a dead worker (seen on an H200: a run under
+    `timeout 120` hung 20 minutes, until killed). Shielded, the workers live until the run exits (they
+    end when their parent's pipe closes). Uses torch's own warm-up (`maybe_warm_pool`), so nothing starts
+    where torch would not start a pool (TORCH_WARM_POOL=0, no Triton); main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    try:
+        from torch._inductor.async_compile import maybe_warm_pool
+    except ImportError:  # (a torch without inductor's pool: nothing to shield)
+        return
+    old = {s: signal.signal(s, signal.SIG_IGN) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        maybe_warm_pool()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
 
 
 def _continue_hint(cfg: TrainConfig) -> str:
@@ -706,6 +731,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
 
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
                                 steps=K, pad_to=tokens_per_batch)
+    if dev.type == "cuda":  # (the drafter's and the online target's compiled pieces compile in the loop)
+        start_compile_workers_shielded()
     stop.install()
     pending = None  # a step whose statistics are read once the next one is queued (DEFER_STATS)
     t_last = time.perf_counter()
@@ -759,7 +786,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
             pending = HostCopies(readings)  # read once the next step is queued, waiting for this one alone
             continue
         stopping = report(*readings) or stop_seen
-        if eval_due:
+        if eval_due and not (stopping and not done):  # (a run that stops here saves and ends: no evaluation first)
             ev = evaluate(module, eval_src, forward_batch=forward_batch, K=K, weights=ttt_cfg.weights, d=d,
                           tokens_per_batch=tokens_per_batch or batch_size * cfg.max_length, device=dev)
             ev["step"] = step + 1
