@@ -288,6 +288,48 @@ def test_compile_workers_start_with_the_stop_signals_ignored(monkeypatch):
         child.wait()
 
 
+GROUP_SIGTERM = """
+import os, signal, sys, time
+import torch
+from torch._inductor.async_compile import AsyncCompile
+from eyas.train.loop import start_compile_workers_shielded
+if sys.argv[1] == "shielded":
+    start_compile_workers_shielded()
+seen = []
+signal.signal(signal.SIGTERM, lambda *a: seen.append(1))  # a run asked to stop finishes its step
+torch.compile(lambda x: (x * 2).sin())(torch.randn(64, device="cuda"))
+t = time.time()
+while not AsyncCompile.use_process_pool():  # (inductor sends compiles to its workers once they are ready)
+    assert time.time() - t < 120, "the compile workers were not ready in 120 s"
+    time.sleep(0.5)
+os.killpg(0, signal.SIGTERM)  # as `timeout` or a scheduler's preemption: to the whole process group
+time.sleep(2)
+torch.compile(lambda x: (x + 3).cos() * x)(torch.randn(96, device="cuda"))  # a compile after it (the final evaluation's)
+print("finished", len(seen))
+"""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compile workers build Triton kernels)")
+def test_a_compile_after_a_process_group_sigterm_finishes(tmp_path):
+    """The hang start_compile_workers_shielded prevents, with torch inductor's real compile workers: once they are
+    ready, a SIGTERM to the process group, caught by the run (which finishes its step), then a compile. Shielded,
+    the compile finishes. Unshielded (`python <script> plain`), the workers die and, by torch's code, the compile's
+    jobs never come back: the parent keeps both ends of the workers' pipes open, so their end reads as no EOF (a
+    SmolLM2 run under `timeout 120` hung so on an H200). Two earlier forms of this script that sent the signal
+    before the workers were ready ended unshielded too: inductor compiled in its own process then."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "group_sigterm.py"
+    script.write_text(GROUP_SIGTERM)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
+                                                       os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.run([sys.executable, str(script), "shielded"], start_new_session=True, capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "finished 1"
+
+
 def test_deferred_statistics_give_the_same_records_and_stop_at_once_in_one_process(world, tmp_path, monkeypatch):
     """loop.DEFER_STATS: each step's statistics read after the next step is queued give the same records (loss,
     accuracies, learning rate, gradient norm, tokens) as reading them at once; in one process a stop asked during

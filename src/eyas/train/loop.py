@@ -350,10 +350,12 @@ def start_compile_workers_shielded() -> None:
     inherit), instead of at the first compile inside the loop.
 
     A SIGTERM sent to the whole process group (`timeout`, a batch scheduler's preemption) otherwise
-    kills those workers while the run itself, asked to stop, finishes its step: a compile after that
-    (the final evaluation's first) waits forever for a dead worker (seen on an H200: a run under
-    `timeout 120` hung 20 minutes, until killed). Shielded, the workers live until the run exits (they
-    end when their parent's pipe closes). Uses torch's own warm-up (`maybe_warm_pool`), so nothing starts
+    kills those workers while the run itself, asked to stop, finishes its step; a compile after that
+    (the final evaluation's first) sends its jobs to the dead workers, whose replies never come: the
+    parent keeps both ends of their pipes open, so no end of file is read. On an H200 a SmolLM2 run
+    under `timeout 120` hung so for 20 minutes, until killed (the workers' process dead and unreaped,
+    a thread reading its pipe). Shielded, the workers live until the run exits (they end when their
+    parent's pipe closes). Uses torch's own warm-up (`maybe_warm_pool`), so nothing starts
     where torch would not start a pool (TORCH_WARM_POOL=0, no Triton); main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
