@@ -35,7 +35,8 @@ past step 0, which would flatter it; its rate comes from real training (benchmar
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
 `--budgets` tokens per batch: steady-state tokens/s from metrics.jsonl (after `--skip` steps),
-supervised (answer) tokens/s, the share of time the target took, and peak GPU memory. Metrics:
+supervised (answer) tokens/s, the share of time the target took, peak GPU memory, and the host's median wait
+for the GPU in a step (the records' host_wait_s; near 0 where the host bounds the step). Metrics:
 train_smol_tok_s (real tokens, no padding), train_smol_supervised_tok_s, train_smol_peak_gb_128k.
 `--cache off` measures the target in the loop on every batch (a first epoch); `--cache on` with a small
 prepared set (a few batches an epoch) and --skip past its first epoch measures the rate of the epochs
@@ -579,7 +580,8 @@ def _steady(metrics_file, skip: int) -> dict:
     return {"steps_timed": len(tail), "tokens_per_s": sum(r["tokens"] for r in tail) / secs,
             "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in tail) / secs,
             "useful_fraction": sum(r["tokens"] for r in tail) / max(1, sum(r["padded_tokens"] for r in tail)),
-            "target_share": tail[-1].get("target_share"), "final_loss": tail[-1]["loss"]}
+            "target_share": tail[-1].get("target_share"), "final_loss": tail[-1]["loss"],
+            "wait_ms": statistics.median(r.get("host_wait_s", 0.0) for r in tail) * 1000}
 
 
 def _loop_profile(args, cuda: bool):
@@ -656,13 +658,15 @@ def suite_smol(args) -> dict:
         for k, r in ok.items():
             if r["tokens_per_batch"] >= 131072:
                 result["train_smol_peak_gb_128k"] = max(result.get("train_smol_peak_gb_128k", 0), r["peak_mem_gb"])
-    print(f"{'run':24s} {'tok/s':>9s} {'superv/s':>9s} {'useful':>7s} {'target':>7s} {'peak GB':>8s}")
+    print(f"{'run':24s} {'tok/s':>9s} {'superv/s':>9s} {'useful':>7s} {'target':>7s} {'peak GB':>8s} {'wait ms':>8s}")
     for name, r in result["runs"].items():
         if "tokens_per_s" not in r:
             print(f"{name:24s} failed: {r['error'][:80]}")
             continue
         print(f"{name:24s} {r['tokens_per_s']:9.0f} {r['supervised_tokens_per_s']:9.0f} {r['useful_fraction']:7.3f} "
-              f"{(r['target_share'] or 0):7.2f} {r['peak_mem_gb']:8.1f}")
+              f"{(r['target_share'] or 0):7.2f} {r['peak_mem_gb']:8.1f} {r['wait_ms']:8.2f}")
+    print("wait ms: the median over the timed steps of the host's wait for the GPU when it read a step's statistics "
+          "(near 0: the host, not the GPU, sets the step's time)")
     return result
 
 

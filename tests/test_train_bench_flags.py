@@ -62,3 +62,23 @@ def test_rounds_report_the_hosts_wait_per_step_where_a_step_counts_it():
                       runs, rounds=3, warmup=1, steps=2, device=torch.device("cpu"), tokens_per_step=10)
     assert runs["eyas"]["wait_ms"] == pytest.approx(1.5) and runs["wrapped"]["wait_ms"] == pytest.approx(1.5)
     assert "wait_ms" not in runs["peer"] and runs["peer"]["tokens_per_s"] > 0
+
+
+def test_the_smol_suites_steady_rate_and_wait_come_from_the_records_after_skip(tmp_path):
+    """_steady: tokens/s over the timed steps' own seconds, and the median of their host waits in ms (a record
+    written before host_wait_s counts 0)."""
+    import json
+
+    tb = load_benchmark("train_bench")
+    recs = [dict(step=1, tokens=999, supervised_tokens=999, padded_tokens=999, step_s=9.0, host_wait_s=5.0, loss=3.0),
+            dict(step=2, tokens=100, supervised_tokens=60, padded_tokens=125, step_s=0.5, host_wait_s=0.002, loss=2.0),
+            dict(step=3, tokens=300, supervised_tokens=140, padded_tokens=375, step_s=0.5, host_wait_s=0.010, loss=1.0),
+            dict(step=4, tokens=200, supervised_tokens=100, padded_tokens=200, step_s=1.0, loss=0.5)]
+    f = tmp_path / "metrics.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in recs) + json.dumps({"eval": True, "loss": 9}) + "\n")
+    r = tb._steady(f, skip=1)
+    assert r["steps_timed"] == 3
+    assert r["tokens_per_s"] == pytest.approx(600 / 2.0) and r["supervised_tokens_per_s"] == pytest.approx(150.0)
+    assert r["useful_fraction"] == pytest.approx(600 / 700)
+    assert r["wait_ms"] == pytest.approx(2.0)  # median of 2, 10 and 0 ms
+    assert r["final_loss"] == 0.5

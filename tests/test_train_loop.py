@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -210,6 +211,32 @@ def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world,
     assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
     for x, y in zip(a, b):
         assert x["loss"] == pytest.approx(y["loss"], rel=1e-6), x["step"]
+
+
+def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp_path, monkeypatch):
+    """host_wait_s: the seconds the host waited for a step's statistics, within the step's own time, read at once
+    and one step late (DEFER_STATS); a read slowed by 50 ms shows in it."""
+    from eyas.train import data, loop
+
+    for defer in (False, True):
+        monkeypatch.setattr(loop, "DEFER_STATS", defer)
+        out = tmp_path / f"defer{defer}"
+        loop.run(_cfg(world, out, data=world["prep"], steps=3, batch_size=2))
+        recs = _train_records(out)
+        assert [r["step"] for r in recs] == [1, 2, 3]
+        assert all(0 <= r["host_wait_s"] <= r["step_s"] for r in recs), recs
+    real = data.HostCopies.get
+
+    def slow(self):  # a GPU that is 50 ms behind the host at each deferred read
+        time.sleep(0.05)
+        return real(self)
+
+    monkeypatch.setattr(data.HostCopies, "get", slow)
+    out = tmp_path / "slow"
+    loop.run(_cfg(world, out, data=world["prep"], steps=3, batch_size=2))
+    recs = _train_records(out)
+    assert recs[0]["host_wait_s"] >= 0.05 and recs[1]["host_wait_s"] >= 0.05  # read one step late: steps 1 and 2
+    assert recs[2]["host_wait_s"] < 0.05  # the last step's statistics are read at once
 
 
 def test_a_stop_skips_the_evaluation_due_at_its_step_and_a_second_signal_stops_at_once(world, tmp_path, monkeypatch):

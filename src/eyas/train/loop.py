@@ -700,13 +700,17 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         first = train_src.item(plan.step_indices(step)[0])
         return [[train_src.item(i) for i in idx] or [_dummy(first)] for idx in plan.micro_indices(step, d.rank)]
 
-    def report(step, stats, counts_t, denoms, gnorm, lr_s, timings) -> bool:
+    def report(step, stats, counts_t, denoms, gnorm, lr_s, timings, waited: float = 0.0) -> bool:
         """Read a step's statistics back (this waits for the GPU to finish it), write its metrics record and log
-        line; True when a process asked to stop."""
+        line; True when a process asked to stop. `waited`: seconds the host already waited for them (a deferred
+        read's copies); the record's `host_wait_s` adds the wait here (near 0: the host, not the GPU, sets the
+        step's time)."""
         nonlocal tok_run, pad_run, sup_run, target_run, last, t_last
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
         den = denoms.double().clamp_min(1)
+        t0 = time.perf_counter()
         loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
+        waited += time.perf_counter() - t0
         loss_v = sum(w * l for w, l in zip(ttt_cfg.weights, loss_k))
         acc_k = (correct / valid.clamp_min(1)).tolist()
         tokens, padded, supervised, stopping = (int(x) for x in counts_t.tolist())
@@ -719,7 +723,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         eta = (total - step - 1) * wall / (step + 1 - start)
         last = {"step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
                 "lr": lr_s, "grad_norm": float(gnorm), "tokens": tokens, "padded_tokens": padded,
-                "supervised_tokens": supervised, "step_s": dt, "tokens_per_s": rate,
+                "supervised_tokens": supervised, "step_s": dt, "host_wait_s": waited, "tokens_per_s": rate,
                 "supervised_tokens_per_s": sup_run / wall, "useful_fraction": tok_run / max(pad_run, 1),
                 "target_share": target_run / wall if train_src is not None and cfg.store is None else 0.0}
         metrics.write(last)
@@ -778,7 +782,12 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         dd.all_reduce_sum(stats, d)
         dd.all_reduce_sum(counts_t, d)
         readings = (step, stats, counts_t, denoms, gnorm, sched.get_last_lr()[0], [b.target_timing for b in batches])
-        stop_seen = report(*pending.get()) if pending is not None else False  # the step before, one step late
+        if pending is not None:  # the step before's, one step late
+            t0 = time.perf_counter()
+            got = pending.get()
+            stop_seen = report(*got, waited=time.perf_counter() - t0)
+        else:
+            stop_seen = False
         pending = None
         done = step + 1 == total
         eval_due = eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done)
