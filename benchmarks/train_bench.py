@@ -232,7 +232,7 @@ def patched(step, patcher):
     return run
 
 
-FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop"}
+FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop", "data": "eyas.train.data"}
 
 
 def flag_setting(name: str):
