@@ -103,7 +103,8 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     # next-off, next-on: off and on with the module settings of SMOL_FLAGS (train_bench.py --flag, e.g.
     # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), regen-off: off on the recipe's
     # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps
-    # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure)
+    # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure),
+    # flag:MODULE.NAME: off with that one setting (train_bench.py --flag), e.g. flag:data.HOST_PREP_AHEAD
     timeout -k 30 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
@@ -125,6 +126,8 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
             > $ROOT/q/profile_smol_online.log 2>&1 ;;  # op tables of steps 12 and 13 (after 10 skipped, 1 warm)
         next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
             > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
+        flag:*) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --flag ${run#flag:} --cache off \
+            > $ROOT/q/train_smol_${run#flag:}.log 2>&1 ;;
         esac
     done
 }
@@ -201,10 +204,13 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
 smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
-    # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these)
+    # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these); then
+    # the compile workers' shield from a process-group SIGTERM (tests/test_train_loop.py, its one GPU test)
     timeout -k 30 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
         -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies}" \
         > $ROOT/q/gpu_tests.log 2>&1
+    timeout -k 30 360 python -m pytest -q -p no:cacheprovider -rs tests/test_train_loop.py -k process_group \
+        >> $ROOT/q/gpu_tests.log 2>&1
 }
 specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \

@@ -267,6 +267,19 @@ def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
     assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == ["a:lr=3e-3", "b:lr=1e-3"]
 
 
+def test_smol_runs_with_one_setting_each(tmp_path):
+    """SMOL_RUNS "flag:MODULE.NAME": the run with the target on every batch and that one setting, one run per
+    setting after the default's, each in its own log."""
+    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target smol_next", JOBS="none",
+                                   SMOL_RUNS="off flag:data.HOST_PREP_AHEAD flag:ttt.SPLIT_TEACHER_HEAD")
+    run(1)
+    run(2)
+    assert "chains still running: 0" in run(3)[1]
+    rates = [x["args"] for x in calls() if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
+    runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y == "--flag"]) for a in rates]
+    assert runs == [("off", []), ("off", ["data.HOST_PREP_AHEAD"]), ("off", ["ttt.SPLIT_TEACHER_HEAD"])], runs
+
+
 def test_profile_smol_online_profiles_past_the_skipped_steps(tmp_path):
     """profile_smol_online: the SmolLM2 run with the target on every batch, profiled, with enough steps for the
     profiler's schedule (--skip, one warm step, two recorded: the last --steps wins in argparse)."""
@@ -311,8 +324,8 @@ def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     run(2)
     assert "chains still running: 0" in run(3)[1]
     hits = [c for c in calls() if c["args"][:2] == ["-m", "pytest"]]
-    assert len(hits) == 1, calls()
-    a = hits[0]
+    assert len(hits) == 2, calls()
+    a, b = hits
     assert "tests/test_train_packed.py" in a["args"]
     # the -k expression picks every test of the file that skips without CUDA
     words = a["args"][a["args"].index("-k") + 1].split(" or ")
@@ -320,3 +333,8 @@ def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     gpu_only = re.findall(r"skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)", src)
     assert len(gpu_only) >= 5 and all(any(w in name for w in words) for name in gpu_only), (words, gpu_only)
     assert (Path(a["cwd"]) / "tests" / "test_train_packed.py").is_file() and a["gpu"] == "0"
+    # then test_train_loop.py's GPU-only test alone (its other tests need the embedded target's tokenizer)
+    assert "tests/test_train_loop.py" in b["args"]
+    src = (REPO / "tests" / "test_train_loop.py").read_text()
+    (gpu_only,) = re.findall(r"skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)", src)
+    assert b["args"][b["args"].index("-k") + 1] in gpu_only
