@@ -105,7 +105,7 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps
     # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure),
     # flag:MODULE.NAME: off with that one setting (train_bench.py --flag), e.g. flag:data.HOST_PREP_AHEAD
-    timeout -k 30 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
+    [ -f $ROOT/prep500/meta.json ] || timeout -k 30 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
     local args=("${common[@]}" --data $ROOT/prep500)
@@ -204,9 +204,9 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
 smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
-    # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these); then
-    # the compile workers' shield from a process-group SIGTERM (tests/test_train_loop.py, its one GPU test)
-    timeout -k 30 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
+    # kernel; pytest is in the device's image). GPU_TESTS: a pytest -k expression (default: all of these; none:
+    # none of them); then the compile workers' shield from a process-group SIGTERM (test_train_loop.py's GPU test)
+    [ "${GPU_TESTS:-}" = none ] || timeout -k 30 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
         -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies}" \
         > $ROOT/q/gpu_tests.log 2>&1
     timeout -k 30 360 python -m pytest -q -p no:cacheprovider -rs tests/test_train_loop.py -k process_group \
