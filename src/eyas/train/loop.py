@@ -735,10 +735,10 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                 f"{extra} | eta {_fmt_eta(eta)}")
         return bool(stopping)
 
+    if dev.type == "cuda":  # before the first compile (the online target's first forward, queued just below)
+        start_compile_workers_shielded()
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
                                 steps=K, pad_to=tokens_per_batch)
-    if dev.type == "cuda":  # (the drafter's and the online target's compiled pieces compile in the loop)
-        start_compile_workers_shielded()
     stop.install()
     pending = None  # a step whose statistics are read once the next one is queued (DEFER_STATS)
     t_last = time.perf_counter()
