@@ -235,25 +235,31 @@ def patched(step, patcher):
 FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop", "data": "eyas.train.data"}
 
 
-def flag_setting(name: str):
-    """MODULE.NAME (MODULE a key of FLAG_MODULES) -> (the eyas module, NAME), NAME one of its boolean settings."""
+def flag_setting(name: str, kind: type = bool):
+    """MODULE.NAME (MODULE a key of FLAG_MODULES) -> (the eyas module, NAME), NAME one of its boolean settings (or,
+    with kind int, one of its whole-number settings)."""
     import importlib
 
     mod, _, attr = name.partition(".")
     if mod not in FLAG_MODULES:
         raise SystemExit(f"--flag {name!r}: expected MODULE.NAME, MODULE one of {', '.join(FLAG_MODULES)}")
     module = importlib.import_module(FLAG_MODULES[mod])
-    if not isinstance(getattr(module, attr, None), bool):
-        raise SystemExit(f"--flag {name!r}: {FLAG_MODULES[mod]} has no boolean setting {attr!r}")
+    value = getattr(module, attr, None)
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise SystemExit(f"--flag {name!r}: {FLAG_MODULES[mod]} has no {kind.__name__} setting {attr!r}")
     return module, attr
 
 
 def set_flag(spec: str) -> None:
-    """--flag MODULE.NAME[=0]: set a boolean module setting of eyas (the smol suite's real `eyas train`)."""
+    """--flag MODULE.NAME[=0]: set a boolean module setting of eyas (the smol suite's real `eyas train`);
+    MODULE.NAME=N (N a whole number other than 0 and 1) sets a whole-number one, e.g. loop.HEAD_CHUNK_ROWS=32768."""
     name, _, value = spec.partition("=")
-    if value not in ("", "0", "1"):
-        raise SystemExit(f"--flag {spec!r}: expected MODULE.NAME or MODULE.NAME=0")
-    setattr(*flag_setting(name), value != "0")
+    if value in ("", "0", "1"):
+        setattr(*flag_setting(name), value != "0")
+    elif value.isdigit():
+        setattr(*flag_setting(name, int), int(value))
+    else:
+        raise SystemExit(f"--flag {spec!r}: expected MODULE.NAME, MODULE.NAME=0 or MODULE.NAME=N (a whole number)")
 
 
 def with_flag(step, name: str, value: bool):

@@ -23,7 +23,13 @@ def test_flags_name_existing_boolean_settings_and_variants_restore_them(monkeypa
     monkeypatch.setattr(data, "HOST_PREP_AHEAD", False)
     tb.set_flag("data.HOST_PREP_AHEAD")  # the online batches' host parts made ahead (train/data.py)
     assert data.HOST_PREP_AHEAD is True
-    for bad in ("nomodule.X", "ttt.NO_SUCH_SETTING", "ttt.CAST_ONCE_MIN_HIDDEN", "packing.GQA_FLASH=2"):
+    from eyas.train import loop
+
+    monkeypatch.setattr(loop, "HEAD_CHUNK_ROWS", loop.HEAD_CHUNK_ROWS)
+    tb.set_flag("loop.HEAD_CHUNK_ROWS=32768")  # a whole-number setting
+    assert loop.HEAD_CHUNK_ROWS == 32768
+    for bad in ("nomodule.X", "ttt.NO_SUCH_SETTING", "ttt.CAST_ONCE_MIN_HIDDEN", "packing.GQA_FLASH=2",
+                "loop.HEAD_CHUNK_ROWS", "loop.HEAD_CHUNK_ROWS=big", "loop.DEFER_STATS=4096"):
         with pytest.raises(SystemExit, match="--flag"):
             tb.set_flag(bad)
     seen = []

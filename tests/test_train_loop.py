@@ -277,6 +277,33 @@ def test_online_host_parts_made_ahead_on_a_thread_give_the_same_run(world, tmp_p
         loop.run(_cfg(world, tmp_path / "broken", data=world["prep"], steps=4, batch_size=2))
 
 
+def test_the_heads_chunk_size_changes_no_record(world, tmp_path, monkeypatch):
+    """loop.HEAD_CHUNK_ROWS: the heads' work in chunks of 5 rows or of the default gives the same records (the
+    chunks' sums in another order: equal to float rounding)."""
+    from eyas.drafter import ttt
+    from eyas.train import loop
+
+    seen, real = [], ttt.ttt_loss_packed
+
+    def spy(*a, **k):
+        seen.append(k["chunk_rows"])
+        return real(*a, **k)
+
+    monkeypatch.setattr(ttt, "ttt_loss_packed", spy)
+    recs = {}
+    for rows in (5, loop.HEAD_CHUNK_ROWS):
+        monkeypatch.setattr(loop, "HEAD_CHUNK_ROWS", rows)
+        seen.clear()
+        loop.run(_cfg(world, tmp_path / str(rows), data=world["prep"], steps=3, tokens_per_batch=96, batch_size=None))
+        assert seen and set(seen) == {rows}  # every step's and the evaluation's head calls
+        recs[rows] = _train_records(tmp_path / str(rows))
+    small, default = recs.values()
+    for a, b in zip(small, default, strict=True):
+        assert a["loss_per_step"] == pytest.approx(b["loss_per_step"], rel=1e-5)
+        assert a["acc_per_step"] == b["acc_per_step"] and a["supervised_tokens"] == b["supervised_tokens"]
+        assert a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-4)
+
+
 def test_a_stop_skips_the_evaluation_due_at_its_step_and_a_second_signal_stops_at_once(world, tmp_path, monkeypatch):
     """SIGTERM during step 2 of 4 with an evaluation due at step 2: the run saves step 2 and stops without
     evaluating first. Two SIGTERMs in one step: the second stops the run at once, with no checkpoint of the step

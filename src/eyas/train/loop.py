@@ -233,17 +233,26 @@ def teacher_cache_bytes(device: torch.device) -> int:
     return max(TEACHER_CACHE_BYTES, min(16 << 30, total // 10))
 
 
+HEAD_CHUNK_ROWS = 8192
+"""Rows a chunk of the heads' work (the drafter's head with its soft cross-entropy, the teacher's logits) holds at a
+time: its [rows x vocab] logits are the head's whole extra memory (8,192 x 32,000 in fp32: 1.0 GB), whatever the
+batch. A 131,072-token SmolLM2 step sends about 662,000 rows (its seven TTT steps' supervised rows) through the
+head: 81 chunks of 8,192, each a few dozen host-side operations and kernel launches; 32,768 cuts that to 21 at
+about 4 GB a logits chunk. Not measured on a GPU yet (train_bench.py --flag loop.HEAD_CHUNK_ROWS=32768)."""
+
+
 class PackedTTTModule(nn.Module):
     """The drafter plus its packed TTT loss as one forward(), so DDP/FSDP2 hooks see every use.
 
     The target's lm_head (`head_VtD`, frozen, not a parameter) turns the stored final states into
-    teacher logits inside the forward, chunk by chunk (drafter/ttt.py, fast path)."""
+    teacher logits inside the forward, chunk by chunk (drafter/ttt.py, fast path; `chunk_rows`: HEAD_CHUNK_ROWS
+    unless given)."""
 
-    def __init__(self, drafter, ttt_cfg, *, head_VtD: torch.Tensor, chunk_rows: int = 8192):
+    def __init__(self, drafter, ttt_cfg, *, head_VtD: torch.Tensor, chunk_rows: int | None = None):
         super().__init__()
         self.drafter = drafter
         self.ttt_cfg = ttt_cfg
-        self.chunk_rows = chunk_rows
+        self.chunk_rows = chunk_rows or HEAD_CHUNK_ROWS
         self.teacher_cache_bytes = teacher_cache_bytes(head_VtD.device)
         self.set_teacher_head(head_VtD)
 
