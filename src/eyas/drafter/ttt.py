@@ -588,13 +588,14 @@ def supervised_rows(loss_mask_N: torch.Tensor, ends_N: torch.Tensor, steps: int)
     Host tensors in, host tensors out (computed by the data loader, before the batch reaches the GPU).
     Their lengths are the step's loss-mask counts (the denominators of `ttt_loss`)."""
     N = loss_mask_N.shape[0]
-    t = torch.arange(N)
     mask = loss_mask_N.bool()
+    left = ends_N - torch.arange(N, dtype=ends_N.dtype)  # positions from t to its sample's end
     rows = []
-    for k in range(steps):
-        j = t + 2 + k
-        ok = (j < ends_N) & mask[j.clamp_max(N - 1)]
-        rows.append(t[ok])
+    for k in range(steps):  # (shifted slices, not a gather of j = t + 2 + k: about 3x less host time)
+        ok = torch.zeros(N, dtype=torch.bool)
+        ok[:max(0, N - 2 - k)] = mask[2 + k:]
+        ok &= left > 2 + k
+        rows.append(ok.nonzero().squeeze(1))
     return rows
 
 
