@@ -246,7 +246,8 @@ def flag_setting(name: str, kind: type = bool):
     module = importlib.import_module(FLAG_MODULES[mod])
     value = getattr(module, attr, None)
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise SystemExit(f"--flag {name!r}: {FLAG_MODULES[mod]} has no {kind.__name__} setting {attr!r}")
+        what = "boolean" if kind is bool else "whole-number"
+        raise SystemExit(f"--flag {name!r}: {FLAG_MODULES[mod]} has no {what} setting {attr!r}")
     return module, attr
 
 
