@@ -352,7 +352,6 @@ def test_compile_workers_start_with_the_stop_signals_ignored(monkeypatch):
     import signal
     import subprocess
     import sys
-    import time
 
     import torch._inductor.async_compile as ac
 
