@@ -74,7 +74,8 @@ summary() {  # the last lines of each chain's logs
 }
 newest() {  # the chains' newest log and how long ago it was written: a job that hangs shows here, not in its tail
     local f; f=$(ls -t $ROOT/q/*.log 2>/dev/null | head -1); [ -n "$f" ] || return 0
-    local age=$(( $(date +%s) - $(stat -c %Y "$f") )); note "newest log $(basename $f), written ${age}s ago$([ $age -gt 240 ] && echo ': a job may hang')"
+    local age=$(( $(date +%s) - $(stat -c %Y "$f") ))
+    note "newest log $(basename $f), written ${age}s ago$([ $age -gt 240 ] && echo ': a job may hang')"
 }
 need() { for f in "$@"; do [ -e "$f" ] || { note "fresh machine: $f is missing (staging lost)"; exit 1; }; done; }
 stage1() {

@@ -363,9 +363,10 @@ def start_compile_workers_shielded() -> None:
     (the final evaluation's first) sends its jobs to the dead workers, whose replies never come: the
     parent keeps both ends of their pipes open, so no end of file is read (read from torch's code). On
     an H200 a SmolLM2 run under `timeout 120` hung 20 minutes at its final evaluation, until killed,
-    with the workers' process dead and unreaped and a thread blocked reading its pipe. Shielded, the workers live until the run exits (they end when their
-    parent's pipe closes). Uses torch's own warm-up (`maybe_warm_pool`), so nothing starts
-    where torch would not start a pool (TORCH_WARM_POOL=0, no Triton); main thread only."""
+    with the workers' process dead and unreaped and a thread blocked reading its pipe. Shielded, the
+    workers live until the run exits (they end when their parent's pipe closes). Uses torch's own
+    warm-up (`maybe_warm_pool`), so nothing starts where torch would not start a pool
+    (TORCH_WARM_POOL=0, no Triton); main thread only."""
     if threading.current_thread() is not threading.main_thread():
         return
     try:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim.adamw import adamw
 
 OPTIMIZERS = ("adamw", "muon")
 BETAS = (0.9, 0.95)
@@ -90,31 +91,20 @@ class MuonAdamW(torch.optim.Optimizer):
             p.add_(update, alpha=-lr * muon_scale(p.shape))
 
     def _adamw(self, group) -> None:
+        """torch's own AdamW update (its functional form, foreach where torch picks it) on the group's parameters,
+        with torch.optim.AdamW's state (step, exp_avg, exp_avg_sq)."""
         params = [p for p in group["params"] if p.grad is not None]
-        if not params:
-            return
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
-        b1, b2 = group["betas"]
         for p in params:
             state = self.state[p]
             if not state:
                 state["step"] = torch.zeros((), dtype=torch.float32)
                 state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["step"] += 1
         states = [self.state[p] for p in params]
-        grads = [p.grad for p in params]
-        exp_avgs, exp_avg_sqs = [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states]
-        if wd:
-            torch._foreach_mul_(params, 1 - lr * wd)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - b1)
-        torch._foreach_mul_(exp_avg_sqs, b2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - b2)
-        steps = [float(s["step"]) for s in states]  # CPU scalars: no device read
-        denoms = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denoms, [math.sqrt(1 - b2 ** t) for t in steps])
-        torch._foreach_add_(denoms, eps)
-        torch._foreach_addcdiv_(params, exp_avgs, denoms, [-lr / (1 - b1 ** t) for t in steps])
+        b1, b2 = group["betas"]
+        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
+              [s["step"] for s in states], amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"],
+              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
 
 
 def make_optimizer(module: torch.nn.Module, kind: str, *, lr: float, weight_decay: float,
