@@ -26,7 +26,8 @@ Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
 resident first) and each one's median round is reported with its spread and, for eyas's steps, the host's median
-wait for the GPU in a step (`wait ms`: near 0 where the host, not the GPU, bounds the step): one after another,
+wait for the GPU in a step (`wait ms`; well above 0: the GPU bounds the step; near 0 says nothing by itself, see
+`wait ms` under --suite smol): one after another,
 the same code measured up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its
 GPU time). No variant prunes unreachable positions (ttt.PRUNE_UNREACHED): a random drafter reaches almost nothing
 past step 0, which would flatter it; its rate comes from real training (benchmarks/specforge_side_by_side.py
@@ -36,7 +37,9 @@ past step 0, which would flatter it; its rate comes from real training (benchmar
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
 `--budgets` tokens per batch: steady-state tokens/s from metrics.jsonl (after `--skip` steps),
 supervised (answer) tokens/s, the share of time the target took, peak GPU memory, and the host's median wait
-for the GPU in a step (the records' host_wait_s; near 0 where the host bounds the step). Metrics:
+for the GPU in a step (the records' host_wait_s). Near 0 does not by itself say the host bounds the step: when the
+GPU's launch queue is full, the host blocks inside kernel launches instead of at the read (a profile names that
+wait `Command Buffer Full`; seen on 2026-12-02 in the online SmolLM2 step, GPU-bound with a 0.05 ms wait). Metrics:
 train_smol_tok_s (real tokens, no padding), train_smol_supervised_tok_s, train_smol_peak_gb_128k.
 `--cache off` measures the target in the loop on every batch (a first epoch); `--cache on` with a small
 prepared set (a few batches an epoch) and --skip past its first epoch measures the rate of the epochs
@@ -380,7 +383,7 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
         dt = statistics.median(ts)
         runs[label].update(s_per_step=dt, tokens_per_s=tokens_per_step / dt, rounds_ms=[round(t * 1000, 2) for t in ts],
                            spread=(max(ts) - min(ts)) / dt)
-        if waits[label]:  # near 0: the GPU waits for the host (the step is bound by the host), not the reverse
+        if waits[label]:  # well above 0: the GPU bounds the step (near 0: see the module's docstring)
             runs[label]["wait_ms"] = statistics.median(waits[label]) * 1000
     return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
 
@@ -556,7 +559,7 @@ def suite_8b(args, dist) -> dict:
         if result.get("peak_mem_gb_all_variants"):
             print(f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "
                   f"ms/step: the median of {rounds} rounds (spread: (max - min) / median); wait ms: the host's wait "
-                  "for the GPU in a step (its statistics' read), near 0 where the host bounds the step")
+                  "for the GPU in a step (its statistics' read); well above 0: the GPU bounds the step")
     return result
 
 
@@ -578,6 +581,27 @@ def print_profile(prof, device, rows: int) -> None:
     print(f"{'op':16s} {'calls':>6s} {'self ms':>8s}  input shapes")
     for e in by_shape[:rows]:
         print(f"{e.key:16s} {e.count:6d} {self_us(e) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
+    print_ranges(prof.key_averages(), device)
+
+
+RANGES = ("eyas.target_forward", "eyas.drafter_forward", "_HeadSoftCE", "eyas.drafter_backward", "eyas.optimizer",
+          "Command Buffer Full")
+"""The named parts of the real loop's step (train/loop.py, train/data.py; _HeadSoftCE is the head's loss with its
+gradients, inside the drafter's forward) and the host's waits for a full GPU launch queue."""
+
+
+def print_ranges(averages, device) -> None:
+    """Device and host time of each of RANGES present in a profile's averages (every profiled step together)."""
+    found = {e.key: e for e in averages if e.key in RANGES}
+    if not found:
+        return
+    dev_key = "device_time_total" if hasattr(next(iter(found.values())), "device_time_total") else "cuda_time_total"
+    print(f"{'part of the step':24s} {'calls':>6s} {'device ms':>10s} {'host ms':>9s}")
+    for name in RANGES:
+        if name in found:
+            e = found[name]
+            dev_ms = getattr(e, dev_key, 0) / 1e3 if device.type == "cuda" else float("nan")
+            print(f"{name:24s} {e.count:6d} {dev_ms:10.1f} {e.cpu_time_total / 1e3:9.1f}")
 
 
 def _steady(metrics_file, skip: int) -> dict:
@@ -673,7 +697,8 @@ def suite_smol(args) -> dict:
         print(f"{name:24s} {r['tokens_per_s']:9.0f} {r['supervised_tokens_per_s']:9.0f} {r['useful_fraction']:7.3f} "
               f"{(r['target_share'] or 0):7.2f} {r['peak_mem_gb']:8.1f} {r['wait_ms']:8.2f}")
     print("wait ms: the median over the timed steps of the host's wait for the GPU when it read a step's statistics "
-          "(near 0: the host, not the GPU, sets the step's time)")
+          "(well above 0: the GPU bounds the step; near 0: the host did not wait there, which it also does not when "
+          "it waits in kernel launches behind a full GPU queue: a profile tells the two apart)")
     return result
 
 

@@ -777,7 +777,8 @@ def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_p
 
 def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatch, capsys):
     """loop.STEP_END is called once per optimizer step with its index; train_bench.py's smol profile steps a torch
-    profiler through it (steps --skip + 1 warm, + 2 and + 3 recorded) and prints the recorded steps' op table."""
+    profiler through it (steps --skip + 1 warm, + 2 and + 3 recorded) and prints the recorded steps' op table and
+    the step's named parts, once per recorded step."""
     import argparse
 
     from conftest import load_benchmark
@@ -799,6 +800,9 @@ def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatc
     assert "Self CPU time total" in out and "aten::" in out
     recorded = [e.count for e in prof.key_averages() if e.key == "ProfilerStep*"]
     assert recorded == [2]  # two of the loop's steps, each a profiler step
+    table = out.split("part of the step")[1].splitlines()[1:]
+    parts = {line.split()[0]: int(line.split()[1]) for line in table if line.split() and line.split()[0] in tb.RANGES}
+    assert parts["eyas.drafter_forward"] == parts["eyas.drafter_backward"] == parts["eyas.optimizer"] == 2, parts
 
 
 def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
@@ -838,6 +842,7 @@ def test_split_teacher_head_trains_like_one_product(world, tmp_path, monkeypatch
     from eyas.drafter import ttt
     from eyas.train.loop import run
 
+    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", False)
     run(_cfg(world, tmp_path / "one", data=world["prep"], steps=2))
     monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", True)
     run(_cfg(world, tmp_path / "split", data=world["prep"], steps=2))

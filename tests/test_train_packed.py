@@ -988,7 +988,8 @@ def test_split_teacher_head_gives_the_one_product_teacher(monkeypatch, dtype):
     head[75] = head[60]  # outside id 75 ties draft id 60 (larger: the draft one is)
     final[0] = head[20].float().to(dtype) * 4  # rows whose maximum is those ties
     final[1] = head[60].float().to(dtype) * 4
-    ref = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16)
+    monkeypatch.setattr(T, "SPLIT_TEACHER_HEAD", False)
+    ref = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16, unused=T.unused_head(head, t2d))
     monkeypatch.setattr(T, "SPLIT_TEACHER_HEAD", True)
     got = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16, unused=T.unused_head(head, t2d))
     assert bool(ref.in_vocab_N[0]) is False and bool(ref.in_vocab_N[1]) is True  # the ties as built

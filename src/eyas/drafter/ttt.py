@@ -635,14 +635,16 @@ TEACHER_CACHE_BYTES = 1 << 30
 stays bounded by a constant and by tokens x hidden beyond it."""
 
 
-SPLIT_TEACHER_HEAD = False
-"""True: `packed_teacher` (given the head's rows outside the draft vocab) multiplies the final states by the draft
+SPLIT_TEACHER_HEAD = True
+"""True (the default): `packed_teacher` (given the head's rows outside the draft vocab) multiplies the final states by the draft
 vocab's rows and by the other rows apart, and takes the full-vocab argmax from the two maxima (ties to the smaller
 target id, as one argmax over the whole row takes its first), instead of making the whole [rows x target vocab]
 product and copying the draft vocab's columns out of it: the same products, without writing and re-reading a
 [rows x draft vocab] copy (SmolLM2: about 25 GB of memory traffic a 131,072-token step, counted, not timed). The
 argmax flags can differ from the one-product path only where two logits tie to the last bit of one product and
-not of the other. False (the default until measured): one product."""
+not of the other. Measured on one H200 (SmolLM2 online, the target on every batch, 131,072 tokens a step,
+benchmarks/train_bench.py --suite smol, 2026-12-02): 235,533 supervised tokens/s against 226,974 for one product.
+False: one product (`--flag ttt.SPLIT_TEACHER_HEAD=0` there)."""
 
 
 def unused_head(head_weight_VtD: torch.Tensor, t2d_Vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -439,7 +439,8 @@ def _target_states(src: OnlineSource, items: list[Item], ids_d, seg_d, dev) -> t
 
             log(f"online target: packed forward unavailable ({reason}); using padded forwards")
     if src._packed_ok:
-        aux, final = target_forward_packed(src.model, ids_d, seg_d, layer_ids=src.layer_ids)
+        with torch.profiler.record_function("eyas.target_forward"):  # (a named range in profiles)
+            aux, final = target_forward_packed(src.model, ids_d, seg_d, layer_ids=src.layer_ids)
     else:
         tok, _ = src._token_batch(items, dev)
         lengths = torch.tensor([it.input_ids.shape[0] for it in items], device=dev)

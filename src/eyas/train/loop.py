@@ -713,8 +713,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     def report(step, stats, counts_t, denoms, gnorm, lr_s, timings, waited: float = 0.0) -> bool:
         """Read a step's statistics back (this waits for the GPU to finish it), write its metrics record and log
         line; True when a process asked to stop. `waited`: seconds the host already waited for them (a deferred
-        read's copies); the record's `host_wait_s` adds the wait here (near 0: the host, not the GPU, sets the
-        step's time)."""
+        read's copies); the record's `host_wait_s` adds the wait here (well above 0: the GPU bounds the step; near 0
+        the host did not wait here, as when it waits in kernel launches behind a full GPU queue instead)."""
         nonlocal tok_run, pad_run, sup_run, target_run, last, t_last
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
         den = denoms.double().clamp_min(1)
@@ -768,17 +768,20 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
             ctx = module.no_sync() if (d.enabled and not cfg.fsdp and not sync) else nullcontext()
             if cfg.fsdp:
                 module.set_requires_gradient_sync(sync)
-            with ctx:
-                loss, st = forward_batch(batch, denoms)
-                (loss * world_scale).backward()
+            with ctx:  # (named ranges: a profile's table splits the step's GPU time by them)
+                with torch.profiler.record_function("eyas.drafter_forward"):
+                    loss, st = forward_batch(batch, denoms)
+                with torch.profiler.record_function("eyas.drafter_backward"):
+                    (loss * world_scale).backward()
             stats += st.double()
             if idx:
                 counts[0] += batch.tokens
                 counts[1] += batch.padded_tokens
                 counts[2] += batch.supervised
             batches.append(batch)
-        gnorm = _clip(module, params, cfg.grad_clip)
-        opt.step()
+        with torch.profiler.record_function("eyas.optimizer"):
+            gnorm = _clip(module, params, cfg.grad_clip)
+            opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
         if STEP_END is not None:
