@@ -240,6 +240,24 @@ def _crashes_indexed(s, t, w, top, *, t_rows=None):
     return ttt._chunk_ce(s, t, w, top)
 
 
+def _ranks(off_by: int):
+    """A stand-in kernel with `rank_topk` whose top-K test uses K + off_by (0: right)."""
+    def kernel(s, t, w, top, *, t_rows=None, rank_topk=None):
+        out = ttt._chunk_ce(s, t if t_rows is None else t[t_rows], w, top)
+        return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk + off_by))
+    return kernel
+
+
+@pytest.mark.parametrize("off_by, says", [(0, None), (1, "top-K test differs"), (-1, "top-K test differs")])
+def test_startup_check_tests_the_fused_rank_when_it_is_on(monkeypatch, off_by, says):
+    monkeypatch.setattr(CE, "fused_chunk_ce", _ranks(off_by))
+    monkeypatch.setattr(ttt, "FUSED_TOP_RANK", True)
+    why = ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000)
+    assert why is None if says is None else (why is not None and says in why), why
+    monkeypatch.setattr(ttt, "FUSED_TOP_RANK", False)  # off: the kernel's rank is never asked for
+    assert ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000) is None
+
+
 @pytest.mark.parametrize("bad, says", [(ttt._gathering(ttt._chunk_ce), None), (_wrong_argmax, "hits differ"),
                                        (_wrong_grad, "gradient differs"), (_wrong_loss, "loss differs"),
                                        (_crashes, "failed: RuntimeError"), (_reads_row_n, "by index): "),
@@ -252,3 +270,70 @@ def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
         assert why is None  # the reference itself passes: the tolerances are not too tight
     else:
         assert why is not None and says in why, why
+
+
+@needs_triton
+def test_top_rank_counted_in_the_kernel_under_interpreter():
+    out = _in_interpreter("check_rank()")
+    assert out.count("rank ok") == 4 and "head loss: fused top-K test as the separate one" in out, out[-2000:]
+
+
+def check_rank() -> None:
+    """rank_topk: the kernel's fourth output equals `top_rank_below` (ties with the token's logit do not count
+    against it; a token id past the row is clamped as the torch test clamps it), blocked and whole-row, with the
+    first three outputs unchanged; the head loss with ttt.FUSED_TOP_RANK picks it (its start-up check passes) and
+    gives the loss, gradients and hits of the separate test."""
+    cases = [(6, 700, torch.float32, 256, 3), (5, 777, torch.bfloat16, 256, 40), (4, 50, torch.float32, 64, 2),
+             (5, 777, torch.bfloat16, 1024, 1)]
+    for i, (c, V, sd, block, k) in enumerate(cases):
+        s, t, w, top = _chunk(c, V, sd, torch.float32, seed=60 + i)
+        s[3, :k + 2] = s[3, top[3]]  # k + 1 logits tied with the token's (itself among them): still rank 0
+        out = CE.fused_chunk_ce(s, t, w, top, rank_topk=k, block_v=block)
+        plain = CE.fused_chunk_ce(s, t, w, top, block_v=block)
+        want = ttt.top_rank_below(s, top, k)
+        assert len(out) == 4 and out[3].dtype == torch.bool and torch.equal(out[3], want), (out[3], want)
+        assert bool(want[3]) and 0 < int(want.sum()) <= c
+        assert all(torch.equal(a, b) for a, b in zip(out[:3], plain))
+        print("rank ok", i)
+    far = CE.fused_chunk_ce(s, t, w, torch.full_like(top, V + 5), rank_topk=k, block_v=1024)[3]
+    assert torch.equal(far, ttt.top_rank_below(s, torch.full_like(top, V + 5), k))
+    gen = torch.Generator().manual_seed(11)
+    N, Dm, V, steps, topk = 40, 12, 30, 3, 8
+    rows = [torch.randperm(N - 1 - j, generator=gen)[: 24 - 4 * j].sort().values for j in range(steps)]
+    pos, tr = torch.cat(rows), torch.cat([r + 1 + j for j, r in enumerate(rows)])
+    x = torch.randn(pos.numel(), Dm, generator=gen).requires_grad_()
+    W = torch.randn(V, Dm, generator=gen).requires_grad_()
+    f, wt = torch.randn(N, Dm, generator=gen), torch.randn(V, Dm, generator=gen)
+    top, wn = (f @ wt.T).argmax(-1)[tr], torch.rand(pos.numel(), generator=gen) + 0.1
+    wn[::7] = 0
+    got = {}
+    for fused in (False, True):
+        ttt.FUSED_TOP_RANK = fused
+        ttt._CE_CHOICE.clear()
+        chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32)
+        assert chosen is CE.fused_chunk_ce
+        calls = []
+
+        def spy(*a, **kw):
+            calls.append("rank_topk" in kw)
+            return chosen(*a, **kw)
+
+        ttt._CE_CHOICE[("cpu", torch.float32, torch.float32)] = spy
+        real = CE.fused_chunk_ce
+        CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
+        try:
+            total, _, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, [r.numel() for r in rows], chunk_rows=5,
+                                                     compute_dtype=torch.float32, align=(pos, N, topk),
+                                                     teacher_rows=tr)
+        finally:
+            CE.fused_chunk_ce = real
+        assert calls and all(c == fused for c in calls), calls
+        got[fused] = (total.detach(), hits, *torch.autograd.grad(total, [x, W]))
+    (total_f, hits_f, gx_f, gw_f), (total_s, hits_s, gx_s, gw_s) = got[True], got[False]
+    assert torch.equal(hits_f, hits_s)
+    plain, _, _ = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, [r.numel() for r in rows], chunk_rows=5,
+                                          compute_dtype=torch.float32, teacher_rows=tr)
+    assert float(plain.detach()) > float(total_f) + 1e-3  # the test dropped rows: it mattered
+    for a, b in ((total_f, total_s), (gx_f, gx_s), (gw_f, gw_s)):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    print("head loss: fused top-K test as the separate one")

@@ -7,7 +7,9 @@ weights w [c], teacher top-1 draft ids top [c]) -- the contract of `eyas.drafter
     CE_n  = lse_s - sum_v p_v s_v       hit_n = (argmax_v s_v == top_n)     (first index of the max)
     g_nv  = (exp(s_v - lse_s) - p_v) * w_n                                   (in s's dtype)
 
-and returns (sum_n w_n CE_n as an fp32 scalar, hits [c] bool, g [c, V]). With `t_rows` ([c] int64)
+and returns (sum_n w_n CE_n as an fp32 scalar, hits [c] bool, g [c, V]); with `rank_topk` K also
+below_n = (#{v : s_v > s_top_n} < K), the head loss's reachability test (the teacher's top token among the
+drafter's top K), counted in pass 1 instead of in a pass over s of its own. With `t_rows` ([c] int64)
 the teacher row of chunk row n is t[t_rows[n]] of a whole table t [N, V]: the head loss keeps the
 teacher's logits for a packed row and its chunks pick rows of it, which the kernel then reads in
 place instead of reading a gathered copy (an index_select writes and re-reads a [c, V] copy per
@@ -63,8 +65,8 @@ def _kernel():
         return None
 
     @triton.jit
-    def _soft_ce_rows(S, T, T_ROWS, W, TOP, G, CE_W, HIT, V, s_row, t_row, g_row, BLOCK: tl.constexpr,
-                      INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    def _soft_ce_rows(S, T, T_ROWS, W, TOP, G, CE_W, HIT, BELOW, V, TOPK, s_row, t_row, g_row, BLOCK: tl.constexpr,
+                      INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
         if INDEXED:  # a compile-time switch: the plain mode never touches T_ROWS
             t_at = tl.load(T_ROWS + row).to(tl.int64)  # the teacher table's row for this chunk row
@@ -73,6 +75,9 @@ def _kernel():
         s_ptr, t_ptr, g_ptr = S + row * s_row, T + t_at * t_row, G + row * g_row
         offs = tl.arange(0, BLOCK)
         neg_inf = float("-inf")
+        if RANK:  # the logit of token TOP (clamped into the row), for the count of the logits above it
+            top_at = tl.minimum(tl.maximum(tl.load(TOP + row).to(tl.int64), 0), V - 1)
+            s_top = tl.load(s_ptr + top_at).to(tl.float32)
         if ONE_BLOCK:  # BLOCK >= V: the whole row stays in registers, s and t are read once
             ok = offs < V
             s0 = tl.load(s_ptr + offs, mask=ok, other=0.0).to(tl.float32)
@@ -89,6 +94,8 @@ def _kernel():
             w = tl.load(W + row).to(tl.float32)
             tl.store(CE_W + row, (m_s + tl.log(l_s) - a_t / l_t) * w)
             tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
+            if RANK:  # (masked entries are -inf: never above)
+                tl.store(BELOW + row, (tl.sum((s > s_top).to(tl.int32), 0) < TOPK).to(tl.int8))
             g = (e_s / l_s - e_t / l_t) * w
             tl.store(g_ptr + offs, g.to(G.dtype.element_ty), mask=ok)
             return
@@ -100,6 +107,7 @@ def _kernel():
         a_t = tl.zeros((), tl.float32)
         best = tl.full((), neg_inf, tl.float32)
         best_i = tl.zeros((), tl.int32)
+        above = tl.zeros((), tl.int32)
         for start in range(0, V, BLOCK):
             idx = start + offs
             ok = idx < V
@@ -110,6 +118,8 @@ def _kernel():
             bmax = tl.max(s, 0)
             bidx = tl.min(tl.where(s == bmax, idx, V), 0)
             take = bmax > best
+            if RANK:
+                above += tl.sum((s > s_top).to(tl.int32), 0)
             best_i = tl.where(take, bidx, best_i)
             best = tl.where(take, bmax, best)
             # every block holds at least one valid entry, so the new maxima are finite from block 1 on
@@ -127,6 +137,8 @@ def _kernel():
         w = tl.load(W + row).to(tl.float32)
         tl.store(CE_W + row, (lse_s - a_t / l_t) * w)
         tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
+        if RANK:
+            tl.store(BELOW + row, (above < TOPK).to(tl.int8))
         # pass 2: the same row again, g = (softmax(s) - softmax(t)) * w, last block first: the blocks
         # pass 1 read last are the likeliest to still be in L2
         n_blocks = tl.cdiv(V, BLOCK)
@@ -150,9 +162,12 @@ def kernel_unavailable(device: torch.device) -> str | None:
 
 
 def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch.Tensor, *,
-                   t_rows: torch.Tensor | None = None, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   t_rows: torch.Tensor | None = None, rank_topk: int | None = None, block_v: int = BLOCK_V,
+                   num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
     """(sum_n w_n CE_n fp32 scalar, hits [c] bool, g [c, V] in s's dtype): `_chunk_ce` in one launch.
+    With `rank_topk` K, a fourth output: [c] bool, fewer than K logits of row n above the one of token top[n]
+    (`eyas.drafter.ttt.top_rank_below`, the head loss's reachability test), counted in the same pass over s
+    instead of a pass of its own.
 
     s: [c, V] float; t: [c, V] float, or with `t_rows` [c] integer a table [N, V] whose row
     t_rows[n] is the teacher of row n (`_chunk_ce(s, t[t_rows], w, top)` without the copy; ids may
@@ -177,9 +192,12 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     g = torch.empty((c, V), dtype=s.dtype, device=s.device)
     ce_w = torch.empty(c, dtype=torch.float32, device=s.device)
     hit = torch.empty(c, dtype=torch.int8, device=s.device)
+    below = torch.empty(c, dtype=torch.int8, device=s.device) if rank_topk is not None else hit
     if c > 0:
-        # without t_rows, T_ROWS is a placeholder pointer the kernel never reads
-        kernel[(c,)](s, t, top if t_rows is None else t_rows, w, top, g, ce_w, hit, V,
+        # without t_rows, T_ROWS is a placeholder pointer the kernel never reads (nor BELOW without rank_topk)
+        kernel[(c,)](s, t, top if t_rows is None else t_rows, w, top, g, ce_w, hit, below, V, int(rank_topk or 0),
                      s.stride(0), t.stride(0), g.stride(0), BLOCK=block_v, INDEXED=t_rows is not None,
-                     ONE_BLOCK=block_v >= V, num_warps=num_warps)
+                     ONE_BLOCK=block_v >= V, RANK=rank_topk is not None, num_warps=num_warps)
+    if rank_topk is not None:
+        return ce_w.sum(), hit.view(torch.bool), g, below.view(torch.bool)
     return ce_w.sum(), hit.view(torch.bool), g

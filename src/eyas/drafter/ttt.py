@@ -712,6 +712,13 @@ def _gathering(chunk):
     return call
 
 
+FUSED_TOP_RANK = False
+"""True: with the fused CE kernel, the head loss's reachability test (`align_topk`: the teacher's top token among
+the drafter's top K logits, `top_rank_below`) is counted by the kernel in its pass over the student logits instead
+of by a compiled pass of its own (one full read of every [rows x draft vocab] chunk less: in a profile of the online
+SmolLM2 step, 2026-12-02, that pass took about 19 ms of a step's roughly 400). The same booleans (the kernel's
+start-up check compares them). False (the default until measured on a GPU): a pass of its own."""
+
 CE_KERNEL_ENV = "EYAS_CE_KERNEL"
 """Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
 when its start-up check passes, else compiled torch), `torch`, or `triton` (fail if it cannot run)."""
@@ -769,13 +776,21 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     s, t, wide, t_rows, w, top = (x.to(device) for x in (s, t, wide, t_rows, w, top))
     table = wide[:, :vocab]  # [rows + 7, V] with row stride V + 16 (sliced on the device: .to would pack it)
     ref = _chunk_ce(s, t, w, top)
-    for mode, args, kw in (("", (s, t, w, top), {}),
-                           (" (teacher rows by index)", (s, table, w, top), {"t_rows": t_rows})):
+    cases = [("", (s, t, w, top), {}), (" (teacher rows by index)", (s, table, w, top), {"t_rows": t_rows})]
+    if FUSED_TOP_RANK:  # the rank counted in the kernel, for K = 1 (the argmax, or tied with it) and for K at and
+        # one past row 2's rank (its token random: some row sits on each side of each boundary)
+        r2 = max(1, int((s[2] > s[2, top[2]]).sum()))
+        cases += [(f" (top-{k} rank)", (s, table, w, top), {"t_rows": t_rows, "rank_topk": k}) for k in (1, r2, r2 + 1)]
+    for mode, args, kw in cases:
         try:
             out = CE.fused_chunk_ce(*args, **kw)
         except Exception as exc:  # noqa: BLE001  (compile or launch failure)
             return f"the Triton kernel{mode} failed: {type(exc).__name__}: {str(exc)[:300]}"
-        why = _chunk_ce_differs(out, ref, s_dtype)
+        why = _chunk_ce_differs(out[:3], ref, s_dtype)
+        if why is None and "rank_topk" in kw:
+            want = top_rank_below(s, top, kw["rank_topk"])
+            if out[3].dtype != torch.bool or not torch.equal(out[3], want):
+                why = f"the top-K test differs in {int((out[3] != want).sum())} of {rows} rows"
         if why is not None:
             return f"the Triton kernel{mode}: {why}"
     return None
@@ -870,16 +885,22 @@ class _HeadSoftCE(torch.autograd.Function):
                 pos_n, n_positions, topk = align
                 alive = torch.ones(n_positions, dtype=torch.float32, device=x_nD.device)
                 rank_below = _fast(top_rank_below, x_nD.device)
+                fused_rank = FUSED_TOP_RANK and chunk is CE.fused_chunk_ce
 
             def rows(i, a, b, t, t_rows):  # student rows a:b of range i against teacher logits t (rows t_rows of it)
                 s = xb[a:b] @ wb.T  # student logits [c, V]
                 w = wf[a:b]
-                if align is not None:  # (before the kernel, which may overwrite s)
+                if align is None:
+                    ce, hit, g = chunk(s, t, w, top_n[a:b], t_rows=t_rows)
+                else:  # this chunk's weights by the earlier ranges' tests; its own test marks the later ranges'
                     pos = pos_n[a:b]
                     w = w * alive[pos]
-                    reach = rank_below(s, top_n[a:b], topk) & (wf[a:b] > 0)  # out of the draft vocab: never reached
-                    alive[pos] = alive[pos] * reach
-                ce, hit, g = chunk(s, t, w, top_n[a:b], t_rows=t_rows)
+                    if fused_rank:
+                        ce, hit, g, below = chunk(s, t, w, top_n[a:b], t_rows=t_rows, rank_topk=topk)
+                    else:  # (the test before the kernel, which may overwrite s)
+                        below = rank_below(s, top_n[a:b], topk)
+                        ce, hit, g = chunk(s, t, w, top_n[a:b], t_rows=t_rows)
+                    alive[pos] = alive[pos] * (below & (wf[a:b] > 0))  # out of the draft vocab: never reached
                 sums[i] += ce
                 hits[a:b] = hit
                 if dx is not None:
