@@ -563,16 +563,22 @@ def suite_8b(args, dist) -> dict:
     return result
 
 
+BY_SHAPE = ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone", "aten::zero_",
+            "aten::fill_", "aten::index_add_", "aten::index_copy_", "aten::index_select", "aten::gather")
+"""The ops `print_profile` splits by input shapes: copies, casts, additions, and the fills and index ops behind the
+online SmolLM2 step's memsets (cudaMemsetAsync: 31.9 ms of device time in two steps, 2026-12-02, not yet placed)."""
+
+
 def print_profile(prof, device, rows: int) -> None:
     """The top `rows` ops of a finished torch profile by device time (CPU: CPU time), by host time on CUDA (where
-    a step bound by the host spends it), and the copies, casts and additions split by their input shapes (where
-    they come from)."""
+    a step bound by the host spends it), the ops of BY_SHAPE split by their input shapes (where they come from), and
+    the step's named parts (RANGES)."""
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=rows))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
     by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
-                if e.key in ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone")]
+                if e.key in BY_SHAPE]
 
     def self_us(e):  # torch 2.11 names the device time self_device_time_total (self_cuda_time_total before)
         return getattr(e, "self_device_time_total", None) if device.type == "cuda" and \
