@@ -588,6 +588,27 @@ def print_profile(prof, device, rows: int) -> None:
     for e in by_shape[:rows]:
         print(f"{e.key:16s} {e.count:6d} {self_us(e) / 1e3:8.2f}  {str(e.input_shapes)[:150]}")
     print_ranges(prof.key_averages(), device)
+    print_fill_sites(prof, device, rows)
+
+
+FILLS = ("aten::zero_", "aten::fill_")
+
+
+def print_fill_sites(prof, device, rows: int) -> None:
+    """Where the fills (memsets on CUDA) come from: FILLS grouped by the Python lines that queued them (autograd's
+    fills under the forward line whose backward made them), by device time; only in a profile taken with stacks."""
+    try:
+        sites = [e for e in prof.key_averages(group_by_stack_n=4) if e.key in FILLS and e.stack]
+    except (AssertionError, RuntimeError):  # a profile without stacks
+        return
+    if not sites:
+        return
+    key = "self_device_time_total" if device.type == "cuda" and hasattr(sites[0], "self_device_time_total") \
+        else "self_cpu_time_total"
+    sites.sort(key=lambda e: getattr(e, key), reverse=True)
+    print(f"{'fill':12s} {'calls':>6s} {'self ms':>8s}  where (innermost first)")
+    for e in sites[:rows]:
+        print(f"{e.key:12s} {e.count:6d} {getattr(e, key) / 1e3:8.2f}  {' <- '.join(e.stack)[:200]}")
 
 
 RANGES = ("eyas.target_forward", "eyas.drafter_forward", "_HeadSoftCE", "eyas.drafter_backward", "eyas.optimizer",
@@ -631,7 +652,8 @@ def _loop_profile(args, cuda: bool):
     from eyas.train import loop
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    prof = profile(activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1))
+    prof = profile(activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1),
+                   with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
     loop.STEP_END = lambda step: prof.step()
     return prof
 

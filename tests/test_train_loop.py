@@ -803,6 +803,8 @@ def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatc
     table = out.split("part of the step")[1].splitlines()[1:]
     parts = {line.split()[0]: int(line.split()[1]) for line in table if line.split() and line.split()[0] in tb.RANGES}
     assert parts["eyas.drafter_forward"] == parts["eyas.drafter_backward"] == parts["eyas.optimizer"] == 2, parts
+    sites = out.split("where (innermost first)")[1].splitlines()[1:]
+    assert sites and sites[0].split()[0] in tb.FILLS and ".py(" in sites[0]  # a fill, placed at a line of code
 
 
 def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
