@@ -481,6 +481,9 @@ def suite_8b(args, dist) -> dict:
             # read one step late from the device: the read waits for the step queued after them (before HostCopies)
             ("eyas-stats-late-on-device", lambda: make_fast_step(**fast, compile_parts=True, host_copies=False)),
             ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
+            # the reachability test counted inside the fused CE kernel
+            ("eyas-fused-rank", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.FUSED_TOP_RANK",
+                                                  True)),
             # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
             ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
                                                      False))]

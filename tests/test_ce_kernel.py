@@ -318,7 +318,9 @@ def check_rank() -> None:
             calls.append("rank_topk" in kw)
             return chosen(*a, **kw)
 
-        ttt._CE_CHOICE[("cpu", torch.float32, torch.float32)] = spy
+        (key,) = ttt._CE_CHOICE  # (the key names the rank when it is on: the check covered it)
+        assert (key[-1] == "rank") == fused
+        ttt._CE_CHOICE[key] = spy
         real = CE.fused_chunk_ce
         CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
         try:

@@ -722,7 +722,7 @@ start-up check compares them). False (the default until measured on a GPU): a pa
 CE_KERNEL_ENV = "EYAS_CE_KERNEL"
 """Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
 when its start-up check passes, else compiled torch), `torch`, or `triton` (fail if it cannot run)."""
-_CE_CHOICE: dict[tuple[str, torch.dtype, torch.dtype], object] = {}
+_CE_CHOICE: dict[tuple, object] = {}
 
 
 def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype):
@@ -732,7 +732,7 @@ def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtyp
     (compiled on CUDA) behind `_gathering`. Either is called as f(s, t, w, top, t_rows=None). A
     failed compile or a wrong answer on a new machine must cost speed, not correctness; the reason
     is logged once."""
-    key = (device.type, s_dtype, t_dtype)
+    key = (device.type, s_dtype, t_dtype) + (("rank",) if FUSED_TOP_RANK else ())  # (checked with the rank too)
     if key in _CE_CHOICE:
         return _CE_CHOICE[key]
     want = os.environ.get(CE_KERNEL_ENV, "auto").strip().lower() or "auto"
