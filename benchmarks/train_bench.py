@@ -20,7 +20,8 @@ each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-
 `eyas-stats-late-on-device` (read one step late but from the device tensors, which waits for the step queued after
 them too: the loop before its pinned host copies, train/data.py HostCopies),
 `eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
-carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0),
+carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), `eyas-muon`
+(`--optimizer muon`), `eyas-fused-rank` (the reachability test counted in the CE kernel, ttt.FUSED_TOP_RANK),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
@@ -138,7 +139,7 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
 def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
                    compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
                    defer_stats: bool | None = None, align_topk: int | None = None, bf16: bool | None = None,
-                   host_copies: bool = True):
+                   host_copies: bool = True, optimizer: str = "adamw"):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are copied to pinned host memory behind it and read after the NEXT step is
     queued, as the loop does with DEFER_STATS (None: the loop's setting); else at the step's end, which waits for the
@@ -146,7 +147,8 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     (the loop before HostCopies). No other wait in a step: its per-step denominators go through pinned memory, as
     the loop's. `align_topk`: TrainConfig's (None: its default, as `eyas train`). The step's `waited` holds the
     seconds its statistics' reads waited for the GPU (measure_rounds' wait_ms).
-    `bf16`: bf16 autocast (default: on CUDA, as `eyas train`).
+    `bf16`: bf16 autocast (default: on CUDA, as `eyas train`). `optimizer`: TrainConfig's (`muon`: Muon for the
+    drafter's hidden matrices, train/optim.py; not with FSDP).
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
     does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
@@ -178,7 +180,12 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
                            host.aux_NAD.pin_memory(), host.final_ND.pin_memory(), B * T, B * T, host.supervised)
     denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
     params = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" and not fsdp)
+    if optimizer == "adamw":
+        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" and not fsdp)
+    else:
+        from eyas.train.optim import make_optimizer
+
+        opt = make_optimizer(module, optimizer, lr=1e-4, weight_decay=0.0, fused=False)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup=10, total=10_000, min_ratio=0.1))
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)
 
@@ -481,6 +488,8 @@ def suite_8b(args, dist) -> dict:
             # read one step late from the device: the read waits for the step queued after them (before HostCopies)
             ("eyas-stats-late-on-device", lambda: make_fast_step(**fast, compile_parts=True, host_copies=False)),
             ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
+            # Muon for fc and the decoder layer's matrices (its Newton-Schulz iterations' cost at this shape)
+            ("eyas-muon", lambda: make_fast_step(**fast, compile_parts=True, optimizer="muon")),
             # the reachability test counted inside the fused CE kernel
             ("eyas-fused-rank", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.FUSED_TOP_RANK",
                                                   True)),
@@ -575,7 +584,21 @@ online SmolLM2 step's memsets (cudaMemsetAsync: 31.9 ms of device time in two st
 def print_profile(prof, device, rows: int) -> None:
     """The top `rows` ops of a finished torch profile by device time (CPU: CPU time), by host time on CUDA (where
     a step bound by the host spends it), the ops of BY_SHAPE split by their input shapes (where they come from), and
-    the step's named parts (RANGES)."""
+    the step's named parts (RANGES). A profile whose event tree cannot be built prints why, not a traceback: the run's
+    figures still follow."""
+    limit = sys.getrecursionlimit()
+    # with stacks the profiler records Python calls as events, and builds its tree by recursing through their nesting
+    # (a RecursionError at the default limit in a full test run); Python-to-Python recursion costs no C stack here
+    sys.setrecursionlimit(max(limit, 50_000))
+    try:
+        _print_profile(prof, device, rows)
+    except RecursionError:
+        print("profile: its event tree is nested too deep to build; no tables")
+    finally:
+        sys.setrecursionlimit(limit)
+
+
+def _print_profile(prof, device, rows: int) -> None:
     key = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
     print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=rows))
     if device.type == "cuda":
@@ -599,7 +622,8 @@ FILLS = ("aten::zero_", "aten::fill_")
 
 def print_fill_sites(prof, device, rows: int) -> None:
     """Where the fills (memsets on CUDA) come from: FILLS grouped by the Python lines that queued them (autograd's
-    fills under the forward line whose backward made them), by device time; only in a profile taken with stacks."""
+    fills under the forward line whose backward made them), by device time; only in a profile taken with stacks
+    (--profile-stacks)."""
     try:
         sites = [e for e in prof.key_averages(group_by_stack_n=4) if e.key in FILLS and e.stack]
     except (AssertionError, RuntimeError):  # a profile without stacks
@@ -655,8 +679,10 @@ def _loop_profile(args, cuda: bool):
     from eyas.train import loop
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) \
+        if getattr(args, "profile_stacks", False) else {}
     prof = profile(activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1),
-                   with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+                   **stacks)
     loop.STEP_END = lambda step: prof.step()
     return prof
 
@@ -751,6 +777,9 @@ def main() -> None:
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
     ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
                                                                                    "all-reduce dtype (eyas train --grad-reduce)")
+    ap.add_argument("--profile-stacks", action="store_true",
+                    help="smol --profile: record Python stacks too and place the fills (memsets) at the lines that "
+                         "queued them (once failed to build its event tree inside a full test run: off by default)")
     ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop; "
                     "smol: of two steps of each run after --skip (its rates are then left out of the figures)")
     ap.add_argument("--cast-once", default="auto", choices=list(AUTO_ON_OFF),

@@ -93,3 +93,27 @@ def test_the_smol_suites_steady_rate_and_wait_come_from_the_records_after_skip(t
     assert r["useful_fraction"] == pytest.approx(600 / 700)
     assert r["wait_ms"] == pytest.approx(2.0)  # median of 2, 10 and 0 ms
     assert r["final_loss"] == 0.5
+
+
+def test_the_muon_variant_steps_with_muon_and_moves_other_weights_than_adamw(monkeypatch):
+    """make_fast_step(optimizer="muon") (the 8b variant eyas-muon) builds MuonAdamW and its steps run; from the same
+    start, its weights after two steps differ from AdamW's (it is not AdamW under another name)."""
+    import torch
+
+    from eyas.train import optim
+
+    tb = load_benchmark("train_bench")
+    built = []
+    monkeypatch.setattr(optim.MuonAdamW, "step", lambda self, *a, _s=optim.MuonAdamW.step: built.append(1) or
+                        _s(self, *a))
+    c = tb.shapes(True)
+    weights = {}
+    for kind in ("adamw", "muon"):
+        torch.manual_seed(0)
+        step = tb.make_fast_step(c, B=1, T=64, K=2, device=torch.device("cpu"), optimizer=kind)
+        step()
+        step()
+        fc = [cell.cell_contents for cell in step.__closure__ if isinstance(cell.cell_contents, torch.nn.Module)]
+        weights[kind] = [p.detach().clone() for p in fc[0].parameters() if p.requires_grad and p.ndim == 2]
+    assert built == [1, 1]  # two Muon steps, none for AdamW
+    assert any(not torch.equal(a, b) for a, b in zip(weights["adamw"], weights["muon"]))

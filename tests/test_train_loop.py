@@ -803,8 +803,32 @@ def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatc
     table = out.split("part of the step")[1].splitlines()[1:]
     parts = {line.split()[0]: int(line.split()[1]) for line in table if line.split() and line.split()[0] in tb.RANGES}
     assert parts["eyas.drafter_forward"] == parts["eyas.drafter_backward"] == parts["eyas.optimizer"] == 2, parts
+    assert "where (innermost first)" not in out  # no stacks recorded: no fill sites
+
+
+def test_a_profile_with_stacks_places_the_fills_at_their_lines(capsys):
+    """train_bench's --profile-stacks: the fills (memsets on CUDA) of a profile taken with Python stacks are listed
+    by the line that queued them, autograd's (a slice's backward) under the forward line; a profile whose event
+    tree cannot be built prints a line, not a traceback."""
+    from conftest import load_benchmark
+    from torch.profiler import ProfilerActivity, profile
+
+    tb = load_benchmark("train_bench")
+    x = torch.randn(16, 16, requires_grad=True)
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,
+                 experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) as prof:
+        x[:, 1:].sum().backward()  # the slice's backward fills a [16, 16] gradient with zeros first
+    tb.print_profile(prof, torch.device("cpu"), 8)
+    out = capsys.readouterr().out
     sites = out.split("where (innermost first)")[1].splitlines()[1:]
-    assert sites and sites[0].split()[0] in tb.FILLS and ".py(" in sites[0]  # a fill, placed at a line of code
+    assert any(line.split()[0] in tb.FILLS and "test_train_loop.py(" in line for line in sites), sites
+
+    class Deep:
+        def key_averages(self, **kw):
+            raise RecursionError("maximum recursion depth exceeded")
+
+    tb.print_profile(Deep(), torch.device("cpu"), 8)
+    assert "nested too deep" in capsys.readouterr().out
 
 
 def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
