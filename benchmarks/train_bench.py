@@ -587,8 +587,8 @@ def print_profile(prof, device, rows: int) -> None:
     the step's named parts (RANGES). A profile whose event tree cannot be built prints why, not a traceback: the run's
     figures still follow."""
     limit = sys.getrecursionlimit()
-    # with stacks the profiler records Python calls as events, and builds its tree by recursing through their nesting
-    # (a RecursionError at the default limit in a full test run); Python-to-Python recursion costs no C stack here
+    # torch's profiler builds its event tree by recursion; a profile taken with stacks once raised RecursionError
+    # there at the default limit (in a full test run); Python-to-Python calls cost no C stack on Python >= 3.11
     sys.setrecursionlimit(max(limit, 50_000))
     try:
         _print_profile(prof, device, rows)

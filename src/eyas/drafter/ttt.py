@@ -636,13 +636,13 @@ stays bounded by a constant and by tokens x hidden beyond it."""
 
 
 SPLIT_TEACHER_HEAD = True
-"""True (the default): `packed_teacher` (given the head's rows outside the draft vocab) multiplies the final states by the draft
-vocab's rows and by the other rows apart, and takes the full-vocab argmax from the two maxima (ties to the smaller
-target id, as one argmax over the whole row takes its first), instead of making the whole [rows x target vocab]
-product and copying the draft vocab's columns out of it: the same products, without writing and re-reading a
+"""True (the default): `packed_teacher` (given the head's rows outside the draft vocab) multiplies the final states by
+the draft vocab's rows and by the other rows apart, and takes the full-vocab argmax from the two maxima (ties to the
+smaller target id, as one argmax over the whole row takes its first), instead of making the whole [rows x target
+vocab] product and copying the draft vocab's columns out of it: the same products, without writing and re-reading a
 [rows x draft vocab] copy (SmolLM2: about 25 GB of memory traffic a 131,072-token step, counted, not timed). The
-argmax flags can differ from the one-product path only where two logits tie to the last bit of one product and
-not of the other. Measured on one H200 (SmolLM2 online, the target on every batch, 131,072 tokens a step,
+argmax flags can differ from the one-product path only where two logits tie to the last bit of one product and not of
+the other. Measured on one H200 (SmolLM2 online, the target on every batch, 131,072 tokens a step,
 benchmarks/train_bench.py --suite smol, 2026-12-02): 235,533 supervised tokens/s against 226,974 for one product.
 False: one product (`--flag ttt.SPLIT_TEACHER_HEAD=0` there)."""
 
@@ -715,9 +715,9 @@ def _gathering(chunk):
 FUSED_TOP_RANK = False
 """True: with the fused CE kernel, the head loss's reachability test (`align_topk`: the teacher's top token among
 the drafter's top K logits, `top_rank_below`) is counted by the kernel in its pass over the student logits instead
-of by a compiled pass of its own (one full read of every [rows x draft vocab] chunk less: in a profile of the online
-SmolLM2 step, 2026-12-02, that pass took about 19 ms of a step's roughly 400). The same booleans (the kernel's
-start-up check compares them). False (the default until measured on a GPU): a pass of its own."""
+of by a compiled pass of its own (one full read of every [rows x draft vocab] chunk less: in a profile of two online
+SmolLM2 steps on an H200, 2026-12-02, that pass took 38.2 ms of 992 ms of GPU time). The same booleans (the
+kernel's start-up check compares them). False (the default until measured on a GPU): a pass of its own."""
 
 CE_KERNEL_ENV = "EYAS_CE_KERNEL"
 """Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
@@ -780,7 +780,8 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     if FUSED_TOP_RANK:  # the rank counted in the kernel, for K = 1 (the argmax, or tied with it) and for K at and
         # one past row 2's rank (its token random: some row sits on each side of each boundary)
         r2 = max(1, int((s[2] > s[2, top[2]]).sum()))
-        cases += [(f" (top-{k} rank)", (s, table, w, top), {"t_rows": t_rows, "rank_topk": k}) for k in (1, r2, r2 + 1)]
+        cases += [(f" (top-{k} rank)", (s, table, w, top), {"t_rows": t_rows, "rank_topk": k})
+                  for k in (1, r2, r2 + 1)]
     for mode, args, kw in cases:
         try:
             out = CE.fused_chunk_ce(*args, **kw)
