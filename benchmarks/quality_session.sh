@@ -105,7 +105,7 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), regen-off: off on the recipe's
     # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps
     # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure),
-    # flag:MODULE.NAME: off with that one setting (train_bench.py --flag), e.g. flag:data.HOST_PREP_AHEAD
+    # flag:MODULE.NAME: off with that one setting (train_bench.py --flag), e.g. flag:ttt.FUSED_TOP_RANK
     [ -f $ROOT/prep500/meta.json ] || timeout -k 30 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)

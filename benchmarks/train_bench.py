@@ -242,7 +242,7 @@ def patched(step, patcher):
     return run
 
 
-FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop", "data": "eyas.train.data"}
+FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop"}
 
 
 def flag_setting(name: str, kind: type = bool):

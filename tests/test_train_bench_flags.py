@@ -18,11 +18,6 @@ def test_flags_name_existing_boolean_settings_and_variants_restore_them(monkeypa
     assert packing.GQA_FLASH is True
     tb.set_flag("packing.GQA_FLASH=0")
     assert packing.GQA_FLASH is False
-    from eyas.train import data
-
-    monkeypatch.setattr(data, "HOST_PREP_AHEAD", False)
-    tb.set_flag("data.HOST_PREP_AHEAD")  # the online batches' host parts made ahead (train/data.py)
-    assert data.HOST_PREP_AHEAD is True
     from eyas.train import loop
 
     monkeypatch.setattr(loop, "HEAD_CHUNK_ROWS", loop.HEAD_CHUNK_ROWS)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from pathlib import Path
 
@@ -238,43 +237,6 @@ def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp
     recs = _train_records(out)
     assert recs[0]["host_wait_s"] >= 0.05 and recs[1]["host_wait_s"] >= 0.05  # read one step late: steps 1 and 2
     assert recs[2]["host_wait_s"] < 0.05  # the last step's statistics are read at once
-
-
-def test_online_host_parts_made_ahead_on_a_thread_give_the_same_run(world, tmp_path, monkeypatch):
-    """data.HOST_PREP_AHEAD: online batches' host parts (packing, supervised rows, live positions) made by a
-    background thread give the same records as made by the main thread (by token budget and by samples); an error
-    there stops the run with that error."""
-    from eyas.train import data, loop
-
-    threads = []
-    real = data.pack_tokens
-
-    def pack(*a, **k):
-        threads.append(threading.current_thread() is threading.main_thread())
-        return real(*a, **k)
-
-    monkeypatch.setattr(data, "pack_tokens", pack)
-    for kw in (dict(tokens_per_batch=96, batch_size=None), dict(batch_size=2)):
-        recs = {}
-        for ahead in (False, True):
-            monkeypatch.setattr(data, "HOST_PREP_AHEAD", ahead)
-            threads.clear()
-            out = tmp_path / f"{len(kw)}-{ahead}"
-            loop.run(_cfg(world, out, data=world["prep"], steps=4, **kw))
-            assert threads[:4] == [not ahead] * 4  # the 4 steps' batches: by the main thread, or by the other one
-            recs[ahead] = [{k: r[k] for k in ("loss_per_step", "acc_per_step", "grad_norm", "tokens", "padded_tokens",
-                                              "supervised_tokens")} for r in _train_records(out)]
-        assert recs[True] == recs[False] and len(recs[True]) == 4
-
-    def broken(*a, **k):
-        if len(threads) == 3:
-            raise OSError("disk gone while packing")
-        return pack(*a, **k)
-
-    threads.clear()
-    monkeypatch.setattr(data, "pack_tokens", broken)
-    with pytest.raises(OSError, match="disk gone while packing"):
-        loop.run(_cfg(world, tmp_path / "broken", data=world["prep"], steps=4, batch_size=2))
 
 
 def test_the_heads_chunk_size_changes_no_record(world, tmp_path, monkeypatch):

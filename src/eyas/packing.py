@@ -32,7 +32,6 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
@@ -342,44 +341,15 @@ the target's added time per 131,072-token step from about 0.19 s to 0.12 s. Eage
 _COMPILE_ON = ("cuda",)  # device types whose packed forward COMPILED_LAYERS compiles (the CPU's compile is slow)
 _LAYER_FNS: dict[str, tuple] = {}
 
-FUSED_PROJECTIONS = False
-"""True: the packed target forward multiplies each layer's normed input by q, k and v's weights stacked in one
-matrix, and the MLP's input by gate and up's stacked (one product each, reading the input once; k and v alone are
-narrow products: 192 columns for SmolLM2), with the stacked copies made once per layer and kept while the weights
-are unchanged (the target is frozen in training). The same numbers up to the products' rounding order. False (the
-default until measured): the model's own projections, one product each."""
-
-
-def _stacked(layer):
-    """(qkv weight, qkv bias or None, gate-up weight, gate-up bias or None, q/k/v widths) of a decoder layer, made
-    once and kept on the layer while its weights are the same tensors, unchanged (FUSED_PROJECTIONS)."""
-    a, m = layer.self_attn, layer.mlp
-    parts = (a.q_proj, a.k_proj, a.v_proj, m.gate_proj, m.up_proj)
-    key = tuple((p.weight.data_ptr(), p.weight._version, p.weight.dtype, p.weight.device) for p in parts)
-    kept = layer.__dict__.get("_eyas_stacked")
-    if kept is None or kept[0] != key:
-        def cat(mods, what):
-            ts = [getattr(mod, what) for mod in mods]
-            return None if ts[0] is None else torch.cat([t.detach() for t in ts])
-
-        qkv, gu = parts[:3], parts[3:]
-        kept = (key, (cat(qkv, "weight"), cat(qkv, "bias"), cat(gu, "weight"), cat(gu, "bias"),
-                      tuple(p.weight.shape[0] for p in qkv)))
-        layer.__dict__["_eyas_stacked"] = kept
-    return kept[1]
-
-
-def _attn_inputs(layer, x, cos, sin, repeat: bool = True, stacked=None):
+def _attn_inputs(layer, x, cos, sin, repeat: bool = True):
     """q [1, H, N, d], k, v [1, K, N, d] (repeated to the H query heads when `repeat`) for the layer's attention
-    over x [1, N, D]; `stacked`: `_stacked(layer)`, one product for q, k and v."""
+    over x [1, N, D]. (q/k/v's and gate/up's weights stacked, one product each, were slower on an H200: 211,711
+    against 226,974 supervised tokens/s for the SmolLM2 online step, 2026-12-02, packing.FUSED_PROJECTIONS.)"""
     attn = layer.self_attn
     d = int(attn.head_dim)
     N = x.shape[1]
     h = layer.input_layernorm(x)
-    if stacked is None:
-        q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
-    else:
-        q, k, v = F.linear(h, stacked[0], stacked[1]).split(list(stacked[4]), dim=-1)
+    q, k, v = attn.q_proj(h), attn.k_proj(h), attn.v_proj(h)
     q, k, v = q.view(1, N, -1, d), k.view(1, N, -1, d), v.view(1, N, -1, d)
     if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before RoPE
         q, k = attn.q_norm(q), attn.k_norm(k)
@@ -391,16 +361,11 @@ def _attn_inputs(layer, x, cos, sin, repeat: bool = True, stacked=None):
     return q, k, v
 
 
-def _attn_output_and_mlp(layer, x, o, stacked=None):
-    """The residual stream after the layer, from its input x [1, N, D] and the attention's output o [1, H, N, d];
-    `stacked`: `_stacked(layer)`, one product for gate and up."""
+def _attn_output_and_mlp(layer, x, o):
+    """The residual stream after the layer, from its input x [1, N, D] and the attention's output o [1, H, N, d]."""
     N = x.shape[1]
     x = x + layer.self_attn.o_proj(o.transpose(1, 2).reshape(1, N, -1))
-    h = layer.post_attention_layernorm(x)
-    if stacked is None:
-        return x + layer.mlp(h)
-    gate, up = F.linear(h, stacked[2], stacked[3]).chunk(2, dim=-1)
-    return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+    return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
 def _layer_fns(compiled: bool):
@@ -418,11 +383,10 @@ def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *
     attn = layer.self_attn
     d = int(attn.head_dim)
     kernel = kernel or _pick_kernel(x_1ND.device, x_1ND.dtype, d)
-    stacked = _stacked(layer) if FUSED_PROJECTIONS else None
-    q, k, v = pre(layer, x_1ND, cos, sin, not gqa_flash(kernel), stacked)
+    q, k, v = pre(layer, x_1ND, cos, sin, not gqa_flash(kernel))
     scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(d)))
     o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
-    return post(layer, x_1ND, o, stacked)
+    return post(layer, x_1ND, o)
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -376,35 +376,17 @@ def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int
     return PackedBatch(ids, seg, rows, aux, final, n, seg.total, int(mask.sum()))
 
 
-HOST_PREP_AHEAD = False
-"""Online training: each batch's host part (`online_host`: the samples packed end to end, every TTT step's
-supervised rows, the live positions, pinned on CUDA) made by a background thread up to two batches ahead, instead
-of by the main thread in `PackedPrefetcher.next_batch`, between queuing one step and the next (about 10 ms for
-131,072 tokens on a 2-core development machine; a profile on the GPU host, taken while another job shared it,
-showed those ops several times slower there). The thread's torch ops release the GIL; its Python does not. Off
-until measured on a GPU (train_bench.py --flag data.HOST_PREP_AHEAD); the records are the same either way."""
-
-
-def online_host(items: list[Item], *, steps: int, pad_to: int | None, pin: bool) -> tuple:
-    """The host part of an online batch: (ids_N, mask_N, Segments, rows, live), pinned when `pin` (a copy from
-    pageable memory waits for the work queued before it)."""
+def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, pad_to: int | None) -> PackedBatch:
+    """The packed row's states: read from the source's StateCache where it holds the samples, the
+    target run over the others (and the cache filled with them)."""
     from eyas.drafter.ttt import live_positions
 
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
-    live = live_positions(rows, seg.total)
-    if pin:
-        ids, seg, rows, live = ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows], live.pin_memory()
-    return ids, mask, seg, rows, live
-
-
-def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, pad_to: int | None,
-                  host: tuple | None = None) -> PackedBatch:
-    """The packed row's states: read from the source's StateCache where it holds the samples, the
-    target run over the others (and the cache filled with them). `host`: `online_host`'s part, made
-    beforehand (else here)."""
     dev = torch.device(device)
     nb = dev.type == "cuda"
-    ids, mask, seg, rows, live = host or online_host(items, steps=steps, pad_to=pad_to, pin=nb)
+    live = live_positions(rows, seg.total)
+    if nb:  # pinned first: a copy from pageable memory waits for the work queued before it
+        ids, seg, rows, live = ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows], live.pin_memory()
     ids_d, seg_d = ids.to(dev, non_blocking=nb), seg.to(dev)
     cache = src.cache
     if cache is None:
@@ -462,8 +444,9 @@ class PackedPrefetcher:
     the one handed out is copied to the GPU on a side stream when it is ready (AheadUploader).
     Online on CUDA: the target's forward for batch i+1 is enqueued on a side stream before the
     drafter's step on batch i, so the two overlap on the GPU; the side stream's start/end events
-    give the time the target took. Online on the CPU: sequential. Online with HOST_PREP_AHEAD, a
-    background thread makes each batch's host part (`online_host`) ahead, as the offline reader does.
+    give the time the target took. Online on the CPU: sequential. (Online batches' host parts made ahead by a
+    thread, as the offline reader makes its batches, gained nothing on an H200: benchmarks/RESULTS.md, 2026-12-02
+    third session, data.HOST_PREP_AHEAD.)
     """
 
     def __init__(self, src, schedule, device, *, steps: int, pad_to: int | None, depth: int = 2):
@@ -473,30 +456,25 @@ class PackedPrefetcher:
         self.src, self.device, self.steps, self.pad_to = src, torch.device(device), steps, pad_to
         self.offline = isinstance(src, StoreSource)
         self._schedule = iter(schedule)
-        pin = self.device.type == "cuda"
-        self._ahead = self.offline or HOST_PREP_AHEAD
-        if self._ahead:  # a thread makes what the main thread takes: stored batches, or online batches' host parts
+        if self.offline:
             self._q: queue.Queue = queue.Queue(maxsize=depth)
             self._stop = threading.Event()
-            make = (lambda items: store_packed(src, items, steps=steps, pad_to=pad_to, pin=pin)) if self.offline \
-                else (lambda items: (items, online_host(items, steps=steps, pad_to=pad_to, pin=pin)))
-            self._thread = threading.Thread(target=self._work, args=(make,), daemon=True)
+            self._thread = threading.Thread(target=self._work, daemon=True)
             self._thread.start()
-        if self.offline:
             self._uploader = AheadUploader(self.device) if self.device.type == "cuda" else None
         else:
             self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
             self._pending = None
             self._launch()
 
-    def _work(self, make) -> None:
+    # offline -------------------------------------------------------------------------------------
+    def _work(self) -> None:
         try:
             for items in self._schedule:
                 if self._stop.is_set():
                     return
-                self._q.put(make(items))
-            if not self.offline:
-                self._q.put(None)  # the schedule's end (the offline loop never asks past it)
+                self._q.put(store_packed(self.src, items, steps=self.steps, pad_to=self.pad_to,
+                                         pin=self.device.type == "cuda"))
         except BaseException as exc:  # surfaced in the main thread
             self._q.put(exc)
 
@@ -504,16 +482,13 @@ class PackedPrefetcher:
     def _launch(self) -> None:
         import time
 
-        if self._ahead:
-            items, host = self._host(self._q.get()) or (None, None)
-        else:
-            items, host = next(self._schedule, None), None
+        items = next(self._schedule, None)
         if items is None:
             self._pending = None
             return
         if self._stream is None:
             t0 = time.perf_counter()
-            b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to, host=host)
+            b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to)
             b.target_timing = time.perf_counter() - t0
             self._pending = b
             return
@@ -522,7 +497,7 @@ class PackedPrefetcher:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         with torch.cuda.stream(self._stream):
             start.record()
-            b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to, host=host)
+            b = online_packed(self.src, items, self.device, steps=self.steps, pad_to=self.pad_to)
             end.record()
         b.target_timing = (start, end)
         self._pending = b
@@ -553,7 +528,7 @@ class PackedPrefetcher:
         return got
 
     def close(self) -> None:
-        if self._ahead:
+        if self.offline:
             self._stop.set()
             while not self._q.empty():
                 self._q.get_nowait()
