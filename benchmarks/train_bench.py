@@ -156,6 +156,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     from eyas.train.data import AheadUploader, HostCopies, Item, _packed_to, pack_tokens, PackedBatch
     from eyas.train import loop
     from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
+    from eyas.train.optim import make_optimizer
 
     defer_stats = loop.DEFER_STATS if defer_stats is None else defer_stats
     if align_topk is None:
@@ -180,12 +181,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
                            host.aux_NAD.pin_memory(), host.final_ND.pin_memory(), B * T, B * T, host.supervised)
     denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
     params = [p for p in module.parameters() if p.requires_grad]
-    if optimizer == "adamw":
-        opt = torch.optim.AdamW(params, lr=1e-4, betas=(0.9, 0.95), fused=device.type == "cuda" and not fsdp)
-    else:
-        from eyas.train.optim import make_optimizer
-
-        opt = make_optimizer(module, optimizer, lr=1e-4, weight_decay=0.0, fused=False)
+    opt = make_optimizer(module, optimizer, lr=1e-4, weight_decay=0.0, fused=device.type == "cuda" and not fsdp)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_lambda(s, warmup=10, total=10_000, min_ratio=0.1))
     amp = torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16 and not fsdp)
 
