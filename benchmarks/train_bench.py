@@ -21,7 +21,8 @@ each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-
 them too: the loop before its pinned host copies, train/data.py HostCopies),
 `eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
 carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), `eyas-muon`
-(`--optimizer muon`), `eyas-fused-rank` (the reachability test counted in the CE kernel, ttt.FUSED_TOP_RANK),
+(`--optimizer muon`), `eyas-rank-pass` (the reachability test in a compiled pass of its own, not counted in the CE
+kernel: ttt.FUSED_TOP_RANK off),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
@@ -486,9 +487,9 @@ def suite_8b(args, dist) -> dict:
             ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
             # Muon for fc and the decoder layer's matrices (its Newton-Schulz iterations' cost at this shape)
             ("eyas-muon", lambda: make_fast_step(**fast, compile_parts=True, optimizer="muon")),
-            # the reachability test counted inside the fused CE kernel
-            ("eyas-fused-rank", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.FUSED_TOP_RANK",
-                                                  True)),
+            # the reachability test in a compiled pass of its own (the default counts it inside the fused CE kernel)
+            ("eyas-rank-pass", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.FUSED_TOP_RANK",
+                                                 False)),
             # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
             ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
                                                      False))]

@@ -148,7 +148,8 @@ def check_indexed() -> None:
         seen.append((t.data_ptr() == table.data_ptr() and t.shape == table.shape, t_rows))
         return chosen(s, t, w, top, t_rows=t_rows)
 
-    ttt._CE_CHOICE[("cpu", torch.float32, torch.float32)] = spy
+    (key,) = ttt._CE_CHOICE  # (the key names the rank setting too)
+    ttt._CE_CHOICE[key] = spy
     tot, _ = ttt.head_soft_ce(x, wv, None, None, weight, topn, chunk_rows=4, teacher_logits=table, teacher_rows=rows)
     assert len(seen) == 3 and all(whole for whole, _ in seen), seen  # 11 rows in chunks of 4
     assert torch.equal(torch.cat([r for _, r in seen]), rows)
@@ -265,6 +266,7 @@ def test_startup_check_tests_the_fused_rank_when_it_is_on(monkeypatch, off_by, s
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
     monkeypatch.setattr(CE, "fused_chunk_ce", bad)
+    monkeypatch.setattr(ttt, "FUSED_TOP_RANK", False)  # (these stand-ins have no rank; the test above checks it)
     why = ttt.check_fused_chunk_ce(torch.device("cpu"), *dtypes, rows=8, vocab=2000)
     if says is None:
         assert why is None  # the reference itself passes: the tolerances are not too tight

@@ -712,12 +712,15 @@ def _gathering(chunk):
     return call
 
 
-FUSED_TOP_RANK = False
-"""True: with the fused CE kernel, the head loss's reachability test (`align_topk`: the teacher's top token among
-the drafter's top K logits, `top_rank_below`) is counted by the kernel in its pass over the student logits instead
-of by a compiled pass of its own (one full read of every [rows x draft vocab] chunk less: in a profile of two online
-SmolLM2 steps on an H200, 2026-12-02, that pass took 38.2 ms of 992 ms of GPU time). The same booleans (the
-kernel's start-up check compares them). False (the default until measured on a GPU): a pass of its own."""
+FUSED_TOP_RANK = True
+"""True (the default): with the fused CE kernel, the head loss's reachability test (`align_topk`: the teacher's top
+token among the drafter's top K logits, `top_rank_below`) is counted by the kernel in its pass over the student logits
+instead of by a compiled pass of its own (one full read of every [rows x draft vocab] chunk less; in a profile of two
+online SmolLM2 steps on an H200, 2026-12-02, that pass took 38.2 ms of 992 ms of GPU time). The same booleans (the
+kernel's start-up check compares them). Measured on one H200 (SmolLM2 online, the target on every batch, 131,072
+tokens a step, benchmarks/train_bench.py --suite smol, 2026-12-02, two pairs of runs): 245,245 against 238,733 and
+244,436 against 238,237 supervised tokens/s (1.027x, 1.026x); the 8B shape, in one process: 66.1 against 66.3 ms a
+step. False: a pass of its own (`--flag ttt.FUSED_TOP_RANK=0` there)."""
 
 CE_KERNEL_ENV = "EYAS_CE_KERNEL"
 """Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
