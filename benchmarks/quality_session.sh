@@ -105,7 +105,8 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     # "ttt.GROUPED_DIAGONALS packing.COMPILED_LAYERS=0"; none: no next runs), regen-off: off on the recipe's
     # regenerated chats instead (prepare_only before it in the chain makes them), profile: op tables of two steps
     # of the run with the target on every batch (train_bench.py --profile; its rate is not a figure),
-    # flag:MODULE.NAME: off with that one setting (train_bench.py --flag), e.g. flag:ttt.FUSED_TOP_RANK
+    # flag:MODULE.NAME: off with that one setting (train_bench.py --flag), e.g. flag:ttt.FUSED_TOP_RANK=0;
+    # opt:NAME: off with `eyas train --optimizer NAME` (adamw or muon; the default is the drafter's width's)
     [ -f $ROOT/prep500/meta.json ] || timeout -k 30 60 python -m eyas prepare --source $S/chats6k.jsonl --target $ROOT/smol --out $ROOT/prep500 --limit 500 \
         --overwrite > $ROOT/q/prep500.log 2>&1
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
@@ -129,6 +130,8 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
             > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
         flag:*) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --flag ${run#flag:} --cache off \
             > $ROOT/q/train_smol_${run#flag:}.log 2>&1 ;;
+        opt:*) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --optimizer ${run#opt:} --cache off \
+            > $ROOT/q/train_smol_opt_${run#opt:}.log 2>&1 ;;
         esac
     done
 }

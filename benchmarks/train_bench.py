@@ -702,6 +702,7 @@ def suite_smol(args) -> dict:
                          + (f"-cache-{args.cache}" if args.cache != "auto" else "")
                          + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else "")
                          + "".join(f"-{f.replace('=', '-')}" for f in args.flag)
+                         + (f"-{args.optimizer}" if args.optimizer else "")
                          + ("-profiled" if args.profile else ""))
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
@@ -717,7 +718,7 @@ def suite_smol(args) -> dict:
                                 target=args.target, data=Path(data), out=work / label, steps=steps,
                                 tokens_per_batch=budget, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
                                 device=args.device or "cuda", eval_samples=8, compile=compiled,
-                                max_length=min(2048, budget), overwrite=True, lr=1e-4,
+                                max_length=min(2048, budget), overwrite=True, lr=1e-4, optimizer=args.optimizer,
                                 cache_states=AUTO_ON_OFF[args.cache], ttt_cast_once=AUTO_ON_OFF[args.cast_once]))
                     finally:
                         loop.STEP_END = None
@@ -794,6 +795,8 @@ def main() -> None:
                     help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
                          "of a few batches, --skip past the first epoch measures the cached rate")
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
+    ap.add_argument("--optimizer", default=None, choices=["adamw", "muon"],
+                    help="smol: eyas train's --optimizer (default: its own, by the drafter's width)")
     ap.add_argument("--flag", action="append", default=[], metavar="MODULE.NAME[=0]",
                     help="smol: turn on (=0: off) a module setting of eyas for the run, MODULE one of "
                          f"{', '.join(FLAG_MODULES)}, e.g. ttt.GROUPED_DIAGONALS, packing.COMPILED_LAYERS=0 (repeatable)")

@@ -268,16 +268,19 @@ def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
 
 
 def test_smol_runs_with_one_setting_each(tmp_path):
-    """SMOL_RUNS "flag:MODULE.NAME": the run with the target on every batch and that one setting, one run per
-    setting after the default's, each in its own log."""
+    """SMOL_RUNS "flag:MODULE.NAME" and "opt:NAME": the run with the target on every batch and that one setting (or
+    optimizer), one run per setting after the default's, each in its own log."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target smol_next", JOBS="none",
-                                   SMOL_RUNS="off flag:ttt.FUSED_TOP_RANK flag:ttt.SPLIT_TEACHER_HEAD=0")
+                                   SMOL_RUNS="off flag:ttt.FUSED_TOP_RANK=0 flag:ttt.SPLIT_TEACHER_HEAD=0 opt:adamw")
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
     rates = [x["args"] for x in calls() if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
-    runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y == "--flag"]) for a in rates]
-    assert runs == [("off", []), ("off", ["ttt.FUSED_TOP_RANK"]), ("off", ["ttt.SPLIT_TEACHER_HEAD=0"])], runs
+    runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y in ("--flag", "--optimizer")])
+            for a in rates]
+    assert runs == [("off", []), ("off", ["ttt.FUSED_TOP_RANK=0"]), ("off", ["ttt.SPLIT_TEACHER_HEAD=0"]),
+                    ("off", ["adamw"])], runs
+    assert (root / "q" / "train_smol_opt_adamw.log").is_file()
 
 
 def test_profile_smol_online_profiles_past_the_skipped_steps(tmp_path):

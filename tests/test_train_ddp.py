@@ -44,10 +44,12 @@ def test_two_processes_equal_one(world, tmp_path):  # noqa: F811
 
     from eyas.train.loop import run
 
+    # AdamW set for one process and DDP: the default under --fsdp (which cannot run Muon), so the three compare
     one = tmp_path / "one"
-    s_one = run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2))  # global batch 2
+    s_one = run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2, optimizer="adamw"))  # global batch 2
     ddp = tmp_path / "ddp"
-    s_ddp = _torchrun(*_args(world, ddp, "--steps", "3", "--batch-size", "1", "--save-every", "2"))
+    s_ddp = _torchrun(*_args(world, ddp, "--steps", "3", "--batch-size", "1", "--save-every", "2",
+                             "--optimizer", "adamw"))
     fsdp = tmp_path / "fsdp"
     s_fsdp = _torchrun(*_args(world, fsdp, "--steps", "3", "--batch-size", "1", "--fsdp"))
     assert s_ddp["world"] == 2 and s_fsdp["world"] == 2
@@ -121,11 +123,12 @@ def test_bf16_gradient_reduce_trains_like_fp32_within_bf16_rounding(world, tmp_p
 
     from eyas.train.loop import run
 
-    one = tmp_path / "one"
-    run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2))
+    one = tmp_path / "one"  # (AdamW: the bounds below are Adam's; Muon's normalized update has others)
+    run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2, optimizer="adamw"))
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
-    _torchrun(*_args(world, fp32, "--steps", "3", "--batch-size", "1"))
-    s = _torchrun(*_args(world, bf16, "--steps", "3", "--batch-size", "1", "--grad-reduce", "bf16"))
+    _torchrun(*_args(world, fp32, "--steps", "3", "--batch-size", "1", "--optimizer", "adamw"))
+    s = _torchrun(*_args(world, bf16, "--steps", "3", "--batch-size", "1", "--grad-reduce", "bf16",
+                         "--optimizer", "adamw"))
     assert s["world"] == 2
     ref, got = _train_records(one), _train_records(bf16)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=2e-2)

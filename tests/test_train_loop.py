@@ -661,18 +661,25 @@ def test_bf16_training_casts_the_weights_once_or_per_step_alike(world, tmp_path,
     assert abs(first[True] - first[False]) <= 0.02 * abs(first[False]), first
 
 
-def test_the_default_learning_rate_follows_the_drafters_width(world, tmp_path):
-    """--lr unset: 1e-3 for a drafter under hidden size 2048 (the tiny target's here), 1e-4 from 2048 on; the
-    resolved rate is what the optimizer ran (warmup 1: step 1 is at the peak) and what the drafter records."""
-    from eyas.train.loop import LARGE_DRAFTER_HIDDEN, default_lr, run
+def test_the_default_optimizer_and_learning_rate_follow_the_drafters_width(world, tmp_path):
+    """--optimizer and --lr unset: Muon at 2e-3 for a drafter under hidden size 2048 (the tiny target's here), AdamW at
+    1e-3 there when set or under --fsdp, AdamW at 1e-4 from 2048 on; the resolved ones are what the optimizer ran
+    (warmup 1: step 1 is at the peak) and what the drafter records."""
+    from eyas.train.loop import LARGE_DRAFTER_HIDDEN, default_lr, default_optimizer, run
 
-    assert default_lr(576) == default_lr(LARGE_DRAFTER_HIDDEN - 1) == 1e-3
-    assert default_lr(LARGE_DRAFTER_HIDDEN) == default_lr(4096) == 1e-4
-    out = tmp_path / "lr"
-    run(_cfg(world, out, data=world["prep"], steps=2, lr=None))
-    first = _train_records(out)[0]
-    assert first["lr"] == pytest.approx(1e-3)
-    assert json.loads((out / "drafter" / "config.json").read_text())["training"]["lr"] == 1e-3
+    small, large = LARGE_DRAFTER_HIDDEN - 1, LARGE_DRAFTER_HIDDEN
+    assert default_optimizer(576, fsdp=False) == default_optimizer(small, fsdp=False) == "muon"
+    assert default_optimizer(576, fsdp=True) == default_optimizer(large, fsdp=False) == "adamw"
+    assert default_lr(576, "muon") == default_lr(small, "muon") == 2e-3
+    assert default_lr(576, "adamw") == default_lr(small) == 1e-3
+    assert default_lr(large, "muon") == default_lr(4096, "adamw") == 1e-4
+    for kind, want in ((None, ("muon", 2e-3)), ("adamw", ("adamw", 1e-3))):
+        out = tmp_path / f"lr-{kind}"
+        run(_cfg(world, out, data=world["prep"], steps=2, lr=None, optimizer=kind))
+        first = _train_records(out)[0]
+        training = json.loads((out / "drafter" / "config.json").read_text())["training"]
+        assert (training["optimizer"], training["lr"]) == want, training
+        assert first["lr"] == pytest.approx(want[1])
 
 
 def test_align_topk_masks_unreachable_rows_in_a_real_run(world, tmp_path):
@@ -796,19 +803,20 @@ def test_a_profile_with_stacks_places_the_fills_at_their_lines(capsys):
 def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
     """--optimizer muon: the first step's figures equal AdamW's (same start), the second's do not; a resume from its
     step-2 checkpoint (momentum buffers and AdamW moments) gives the uninterrupted run's losses and weights; the
-    drafter records it; a resume with AdamW, an unknown optimizer and muon with --fsdp are refused before any work."""
+    drafter records it; a resume with --optimizer unset keeps the checkpoint's (Muon, or AdamW for a run without the
+    key); a resume with AdamW set, an unknown optimizer and muon with --fsdp are refused before any work."""
     from safetensors.torch import load_file
 
     from eyas.errors import EyasError
     from eyas.train.loop import run
 
-    run(_cfg(world, tmp_path / "adam", data=world["prep"], steps=2))
+    run(_cfg(world, tmp_path / "adam", data=world["prep"], steps=2, optimizer="adamw"))
     run(_cfg(world, tmp_path / "full", data=world["prep"], steps=4, optimizer="muon"))
     run(_cfg(world, tmp_path / "part", data=world["prep"], steps=4, optimizer="muon", save_every=2))
     ck2 = tmp_path / "part" / "checkpoints" / "step-000002.safetensors"
     for later in ("step-000004.safetensors",):
         (tmp_path / "part" / "checkpoints" / later).unlink()
-    run(_cfg(world, tmp_path / "part", data=world["prep"], steps=4, optimizer="muon", resume=str(ck2)))
+    run(_cfg(world, tmp_path / "part", data=world["prep"], steps=4, resume=str(ck2)))  # (unset: the checkpoint's)
     a, full, part = (_train_records(tmp_path / x) for x in ("adam", "full", "part"))
     assert full[0]["loss_per_step"] == pytest.approx(a[0]["loss_per_step"], rel=1e-6)
     assert full[1]["loss_per_step"] != pytest.approx(a[1]["loss_per_step"], rel=1e-4)
@@ -818,7 +826,12 @@ def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
         torch.testing.assert_close(wf[k], wp[k], atol=1e-6, rtol=1e-6)
     assert json.loads((tmp_path / "full" / "drafter" / "config.json").read_text())["training"]["optimizer"] == "muon"
     with pytest.raises(EyasError, match="optimizer"):
-        run(_cfg(world, tmp_path / "other", data=world["prep"], steps=4, resume=str(ck2)))
+        run(_cfg(world, tmp_path / "other", data=world["prep"], steps=4, resume=str(ck2), optimizer="adamw"))
+    # an AdamW run (as every run was before Muon became the small drafters' default) resumes as AdamW when unset
+    run(_cfg(world, tmp_path / "adam", data=world["prep"], steps=3, resume="auto"))
+    adam = _train_records(tmp_path / "adam")
+    assert [r["step"] for r in adam] == [1, 2, 3], adam
+    assert json.loads((tmp_path / "adam" / "drafter" / "config.json").read_text())["training"]["optimizer"] == "adamw"
     with pytest.raises(EyasError, match="--optimizer"):
         _cfg(world, tmp_path / "bad", data=world["prep"], optimizer="sgd")
     with pytest.raises(EyasError, match="--fsdp"):

@@ -73,13 +73,20 @@ class TrainConfig:
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
     """Peak learning rate (AdamW, betas 0.9/0.95; with --optimizer muon, both of its groups'). Default by the
-    drafter's width: 1e-3 under hidden size 2048 (SmolLM2's 576-wide drafter, 600 steps of 16 samples on one H200:
-    MT-bench tau +13% chain, +17% tree at 3e-4 over 1e-4 (2026-12-01), then +8.3% chain, +9.4% tree at 1e-3 over
-    3e-4 (2026-12-02)), else 1e-4 (the usual setting for 8B-class drafters; higher is not measured there)."""
-    optimizer: str = "adamw"
+    drafter's width and the optimizer (`default_lr`): under hidden size 2048, 2e-3 with Muon and 1e-3 with AdamW
+    (SmolLM2's 576-wide drafter, 600 steps of 16 samples on one H200, MT-bench tau: AdamW +13% chain, +17% tree at
+    3e-4 over 1e-4 (2026-12-01), then +8.3% chain, +9.4% tree at 1e-3 over 3e-4; AdamW at 2e-3 +0.2% chain, +2.1%
+    tree over 1e-3 (2026-12-02); Muon at 2e-3 +8.0% chain, +9.9% tree over Muon at 1e-3, in one call, 2026-12-02),
+    else 1e-4 (the usual setting for 8B-class drafters; higher is not measured there)."""
+    optimizer: str | None = None
     """adamw, or muon: Muon (orthogonalized momentum updates) for fc and the decoder layer's matrices, AdamW for
     lm_head and the norms, at the same learning rate (train/optim.py; --grad-clip reaches Muon's update only through
-    its momentum's mix, the orthogonalization removes the scale). Not with --fsdp. Not measured yet."""
+    its momentum's mix, the orthogonalization removes the scale; not with --fsdp). Default (`default_optimizer`):
+    muon under hidden size 2048 without --fsdp, else adamw; a resumed run keeps its checkpoint's. Measured on one
+    H200 (SmolLM2's drafter, 3,000 regenerated chats, 600 steps of 16 samples, MT-bench tau chain / tree, each pair
+    in one call): Muon 1.5836 / 2.1892 against AdamW's 1.5473 / 2.1508 at lr 1e-3, and 1.5942 / 2.1881 against
+    1.5249 / 2.1493 in another call; Muon at 2e-3 1.7218 / 2.4049 (2026-12-02). At the 8B shape Muon's step took
+    118.8 against AdamW's 66.3 ms (2,048 tokens a step, benchmarks/train_bench.py): AdamW stays the default there."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of --lr."""
     warmup_steps: int | None = None
@@ -191,7 +198,8 @@ class TrainConfig:
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
         check_choice(self, "grad_reduce", ("fp32", "bf16"))
-        check_choice(self, "optimizer", OPTIMIZERS)
+        if self.optimizer is not None:
+            check_choice(self, "optimizer", OPTIMIZERS)
         if self.fsdp and self.optimizer == "muon":
             raise EyasError("--optimizer muon orthogonalizes whole matrices; --fsdp shards them: use DDP (drop --fsdp) "
                             "or --optimizer adamw")
@@ -305,12 +313,20 @@ class TTTModule(nn.Module):
         return out.loss, stats
 
 
-SMALL_DRAFTER_LR, LARGE_DRAFTER_LR, LARGE_DRAFTER_HIDDEN = 1e-3, 1e-4, 2048
+SMALL_DRAFTER_LR, SMALL_DRAFTER_MUON_LR, LARGE_DRAFTER_LR, LARGE_DRAFTER_HIDDEN = 1e-3, 2e-3, 1e-4, 2048
 
 
-def default_lr(hidden_size: int) -> float:
-    """--lr's default for a drafter of this hidden size (TrainConfig.lr)."""
-    return LARGE_DRAFTER_LR if hidden_size >= LARGE_DRAFTER_HIDDEN else SMALL_DRAFTER_LR
+def default_optimizer(hidden_size: int, *, fsdp: bool) -> str:
+    """--optimizer's default for a drafter of this hidden size (TrainConfig.optimizer): Muon for small drafters, whose
+    Newton-Schulz iterations cost little beside a step; AdamW for large ones and under --fsdp."""
+    return "muon" if hidden_size < LARGE_DRAFTER_HIDDEN and not fsdp else "adamw"
+
+
+def default_lr(hidden_size: int, optimizer: str = "adamw") -> float:
+    """--lr's default for a drafter of this hidden size trained with this optimizer (TrainConfig.lr)."""
+    if hidden_size >= LARGE_DRAFTER_HIDDEN:
+        return LARGE_DRAFTER_LR
+    return SMALL_DRAFTER_MUON_LR if optimizer == "muon" else SMALL_DRAFTER_LR
 
 
 def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
@@ -655,8 +671,16 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     module = PackedTTTModule(drafter, ttt_cfg, head_VtD=head_w)
     module = dd.wrap_model(module, d, fsdp=cfg.fsdp, bf16=bf16, grad_reduce=cfg.grad_reduce)
     params = [p for p in module.parameters() if p.requires_grad]
-    lr = default_lr(dcfg.hidden_size) if cfg.lr is None else cfg.lr
-    opt = make_optimizer(module, cfg.optimizer, lr=lr, weight_decay=cfg.weight_decay,
+    ckdir = out / "checkpoints"
+    resume_path = (ck.latest_checkpoint(ckdir) if cfg.resume == "auto" else Path(cfg.resume)) if cfg.resume else None
+    state = ck.load_checkpoint(resume_path) if resume_path is not None else None
+    optimizer = cfg.optimizer or (state["identity"].get("optimizer", "adamw") if state is not None
+                                  else default_optimizer(dcfg.hidden_size, fsdp=cfg.fsdp))
+    lr = default_lr(dcfg.hidden_size, optimizer) if cfg.lr is None else cfg.lr
+    if d.is_main:
+        why = "set" if cfg.optimizer else "the checkpoint's" if state is not None else "default"
+        log(f"optimizer: {optimizer} ({why}), peak lr {lr:g} ({'set' if cfg.lr is not None else 'default'})")
+    opt = make_optimizer(module, optimizer, lr=lr, weight_decay=cfg.weight_decay,
                          fused=dev.type == "cuda" and not cfg.fsdp)
     sched = torch.optim.lr_scheduler.LambdaLR(
         opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
@@ -674,22 +698,18 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         identity["align_topk"] = cfg.align_topk
     if cfg.feature_loss:
         identity["feature_loss"] = cfg.feature_loss
-    if cfg.optimizer != "adamw":
-        identity["optimizer"] = cfg.optimizer
-    ckdir = out / "checkpoints"
+    if optimizer != "adamw":
+        identity["optimizer"] = optimizer
     start = 0
-    if cfg.resume:
-        path = ck.latest_checkpoint(ckdir) if cfg.resume == "auto" else Path(cfg.resume)
-        if path is None:
-            log(f"--resume auto: no checkpoint in {ckdir}; starting from step 0")
-        else:
-            state = ck.load_checkpoint(path)
-            ck.check_identity(state["identity"], identity, path)
-            ck.restore(state, model=module, optimizer=opt, scheduler=sched)
-            start = int(state["step"])
-            if d.is_main:
-                log(f"resumed from {path} at step {start}")
-            del state
+    if cfg.resume and state is None:
+        log(f"--resume auto: no checkpoint in {ckdir}; starting from step 0")
+    elif state is not None:
+        ck.check_identity(state["identity"], identity, resume_path)
+        ck.restore(state, model=module, optimizer=opt, scheduler=sched)
+        start = int(state["step"])
+        if d.is_main:
+            log(f"resumed from {resume_path} at step {start}")
+        del state
 
     # -- 8. loop ---------------------------------------------------------------------------------
     if cfg.overwrite and cfg.resume is None and d.is_main:  # the old run's checkpoints would mislead a later resume
@@ -848,7 +868,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                    extra={"training": {"steps": total, "global_batch": plan.global_batch, "lr": lr,
                                        "teacher_temperature": cfg.teacher_temperature,
                                        "align_topk": cfg.align_topk, "feature_loss": cfg.feature_loss,
-                                       "optimizer": cfg.optimizer,
+                                       "optimizer": optimizer,
                                        "ttt_steps": K, "source": "store" if cfg.store else "online",
                                        "vocab": vocab.report()}})
         plot_curves(out / "metrics.jsonl", out / "curves.png")
