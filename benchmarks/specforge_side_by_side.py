@@ -14,8 +14,9 @@ Order of work (each step resumes or is skipped when its output is already there)
                cut short keeps the ratios it reached (each eval's taus are logged as it ends)
 Both trainers see the same samples (all of the store) with the same batch size in samples, so the
 same tokens per step on average (the orders differ: each trainer shuffles with its own seed).
-What stays each trainer's own: its loss, schedule details (eyas: cosine to 10% of lr, 2% warmup;
-SpecForge: cosine, --warmup-ratio), data order and alignment of the mask (SpecForge shifts ids and
+What stays each trainer's own: its loss, its optimizer at the shared --lr (eyas: its default, Muon for drafters
+under hidden size 2048 since 2026-12-02, AdamW before; SpecForge: AdamW), schedule details (eyas: cosine to 10% of
+lr, 2% warmup; SpecForge: cosine, --warmup-ratio), data order and alignment of the mask (SpecForge shifts ids and
 teacher by one and keeps the mask unshifted; eyas follows drafter/ttt.py).
 
 SpecForge on the GPU machine (no SGLang needed for offline training):
