@@ -51,6 +51,22 @@ def _chunk(c: int, V: int, s_dtype: torch.dtype, t_dtype: torch.dtype, seed: int
     return s, t, w, top
 
 
+def _steps(seed: int):
+    """Three TTT steps' rows of a head loss over 40 positions (hidden 12, vocab 30): (x, W, f, wt, weights, top,
+    teacher rows, positions, lengths), each step's positions ascending, its teacher rows one further per step, every
+    7th weight 0; x and W require gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    N, Dm, V, steps = 40, 12, 30, 3
+    rows = [torch.randperm(N - 1 - j, generator=gen)[: 24 - 4 * j].sort().values for j in range(steps)]
+    pos, tr = torch.cat(rows), torch.cat([r + 1 + j for j, r in enumerate(rows)])
+    x = torch.randn(pos.numel(), Dm, generator=gen).requires_grad_()
+    W = torch.randn(V, Dm, generator=gen).requires_grad_()
+    f, wt = torch.randn(N, Dm, generator=gen), torch.randn(V, Dm, generator=gen)
+    top, wn = (f @ wt.T).argmax(-1)[tr], torch.rand(pos.numel(), generator=gen) + 0.1
+    wn[::7] = 0
+    return x, W, f, wt, wn, top, tr, pos, [r.numel() for r in rows]
+
+
 @needs_triton
 def test_kernel_equals_chunk_ce_under_interpreter():
     out = _in_interpreter("check_kernel()")
@@ -299,15 +315,8 @@ def check_rank() -> None:
         print("rank ok", i)
     far = CE.fused_chunk_ce(s, t, w, torch.full_like(top, V + 5), rank_topk=k, block_v=1024)[3]
     assert torch.equal(far, ttt.top_rank_below(s, torch.full_like(top, V + 5), k))
-    gen = torch.Generator().manual_seed(11)
-    N, Dm, V, steps, topk = 40, 12, 30, 3, 8
-    rows = [torch.randperm(N - 1 - j, generator=gen)[: 24 - 4 * j].sort().values for j in range(steps)]
-    pos, tr = torch.cat(rows), torch.cat([r + 1 + j for j, r in enumerate(rows)])
-    x = torch.randn(pos.numel(), Dm, generator=gen).requires_grad_()
-    W = torch.randn(V, Dm, generator=gen).requires_grad_()
-    f, wt = torch.randn(N, Dm, generator=gen), torch.randn(V, Dm, generator=gen)
-    top, wn = (f @ wt.T).argmax(-1)[tr], torch.rand(pos.numel(), generator=gen) + 0.1
-    wn[::7] = 0
+    x, W, f, wt, wn, top, tr, pos, lengths = _steps(11)
+    N, topk = f.shape[0], 8
     got = {}
     for fused in (False, True):
         ttt.FUSED_TOP_RANK = fused
@@ -326,7 +335,7 @@ def check_rank() -> None:
         real = CE.fused_chunk_ce
         CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
         try:
-            total, _, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, [r.numel() for r in rows], chunk_rows=5,
+            total, _, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5,
                                                      compute_dtype=torch.float32, align=(pos, N, topk),
                                                      teacher_rows=tr)
         finally:
@@ -335,9 +344,217 @@ def check_rank() -> None:
         got[fused] = (total.detach(), hits, *torch.autograd.grad(total, [x, W]))
     (total_f, hits_f, gx_f, gw_f), (total_s, hits_s, gx_s, gw_s) = got[True], got[False]
     assert torch.equal(hits_f, hits_s)
-    plain, _, _ = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, [r.numel() for r in rows], chunk_rows=5,
-                                          compute_dtype=torch.float32, teacher_rows=tr)
+    plain, _, _ = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5, compute_dtype=torch.float32,
+                                          teacher_rows=tr)
     assert float(plain.detach()) > float(total_f) + 1e-3  # the test dropped rows: it mattered
     for a, b in ((total_f, total_s), (gx_f, gx_s), (gw_f, gw_s)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
     print("head loss: fused top-K test as the separate one")
+
+
+@needs_triton
+def test_teacher_lse_under_interpreter():
+    out = _in_interpreter("check_lse()")
+    assert out.count("lse ok") == 5 and "all lse checks ok" in out, out[-2000:]
+
+
+def check_lse() -> None:
+    """t_lse: the kernel given the teacher's log-sum-exp (fp32, indexed like t) gives the outputs it gives without it
+    (loss, hits, g and the top-K test), blocked and whole-row, the teacher given directly and by `t_rows`, fp32 and
+    bf16 logits; given it moved by 0.5 it follows p = exp(t - t_lse) (`_chunk_ce` given the same), so it reads it,
+    at the table's row."""
+    cases = [  # (rows, V, s dtype, t dtype, block, teacher rows by index): V is never a multiple of the block
+        (6, 700, torch.float32, torch.float32, 256, False),
+        (5, 777, torch.bfloat16, torch.bfloat16, 256, True),
+        (4, 300, torch.bfloat16, torch.float32, 128, True),
+        (4, 777, torch.float32, torch.bfloat16, 1024, False),  # the row held whole (ONE_BLOCK)
+        (3, 50, torch.bfloat16, torch.float32, 64, True),  # ONE_BLOCK
+    ]
+    for i, (c, V, sd, td, block, by_index) in enumerate(cases):
+        s, t, w, top = _chunk(c, V, sd, td, seed=80 + i)
+        t_rows = torch.arange(c)
+        if by_index:  # a table with more rows than the chunk and a row stride past V; ids out of order, one repeated
+            gen = torch.Generator().manual_seed(90 + i)
+            t = (3 * torch.randn(c + 5, V + 9, generator=gen)).to(td)[:, :V]
+            t_rows = torch.randperm(c + 5, generator=gen)[:c]
+            t_rows[-1] = t_rows[0]
+        kw = {"t_rows": t_rows, "block_v": block} if by_index else {"block_v": block}
+        lse = torch.logsumexp(t.float(), -1)
+        plain = CE.fused_chunk_ce(s, t, w, top, rank_topk=3, **kw)
+        given = CE.fused_chunk_ce(s, t, w, top, rank_topk=3, t_lse=lse, **kw)
+        assert torch.equal(given[1], plain[1]) and torch.equal(given[3], plain[3]), (given, plain)
+        assert 0 < int(plain[1].sum()) < c and 0 < int(plain[3].sum())  # the booleans are not all alike
+        rtol = 1e-5 if sd == torch.float32 else 2 ** -7  # bf16 g: both round fp32, one ulp apart
+        torch.testing.assert_close(given[0], plain[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(given[2].float(), plain[2].float(), rtol=rtol, atol=1e-7)
+        moved = lse + 0.5
+        off = CE.fused_chunk_ce(s, t, w, top, t_lse=moved, **kw)
+        want = ttt._chunk_ce(s, t[t_rows], w, top, moved[t_rows])
+        torch.testing.assert_close(off[0], want[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(off[2].float(), want[2].float(), rtol=rtol, atol=1e-7)
+        assert abs(float(off[0]) - float(plain[0])) > 1e-2, (off[0], plain[0])  # it did use the moved one
+        assert float((off[2].float() - plain[2].float()).abs().max()) > 1e-2
+        print("lse ok", i)
+    print("all lse checks ok")
+
+
+@needs_triton
+def test_head_loss_with_teacher_lse_under_interpreter():
+    out = _in_interpreter("check_lse_head()")
+    assert "packed loss: teacher lse as without" in out and "groups: teacher lse as without" in out, out[-2000:]
+
+
+def check_lse_head() -> None:
+    """ttt.TEACHER_LSE: the packed TTT loss on a kept teacher table (whose log-sum-exp `packed_teacher` makes) and the
+    head loss on a recomputed teacher's row groups give the loss, gradients and hits they give without it, both
+    with the reachability test counted in the kernel; the kernel (in 16-entry blocks) gets `t_lse` only when the flag
+    is on: the table's own, or the log-sum-exp of the group's logits it reads."""
+    import tests.test_train_packed as TP
+    from tests.test_drafter_ttt import tiny_drafter
+
+    cpu = torch.device("cpu")
+    ids, seg, rows, _, aux, final, den, head, used, t2d = TP._packed_on(cpu, [9, 14, 21], K=4, seed=3)
+    x, W, f, wt, wn, top, tr, pos, lengths = _steps(13)
+    real_kernel, real_flag = CE.fused_chunk_ce, ttt.TEACHER_LSE
+    got = {}
+    try:
+        for on in (False, True):
+            ttt.TEACHER_LSE = on
+            ttt._CE_CHOICE.clear()
+            CE.fused_chunk_ce = real_kernel
+            chosen = ttt.chunk_ce_for(cpu, torch.float32, torch.float32)
+            assert chosen is real_kernel  # the start-up check passed (with the log-sum-exp cases when on)
+            (key,) = ttt._CE_CHOICE
+            assert (key[-1] == "lse") == on
+            calls = []
+
+            def spy(s, t, w, top_c, **kw):
+                calls.append((t, kw.get("t_lse")))
+                return chosen(s, t, w, top_c, block_v=16, **kw)
+
+            ttt._CE_CHOICE[key] = CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
+            m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=TP.V)
+            m.set_vocab(used)
+            pt = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7)
+            assert pt.logits_NV is not None and (pt.lse_N is not None) == on
+            out = ttt.ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
+                                      cfg=ttt.TTTConfig(steps=4, align_topk=8), denominators=den, chunk_rows=6)
+            grads = torch.autograd.grad(out.loss, [p for p in m.parameters() if p.requires_grad])
+            assert calls and all(t is pt.logits_NV and (lse is pt.lse_N if on else lse is None) for t, lse in calls)
+            packed = (out.loss.detach(), out.ce_sum, out.correct, *grads)
+            calls.clear()
+            total, per_step, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5,
+                                                            compute_dtype=torch.float32, align=(pos, f.shape[0], 8),
+                                                            teacher_rows=tr)
+            assert len(calls) >= 2 and all(t.shape[0] <= 5 for t, _ in calls)  # the groups' logits
+            if on:  # each group's log-sum-exp, one per row of its logits
+                for t, lse in calls:
+                    torch.testing.assert_close(lse, torch.logsumexp(t.float(), -1), rtol=1e-6, atol=1e-6)
+            else:
+                assert all(lse is None for _, lse in calls)
+            got[on] = (packed, (total.detach(), per_step, hits, *torch.autograd.grad(total, [x, W])))
+    finally:
+        CE.fused_chunk_ce, ttt.TEACHER_LSE = real_kernel, real_flag
+        ttt._CE_CHOICE.clear()
+    for (on, off), name in zip(zip(got[True], got[False]), ("packed loss", "groups")):
+        assert torch.equal(on[2], off[2])  # the hits (packed: correct per step, as counts)
+        assert float(off[0]) > 0
+        for a, b in zip(on, off):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        print(name + ": teacher lse as without")
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split, dtype):
+    """TEACHER_LSE: `packed_teacher` keeps the fp32 log-sum-exp of each row of the kept logits (made chunk by chunk,
+    the last chunk partial), also for bf16 logits (whose bf16 log-sum-exp keeps 3 significant digits); none when the
+    table is not kept or the flag is off."""
+    g = torch.Generator().manual_seed(4)
+    Vt, Dm, N = 80, 16, 41
+    head = (2 * torch.randn(Vt, Dm, generator=g)).to(dtype)
+    final = torch.randn(N, Dm, generator=g).to(dtype)
+    used = torch.arange(5, 65)
+    t2d = torch.zeros(Vt, dtype=torch.bool)
+    t2d[used] = True
+    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", split)
+    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
+
+    def teacher(**kw):
+        return ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7, unused=ttt.unused_head(head, t2d),
+                                  **kw)
+
+    pt = teacher()
+    assert pt.logits_NV.dtype == dtype and pt.lse_N.dtype == torch.float32 and pt.lse_N.shape == (N,)
+    torch.testing.assert_close(pt.lse_N, torch.logsumexp(pt.logits_NV.float(), -1), rtol=1e-6, atol=1e-6)
+    assert float(pt.lse_N.std()) > 0.5  # rows that differ
+    assert teacher(cache_bytes=0).lse_N is None  # not kept: recomputed per chunk, no table to go with it
+    monkeypatch.setattr(ttt, "TEACHER_LSE", False)
+    assert teacher().lse_N is None
+
+
+def _with_lse(misuse: str | None):
+    """A stand-in kernel taking `t_lse` (and `rank_topk`): right (None), ignoring it ("ignores"), or reading it at
+    the chunk's row instead of the table's ("chunk row")."""
+    def kernel(s, t, w, top, *, t_rows=None, t_lse=None, rank_topk=None):
+        at = torch.arange(s.shape[0]) if t_rows is None else t_rows
+        lse = None if t_lse is None or misuse == "ignores" else t_lse[torch.arange(s.shape[0]) if misuse else at]
+        out = ttt._chunk_ce(s, t[at], w, top, lse)
+        return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk))
+    return kernel
+
+
+@pytest.mark.parametrize("kernel, says", [(_with_lse(None), None),
+                                          (_with_lse("ignores"), "log-sum-exp moved by 0.5): loss differs"),
+                                          (_with_lse("chunk row"), "by index, log-sum-exp given): loss differs"),
+                                          (_ranks(0), "log-sum-exp given) failed: TypeError")])
+def test_startup_check_tests_the_teacher_lse_when_it_is_on(monkeypatch, kernel, says):
+    monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
+    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
+    why = ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000)
+    assert why is None if says is None else (why is not None and says in why), why
+    # the choice: the kernel where its check passed (under a key that names the log-sum-exp), else the torch version
+    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
+    monkeypatch.delenv(ttt.CE_KERNEL_ENV, raising=False)
+    chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.bfloat16, torch.float32)
+    assert chosen is kernel if says is None else chosen.__wrapped__ is ttt._chunk_ce
+    assert list(ttt._CE_CHOICE)[0][-1] == "lse"
+    monkeypatch.setattr(ttt, "TEACHER_LSE", False)  # off: the kernel is never given t_lse
+    assert ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000) is None
+
+
+def test_head_loss_hands_the_teacher_lse_to_the_fused_kernel_only(monkeypatch):
+    """TEACHER_LSE, with a stand-in for the fused kernel (no triton needed): the table's head loss hands it the
+    table's log-sum-exp and each row group's head loss the log-sum-exp of the group's logits, with the loss the
+    torch version gives (which is never handed one: it would fail on the keyword)."""
+    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)
+    calls = []
+
+    def kernel(s, t, w, top, **kw):
+        calls.append((t, kw.get("t_lse")))
+        return _with_lse(None)(s, t, w, top, **kw)
+
+    monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
+    x, W, f, wt, wn, top, tr, pos, lengths = _steps(17)
+    table = f @ wt.T
+    lse = torch.logsumexp(table, -1)
+    chunks = sum(-(-n // 5) for n in lengths)  # the table's calls, and the groups' (a slice each)
+    slices = sum(len(sl) for *_, sl in ttt.teacher_groups(tr, lengths, f.shape[0], 5))
+    results = {}
+    for want in ("auto", "torch"):
+        monkeypatch.setenv(ttt.CE_KERNEL_ENV, want)
+        monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+        assert (ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32) is kernel) == (want == "auto")
+        calls.clear()
+        kept = ttt.head_soft_ce_ranges(x, W, None, None, wn, top, lengths, chunk_rows=5, teacher_logits=table,
+                                       teacher_rows=tr, teacher_lse=lse, align=(pos, f.shape[0], 8))
+        assert all(t is table and t_lse is lse for t, t_lse in calls) and len(calls) == (want == "auto") * chunks
+        calls.clear()
+        grouped = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5, teacher_rows=tr)
+        assert len(calls) == (want == "auto") * slices and all(t.shape[0] <= 5 for t, _ in calls)
+        for t, t_lse in calls:
+            torch.testing.assert_close(t_lse, torch.logsumexp(t, -1))
+        results[want] = (kept[0], grouped[0])
+    torch.testing.assert_close(results["auto"], results["torch"], rtol=1e-6, atol=1e-6)

@@ -30,6 +30,14 @@ benchmark, benchmarks/ce_kernel_bench.py, compares a few). Measured there on an 
 with 8 warps (the previous default), 1.048 ms for the compiled torch version. Everything accumulates in fp32. Per-row
 w_n CE_n are written to an fp32 [c] vector and summed by torch (deterministic).
 
+With `t_lse`, the teacher's log-sum-exp per row given in fp32 (indexed like t: the head loss makes it once a
+training step for its kept teacher table and uses it in every TTT step, `eyas.drafter.ttt.TEACHER_LSE`), pass 1
+reads s only (max, sum-exp, argmax and the rank count of s), and pass 2 reads s and t once, writes
+g = (exp(s - lse_s) - exp(t - t_lse)) * w and sums exp(t - t_lse) * s on the way; CE_W is stored after pass 2.
+That is one of the five [c, V] streams less (two reads of s, one of t, one write of g). The whole-row mode uses
+the given log-sum-exp instead of the teacher's max and sum-exp. Not measured on a GPU yet: the figures above are
+without it.
+
 Triton is imported on first use, so machines without it (CPU CI) still import eyas; the kernel also
 runs on CPU under Triton's interpreter when TRITON_INTERPRET=1 is set before triton is imported
 (the tests do that in a child process). The training loop picks this kernel only after
@@ -65,8 +73,9 @@ def _kernel():
         return None
 
     @triton.jit
-    def _soft_ce_rows(S, T, T_ROWS, W, TOP, G, CE_W, HIT, BELOW, V, TOPK, s_row, t_row, g_row, BLOCK: tl.constexpr,
-                      INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr):
+    def _soft_ce_rows(S, T, T_ROWS, T_LSE, W, TOP, G, CE_W, HIT, BELOW, V, TOPK, s_row, t_row, g_row,
+                      BLOCK: tl.constexpr, INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr,
+                      TLSE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
         if INDEXED:  # a compile-time switch: the plain mode never touches T_ROWS
             t_at = tl.load(T_ROWS + row).to(tl.int64)  # the teacher table's row for this chunk row
@@ -75,6 +84,8 @@ def _kernel():
         s_ptr, t_ptr, g_ptr = S + row * s_row, T + t_at * t_row, G + row * g_row
         offs = tl.arange(0, BLOCK)
         neg_inf = float("-inf")
+        if TLSE:  # the teacher's log-sum-exp is given (indexed like T): pass 1 never reads t
+            lse_t = tl.load(T_LSE + t_at).to(tl.float32)
         if RANK:  # the logit of token TOP (clamped into the row), for the count of the logits above it
             top_at = tl.minimum(tl.maximum(tl.load(TOP + row).to(tl.int64), 0), V - 1)
             s_top = tl.load(s_ptr + top_at).to(tl.float32)
@@ -87,24 +98,31 @@ def _kernel():
             best_i = tl.min(tl.where(s == m_s, offs, V), 0)
             e_s = tl.exp(s - m_s)
             l_s = tl.sum(e_s, 0)
-            m_t = tl.max(t, 0)
-            e_t = tl.exp(t - m_t)
-            l_t = tl.sum(e_t, 0)
-            a_t = tl.sum(e_t * s0, 0)
+            if TLSE:
+                p = tl.exp(t - lse_t)  # 0 on masked entries
+                a_t = tl.sum(p * s0, 0)
+            else:
+                m_t = tl.max(t, 0)
+                e_t = tl.exp(t - m_t)
+                l_t = tl.sum(e_t, 0)
+                a_t = tl.sum(e_t * s0, 0) / l_t
+                p = e_t / l_t
             w = tl.load(W + row).to(tl.float32)
-            tl.store(CE_W + row, (m_s + tl.log(l_s) - a_t / l_t) * w)
+            tl.store(CE_W + row, (m_s + tl.log(l_s) - a_t) * w)
             tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
             if RANK:  # (masked entries are -inf: never above)
                 tl.store(BELOW + row, (tl.sum((s > s_top).to(tl.int32), 0) < TOPK).to(tl.int8))
-            g = (e_s / l_s - e_t / l_t) * w
+            g = (e_s / l_s - p) * w
             tl.store(g_ptr + offs, g.to(G.dtype.element_ty), mask=ok)
             return
-        # pass 1: online max / sum-exp of s and t, sum exp(t - m_t) * s, first argmax of s
+        # pass 1: online max / sum-exp of s and its first argmax; without TLSE also online max / sum-exp of t and
+        # sum exp(t - m_t) * s
         m_s = tl.full((), neg_inf, tl.float32)
         l_s = tl.zeros((), tl.float32)
-        m_t = tl.full((), neg_inf, tl.float32)
-        l_t = tl.zeros((), tl.float32)
-        a_t = tl.zeros((), tl.float32)
+        if not TLSE:
+            m_t = tl.full((), neg_inf, tl.float32)
+            l_t = tl.zeros((), tl.float32)
+            a_t = tl.zeros((), tl.float32)
         best = tl.full((), neg_inf, tl.float32)
         best_i = tl.zeros((), tl.int32)
         above = tl.zeros((), tl.int32)
@@ -113,7 +131,6 @@ def _kernel():
             ok = idx < V
             s0 = tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32)  # 0 where masked: for the p*s sum
             s = tl.where(ok, s0, neg_inf)  # -inf where masked: for max, sum-exp and argmax
-            t = tl.load(t_ptr + idx, mask=ok, other=neg_inf).to(tl.float32)
             # argmax: the first index holding the block's max; a later block wins only if strictly larger
             bmax = tl.max(s, 0)
             bidx = tl.min(tl.where(s == bmax, idx, V), 0)
@@ -126,29 +143,39 @@ def _kernel():
             ms_new = tl.maximum(m_s, bmax)
             l_s = l_s * tl.exp(m_s - ms_new) + tl.sum(tl.exp(s - ms_new), 0)
             m_s = ms_new
-            mt_new = tl.maximum(m_t, tl.max(t, 0))
-            scale = tl.exp(m_t - mt_new)
-            e_t = tl.exp(t - mt_new)  # 0 on masked entries
-            l_t = l_t * scale + tl.sum(e_t, 0)
-            a_t = a_t * scale + tl.sum(e_t * s0, 0)
-            m_t = mt_new
+            if not TLSE:
+                t = tl.load(t_ptr + idx, mask=ok, other=neg_inf).to(tl.float32)
+                mt_new = tl.maximum(m_t, tl.max(t, 0))
+                scale = tl.exp(m_t - mt_new)
+                e_t = tl.exp(t - mt_new)  # 0 on masked entries
+                l_t = l_t * scale + tl.sum(e_t, 0)
+                a_t = a_t * scale + tl.sum(e_t * s0, 0)
+                m_t = mt_new
         lse_s = m_s + tl.log(l_s)
-        lse_t = m_t + tl.log(l_t)
         w = tl.load(W + row).to(tl.float32)
-        tl.store(CE_W + row, (lse_s - a_t / l_t) * w)
+        if not TLSE:
+            lse_t = m_t + tl.log(l_t)
+            tl.store(CE_W + row, (lse_s - a_t / l_t) * w)
         tl.store(HIT + row, (best_i.to(tl.int64) == tl.load(TOP + row).to(tl.int64)).to(tl.int8))
         if RANK:
             tl.store(BELOW + row, (above < TOPK).to(tl.int8))
-        # pass 2: the same row again, g = (softmax(s) - softmax(t)) * w, last block first: the blocks
-        # pass 1 read last are the likeliest to still be in L2
+        # pass 2: the same row again, g = (softmax(s) - softmax(t)) * w (with TLSE also sum p * s, for CE_W), last
+        # block first: the blocks pass 1 read last are the likeliest to still be in L2
+        if TLSE:
+            a_p = tl.zeros((), tl.float32)
         n_blocks = tl.cdiv(V, BLOCK)
         for i in range(0, n_blocks):
             idx = (n_blocks - 1 - i) * BLOCK + offs
             ok = idx < V
             s = tl.load(s_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-            t = tl.load(t_ptr + idx, mask=ok, other=0.0).to(tl.float32)
-            g = (tl.exp(s - lse_s) - tl.exp(t - lse_t)) * w
+            t = tl.load(t_ptr + idx, mask=ok, other=neg_inf).to(tl.float32)
+            p = tl.exp(t - lse_t)  # 0 on masked entries
+            g = (tl.exp(s - lse_s) - p) * w
             tl.store(g_ptr + idx, g.to(G.dtype.element_ty), mask=ok)
+            if TLSE:
+                a_p += tl.sum(p * s, 0)
+        if TLSE:
+            tl.store(CE_W + row, (lse_s - a_p) * w)
 
     _STATE["kernel"] = _soft_ce_rows
     return _soft_ce_rows
@@ -162,7 +189,8 @@ def kernel_unavailable(device: torch.device) -> str | None:
 
 
 def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch.Tensor, *,
-                   t_rows: torch.Tensor | None = None, rank_topk: int | None = None, block_v: int = BLOCK_V,
+                   t_rows: torch.Tensor | None = None, t_lse: torch.Tensor | None = None,
+                   rank_topk: int | None = None, block_v: int = BLOCK_V,
                    num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
     """(sum_n w_n CE_n fp32 scalar, hits [c] bool, g [c, V] in s's dtype): `_chunk_ce` in one launch.
     With `rank_topk` K, a fourth output: [c] bool, fewer than K logits of row n above the one of token top[n]
@@ -171,9 +199,10 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
 
     s: [c, V] float; t: [c, V] float, or with `t_rows` [c] integer a table [N, V] whose row
     t_rows[n] is the teacher of row n (`_chunk_ce(s, t[t_rows], w, top)` without the copy; ids may
-    repeat and come in any order; they are not bounds-checked, which would cost a host sync). Any
-    float dtypes; rows may be strided, entries must be contiguous. w: [c] weights; top: [c] integer
-    ids. No host syncs."""
+    repeat and come in any order; they are not bounds-checked, which would cost a host sync). `t_lse`:
+    fp32 log-sum-exp of each row of t ([N] with `t_rows`, else [c]), taken as given: p_v = exp(t_v - t_lse),
+    and the first pass reads s only. Any float dtypes; rows may be strided, entries must be contiguous.
+    w: [c] weights; top: [c] integer ids. No host syncs."""
     kernel = _kernel()
     if kernel is None:
         raise RuntimeError(f"fused_chunk_ce: triton is not importable ({_STATE['error']})")
@@ -184,6 +213,9 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     if t_rows is not None:
         assert t_rows.shape == (c,) and not t_rows.is_floating_point(), (t_rows.shape, t_rows.dtype)
         t_rows = t_rows.contiguous()
+    if t_lse is not None:
+        assert t_lse.shape == t_shape[:1] and t_lse.dtype == torch.float32, (t_lse.shape, t_lse.dtype)
+        t_lse = t_lse.contiguous()
     assert block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two"
     s = s if s.stride(-1) == 1 else s.contiguous()
     t = t if t.stride(-1) == 1 else t.contiguous()
@@ -194,10 +226,12 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     hit = torch.empty(c, dtype=torch.int8, device=s.device)
     below = torch.empty(c, dtype=torch.int8, device=s.device) if rank_topk is not None else hit
     if c > 0:
-        # without t_rows, T_ROWS is a placeholder pointer the kernel never reads (nor BELOW without rank_topk)
-        kernel[(c,)](s, t, top if t_rows is None else t_rows, w, top, g, ce_w, hit, below, V, int(rank_topk or 0),
-                     s.stride(0), t.stride(0), g.stride(0), BLOCK=block_v, INDEXED=t_rows is not None,
-                     ONE_BLOCK=block_v >= V, RANK=rank_topk is not None, num_warps=num_warps)
+        # placeholder pointers the kernel never reads: T_ROWS without t_rows, T_LSE without t_lse, BELOW without
+        # rank_topk
+        kernel[(c,)](s, t, top if t_rows is None else t_rows, ce_w if t_lse is None else t_lse, w, top, g, ce_w, hit,
+                     below, V, int(rank_topk or 0), s.stride(0), t.stride(0), g.stride(0), BLOCK=block_v,
+                     INDEXED=t_rows is not None, ONE_BLOCK=block_v >= V, RANK=rank_topk is not None,
+                     TLSE=t_lse is not None, num_warps=num_warps)
     if rank_topk is not None:
         return ce_w.sum(), hit.view(torch.bool), g, below.view(torch.bool)
     return ce_w.sum(), hit.view(torch.bool), g

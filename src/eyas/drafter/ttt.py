@@ -628,6 +628,8 @@ class PackedTeacher:
     logits_NV: torch.Tensor | None = None
     """The draft-vocab teacher logits of every row, kept when they fit `cache_bytes` (small
     batches: no recomputation per TTT step); None = recomputed chunk by chunk."""
+    lse_N: torch.Tensor | None = None
+    """fp32 log-sum-exp of each row of `logits_NV`, made with it under TEACHER_LSE; else None."""
 
 
 TEACHER_CACHE_BYTES = 1 << 30
@@ -646,6 +648,22 @@ the other. Measured on one H200 (SmolLM2 online, the target on every batch, 131,
 benchmarks/train_bench.py --suite smol, 2026-12-02): 235,533 supervised tokens/s against 226,974 for one product.
 False: one product (`--flag ttt.SPLIT_TEACHER_HEAD=0` there)."""
 
+TEACHER_LSE = False
+"""False (the default until measured on a GPU). True: with the fused CE kernel as the chunk CE, `packed_teacher` keeps
+each row's log-sum-exp (fp32) beside the kept teacher table, made chunk by chunk as the table is (one compiled
+reduction: one read of the table a step), and every TTT step's head-loss chunks hand it to the kernel (`t_lse`),
+whose first pass then reads the student logits only: one of the five [rows x draft vocab] streams of each chunk (two
+reads each of the student's and the teacher's logits, one write of the gradient) less, in each of the K steps. The
+recomputed teacher's row groups (TEACHER_ONCE) take the log-sum-exp of each group's logits once for every step's
+slice of it (one read of the group's logits). The same loss, gradients and hits up to rounding (the kernel's start-up
+check compares them). benchmarks/train_bench.py's variant eyas-teacher-lse, `--flag ttt.TEACHER_LSE` there."""
+
+
+def _teacher_lse(logits_nV: torch.Tensor) -> torch.Tensor:
+    """[n] fp32 log-sum-exp of each row (TEACHER_LSE), summed in fp32 whatever the logits' dtype (in bf16 it would
+    keep 3 significant digits). Compiled on CUDA (`_fast`): one pass over the logits."""
+    return torch.logsumexp(logits_nV.float(), -1)
+
 
 def unused_head(head_weight_VtD: torch.Tensor, t2d_Vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the head's rows outside the draft vocab [U, D], their ascending target ids [U]) for `packed_teacher`'s
@@ -660,12 +678,13 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
                    cache_bytes: int = TEACHER_CACHE_BYTES,
                    unused: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedTeacher:
     """Argmax flags over the full target vocab, in row chunks; the draft-vocab logits are kept only
-    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk). `unused`:
-    `unused_head(...)`, for SPLIT_TEACHER_HEAD."""
+    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk), with their log-sum-exp under
+    TEACHER_LSE. `unused`: `unused_head(...)`, for SPLIT_TEACHER_HEAD."""
     flat = final_ND.to(head_weight_VtD.dtype)
     N, V = flat.shape[0], used_V.shape[0]
     keep = N * V * flat.element_size() <= cache_bytes
-    tops, inv, kept = [], [], []
+    lse_of = _fast(_teacher_lse, flat.device) if keep and TEACHER_LSE else None
+    tops, inv, kept, lses = [], [], [], []
     split = SPLIT_TEACHER_HEAD and unused is not None
     for a in range(0, N, chunk_rows):
         if split:
@@ -680,7 +699,10 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
         tops.append(top)
         if keep:
             kept.append(restricted)
-    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), torch.cat(kept) if keep else None)
+        if lse_of is not None:
+            lses.append(lse_of(restricted))
+    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), torch.cat(kept) if keep else None,
+                         torch.cat(lses) if lses else None)
 
 
 def _draft_argmax_wins(flat_nD, used_max_n, used_id_n, head_unused_UD, unused_U) -> torch.Tensor:
@@ -692,11 +714,12 @@ def _draft_argmax_wins(flat_nD, used_max_n, used_id_n, head_unused_UD, unused_U)
     return (used_max_n > other_max) | ((used_max_n == other_max) & (used_id_n < unused_U[other]))
 
 
-def _chunk_ce(s, t, w, top):
+def _chunk_ce(s, t, w, top, t_lse=None):
     """Per chunk of rows: (sum_n w_n CE_n, top-1 hits, dCE/ds) from student logits s and teacher
-    logits t ([c, V], any float dtype); the gradient comes back in s's dtype."""
+    logits t ([c, V], any float dtype); the gradient comes back in s's dtype. `t_lse` [c] (the fused kernel's
+    contract, for its start-up check): the teacher's probabilities are exp(t - t_lse) instead of softmax(t)."""
     s32, t32 = s.float(), t.float()
-    p = torch.softmax(t32, -1)
+    p = torch.softmax(t32, -1) if t_lse is None else torch.exp(t32 - t_lse[:, None])
     lse = torch.logsumexp(s32, -1)
     ce = lse - (p * s32).sum(-1)
     g = (torch.exp(s32 - lse[:, None]) - p) * w[:, None]
@@ -735,7 +758,8 @@ def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtyp
     (compiled on CUDA) behind `_gathering`. Either is called as f(s, t, w, top, t_rows=None). A
     failed compile or a wrong answer on a new machine must cost speed, not correctness; the reason
     is logged once."""
-    key = (device.type, s_dtype, t_dtype) + (("rank",) if FUSED_TOP_RANK else ())  # (checked with the rank too)
+    # (checked with the rank and the teacher's log-sum-exp too, where those are on)
+    key = (device.type, s_dtype, t_dtype) + (("rank",) if FUSED_TOP_RANK else ()) + (("lse",) if TEACHER_LSE else ())
     if key in _CE_CHOICE:
         return _CE_CHOICE[key]
     want = os.environ.get(CE_KERNEL_ENV, "auto").strip().lower() or "auto"
@@ -763,7 +787,9 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     Logits ~ N(0, 3) like a trained head's; weights in [0, 1) with a zero row; half of the `top`
     ids are the argmax (hits), and row 0 holds its maximum twice (a hit only at the first index).
     The table has more rows than the chunk and a row stride wider than V; `t_rows` is out of order
-    and repeats ids, so a kernel that ignores it, or reads row n for row n, fails."""
+    and repeats ids, so a kernel that ignores it, or reads row n for row n, fails. Under TEACHER_LSE also with the
+    teacher's log-sum-exp given (`t_lse`: the rank cases too), and once with it moved by 0.5 (against `_chunk_ce`
+    given the same), so a kernel that ignores it, or reads it at the chunk's row instead of the table's, fails."""
     g = torch.Generator(device="cpu").manual_seed(0)
     s = (3 * torch.randn(rows, vocab, generator=g)).to(s_dtype)
     wide = torch.zeros(rows + 7, vocab + 16, dtype=t_dtype)
@@ -779,18 +805,26 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     s, t, wide, t_rows, w, top = (x.to(device) for x in (s, t, wide, t_rows, w, top))
     table = wide[:, :vocab]  # [rows + 7, V] with row stride V + 16 (sliced on the device: .to would pack it)
     ref = _chunk_ce(s, t, w, top)
-    cases = [("", (s, t, w, top), {}), (" (teacher rows by index)", (s, table, w, top), {"t_rows": t_rows})]
+    by_index = {"t_rows": t_rows}
+    cases = [("", (s, t, w, top), {}, ref), (" (teacher rows by index)", (s, table, w, top), by_index, ref)]
+    if TEACHER_LSE:  # the teacher's log-sum-exp given (the rank cases below get it too), and given moved by 0.5
+        table_lse = _teacher_lse(table)
+        by_index = {"t_rows": t_rows, "t_lse": table_lse}
+        moved = table_lse + 0.5
+        cases += [(" (teacher log-sum-exp given)", (s, t, w, top), {"t_lse": table_lse[t_rows]}, ref),
+                  (" (teacher rows by index, log-sum-exp given)", (s, table, w, top), by_index, ref),
+                  (" (teacher rows by index, log-sum-exp moved by 0.5)", (s, table, w, top),
+                   {"t_rows": t_rows, "t_lse": moved}, _chunk_ce(s, t, w, top, moved[t_rows]))]
     if FUSED_TOP_RANK:  # the rank counted in the kernel, for K = 1 (the argmax, or tied with it) and for K at and
         # one past row 2's rank (its token random: some row sits on each side of each boundary)
         r2 = max(1, int((s[2] > s[2, top[2]]).sum()))
-        cases += [(f" (top-{k} rank)", (s, table, w, top), {"t_rows": t_rows, "rank_topk": k})
-                  for k in (1, r2, r2 + 1)]
-    for mode, args, kw in cases:
+        cases += [(f" (top-{k} rank)", (s, table, w, top), {**by_index, "rank_topk": k}, ref) for k in (1, r2, r2 + 1)]
+    for mode, args, kw, expect in cases:
         try:
             out = CE.fused_chunk_ce(*args, **kw)
         except Exception as exc:  # noqa: BLE001  (compile or launch failure)
             return f"the Triton kernel{mode} failed: {type(exc).__name__}: {str(exc)[:300]}"
-        why = _chunk_ce_differs(out[:3], ref, s_dtype)
+        why = _chunk_ce_differs(out[:3], expect, s_dtype)
         if why is None and "rank_topk" in kw:
             want = top_rank_below(s, top, kw["rank_topk"])
             if out[3].dtype != torch.bool or not torch.equal(out[3], want):
@@ -868,11 +902,13 @@ class _HeadSoftCE(torch.autograd.Function):
     `align` (pos_n, n_positions, K) (TTTConfig.align_topk): row n is position pos_n[n] of range i's step; its
     weight is kept only while every earlier range's row at the same position had the teacher's top token among
     its top K logits. Both orders of the work handle a position's ranges in order (step k's teacher row t+1+k
-    follows step k-1's t+k), so each chunk's mask is known before its gradients are made."""
+    follows step k-1's t+k), so each chunk's mask is known before its gradients are made.
+    `t_lse` (a table's only, else None): fp32 log-sum-exp of each row of `t_src`, handed to the fused kernel under
+    TEACHER_LSE (the groups make their own)."""
 
     @staticmethod
-    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, weight_n, top_n, chunk_rows, compute_dtype, bounds, groups,
-                align=None):
+    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, t_lse, weight_n, top_n, chunk_rows, compute_dtype, bounds,
+                groups, align=None):
         with torch.autocast(x_nD.device.type, enabled=False):
             need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             xb, wb = x_nD.to(compute_dtype), w_VD.to(compute_dtype)
@@ -884,6 +920,7 @@ class _HeadSoftCE(torch.autograd.Function):
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
             t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
             chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
+            given_lse = TEACHER_LSE and chunk is CE.fused_chunk_ce  # (the torch version takes no t_lse)
             wf = weight_n.float()
             if align is not None:
                 pos_n, n_positions, topk = align
@@ -891,19 +928,22 @@ class _HeadSoftCE(torch.autograd.Function):
                 rank_below = _fast(top_rank_below, x_nD.device)
                 fused_rank = FUSED_TOP_RANK and chunk is CE.fused_chunk_ce
 
-            def rows(i, a, b, t, t_rows):  # student rows a:b of range i against teacher logits t (rows t_rows of it)
+            # student rows a:b of range i against teacher logits t (rows t_rows of it); `lse`: the log-sum-exp of
+            # each row of t, for the fused kernel (TEACHER_LSE)
+            def rows(i, a, b, t, t_rows, lse=None):
                 s = xb[a:b] @ wb.T  # student logits [c, V]
                 w = wf[a:b]
+                kw = {"t_rows": t_rows} if lse is None else {"t_rows": t_rows, "t_lse": lse}
                 if align is None:
-                    ce, hit, g = chunk(s, t, w, top_n[a:b], t_rows=t_rows)
+                    ce, hit, g = chunk(s, t, w, top_n[a:b], **kw)
                 else:  # this chunk's weights by the earlier ranges' tests; its own test marks the later ranges'
                     pos = pos_n[a:b]
                     w = w * alive[pos]
                     if fused_rank:
-                        ce, hit, g, below = chunk(s, t, w, top_n[a:b], t_rows=t_rows, rank_topk=topk)
+                        ce, hit, g, below = chunk(s, t, w, top_n[a:b], rank_topk=topk, **kw)
                     else:  # (the test before the kernel, which may overwrite s)
                         below = rank_below(s, top_n[a:b], topk)
-                        ce, hit, g = chunk(s, t, w, top_n[a:b], t_rows=t_rows)
+                        ce, hit, g = chunk(s, t, w, top_n[a:b], **kw)
                     alive[pos] = alive[pos] * (below & (wf[a:b] > 0))  # out of the draft vocab: never reached
                 sums[i] += ce
                 hits[a:b] = hit
@@ -913,16 +953,18 @@ class _HeadSoftCE(torch.autograd.Function):
                     addmm_fp32_(dw, g.T, xb[a:b])
 
             if groups is not None:
+                lse_of = _fast(_teacher_lse, x_nD.device) if given_lse else None
                 for t_lo, t_hi, slices in groups:
                     t = t_src[t_lo:t_hi].to(compute_dtype) @ wtb.T  # [t_hi - t_lo, V], once for every range
+                    lse = lse_of(t) if lse_of is not None else None  # one read of t, for the slices of every range
                     for i, a, b in slices:
-                        rows(i, a, b, t, t_idx[a:b] - t_lo)
+                        rows(i, a, b, t, t_idx[a:b] - t_lo, lse)
             else:
                 for i, (lo, hi) in enumerate(bounds):
                     for a in range(lo, hi, chunk_rows):
                         b = min(hi, a + chunk_rows)
                         if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
-                            rows(i, a, b, t_src, t_idx[a:b])
+                            rows(i, a, b, t_src, t_idx[a:b], t_lse if given_lse else None)
                         else:  # rows of the final states (all of t_src, or rows t_idx of it) times the target head
                             f = t_src[a:b] if t_idx is None else t_src.index_select(0, t_idx[a:b])
                             rows(i, a, b, f.to(compute_dtype) @ wtb.T, None)
@@ -938,7 +980,7 @@ class _HeadSoftCE(torch.autograd.Function):
         saved = list(ctx.saved_tensors)
         dx = saved.pop(0).mul(g_total).to(ctx.dtypes[0]) if ctx.has[0] else None
         dw = saved.pop(0).mul_(g_total).to(ctx.dtypes[1]) if ctx.has[1] else None
-        return dx, dw, None, None, None, None, None, None, None, None, None, None
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None
 
 
 TEACHER_ONCE = True
@@ -997,11 +1039,12 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
                         wt_VD: torch.Tensor | None, weight_n: torch.Tensor, top_n: torch.Tensor, lengths: list[int],
                         *, chunk_rows: int = 4096, compute_dtype: torch.dtype | None = None,
                         teacher_logits: torch.Tensor | None = None, teacher_rows: torch.Tensor | None = None,
-                        align: tuple | None = None):
+                        align: tuple | None = None, teacher_lse: torch.Tensor | None = None):
     """`head_soft_ce` over consecutive row ranges of the given `lengths` (e.g. the TTT steps) in one
     call -> (total, [len(lengths)] per-range sums (detached), hits [n]). With `f_nD` and `wt_VD`,
     `teacher_rows` (optional) picks row n's final state from f (no [n, D] copy of them). `align`:
-    (positions of the rows, number of positions, K), `_HeadSoftCE`'s reachability mask."""
+    (positions of the rows, number of positions, K), `_HeadSoftCE`'s reachability mask. `teacher_lse`: fp32
+    log-sum-exp of each row of `teacher_logits` (PackedTeacher.lse_N), for the fused kernel under TEACHER_LSE."""
     if compute_dtype is None:
         dev = x_nD.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nD.dtype
@@ -1010,13 +1053,13 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
         raise ValueError(f"head_soft_ce_ranges: lengths sum to {ends[-1]}, x has {x_nD.shape[0]} rows")
     bounds = tuple(zip(ends[:-1], ends[1:]))
     if teacher_logits is not None:
-        return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, weight_n, top_n, chunk_rows,
-                                 compute_dtype, bounds, None, align)
+        return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, teacher_lse, weight_n, top_n,
+                                 chunk_rows, compute_dtype, bounds, None, align)
     groups = None
     if TEACHER_ONCE and teacher_rows is not None and len(lengths) > 1:
         groups = teacher_groups(teacher_rows, lengths, f_nD.shape[0], chunk_rows)
-    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, teacher_rows, weight_n, top_n, chunk_rows, compute_dtype,
-                             bounds, groups, align)
+    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, teacher_rows, None, weight_n, top_n, chunk_rows,
+                             compute_dtype, bounds, groups, align)
 
 
 def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
@@ -1204,7 +1247,7 @@ def ttt_loss_packed(
         if teacher.logits_NV is not None:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
                                                         chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
-                                                        teacher_rows=tr, align=align)
+                                                        teacher_rows=tr, align=align, teacher_lse=teacher.lse_N)
         else:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, teacher.final_ND, teacher.head_VD, w,
                                                         top, lengths, chunk_rows=chunk_rows, teacher_rows=tr,
