@@ -490,7 +490,11 @@ def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split,
     assert float(pt.lse_N.std()) > 0.5  # rows that differ
     assert teacher(cache_bytes=0).lse_N is None  # not kept: recomputed per chunk, no table to go with it
     monkeypatch.setattr(ttt, "TEACHER_LSE", False)
-    assert teacher().lse_N is None
+    plain = teacher()
+    assert plain.lse_N is None
+    # the same argmax flags and table with the log-sum-exp made beside them (the split path's one-read reduction)
+    assert torch.equal(pt.top_N, plain.top_N) and torch.equal(pt.in_vocab_N, plain.in_vocab_N)
+    assert torch.equal(pt.logits_NV, plain.logits_NV) and not bool(plain.in_vocab_N.all())
 
 
 def _with_lse(misuse: str | None):
