@@ -762,6 +762,8 @@ def suite_smol(args) -> dict:
 
 
 def main() -> None:
+    from eyas.train.optim import OPTIMIZERS
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--suite", default="8b", choices=["8b", "smol"])
     ap.add_argument("--small", action="store_true", help="8b suite with the SmolLM2-135M drafter shape (CPU-sized run)")
@@ -799,7 +801,7 @@ def main() -> None:
                     help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
                          "of a few batches, --skip past the first epoch measures the cached rate")
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
-    ap.add_argument("--optimizer", default=None, choices=["adamw", "muon"],
+    ap.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
                     help="smol: eyas train's --optimizer (default: its own, by the drafter's width)")
     ap.add_argument("--flag", action="append", default=[], metavar="MODULE.NAME[=0]",
                     help="smol: turn on (=0: off) a module setting of eyas for the run, MODULE one of "

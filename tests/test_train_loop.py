@@ -671,7 +671,7 @@ def test_the_default_optimizer_and_learning_rate_follow_the_drafters_width(world
     assert default_optimizer(576, fsdp=False) == default_optimizer(small, fsdp=False) == "muon"
     assert default_optimizer(576, fsdp=True) == default_optimizer(large, fsdp=False) == "adamw"
     assert default_lr(576, "muon") == default_lr(small, "muon") == 2e-3
-    assert default_lr(576, "adamw") == default_lr(small) == 1e-3
+    assert default_lr(576, "adamw") == default_lr(small, "adamw") == 1e-3
     assert default_lr(large, "muon") == default_lr(4096, "adamw") == 1e-4
     for kind, want in ((None, ("muon", 2e-3)), ("adamw", ("adamw", 1e-3))):
         out = tmp_path / f"lr-{kind}"

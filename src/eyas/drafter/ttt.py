@@ -649,12 +649,12 @@ benchmarks/train_bench.py --suite smol, 2026-12-02): 235,533 supervised tokens/s
 False: one product (`--flag ttt.SPLIT_TEACHER_HEAD=0` there)."""
 
 TEACHER_LSE = False
-"""False (the default until measured on a GPU). True: with the fused CE kernel as the chunk CE, `packed_teacher` keeps
-each row's log-sum-exp (fp32) beside the kept teacher table, made chunk by chunk as the table is (with
-SPLIT_TEACHER_HEAD in the same compiled reduction as the draft vocab's maximum, which already reads each chunk; else
-one more read of the table a step), and every TTT step's head-loss chunks hand it to the kernel (`t_lse`),
-whose first pass then reads the student logits only: one of the five [rows x draft vocab] streams of each chunk (two
-reads each of the student's and the teacher's logits, one write of the gradient) less, in each of the K steps. The
+"""False (the default until measured on a GPU). True: `packed_teacher` keeps each row's log-sum-exp (fp32) beside the
+kept teacher table, made chunk by chunk in the same compiled reduction as the draft vocab's maximum (which already
+reads each chunk), and, where the fused CE kernel is the chunk CE, every TTT step's head-loss chunks hand it to the
+kernel (`t_lse`), whose first pass then reads the student logits only: one of the five [rows x draft vocab] streams
+of each chunk (two reads each of the student's and the teacher's logits, one write of the gradient) less, in each of
+the K steps. The
 recomputed teacher's row groups (TEACHER_ONCE) take the log-sum-exp of each group's logits once for every step's
 slice of it (one read of the group's logits). The same loss, gradients and hits up to rounding (the kernel's start-up
 check compares them). benchmarks/train_bench.py's variant eyas-teacher-lse, `--flag ttt.TEACHER_LSE` there."""
@@ -667,8 +667,8 @@ def _teacher_lse(logits_nV: torch.Tensor) -> torch.Tensor:
 
 
 def _teacher_max_lse(logits_nV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, first index of the max, fp32 log-sum-exp) of each row: `packed_teacher`'s split path under TEACHER_LSE,
-    compiled on CUDA (`_fast`) so that the three reductions read each chunk of the table once, not twice."""
+    """(max, first index of the max, fp32 log-sum-exp) of each row: `packed_teacher` under TEACHER_LSE, compiled on
+    CUDA (`_fast`) so that the three reductions read each chunk of the table once, not twice."""
     top_max, top = logits_nV.max(-1)
     return top_max, top, _teacher_lse(logits_nV)
 
@@ -691,30 +691,26 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
     flat = final_ND.to(head_weight_VtD.dtype)
     N, V = flat.shape[0], used_V.shape[0]
     keep = N * V * flat.element_size() <= cache_bytes
-    with_lse = keep and TEACHER_LSE
-    lse_of = _fast(_teacher_lse, flat.device) if with_lse else None
-    max_lse_of = _fast(_teacher_max_lse, flat.device) if with_lse else None
+    max_lse_of = _fast(_teacher_max_lse, flat.device) if keep and TEACHER_LSE else None
     tops, inv, kept, lses = [], [], [], []
     split = SPLIT_TEACHER_HEAD and unused is not None
     for a in range(0, N, chunk_rows):
         if split:
             restricted = flat[a:a + chunk_rows] @ head_used_VD.T  # [n, V]
-            if with_lse:  # the maximum and the log-sum-exp in one read of the chunk
-                top_max, top, lse = max_lse_of(restricted)
-                lses.append(lse)
-            else:
-                top_max, top = restricted.max(-1)  # (the first index of the maximum, as argmax)
-            inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
         else:
             logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
             inv.append(t2d_Vt[logits.argmax(-1)])
             restricted = logits.index_select(1, used_V)
-            top = restricted.argmax(-1)
+        if max_lse_of is not None:  # the maximum and the log-sum-exp in one read of the chunk
+            top_max, top, lse = max_lse_of(restricted)
+            lses.append(lse)
+        else:
+            top_max, top = restricted.max(-1)  # (the first index of the maximum, as argmax)
+        if split:
+            inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
         tops.append(top)
         if keep:
             kept.append(restricted)
-        if with_lse and not split:
-            lses.append(lse_of(restricted))
     return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), torch.cat(kept) if keep else None,
                          torch.cat(lses) if lses else None)
 

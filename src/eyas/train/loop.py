@@ -322,7 +322,7 @@ def default_optimizer(hidden_size: int, *, fsdp: bool) -> str:
     return "muon" if hidden_size < LARGE_DRAFTER_HIDDEN and not fsdp else "adamw"
 
 
-def default_lr(hidden_size: int, optimizer: str = "adamw") -> float:
+def default_lr(hidden_size: int, optimizer: str) -> float:
     """--lr's default for a drafter of this hidden size trained with this optimizer (TrainConfig.lr)."""
     if hidden_size >= LARGE_DRAFTER_HIDDEN:
         return LARGE_DRAFTER_LR
