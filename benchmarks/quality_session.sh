@@ -112,26 +112,30 @@ smol_rate() {  # the SmolLM2 training rate on 500 chats; runs named by the argum
     local common=(--suite smol --target $ROOT/smol --budgets 131072 --steps 30 --skip 10 --work $ROOT/tb)
     local args=("${common[@]}" --data $ROOT/prep500)
     local next=() flag run
+    fresh() {  # the log of a run: NAME.log, or NAME.2.log, NAME.3.log, ... when the same run came before (pairs of runs
+        # in one chain, e.g. SMOL_RUNS="off flag:X flag:X off", keep every figure)
+        local f=$ROOT/q/$1.log i=2; while [ -e "$f" ]; do f=$ROOT/q/$1.$i.log; i=$((i + 1)); done; echo "$f"
+    }
     for flag in ${SMOL_FLAGS:-}; do next+=(--flag $flag); done
     for run in ${@:-off on once}; do
         case $run in
-        off) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache off > $ROOT/q/train_smol_cache_off.log 2>&1 ;;
-        on) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache on > $ROOT/q/train_smol_cache_on.log 2>&1 ;;
+        off) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache off > $(fresh train_smol_cache_off) 2>&1 ;;
+        on) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache on > $(fresh train_smol_cache_on) 2>&1 ;;
         once) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache on --cast-once on \
-            > $ROOT/q/train_smol_cast_once.log 2>&1 ;;
+            > $(fresh train_smol_cast_once) 2>&1 ;;
         regen-off) if [ ! -f $prep/meta.json ]; then  # a job earlier in the chain makes them: waiting would hang it
                 echo "regen-off: $prep is not there (prepare_only or a recipe job before this one makes it)" \
-                    > $ROOT/q/train_smol_regen_cache_off.log; continue; fi
+                    > $(fresh train_smol_regen_cache_off); continue; fi
             timeout -k 30 240 python benchmarks/train_bench.py "${common[@]}" --data $prep --cache off \
-            > $ROOT/q/train_smol_regen_cache_off.log 2>&1 ;;
+            > $(fresh train_smol_regen_cache_off) 2>&1 ;;
         profile) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --cache off --steps 14 --profile 40 \
-            > $ROOT/q/profile_smol_online.log 2>&1 ;;  # op tables of steps 12 and 13 (after 10 skipped, 1 warm)
+            > $(fresh profile_smol_online) 2>&1 ;;  # op tables of steps 12 and 13 (after 10 skipped, 1 warm)
         next-off|next-on) [ ${#next[@]} -gt 0 ] && timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" "${next[@]}" --cache ${run#next-} \
-            > $ROOT/q/train_smol_next_cache_${run#next-}.log 2>&1 ;;  # (a first compile of the new pieces)
+            > $(fresh train_smol_next_cache_${run#next-}) 2>&1 ;;  # (a first compile of the new pieces)
         flag:*) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --flag ${run#flag:} --cache off \
-            > $ROOT/q/train_smol_${run#flag:}.log 2>&1 ;;
+            > $(fresh train_smol_${run#flag:}) 2>&1 ;;
         opt:*) timeout -k 30 240 python benchmarks/train_bench.py "${args[@]}" --optimizer ${run#opt:} --cache off \
-            > $ROOT/q/train_smol_opt_${run#opt:}.log 2>&1 ;;
+            > $(fresh train_smol_opt_${run#opt:}) 2>&1 ;;
         esac
     done
 }

@@ -269,9 +269,11 @@ def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
 
 def test_smol_runs_with_one_setting_each(tmp_path):
     """SMOL_RUNS "flag:MODULE.NAME" and "opt:NAME": the run with the target on every batch and that one setting (or
-    optimizer), one run per setting after the default's, each in its own log."""
+    optimizer), one run per setting after the default's, each in its own log; a run named again (a second pair in the
+    same chain) writes a log of its own instead of replacing the first one's."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target smol_next", JOBS="none",
-                                   SMOL_RUNS="off flag:ttt.FUSED_TOP_RANK=0 flag:ttt.SPLIT_TEACHER_HEAD=0 opt:adamw")
+                                   SMOL_RUNS="off flag:ttt.FUSED_TOP_RANK=0 flag:ttt.SPLIT_TEACHER_HEAD=0 opt:adamw "
+                                             "flag:ttt.FUSED_TOP_RANK=0 off")
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
@@ -279,8 +281,11 @@ def test_smol_runs_with_one_setting_each(tmp_path):
     runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y in ("--flag", "--optimizer")])
             for a in rates]
     assert runs == [("off", []), ("off", ["ttt.FUSED_TOP_RANK=0"]), ("off", ["ttt.SPLIT_TEACHER_HEAD=0"]),
-                    ("off", ["adamw"])], runs
-    assert (root / "q" / "train_smol_opt_adamw.log").is_file()
+                    ("off", ["adamw"]), ("off", ["ttt.FUSED_TOP_RANK=0"]), ("off", [])], runs
+    logs = sorted(p.name for p in (root / "q").glob("train_smol_*.log"))
+    assert logs == ["train_smol_cache_off.2.log", "train_smol_cache_off.log", "train_smol_opt_adamw.log",
+                    "train_smol_ttt.FUSED_TOP_RANK=0.2.log", "train_smol_ttt.FUSED_TOP_RANK=0.log",
+                    "train_smol_ttt.SPLIT_TEACHER_HEAD=0.log"], logs
 
 
 def test_profile_smol_online_profiles_past_the_skipped_steps(tmp_path):
