@@ -195,12 +195,16 @@ profile_small() {
     timeout -k 30 150 python benchmarks/train_bench.py --small --seq 2048 --batch 32 --profile 40 --no-specforge \
         > $ROOT/q/profile_small.log 2>&1
 }
-recipe() {  # recipe CONVERSATIONS GPUS: scaling-study points with the recipe
-    python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 > $ROOT/q/scaling-${1//,/-}.log 2>&1
+recipe() {  # recipe CONVERSATIONS GPUS [ARGS...]: scaling-study points with the recipe (ARGS: more scaling_study.py options)
+    python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 "${@:3}" \
+        > $ROOT/q/scaling-${1//,/-}.log 2>&1
 }
 recipe_all() { recipe $ALL 0; }
-points() { recipe ${POINTS:-2000,6000} 0; }  # the study's smaller points (POINTS: some of them, e.g. 2000), one
-# after another on this chain's GPU
+points() {  # the study's smaller points (POINTS: some of them, e.g. 2000), one after another on this chain's GPU, with
+    # the settings of its 17,293-record point (benchmarks/scaling_points.jsonl, measured at 8f7af01, before the
+    # reachability mask existed: align_topk 0), which joins their table, trend and plot
+    recipe ${POINTS:-2000,6000} 0 --add-points benchmarks/scaling_points.jsonl --set train.align_topk=0
+}
 wait_target() { waitfor $ROOT/smol/config.json; }  # a chain started in call 1 waits for call 2's target
 prepare_only() {  # the recipe point's regenerate and prepare stages alone, in its workdir with its settings (a later
     # recipe run skips them): the side by side's data without the recipe's training (.stage/r restages the regeneration)

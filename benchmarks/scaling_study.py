@@ -22,13 +22,19 @@ every `save_every` steps) and the next invocation continues where this one stopp
 others go on; the next invocation retries it. After a point finishes, its older training checkpoints
 are deleted (eyas wrote them; the latest one and the drafter stay).
 
+Points measured in another root or session: --add-points FILE (JSON lines in the format of points.jsonl; repeatable)
+counts them as done and puts them in the table, trend and plot beside this root's, which win where both have a
+point. benchmarks/scaling_points.jsonl keeps the points measured in earlier GPU sessions (each with its settings).
+Each point record carries its held-out tau curve (`heldout_tau`: [step, tokens seen, tau] at every eval), the plot's
+third panel.
+
 Logs: each child's stderr goes whole to <workdir>/pipeline.log and, prefixed with its name
 (`[n2000-s600] ...`), to this script's stderr; progress-bar redraws are echoed at most every 30 s.
 
 Outputs, written by this process alone after every point: <root>/points.jsonl (one JSON line per
 point, also printed on stdout), <root>/scaling.md (table + the fitted trend: tau gained per doubling
-of conversations at each budget), <root>/scaling.png (tau against conversations and against tokens
-seen). The last stdout line is one JSON document: points done, points left, failed points, trend.
+of conversations at each budget), <root>/scaling.png (MT-bench tau against conversations and against tokens
+seen; held-out tau along each run). The last stdout line is one JSON document: points done, points left, failed points, trend.
 Exit 1 when a point (or the regeneration) failed.
 
 GPU, two H200, in calls of at most 10 minutes (repeat the same command until `"done": true`):
@@ -288,6 +294,28 @@ def tokens_seen(metrics: Path) -> tuple[int, int]:
     return sum(per_step.values()), len(per_step)
 
 
+def heldout_curve(metrics: Path) -> list[list]:
+    """[[step, tokens seen up to it, held-out tau], ...]: the run's evals (the simulated acceptance length on its
+    held-out chats, every `eval_every` steps), the last record of a step where a resumed run logged it twice."""
+    tokens: dict[int, int] = {}
+    taus: dict[int, float] = {}
+    for line in metrics.read_text().splitlines():
+        rec = json.loads(line)
+        if "step" not in rec:
+            continue
+        if rec.get("eval"):
+            if rec.get("acceptance_length") is not None:
+                taus[int(rec["step"])] = round(float(rec["acceptance_length"]), 4)
+        else:
+            tokens[int(rec["step"])] = int(rec.get("tokens", 0))
+    seen, curve = 0, []
+    for step in sorted(set(tokens) | set(taus)):
+        seen += tokens.get(step, 0)
+        if step in taus:
+            curve.append([step, seen, taus[step]])
+    return curve
+
+
 def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float) -> dict:
     st = summary["stages"]
     tokens, logged = tokens_seen(work / "train" / "metrics.jsonl")
@@ -298,7 +326,8 @@ def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float
         "answer_tokens": st.get("regenerate", {}).get("selected_answer_tokens"),
         "train_samples": st["prepare"].get("train_samples"), "train_tokens_per_epoch": st["prepare"].get("tokens"),
         "tau_chain": summary.get("tau_chain"), "tau_tree": summary.get("tau_tree"),
-        "heldout_top1_step0": acc[0], "train_tokens_per_s": st["train"].get("tokens_per_s"),
+        "heldout_top1_step0": acc[0], "heldout_tau": heldout_curve(work / "train" / "metrics.jsonl"),
+        "train_tokens_per_s": st["train"].get("tokens_per_s"),
         "stage_seconds": {k: v.get("seconds") for k, v in st.items()}, "wall_s": round(wall_s, 1),
         "workdir": str(work),
     }
@@ -328,14 +357,45 @@ def trend(points: list[dict]) -> dict:
     return out
 
 
+POINT_KEYS = ("conversations", "steps", "tokens_seen", "tau_chain", "tau_tree")
+
+
+def read_points(path: Path) -> list[dict]:
+    """Point records measured elsewhere (--add-points: another root's points.jsonl, or benchmarks/scaling_points.jsonl),
+    each checked for the keys the table, trend and plot read. Raises ValueError naming the file and line."""
+    out = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}:{i}: not JSON ({exc.msg})") from None
+        missing = [k for k in POINT_KEYS if not isinstance(rec, dict) or k not in rec]
+        if missing:
+            raise ValueError(f"{path}:{i}: a point record needs {', '.join(missing)}")
+        rec.setdefault("source", str(path))
+        out.append(rec)
+    return out
+
+
+def merge_points(own: list[dict], added: list[dict]) -> list[dict]:
+    """This root's points and the added ones, one per (conversations, steps): a point measured in this root wins over
+    an added one, and of two added ones the later file's."""
+    by_key = {(p["conversations"], p["steps"]): p for p in added}
+    by_key.update({(p["conversations"], p["steps"]): p for p in own})
+    return list(by_key.values())
+
+
 def write_outputs(root: Path, points: list[dict], tr: dict) -> None:
     points = sorted(points, key=lambda p: (p["conversations"], p["steps"]))
-    lines = ["| conversations | steps | tokens seen | train samples | held-out top-1 | tau chain | tau tree |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| conversations | steps | tokens seen | train samples | held-out top-1 | tau chain | tau tree | from |",
+             "|---|---|---|---|---|---|---|---|"]
     for p in points:
-        top1 = f"{p['heldout_top1_step0']:.3f}" if p["heldout_top1_step0"] is not None else "-"
-        lines.append(f"| {p['conversations']:,} | {p['steps']:,} | {p['tokens_seen'] / 1e6:.1f}M | {p['train_samples']:,} | "
-                     f"{top1} | {p['tau_chain']} | {p['tau_tree']} |")
+        top1 = f"{p['heldout_top1_step0']:.3f}" if p.get("heldout_top1_step0") is not None else "-"
+        samples = f"{p['train_samples']:,}" if p.get("train_samples") is not None else "-"
+        lines.append(f"| {p['conversations']:,} | {p['steps']:,} | {p['tokens_seen'] / 1e6:.1f}M | {samples} | "
+                     f"{top1} | {p['tau_chain']} | {p['tau_tree']} | {p.get('source', 'this root')} |")
     lines += ["", "Trend (least squares, tau per doubling of conversations at a fixed step budget): "
               + (", ".join(f"{k} = {v}" for k, v in tr.items()) or "needs two sizes at one budget")]
     (root / "scaling.md").write_text("\n".join(lines) + "\n")
@@ -348,7 +408,7 @@ def write_outputs(root: Path, points: list[dict], tr: dict) -> None:
     except ImportError as exc:
         log(f"no plot ({exc})")
         return
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4))
     for steps in sorted({p["steps"] for p in points}):
         pts = [p for p in points if p["steps"] == steps]
         for mode, style in (("tau_tree", "o-"), ("tau_chain", "s--")):
@@ -357,12 +417,20 @@ def write_outputs(root: Path, points: list[dict], tr: dict) -> None:
         pts = sorted((p for p in points if p["conversations"] == n), key=lambda p: p["tokens_seen"])
         for mode, style in (("tau_tree", "o-"), ("tau_chain", "s--")):
             axes[1].plot([p["tokens_seen"] for p in pts], [p[mode] for p in pts], style, label=f"{mode[4:]}, {n:,} conv.")
+    for p in points:  # held-out tau along each run (every step budget's batch is the same: steps measure compute)
+        curve = p.get("heldout_tau") or []
+        if curve:
+            axes[2].plot([c[0] for c in curve], [c[-1] for c in curve], ".-",
+                         label=f"{p['conversations']:,} conv., {p['steps']} steps")
     axes[0].set_xscale("log")
     axes[0].set_xlabel("regenerated conversations")
     axes[1].set_xscale("log")
     axes[1].set_xlabel("tokens seen in training")
-    for ax in axes:
+    axes[2].set_xlabel("optimizer step")
+    for ax in axes[:2]:
         ax.set_ylabel("MT-bench tau (greedy)")
+    axes[2].set_ylabel("held-out tau (simulated chain)")
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
@@ -381,7 +449,19 @@ def main() -> None:
                     "then run one point per GPU at once (default: one point at a time, no pinning)")
     ap.add_argument("--regen-only", action="store_true", help="only regenerate the largest --conversations (phase 1)")
     ap.add_argument("--set", action="append", help="section.key=value passed to every point's pipeline")
+    ap.add_argument("--add-points", action="append", type=Path, default=[], metavar="FILE",
+                    help="point records measured elsewhere (JSON lines, e.g. another root's points.jsonl or "
+                         "benchmarks/scaling_points.jsonl): counted as done, shown in the table, trend and plot; this "
+                         "root's points.jsonl stays its own")
     args = ap.parse_args()
+    added: list[dict] = []
+    for f in args.add_points:
+        try:
+            added += read_points(f)
+        except OSError as exc:
+            ap.error(f"--add-points {f}: {exc.strerror or exc}")
+        except ValueError as exc:
+            ap.error(f"--add-points {exc}")
     for item in args.set or []:
         if item.split("=", 1)[0].strip() in ("regenerate.limit", "regenerate.out", "train.steps", "workdir"):
             ap.error(f"--set {item}: the study sets this per point (use --conversations / --steps / --root)")
@@ -394,7 +474,8 @@ def main() -> None:
     grid = [(n, s) for n in sorted(int(x) for x in args.conversations.split(","))
             for s in sorted(int(x) for x in args.steps.split(","))]
     done_file = args.root / "points.jsonl"
-    done = [json.loads(line) for line in done_file.read_text().splitlines()] if done_file.exists() else []
+    own = [json.loads(line) for line in done_file.read_text().splitlines()] if done_file.exists() else []
+    done = merge_points(own, added)
     finished = {(p["conversations"], p["steps"]) for p in done}
     todo = [(n, s) for n, s in grid if (n, s) not in finished]
 
@@ -430,7 +511,7 @@ def main() -> None:
         work = point_dir(args.root, n, s)
         rec = point_record(work, n, s, summary, wall_s=time.time() - child.t0)
         prune_checkpoints(work)
-        done.append(rec)
+        done[:] = merge_points([rec], done)
         with open(done_file, "a") as f:
             f.write(json.dumps(rec) + "\n")
         print(json.dumps({"point": rec}), flush=True)

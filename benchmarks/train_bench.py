@@ -22,8 +22,8 @@ them too: the loop before its pinned host copies, train/data.py HostCopies),
 `eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
 carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), `eyas-muon`
 (`--optimizer muon`), `eyas-rank-pass` (the reachability test in a compiled pass of its own, not counted in the CE
-kernel: ttt.FUSED_TOP_RANK off), `eyas-teacher-lse` (the kept teacher table's log-sum-exp made once a step and handed
-to the CE kernel, whose first pass then reads the student's logits only: ttt.TEACHER_LSE on),
+kernel: ttt.FUSED_TOP_RANK off), `eyas-kernel-lse` (the teacher's log-sum-exp made by the CE kernel in its first pass,
+which then reads the teacher's logits too, instead of once a step with the kept table: ttt.TEACHER_LSE off),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
@@ -491,9 +491,9 @@ def suite_8b(args, dist) -> dict:
             # the reachability test in a compiled pass of its own (the default counts it inside the fused CE kernel)
             ("eyas-rank-pass", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.FUSED_TOP_RANK",
                                                  False)),
-            # the teacher's log-sum-exp made once a step with the kept table: the CE kernel's first pass reads s only
-            ("eyas-teacher-lse", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.TEACHER_LSE",
-                                                   True)),
+            # the teacher's log-sum-exp made in the CE kernel's first pass (the default: once a step with the table)
+            ("eyas-kernel-lse", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.TEACHER_LSE",
+                                                  False)),
             # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
             ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
                                                      False))]

@@ -269,6 +269,7 @@ def _ranks(off_by: int):
 def test_startup_check_tests_the_fused_rank_when_it_is_on(monkeypatch, off_by, says):
     monkeypatch.setattr(CE, "fused_chunk_ce", _ranks(off_by))
     monkeypatch.setattr(ttt, "FUSED_TOP_RANK", True)
+    monkeypatch.setattr(ttt, "TEACHER_LSE", False)  # (this stand-in takes no t_lse; the lse's own test is below)
     why = ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000)
     assert why is None if says is None else (why is not None and says in why), why
     monkeypatch.setattr(ttt, "FUSED_TOP_RANK", False)  # off: the kernel's rank is never asked for
@@ -283,6 +284,7 @@ def test_startup_check_tests_the_fused_rank_when_it_is_on(monkeypatch, off_by, s
 def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
     monkeypatch.setattr(CE, "fused_chunk_ce", bad)
     monkeypatch.setattr(ttt, "FUSED_TOP_RANK", False)  # (these stand-ins have no rank; the test above checks it)
+    monkeypatch.setattr(ttt, "TEACHER_LSE", False)  # (nor a t_lse: test_startup_check_tests_the_teacher_lse_...)
     why = ttt.check_fused_chunk_ce(torch.device("cpu"), *dtypes, rows=8, vocab=2000)
     if says is None:
         assert why is None  # the reference itself passes: the tolerances are not too tight

@@ -168,6 +168,10 @@ def test_chains_run_the_jobs_named_in_JOBS(tmp_path, ngpus):
         assert len(studies) == 1 and studies[0]["gpu"] == "0", studies
         a = studies[0]["args"]
         assert a[a.index("--conversations") + 1] == "2000,6000" and a[a.index("--steps") + 1] == "2400"
+        # the study's 17,293-record point joins them, and its settings (no reachability mask) hold for them
+        assert a[a.index("--add-points") + 1] == "benchmarks/scaling_points.jsonl"
+        assert (Path(studies[0]["cwd"]) / "benchmarks" / "scaling_points.jsonl").is_file()
+        assert "train.align_topk=0" in [a[i + 1] for i, y in enumerate(a) if y == "--set"]
         assert _one(c, "train_bench.py", "--no-compile")["gpu"] == side
     prep = [x for x in c if x["args"][:3] == ["-m", "eyas", "pipeline"]]
     assert len(prep) == 1 and prep[0]["gpu"] == side, prep

@@ -126,3 +126,93 @@ def test_a_child_that_finishes_during_its_grace_keeps_its_result():
     mod = _study()
     out, launched, exits = _run(mod, ["a"], ["0"], {"a": 500}, deadline=100, rc_on_term=0)
     assert out.stopped and [(e[0], e[1]) for e in exits] == [("a", 0)]
+
+
+# -- points measured elsewhere, held-out curves ------------------------------------------------------------------------
+
+import json  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _point(n, steps, chain, tree, **kw):
+    return {"conversations": n, "steps": steps, "tokens_seen": steps * 65536, "tau_chain": chain, "tau_tree": tree, **kw}
+
+
+def test_heldout_curve_sums_the_tokens_up_to_each_eval_and_keeps_a_resumed_steps_last_record(tmp_path):
+    mod = _study()
+    recs = [{"step": 1, "tokens": 100}, {"step": 2, "tokens": 110}, {"eval": True, "step": 2, "acceptance_length": 1.5},
+            {"step": 3, "tokens": 120},
+            # a crash after step 3, resumed from step 2's checkpoint: step 3 logged again, with other tokens
+            {"step": 3, "tokens": 130}, {"step": 4, "tokens": 90}, {"eval": True, "step": 4, "acceptance_length": 2.25}]
+    m = tmp_path / "metrics.jsonl"
+    m.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
+    assert mod.heldout_curve(m) == [[2, 210, 1.5], [4, 430, 2.25]]
+    assert mod.tokens_seen(m) == (430, 4)
+
+
+def test_read_points_names_the_file_and_line_of_a_bad_record(tmp_path):
+    mod = _study()
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps(_point(2000, 2400, 2.0, 2.8)) + "\n\n" + json.dumps({"conversations": 6000}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:3: a point record needs steps, tokens_seen, tau_chain, tau_tree"):
+        mod.read_points(f)
+    f.write_text("{not json\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:1: not JSON"):
+        mod.read_points(f)
+    f.write_text(json.dumps(_point(2000, 2400, 2.0, 2.8)) + "\n")
+    assert mod.read_points(f)[0]["source"] == str(f)  # a record without a source is named by its file
+
+
+def test_a_point_measured_in_the_root_wins_over_an_added_one():
+    mod = _study()
+    added = [_point(2000, 2400, 1.0, 1.0, source="a"), _point(17293, 2400, 2.6, 3.7, source="a")]
+    own = [_point(2000, 2400, 2.0, 2.8)]
+    merged = {(p["conversations"], p["steps"]): p for p in mod.merge_points(own, added)}
+    assert len(merged) == 2 and merged[(2000, 2400)]["tau_chain"] == 2.0 and merged[(17293, 2400)]["source"] == "a"
+
+
+def _study_cli(*args, cwd):
+    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling_study.py"), *args], cwd=cwd,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_added_points_count_as_done_and_enter_the_table_and_trend(tmp_path):
+    """--add-points: a grid whose points were all measured elsewhere runs nothing (no pipeline, so no model or
+    data is needed) and writes the table and the trend from them; the root's own points.jsonl is not written."""
+    f = tmp_path / "earlier.jsonl"
+    f.write_text(json.dumps(_point(2000, 2400, 2.0, 2.5, source="session A")) + "\n"
+                 + json.dumps(_point(8000, 2400, 2.4, 3.3, source="session B")) + "\n")
+    root = tmp_path / "study"
+    r = _study_cli("--root", str(root), "--conversations", "2000,8000", "--steps", "2400", "--add-points", str(f),
+                   "--max-minutes", "1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert out["done"] and out["points_done"] == 2 and out["points_left"] == []
+    # two doublings from 2,000 to 8,000: 0.2 chain and 0.4 tree per doubling
+    assert out["trend"] == {"tau_chain_per_doubling_s2400": 0.2, "tau_tree_per_doubling_s2400": 0.4}
+    table = (root / "scaling.md").read_text()
+    assert "| 2,000 | 2,400 |" in table and "session B |" in table
+    assert not (root / "points.jsonl").exists()
+
+
+def test_a_bad_added_points_file_is_a_usage_error_naming_it(tmp_path):
+    f = tmp_path / "bad.jsonl"
+    f.write_text(json.dumps({"conversations": 2000, "steps": 2400}) + "\n")
+    r = _study_cli("--root", str(tmp_path / "s"), "--add-points", str(f), cwd=tmp_path)
+    assert r.returncode == 2 and "bad.jsonl:1: a point record needs tokens_seen, tau_chain, tau_tree" in r.stderr
+    r = _study_cli("--root", str(tmp_path / "s"), "--add-points", str(tmp_path / "absent.jsonl"), cwd=tmp_path)
+    assert r.returncode == 2 and "absent.jsonl" in r.stderr
+
+
+def test_the_committed_points_are_readable():
+    mod = _study()
+    pts = mod.read_points(REPO / "benchmarks" / "scaling_points.jsonl")
+    assert {(p["conversations"], p["steps"]) for p in pts} >= {(17293, 2400)}
+    for p in pts:
+        assert all(c[0] % 200 == 0 for c in p.get("heldout_tau", []))

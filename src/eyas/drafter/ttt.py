@@ -648,16 +648,19 @@ the other. Measured on one H200 (SmolLM2 online, the target on every batch, 131,
 benchmarks/train_bench.py --suite smol, 2026-12-02): 235,533 supervised tokens/s against 226,974 for one product.
 False: one product (`--flag ttt.SPLIT_TEACHER_HEAD=0` there)."""
 
-TEACHER_LSE = False
-"""False (the default until measured on a GPU). True: `packed_teacher` keeps each row's log-sum-exp (fp32) beside the
-kept teacher table, made chunk by chunk in the same compiled reduction as the draft vocab's maximum (which already
-reads each chunk), and, where the fused CE kernel is the chunk CE, every TTT step's head-loss chunks hand it to the
-kernel (`t_lse`), whose first pass then reads the student logits only: one of the five [rows x draft vocab] streams
-of each chunk (two reads each of the student's and the teacher's logits, one write of the gradient) less, in each of
-the K steps. The
-recomputed teacher's row groups (TEACHER_ONCE) take the log-sum-exp of each group's logits once for every step's
-slice of it (one read of the group's logits). The same loss, gradients and hits up to rounding (the kernel's start-up
-check compares them). benchmarks/train_bench.py's variant eyas-teacher-lse, `--flag ttt.TEACHER_LSE` there."""
+TEACHER_LSE = True
+"""True (the default): `packed_teacher` keeps each row's log-sum-exp (fp32) beside the kept teacher table, made chunk
+by chunk in the same compiled reduction as the draft vocab's maximum (which already reads each chunk), and, where the
+fused CE kernel is the chunk CE, every TTT step's head-loss chunks hand it to the kernel (`t_lse`), whose first pass
+then reads the student logits only: one of the five [rows x draft vocab] streams of each chunk (two reads each of the
+student's and the teacher's logits, one write of the gradient) less, in each of the K steps. The recomputed teacher's
+row groups (TEACHER_ONCE) take the log-sum-exp of each group's logits once for every step's slice of it (one read of
+the group's logits). The same loss, gradients and hits up to rounding (the kernel's start-up check compares them).
+Measured on one H200 (SmolLM2 online, the target on every batch, 131,072 tokens a step, benchmarks/train_bench.py
+--suite smol, 2026-12-02, two pairs of runs in one chain): 249,314 against 242,250 and 250,553 against 244,140
+supervised tokens/s (1.029x, 1.026x); the 8B shape, in one process (6 rounds): 67.2 against 66.7 ms a step, inside
+the default's round-to-round spread (2.9%). False: the kernel makes the teacher's log-sum-exp itself in its first
+pass (`--flag ttt.TEACHER_LSE=0` there; train_bench.py's 8b variant eyas-kernel-lse)."""
 
 
 def _teacher_lse(logits_nV: torch.Tensor) -> torch.Tensor:
