@@ -34,7 +34,8 @@ Logs: each child's stderr goes whole to <workdir>/pipeline.log and, prefixed wit
 Outputs, written by this process alone after every point: <root>/points.jsonl (one JSON line per
 point, also printed on stdout), <root>/scaling.md (table + the fitted trend: tau gained per doubling
 of conversations at each budget), <root>/scaling.png (MT-bench tau against conversations and against tokens
-seen; held-out tau along each run). The last stdout line is one JSON document: points done, points left, failed points, trend.
+seen; held-out tau along each run). The last stdout line is one JSON document: points done, points left, failed
+points, trend.
 Exit 1 when a point (or the regeneration) failed.
 
 GPU, two H200, in calls of at most 10 minutes (repeat the same command until `"done": true`):
