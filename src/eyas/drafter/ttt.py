@@ -65,6 +65,7 @@ import torch.nn.functional as F
 
 from eyas.common import log
 from eyas.drafter import ce_kernel as CE
+from eyas.drafter import merge_kernel as MK
 from eyas.drafter.model import Eagle3Drafter, repeat_kv, rms_norm
 from eyas.errors import EyasError
 from eyas.packing import to_device
@@ -302,7 +303,8 @@ class _CausalPlusDiagonals(torch.autograd.Function):
                 out_c, lse_c32 = out_c.index_select(2, rows), lse_c32.index_select(2, rows)
             J = len(kv) // 2
             if J:
-                out, lse = _fast(_merge_fwd, q.device)(q, list(kv[:J]), list(kv[J:]), out_c, lse_c32, scale)
+                merge = _merges(q, list(kv[:J]), list(kv[J:]))[0]
+                out, lse = merge(q, list(kv[:J]), list(kv[J:]), out_c, lse_c32, scale)
             else:
                 out, lse = out_c, lse_c32
             lse_k = lse_c.clone()
@@ -333,7 +335,8 @@ class _CausalPlusDiagonals(torch.autograd.Function):
             J = len(kv) // 2
             if not J:
                 return dq, dk0, dv0, None, None, None, None
-            dq, dk, dv = _fast(_merge_bwd, q.device)(q, list(kv[:J]), list(kv[J:]), out, lse, dout, dq, ctx.scale)
+            merge = _merges(q, list(kv[:J]), list(kv[J:]))[1]
+            dq, dk, dv = merge(q, list(kv[:J]), list(kv[J:]), out, lse, dout, dq, ctx.scale)
             return dq, dk0, dv0, None, None, None, None, *dk, *dv
 
 
@@ -375,6 +378,64 @@ def _merge_bwd(q, kds, vds, out, lse, dout, dq_c, scale: float):
     dks = [(ds[..., j, None] * qf).sum(2).to(k.dtype) for j, k in enumerate(kds)]
     dvs = [(p[..., j, None] * do).sum(2).to(v.dtype) for j, v in enumerate(vds)]
     return dq.reshape(B, H, T, d).to(q.dtype), dks, dvs
+
+
+TRITON_MERGE = False
+"""False (the default until measured on a GPU): the merge of the diagonal keys into the causal attention (`_merge_fwd`,
+`_merge_bwd`) runs as compiled torch. True: as two Triton kernels (eyas/drafter/merge_kernel.py), one launch each
+way per TTT step, each reading every input once (the torch version leaves that to inductor's fusion of its pieces),
+where they run and passed their start-up check on the device (`check_merge_kernels`, once per device,
+dtype and head dim); the torch version elsewhere, for grouped diagonals (GROUPED_DIAGONALS) and for more than
+merge_kernel.MAX_J diagonals. The same outputs and gradients up to rounding. In a profile of the online SmolLM2 step
+on an H200 (2026-12-02, 131,072 tokens) `_CausalPlusDiagonals` took 107.6 ms of 992 ms of GPU time for two steps,
+flash attention inside it included. benchmarks/train_bench.py --flag ttt.TRITON_MERGE."""
+_MERGE_CHOICE: dict[tuple, bool] = {}
+
+
+def _merges(q: torch.Tensor, kds: list[torch.Tensor], vds: list[torch.Tensor]):
+    """(forward, backward) of the merge for these inputs: the Triton kernels under TRITON_MERGE where they apply and
+    passed their check on this device at these dtypes and head dim, else the torch version (compiled on CUDA)."""
+    if TRITON_MERGE and MK.merge_unsupported(q, kds, vds) is None:
+        key = (q.device.type, q.dtype, kds[0].dtype, q.shape[-1])
+        if key not in _MERGE_CHOICE:  # (checked at this head dim: the kernels are compiled per head dim)
+            why = MK.kernel_unavailable(q.device) or check_merge_kernels(q.device, q.dtype, d=q.shape[-1])
+            if why is not None and q.device.type == "cuda":
+                log(f"train: the attention merge runs as compiled torch, not the Triton kernels ({why})")
+            _MERGE_CHOICE[key] = why is None
+        if _MERGE_CHOICE[key]:
+            return MK.merge_fwd, MK.merge_bwd
+    return _fast(_merge_fwd, q.device), _fast(_merge_bwd, q.device)
+
+
+def check_merge_kernels(device: torch.device, dtype: torch.dtype, *, H: int = 4, T: int = 70, d: int = 64,
+                        J: int = 3) -> str | None:
+    """None when the Triton merge kernels equal `_merge_fwd` / `_merge_bwd` (eager) on random inputs on `device`
+    (queries laid out [B, T, H, d] as the packed unroll keeps them, T not a multiple of the kernels' block), within
+    the rounding of `dtype`; else why not."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    mk = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
+    q = mk(1, T, H, d).transpose(1, 2)
+    kds, vds = [mk(1, H, T, d) for _ in range(J)], [mk(1, H, T, d) for _ in range(J)]
+    out_c = mk(1, H, T, d)
+    lse_c = (2 * torch.randn(1, H, T, generator=g) + 3).to(device)
+    dout, dq_c = mk(1, H, T, d), mk(1, H, T, d)
+    scale = d ** -0.5
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    try:
+        got_f = MK.merge_fwd(q, kds, vds, out_c, lse_c, scale)
+        ref_f = _merge_fwd(q, kds, vds, out_c, lse_c, scale)
+        got_b = MK.merge_bwd(q, kds, vds, ref_f[0], ref_f[1], dout, dq_c, scale)
+        ref_b = _merge_bwd(q, kds, vds, ref_f[0], ref_f[1], dout, dq_c, scale)
+    except Exception as exc:  # noqa: BLE001  (a kernel that cannot compile or run here: the torch version)
+        return f"the Triton merge failed: {type(exc).__name__}: {str(exc)[:200]}"
+    pairs = [("out", got_f[0], ref_f[0]), ("lse", got_f[1], ref_f[1]), ("dq", got_b[0], ref_b[0])]
+    pairs += [(f"dk{j}", a, b) for j, (a, b) in enumerate(zip(got_b[1], ref_b[1]))]
+    pairs += [(f"dv{j}", a, b) for j, (a, b) in enumerate(zip(got_b[2], ref_b[2]))]
+    for name, a, b in pairs:
+        err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
+        if not err <= tol:
+            return f"the Triton merge's {name} differs from the torch version (max error {err:.2e} of its largest)"
+    return None
 
 
 def _kernel_pair(kernel: str, seg):
