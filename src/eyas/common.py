@@ -41,6 +41,21 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def built_triton_kernels(state: dict, build: Any) -> Any:
+    """`build(triton, triton.language)`'s jitted kernels, made on first use and kept as state["kernels"]; None when
+    triton does not import on this machine (the reason is kept as state["error"] for `triton_kernel_unavailable`'s
+    sentence). The kernel modules import triton this way only, so machines without it (CPU CI) still import eyas."""
+    if "kernels" not in state and "error" not in state:
+        try:
+            import triton
+            import triton.language as tl
+        except Exception as exc:  # noqa: BLE001  (any import failure means: no kernel on this machine)
+            state["error"] = f"{type(exc).__name__}: {exc}"
+        else:
+            state["kernels"] = build(triton, tl)
+    return state.get("kernels")
+
+
 def triton_kernel_unavailable(kernel: Any, device: Any, *, import_error: str | None = None) -> str | None:
     """None when the `triton.jit` function `kernel` can run on `device`; else why not, as a sentence
     for a log line. `kernel` None means triton did not import (`import_error` says why). Under

@@ -58,20 +58,17 @@ EYAS_CE_BLOCK overrides it (read at import), e.g. 32768 to hold a 32,000-token r
 NUM_WARPS = int(os.environ.get("EYAS_CE_WARPS", 4))
 """Warps per program (one program per row); EYAS_CE_WARPS overrides it."""
 
-_STATE: dict[str, object] = {}  # "error": why triton is unusable, "kernel": the jitted kernel
+_STATE: dict[str, object] = {}  # "error": why triton is unusable, "kernels": the jitted kernel
 
 
 def _kernel():
     """The jitted kernel, building it (and importing triton) on first use; None when triton is unusable."""
-    if "kernel" in _STATE or "error" in _STATE:
-        return _STATE.get("kernel")
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as exc:  # noqa: BLE001  (any import failure means: no kernel on this machine)
-        _STATE["error"] = f"{type(exc).__name__}: {exc}"
-        return None
+    from eyas.common import built_triton_kernels
 
+    return built_triton_kernels(_STATE, _build)
+
+
+def _build(triton, tl):
     @triton.jit
     def _soft_ce_rows(S, T, T_ROWS, T_LSE, W, TOP, G, CE_W, HIT, BELOW, V, TOPK, s_row, t_row, g_row,
                       BLOCK: tl.constexpr, INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr,
@@ -177,7 +174,6 @@ def _kernel():
         if TLSE:
             tl.store(CE_W + row, (lse_s - a_p) * w)
 
-    _STATE["kernel"] = _soft_ce_rows
     return _soft_ce_rows
 
 

@@ -45,15 +45,12 @@ _STATE: dict[str, object] = {}  # "error": why triton is unusable, "kernels": (f
 
 def _kernels():
     """(forward, backward) jitted kernels, built (and triton imported) on first use; None when triton is unusable."""
-    if "kernels" in _STATE or "error" in _STATE:
-        return _STATE.get("kernels")
-    try:
-        import triton
-        import triton.language as tl
-    except Exception as exc:  # noqa: BLE001  (any import failure means: no kernel on this machine)
-        _STATE["error"] = f"{type(exc).__name__}: {exc}"
-        return None
+    from eyas.common import built_triton_kernels
 
+    return built_triton_kernels(_STATE, _build)
+
+
+def _build(triton, tl):
     @triton.jit
     def _select(j, P1, P2, P3, P4, P5, P6):
         """Pointer argument j (0-based, a runtime value) of six."""
@@ -63,33 +60,41 @@ def _kernels():
         p = tl.where(j == 4, P5, p)
         return tl.where(j == 5, P6, p)
 
-    globals().update(_select=_select, tl=tl)  # jitted helpers are looked up by name among the module's globals
+    @triton.jit
+    def _rows(T, H, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
+        """This program's batch b and head h, its BLOCK rows t, the head dims dd, the rows' mask, the tiles' mask."""
+        bh = tl.program_id(1)
+        t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
+        dd = tl.arange(0, BLOCK_D)
+        tm = t < T
+        return (bh // H).to(tl.int64), (bh % H).to(tl.int64), t, dd, tm, tm[:, None] & (dd < D)[None, :]
+
+    @triton.jit
+    def _tile(P, b, h, t, dd, s_b, s_h, s_t, mask):
+        """The [BLOCK, BLOCK_D] tile of rows t of head h of batch b of a [B, H, T, d] tensor, in fp32."""
+        return tl.load(P + b * s_b + h * s_h + t[:, None] * s_t + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+
+    # jitted helpers are looked up by name among the module's globals
+    globals().update(_select=_select, _rows=_rows, _tile=_tile, tl=tl)
 
     @triton.jit
     def _merge_fwd_rows(Q, K1, K2, K3, K4, K5, K6, V1, V2, V3, V4, V5, V6, OC, LC, OUT, LSE, T, H, scale,
                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, sl_b, sl_h, sl_t,
                         su_b, su_h, su_t, se_b, se_h, se_t, J,
                         D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        dd = tl.arange(0, BLOCK_D)
-        tm = t < T
-        m2 = tm[:, None] & (dd < D)[None, :]
-        q = tl.load(Q + b * sq_b + h * sq_h + t[:, None] * sq_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        b, h, t, dd, tm, m2 = _rows(T, H, D, BLOCK, BLOCK_D)
+        q = _tile(Q, b, h, t, dd, sq_b, sq_h, sq_t, m2)
         m = tl.load(LC + b * sl_b + h * sl_h + t * sl_t, mask=tm, other=0.0).to(tl.float32)
-        acc = tl.load(OC + b * so_b + h * so_h + t[:, None] * so_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        acc = _tile(OC, b, h, t, dd, so_b, so_h, so_t, m2)
         l_sum = tl.full([BLOCK], 1.0, tl.float32)  # the causal part: exp(lse_c - m) with m = lse_c
         for j in range(J):  # a loop over a runtime count, not unrolled: one diagonal's k and v live at a time
             kp = _select(j, K1, K2, K3, K4, K5, K6)
             vp = _select(j, V1, V2, V3, V4, V5, V6)
-            k = tl.load(kp + b * sk_b + h * sk_h + t[:, None] * sk_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-            s = tl.sum(q * k, 1) * scale
+            s = tl.sum(q * _tile(kp, b, h, t, dd, sk_b, sk_h, sk_t, m2), 1) * scale
             m_new = tl.maximum(m, s)
             alpha = tl.exp(m - m_new)
             p = tl.exp(s - m_new)
-            v = tl.load(vp + b * sv_b + h * sv_h + t[:, None] * sv_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+            v = _tile(vp, b, h, t, dd, sv_b, sv_h, sv_t, m2)
             acc = acc * alpha[:, None] + p[:, None] * v
             l_sum = l_sum * alpha + p
             m = m_new
@@ -103,26 +108,19 @@ def _kernels():
                         sq_b, sq_h, sq_t, sk_b, sk_h, sk_t, sv_b, sv_h, sv_t, so_b, so_h, so_t, se_b, se_h, se_t,
                         sd_b, sd_h, sd_t, sc_b, sc_h, sc_t, sg_b, sg_h, sg_t, sw_b, sw_h, sw_t, J,
                         D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_D: tl.constexpr):
-        bh = tl.program_id(1)
-        b = (bh // H).to(tl.int64)
-        h = (bh % H).to(tl.int64)
-        t = (tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)).to(tl.int64)
-        dd = tl.arange(0, BLOCK_D)
-        tm = t < T
-        m2 = tm[:, None] & (dd < D)[None, :]
-        q = tl.load(Q + b * sq_b + h * sq_h + t[:, None] * sq_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-        do = tl.load(DO + b * sd_b + h * sd_h + t[:, None] * sd_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-        o = tl.load(O + b * so_b + h * so_h + t[:, None] * so_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        b, h, t, dd, tm, m2 = _rows(T, H, D, BLOCK, BLOCK_D)
+        q = _tile(Q, b, h, t, dd, sq_b, sq_h, sq_t, m2)
+        do = _tile(DO, b, h, t, dd, sd_b, sd_h, sd_t, m2)
         lse = tl.load(LSE + b * se_b + h * se_h + t * se_t, mask=tm, other=0.0).to(tl.float32)
-        delta = tl.sum(do * o, 1)
-        dq = tl.load(DQC + b * sc_b + h * sc_h + t[:, None] * sc_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+        delta = tl.sum(do * _tile(O, b, h, t, dd, so_b, so_h, so_t, m2), 1)
+        dq = _tile(DQC, b, h, t, dd, sc_b, sc_h, sc_t, m2)
         for j in range(J):  # (as in the forward)
             kp = _select(j, K1, K2, K3, K4, K5, K6)
             vp = _select(j, V1, V2, V3, V4, V5, V6)
             dkp = _select(j, DK1, DK2, DK3, DK4, DK5, DK6)
             dvp = _select(j, DV1, DV2, DV3, DV4, DV5, DV6)
-            k = tl.load(kp + b * sk_b + h * sk_h + t[:, None] * sk_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
-            v = tl.load(vp + b * sv_b + h * sv_h + t[:, None] * sv_t + dd[None, :], mask=m2, other=0.0).to(tl.float32)
+            k = _tile(kp, b, h, t, dd, sk_b, sk_h, sk_t, m2)
+            v = _tile(vp, b, h, t, dd, sv_b, sv_h, sv_t, m2)
             p = tl.exp(tl.sum(q * k, 1) * scale - lse)
             ds = p * (tl.sum(do * v, 1) - delta) * scale
             dq += ds[:, None] * k
@@ -131,8 +129,7 @@ def _kernels():
             tl.store(dvp + at, (p[:, None] * do).to(dvp.dtype.element_ty), mask=m2)
         tl.store(DQ + b * sg_b + h * sg_h + t[:, None] * sg_t + dd[None, :], dq.to(DQ.dtype.element_ty), mask=m2)
 
-    _STATE["kernels"] = (_merge_fwd_rows, _merge_bwd_rows)
-    return _STATE["kernels"]
+    return _merge_fwd_rows, _merge_bwd_rows
 
 
 def kernel_unavailable(device: torch.device) -> str | None:
@@ -168,6 +165,17 @@ def _grid(q: torch.Tensor, block_t: int) -> tuple[int, int]:
     return ((T + block_t - 1) // block_t, B * H)
 
 
+def _launchable(name: str, q: torch.Tensor, kds: list[torch.Tensor], vds: list[torch.Tensor]):
+    """The kernels, for inputs they take (`merge_unsupported`); else an error naming the caller."""
+    ks = _kernels()
+    if ks is None:
+        raise RuntimeError(f"{name}: triton is not importable ({_STATE['error']})")
+    why = merge_unsupported(q, kds, vds)
+    if why is not None:
+        raise ValueError(f"{name}: {why}")
+    return ks
+
+
 def _six(xs: list[torch.Tensor]) -> list[torch.Tensor]:
     """The J tensors padded to six pointer arguments with the first one (never read past J)."""
     return list(xs) + [xs[0]] * (MAX_J - len(xs))
@@ -176,11 +184,7 @@ def _six(xs: list[torch.Tensor]) -> list[torch.Tensor]:
 def merge_fwd(q, kds, vds, out_c, lse_c32, scale: float, *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS):
     """(out in q's dtype [B, H, T, d], fp32 lse [B, H, T]): `eyas.drafter.ttt._merge_fwd` in one launch. q, out_c
     [B, H, T, d] (any strides but a contiguous last dim), lse_c32 [B, H, T] fp32; kds, vds: lists of J [B, H, T, d]."""
-    ks = _kernels()
-    if ks is None:
-        raise RuntimeError(f"merge_fwd: triton is not importable ({_STATE['error']})")
-    why = merge_unsupported(q, kds, vds)
-    assert why is None, why
+    ks = _launchable("merge_fwd", q, kds, vds)
     B, H, T, d = q.shape
     out_c = out_c if out_c.stride(-1) == 1 else out_c.contiguous()
     out = torch.empty((B, H, T, d), dtype=q.dtype, device=q.device)
@@ -197,11 +201,7 @@ def merge_bwd(q, kds, vds, out, lse, dout, dq_c, scale: float, *, block_t: int =
               num_warps: int = NUM_WARPS):
     """(dq in q's dtype, [dk_j] in k's dtype, [dv_j] in v's dtype): `eyas.drafter.ttt._merge_bwd` in one launch.
     out: the merged output, lse its fp32 log-sum-exp [B, H, T], dout its gradient, dq_c the causal keys' share."""
-    ks = _kernels()
-    if ks is None:
-        raise RuntimeError(f"merge_bwd: triton is not importable ({_STATE['error']})")
-    why = merge_unsupported(q, kds, vds)
-    assert why is None, why
+    ks = _launchable("merge_bwd", q, kds, vds)
     B, H, T, d = q.shape
     out, dout, dq_c = (x if x.stride(-1) == 1 else x.contiguous() for x in (out, dout, dq_c))
     dq = torch.empty((B, H, T, d), dtype=q.dtype, device=q.device)
