@@ -69,6 +69,8 @@ def _kernel():
 
 
 def _build(triton, tl):
+    """The kernel, given the imported triton and triton.language."""
+
     @triton.jit
     def _soft_ce_rows(S, T, T_ROWS, T_LSE, W, TOP, G, CE_W, HIT, BELOW, V, TOPK, s_row, t_row, g_row,
                       BLOCK: tl.constexpr, INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr,

@@ -51,6 +51,8 @@ def _kernels():
 
 
 def _build(triton, tl):
+    """The two kernels (and their jitted helpers), given the imported triton and triton.language."""
+
     @triton.jit
     def _select(j, P1, P2, P3, P4, P5, P6):
         """Pointer argument j (0-based, a runtime value) of six."""
