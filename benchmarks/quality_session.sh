@@ -87,7 +87,8 @@ stage1() {
 snapshot() { rm -rf $ROOT/run && mkdir -p $ROOT/run && cp -r src benchmarks recipes tests pyproject.toml $ROOT/run/; }
 
 ALL=17293
-STEPS=${STEPS:-2400}
+STEPS=${STEPS:-2400}  # the recipe points' step budget (the scaling study at 1,600 steps: STEPS=1600 with the points job,
+# whose 17,293-record points at 1,600 and 2,400 steps come from benchmarks/scaling_points.jsonl)
 R=$ROOT/run  # the chains run from this copy: PYTHONPATH and the scripts
 SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol --set regenerate.source=$S/chats_all.jsonl
        --set eval.prompts=$S/question.jsonl --max-minutes 28"
