@@ -471,7 +471,7 @@ def check_lse_head() -> None:
 def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split, dtype):
     """TEACHER_LSE: `packed_teacher` keeps the fp32 log-sum-exp of each row of the kept logits (made chunk by chunk,
     the last chunk partial), also for bf16 logits (whose bf16 log-sum-exp keeps 3 significant digits); none when the
-    table is not kept or the flag is off."""
+    table is not kept, the flag is off, or the fused kernel (its one reader) does not run on the device."""
     g = torch.Generator().manual_seed(4)
     Vt, Dm, N = 80, 16, 41
     head = (2 * torch.randn(Vt, Dm, generator=g)).to(dtype)
@@ -486,6 +486,9 @@ def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split,
         return ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7, unused=ttt.unused_head(head, t2d),
                                   **kw)
 
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: "no kernel here")
+    assert teacher().logits_NV is not None and teacher().lse_N is None
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as where the kernel runs
     pt = teacher()
     assert pt.logits_NV.dtype == dtype and pt.lse_N.dtype == torch.float32 and pt.lse_N.shape == (N,)
     torch.testing.assert_close(pt.lse_N, torch.logsumexp(pt.logits_NV.float(), -1), rtol=1e-6, atol=1e-6)

@@ -303,8 +303,8 @@ class _CausalPlusDiagonals(torch.autograd.Function):
                 out_c, lse_c32 = out_c.index_select(2, rows), lse_c32.index_select(2, rows)
             J = len(kv) // 2
             if J:
-                merge = _merges(q, list(kv[:J]), list(kv[J:]))[0]
-                out, lse = merge(q, list(kv[:J]), list(kv[J:]), out_c, lse_c32, scale)
+                kds, vds = list(kv[:J]), list(kv[J:])
+                out, lse = _merges(q, kds, vds)[0](q, kds, vds, out_c, lse_c32, scale)
             else:
                 out, lse = out_c, lse_c32
             lse_k = lse_c.clone()
@@ -335,8 +335,8 @@ class _CausalPlusDiagonals(torch.autograd.Function):
             J = len(kv) // 2
             if not J:
                 return dq, dk0, dv0, None, None, None, None
-            merge = _merges(q, list(kv[:J]), list(kv[J:]))[1]
-            dq, dk, dv = merge(q, list(kv[:J]), list(kv[J:]), out, lse, dout, dq, ctx.scale)
+            kds, vds = list(kv[:J]), list(kv[J:])
+            dq, dk, dv = _merges(q, kds, vds)[1](q, kds, vds, out, lse, dout, dq, ctx.scale)
             return dq, dk0, dv0, None, None, None, None, *dk, *dv
 
 
@@ -690,7 +690,8 @@ class PackedTeacher:
     """The draft-vocab teacher logits of every row, kept when they fit `cache_bytes` (small
     batches: no recomputation per TTT step); None = recomputed chunk by chunk."""
     lse_N: torch.Tensor | None = None
-    """fp32 log-sum-exp of each row of `logits_NV`, made with it under TEACHER_LSE; else None."""
+    """fp32 log-sum-exp of each row of `logits_NV`, made with it under TEACHER_LSE where the fused CE kernel (its one
+    reader) runs; else None."""
 
 
 TEACHER_CACHE_BYTES = 1 << 30
@@ -751,11 +752,13 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
                    unused: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedTeacher:
     """Argmax flags over the full target vocab, in row chunks; the draft-vocab logits are kept only
     when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk), with their log-sum-exp under
-    TEACHER_LSE. `unused`: `unused_head(...)`, for SPLIT_TEACHER_HEAD."""
+    TEACHER_LSE where the fused CE kernel runs on this device. `unused`: `unused_head(...)`, for SPLIT_TEACHER_HEAD."""
     flat = final_ND.to(head_weight_VtD.dtype)
     N, V = flat.shape[0], used_V.shape[0]
     keep = N * V * flat.element_size() <= cache_bytes
-    max_lse_of = _fast(_teacher_max_lse, flat.device) if keep and TEACHER_LSE else None
+    # (only where the fused kernel, its one reader, can run: on the CPU no chunk CE would read it)
+    lse_wanted = keep and TEACHER_LSE and CE.kernel_unavailable(flat.device) is None
+    max_lse_of = _fast(_teacher_max_lse, flat.device) if lse_wanted else None
     tops, inv, kept, lses = [], [], [], []
     split = SPLIT_TEACHER_HEAD and unused is not None
     for a in range(0, N, chunk_rows):
