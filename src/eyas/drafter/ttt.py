@@ -401,6 +401,9 @@ def _merges(q: torch.Tensor, kds: list[torch.Tensor], vds: list[torch.Tensor]):
             why = MK.kernel_unavailable(q.device) or check_merge_kernels(q.device, q.dtype, d=q.shape[-1])
             if why is not None and q.device.type == "cuda":
                 log(f"train: the attention merge runs as compiled torch, not the Triton kernels ({why})")
+            elif why is None:
+                log(f"train: the attention merge runs as the Triton kernels (they equal the torch merge on {q.device}, "
+                    f"{str(q.dtype).removeprefix('torch.')}, head dim {q.shape[-1]})")
             _MERGE_CHOICE[key] = why is None
         if _MERGE_CHOICE[key]:
             return MK.merge_fwd, MK.merge_bwd
