@@ -567,3 +567,83 @@ def test_head_loss_hands_the_teacher_lse_to_the_fused_kernel_only(monkeypatch):
             torch.testing.assert_close(t_lse, torch.logsumexp(t, -1))
         results[want] = (kept[0], grouped[0])
     torch.testing.assert_close(results["auto"], results["torch"], rtol=1e-6, atol=1e-6)
+
+
+@needs_triton
+def test_row_max_lse_under_interpreter():
+    out = _in_interpreter("check_row_stats()")
+    assert "row stats ok" in out and "packed teacher: stats kernel as torch" in out, out[-2000:]
+
+
+def check_row_stats() -> None:
+    """`ce_kernel.row_max_lse` equals torch's max, first index of the max and fp32 log-sum-exp, in blocks smaller than
+    the row (the last partial) and in one block, on strided bf16 and fp32 rows with ties across blocks; its start-up
+    check passes; and `packed_teacher` under TEACHER_STATS_KERNEL gives the table, flags and log-sum-exp it gives
+    with the torch reduction (the kernel chosen, not the fallback)."""
+    g = torch.Generator().manual_seed(7)
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = (3 * torch.randn(9, 100 + 5, generator=g)).to(dtype)
+        x = wide[:, :100]
+        x[0, 3] = x[0, 97] = 30.0  # a tie across blocks: the first index
+        x[1, 99] = 31.0  # the maximum in the last, partial block
+        x[2, 0] = 80.0  # far above the rest, in the first block
+        for block in (16, 128):
+            got = CE.row_max_lse(x, block_v=block)
+            ref = ttt._teacher_max_lse(x)
+            assert got[0].dtype == dtype and got[1].dtype == torch.int64 and got[2].dtype == torch.float32
+            assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (got[1], ref[1])
+            assert int(got[1][0]) == 3 and int(got[1][1]) == 99
+            torch.testing.assert_close(got[2], ref[2], rtol=1e-6, atol=1e-5)
+    cpu = torch.device("cpu")
+    assert ttt.check_row_max_lse(cpu, torch.bfloat16, vocab=300) is None
+    print("row stats ok")
+    Vt, Dm, N = 80, 16, 41
+    head = (2 * torch.randn(Vt, Dm, generator=g))
+    final = torch.randn(N, Dm, generator=g)
+    used = torch.arange(5, 65)
+    t2d = torch.zeros(Vt, dtype=torch.bool)
+    t2d[used] = True
+    flag = ttt.TEACHER_STATS_KERNEL
+    got = {}
+    try:
+        for on in (False, True):
+            ttt.TEACHER_STATS_KERNEL = on
+            ttt._STATS_CHOICE.clear()
+            assert (ttt.teacher_stats_for(cpu, torch.float32) is CE.row_max_lse) == on
+            got[on] = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7,
+                                         unused=ttt.unused_head(head, t2d))
+    finally:
+        ttt.TEACHER_STATS_KERNEL = flag
+        ttt._STATS_CHOICE.clear()
+    a, b = got[True], got[False]
+    assert a.lse_N is not None and torch.equal(a.logits_NV, b.logits_NV)
+    assert torch.equal(a.top_N, b.top_N) and torch.equal(a.in_vocab_N, b.in_vocab_N)
+    torch.testing.assert_close(a.lse_N, b.lse_N, rtol=1e-6, atol=1e-5)
+    print("packed teacher: stats kernel as torch")
+
+
+@pytest.mark.parametrize("wrong", ["max", "index", "lse", "raises"])
+def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
+    """`check_row_max_lse` refuses a kernel whose maximum, index of the maximum (e.g. the last of a tie) or
+    log-sum-exp is off, or that fails; `teacher_stats_for` then keeps the torch reduction."""
+    def bad(x, **kw):
+        if wrong == "raises":
+            raise RuntimeError("no such kernel")
+        m, i, lse = ttt._teacher_max_lse(x)
+        if wrong == "max":
+            m = m + 1
+        elif wrong == "index":  # the last index of each row's maximum
+            i = x.shape[1] - 1 - x.flip(-1).float().argmax(-1)
+        else:
+            lse = lse + 1e-3
+        return m, i, lse
+
+    monkeypatch.setattr(CE, "row_max_lse", bad)
+    monkeypatch.setattr(CE, "stats_unavailable", lambda device: None)
+    cpu = torch.device("cpu")
+    why = ttt.check_row_max_lse(cpu, torch.bfloat16, vocab=300)
+    assert why is not None and ({"max": "maximum differs", "index": "first index", "lse": "log-sum-exp",
+                                 "raises": "failed"}[wrong] in why), why
+    monkeypatch.setattr(ttt, "TEACHER_STATS_KERNEL", True)
+    monkeypatch.setattr(ttt, "_STATS_CHOICE", {})
+    assert ttt.teacher_stats_for(cpu, torch.bfloat16) is not bad

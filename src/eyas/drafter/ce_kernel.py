@@ -233,3 +233,71 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     if rank_topk is not None:
         return ce_w.sum(), hit.view(torch.bool), g, below.view(torch.bool)
     return ce_w.sum(), hit.view(torch.bool), g
+
+
+# ----------------------------------------------------------------------------------------------
+# the teacher table's row statistics (`eyas.drafter.ttt.TEACHER_STATS_KERNEL`)
+
+_STATS_STATE: dict[str, object] = {}  # as _STATE, for the row statistics kernel
+
+
+def _stats_kernel():
+    from eyas.common import built_triton_kernels
+
+    return built_triton_kernels(_STATS_STATE, _build_stats)
+
+
+def _build_stats(triton, tl):
+    """The row statistics kernel, given the imported triton and triton.language."""
+
+    @triton.jit
+    def _row_max_lse(X, MAX, ARG, LSE, V, x_row, BLOCK: tl.constexpr):
+        # one program per row, one pass in blocks of BLOCK: online max (rescaling the sum-exp as it moves), the
+        # first index of the max (a later block takes over only when its max is strictly larger), fp32 throughout
+        row = tl.program_id(0).to(tl.int64)
+        x_ptr = X + row * x_row
+        offs = tl.arange(0, BLOCK)
+        m = tl.full((), float("-inf"), tl.float32)
+        l = tl.zeros((), tl.float32)  # noqa: E741
+        best = tl.zeros((), tl.int32)
+        for start in range(0, V, BLOCK):
+            idx = start + offs
+            x = tl.load(x_ptr + idx, mask=idx < V, other=float("-inf")).to(tl.float32)
+            bm = tl.max(x, 0)
+            bi = tl.min(tl.where(x == bm, idx, V), 0)
+            new_m = tl.maximum(m, bm)
+            l = l * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)  # noqa: E741
+            best = tl.where(bm > m, bi, best)
+            m = new_m
+        tl.store(MAX + row, m.to(MAX.dtype.element_ty))  # (the max of the row's values: exact in their dtype)
+        tl.store(ARG + row, best.to(tl.int64))
+        tl.store(LSE + row, m + tl.log(l))
+
+    return _row_max_lse
+
+
+def stats_unavailable(device: torch.device) -> str | None:
+    """None when `row_max_lse`'s kernel can run on `device`; else why not (a sentence for a log line)."""
+    from eyas.common import triton_kernel_unavailable
+
+    return triton_kernel_unavailable(_stats_kernel(), device, import_error=_STATS_STATE.get("error"))
+
+
+def row_max_lse(x: torch.Tensor, *, block_v: int = BLOCK_V,
+                num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max [n] in x's dtype, first index of the max [n] int64, fp32 log-sum-exp [n]) of each row of x [n, V] in one
+    read of it: `eyas.drafter.ttt._teacher_max_lse` (x.max(-1) and logsumexp(x.float(), -1)) as one launch. Rows may
+    be strided, entries must be contiguous. No host syncs."""
+    kernel = _stats_kernel()
+    if kernel is None:
+        raise RuntimeError(f"row_max_lse: triton is not importable ({_STATS_STATE['error']})")
+    assert x.dim() == 2 and x.is_floating_point(), (x.shape, x.dtype)
+    assert block_v & (block_v - 1) == 0, f"block_v={block_v} must be a power of two"
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    n, V = x.shape
+    top_max = torch.empty(n, dtype=x.dtype, device=x.device)
+    top = torch.empty(n, dtype=torch.int64, device=x.device)
+    lse = torch.empty(n, dtype=torch.float32, device=x.device)
+    if n > 0:
+        kernel[(n,)](x, top_max, top, lse, V, x.stride(0), BLOCK=block_v, num_warps=num_warps)
+    return top_max, top, lse

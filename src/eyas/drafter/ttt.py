@@ -381,14 +381,16 @@ def _merge_bwd(q, kds, vds, out, lse, dout, dq_c, scale: float):
 
 
 TRITON_MERGE = False
-"""False (the default until measured on a GPU): the merge of the diagonal keys into the causal attention (`_merge_fwd`,
+"""False (the default: the kernels measured slower): the merge of the diagonal keys into the causal attention (`_merge_fwd`,
 `_merge_bwd`) runs as compiled torch. True: as two Triton kernels (eyas/drafter/merge_kernel.py), one launch each
 way per TTT step, each reading every input once (the torch version leaves that to inductor's fusion of its pieces),
 where they run and passed their start-up check on the device (`check_merge_kernels`, once per device,
 dtype and head dim); the torch version elsewhere, for grouped diagonals (GROUPED_DIAGONALS) and for more than
 merge_kernel.MAX_J diagonals. The same outputs and gradients up to rounding. In a profile of the online SmolLM2 step
 on an H200 (2026-12-02, 131,072 tokens) `_CausalPlusDiagonals` took 107.6 ms of 992 ms of GPU time for two steps,
-flash attention inside it included. benchmarks/train_bench.py --flag ttt.TRITON_MERGE."""
+flash attention inside it included. Measured there (benchmarks/train_bench.py --flag ttt.TRITON_MERGE, 2026-12-02,
+one chain): the kernels passed their start-up check (bf16, head dim 64) and gave the same loss to 8 digits, at 233,889
+supervised tokens/s against 248,789 and 250,405 for the compiled torch merge in the runs before and after it (0.94x)."""
 _MERGE_CHOICE: dict[tuple, bool] = {}
 
 
@@ -741,6 +743,63 @@ def _teacher_max_lse(logits_nV: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return top_max, top, _teacher_lse(logits_nV)
 
 
+TEACHER_STATS_KERNEL = False
+"""False (the default until measured on a GPU): under TEACHER_LSE, `packed_teacher` takes each kept chunk's maximum,
+its first index and the fp32 log-sum-exp in one compiled torch reduction (`_teacher_max_lse`). In a profile of two
+online SmolLM2 steps on an H200 (2026-12-02, 131,072 tokens a step) that reduction read each [8,192 x 32,000] bf16
+chunk at about 0.8 TB/s (0.65 ms a chunk, 10.4 ms a step). True: one Triton kernel (`ce_kernel.row_max_lse`), one
+program per row making the three in one pass of blocks, where it runs and passed its start-up check on the device
+(`check_row_max_lse`, once per device and dtype); the torch reduction elsewhere. The same values up to the fp32
+rounding of the log-sum-exp (the maximum and its first index exactly). benchmarks/train_bench.py --flag
+ttt.TEACHER_STATS_KERNEL."""
+_STATS_CHOICE: dict[tuple, object] = {}
+
+
+def teacher_stats_for(device: torch.device, dtype: torch.dtype):
+    """`packed_teacher`'s (max, first index of the max, fp32 log-sum-exp) of the rows of a kept chunk: the Triton
+    kernel under TEACHER_STATS_KERNEL where it runs and passed its check on this device at this dtype, else the
+    torch reduction (compiled on CUDA). Decided once per process; the reason for the torch one is logged on CUDA."""
+    if not TEACHER_STATS_KERNEL:
+        return _fast(_teacher_max_lse, device)
+    key = (device.type, dtype)
+    if key not in _STATS_CHOICE:
+        why = CE.stats_unavailable(device) or check_row_max_lse(device, dtype)
+        if why is not None and device.type == "cuda":
+            log(f"train: the teacher's row statistics run as compiled torch, not the Triton kernel ({why})")
+        elif why is None:
+            log(f"train: the teacher's row statistics run as the Triton kernel (it equals the torch reduction on "
+                f"{device}, {str(dtype).removeprefix('torch.')})")
+        _STATS_CHOICE[key] = CE.row_max_lse if why is None else _fast(_teacher_max_lse, device)
+    return _STATS_CHOICE[key]
+
+
+@torch.no_grad()
+def check_row_max_lse(device: torch.device, dtype: torch.dtype, *, rows: int = 37, vocab: int = 32000) -> str | None:
+    """None when `ce_kernel.row_max_lse` equals `_teacher_max_lse` (eager) on random rows on `device`; else why not.
+    Logits ~ N(0, 3); rows strided (a wider table's columns); row 0 holds its maximum twice in different blocks
+    (the first index wins), row 1 its maximum in the last, partial block, row 2 a maximum far above the rest (the
+    sum-exp rescaled past the block that held it)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    wide = (3 * torch.randn(rows, vocab + 16, generator=g)).to(dtype)
+    wide[0, 5], wide[0, vocab - 7] = 40.0, 40.0
+    wide[1, vocab - 1] = 41.0
+    wide[2, 1] = 90.0
+    x = wide.to(device)[:, :vocab]
+    try:
+        got = CE.row_max_lse(x)
+    except Exception as exc:  # noqa: BLE001  (a kernel that cannot compile or run here: the torch version)
+        return f"the row statistics kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+    ref = _teacher_max_lse(x)
+    if not torch.equal(got[0], ref[0]):
+        return "the row statistics kernel's maximum differs from torch's"
+    if not torch.equal(got[1], ref[1]):
+        return "the row statistics kernel's index of the maximum differs from torch's first index"
+    err = float((got[2] - ref[2]).abs().max())
+    if not err <= 1e-4:
+        return f"the row statistics kernel's log-sum-exp differs from torch's by {err:.2e}"
+    return None
+
+
 def unused_head(head_weight_VtD: torch.Tensor, t2d_Vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(the head's rows outside the draft vocab [U, D], their ascending target ids [U]) for `packed_teacher`'s
     SPLIT_TEACHER_HEAD path (reads the draft-vocab mask once: call it at set-up, not per step)."""
@@ -761,16 +820,20 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
     keep = N * V * flat.element_size() <= cache_bytes
     # (only where the fused kernel, its one reader, can run: on the CPU no chunk CE would read it)
     lse_wanted = keep and TEACHER_LSE and CE.kernel_unavailable(flat.device) is None
-    max_lse_of = _fast(_teacher_max_lse, flat.device) if lse_wanted else None
-    tops, inv, kept, lses = [], [], [], []
+    max_lse_of = teacher_stats_for(flat.device, flat.dtype) if lse_wanted else None
+    # the kept table is written in place, chunk by chunk (no [N, V] concatenation at the end: a copy of the whole
+    # table, and twice its memory for a moment)
+    table = flat.new_empty(N, V) if keep else None
+    tops, inv, lses = [], [], []
     split = SPLIT_TEACHER_HEAD and unused is not None
     for a in range(0, N, chunk_rows):
+        into = table[a:a + chunk_rows] if keep else None
         if split:
-            restricted = flat[a:a + chunk_rows] @ head_used_VD.T  # [n, V]
+            restricted = torch.matmul(flat[a:a + chunk_rows], head_used_VD.T, out=into)  # [n, V]
         else:
             logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
             inv.append(t2d_Vt[logits.argmax(-1)])
-            restricted = logits.index_select(1, used_V)
+            restricted = torch.index_select(logits, 1, used_V, out=into)
         if max_lse_of is not None:  # the maximum and the log-sum-exp in one read of the chunk
             top_max, top, lse = max_lse_of(restricted)
             lses.append(lse)
@@ -779,10 +842,7 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
         if split:
             inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
         tops.append(top)
-        if keep:
-            kept.append(restricted)
-    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), torch.cat(kept) if keep else None,
-                         torch.cat(lses) if lses else None)
+    return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), table, torch.cat(lses) if lses else None)
 
 
 def _draft_argmax_wins(flat_nD, used_max_n, used_id_n, head_unused_UD, unused_U) -> torch.Tensor:
