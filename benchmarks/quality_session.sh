@@ -217,11 +217,12 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
 smol_rate_cached() { smol_rate on; }
 gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
     # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
-    # kernel, the attention merge's Triton kernels; pytest is in the device's image). GPU_TESTS: a pytest -k expression
-    # (default: all of these; none: none of them); then the compile workers' shield from a process-group SIGTERM
-    # (test_train_loop.py's GPU test)
+    # kernel, the attention merge's Triton kernels, the teacher's row statistics kernel; pytest is in the device's image).
+    # GPU_TESTS: a pytest -k expression (default: all of these; none: none of them); then the compile workers' shield
+    # from a process-group SIGTERM (test_train_loop.py's GPU test)
     [ "${GPU_TESTS:-}" = none ] || timeout -k 30 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
-        tests/test_merge_kernel.py -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies or on_cuda}" \
+        tests/test_merge_kernel.py tests/test_ce_kernel.py \
+        -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies or on_cuda}" \
         > $ROOT/q/gpu_tests.log 2>&1
     timeout -k 30 360 python -m pytest -q -p no:cacheprovider -rs tests/test_train_loop.py -k process_group \
         >> $ROOT/q/gpu_tests.log 2>&1

@@ -647,3 +647,21 @@ def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
     monkeypatch.setattr(ttt, "TEACHER_STATS_KERNEL", True)
     monkeypatch.setattr(ttt, "_STATS_CHOICE", {})
     assert ttt.teacher_stats_for(cpu, torch.bfloat16) is not bad
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernel)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_row_max_lse_on_cuda(dtype):
+    """The compiled row statistics kernel passes its start-up check on the GPU, and on a chunk of the SmolLM2 step's
+    shape ([8,192 x 32,000], logits ~ N(0, 3) with a tie in every 97th row) gives torch's maximum and first index
+    exactly and its fp32 log-sum-exp to rounding."""
+    dev = torch.device("cuda")
+    assert ttt.check_row_max_lse(dev, dtype) is None
+    g = torch.Generator(device="cpu").manual_seed(11)
+    x = (3 * torch.randn(8192, 32000, generator=g)).to(dtype)
+    x[::97, 31999] = x[::97, 100] = 30.0
+    x = x.to(dev)
+    got, ref = CE.row_max_lse(x), ttt._teacher_max_lse(x)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert int(got[1][0]) == 100
+    assert float((got[2] - ref[2]).abs().max()) < 1e-4

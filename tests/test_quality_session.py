@@ -338,13 +338,13 @@ def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     hits = [c for c in calls() if c["args"][:2] == ["-m", "pytest"]]
     assert len(hits) == 2, calls()
     a, b = hits
-    files = ["tests/test_train_packed.py", "tests/test_merge_kernel.py"]
+    files = ["tests/test_train_packed.py", "tests/test_merge_kernel.py", "tests/test_ce_kernel.py"]
     assert all(f in a["args"] for f in files)
     # the -k expression picks every test of the files that skips without CUDA
     words = a["args"][a["args"].index("-k") + 1].split(" or ")
     gpu_only = [name for f in files for name in re.findall(
         r"skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)", (REPO / f).read_text())]
-    assert len(gpu_only) >= 6 and all(any(w in name for w in words) for name in gpu_only), (words, gpu_only)
+    assert len(gpu_only) >= 7 and all(any(w in name for w in words) for name in gpu_only), (words, gpu_only)
     assert (Path(a["cwd"]) / "tests" / "test_train_packed.py").is_file() and a["gpu"] == "0"
     # then test_train_loop.py's GPU-only test alone (its other tests need the embedded target's tokenizer)
     assert "tests/test_train_loop.py" in b["args"]
