@@ -285,30 +285,30 @@ def regen_phase(args, n_max: int, deadline: float) -> tuple[str, dict[str, Any] 
     return "done", result
 
 
-def tokens_seen(metrics: Path) -> tuple[int, int]:
-    """(tokens, supervised-steps) over the training run, one value per step (a resumed run re-logs steps)."""
-    per_step: dict[int, int] = {}
-    for line in metrics.read_text().splitlines():
-        rec = json.loads(line)
-        if not rec.get("eval") and "step" in rec:
-            per_step[int(rec["step"])] = int(rec.get("tokens", 0))
-    return sum(per_step.values()), len(per_step)
-
-
-def heldout_curve(metrics: Path) -> list[list]:
-    """[[step, tokens seen up to it, held-out tau], ...]: the run's evals (the simulated acceptance length on its
-    held-out chats, every `eval_every` steps), the last record of a step where a resumed run logged it twice."""
+def train_log(metrics: Path) -> tuple[dict[int, int], dict[int, float]]:
+    """(tokens of each step, held-out tau of each eval) of a training run's metrics.jsonl, by step: the last record of
+    a step where a resumed run logged it twice."""
     tokens: dict[int, int] = {}
     taus: dict[int, float] = {}
     for line in metrics.read_text().splitlines():
         rec = json.loads(line)
         if "step" not in rec:
             continue
-        if rec.get("eval"):
-            if rec.get("acceptance_length") is not None:
-                taus[int(rec["step"])] = round(float(rec["acceptance_length"]), 4)
-        else:
+        if not rec.get("eval"):
             tokens[int(rec["step"])] = int(rec.get("tokens", 0))
+        elif rec.get("acceptance_length") is not None:
+            taus[int(rec["step"])] = round(float(rec["acceptance_length"]), 4)
+    return tokens, taus
+
+
+def tokens_seen(tokens: dict[int, int]) -> tuple[int, int]:
+    """(tokens, supervised-steps) over the training run, from `train_log`'s tokens of each step."""
+    return sum(tokens.values()), len(tokens)
+
+
+def heldout_curve(tokens: dict[int, int], taus: dict[int, float]) -> list[list]:
+    """[[step, tokens seen up to it, held-out tau], ...] from `train_log`: the run's evals (the simulated acceptance
+    length on its held-out chats, every `eval_every` steps)."""
     seen, curve = 0, []
     for step in sorted(set(tokens) | set(taus)):
         seen += tokens.get(step, 0)
@@ -319,7 +319,8 @@ def heldout_curve(metrics: Path) -> list[list]:
 
 def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float) -> dict:
     st = summary["stages"]
-    tokens, logged = tokens_seen(work / "train" / "metrics.jsonl")
+    per_step, taus = train_log(work / "train" / "metrics.jsonl")
+    tokens, logged = tokens_seen(per_step)
     acc = st["train"].get("heldout_acc_per_step") or [None]
     return {
         "conversations": n, "steps": steps, "tokens_seen": tokens, "steps_logged": logged,
@@ -327,7 +328,7 @@ def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float
         "answer_tokens": st.get("regenerate", {}).get("selected_answer_tokens"),
         "train_samples": st["prepare"].get("train_samples"), "train_tokens_per_epoch": st["prepare"].get("tokens"),
         "tau_chain": summary.get("tau_chain"), "tau_tree": summary.get("tau_tree"),
-        "heldout_top1_step0": acc[0], "heldout_tau": heldout_curve(work / "train" / "metrics.jsonl"),
+        "heldout_top1_step0": acc[0], "heldout_tau": heldout_curve(per_step, taus),
         "train_tokens_per_s": st["train"].get("tokens_per_s"),
         "stage_seconds": {k: v.get("seconds") for k, v in st.items()}, "wall_s": round(wall_s, 1),
         "workdir": str(work),

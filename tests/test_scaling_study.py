@@ -152,8 +152,9 @@ def test_heldout_curve_sums_the_tokens_up_to_each_eval_and_keeps_a_resumed_steps
             {"step": 3, "tokens": 130}, {"step": 4, "tokens": 90}, {"eval": True, "step": 4, "acceptance_length": 2.25}]
     m = tmp_path / "metrics.jsonl"
     m.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
-    assert mod.heldout_curve(m) == [[2, 210, 1.5], [4, 430, 2.25]]
-    assert mod.tokens_seen(m) == (430, 4)
+    per_step, taus = mod.train_log(m)
+    assert mod.heldout_curve(per_step, taus) == [[2, 210, 1.5], [4, 430, 2.25]]
+    assert mod.tokens_seen(per_step) == (430, 4)
 
 
 def test_read_points_names_the_file_and_line_of_a_bad_record(tmp_path):

@@ -397,19 +397,27 @@ _MERGE_CHOICE: dict[tuple, bool] = {}
 def _merges(q: torch.Tensor, kds: list[torch.Tensor], vds: list[torch.Tensor]):
     """(forward, backward) of the merge for these inputs: the Triton kernels under TRITON_MERGE where they apply and
     passed their check on this device at these dtypes and head dim, else the torch version (compiled on CUDA)."""
-    if TRITON_MERGE and MK.merge_unsupported(q, kds, vds) is None:
-        key = (q.device.type, q.dtype, kds[0].dtype, q.shape[-1])
-        if key not in _MERGE_CHOICE:  # (checked at this head dim: the kernels are compiled per head dim)
-            why = MK.kernel_unavailable(q.device) or check_merge_kernels(q.device, q.dtype, d=q.shape[-1])
-            if why is not None and q.device.type == "cuda":
-                log(f"train: the attention merge runs as compiled torch, not the Triton kernels ({why})")
-            elif why is None:
-                log(f"train: the attention merge runs as the Triton kernels (they equal the torch merge on {q.device}, "
-                    f"{str(q.dtype).removeprefix('torch.')}, head dim {q.shape[-1]})")
-            _MERGE_CHOICE[key] = why is None
-        if _MERGE_CHOICE[key]:
-            return MK.merge_fwd, MK.merge_bwd
+    # (checked at this head dim: the kernels are compiled per head dim)
+    if TRITON_MERGE and MK.merge_unsupported(q, kds, vds) is None and _triton_passes(
+            _MERGE_CHOICE, (q.device.type, q.dtype, kds[0].dtype, q.shape[-1]), q.device, "the attention merge",
+            f"{str(q.dtype).removeprefix('torch.')}, head dim {q.shape[-1]}",
+            lambda: MK.kernel_unavailable(q.device) or check_merge_kernels(q.device, q.dtype, d=q.shape[-1])):
+        return MK.merge_fwd, MK.merge_bwd
     return _fast(_merge_fwd, q.device), _fast(_merge_bwd, q.device)
+
+
+def _triton_passes(choices: dict, key: tuple, device: torch.device, what: str, detail: str, why_not) -> bool:
+    """Whether `what` runs as its Triton kernels here: `why_not()` (None, or why not: the kernels cannot run, or fail
+    their start-up check against the torch version) asked once per key, kept in `choices`, and logged (the fallback
+    to torch only on CUDA, where it costs speed)."""
+    if key not in choices:
+        why = why_not()
+        if why is None:
+            log(f"train: {what} runs as Triton kernels (equal to the torch version on {device}, {detail})")
+        elif device.type == "cuda":
+            log(f"train: {what} runs as compiled torch, not Triton kernels ({why})")
+        choices[key] = why is None
+    return choices[key]
 
 
 def check_merge_kernels(device: torch.device, dtype: torch.dtype, *, H: int = 4, T: int = 70, d: int = 64,
@@ -752,25 +760,18 @@ program per row making the three in one pass of blocks, where it runs and passed
 (`check_row_max_lse`, once per device and dtype); the torch reduction elsewhere. The same values up to the fp32
 rounding of the log-sum-exp (the maximum and its first index exactly). benchmarks/train_bench.py --flag
 ttt.TEACHER_STATS_KERNEL."""
-_STATS_CHOICE: dict[tuple, object] = {}
+_STATS_CHOICE: dict[tuple, bool] = {}
 
 
 def teacher_stats_for(device: torch.device, dtype: torch.dtype):
     """`packed_teacher`'s (max, first index of the max, fp32 log-sum-exp) of the rows of a kept chunk: the Triton
     kernel under TEACHER_STATS_KERNEL where it runs and passed its check on this device at this dtype, else the
     torch reduction (compiled on CUDA). Decided once per process; the reason for the torch one is logged on CUDA."""
-    if not TEACHER_STATS_KERNEL:
-        return _fast(_teacher_max_lse, device)
-    key = (device.type, dtype)
-    if key not in _STATS_CHOICE:
-        why = CE.stats_unavailable(device) or check_row_max_lse(device, dtype)
-        if why is not None and device.type == "cuda":
-            log(f"train: the teacher's row statistics run as compiled torch, not the Triton kernel ({why})")
-        elif why is None:
-            log(f"train: the teacher's row statistics run as the Triton kernel (it equals the torch reduction on "
-                f"{device}, {str(dtype).removeprefix('torch.')})")
-        _STATS_CHOICE[key] = CE.row_max_lse if why is None else _fast(_teacher_max_lse, device)
-    return _STATS_CHOICE[key]
+    if TEACHER_STATS_KERNEL and _triton_passes(
+            _STATS_CHOICE, (device.type, dtype), device, "the teacher's row statistics",
+            str(dtype).removeprefix("torch."), lambda: CE.stats_unavailable(device) or check_row_max_lse(device, dtype)):
+        return CE.row_max_lse
+    return _fast(_teacher_max_lse, device)
 
 
 @torch.no_grad()
