@@ -25,7 +25,8 @@ carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig
 kernel: ttt.FUSED_TOP_RANK off), `eyas-kernel-lse` (the teacher's log-sum-exp made by the CE kernel in its first pass,
 which then reads the teacher's logits too, instead of once a step with the kept table: ttt.TEACHER_LSE off),
 `eyas-triton-merge` (the attention's merge of the diagonal keys as two Triton kernels: ttt.TRITON_MERGE on),
-`eyas-teacher-stats` (the kept teacher table's maximum and log-sum-exp by one Triton kernel: ttt.TEACHER_STATS_KERNEL on),
+`eyas-torch-stats` (the kept teacher table's maximum and log-sum-exp by a compiled torch reduction, not the Triton
+kernel: ttt.TEACHER_STATS_KERNEL off),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
@@ -499,9 +500,9 @@ def suite_8b(args, dist) -> dict:
             # the attention's merge of the diagonal keys as two Triton kernels (the default: compiled torch)
             ("eyas-triton-merge", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.TRITON_MERGE",
                                                     True)),
-            # the kept teacher table's row statistics by one Triton kernel (the default: a compiled torch reduction)
-            ("eyas-teacher-stats", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
-                                                     "ttt.TEACHER_STATS_KERNEL", True)),
+            # the kept teacher table's row statistics by a compiled torch reduction (the default: one Triton kernel)
+            ("eyas-torch-stats", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
+                                                   "ttt.TEACHER_STATS_KERNEL", False)),
             # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
             ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
                                                      False))]

@@ -649,6 +649,29 @@ def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
     assert ttt.teacher_stats_for(cpu, torch.bfloat16) is not bad
 
 
+def test_row_stats_default_falls_back_where_the_kernel_cannot_run(monkeypatch):
+    """With the default settings, where the row statistics kernel cannot run (no Triton) but the fused CE kernel
+    wants the teacher's log-sum-exp, the torch reduction is chosen without trying the kernel, and `packed_teacher`
+    gives the eager reference's draft argmax and fp32 log-sum-exp."""
+    tried = []
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)
+    monkeypatch.setattr(CE, "stats_unavailable", lambda device: "triton is not importable")
+    monkeypatch.setattr(CE, "row_max_lse", lambda x, **kw: tried.append(x) or ttt._teacher_max_lse(x))
+    monkeypatch.setattr(ttt, "_STATS_CHOICE", {})
+    cpu = torch.device("cpu")
+    assert ttt.teacher_stats_for(cpu, torch.float32) is not CE.row_max_lse
+    g = torch.Generator().manual_seed(3)
+    head, final = torch.randn(50, 8, generator=g), torch.randn(23, 8, generator=g)
+    used = torch.arange(40)
+    t2d = torch.zeros(50, dtype=torch.bool)
+    t2d[used] = True
+    out = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=5, unused=ttt.unused_head(head, t2d))
+    restricted = final @ head[used].T
+    assert not tried and out.lse_N is not None
+    assert torch.equal(out.top_N, restricted.argmax(-1))
+    torch.testing.assert_close(out.lse_N, torch.logsumexp(restricted, -1))
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernel)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_max_lse_on_cuda(dtype):
