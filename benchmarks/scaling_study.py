@@ -301,11 +301,6 @@ def train_log(metrics: Path) -> tuple[dict[int, int], dict[int, float]]:
     return tokens, taus
 
 
-def tokens_seen(tokens: dict[int, int]) -> tuple[int, int]:
-    """(tokens, supervised-steps) over the training run, from `train_log`'s tokens of each step."""
-    return sum(tokens.values()), len(tokens)
-
-
 def heldout_curve(tokens: dict[int, int], taus: dict[int, float]) -> list[list]:
     """[[step, tokens seen up to it, held-out tau], ...] from `train_log`: the run's evals (the simulated acceptance
     length on its held-out chats, every `eval_every` steps)."""
@@ -320,10 +315,9 @@ def heldout_curve(tokens: dict[int, int], taus: dict[int, float]) -> list[list]:
 def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float) -> dict:
     st = summary["stages"]
     per_step, taus = train_log(work / "train" / "metrics.jsonl")
-    tokens, logged = tokens_seen(per_step)
     acc = st["train"].get("heldout_acc_per_step") or [None]
     return {
-        "conversations": n, "steps": steps, "tokens_seen": tokens, "steps_logged": logged,
+        "conversations": n, "steps": steps, "tokens_seen": sum(per_step.values()), "steps_logged": len(per_step),
         "regenerated": st.get("regenerate", {}).get("selected"),
         "answer_tokens": st.get("regenerate", {}).get("selected_answer_tokens"),
         "train_samples": st["prepare"].get("train_samples"), "train_tokens_per_epoch": st["prepare"].get("tokens"),

@@ -466,31 +466,38 @@ def check_lse_head() -> None:
         print(name + ": teacher lse as without")
 
 
-@pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split, dtype):
-    """TEACHER_LSE: `packed_teacher` keeps the fp32 log-sum-exp of each row of the kept logits (made chunk by chunk,
-    the last chunk partial), also for bf16 logits (whose bf16 log-sum-exp keeps 3 significant digits); none when the
-    table is not kept, the flag is off, or the fused kernel (its one reader) does not run on the device."""
-    g = torch.Generator().manual_seed(4)
+def _small_teacher(seed: int, dtype: torch.dtype = torch.float32):
+    """A small random `packed_teacher` case: an 80-token target vocab whose ids 5..64 are the draft vocab, 41 rows in
+    chunks of 7 (the last partial). (teacher(**kw) -> PackedTeacher, final [41, 16], head [80, 16], used ids)."""
+    g = torch.Generator().manual_seed(seed)
     Vt, Dm, N = 80, 16, 41
     head = (2 * torch.randn(Vt, Dm, generator=g)).to(dtype)
     final = torch.randn(N, Dm, generator=g).to(dtype)
     used = torch.arange(5, 65)
     t2d = torch.zeros(Vt, dtype=torch.bool)
     t2d[used] = True
-    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", split)
-    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
 
     def teacher(**kw):
         return ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7, unused=ttt.unused_head(head, t2d),
                                   **kw)
 
+    return teacher, final, head, used
+
+
+@pytest.mark.parametrize("split", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split, dtype):
+    """TEACHER_LSE: `packed_teacher` keeps the fp32 log-sum-exp of each row of the kept logits (made chunk by chunk,
+    the last chunk partial), also for bf16 logits (whose bf16 log-sum-exp keeps 3 significant digits); none when the
+    table is not kept, the flag is off, or the fused kernel (its one reader) does not run on the device."""
+    teacher, final, _, _ = _small_teacher(4, dtype)
+    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", split)
+    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: "no kernel here")
     assert teacher().logits_NV is not None and teacher().lse_N is None
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as where the kernel runs
     pt = teacher()
-    assert pt.logits_NV.dtype == dtype and pt.lse_N.dtype == torch.float32 and pt.lse_N.shape == (N,)
+    assert pt.logits_NV.dtype == dtype and pt.lse_N.dtype == torch.float32 and pt.lse_N.shape == (final.shape[0],)
     torch.testing.assert_close(pt.lse_N, torch.logsumexp(pt.logits_NV.float(), -1), rtol=1e-6, atol=1e-6)
     assert float(pt.lse_N.std()) > 0.5  # rows that differ
     assert teacher(cache_bytes=0).lse_N is None  # not kept: recomputed per chunk, no table to go with it
@@ -597,12 +604,7 @@ def check_row_stats() -> None:
     cpu = torch.device("cpu")
     assert ttt.check_row_max_lse(cpu, torch.bfloat16, vocab=300) is None
     print("row stats ok")
-    Vt, Dm, N = 80, 16, 41
-    head = (2 * torch.randn(Vt, Dm, generator=g))
-    final = torch.randn(N, Dm, generator=g)
-    used = torch.arange(5, 65)
-    t2d = torch.zeros(Vt, dtype=torch.bool)
-    t2d[used] = True
+    teacher, _, _, _ = _small_teacher(8)
     flag = ttt.TEACHER_STATS_KERNEL
     got = {}
     try:
@@ -610,8 +612,7 @@ def check_row_stats() -> None:
             ttt.TEACHER_STATS_KERNEL = on
             ttt._STATS_CHOICE.clear()
             assert (ttt.teacher_stats_for(cpu, torch.float32) is CE.row_max_lse) == on
-            got[on] = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7,
-                                         unused=ttt.unused_head(head, t2d))
+            got[on] = teacher()
     finally:
         ttt.TEACHER_STATS_KERNEL = flag
         ttt._STATS_CHOICE.clear()
@@ -660,12 +661,8 @@ def test_row_stats_default_falls_back_where_the_kernel_cannot_run(monkeypatch):
     monkeypatch.setattr(ttt, "_STATS_CHOICE", {})
     cpu = torch.device("cpu")
     assert ttt.teacher_stats_for(cpu, torch.float32) is not CE.row_max_lse
-    g = torch.Generator().manual_seed(3)
-    head, final = torch.randn(50, 8, generator=g), torch.randn(23, 8, generator=g)
-    used = torch.arange(40)
-    t2d = torch.zeros(50, dtype=torch.bool)
-    t2d[used] = True
-    out = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=5, unused=ttt.unused_head(head, t2d))
+    teacher, final, head, used = _small_teacher(3)
+    out = teacher()
     restricted = final @ head[used].T
     assert not tried and out.lse_N is not None
     assert torch.equal(out.top_N, restricted.argmax(-1))

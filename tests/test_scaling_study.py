@@ -154,7 +154,7 @@ def test_heldout_curve_sums_the_tokens_up_to_each_eval_and_keeps_a_resumed_steps
     m.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     per_step, taus = mod.train_log(m)
     assert mod.heldout_curve(per_step, taus) == [[2, 210, 1.5], [4, 430, 2.25]]
-    assert mod.tokens_seen(per_step) == (430, 4)
+    assert per_step == {1: 100, 2: 110, 3: 130, 4: 90} and taus == {2: 1.5, 4: 2.25}
 
 
 def test_read_points_names_the_file_and_line_of_a_bad_record(tmp_path):
