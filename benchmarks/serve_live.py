@@ -1,0 +1,368 @@
+"""Serve the recipe's drafter on real SGLang servers on one H200 and measure what users measure.
+
+One device session, calls chained while the machine stays warm (each phase is one `run` call):
+
+  here:    python benchmarks/sglang_live.py stage        (SGLang wheels, in runs/sglang_stage/parts)
+           python benchmarks/serve_live.py stage         (.stage/serve-a, .stage/serve-b: the target's GGUF in
+                                                          halves, the chats, MT-bench, spare wheels, a tiny drafter)
+  device:  serve_live.py a        carry .stage/serve-a   (small files; the gguf package)
+           serve_live.py b        carry .stage/serve-b   (target converted; `eyas pipeline` recipe started detached)
+           sglang_live.py receive carry each part         (one call a part; .stage/serve-c with the last)
+           serve_live.py install                         (SGLang installed; a speculative server started with the
+                                                          tiny drafter; a missing module is installed from the spare
+                                                          wheels and the start retried)
+           serve_live.py wait --name recipe              (polls; repeat)
+           serve_live.py sweep --detach                  (eval on the export, the plain server, then each SGLang
+                                                          setting with `eyas bench-serve` against the plain one,
+                                                          then `eyas regenerate` through the plain server and
+                                                          in-process)
+           serve_live.py wait --name sweep --collect     (polls; copies logs and summaries to $OUT)
+
+Everything eyas runs uses the image's Python (eyas from src/); only the SGLang servers use the venv
+sglang_live.py installs. Logs and results stay under /root/eyas-stage/q on the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))
+S, SMOL, W, Q = ROOT / "s", ROOT / "smol", ROOT / "recipe", ROOT / "q"
+VPY = ROOT / "venv" / "bin" / "python"
+STAGE_A, STAGE_B, STAGE_C = (REPO / ".stage" / f"serve-{x}" for x in "abc")
+BASE_PORT, SPEC_PORT = 30001, 30000
+# chain settings first (the eval comparison is on 7/1/8), then trees SGLang accepts
+SETTINGS = ["7/1/8", "3/1/4", "5/4/8", "5/1/6", "6/8/32"]
+
+
+def log(msg: str) -> None:
+    print(f"[serve_live {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def eyas_env() -> dict:
+    return {**os.environ, "PYTHONPATH": f"{REPO}/src:{ROOT}/site", "EYAS_CACHE": str(ROOT / "cache"),
+            "PYTHONUNBUFFERED": "1"}
+
+
+def sh(cmd, *, env=None, check=True, timeout=None, capture=False) -> subprocess.CompletedProcess:
+    log("$ " + " ".join(map(str, cmd)))
+    res = subprocess.run([str(c) for c in cmd], env=env, check=False, timeout=timeout, text=True,
+                         capture_output=capture)
+    if check and res.returncode != 0:
+        raise SystemExit(f"exit {res.returncode}: {' '.join(map(str, cmd))}\n{(res.stdout or '')[-2000:]}"
+                         f"{(res.stderr or '')[-2000:]}")
+    return res
+
+
+def detached(name: str, cmd: list) -> None:
+    """Run cmd in its own session (it outlives this call); Q/name.log, then Q/name.rc with its exit code."""
+    Q.mkdir(parents=True, exist_ok=True)
+    (Q / f"{name}.rc").unlink(missing_ok=True)
+    line = " ".join(f"'{c}'" for c in map(str, cmd))
+    subprocess.Popen(["setsid", "nohup", "bash", "-c", f"{line} > {Q}/{name}.log 2>&1; echo $? > {Q}/{name}.rc"],
+                     env=eyas_env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+    log(f"started {name} detached: {line}")
+
+
+# ----------------------------------------------------------------------------- here
+
+
+def stage(a) -> None:
+    sys.path.insert(0, str(REPO / "src"))
+    from eyas.defaults import gguf_path, mtbench_path
+
+    exclude = REPO / ".git" / "info" / "exclude"
+    exclude.parent.mkdir(parents=True, exist_ok=True)
+    if "/.stage/" not in (exclude.read_text() if exclude.exists() else ""):
+        with open(exclude, "a") as f:
+            f.write("/.stage/\n")
+    for d in (STAGE_A, STAGE_B, STAGE_C):
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+    sh(["split", "-n", "2", gguf_path(), "/tmp/smol.gguf."])
+    shutil.move("/tmp/smol.gguf.aa", STAGE_A / "smol.gguf.aa")
+    shutil.move("/tmp/smol.gguf.ab", STAGE_B / "smol.gguf.ab")
+    shutil.copy(mtbench_path(), STAGE_A / "question.jsonl")
+    sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
+        "--platform", "manylinux2014_x86_64", "-d", STAGE_A, "gguf==0.19.0"])
+    if a.spare:
+        (STAGE_C / "spare").mkdir()
+        for w in Path(a.spare).glob("*.whl"):
+            if w.stat().st_size < 4 * 2**20:
+                shutil.copy(w, STAGE_C / "spare" / w.name)
+    if a.tiny_drafter:
+        shutil.copytree(a.tiny_drafter, STAGE_C / "tiny", ignore=shutil.ignore_patterns(".eyas-*"))
+    chats = Path("/tmp/chats_all.jsonl.gz")
+    if not chats.exists():
+        sh([sys.executable, REPO / "benchmarks" / "stage_chats.py", chats, "--n", "20000"])
+    sh(["bash", "-c", f"gunzip -c {chats} | xz -6 -T2 > {STAGE_B / 'chats_all.jsonl.xz'}"])
+    for d in (STAGE_A, STAGE_B, STAGE_C):
+        size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
+        log(f"{d}: {size / 2**20:.1f} MiB")
+
+
+# ----------------------------------------------------------------------------- device: staging
+
+
+def phase_a(a) -> None:
+    S.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(STAGE_A, S, dirs_exist_ok=True)
+    sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", ROOT / "site",
+        *S.glob("gguf-*.whl")])
+    sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"], check=False)
+    print(json.dumps({"phase": "a", "staged": sorted(p.name for p in S.iterdir())}))
+
+
+def phase_b(a) -> None:
+    shutil.copytree(STAGE_B, S, dirs_exist_ok=True)
+    if not (SMOL / "config.json").exists():
+        with open(S / "smol.gguf", "wb") as g:
+            for part in ("smol.gguf.aa", "smol.gguf.ab"):
+                g.write((S / part).read_bytes())
+        sh([sys.executable, "-c", "from pathlib import Path; from eyas.defaults import convert_gguf; "
+            f"convert_gguf(Path('{S}/smol.gguf'), Path('{SMOL}'))"], env=eyas_env())
+    if not (S / "chats_all.jsonl").exists():
+        sh(["bash", "-c", f"xz -dc {S}/chats_all.jsonl.xz > {S}/chats_all.jsonl"])
+    if not a.no_recipe:
+        detached("recipe", [sys.executable, "-m", "eyas", "pipeline", REPO / "recipes" / "smollm2-gpu.toml",
+                            "--workdir", W, "--set", f'target="{SMOL}"',
+                            "--set", f'regenerate.source="{S}/chats_all.jsonl"',
+                            "--set", f'eval.prompts="{S}/question.jsonl"'])
+    print(json.dumps({"phase": "b", "target": str(SMOL), "recipe_started": not a.no_recipe}))
+
+
+# ----------------------------------------------------------------------------- device: servers
+
+
+class Server:
+    def __init__(self, port: int, label: str, *, draft: Path | None = None, setting: str | None = None,
+                 mem: float = 0.3, capture: bool = False, timeout: float = 600.0):
+        self.port, self.label, self.url = port, label, f"http://127.0.0.1:{port}"
+        cmd = [VPY, "-m", "sglang.launch_server", "--model-path", SMOL, "--host", "127.0.0.1", "--port", str(port),
+               "--dtype", "bfloat16", "--mem-fraction-static", str(mem)]
+        if draft is not None:
+            steps, topk, tokens = setting.split("/")
+            cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
+                    "--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
+                    "--speculative-num-draft-tokens", tokens]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if capture:
+            env.update(EYAS_CAPTURE="1", EYAS_CAPTURE_LAYERS="2,15,27", EYAS_DUMP_DIR="/dev/shm/eyas-dumps")
+        self.log = Q / f"server-{label}.log"
+        self.cmd = [str(c) for c in cmd]
+        self.env, self.timeout = env, timeout
+        self.proc = None
+
+    def start(self) -> float:
+        Q.mkdir(parents=True, exist_ok=True)
+        log("$ " + " ".join(self.cmd))
+        t0 = time.time()
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+                                     start_new_session=True)
+        while time.time() - t0 < self.timeout:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server {self.label} exited ({self.proc.returncode}):\n"
+                                   + self.log.read_text()[-3000:])
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        secs = time.time() - t0
+                        log(f"server {self.label} up in {secs:.0f} s")
+                        return secs
+            except Exception:
+                time.sleep(2)
+        self.stop()
+        raise RuntimeError(f"server {self.label}: no /health after {self.timeout} s:\n" + self.log.read_text()[-3000:])
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        try:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(30)
+        except Exception:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(3)  # the GPU memory of the scheduler subprocesses
+
+
+def missing_module(text: str) -> str | None:
+    m = re.findall(r"No module named '([\w.]+)'", text)
+    return m[-1].split(".")[0] if m else None
+
+
+def install_spare(name: str) -> bool:
+    key = name.replace("-", "_").lower()
+    wheels = [w for w in (S / "spare").glob("*.whl") if w.name.lower().startswith(key)
+              or (key == "flash_attn" and w.name.startswith("flash_attn_4"))]
+    if not wheels:
+        return False
+    sh([VPY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], check=False)
+    return True
+
+
+def start_with_spares(srv: Server, tries: int = 4) -> float:
+    for _ in range(tries):
+        try:
+            return srv.start()
+        except RuntimeError as exc:
+            name = missing_module(str(exc) + (srv.log.read_text() if srv.log.exists() else ""))
+            if name and install_spare(name):
+                log(f"server {srv.label}: installed the spare wheel for missing module {name}; starting again")
+                continue
+            raise
+    raise RuntimeError(f"server {srv.label} did not start after {tries} tries")
+
+
+def post(url: str, body: dict, timeout: float = 120) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def install(a) -> None:
+    if STAGE_C.exists():  # carried with the last part: the smoke server's tiny drafter and the spare wheels
+        shutil.copytree(STAGE_C, S, dirs_exist_ok=True)
+    res = sh([sys.executable, REPO / "benchmarks" / "sglang_live.py", "run", "--only-install"], check=False)
+    out = {"phase": "install", "install_exit": res.returncode}
+    if res.returncode == 0 and not a.no_smoke:
+        srv = Server(SPEC_PORT, "smoke", draft=S / "tiny", setting="3/1/4", mem=0.15)
+        try:
+            out["start_s"] = round(start_with_spares(srv), 1)
+            ans = post(f"{srv.url}/generate", {"text": "The capital of France is",
+                                               "sampling_params": {"temperature": 0, "max_new_tokens": 32}})
+            out["smoke_meta"] = {k: ans["meta_info"].get(k) for k in ("completion_tokens", "spec_verify_ct")}
+        except Exception as exc:  # reported, not raised: the log tail says why
+            out["smoke_error"] = str(exc)[-3000:]
+        finally:
+            srv.stop()
+    print(json.dumps(out))
+
+
+def wait(a) -> None:
+    t0 = time.time()
+    rc = Q / f"{a.name}.rc"
+    while time.time() - t0 < a.timeout and not rc.exists():
+        time.sleep(10)
+    tail = (Q / f"{a.name}.log").read_text()[-a.tail:] if (Q / f"{a.name}.log").exists() else ""
+    print(tail)
+    done = rc.exists()
+    print(json.dumps({"name": a.name, "done": done, "rc": rc.read_text().strip() if done else None,
+                      "waited_s": round(time.time() - t0)}))
+    if a.collect:
+        collect()
+
+
+def collect() -> None:
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    sh(["bash", "-c", f"cd {ROOT} && tar czf {out}/serve_live.tgz --exclude='*.safetensors' --exclude='*.pt' "
+        "--exclude='checkpoints' --exclude='state_cache' q recipe/eval recipe/export/sglang/config.json "
+        "recipe/train/metrics.jsonl recipe/pipeline.json 2>/dev/null; ls -la " + str(out)], check=False)
+
+
+# ----------------------------------------------------------------------------- device: the sweep
+
+
+def sweep(a) -> None:
+    if a.detach:
+        args = [sys.executable, __file__, "sweep", "--limit", str(a.limit), "--settings", a.settings,
+                "--regen-limit", str(a.regen_limit), "--concurrency", a.concurrency]
+        detached("sweep", args)
+        return
+    env = eyas_env()
+    export = W / "export" / "sglang"
+    results = {"settings": {}, "limit": a.limit}
+    evdir = Q / "eval-export"
+    res = sh([sys.executable, "-m", "eyas", "eval", "--drafter", export, "--target", SMOL, "--prompts",
+              S / "question.jsonl", "--limit", str(a.limit), "--chain-k", "7", "--tree-depth", "0", "--out", evdir,
+              "--overwrite"], env=env, check=False, capture=True)
+    sys.stderr.write(res.stderr[-3000:])
+    results["eval_export"] = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-1500:]
+    base = Server(BASE_PORT, "plain", mem=0.35)
+    results["plain_start_s"] = round(start_with_spares(base), 1)
+    try:
+        for setting in a.settings.split(","):
+            name = setting.replace("/", "-")
+            spec = Server(SPEC_PORT, f"eagle3-{name}", draft=export, setting=setting, mem=0.35)
+            try:
+                start_s = start_with_spares(spec)
+            except Exception as exc:
+                results["settings"][setting] = {"error": str(exc)[-2000:]}
+                log(f"{setting}: the server did not start")
+                continue
+            cmd = [sys.executable, "-m", "eyas", "bench-serve", "--url", spec.url, "--baseline-url", base.url,
+                   "--target", SMOL, "--prompts", S / "question.jsonl", "--limit", str(a.limit),
+                   "--max-new-tokens", "256", "--concurrency", a.concurrency, "--out", Q / f"bench-{name}",
+                   "--label", f"sglang_{name.replace('-', '_')}", "--overwrite"]
+            if setting == "7/1/8":
+                cmd += ["--eval-report", evdir]
+            res = sh(cmd, env=env, check=False, capture=True)
+            sys.stderr.write(res.stderr[-4000:])
+            last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+            results["settings"][setting] = {"start_s": round(start_s, 1), "exit": res.returncode,
+                                            "summary": last[-6000:], "stderr_tail": res.stderr[-800:]}
+            spec.stop()
+            (Q / "sweep.json").write_text(json.dumps(results, indent=1))
+        if a.regen_limit:
+            for name, extra in (("regen-server", ["--server-url", base.url, "--concurrency", "256"]),
+                                ("regen-inprocess", ["--device", "cuda"])):
+                t0 = time.time()
+                res = sh([sys.executable, "-m", "eyas", "regenerate", "--source", S / "chats_all.jsonl", "--target",
+                          SMOL, "--limit", str(a.regen_limit), "--max-turns", "2", "--max-new-tokens", "512",
+                          "--max-length", "2048", "--temperature", "0", "--out", Q / name, "--overwrite", *extra],
+                         env=env, check=False, capture=True)
+                results[name] = {"exit": res.returncode, "wall_s": round(time.time() - t0, 1),
+                                 "summary": (res.stdout.strip().splitlines() or [""])[-1][-3000:],
+                                 "stderr_tail": res.stderr[-800:]}
+                (Q / "sweep.json").write_text(json.dumps(results, indent=1))
+                if name == "regen-server":
+                    base.stop()  # the in-process engine gets the GPU alone
+    finally:
+        base.stop()
+    (Q / "sweep.json").write_text(json.dumps(results, indent=1))
+    print(json.dumps(results))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="phase", required=True)
+    s = sub.add_parser("stage")
+    s.add_argument("--spare", default=None, help="folder of spare wheels (small ones are staged)")
+    s.add_argument("--tiny-drafter", default=None, help="an SGLang export for the smoke server")
+    sub.add_parser("a")
+    b = sub.add_parser("b")
+    b.add_argument("--no-recipe", action="store_true")
+    i = sub.add_parser("install")
+    i.add_argument("--no-smoke", action="store_true")
+    w = sub.add_parser("wait")
+    w.add_argument("--name", default="recipe")
+    w.add_argument("--timeout", type=float, default=540)
+    w.add_argument("--tail", type=int, default=3000)
+    w.add_argument("--collect", action="store_true")
+    sw = sub.add_parser("sweep")
+    sw.add_argument("--detach", action="store_true")
+    sw.add_argument("--limit", type=int, default=20)
+    sw.add_argument("--settings", default=",".join(SETTINGS))
+    sw.add_argument("--concurrency", default="1,16")
+    sw.add_argument("--regen-limit", type=int, default=2000)
+    a = ap.parse_args()
+    {"stage": stage, "a": phase_a, "b": phase_b, "install": install, "wait": wait, "sweep": sweep}[a.phase](a)
+
+
+if __name__ == "__main__":
+    main()
