@@ -483,16 +483,19 @@ class StandinServer:
 
     @torch.no_grad()
     def _decode(self, ids: list[int], first: int, max_new: int, stop: set[int]) -> list[int]:
-        """The greedy continuation after the prefill's token `first`, on this request's own KV cache (batch 1:
-        the same ids whatever else is in flight), ending at a stop token (kept) or at max_new tokens."""
-        out, past = [first], None
-        x = torch.tensor([ids + [first]])
-        while len(out) < max_new and out[-1] not in stop:
-            res = self.model(input_ids=x, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            out.append(int(res.logits[0, -1].argmax()))
-            x = torch.tensor([[out[-1]]])
-        return out
+        """The greedy continuation after the prefill's token `first` (Hugging Face generate, batch 1: the same ids
+        whatever else is in flight), ending after a stop token (kept) or at max_new tokens."""
+        from transformers import GenerationConfig
+
+        if max_new == 1 or first in stop:
+            return [first]
+        config = GenerationConfig(max_new_tokens=max_new - 1, min_new_tokens=0, do_sample=False, num_beams=1,
+                                  eos_token_id=sorted(stop) or None, pad_token_id=min(stop) if stop else 0)
+        seq = torch.tensor([ids + [first]])
+        more = self.model.generate(input_ids=seq, attention_mask=torch.ones_like(seq),
+                                   generation_config=config)[0, seq.shape[1]:].tolist()
+        cut = next((j + 1 for j, t in enumerate(more) if t in stop), len(more))
+        return [first] + more[:cut]
 
     # -- scheduler
 
