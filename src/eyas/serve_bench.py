@@ -564,11 +564,6 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
     check_out_dir(out, kind=KIND, overwrite=overwrite, empty_ok=True)
     convs = load_prompts(cfg.prompts, limit=cfg.limit)
     target_path = resolve_target(cfg.target)
-    tokenizer = load_tokenizer(target_path)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise EyasError(f"--target {cfg.target}: its tokenizer has no chat template; the prompts are rendered with it")
-    eos, target_context = target_eos_and_context(target_path, tokenizer)
-    stop_ids = sorted(eos)
 
     draft = probe(cfg.url, "--url", engine=cfg.engine, timeout=cfg.request_timeout)
     if not draft.has_draft and not cfg.allow_no_draft:
@@ -588,6 +583,11 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
         if base.engine != draft.engine:
             log(f"bench-serve: --url is {draft.engine}, --baseline-url is {base.engine}: the speed-up compares engines too")
         servers.append(("baseline", base))
+    tokenizer = load_tokenizer(target_path)  # after the servers answered: a wrong URL is named at once
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise EyasError(f"--target {cfg.target}: its tokenizer has no chat template; the prompts are rendered with it")
+    eos, target_context = target_eos_and_context(target_path, tokenizer)
+    stop_ids = sorted(eos)
     probes = {name: check_tokenizer(s, tokenizer) for name, s in servers}
     contexts = [c for c in [target_context, *(s.context for _, s in servers)] if isinstance(c, int) and c > 0]
     context = min(contexts)
