@@ -281,7 +281,11 @@ class Server:
                 log(f"bench-serve: {self.url}: server info not read ({exc})")
                 return {}
             return {"avg_spec_accept_length": sglang_avg_accept_length(info)}
-        return vllm_counters(parse_prometheus(http("GET", f"{self.url}/metrics", timeout=60.0, text=True)))
+        try:
+            return vllm_counters(parse_prometheus(http("GET", f"{self.url}/metrics", timeout=60.0, text=True)))
+        except RequestFailed as exc:
+            log(f"bench-serve: {self.url}: /metrics not read ({exc}); no accept length for this run")
+            return {}
 
 
 def sglang_avg_accept_length(info: dict[str, Any]) -> float | None:
@@ -374,7 +378,8 @@ def check_tokenizer(server: Server, tokenizer) -> dict[str, Any]:
         except RequestFailed as exc:
             log(f"bench-serve: {server.option} {server.url}: tokenizer probe skipped (/tokenize: {exc})")
             return {"checked": False}
-        ok, n, seen = theirs in ours, len(theirs), f"{len(theirs)} tokens ({'same count, other ids' if len(theirs) in {len(x) for x in ours} else 'another count'})"
+        ok, n = theirs in ours, len(theirs)
+        seen = f"{n} tokens" + (" (other ids)" if n in {len(x) for x in ours} else "")
     if not ok:
         raise EyasError(f"{server.option} {server.url}: its tokenizer splits a probe text into {seen}, --target's into "
                         f"{len(ours[0])}: the server serves another model or tokenizer than --target "
