@@ -292,11 +292,19 @@ def test_bad_servers_are_refused_in_one_line_before_any_run(case, servers, tiny_
     assert all(servers[k].generate_calls - calls[k] <= 1 for k in servers)
 
 
-def test_allow_no_draft_measures_a_server_without_one(servers, tiny_target_dir, prompts, tmp_path):
-    code, s, err = bench("--url", servers["base"].url, "--allow-no-draft", "--target", str(tiny_target_dir),
-                         "--prompts", str(prompts), "--limit", "1", "--max-new-tokens", "3", "--concurrency", "1",
-                         "--out", str(tmp_path / "out"))
+def test_allow_no_draft_measures_a_server_without_one_and_overwrite_keeps_the_users_files(servers, tiny_target_dir,
+                                                                                          prompts, tmp_path):
+    out = tmp_path / "out"
+    args = ("--url", servers["base"].url, "--allow-no-draft", "--target", str(tiny_target_dir), "--prompts",
+            str(prompts), "--limit", "1", "--max-new-tokens", "3", "--concurrency", "1", "--out", str(out))
+    code, s, err = bench(*args)
     assert code == 0, err
     r = s["runs"]["c1"]
     assert r["accept_length"] is None and r["requests"] == 2 and r["completion_tokens"] == 6
     assert "speedup" not in r
+    (out / "notes.txt").write_text("mine")
+    code, _, err = bench(*args)
+    assert code == 2 and "already exists" in err[0] and "--overwrite" in err[0]
+    code, _, err = bench(*args, "--overwrite")
+    assert code == 0, err
+    assert (out / "notes.txt").read_text() == "mine" and (out / "summary.json").is_file()
