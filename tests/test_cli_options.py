@@ -22,6 +22,7 @@ CONVERTED = {  # command -> its config class
     "export": "eyas.pipeline:ExportOptions",
     "capture": "eyas.capture.run:CaptureSettings",
     "generate": "eyas.specdec.generate_run:GenerateConfig",
+    "bench-serve": "eyas.serve_bench:BenchServeConfig",
 }
 
 

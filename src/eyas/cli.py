@@ -45,6 +45,7 @@ COMMANDS = [
     ("train", "train", "train"),
     ("eval", "evaluate", "evaluate"),
     ("generate", "generate", "generate"),
+    ("bench-serve", "bench_serve", "bench_serve"),
     ("export", "export", "export"),
     ("demo", "demo", "demo"),
     ("pipeline", "pipeline", "pipeline"),

@@ -231,6 +231,7 @@ OUTPUT_ENTRIES: dict[str, tuple[str, ...]] = {
     "checkpoints": ("step-*.safetensors",),
     "drafter": ("config.json", "model.safetensors"),
     "eval": ("report.json", "report.md", "acceptance.png", "sequences.jsonl"),
+    "bench-serve": ("summary.json", "report.md", "throughput.png", "turns.jsonl", "results.jsonl"),
     "export": ("config.json", "model.safetensors", "eyas_export.json"),
     "exports": ("sglang/export", "vllm/export"),
     "regenerate": ("chats.jsonl", "done.jsonl", "meta.json"),

@@ -4,12 +4,17 @@ No machine of ours can run SGLang (CI has no GPU; the GPU image's Python/torch d
 wheels), so the client and `eyas verify-server` are tested against this local HTTP server. It
 implements the parts of SGLang's contract the client relies on:
 
-- `POST /generate` with `input_ids`, `rid`, `sampling_params.max_new_tokens`, `cache_salt`,
-  `return_logprob` + `logprob_start_len`; the answer's `meta_info` has `prompt_tokens`,
-  `cached_tokens`, `completion_tokens`; the one new token is the real model's argmax;
+- `POST /generate` with `input_ids` (or `text`, tokenized with the target's tokenizer), `rid`,
+  `sampling_params.max_new_tokens` / `temperature` (greedy only) / `stop_token_ids` / `ignore_eos`,
+  `cache_salt`, `return_logprob` + `logprob_start_len`; the answer's `output_ids` are the real model's
+  greedy continuation (the first token from the scheduled prefill, the rest decoded per request; the
+  EOS or stop token that ended it is kept) and its `meta_info` has `prompt_tokens`, `cached_tokens`,
+  `completion_tokens`, `finish_reason`, and with `draft_accept_length` set, `spec_verify_ct`;
 - `GET /server_info` (or only the older `/get_server_info`, `legacy_info_path=True`) with
   `disable_radix_cache`, `chunked_prefill_size`, `version`, ... and `internal_states[0]` carrying
-  the plugin's `eyas_capture` status (absent with `plugin=False`);
+  the plugin's `eyas_capture` status (absent with `plugin=False`); with `draft_accept_length` set it
+  pretends a draft model runs (`speculative_algorithm` EAGLE3, `speculative_num_steps`, ...,
+  and a cumulative `avg_spec_accept_length` in `internal_states[0]`), for `eyas bench-serve`;
 - a scheduler thread that batches requests into EXTEND forwards under a token budget, splits long
   prompts into chunks (chunked prefill) interleaved with other requests, pads the packed rows to a
   bucket (as CUDA graphs do), and optionally keeps a radix cache: a new prompt's longest common
@@ -40,6 +45,7 @@ import contextlib
 import enum
 import inspect
 import json
+import math
 import queue
 import threading
 import time
@@ -101,6 +107,11 @@ class StandinConfig:
     server_args: dict[str, Any] = field(default_factory=dict)
     """More ServerArgs fields the plugin's start-up check sees (it refuses some: then the stand-in does
     not start, as a real server would not)."""
+    draft_accept_length: float | None = None
+    """Pretend a draft model runs with this accept length: each answer reports spec_verify_ct =
+    ceil(completion_tokens / this), and server info the speculative settings (the plugin is not shown them)."""
+    tokenizer: str | Path | None = None
+    """Tokenizer of `text` prompts; None = the target's (another one plays a server serving another model)."""
 
 
 class ForwardMode(enum.IntEnum):
@@ -280,6 +291,8 @@ class StandinServer:
         self.queue: queue.Queue[_Req] = queue.Queue()
         self.forwards: list[dict[str, Any]] = []  # (rids, prefix, lens) of each forward, for tests
         self.generate_calls = 0
+        self.spec_totals = [0, 0]  # completion tokens and verify rounds of every answer (draft_accept_length)
+        self._tokenizer = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self.httpd = ThreadingHTTPServer((host, port), self._handler())
@@ -356,7 +369,18 @@ class StandinServer:
             "enable_two_batch_overlap": cfg.enable_two_batch_overlap, "page_size": 1,
             "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
             "speculative_algorithm": cfg.speculative_algorithm, "internal_states": [state],
-        }
+        } | self._speculative_info(state)
+
+    def _speculative_info(self, state: dict[str, Any]) -> dict[str, Any]:
+        """SGLang's speculative ServerArgs and the cumulative accept length, when a draft is pretended."""
+        if self.cfg.draft_accept_length is None:
+            return {}
+        with self._lock:
+            tokens, rounds = self.spec_totals
+        state["avg_spec_accept_length"] = tokens / rounds if rounds else 0.0
+        return {"speculative_algorithm": self.cfg.speculative_algorithm or "EAGLE3",
+                "speculative_draft_model_path": "standin-draft", "speculative_num_steps": 3,
+                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
 
     # -- HTTP
 
@@ -402,8 +426,17 @@ class StandinServer:
 
         return Handler
 
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.cfg.tokenizer or self.cfg.target)
+        return self._tokenizer
+
     def generate(self, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
         ids = body.get("input_ids")
+        if ids is None and isinstance(body.get("text"), str):  # SGLang tokenizes with add_special_tokens
+            ids = self.tokenizer().encode(body["text"])
         if not isinstance(ids, list) or not ids or not all(isinstance(t, int) for t in ids):
             return 400, {"error": "input_ids: expected a non-empty list of ints (text prompts are not supported here)"}
         vocab = int(self.model.config.vocab_size)
@@ -414,14 +447,55 @@ class StandinServer:
             return 400, {"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's context "
                                               f"length ({limit} tokens)."}}
         sp = body.get("sampling_params") or {}
-        if int(sp.get("max_new_tokens", 1)) != 1:
-            return 400, {"error": "the stand-in serves max_new_tokens 1 only"}
+        max_new = int(sp.get("max_new_tokens", 1))
+        if max_new < 1 or float(sp.get("temperature", 0.0)) != 0.0:
+            return 400, {"error": "the stand-in serves greedy answers (temperature 0) of max_new_tokens >= 1 only"}
         logprob_start = int(body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
         req = _Req(rid=str(body.get("rid") or uuid.uuid4().hex), ids=ids, salt=body.get("cache_salt"),
                    logprob_start=logprob_start if logprob_start is not None and logprob_start >= 0 else None)
         self.queue.put(req)
         req.done.wait()
-        return 200, req.result
+        result = req.result
+        if "output_ids" in (result or {}):
+            stop = set() if sp.get("ignore_eos") else self._eos_ids()
+            stop |= {int(t) for t in sp.get("stop_token_ids") or []}
+            out = self._decode(ids, result["output_ids"][0], max_new, stop)
+            meta = result["meta_info"]
+            meta["completion_tokens"] = len(out)
+            meta["finish_reason"] = ({"type": "stop", "matched": out[-1]} if out[-1] in stop
+                                     else {"type": "length", "length": len(out)})
+            if self.cfg.draft_accept_length is not None:
+                meta["spec_verify_ct"] = math.ceil(len(out) / self.cfg.draft_accept_length)
+                with self._lock:
+                    self.spec_totals[0] += len(out)
+                    self.spec_totals[1] += meta["spec_verify_ct"]
+            result["output_ids"] = out
+            if body.get("text") is not None:
+                result["text"] = self.tokenizer().decode(out, skip_special_tokens=True)
+        return 200, result
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for src in (self.model.config, getattr(self.model, "generation_config", None)):
+            e = getattr(src, "eos_token_id", None)
+            ids |= set() if e is None else {int(e)} if isinstance(e, int) else {int(x) for x in e}
+        return ids
+
+    @torch.no_grad()
+    def _decode(self, ids: list[int], first: int, max_new: int, stop: set[int]) -> list[int]:
+        """The greedy continuation after the prefill's token `first` (Hugging Face generate, batch 1: the same ids
+        whatever else is in flight), ending after a stop token (kept) or at max_new tokens."""
+        from transformers import GenerationConfig
+
+        if max_new == 1 or first in stop:
+            return [first]
+        config = GenerationConfig(max_new_tokens=max_new - 1, min_new_tokens=0, do_sample=False, num_beams=1,
+                                  eos_token_id=sorted(stop) or None, pad_token_id=min(stop) if stop else 0)
+        seq = torch.tensor([ids + [first]])
+        more = self.model.generate(input_ids=seq, attention_mask=torch.ones_like(seq),
+                                   generation_config=config)[0, seq.shape[1]:].tolist()
+        cut = next((j + 1 for j, t in enumerate(more) if t in stop), len(more))
+        return [first] + more[:cut]
 
     # -- scheduler
 
