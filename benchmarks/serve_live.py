@@ -286,6 +286,9 @@ def sweep(a) -> None:
         return
     env = eyas_env()
     export = W / "export" / "sglang"
+    while not (Q / "recipe.rc").exists() and (Q / "recipe.log").exists():  # started with the recipe still running
+        time.sleep(5)
+    log(f"recipe finished (exit {(Q / 'recipe.rc').read_text().strip() if (Q / 'recipe.rc').exists() else '?'})")
     results = {"settings": {}, "limit": a.limit}
     evdir = Q / "eval-export"
     res = sh([sys.executable, "-m", "eyas", "eval", "--drafter", export, "--target", SMOL, "--prompts",
