@@ -278,18 +278,50 @@ def collect() -> None:
 # ----------------------------------------------------------------------------- device: the sweep
 
 
+def snapshot(results: dict, env: dict) -> Path:
+    """Stop the recipe (its processes), take the newest checkpoint's drafter weights and export them."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    subprocess.run(["pkill", "-TERM", "-f", "eyas pipeline"], check=False)
+    time.sleep(15)
+    subprocess.run(["pkill", "-KILL", "-f", "eyas pipeline"], check=False)
+    ckpt = sorted((W / "train" / "checkpoints").glob("step-*.safetensors"))[-1]
+    prefix = "s.model.drafter."
+    with safe_open(str(ckpt), "pt") as f:
+        weights = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+    cfg = json.loads((S / "tiny-config.json").read_text())
+    d = cfg["drafter"]
+    d["draft_vocab_size"] = int(weights["lm_head.weight"].shape[0])
+    d["intermediate_size"] = int(weights["midlayer.mlp.gate_proj.weight"].shape[0])
+    cfg["target"] = {"path": str(SMOL)}
+    cfg["training"] = {"snapshot_of": str(ckpt), "note": "the recipe stopped at this checkpoint"}
+    out = W / "snap" / "drafter"
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    exp = W / "snap" / "export-sglang"
+    sh([sys.executable, "-m", "eyas", "export", "--drafter", out, "--format", "sglang", "--out", exp,
+        "--weights-dtype", "bfloat16", "--overwrite"], env=env)
+    results["snapshot"] = {"checkpoint": ckpt.name, "export": str(exp)}
+    log(f"snapshot of {ckpt.name} exported to {exp}")
+    return exp
+
+
 def sweep(a) -> None:
     if a.detach:
         args = [sys.executable, __file__, "sweep", "--limit", str(a.limit), "--settings", a.settings,
-                "--regen-limit", str(a.regen_limit), "--concurrency", a.concurrency]
+                "--regen-limit", str(a.regen_limit), "--concurrency", a.concurrency] + (["--snapshot"] if a.snapshot else [])
         detached("sweep", args)
         return
     env = eyas_env()
     export = W / "export" / "sglang"
-    while not (Q / "recipe.rc").exists() and (Q / "recipe.log").exists():  # started with the recipe still running
-        time.sleep(5)
-    log(f"recipe finished (exit {(Q / 'recipe.rc').read_text().strip() if (Q / 'recipe.rc').exists() else '?'})")
     results = {"settings": {}, "limit": a.limit}
+    if a.snapshot:  # the recipe's newest checkpoint, the recipe stopped: its drafter exported as it is
+        export = snapshot(results, env)
+    else:
+        while not (Q / "recipe.rc").exists() and (Q / "recipe.log").exists():  # started with the recipe running
+            time.sleep(5)
     evdir = Q / "eval-export"
     res = sh([sys.executable, "-m", "eyas", "eval", "--drafter", export, "--target", SMOL, "--prompts",
               S / "question.jsonl", "--limit", str(a.limit), "--chain-k", "7", "--tree-depth", "0", "--out", evdir,
@@ -363,6 +395,7 @@ def main() -> None:
     sw.add_argument("--settings", default=",".join(SETTINGS))
     sw.add_argument("--concurrency", default="1,16")
     sw.add_argument("--regen-limit", type=int, default=2000)
+    sw.add_argument("--snapshot", action="store_true", help="stop the recipe and serve its newest checkpoint")
     a = ap.parse_args()
     {"stage": stage, "a": phase_a, "b": phase_b, "install": install, "wait": wait, "sweep": sweep}[a.phase](a)
 
