@@ -139,7 +139,8 @@ def phase_b(a) -> None:
         detached("recipe", [sys.executable, "-m", "eyas", "pipeline", REPO / "recipes" / "smollm2-gpu.toml",
                             "--workdir", W, "--set", f'target="{SMOL}"',
                             "--set", f'regenerate.source="{S}/chats_all.jsonl"',
-                            "--set", f'eval.prompts="{S}/question.jsonl"'])
+                            "--set", f'eval.prompts="{S}/question.jsonl"',
+                            *[x for kv in a.recipe_set for x in ("--set", kv)]])
     print(json.dumps({"phase": "b", "target": str(SMOL), "recipe_started": not a.no_recipe}))
 
 
@@ -382,6 +383,7 @@ def main() -> None:
     sub.add_parser("a")
     b = sub.add_parser("b")
     b.add_argument("--no-recipe", action="store_true")
+    b.add_argument("--recipe-set", action="append", default=[], help="section.key=value for the recipe (repeatable)")
     i = sub.add_parser("install")
     i.add_argument("--no-smoke", action="store_true")
     w = sub.add_parser("wait")
