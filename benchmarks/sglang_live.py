@@ -115,8 +115,8 @@ NO_DEPS = ["xgrammar", "compressed-tensors", "torchao", "accelerate", "outlines=
            # CUTLASS DSL libraries the run did without)
            "cuda-tile", "nccl4py", "nvidia-cudnn-frontend",
            # the speculative (EAGLE-3) worker's imports at sglang 0.5.17's pins: its CUDA-graph capture imports the
-           # attention backends, one of which imports deep_gemm at module level; kernels needs tomlkit
-           "sgl-deep-gemm==0.1.5.post1", "humming-kernels==0.1.10", "kernels==0.14.1", "quack-kernels==0.6.5",
+           # attention backends, one of which imports deep_gemm at module level
+           "sgl-deep-gemm==0.1.5.post1", "humming-kernels==0.1.10", "quack-kernels==0.6.5",
            "tomlkit"]
 # The Python packages the H200 image ('cuda') already holds, as /work/.library/device/KINDS.md lists them
 # (read on a machine on 2026-11-17). A wheel of one of these is not staged (the venv is made with
@@ -567,6 +567,8 @@ def run(a) -> None:
         for w in sorted(wheels.glob("*.whl")):
             if w.name.startswith("sglang-") and not w.name.startswith("sglang-kernel"):
                 continue
+            if w.name.startswith("kernels-"):  # its setuptools entry point imports kernels_data (not staged), which
+                continue  # breaks `pip install -e` of eyas below; the speculative path ran without it
             sh(pipi + [str(w)], check=False, env=env)  # one at a time: a wheel for another Python is reported, not fatal
         extra = sorted((REPO / "runs" / "sglang_stage" / "extra").glob("*.whl"))
         if extra:  # wheels carried beside the parts (a package a stage made with an older LIGHT lacks)
