@@ -42,6 +42,7 @@ S, SMOL, W, Q = ROOT / "s", ROOT / "smol", ROOT / "recipe", ROOT / "q"
 VPY = ROOT / "venv" / "bin" / "python"
 STAGE_A, STAGE_B, STAGE_C = (REPO / ".stage" / f"serve-{x}" for x in "abc")
 BASE_PORT, SPEC_PORT = 30001, 30000
+WAIT_SNAPSHOT_S = 240  # --snapshot: the longest wait for the recipe's first checkpoint
 # chain settings first (the eval comparison is on 7/1/8), then trees SGLang accepts
 SETTINGS = ["7/1/8", "3/1/4", "5/4/8", "5/1/6", "6/8/32"]
 
@@ -284,6 +285,9 @@ def snapshot(results: dict, env: dict) -> Path:
     from safetensors import safe_open
     from safetensors.torch import save_file
 
+    t0 = time.time()
+    while time.time() - t0 < WAIT_SNAPSHOT_S and not list((W / "train" / "checkpoints").glob("step-*.safetensors")):
+        time.sleep(5)
     subprocess.run(["pkill", "-TERM", "-f", "eyas pipeline"], check=False)
     time.sleep(15)
     subprocess.run(["pkill", "-KILL", "-f", "eyas pipeline"], check=False)
