@@ -362,6 +362,7 @@ print("finished", len(seen))
 """
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compile workers build Triton kernels)")
 def test_a_compile_after_a_process_group_sigterm_finishes(tmp_path):
     """The hang start_compile_workers_shielded prevents, with torch inductor's real compile workers: once they are
