@@ -9,7 +9,7 @@ forwards, padding rows), with tensors on the GPU as the plugin sees them:
   client    read_dump + check_sample + delete, as capture_from_sglang does per sample
 
 Compare the tokens/s with the target's plain forward rate (34.7K tokens/s for the 8B shape on one
-H200 in benchmarks/RESULTS.md, from benchmarks/capture_bench.py): a stage much faster costs little.
+H200 in lab/archive/RESULTS.md, from benchmarks/capture_bench.py): a stage much faster costs little.
 
 GPU:  PYTHONPATH=src python benchmarks/sglang_plugin_overhead.py            (8B shape, ~1 min)
 CPU:  PYTHONPATH=src python benchmarks/sglang_plugin_overhead.py --small

@@ -11,33 +11,25 @@ grad clipping, fused AdamW, the LR scheduler and the per-step statistics read ba
 the earlier padded path with materialised teacher probabilities (`reference`), the other setting of
 TTTConfig.cast_once than the default picks for the shape (`eyas-per-step-casts`: every TTT step casts the mid
 layer's weights itself and autograd sums their gradients; `eyas-cast-once`: weights cast once a forward, autograd
-summing the steps' gradients), `eyas-grouped-diagonals` (the TTT attention's diagonal keys merged per key/value head
-for the query heads sharing it, ttt.GROUPED_DIAGONALS, instead of repeated to every query head),
-`eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's product, as before
-ttt.addmm_fp32_), `eyas-repeated-keys` (step 0's keys repeated to every query head instead of read by the varlen
-flash kernel's grouped-query mode, packing.GQA_FLASH off), `eyas-stats-every-step` (the statistics read at the end of
-each step instead of one step late, train/loop.py's DEFER_STATS off: what a per-step wait for the GPU costs),
+summing the steps' gradients),
+`eyas-head-grad-copies` (the head's weight gradient summed through an fp32 copy of each chunk's product: kernel
+addmm_fp32 off), `eyas-repeated-keys` (step 0's keys repeated to every query head instead of read by the varlen
+flash kernel's grouped-query mode: kernel gqa_flash off), `eyas-stats-every-step` (the statistics read at the end of
+each step instead of one step late: what a per-step wait for the GPU costs),
 `eyas-stats-late-on-device` (read one step late but from the device tensors, which waits for the step queued after
 them too: the loop before its pinned host copies, train/data.py HostCopies),
-`eyas-all-positions` (every position through every TTT step, ttt.PRUNE_ROWS off: the synthetic rows' first tenth
-carries no loss), `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), `eyas-muon`
-(`--optimizer muon`), `eyas-rank-pass` (the reachability test in a compiled pass of its own, not counted in the CE
-kernel: ttt.FUSED_TOP_RANK off), `eyas-kernel-lse` (the teacher's log-sum-exp made by the CE kernel in its first pass,
-which then reads the teacher's logits too, instead of once a step with the kept table: ttt.TEACHER_LSE off),
-`eyas-triton-merge` (the attention's merge of the diagonal keys as two Triton kernels: ttt.TRITON_MERGE on),
-`eyas-torch-stats` (the kept teacher table's maximum and log-sum-exp by a compiled torch reduction, not the Triton
-kernel: ttt.TEACHER_STATS_KERNEL off),
+`eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), `eyas-muon`
+(`--optimizer muon`), `eyas-torch-ce` (the head loss's compiled torch cross-entropy, not the fused kernel: kernel ce
+off), `eyas-torch-stats` (the kept teacher table's maximum and log-sum-exp by a compiled torch reduction, not the
+Triton kernel: kernel teacher_stats off),
 and SpecForge 0.2.0's own trainer on the same configuration when it is importable (benchmarks/specforge_peer.py).
 Metrics: train_8b_tok_s, train_8b_vs_specforge (both of the default options: the ratio of the medians),
 train_8b_vs_specforge_paired (the median of the per-round ratios), train_8b_per_step_casts_vs_specforge.
 On CUDA the variants are timed in turns (--rounds, default 5 rounds of --steps steps each, every variant built and
 resident first) and each one's median round is reported with its spread and, for eyas's steps, the host's median
 wait for the GPU in a step (`wait ms`; well above 0: the GPU bounds the step; near 0 says nothing by itself, see
-`wait ms` under --suite smol): one after another,
-the same code measured up to 13% apart within a call (a profile on 2026-12-01 found the step's host time above its
-GPU time). No variant prunes unreachable positions (ttt.PRUNE_UNREACHED): a random drafter reaches almost nothing
-past step 0, which would flatter it; its rate comes from real training (benchmarks/specforge_side_by_side.py
---eyas-variant).
+`wait ms` under --suite smol): one after another, the same code measures noticeably apart within a call (the step's
+host time can exceed its GPU time).
 
 `--suite smol --target DIR --data PREPARED [--data PREPARED ...]`: the real `eyas train` (online,
 the SmolLM2-135M target in the loop, TTT 7, draft vocab 32000) on prepared chats, for each
@@ -71,6 +63,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -147,7 +140,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
                    host_copies: bool = True, optimizer: str = "adamw"):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are copied to pinned host memory behind it and read after the NEXT step is
-    queued, as the loop does with DEFER_STATS (None: the loop's setting); else at the step's end, which waits for the
+    queued, as the loop does (None: as the loop); else at the step's end, which waits for the
     GPU. `host_copies` False: the deferred statistics read from the device instead, which waits for the next step too
     (the loop before HostCopies). No other wait in a step: its per-step denominators go through pinned memory, as
     the loop's. `align_topk`: TrainConfig's (None: its default, as `eyas train`). The step's `waited` holds the
@@ -159,11 +152,10 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     from eyas.drafter.ttt import TTTConfig
     from eyas.packing import to_device
     from eyas.train.data import AheadUploader, HostCopies, Item, _packed_to, pack_tokens, PackedBatch
-    from eyas.train import loop
     from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
     from eyas.train.optim import make_optimizer
 
-    defer_stats = loop.DEFER_STATS if defer_stats is None else defer_stats
+    defer_stats = True if defer_stats is None else defer_stats
     if align_topk is None:
         align_topk = TrainConfig.__dataclass_fields__["align_topk"].default
 
@@ -243,49 +235,35 @@ def patched(step, patcher):
     return run
 
 
-FLAG_MODULES = {"ttt": "eyas.drafter.ttt", "packing": "eyas.packing", "loop": "eyas.train.loop"}
+def kernel_setting(spec: str) -> tuple[str, str]:
+    """NAME[=0|1|on|off] (NAME a kernel of eyas.kernels) -> (NAME, 'on' or 'off')."""
+    from eyas import kernels
 
-
-def flag_setting(name: str, kind: type = bool):
-    """MODULE.NAME (MODULE a key of FLAG_MODULES) -> (the eyas module, NAME), NAME one of its boolean settings (or,
-    with kind int, one of its whole-number settings)."""
-    import importlib
-
-    mod, _, attr = name.partition(".")
-    if mod not in FLAG_MODULES:
-        raise SystemExit(f"--flag {name!r}: expected MODULE.NAME, MODULE one of {', '.join(FLAG_MODULES)}")
-    module = importlib.import_module(FLAG_MODULES[mod])
-    value = getattr(module, attr, None)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        what = "boolean" if kind is bool else "whole-number"
-        raise SystemExit(f"--flag {name!r}: {FLAG_MODULES[mod]} has no {what} setting {attr!r}")
-    return module, attr
+    name, _, value = spec.partition("=")
+    mode = {"": "on", "1": "on", "on": "on", "0": "off", "off": "off"}.get(value.lower())
+    if name not in kernels.names() or mode is None:
+        raise SystemExit(f"--flag {spec!r}: expected KERNEL[=on|off], KERNEL one of {', '.join(kernels.names())} "
+                         "(eyas's module settings were removed: lab/LOG.md)")
+    return name, mode
 
 
 def set_flag(spec: str) -> None:
-    """--flag MODULE.NAME[=0]: set a boolean module setting of eyas (the smol suite's real `eyas train`);
-    MODULE.NAME=N (N a whole number other than 0 and 1) sets a whole-number one, e.g. loop.HEAD_CHUNK_ROWS=32768."""
-    name, _, value = spec.partition("=")
-    if value in ("", "0", "1"):
-        setattr(*flag_setting(name), value != "0")
-    elif value.isdigit():
-        setattr(*flag_setting(name, int), int(value))
-    else:
-        raise SystemExit(f"--flag {spec!r}: expected MODULE.NAME, MODULE.NAME=0 or MODULE.NAME=N (a whole number)")
+    """--flag KERNEL[=0|off]: force a kernel of eyas.kernels on (or off) for this process (EYAS_KERNELS)."""
+    name, mode = kernel_setting(spec)
+    os.environ[kernels_env()] = ",".join(filter(None, [os.environ.get(kernels_env(), ""), f"{name}:{mode}"]))
 
 
-def with_flag(step, name: str, value: bool):
-    """`step` with one boolean module setting (MODULE.NAME, as --flag) changed while it runs: the default path's
-    variants (e.g. ttt.GROUPED_DIAGONALS on, packing.GQA_FLASH off)."""
-    return patched(step, mock.patch.object(*flag_setting(name), value))
+def kernels_env() -> str:
+    from eyas import kernels
+
+    return kernels.ENV
 
 
-def head_grad_copies(step, device):
-    """The head's weight gradient summed through fp32 copies of each product (the path before `ttt.addmm_fp32_`
-    summed it inside the matmul)."""
-    import eyas.drafter.ttt as ttt
-
-    return patched(step, mock.patch.dict(ttt._ADDMM_FP32, {(device.type, torch.bfloat16): False}))
+def with_kernel(step, name: str, mode: str):
+    """`step` with one kernel of eyas.kernels forced on or off while it runs (EYAS_KERNELS), e.g. gqa_flash off."""
+    kernel_setting(f"{name}={mode}")
+    value = ",".join(filter(None, [os.environ.get(kernels_env(), ""), f"{name}:{mode}"]))
+    return patched(step, mock.patch.dict(os.environ, {kernels_env(): value}))
 
 
 def make_reference_step(c: dict, *, B: int, T: int, K: int, device, seed: int = 0):
@@ -478,39 +456,21 @@ def suite_8b(args, dist) -> dict:
         variants += [
             ("eyas-cast-once" if other else "eyas-per-step-casts",
              lambda: make_fast_step(**fast, compile_parts=True, cast_once=other)),
-            # the diagonal keys merged per key/value head
-            ("eyas-grouped-diagonals", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
-                                                         "ttt.GROUPED_DIAGONALS", True)),
-            ("eyas-head-grad-copies", lambda: head_grad_copies(make_fast_step(**fast, compile_parts=True), device)),
+            ("eyas-head-grad-copies", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "addmm_fp32",
+                                                          "off")),
             # step 0's keys repeated to every query head, not read by the flash kernel's grouped-query mode
-            ("eyas-repeated-keys", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "packing.GQA_FLASH",
-                                                     False)),
+            ("eyas-repeated-keys", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "gqa_flash", "off")),
             ("eyas-stats-every-step", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=False)),
             # read one step late from the device: the read waits for the step queued after them (before HostCopies)
             ("eyas-stats-late-on-device", lambda: make_fast_step(**fast, compile_parts=True, host_copies=False)),
             ("eyas-no-align", lambda: make_fast_step(**fast, compile_parts=True, align_topk=0)),
             # Muon for fc and the decoder layer's matrices (its Newton-Schulz iterations' cost at this shape)
             ("eyas-muon", lambda: make_fast_step(**fast, compile_parts=True, optimizer="muon")),
-            # the reachability test in a compiled pass of its own (the default counts it inside the fused CE kernel)
-            ("eyas-rank-pass", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.FUSED_TOP_RANK",
-                                                 False)),
-            # the teacher's log-sum-exp made in the CE kernel's first pass (the default: once a step with the table)
-            ("eyas-kernel-lse", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.TEACHER_LSE",
-                                                  False)),
-            # the attention's merge of the diagonal keys as two Triton kernels (the default: compiled torch)
-            ("eyas-triton-merge", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.TRITON_MERGE",
-                                                    True)),
+            # the head loss's cross-entropy by compiled torch (the default: the fused Triton kernel)
+            ("eyas-torch-ce", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "ce", "off")),
             # the kept teacher table's row statistics by a compiled torch reduction (the default: one Triton kernel)
-            ("eyas-torch-stats", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
-                                                   "ttt.TEACHER_STATS_KERNEL", False)),
-            # every position through every TTT step, the loss-free ones (the first tenth of the row here) too
-            ("eyas-all-positions", lambda: with_flag(make_fast_step(**fast, compile_parts=True), "ttt.PRUNE_ROWS",
-                                                     False))]
-        from eyas.train.loop import teacher_cache_bytes
-
-        if B * T * c["draft_vocab_size"] * 2 > teacher_cache_bytes(device):  # the teacher recomputed (not kept)
-            variants.append(("eyas-teacher-per-step", lambda: with_flag(make_fast_step(**fast, compile_parts=True),
-                                                                        "ttt.TEACHER_ONCE", False)))
+            ("eyas-torch-stats", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "teacher_stats",
+                                                     "off"))]
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
     if W == 1 and not args.no_reference:
@@ -545,9 +505,10 @@ def suite_8b(args, dist) -> dict:
             _try(label, runs, lambda label=label, make=make: measure(make(), warmup=warmup, steps=steps, label=label,
                                                                      **kw))
     if device.type == "cuda":
-        import eyas.drafter.ttt as ttt
+        from eyas import kernels
 
-        result["head_grad_in_matmul"] = ttt._ADDMM_FP32.get((device.type, torch.bfloat16))
+        why = kernels.checked().get(("addmm_fp32", device.type, torch.bfloat16), "not checked")
+        result["head_grad_in_matmul"] = why is None
         log(f"head weight gradient summed inside the matmul: {result['head_grad_in_matmul']}")
     _finish_runs(runs, fl, W)
     ours = [k for k in ("eyas", "eyas-no-compile") if "tokens_per_s" in runs.get(k, {})]
@@ -681,20 +642,22 @@ def _steady(metrics_file, skip: int) -> dict:
 
 def _loop_profile(args, cuda: bool):
     """With --profile: a torch profile of the real loop's steps --skip + 2 and + 3 (after one warm step), stepped
-    through `loop.STEP_END`; else None."""
+    through run(step_end=profiler_step(prof)); else None."""
     if not args.profile:
         return None
     from torch.profiler import ProfilerActivity, profile, schedule
-
-    from eyas.train import loop
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) \
         if getattr(args, "profile_stacks", False) else {}
     prof = profile(activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1),
                    **stacks)
-    loop.STEP_END = lambda step: prof.step()
     return prof
+
+
+def profiler_step(prof):
+    """run()'s step_end for a profile (None: none)."""
+    return None if prof is None else (lambda step: prof.step())
 
 
 def suite_smol(args) -> dict:
@@ -725,16 +688,14 @@ def suite_smol(args) -> dict:
                         torch.cuda.reset_peak_memory_stats()
                     prof = _loop_profile(args, cuda)
                     t0 = time.perf_counter()
-                    try:
-                        with prof or nullcontext():
-                            summary = run(TrainConfig(
-                                target=args.target, data=Path(data), out=work / label, steps=steps,
-                                tokens_per_batch=budget, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
-                                device=args.device or "cuda", eval_samples=8, compile=compiled,
-                                max_length=min(2048, budget), overwrite=True, lr=1e-4, optimizer=args.optimizer,
-                                cache_states=AUTO_ON_OFF[args.cache], ttt_cast_once=AUTO_ON_OFF[args.cast_once]))
-                    finally:
-                        loop.STEP_END = None
+                    with prof or nullcontext():
+                        summary = run(TrainConfig(
+                            target=args.target, data=Path(data), out=work / label, steps=steps,
+                            tokens_per_batch=budget, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
+                            device=args.device or "cuda", eval_samples=8, compile=compiled,
+                            max_length=min(2048, budget), overwrite=True, lr=1e-4, optimizer=args.optimizer,
+                            cache_states=AUTO_ON_OFF[args.cache], ttt_cast_once=AUTO_ON_OFF[args.cast_once]),
+                            step_end=profiler_step(prof))
                     if prof is not None:
                         print_profile(prof, torch.device("cuda" if cuda else "cpu"), args.profile)
                     r = _steady(work / label / "metrics.jsonl", args.skip)
@@ -812,9 +773,9 @@ def main() -> None:
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
     ap.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
                     help="smol: eyas train's --optimizer (default: its own, by the drafter's width)")
-    ap.add_argument("--flag", action="append", default=[], metavar="MODULE.NAME[=0]",
-                    help="smol: turn on (=0: off) a module setting of eyas for the run, MODULE one of "
-                         f"{', '.join(FLAG_MODULES)}, e.g. ttt.GROUPED_DIAGONALS, packing.COMPILED_LAYERS=0 (repeatable)")
+    ap.add_argument("--flag", action="append", default=[], metavar="KERNEL[=0]",
+                    help="smol: force a kernel of eyas.kernels on (=0: off) for the run, e.g. teacher_stats=0 "
+                         "(repeatable)")
     args = ap.parse_args()
     for spec in args.flag:
         set_flag(spec)

@@ -12,6 +12,16 @@ import pytest
 import torch
 
 
+@pytest.fixture(autouse=True)
+def _fresh_kernel_checks():
+    """Each test sees eyas.kernels' start-up checks afresh (a test may stand in a kernel or its check)."""
+    from eyas import kernels
+
+    kernels.forget()
+    yield
+    kernels.forget()
+
+
 @pytest.fixture
 def one_torch_thread():
     """Tiny matmuls on a 2-core machine: a second OpenMP thread only adds spin-wait stalls."""

@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from eyas import kernels
 from eyas.drafter import ce_kernel as CE
 from eyas.drafter import ttt
 from eyas.errors import EyasError
@@ -29,7 +30,7 @@ def _in_interpreter(call: str) -> str:
     with its output if the child failed."""
     env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
-    env.pop(ttt.CE_KERNEL_ENV, None)
+    env.pop(kernels.ENV, None)
     code = f"import tests.test_ce_kernel as t; t.{call}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
@@ -107,7 +108,7 @@ def check_kernel() -> None:
     torch.testing.assert_close(ce, (per_row * w).sum(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(g, (torch.softmax(s, -1) - p) * w[:, None], rtol=1e-5, atol=1e-7)
     # the head loss picks the kernel here (interpreter, check passed) and still equals the reference
-    ttt._CE_CHOICE.clear()
+    kernels.forget()
     assert ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32) is CE.fused_chunk_ce
     gen = torch.Generator().manual_seed(3)
     x, wv = torch.randn(10, 16, generator=gen), torch.randn(300, 16, generator=gen)
@@ -147,7 +148,7 @@ def check_indexed() -> None:
         print("indexed ok", i)
     # the head loss on a cached teacher table: the kernel gets the whole table and the row ids (no
     # gathered copy), and loss and gradients equal the plain fp32 reference
-    ttt._CE_CHOICE.clear()
+    kernels.forget()
     chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32)
     assert chosen is CE.fused_chunk_ce
     gen = torch.Generator().manual_seed(5)
@@ -164,8 +165,7 @@ def check_indexed() -> None:
         seen.append((t.data_ptr() == table.data_ptr() and t.shape == table.shape, t_rows))
         return chosen(s, t, w, top, t_rows=t_rows)
 
-    (key,) = ttt._CE_CHOICE  # (the key names the rank setting too)
-    ttt._CE_CHOICE[key] = spy
+    ttt.chunk_ce_for = lambda *a: spy  # (a child process: nothing to restore)
     tot, _ = ttt.head_soft_ce(x, wv, None, None, weight, topn, chunk_rows=4, teacher_logits=table, teacher_rows=rows)
     assert len(seen) == 3 and all(whole for whole, _ in seen), seen  # 11 rows in chunks of 4
     assert torch.equal(torch.cat([r for _, r in seen]), rows)
@@ -179,8 +179,8 @@ def check_indexed() -> None:
 
 
 def test_torch_fallback_gathers_teacher_rows(monkeypatch):
-    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
-    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "torch")
+    kernels.forget()
+    monkeypatch.setenv(kernels.ENV, "ce:off")
     chunk = ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32)
     s, _, w, top = _chunk(5, 40, torch.float32, torch.float32, seed=1)
     table = torch.randn(9, 40, generator=torch.Generator().manual_seed(2))
@@ -191,23 +191,23 @@ def test_torch_fallback_gathers_teacher_rows(monkeypatch):
 
 
 def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
-    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
-    monkeypatch.delenv(ttt.CE_KERNEL_ENV, raising=False)
+    kernels.forget()
+    monkeypatch.delenv(kernels.ENV, raising=False)
     cpu = torch.device("cpu")
     if CE.kernel_unavailable(cpu) is None:
         pytest.skip("TRITON_INTERPRET=1 in this process: the kernel runs on CPU here")
     assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is ttt._chunk_ce
-    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "triton")
-    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
-    with pytest.raises(EyasError, match="EYAS_CE_KERNEL=triton"):
+    monkeypatch.setenv(kernels.ENV, "ce:on")
+    kernels.forget()
+    with pytest.raises(EyasError, match="ce:on, but"):
         ttt.chunk_ce_for(cpu, torch.float32, torch.float32)
-    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "fast")
-    with pytest.raises(EyasError, match="expected auto, torch or triton"):
+    monkeypatch.setenv(kernels.ENV, "ce:fast")
+    with pytest.raises(EyasError, match="expected NAME:on"):
         ttt.chunk_ce_for(cpu, torch.float32, torch.float32)
 
 
 def test_forced_torch_skips_a_working_kernel(monkeypatch):
-    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+    kernels.forget()
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
     @ttt._gathering
     def kernel(s, t, w, top):  # a stand-in kernel that passes its check
@@ -216,11 +216,12 @@ def test_forced_torch_skips_a_working_kernel(monkeypatch):
     monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
     monkeypatch.setattr(ttt, "check_fused_chunk_ce", lambda *a, **k: None)
     cpu = torch.device("cpu")
-    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "auto")
+    monkeypatch.setenv(kernels.ENV, "ce:auto")
     assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is kernel
     assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is kernel  # decided once, then cached
-    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
-    monkeypatch.setenv(ttt.CE_KERNEL_ENV, "torch")
+    assert kernels.checked() == {("ce", "cpu", torch.float32, torch.float32): None}
+    kernels.forget()
+    monkeypatch.setenv(kernels.ENV, "ce:off")
     assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is ttt._chunk_ce
 
 
@@ -257,34 +258,35 @@ def _crashes_indexed(s, t, w, top, *, t_rows=None):
     return ttt._chunk_ce(s, t, w, top)
 
 
-def _ranks(off_by: int):
-    """A stand-in kernel with `rank_topk` whose top-K test uses K + off_by (0: right)."""
-    def kernel(s, t, w, top, *, t_rows=None, rank_topk=None):
-        out = ttt._chunk_ce(s, t if t_rows is None else t[t_rows], w, top)
+def _ranks(off_by: int, lse: bool = True):
+    """A stand-in kernel with `rank_topk` whose top-K test uses K + off_by (0: right), taking `t_lse` (unless not
+    `lse`)."""
+    def kernel(s, t, w, top, *, t_rows=None, rank_topk=None, **kw):
+        if kw and not lse:
+            raise TypeError(f"unexpected keyword {next(iter(kw))}")
+        t_lse = kw.get("t_lse")
+        at = torch.arange(s.shape[0]) if t_rows is None else t_rows
+        out = ttt._chunk_ce(s, t[at], w, top, None if t_lse is None else t_lse[at])
         return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk + off_by))
     return kernel
 
 
 @pytest.mark.parametrize("off_by, says", [(0, None), (1, "top-K test differs"), (-1, "top-K test differs")])
-def test_startup_check_tests_the_fused_rank_when_it_is_on(monkeypatch, off_by, says):
+def test_startup_check_tests_the_fused_rank(monkeypatch, off_by, says):
     monkeypatch.setattr(CE, "fused_chunk_ce", _ranks(off_by))
-    monkeypatch.setattr(ttt, "FUSED_TOP_RANK", True)
-    monkeypatch.setattr(ttt, "TEACHER_LSE", False)  # (this stand-in takes no t_lse; the lse's own test is below)
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
     why = ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000)
     assert why is None if says is None else (why is not None and says in why), why
-    monkeypatch.setattr(ttt, "FUSED_TOP_RANK", False)  # off: the kernel's rank is never asked for
-    assert ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000) is None
 
 
-@pytest.mark.parametrize("bad, says", [(ttt._gathering(ttt._chunk_ce), None), (_wrong_argmax, "hits differ"),
+@pytest.mark.parametrize("bad, says", [(_ranks(0), None), (_wrong_argmax, "hits differ"),
                                        (_wrong_grad, "gradient differs"), (_wrong_loss, "loss differs"),
                                        (_crashes, "failed: RuntimeError"), (_reads_row_n, "by index): "),
                                        (_crashes_indexed, "by index) failed: TypeError")])
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
     monkeypatch.setattr(CE, "fused_chunk_ce", bad)
-    monkeypatch.setattr(ttt, "FUSED_TOP_RANK", False)  # (these stand-ins have no rank; the test above checks it)
-    monkeypatch.setattr(ttt, "TEACHER_LSE", False)  # (nor a t_lse: test_startup_check_tests_the_teacher_lse_...)
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
     why = ttt.check_fused_chunk_ce(torch.device("cpu"), *dtypes, rows=8, vocab=2000)
     if says is None:
         assert why is None  # the reference itself passes: the tolerances are not too tight
@@ -301,8 +303,8 @@ def test_top_rank_counted_in_the_kernel_under_interpreter():
 def check_rank() -> None:
     """rank_topk: the kernel's fourth output equals `top_rank_below` (ties with the token's logit do not count
     against it; a token id past the row is clamped as the torch test clamps it), blocked and whole-row, with the
-    first three outputs unchanged; the head loss with ttt.FUSED_TOP_RANK picks it (its start-up check passes) and
-    gives the loss, gradients and hits of the separate test."""
+    first three outputs unchanged; the head loss picks it (its start-up check passes) and gives the loss, gradients
+    and hits of the torch fallback's separate test (EYAS_KERNELS=ce:off)."""
     cases = [(6, 700, torch.float32, 256, 3), (5, 777, torch.bfloat16, 256, 40), (4, 50, torch.float32, 64, 2),
              (5, 777, torch.bfloat16, 1024, 1)]
     for i, (c, V, sd, block, k) in enumerate(cases):
@@ -319,29 +321,29 @@ def check_rank() -> None:
     assert torch.equal(far, ttt.top_rank_below(s, torch.full_like(top, V + 5), k))
     x, W, f, wt, wn, top, tr, pos, lengths = _steps(11)
     N, topk = f.shape[0], 8
+    chunk_ce_for = ttt.chunk_ce_for
     got = {}
     for fused in (False, True):
-        ttt.FUSED_TOP_RANK = fused
-        ttt._CE_CHOICE.clear()
+        os.environ[kernels.ENV] = "ce:auto" if fused else "ce:off"
         chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32)
-        assert chosen is CE.fused_chunk_ce
+        assert (chosen is CE.fused_chunk_ce) == fused
         calls = []
 
         def spy(*a, **kw):
             calls.append("rank_topk" in kw)
             return chosen(*a, **kw)
 
-        (key,) = ttt._CE_CHOICE  # (the key names the rank when it is on: the check covered it)
-        assert ("rank" in key) == fused
-        ttt._CE_CHOICE[key] = spy
         real = CE.fused_chunk_ce
-        CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
+        ttt.chunk_ce_for = lambda *a: spy
+        if fused:
+            CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
         try:
             total, _, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5,
                                                      compute_dtype=torch.float32, align=(pos, N, topk),
                                                      teacher_rows=tr)
         finally:
             CE.fused_chunk_ce = real
+            ttt.chunk_ce_for = chunk_ce_for
         assert calls and all(c == fused for c in calls), calls
         got[fused] = (total.detach(), hits, *torch.autograd.grad(total, [x, W]))
     (total_f, hits_f, gx_f, gw_f), (total_s, hits_s, gx_s, gw_s) = got[True], got[False]
@@ -407,34 +409,33 @@ def test_head_loss_with_teacher_lse_under_interpreter():
 
 
 def check_lse_head() -> None:
-    """ttt.TEACHER_LSE: the packed TTT loss on a kept teacher table (whose log-sum-exp `packed_teacher` makes) and the
-    head loss on a recomputed teacher's row groups give the loss, gradients and hits they give without it, both
-    with the reachability test counted in the kernel; the kernel (in 16-entry blocks) gets `t_lse` only when the flag
-    is on: the table's own, or the log-sum-exp of the group's logits it reads."""
+    """The packed TTT loss on a kept teacher table (whose log-sum-exp `packed_teacher` makes) and the head loss on a
+    recomputed teacher's row groups, through the kernel given `t_lse` (in 16-entry blocks, the reachability test
+    counted in it), give the loss, gradients and hits of the torch fallback (EYAS_KERNELS=ce:off); the kernel gets
+    the table's own log-sum-exp, or the log-sum-exp of the group's logits it reads."""
     import tests.test_train_packed as TP
     from tests.test_drafter_ttt import tiny_drafter
 
     cpu = torch.device("cpu")
     ids, seg, rows, _, aux, final, den, head, used, t2d = TP._packed_on(cpu, [9, 14, 21], K=4, seed=3)
     x, W, f, wt, wn, top, tr, pos, lengths = _steps(13)
-    real_kernel, real_flag = CE.fused_chunk_ce, ttt.TEACHER_LSE
+    real_kernel, real_choice = CE.fused_chunk_ce, ttt.chunk_ce_for
     got = {}
     try:
         for on in (False, True):
-            ttt.TEACHER_LSE = on
-            ttt._CE_CHOICE.clear()
+            os.environ[kernels.ENV] = "ce:auto" if on else "ce:off"
             CE.fused_chunk_ce = real_kernel
             chosen = ttt.chunk_ce_for(cpu, torch.float32, torch.float32)
-            assert chosen is real_kernel  # the start-up check passed (with the log-sum-exp cases when on)
-            (key,) = ttt._CE_CHOICE
-            assert (key[-1] == "lse") == on
+            assert (chosen is real_kernel) == on  # the start-up check passed (with the log-sum-exp cases)
             calls = []
 
             def spy(s, t, w, top_c, **kw):
                 calls.append((t, kw.get("t_lse")))
                 return chosen(s, t, w, top_c, block_v=16, **kw)
 
-            ttt._CE_CHOICE[key] = CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
+            if on:
+                CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
+                ttt.chunk_ce_for = lambda *a: spy
             m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=TP.V)
             m.set_vocab(used)
             pt = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7)
@@ -442,22 +443,19 @@ def check_lse_head() -> None:
             out = ttt.ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
                                       cfg=ttt.TTTConfig(steps=4, align_topk=8), denominators=den, chunk_rows=6)
             grads = torch.autograd.grad(out.loss, [p for p in m.parameters() if p.requires_grad])
-            assert calls and all(t is pt.logits_NV and (lse is pt.lse_N if on else lse is None) for t, lse in calls)
+            assert (len(calls) > 0) == on and all(t is pt.logits_NV and lse is pt.lse_N for t, lse in calls)
             packed = (out.loss.detach(), out.ce_sum, out.correct, *grads)
             calls.clear()
             total, per_step, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5,
                                                             compute_dtype=torch.float32, align=(pos, f.shape[0], 8),
                                                             teacher_rows=tr)
-            assert len(calls) >= 2 and all(t.shape[0] <= 5 for t, _ in calls)  # the groups' logits
-            if on:  # each group's log-sum-exp, one per row of its logits
-                for t, lse in calls:
-                    torch.testing.assert_close(lse, torch.logsumexp(t.float(), -1), rtol=1e-6, atol=1e-6)
-            else:
-                assert all(lse is None for _, lse in calls)
+            assert (len(calls) >= 2) == on and all(t.shape[0] <= 5 for t, _ in calls)  # the groups' logits
+            for t, lse in calls:  # each group's log-sum-exp, one per row of its logits
+                torch.testing.assert_close(lse, torch.logsumexp(t.float(), -1), rtol=1e-6, atol=1e-6)
             got[on] = (packed, (total.detach(), per_step, hits, *torch.autograd.grad(total, [x, W])))
     finally:
-        CE.fused_chunk_ce, ttt.TEACHER_LSE = real_kernel, real_flag
-        ttt._CE_CHOICE.clear()
+        CE.fused_chunk_ce, ttt.chunk_ce_for = real_kernel, real_choice
+        os.environ.pop(kernels.ENV, None)
     for (on, off), name in zip(zip(got[True], got[False]), ("packed loss", "groups")):
         assert torch.equal(on[2], off[2])  # the hits (packed: correct per step, as counts)
         assert float(off[0]) > 0
@@ -484,15 +482,14 @@ def _small_teacher(seed: int, dtype: torch.dtype = torch.float32):
     return teacher, final, head, used
 
 
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split, dtype):
-    """TEACHER_LSE: `packed_teacher` keeps the fp32 log-sum-exp of each row of the kept logits (made chunk by chunk,
+def test_packed_teacher_keeps_the_teacher_lse_for_the_kernel(monkeypatch, dtype):
+    """`packed_teacher` keeps the fp32 log-sum-exp of each row of the kept logits (made chunk by chunk,
     the last chunk partial), also for bf16 logits (whose bf16 log-sum-exp keeps 3 significant digits); none when the
-    table is not kept, the flag is off, or the fused kernel (its one reader) does not run on the device."""
+    table is not kept, the kernel is switched off (EYAS_KERNELS=ce:off), or the fused kernel (its one reader) does not
+    run on the device."""
     teacher, final, _, _ = _small_teacher(4, dtype)
-    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", split)
-    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
+    monkeypatch.delenv(kernels.ENV, raising=False)
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: "no kernel here")
     assert teacher().logits_NV is not None and teacher().lse_N is None
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as where the kernel runs
@@ -501,7 +498,7 @@ def test_packed_teacher_keeps_the_teacher_lse_under_the_flag(monkeypatch, split,
     torch.testing.assert_close(pt.lse_N, torch.logsumexp(pt.logits_NV.float(), -1), rtol=1e-6, atol=1e-6)
     assert float(pt.lse_N.std()) > 0.5  # rows that differ
     assert teacher(cache_bytes=0).lse_N is None  # not kept: recomputed per chunk, no table to go with it
-    monkeypatch.setattr(ttt, "TEACHER_LSE", False)
+    monkeypatch.setenv(kernels.ENV, "ce:off")
     plain = teacher()
     assert plain.lse_N is None
     # the same argmax flags and table with the log-sum-exp made beside them (the split path's one-read reduction)
@@ -523,28 +520,24 @@ def _with_lse(misuse: str | None):
 @pytest.mark.parametrize("kernel, says", [(_with_lse(None), None),
                                           (_with_lse("ignores"), "log-sum-exp moved by 0.5): loss differs"),
                                           (_with_lse("chunk row"), "by index, log-sum-exp given): loss differs"),
-                                          (_ranks(0), "log-sum-exp given) failed: TypeError")])
-def test_startup_check_tests_the_teacher_lse_when_it_is_on(monkeypatch, kernel, says):
+                                          (_ranks(0, lse=False), "log-sum-exp given) failed: TypeError")])
+def test_startup_check_tests_the_teacher_lse(monkeypatch, kernel, says):
     monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
-    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
+    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
     why = ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000)
     assert why is None if says is None else (why is not None and says in why), why
-    # the choice: the kernel where its check passed (under a key that names the log-sum-exp), else the torch version
-    monkeypatch.setattr(ttt, "_CE_CHOICE", {})
-    monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
-    monkeypatch.delenv(ttt.CE_KERNEL_ENV, raising=False)
+    # the choice: the kernel where its check passed, else the torch version
+    kernels.forget()
+    monkeypatch.delenv(kernels.ENV, raising=False)
     chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.bfloat16, torch.float32)
     assert chosen is kernel if says is None else chosen.__wrapped__ is ttt._chunk_ce
-    assert list(ttt._CE_CHOICE)[0][-1] == "lse"
-    monkeypatch.setattr(ttt, "TEACHER_LSE", False)  # off: the kernel is never given t_lse
-    assert ttt.check_fused_chunk_ce(torch.device("cpu"), torch.bfloat16, torch.float32, rows=8, vocab=2000) is None
+    assert list(kernels.checked()) == [("ce", "cpu", torch.bfloat16, torch.float32)]
 
 
 def test_head_loss_hands_the_teacher_lse_to_the_fused_kernel_only(monkeypatch):
-    """TEACHER_LSE, with a stand-in for the fused kernel (no triton needed): the table's head loss hands it the
+    """The teacher's log-sum-exp, with a stand-in for the fused kernel (no triton needed): the table's head loss hands it the
     table's log-sum-exp and each row group's head loss the log-sum-exp of the group's logits, with the loss the
     torch version gives (which is never handed one: it would fail on the keyword)."""
-    monkeypatch.setattr(ttt, "TEACHER_LSE", True)
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)
     calls = []
 
@@ -560,8 +553,8 @@ def test_head_loss_hands_the_teacher_lse_to_the_fused_kernel_only(monkeypatch):
     slices = sum(len(sl) for *_, sl in ttt.teacher_groups(tr, lengths, f.shape[0], 5))
     results = {}
     for want in ("auto", "torch"):
-        monkeypatch.setenv(ttt.CE_KERNEL_ENV, want)
-        monkeypatch.setattr(ttt, "_CE_CHOICE", {})
+        monkeypatch.setenv(kernels.ENV, "ce:auto" if want == "auto" else "ce:off")
+        kernels.forget()
         assert (ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32) is kernel) == (want == "auto")
         calls.clear()
         kept = ttt.head_soft_ce_ranges(x, W, None, None, wn, top, lengths, chunk_rows=5, teacher_logits=table,
@@ -585,7 +578,7 @@ def test_row_max_lse_under_interpreter():
 def check_row_stats() -> None:
     """`ce_kernel.row_max_lse` equals torch's max, first index of the max and fp32 log-sum-exp, in blocks smaller than
     the row (the last partial) and in one block, on strided bf16 and fp32 rows with ties across blocks; its start-up
-    check passes; and `packed_teacher` under TEACHER_STATS_KERNEL gives the table, flags and log-sum-exp it gives
+    check passes; and `packed_teacher` with the kernel gives the table, flags and log-sum-exp it gives
     with the torch reduction (the kernel chosen, not the fallback)."""
     g = torch.Generator().manual_seed(7)
     for dtype in (torch.float32, torch.bfloat16):
@@ -605,17 +598,14 @@ def check_row_stats() -> None:
     assert ttt.check_row_max_lse(cpu, torch.bfloat16, vocab=300) is None
     print("row stats ok")
     teacher, _, _, _ = _small_teacher(8)
-    flag = ttt.TEACHER_STATS_KERNEL
     got = {}
     try:
         for on in (False, True):
-            ttt.TEACHER_STATS_KERNEL = on
-            ttt._STATS_CHOICE.clear()
+            os.environ[kernels.ENV] = "teacher_stats:auto" if on else "teacher_stats:off"
             assert (ttt.teacher_stats_for(cpu, torch.float32) is CE.row_max_lse) == on
             got[on] = teacher()
     finally:
-        ttt.TEACHER_STATS_KERNEL = flag
-        ttt._STATS_CHOICE.clear()
+        os.environ.pop(kernels.ENV, None)
     a, b = got[True], got[False]
     assert a.lse_N is not None and torch.equal(a.logits_NV, b.logits_NV)
     assert torch.equal(a.top_N, b.top_N) and torch.equal(a.in_vocab_N, b.in_vocab_N)
@@ -645,8 +635,7 @@ def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
     why = ttt.check_row_max_lse(cpu, torch.bfloat16, vocab=300)
     assert why is not None and ({"max": "maximum differs", "index": "first index", "lse": "log-sum-exp",
                                  "raises": "failed"}[wrong] in why), why
-    monkeypatch.setattr(ttt, "TEACHER_STATS_KERNEL", True)
-    monkeypatch.setattr(ttt, "_STATS_CHOICE", {})
+    kernels.forget()
     assert ttt.teacher_stats_for(cpu, torch.bfloat16) is not bad
 
 
@@ -658,7 +647,7 @@ def test_row_stats_default_falls_back_where_the_kernel_cannot_run(monkeypatch):
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)
     monkeypatch.setattr(CE, "stats_unavailable", lambda device: "triton is not importable")
     monkeypatch.setattr(CE, "row_max_lse", lambda x, **kw: tried.append(x) or ttt._teacher_max_lse(x))
-    monkeypatch.setattr(ttt, "_STATS_CHOICE", {})
+    kernels.forget()
     cpu = torch.device("cpu")
     assert ttt.teacher_stats_for(cpu, torch.float32) is not CE.row_max_lse
     teacher, final, head, used = _small_teacher(3)
@@ -669,6 +658,7 @@ def test_row_stats_default_falls_back_where_the_kernel_cannot_run(monkeypatch):
     torch.testing.assert_close(out.lse_N, torch.logsumexp(restricted, -1))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compiled kernel)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_row_max_lse_on_cuda(dtype):

@@ -211,10 +211,10 @@ def test_reader_random_access_and_truncated_shard(tmp_path):
         r.get(in_last[0])
 
 
-def test_chunked_writes_land_at_the_right_offsets(tmp_path, monkeypatch):
-    monkeypatch.setattr(writer_mod, "WRITE_CHUNK", 100)  # many chunks per sample, none aligned to rows
+def test_chunked_writes_land_at_the_right_offsets(tmp_path):
     data = samples(4)
     with StoreWriter(tmp_path / "s", spec("fp8")) as w:
+        w.write_chunk = 100  # many chunks per sample, none aligned to rows
         for sid, aux, fin in data:
             w.add(sid, aux, fin)
     r = StoreReader(tmp_path / "s")

@@ -1,5 +1,5 @@
-"""benchmarks/train_bench.py's module settings: --flag MODULE.NAME[=0] for the smol suite's real `eyas train`, and
-the 8B suite's variants that change one setting while their step runs."""
+"""benchmarks/train_bench.py's kernel settings: --flag KERNEL[=0] for the smol suite's real `eyas train`, and the 8B
+suite's variants that change one kernel while their step runs."""
 
 from __future__ import annotations
 
@@ -8,30 +8,25 @@ import pytest
 from tests.conftest import load_benchmark
 
 
-def test_flags_name_existing_boolean_settings_and_variants_restore_them(monkeypatch):
-    import eyas.drafter.ttt as ttt
-    from eyas import packing
+def test_flags_name_kernels_and_variants_restore_them(monkeypatch):
+    """--flag KERNEL[=0] sets EYAS_KERNELS for the run; a module setting or an unknown kernel is refused; a
+    variant's kernel setting holds only while its step runs."""
+    from eyas import kernels
 
     tb = load_benchmark("train_bench")
-    monkeypatch.setattr(packing, "GQA_FLASH", False)
-    tb.set_flag("packing.GQA_FLASH")
-    assert packing.GQA_FLASH is True
-    tb.set_flag("packing.GQA_FLASH=0")
-    assert packing.GQA_FLASH is False
-    from eyas.train import loop
-
-    monkeypatch.setattr(loop, "HEAD_CHUNK_ROWS", loop.HEAD_CHUNK_ROWS)
-    tb.set_flag("loop.HEAD_CHUNK_ROWS=32768")  # a whole-number setting
-    assert loop.HEAD_CHUNK_ROWS == 32768
-    for bad in ("nomodule.X", "ttt.NO_SUCH_SETTING", "ttt.CAST_ONCE_MIN_HIDDEN", "packing.GQA_FLASH=2",
-                "loop.HEAD_CHUNK_ROWS", "loop.HEAD_CHUNK_ROWS=big", "loop.DEFER_STATS=4096"):
+    monkeypatch.setenv(kernels.ENV, "")  # (restored after the test: set_flag writes the environment itself)
+    tb.set_flag("teacher_stats=0")
+    assert kernels.setting("teacher_stats") == "off" and kernels.setting("ce") == "auto"
+    tb.set_flag("ce")
+    assert kernels.setting("ce") == "on" and kernels.setting("teacher_stats") == "off"
+    for bad in ("ttt.TEACHER_STATS_KERNEL=0", "packing.GQA_FLASH", "no_such_kernel", "ce=2"):
         with pytest.raises(SystemExit, match="--flag"):
             tb.set_flag(bad)
+    monkeypatch.setenv(kernels.ENV, "")
     seen = []
-    step = tb.with_flag(lambda: seen.append(ttt.GROUPED_DIAGONALS), "ttt.GROUPED_DIAGONALS", not ttt.GROUPED_DIAGONALS)
-    before = ttt.GROUPED_DIAGONALS
+    step = tb.with_kernel(lambda: seen.append(kernels.setting("gqa_flash")), "gqa_flash", "off")
     step()
-    assert seen == [not before] and ttt.GROUPED_DIAGONALS is before  # changed only while the step ran
+    assert seen == ["off"] and kernels.setting("gqa_flash") == "auto"  # changed only while the step ran
 
 
 def test_paired_ratio_is_the_median_of_the_per_round_ratios():
@@ -48,8 +43,6 @@ def test_rounds_report_the_hosts_wait_per_step_where_a_step_counts_it():
     per step in ms (here 1.5 ms a call); a step without it (SpecForge's) gets none; patched steps keep the count."""
     import torch
 
-    from eyas.drafter import ttt
-
     tb = load_benchmark("train_bench")
 
     def make():
@@ -61,7 +54,7 @@ def test_rounds_report_the_hosts_wait_per_step_where_a_step_counts_it():
         step.waited = waited
         return step
 
-    wrapped = tb.with_flag(make(), "ttt.GROUPED_DIAGONALS", ttt.GROUPED_DIAGONALS)
+    wrapped = tb.with_kernel(make(), "gqa_flash", "off")
     assert wrapped.waited is not None
     runs = {}
     tb.measure_rounds([("eyas", make), ("peer", lambda: (lambda: torch.tensor(1.0))), ("wrapped", lambda: wrapped)],

@@ -166,14 +166,13 @@ main()
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_checkpoint(world, tmp_path):  # noqa: F811
     """SIGTERM reaching rank 1 only, during step 2: both ranks finish the same step (2, or 3 when the statistics
-    that carry the stop are read one step late: loop.DEFER_STATS), rank 0 alone writes its checkpoint, both exit
+    that carry the stop are read one step late), rank 0 alone writes its checkpoint, both exit
     130 saying so; one process resumes from it and ends where an uninterrupted run ends."""
     from test_train_loop import _cfg
 
-    from eyas.train import loop
     from eyas.train.loop import run
 
-    last = 3 if loop.DEFER_STATS else 2
+    last = 3
 
     one = tmp_path / "one"
     run(_cfg(world, one, data=world["prep"], steps=4, batch_size=2))

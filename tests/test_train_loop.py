@@ -215,13 +215,12 @@ def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world,
 
 def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp_path, monkeypatch):
     """host_wait_s: the seconds the host waited for a step's statistics, within the step's own time, read at once
-    and one step late (DEFER_STATS); a read slowed by 50 ms shows in it."""
+    and one step late; a read slowed by 50 ms shows in it."""
     from eyas.train import data, loop
 
-    for defer in (False, True):
-        monkeypatch.setattr(loop, "DEFER_STATS", defer)
-        out = tmp_path / f"defer{defer}"
-        loop.run(_cfg(world, out, data=world["prep"], steps=3, batch_size=2))
+    for every in (1, 0):  # a checkpoint every step reads each step's statistics at once
+        out = tmp_path / f"save{every}"
+        loop.run(_cfg(world, out, data=world["prep"], steps=3, batch_size=2, save_every=every))
         recs = _train_records(out)
         assert [r["step"] for r in recs] == [1, 2, 3]
         assert all(0 <= r["host_wait_s"] <= r["step_s"] for r in recs), recs
@@ -240,7 +239,7 @@ def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp
 
 
 def test_the_heads_chunk_size_changes_no_record(world, tmp_path, monkeypatch):
-    """loop.HEAD_CHUNK_ROWS: the heads' work in chunks of 5 rows or of the default gives the same records (the
+    """The heads' work in chunks of 5 rows or of the default gives the same records (the
     chunks' sums in another order: equal to float rounding)."""
     from eyas.drafter import ttt
     from eyas.train import loop
@@ -253,8 +252,9 @@ def test_the_heads_chunk_size_changes_no_record(world, tmp_path, monkeypatch):
 
     monkeypatch.setattr(ttt, "ttt_loss_packed", spy)
     recs = {}
+    module = loop.PackedTTTModule
     for rows in (5, loop.HEAD_CHUNK_ROWS):
-        monkeypatch.setattr(loop, "HEAD_CHUNK_ROWS", rows)
+        monkeypatch.setattr(loop, "PackedTTTModule", lambda *a, rows=rows, **k: module(*a, chunk_rows=rows, **k))
         seen.clear()
         loop.run(_cfg(world, tmp_path / str(rows), data=world["prep"], steps=3, tokens_per_batch=96, batch_size=None))
         assert seen and set(seen) == {rows}  # every step's and the evaluation's head calls
@@ -362,6 +362,7 @@ print("finished", len(seen))
 """
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the compile workers build Triton kernels)")
 def test_a_compile_after_a_process_group_sigterm_finishes(tmp_path):
     """The hang start_compile_workers_shielded prevents, with torch inductor's real compile workers: once they are
@@ -384,17 +385,15 @@ def test_a_compile_after_a_process_group_sigterm_finishes(tmp_path):
 
 
 def test_deferred_statistics_give_the_same_records_and_stop_at_once_in_one_process(world, tmp_path, monkeypatch):
-    """loop.DEFER_STATS: each step's statistics read after the next step is queued give the same records (loss,
-    accuracies, learning rate, gradient norm, tokens) as reading them at once; in one process a stop asked during
+    """Each step's statistics read after the next step is queued give the same records (loss, accuracies, learning
+    rate, gradient norm, tokens) as reading them at once (a checkpoint every step does); in one process a stop asked during
     step 2 is read with step 2's statistics at once, so the run stops after step 2 with its checkpoint and every
     record up to it, and resumes to the same losses (several ranks stop a step later: tests/test_train_ddp.py)."""
     from eyas.errors import Interrupted
     from eyas.train import loop
 
     kw = dict(data=world["prep"], steps=5, batch_size=2, grad_accum=2)
-    monkeypatch.setattr(loop, "DEFER_STATS", False)
-    loop.run(_cfg(world, tmp_path / "now", **kw))
-    monkeypatch.setattr(loop, "DEFER_STATS", True)
+    loop.run(_cfg(world, tmp_path / "now", save_every=1, **kw))
     loop.run(_cfg(world, tmp_path / "late", **kw))
     now, late = _train_records(tmp_path / "now"), _train_records(tmp_path / "late")
     keys = ("step", "loss_per_step", "acc_per_step", "lr", "tokens", "padded_tokens", "supervised_tokens")
@@ -406,7 +405,6 @@ def test_deferred_statistics_give_the_same_records_and_stop_at_once_in_one_proce
         loop.run(_cfg(world, part, **kw))
     assert [r["step"] for r in _train_records(part)] == [1, 2]
     monkeypatch.undo()
-    monkeypatch.setattr(loop, "DEFER_STATS", True)
     loop.run(_cfg(world, part, resume="auto", **kw))
     assert [r["loss"] for r in _train_records(part)] == pytest.approx([r["loss"] for r in now], rel=1e-6)
 
@@ -745,7 +743,7 @@ def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_p
 
 
 def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatch, capsys):
-    """loop.STEP_END is called once per optimizer step with its index; train_bench.py's smol profile steps a torch
+    """run(step_end=...) is called once per optimizer step with its index; train_bench.py's smol profile steps a torch
     profiler through it (steps --skip + 1 warm, + 2 and + 3 recorded) and prints the recorded steps' op table and
     the step's named parts, once per recorded step."""
     import argparse
@@ -756,14 +754,12 @@ def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatc
     from eyas.train.loop import run
 
     seen = []
-    monkeypatch.setattr(loop, "STEP_END", seen.append)
-    run(_cfg(world, tmp_path / "a", data=world["prep"], steps=3))
+    run(_cfg(world, tmp_path / "a", data=world["prep"], steps=3), step_end=seen.append)
     assert seen == [0, 1, 2]
     tb = load_benchmark("train_bench")
     prof = tb._loop_profile(argparse.Namespace(profile=8, skip=1), cuda=False)
-    assert loop.STEP_END is not None and loop.STEP_END is not seen.append
     with prof:
-        run(_cfg(world, tmp_path / "b", data=world["prep"], steps=4))
+        run(_cfg(world, tmp_path / "b", data=world["prep"], steps=4), step_end=tb.profiler_step(prof))
     tb.print_profile(prof, torch.device("cpu"), 8)
     out = capsys.readouterr().out
     assert "Self CPU time total" in out and "aten::" in out
@@ -836,17 +832,3 @@ def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
         _cfg(world, tmp_path / "bad", data=world["prep"], optimizer="sgd")
     with pytest.raises(EyasError, match="--fsdp"):
         _cfg(world, tmp_path / "sharded", data=world["prep"], optimizer="muon", fsdp=True)
-
-
-def test_split_teacher_head_trains_like_one_product(world, tmp_path, monkeypatch):
-    """ttt.SPLIT_TEACHER_HEAD in a real run: the same records (losses, accuracies) as the one-product teacher."""
-    from eyas.drafter import ttt
-    from eyas.train.loop import run
-
-    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", False)
-    run(_cfg(world, tmp_path / "one", data=world["prep"], steps=2))
-    monkeypatch.setattr(ttt, "SPLIT_TEACHER_HEAD", True)
-    run(_cfg(world, tmp_path / "split", data=world["prep"], steps=2))
-    for a, b in zip(_train_records(tmp_path / "one"), _train_records(tmp_path / "split"), strict=True):
-        assert b["loss_per_step"] == pytest.approx(a["loss_per_step"], rel=1e-6)
-        assert b["acc_per_step"] == a["acc_per_step"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from eyas import kernels
 from eyas.drafter.ttt import (
     Teacher,
     TTTConfig,
@@ -72,17 +73,6 @@ def _packed_on(dev, lengths, *, K, seed):
     t2d = torch.zeros(80, dtype=torch.bool, device=dev)
     t2d[used] = True
     return ids, seg, rows, live, aux, final, den, _head().to(dev), used, t2d
-
-
-def _count_positions(monkeypatch, total: int) -> list[int]:
-    """The positions each PackedUnroll.step runs on (`total` for all), appended as the steps run."""
-    import eyas.drafter.ttt as ttt
-
-    sizes: list[int] = []
-    real_step = ttt.PackedUnroll.step
-    monkeypatch.setattr(ttt.PackedUnroll, "step", lambda self, k, pos=None: sizes.append(
-        total if pos is None else pos.numel()) or real_step(self, k, pos))
-    return sizes
 
 
 @pytest.mark.parametrize("kernel", ["math", "segments", "cpu-flash"])
@@ -186,12 +176,12 @@ def test_head_weight_gradient_sums_into_fp32_without_losing_the_fallback(monkeyp
     want16 = acc16 + (a.bfloat16().T @ b.bfloat16()).float()
     ttt.addmm_fp32_(acc16, a.bfloat16().T, b.bfloat16())
     assert acc16.dtype == torch.float32 and torch.equal(acc16, want16)
-    assert ttt._ADDMM_FP32[("cpu", torch.bfloat16)] is False
+    assert kernels.checked()[("addmm_fp32", "cpu", torch.bfloat16)] is not None
 
     def wrong(acc, a, b, *, out_dtype, out):  # a kernel that overwrites instead of summing
         return out.copy_(a.float() @ b.float())
     monkeypatch.setattr(torch, "addmm", wrong)
-    assert ttt.check_addmm_fp32(torch.device("cpu"), torch.bfloat16) is False
+    assert "sums differently" in ttt.check_addmm_fp32(torch.device("cpu"), torch.bfloat16)
 
 
 def test_head_loss_over_ranges_equals_one_call_per_range():
@@ -227,9 +217,9 @@ def test_head_loss_over_ranges_equals_one_call_per_range():
 
 @pytest.mark.parametrize("chunk", [4, 7, 64])
 def test_teacher_computed_once_per_row_group_gives_the_per_step_result(chunk, monkeypatch):
-    """TEACHER_ONCE: the recomputed teacher's logits made once per group of teacher rows for every step that
-    reads them give the same total, per-step sums, hits and gradients as one recomputation per step; the
-    groups cover every row once, each slice inside its step's range with its teacher rows inside the group."""
+    """The recomputed teacher's logits made once per group of teacher rows for every step that reads them give the
+    same total, per-step sums, hits and gradients as the plain reference, step by step; the groups cover every row
+    once, each slice inside its step's range with its teacher rows inside the group."""
     import eyas.drafter.ttt as ttt
 
     g = torch.Generator().manual_seed(5)
@@ -258,17 +248,18 @@ def test_teacher_computed_once_per_row_group_gives_the_per_step_result(chunk, mo
     # fewer teacher products than the per-step path's one per chunk of each step
     assert 0 < len(groups) <= -(-N // chunk) < sum(-(-m // chunk) for m in lengths)
 
-    def run(once):
-        monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
-        total, per, hits = head_soft_ce_ranges(x, w, f, wt, weight, top, lengths, chunk_rows=chunk, teacher_rows=tr)
-        return (total, per, hits, *torch.autograd.grad(total * 0.5, [x, w]))
-
-    a, b = run(True), run(False)
-    torch.testing.assert_close(a[0], b[0], atol=1e-5, rtol=1e-6)
-    torch.testing.assert_close(a[1], b[1], atol=1e-5, rtol=1e-6)
-    assert torch.equal(a[2], b[2])
-    torch.testing.assert_close(a[3], b[3], atol=1e-6, rtol=1e-5)
-    torch.testing.assert_close(a[4], b[4], atol=1e-6, rtol=1e-5)
+    total, per, hits = head_soft_ce_ranges(x, w, f, wt, weight, top, lengths, chunk_rows=chunk, teacher_rows=tr)
+    got = (total, *torch.autograd.grad(total * 0.5, [x, w]))
+    ends = [sum(lengths[:i]) for i in range(K + 1)]
+    ref_per = torch.stack([reference_head_soft_ce(x[a:b], w, f[tr[a:b]], wt, weight[a:b]) for a, b in
+                           zip(ends[:-1], ends[1:])])
+    ref_total = ref_per.sum()
+    want = (ref_total, *torch.autograd.grad(ref_total * 0.5, [x, w]))
+    torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(per, ref_per.detach(), atol=1e-4, rtol=1e-5)
+    assert torch.equal(hits, (x @ w.T).argmax(-1) == top)
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-4)
     # a step whose teacher rows are not ascending, or a row past the table: no groups (the per-step path)
     assert ttt.teacher_groups(tr.flip(0), lengths[::-1], N, chunk) is None
     assert ttt.teacher_groups(torch.cat([tr[:-1], tr.new_tensor([N + 3])]), lengths, N, chunk) is None
@@ -417,21 +408,12 @@ def test_supervised_rows_follow_their_definition_on_random_rows():
         assert [r.tolist() for r in got] == want and all(r.dtype == torch.int64 for r in got), (lengths, K)
 
 
-@pytest.mark.parametrize("attention,cache_bytes,grouped,once,prune",
-                         [("reference", 0, False, True, False), ("fast", 0, False, True, False),
-                          ("fast", 1 << 20, False, True, False), ("fast", 0, True, True, False),
-                          ("fast", 0, False, False, False), ("reference", 0, False, True, True),
-                          ("fast", 0, False, True, True), ("fast", 1 << 20, True, True, True)])
-def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, grouped, once, prune, monkeypatch):
+@pytest.mark.parametrize("attention,cache_bytes", [("reference", 0), ("fast", 0), ("fast", 1 << 20)])
+def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes):
     """Three samples packed in one row (plus a padding tail) give the same loss, per-step stats and
-    gradients as the same samples right-padded in a batch through the reference `ttt_loss`; the
-    drafter's 2 key/value heads each serve 2 query heads, repeated or grouped (GROUPED_DIAGONALS); the
-    recomputed teacher once per row group for all steps or once per step (TEACHER_ONCE); every position through
-    every step, or the loss-free ones only up to step 0's keys (`live`, PRUNE_ROWS)."""
-    import eyas.drafter.ttt as ttt
-
-    monkeypatch.setattr(ttt, "GROUPED_DIAGONALS", grouped)
-    monkeypatch.setattr(ttt, "TEACHER_ONCE", once)
+    gradients as the same samples right-padded in a batch through the reference `ttt_loss`, on the production path:
+    the drafter's 2 key/value heads each serve 2 query heads; the teacher kept as a table or recomputed once per
+    row group for all steps; the loss-free positions only up to step 0's keys (`live`)."""
     K = 4
     samples = _samples([9, 3, 14])
     head = _head()
@@ -463,9 +445,9 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
     assert [len(r) for r in rows] == den.long().tolist()
     pt = packed_teacher(final_N, head, head[used], used, t2d, chunk_rows=7, cache_bytes=cache_bytes)
     assert (pt.logits_NV is not None) == (cache_bytes > 0)
-    live = live_positions(rows, seg.total) if prune else None
-    if prune:  # the prompts' positions, the samples' last ones and the padding tail drop out
-        assert 0 < live.numel() < seg.total - pad and live.tolist() == sorted(set(torch.cat(rows).tolist()))
+    live = live_positions(rows, seg.total)
+    # the prompts' positions, the samples' last ones and the padding tail drop out
+    assert 0 < live.numel() < seg.total - pad and live.tolist() == sorted(set(torch.cat(rows).tolist()))
     out = ttt_loss_packed(fast_m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
                           cfg=TTTConfig(steps=K, attention=attention), denominators=den, chunk_rows=5, live=live)
     out.loss.backward()
@@ -485,16 +467,14 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes, gr
 @pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3"])
 def test_packed_target_forward_equals_unbatched_reference(tmp_path, smol_tokenizer, family, compiled, monkeypatch):
     """The online teacher over a packed row == each sample run alone through Hugging Face (fp32), its layers
-    eager or through the two compiled pieces every layer shares (COMPILED_LAYERS: one graph each for all six
-    layers and both row lengths, not one per layer); GQA_FLASH on, which the CPU kernels leave unused."""
+    eager or through the two compiled pieces every layer shares (as on CUDA: one graph each for all six layers and
+    both row lengths, not one per layer)."""
     import eyas.packing as packing
     from eyas.packing import packed_unsupported_reason, target_forward_packed
     from eyas.target import load_target, reference_hidden_states
     from tests.conftest import make_tiny_target
 
-    monkeypatch.setattr(packing, "COMPILED_LAYERS", compiled)
-    monkeypatch.setattr(packing, "GQA_FLASH", True)
-    monkeypatch.setattr(packing, "_COMPILE_ON", ("cuda", "cpu"))  # compiled here as on a GPU
+    monkeypatch.setattr(packing, "_COMPILE_ON", ("cuda", "cpu") if compiled else ())  # compiled here as on a GPU
     if compiled:
         import torch._dynamo as dynamo
 
@@ -588,6 +568,7 @@ def test_cast_once_default_follows_the_drafter_size():
     assert TTTConfig(cast_once=True).cast_once_for(576) and not TTTConfig(cast_once=False).cast_once_for(4096)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams (runs on a GPU machine)")
 def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
     """The offline reader on CUDA copies the batch after the one handed out on a side stream (AheadUploader): every
@@ -636,9 +617,10 @@ def test_host_copies_pass_host_values_through():
     assert got[0] == 3 and got[1] is t and got[2] is None and got[3] == 0.5
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams and events")
 def test_host_copies_wait_for_the_work_before_them_and_not_after():
-    """A step's statistics read once the next step is queued (loop.DEFER_STATS): the copy made behind the step
+    """A step's statistics read once the next step is queued: the copy made behind the step
     holds the step's values, and reading it returns while work queued after it still runs on the GPU (reading the
     device tensor would wait for that work too)."""
     from eyas.train.data import HostCopies
@@ -656,17 +638,16 @@ def test_host_copies_wait_for_the_work_before_them_and_not_after():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the CUDA head loss (the fused kernel where it runs)"))])
-@pytest.mark.parametrize("path", ["table", "recomputed-once", "recomputed-per-step"])
-def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, device, monkeypatch):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="the CUDA head loss (the fused kernel where it runs)")))])
+@pytest.mark.parametrize("path", ["table", "recomputed"])
+def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, device):
     """The reachability mask (TTTConfig.align_topk) in the chunked head loss equals a plain reference: step k's
     row at position t keeps its weight only if at every earlier step the teacher's top token was among the
     drafter's top K at t (and in the draft vocabulary); loss and gradients match for a kept teacher table and a
-    recomputed one (once per row group for all steps, or per step), chunks smaller than a step."""
+    recomputed one (once per row group for all steps), chunks smaller than a step."""
     import eyas.drafter.ttt as ttt
 
-    monkeypatch.setattr(ttt, "TEACHER_ONCE", path == "recomputed-once")
     g = torch.Generator().manual_seed(11)
     N, Dm, V, steps, topk = 40, 12, 30, 3, 8
     rows = [torch.randperm(N - 1 - k, generator=g)[: 24 - 4 * k].sort().values.to(device) for k in range(steps)]
@@ -711,59 +692,12 @@ def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, devic
     assert float(plain.detach()) > float(total.detach()) + 1e-3
 
 
-@pytest.mark.parametrize("topk,static", [(1, True), (12, True), (12, False), (40, True)])
-def test_unreached_positions_pruned_give_the_align_loss_and_gradients(topk, static, monkeypatch):
-    """PRUNE_UNREACHED: with `align_topk`, the positions whose chain is no longer reachable leave the unroll after
-    each step; the loss, the per-step soft-CE sums, the counts and every gradient equal those of the full unroll
-    under the same mask, while the steps past 0 run on fewer positions (fewer at each step); the per-step hits
-    count only reachable rows (step 0's all)."""
-    import eyas.drafter.ttt as ttt
-
-    K = 5
-    samples = _samples([19, 7, 33], seed=4)
-    seg = Segments.from_lengths([19, 7, 33])
-    ids_N, mask_N = torch.cat([s[0] for s in samples]), torch.cat([s[1] for s in samples])
-    aux_N, final_N = torch.cat([s[2] for s in samples]), torch.cat([s[3] for s in samples])
-    rows = supervised_rows(mask_N, seg.ends_N, K)
-    live = live_positions(rows, seg.total) if static else None
-    head = _head()
-    used = torch.arange(V) + 5
-    t2d = torch.zeros(80, dtype=torch.bool)
-    t2d[used] = True
-    den = torch.tensor([float(len(r)) for r in rows])
-    sizes = _count_positions(monkeypatch, seg.total)
-    res = {}
-    for prune in (False, True):
-        monkeypatch.setattr(ttt, "PRUNE_UNREACHED", prune)
-        m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
-        m.set_vocab(used)
-        pt = packed_teacher(final_N, head, head[used], used, t2d)
-        sizes.clear()
-        out = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
-                              cfg=TTTConfig(steps=K, align_topk=topk), denominators=den, chunk_rows=6, live=live)
-        out.loss.backward()
-        res[prune] = (out, {n: p.grad for n, p in m.named_parameters() if p.grad is not None}, list(sizes))
-    (a, ga, sa), (b, gb, sb) = res[True], res[False]
-    torch.testing.assert_close(a.loss, b.loss, atol=1e-5, rtol=1e-5)
-    for name in ("ce_sum", "valid", "accepted", "rounds"):
-        torch.testing.assert_close(getattr(a, name), getattr(b, name), atol=1e-4, rtol=1e-5, msg=name)
-    assert float(a.correct[0]) == float(b.correct[0]) and bool((a.correct <= b.correct).all())
-    assert set(ga) == set(gb)
-    for n in ga:
-        torch.testing.assert_close(ga[n], gb[n], atol=1e-5, rtol=1e-4, msg=n)
-    assert len(set(sb)) == 1  # without it: the same positions at every step (all N, or the live ones)
-    assert sa[0] == sb[0] and sa[1] < sb[1] and all(x >= y for x, y in zip(sa, sa[1:]))
-    if topk == 40:  # most chains stay reachable: the later steps still run
-        assert len(sa) == K and sa[-1] > 0
-
-
-def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows(monkeypatch):
+def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows():
     """TTTConfig.feature_loss c: the packed loss grows by c x the sum over steps k and supervised rows t of
     decay^k / denominator_k x mean smooth-L1(the drafter's normed state at (t, k), the target's final state at
     t + 1 + k), computed here from a plain unroll; the statistics do not change, the gradients do."""
     import eyas.drafter.ttt as ttt
 
-    monkeypatch.setattr(ttt, "PRUNE_ROWS", False)
     K, c = 4, 0.7
     samples = _samples([19, 7, 33], seed=5)
     seg = Segments.from_lengths([19, 7, 33])
@@ -814,6 +748,7 @@ def test_align_topk_is_refused_by_the_padded_reference_and_below_zero():
         ttt_loss(None, input_ids_BT=None, loss_mask_BT=None, aux_BTAD=None, teacher=None, cfg=cfg)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA synchronisation")
 def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     """Forward, backward, clipping, the optimizer step and the per-step denominators' upload (as `eyas train` runs
@@ -851,23 +786,22 @@ def test_a_packed_training_step_queues_without_waiting_for_the_gpu():
     assert float(norm) > 0 and stats.tolist()[2 * K] > 0  # rows of step 0 counted
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel")
-def test_pruned_positions_give_the_same_step_on_cuda(monkeypatch):
-    """PRUNE_ROWS on CUDA (bf16 autocast, the varlen flash kernel with zero queries at the pruned rows, the compiled
-    merge): the loss, statistics and gradients of the packed step equal those with every position computed."""
-    import eyas.drafter.ttt as ttt
-
+def test_pruned_positions_give_the_same_step_on_cuda():
+    """The loss-free positions pruned on CUDA (bf16 autocast, the varlen flash kernel with zero queries at the pruned
+    rows, the compiled merge): the loss, statistics and gradients of the packed step equal those with every position
+    computed (no `live`)."""
     K = 4
     ids, seg, rows, live, aux, final, den, head, used, t2d = _packed_on("cuda", [90, 33, 140], K=K, seed=3)
     res = {}
     for prune in (False, True):
-        monkeypatch.setattr(ttt, "PRUNE_ROWS", prune)
         m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to("cuda")
         m.set_vocab(used.cpu())
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pt = packed_teacher(final, head, head[used], used, t2d)
             out = ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
-                                  cfg=TTTConfig(steps=K), denominators=den, live=live)
+                                  cfg=TTTConfig(steps=K), denominators=den, live=live if prune else None)
         out.loss.backward()
         res[prune] = (out, {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
     (a, ga), (b, gb) = res[True], res[False]
@@ -879,46 +813,14 @@ def test_pruned_positions_give_the_same_step_on_cuda(monkeypatch):
         torch.testing.assert_close(ga[n], gb[n], atol=2e-3, rtol=5e-2, msg=n)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel")
-def test_unreached_positions_pruned_on_cuda_give_the_align_loss(monkeypatch):
-    """PRUNE_UNREACHED on CUDA (bf16 autocast, the flash kernel on shrinking query sets, the compiled merge and
-    normed rows): loss and gradients of the full unroll under the same reachability mask (bf16 tolerances: a row
-    whose rank sits at the boundary may fall either side in two matmuls), on fewer positions at each step."""
-    import eyas.drafter.ttt as ttt
-
-    K = 5
-    ids, seg, rows, live, aux, final, den, head, used, t2d = _packed_on("cuda", [90, 33, 140], K=K, seed=5)
-    sizes = _count_positions(monkeypatch, seg.total)
-    res = {}
-    for prune in (False, True):
-        monkeypatch.setattr(ttt, "PRUNE_UNREACHED", prune)
-        m = ttt.compile_drafter(tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V).to("cuda"))
-        m.set_vocab(used.cpu())
-        sizes.clear()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            pt = packed_teacher(final, head, head[used], used, t2d)
-            out = ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
-                                  cfg=TTTConfig(steps=K, align_topk=20), denominators=den, live=live)
-        out.loss.backward()
-        res[prune] = (out, {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None}, list(sizes))
-    (a, ga, sa), (b, gb, sb) = res[True], res[False]
-    torch.testing.assert_close(a.loss, b.loss, atol=2e-2, rtol=2e-2)
-    assert torch.equal(a.valid, b.valid) and float(a.correct[0]) == float(b.correct[0])
-    assert set(ga) == set(gb)
-    for n in ga:
-        torch.testing.assert_close(ga[n], gb[n], atol=5e-3, rtol=1e-1, msg=n)
-    assert len(set(sb)) == 1 and sa[1] < sb[1] and all(x >= y for x, y in zip(sa, sa[1:]))
-
-
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")
 def test_gqa_flash_equals_repeated_keys_on_cuda(monkeypatch):
-    """packing.GQA_FLASH: the varlen flash kernel reading 2 key/value heads for 8 query heads gives the output and
+    """kernels `gqa_flash`: the varlen flash kernel reading 2 key/value heads for 8 query heads gives the output and
     the gradients of the same keys repeated to 8 heads (step 0 causal within each segment, two diagonals)."""
     from eyas import packing
 
     assert packing.check_varlen_kernel("cuda", torch.bfloat16) < 0.05
-    monkeypatch.setattr(packing, "GQA_FLASH", True)
-    assert packing.gqa_flash("cuda-flash")
     seg = Segments.from_lengths([37, 1, 200, 64], "cuda")
     g = torch.Generator().manual_seed(4)
     mk = lambda h: torch.randn(1, h, seg.total, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_()  # noqa: E731
@@ -926,16 +828,18 @@ def test_gqa_flash_equals_repeated_keys_on_cuda(monkeypatch):
     dout = torch.randn(1, 8, seg.total, 64, generator=g).to("cuda", torch.bfloat16)
     out = {}
     for gqa in (False, True):
-        monkeypatch.setattr(packing, "GQA_FLASH", gqa)
+        monkeypatch.setenv(kernels.ENV, "gqa_flash:on" if gqa else "gqa_flash:off")
+        assert packing.gqa_flash("cuda-flash", q) == gqa
         o = fast_attention(q, ks, vs, seg=seg, kernel="cuda-flash")
         out[gqa] = (o, *torch.autograd.grad(o, [q, *ks, *vs], dout))
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA flash kernel's grouped-query mode")
 def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(monkeypatch):
-    """packing.GQA_FLASH in the online target's packed forward (bf16, compiled layers): the same states as with
+    """kernels `gqa_flash` in the online target's packed forward (bf16, compiled layers): the same states as with
     the keys and values repeated to every query head (a tiny random Llama: 4 query heads, 2 key/value heads)."""
     import transformers
 
@@ -952,16 +856,16 @@ def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(monkeypatch):
     seg = Segments.from_lengths(lengths, "cuda")
     out = {}
     for gqa in (False, True):
-        monkeypatch.setattr(packing, "GQA_FLASH", gqa)
+        monkeypatch.setenv(kernels.ENV, "gqa_flash:on" if gqa else "gqa_flash:off")
         out[gqa] = packing.target_forward_packed(model, ids, seg, layer_ids=[1, 3, 4])
-    assert model.config.num_key_value_heads < model.config.num_attention_heads and packing.gqa_flash("cuda-flash")
+    assert model.config.num_key_value_heads < model.config.num_attention_heads
     for a, b in zip(out[True], out[False]):
         torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_split_teacher_head_gives_the_one_product_teacher(monkeypatch, dtype):
-    """ttt.SPLIT_TEACHER_HEAD: the draft vocab's rows and the other rows multiplied apart give the same top draft
+def test_split_teacher_head_gives_the_one_product_teacher(dtype):
+    """`packed_teacher`: the draft vocab's rows and the other rows multiplied apart give the same top draft
     ids, full-vocab argmax flags and kept logits as one product over the whole head, ties included (rows built so
     that a draft id and a smaller or a larger outside id share the maximum), in fp32 and bf16; a draft vocab that
     is the whole vocab has every flag set."""
@@ -978,9 +882,9 @@ def test_split_teacher_head_gives_the_one_product_teacher(monkeypatch, dtype):
     head[75] = head[60]  # outside id 75 ties draft id 60 (larger: the draft one is)
     final[0] = head[20].float().to(dtype) * 4  # rows whose maximum is those ties
     final[1] = head[60].float().to(dtype) * 4
-    monkeypatch.setattr(T, "SPLIT_TEACHER_HEAD", False)
-    ref = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16, unused=T.unused_head(head, t2d))
-    monkeypatch.setattr(T, "SPLIT_TEACHER_HEAD", True)
+    logits = final @ head.T  # the one product over the whole head: the reference
+    restricted = logits[:, used]
+    ref = T.PackedTeacher(final, head[used], restricted.argmax(-1), t2d[logits.argmax(-1)], restricted)
     got = T.packed_teacher(final, head, head[used], used, t2d, chunk_rows=16, unused=T.unused_head(head, t2d))
     assert bool(ref.in_vocab_N[0]) is False and bool(ref.in_vocab_N[1]) is True  # the ties as built
     assert torch.equal(got.top_N, ref.top_N) and torch.equal(got.in_vocab_N, ref.in_vocab_N)

@@ -9,7 +9,7 @@ Every stage is the library call its subcommand makes, so the demo exercises exac
 A rerun resumes: a finished prepared dataset is reused, the capture resumes its store, training
 resumes from its last checkpoint, eval and export are redone. --overwrite starts from scratch.
 The drafter is small-data and short-trained: its acceptance shows the pipeline works end to end,
-not what a full run reaches (see benchmarks/RESULTS.md for that).
+not what a full run reaches (see docs/performance.md for that).
 """
 
 from __future__ import annotations

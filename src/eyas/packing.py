@@ -33,6 +33,8 @@ from typing import Sequence
 
 import torch
 
+from eyas import kernels
+
 
 def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """A small host tensor on `device` without waiting for the GPU: on CUDA through pinned memory with an
@@ -193,11 +195,6 @@ def segments_bwd(dout, q, k, v, out, lse, scale, seg: Segments, aux):
 
 VARLEN_KERNELS = {"math": (math_fwd, math_bwd), "segments": (segments_fwd, segments_bwd),
                   "cpu-flash": (cpu_fwd, cpu_bwd), "cuda-flash": (cuda_fwd, cuda_bwd)}
-_BROKEN: set[str] = set()
-"""Kernels that failed `check_varlen_kernel` on this machine (pick_varlen_kernel avoids them)."""
-_GQA_PASSED = False
-"""`check_varlen_kernel` ran the flash kernel's grouped-query mode (K key/value heads for H query heads) here and it
-agreed with the exact kernel."""
 
 
 def pick_varlen_kernel(q: torch.Tensor) -> str:
@@ -207,57 +204,63 @@ def pick_varlen_kernel(q: torch.Tensor) -> str:
 def _pick_kernel(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     if device.type == "cuda":
         ok = dtype in (torch.float16, torch.bfloat16) and head_dim <= 256 and head_dim % 8 == 0
-        return "cuda-flash" if ok and "cuda-flash" not in _BROKEN else "segments"
+        return "cuda-flash" if ok and kernels.use("varlen_flash", device, dtype) else "segments"
     return "cpu-flash" if device.type == "cpu" else "segments"
 
 
-GQA_FLASH = True
-"""Keys/values with fewer heads than the queries go to the varlen flash kernel as they are, read in its
-grouped-query mode, instead of repeated to every query head first (a [tokens, heads, d] copy each and, in training,
-a sum of the repeated gradients): the drafter's step-0 keys at every TTT step, and the online target's keys and
-values in every layer. Used only with the "cuda-flash" kernel once `check_varlen_kernel` has checked the mode on
-this machine; elsewhere the keys are repeated. On by default since it ran on an H200 with loop.DEFER_STATS (8% more
-SmolLM2 training tokens/s together, figures there); False: the keys repeated (train_bench.py's 8B variant
-`eyas-repeated-keys`)."""
+def gqa_flash(kernel: str, like: torch.Tensor) -> bool:
+    """Keys/values with fewer heads than the queries go to the varlen flash kernel as they are, read in its
+    grouped-query mode, instead of repeated to every query head first (a [tokens, heads, d] copy each and, in
+    training, a sum of the repeated gradients): with the "cuda-flash" kernel where that mode passed its check on
+    tensors like `like` (kernels: `gqa_flash`); elsewhere the keys are repeated."""
+    return kernel == "cuda-flash" and kernels.use("gqa_flash", like.device, like.dtype)
 
 
-def gqa_flash(kernel: str) -> bool:
-    """GQA_FLASH applies to this kernel: the flash kernel's grouped-query mode passed its check here."""
-    return GQA_FLASH and kernel == "cuda-flash" and _GQA_PASSED
-
-
-def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float:
-    """Max |difference| of the picked kernel's output and log-sum-exp against the per-segment math
-    kernel on random packed inputs; a kernel that errors or disagrees (> 0.05) is marked broken, so
-    training falls back to the slower exact path instead of learning from wrong attention."""
+def _random_packed(device, dtype, seed: int = 0):
     g = torch.Generator(device="cpu").manual_seed(seed)
     seg = Segments.from_lengths([37, 1, 200, 64, 9], device)
     mk = lambda: torch.randn(1, 4, seg.total, 64, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    q, k, v = mk(), mk(), mk()
-    kernel = pick_varlen_kernel(q)
-    ref_o, ref_l, _ = segments_fwd(q, k, v, 0.125, seg)
-    try:
-        o, lse, _ = VARLEN_KERNELS[kernel][0](q, k, v, 0.125, seg)
-        err = max(float((o.float() - ref_o.float()).abs().max()), float((lse.float() - ref_l.float()).abs().max()))
-    except Exception as exc:  # noqa: BLE001  (any failure of a fast kernel means: do not use it)
-        from eyas.common import log
+    return seg, mk(), mk(), mk()
 
-        log(f"varlen attention kernel {kernel!r} failed on {device} ({type(exc).__name__}: {str(exc)[:200]})")
-        err = float("inf")
-    if err > 0.05 and kernel != "segments":
-        _BROKEN.add(kernel)
-    if kernel == "cuda-flash" and kernel not in _BROKEN:  # its grouped-query mode (GQA_FLASH): 2 heads for 4
-        kg, vg = k[:, :2].contiguous(), v[:, :2].contiguous()
-        ref_g, ref_lg, _ = segments_fwd(q, kg.repeat_interleave(2, 1), vg.repeat_interleave(2, 1), 0.125, seg)
-        try:
-            o, lse, _ = cuda_fwd(q, kg, vg, 0.125, seg)
-            err_g = max(float((o.float() - ref_g.float()).abs().max()),
-                        float((lse.float() - ref_lg.float()).abs().max()))
-        except Exception:  # noqa: BLE001  (then the keys are repeated, as without GQA_FLASH)
-            err_g = float("inf")
-        global _GQA_PASSED
-        _GQA_PASSED = err_g <= 0.05
-    return err
+
+def _max_diff(a: tuple, b: tuple) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b))
+
+
+def check_varlen_flash(device, dtype=torch.bfloat16) -> str | None:
+    """None when the varlen flash kernel's output and log-sum-exp equal the per-segment math kernel's (within 0.05)
+    on random packed inputs; else why not (training then runs the slower exact kernel instead of learning from wrong
+    attention)."""
+    seg, q, k, v = _random_packed(device, dtype)
+    ref = segments_fwd(q, k, v, 0.125, seg)[:2]
+    try:
+        err = _max_diff(cuda_fwd(q, k, v, 0.125, seg)[:2], ref)
+    except Exception as exc:  # noqa: BLE001  (any failure of a fast kernel means: do not use it)
+        return f"the varlen flash kernel failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return None if err <= 0.05 else f"the varlen flash kernel differs from the math kernel by {err:.3g}"
+
+
+def check_gqa_flash(device, dtype=torch.bfloat16) -> str | None:
+    """None when the varlen flash kernel reading 2 key/value heads for 4 query heads equals the math kernel on the
+    keys repeated (within 0.05); else why not."""
+    if not kernels.use("varlen_flash", device, dtype):
+        return "the varlen flash kernel does not run here"
+    seg, q, k, v = _random_packed(device, dtype)
+    kg, vg = k[:, :2].contiguous(), v[:, :2].contiguous()
+    ref = segments_fwd(q, kg.repeat_interleave(2, 1), vg.repeat_interleave(2, 1), 0.125, seg)[:2]
+    try:
+        err = _max_diff(cuda_fwd(q, kg, vg, 0.125, seg)[:2], ref)
+    except Exception as exc:  # noqa: BLE001  (then the keys are repeated)
+        return f"the flash kernel's grouped-query mode failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return None if err <= 0.05 else f"the flash kernel's grouped-query mode differs by {err:.3g}"
+
+
+def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float:
+    """Max |difference| of the picked kernel's output and log-sum-exp against the per-segment math kernel on random
+    packed inputs (the picked kernel passed its start-up check, or is the exact one)."""
+    seg, q, k, v = _random_packed(device, dtype, seed)
+    kernel = pick_varlen_kernel(q)
+    return _max_diff(VARLEN_KERNELS[kernel][0](q, k, v, 0.125, seg)[:2], segments_fwd(q, k, v, 0.125, seg)[:2])
 
 
 @torch.no_grad()
@@ -330,21 +333,14 @@ def tail_forward_packed(model, start_ND: torch.Tensor, seg: Segments, *, first_l
     return base.norm(x)[0]
 
 
-COMPILED_LAYERS = True
-"""On CUDA, run each decoder layer's pieces around the attention (norm + q/k/v + RoPE; o_proj + residual + norm +
-MLP) as two torch.compile'd functions shared by every layer (the layer is an argument: one compiled graph each,
-reused across layers), instead of eager Hugging Face modules (a dozen elementwise kernels per layer at [tokens x
-hidden]); the attention stays eager. With the drafter's listed diagonals and fused head rows, it took the SmolLM2
-online rate with the target on every batch from 148,502 to 190,358 supervised tokens/s on an H200 (2026-12-01),
-the target's added time per 131,072-token step from about 0.19 s to 0.12 s. Eager on other devices."""
-
-_COMPILE_ON = ("cuda",)  # device types whose packed forward COMPILED_LAYERS compiles (the CPU's compile is slow)
+_COMPILE_ON = ("cuda",)
+"""Device types whose packed target forward runs each decoder layer's pieces around the attention as two compiled
+functions shared by every layer (fewer elementwise kernels a layer); eager elsewhere (the CPU's compile is slow)."""
 _LAYER_FNS: dict[str, tuple] = {}
 
 def _attn_inputs(layer, x, cos, sin, repeat: bool = True):
     """q [1, H, N, d], k, v [1, K, N, d] (repeated to the H query heads when `repeat`) for the layer's attention
-    over x [1, N, D]. (q/k/v's and gate/up's weights stacked, one product each, were slower on an H200: 211,711
-    against 226,974 supervised tokens/s for the SmolLM2 online step, 2026-12-02, packing.FUSED_PROJECTIONS.)"""
+    over x [1, N, D]. (q/k/v's and gate/up's weights stacked, one product each, were slower.)"""
     attn = layer.self_attn
     d = int(attn.head_dim)
     N = x.shape[1]
@@ -379,11 +375,11 @@ def _layer_fns(compiled: bool):
 
 def _decoder_layer_packed(layer, x_1ND: torch.Tensor, cos, sin, seg: Segments, *, kernel: str | None) -> torch.Tensor:
     """One Llama/Qwen decoder layer over a packed row (residual stream in, residual stream out)."""
-    pre, post = _layer_fns(COMPILED_LAYERS and x_1ND.device.type in _COMPILE_ON)
+    pre, post = _layer_fns(x_1ND.device.type in _COMPILE_ON)
     attn = layer.self_attn
     d = int(attn.head_dim)
     kernel = kernel or _pick_kernel(x_1ND.device, x_1ND.dtype, d)
-    q, k, v = pre(layer, x_1ND, cos, sin, not gqa_flash(kernel))
+    q, k, v = pre(layer, x_1ND, cos, sin, not gqa_flash(kernel, x_1ND))
     scale = float(getattr(attn, "scaling", 1.0 / math.sqrt(d)))
     o = causal_attention(q, k, v, seg, scale=scale, kernel=kernel)
     return post(layer, x_1ND, o)

@@ -13,7 +13,7 @@ drafter's top K), counted in pass 1 instead of in a pass over s of its own. With
 the teacher row of chunk row n is t[t_rows[n]] of a whole table t [N, V]: the head loss keeps the
 teacher's logits for a packed row and its chunks pick rows of it, which the kernel then reads in
 place instead of reading a gathered copy (an index_select writes and re-reads a [c, V] copy per
-chunk per TTT step: 8.5% of an H200 training step's GPU time in one profile).
+chunk per TTT step, a visible share of a training step's GPU time).
 
 Why a kernel: at V = 32000 this is pure memory traffic (a handful of flops per element), and the
 compiled torch version reads s and t from HBM several times (max, sum-exp, the p*s sum, argmax,
@@ -25,23 +25,21 @@ With BLOCK_V >= V (block_v=32768 for a 32,000-token vocab) the row is one block 
 (spread over the program's warps): s and t are read from HBM exactly once and there is no pass 2.
 The HBM traffic is between one and two reads of s and t plus one write of g: how much of a row
 survives in L2 depends on how many rows are in flight (block size and warps set that; the
-benchmark, benchmarks/ce_kernel_bench.py, compares a few). Measured there on an H200 (2026-11-30,
-[4096 x 32000] bf16 chunk): 0.396 ms at BLOCK_V=2048 with 4 warps (the default), 0.498 ms at 2048
-with 8 warps (the previous default), 1.048 ms for the compiled torch version. Everything accumulates in fp32. Per-row
+benchmark, benchmarks/ce_kernel_bench.py, compares a few; BLOCK_V=2048 with 4 warps was the fastest measured).
+Everything accumulates in fp32. Per-row
 w_n CE_n are written to an fp32 [c] vector and summed by torch (deterministic).
 
 With `t_lse`, the teacher's log-sum-exp per row given in fp32 (indexed like t: the head loss makes it once a
-training step for its kept teacher table and uses it in every TTT step, `eyas.drafter.ttt.TEACHER_LSE`), pass 1
+training step for its kept teacher table and uses it in every TTT step), pass 1
 reads s only (max, sum-exp, argmax and the rank count of s), and pass 2 reads s and t once, writes
 g = (exp(s - lse_s) - exp(t - t_lse)) * w and sums exp(t - t_lse) * s on the way; CE_W is stored after pass 2.
 That is one of the five [c, V] streams less (two reads of s, one of t, one write of g). The whole-row mode uses
-the given log-sum-exp instead of the teacher's max and sum-exp. The figures above are without it; in the online
-SmolLM2 training step on an H200 (2026-12-02) it gave 1.026-1.029x the supervised tokens/s.
+the given log-sum-exp instead of the teacher's max and sum-exp.
 
 Triton is imported on first use, so machines without it (CPU CI) still import eyas; the kernel also
 runs on CPU under Triton's interpreter when TRITON_INTERPRET=1 is set before triton is imported
 (the tests do that in a child process). The training loop picks this kernel only after
-`eyas.drafter.ttt` has checked it against the torch version on the device (see `chunk_ce_for`).
+`eyas.drafter.ttt` has checked it against the torch version on the device (`eyas.kernels`: `ce`).
 
 Shape legend: c rows of the chunk, V draft vocab, N rows of a teacher table (indexed mode).
 """
@@ -236,7 +234,7 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
 
 
 # ----------------------------------------------------------------------------------------------
-# the teacher table's row statistics (`eyas.drafter.ttt.TEACHER_STATS_KERNEL`)
+# the teacher table's row statistics (`eyas.kernels`: teacher_stats)
 
 _STATS_STATE: dict[str, object] = {}  # as _STATE, for the row statistics kernel
 

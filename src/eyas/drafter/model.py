@@ -254,8 +254,8 @@ class MidLayer(nn.Module):
         """The linear weights cast to `dtype` once (differentiable casts) for several steps to share:
         q/k/v as one [H*d + 2*K*d, 2D] matrix and gate/up as one [2I, D] matrix (one matmul each per
         step), o_proj and down_proj alone; autograd sums the steps' gradients in the compute dtype. (Summing
-        them inside each matmul instead, through a shared-weight autograd function, was slower on an H200 in
-        three measurements: every use broke the compiled pieces' graphs.)"""
+        them inside each matmul instead, through a shared-weight autograd function, was slower: every use broke the
+        compiled pieces' graphs.)"""
         a, m = self.self_attn, self.mlp
         cast = lambda *mods: torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 \
             else mods[0].weight.to(dtype)

@@ -43,7 +43,7 @@ the global batch divided by the number of LOSS-MASK positions of step k in the g
 (sum_t m_{t+2+k}; known before any forward, so micro-batches and ranks normalise identically);
 total = sum_k w_k loss_k with w_k = 0.8**k by default. The head's logits are made chunk by chunk
 (`head_soft_ce`); each chunk's CE, top-1 hits and logit gradient come from one fused Triton kernel
-on CUDA (`eyas.drafter.ce_kernel`, after a start-up check against `_chunk_ce`; EYAS_CE_KERNEL=torch
+on CUDA (`eyas.drafter.ce_kernel`, after a start-up check against `_chunk_ce`; EYAS_KERNELS=ce:off
 forces the compiled torch version), else from `_chunk_ce`. Where the teacher's logits are kept for
 the whole packed row, the kernel reads each chunk's teacher rows from that table through an index
 vector; the torch version gathers them first.
@@ -57,17 +57,14 @@ from __future__ import annotations
 import functools
 import itertools
 import math
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from eyas.common import log
 from eyas.drafter import ce_kernel as CE
-from eyas.drafter import merge_kernel as MK
 from eyas.drafter.model import Eagle3Drafter, repeat_kv, rms_norm
-from eyas.errors import EyasError
+from eyas import kernels
 from eyas.packing import to_device
 
 
@@ -96,10 +93,8 @@ class TTTConfig:
     """Packed path under autocast: the mid layer's linear weights cast to the compute dtype once per
     forward (q/k/v and gate/up concatenated, one matmul each) and shared by the K steps, instead of every
     step casting the weights itself (autograd sums the K steps' weight gradients in the compute dtype).
-    None (default): on for drafters of hidden size >= CAST_ONCE_MIN_HIDDEN. Measured on one H200
-    (benchmarks/RESULTS.md, 2026-12-01): faster for the Llama-8B shape (hidden 4096; 80.3 ms a step with
-    autograd's sums against 87.2 with per-step casts, medians of 5 rounds in one process), 3-5% slower for
-    SmolLM2's (576)."""
+    None (default): on for drafters of hidden size >= CAST_ONCE_MIN_HIDDEN (wide drafters are bound by the casts,
+    narrow ones by the extra concatenation)."""
 
     def __post_init__(self):
         if self.steps < 1:
@@ -123,8 +118,8 @@ class TTTConfig:
 
 
 CAST_ONCE_MIN_HIDDEN = 2048
-"""The smallest drafter hidden size that casts its weights once by default (measured: 4096 faster,
-576 slower; the sizes between were not measured)."""
+"""The smallest drafter hidden size that casts its weights once by default (the 8B shape gains, SmolLM2's loses;
+sizes between are unmeasured)."""
 
 # cast_once precision: autograd adds the K steps' bf16 gradients of the once-cast weights in bf16 before the one
 # cast back to the fp32 master weight; the loss and gradients match per-step casts within bf16 rounding
@@ -284,8 +279,7 @@ def _fast(fn, device: torch.device):
 class _CausalPlusDiagonals(torch.autograd.Function):
     """out = softmax over [causal step-0 keys | J diagonal keys] without materialising T x T. The J diagonals
     come one tensor each, kv = (k_1, ..., k_J, v_1, ..., v_J) of [B, K, T, d] (J may be 0): never
-    stacked, so no step copies the earlier steps' keys and values again (stacking them cost 42 copies a step at
-    TTT 7; passing them listed made the 8B-shaped step 78.9 ms against 82.8 on an H200, 2026-12-01).
+    stacked, so no step copies the earlier steps' keys and values again.
 
     `rows` (or None): q and the diagonals hold only these n of the T positions (sorted), the step-0 keys all T.
     The causal kernel runs on a [T] query whose other rows are zero (their output is dropped, and a zero query
@@ -380,75 +374,9 @@ def _merge_bwd(q, kds, vds, out, lse, dout, dq_c, scale: float):
     return dq.reshape(B, H, T, d).to(q.dtype), dks, dvs
 
 
-TRITON_MERGE = False
-"""False (the default: the kernels measured slower): the merge of the diagonal keys into the causal attention (`_merge_fwd`,
-`_merge_bwd`) runs as compiled torch. True: as two Triton kernels (eyas/drafter/merge_kernel.py), one launch each
-way per TTT step, each reading every input once (the torch version leaves that to inductor's fusion of its pieces),
-where they run and passed their start-up check on the device (`check_merge_kernels`, once per device,
-dtype and head dim); the torch version elsewhere, for grouped diagonals (GROUPED_DIAGONALS) and for more than
-merge_kernel.MAX_J diagonals. The same outputs and gradients up to rounding. In a profile of the online SmolLM2 step
-on an H200 (2026-12-02, 131,072 tokens) `_CausalPlusDiagonals` took 107.6 ms of 992 ms of GPU time for two steps,
-flash attention inside it included. Measured there (benchmarks/train_bench.py --flag ttt.TRITON_MERGE, 2026-12-02,
-one chain): the kernels passed their start-up check (bf16, head dim 64) and gave the same loss to 8 digits, at 233,889
-supervised tokens/s against 248,789 and 250,405 for the compiled torch merge in the runs before and after it (0.94x)."""
-_MERGE_CHOICE: dict[tuple, bool] = {}
-
-
 def _merges(q: torch.Tensor, kds: list[torch.Tensor], vds: list[torch.Tensor]):
-    """(forward, backward) of the merge for these inputs: the Triton kernels under TRITON_MERGE where they apply and
-    passed their check on this device at these dtypes and head dim, else the torch version (compiled on CUDA)."""
-    # (checked at this head dim: the kernels are compiled per head dim)
-    if TRITON_MERGE and MK.merge_unsupported(q, kds, vds) is None and _triton_passes(
-            _MERGE_CHOICE, (q.device.type, q.dtype, kds[0].dtype, q.shape[-1]), q.device, "the attention merge",
-            f"{str(q.dtype).removeprefix('torch.')}, head dim {q.shape[-1]}",
-            lambda: MK.kernel_unavailable(q.device) or check_merge_kernels(q.device, q.dtype, d=q.shape[-1])):
-        return MK.merge_fwd, MK.merge_bwd
+    """(forward, backward) of the merge of the diagonal keys: the torch version, compiled on CUDA."""
     return _fast(_merge_fwd, q.device), _fast(_merge_bwd, q.device)
-
-
-def _triton_passes(choices: dict, key: tuple, device: torch.device, what: str, detail: str, why_not) -> bool:
-    """Whether `what` runs as its Triton kernels here: `why_not()` (None, or why not: the kernels cannot run, or fail
-    their start-up check against the torch version) asked once per key, kept in `choices`, and logged (the fallback
-    to torch only on CUDA, where it costs speed)."""
-    if key not in choices:
-        why = why_not()
-        if why is None:
-            log(f"train: {what} runs as Triton kernels (equal to the torch version on {device}, {detail})")
-        elif device.type == "cuda":
-            log(f"train: {what} runs as compiled torch, not Triton kernels ({why})")
-        choices[key] = why is None
-    return choices[key]
-
-
-def check_merge_kernels(device: torch.device, dtype: torch.dtype, *, H: int = 4, T: int = 70, d: int = 64,
-                        J: int = 3) -> str | None:
-    """None when the Triton merge kernels equal `_merge_fwd` / `_merge_bwd` (eager) on random inputs on `device`
-    (queries laid out [B, T, H, d] as the packed unroll keeps them, T not a multiple of the kernels' block), within
-    the rounding of `dtype`; else why not."""
-    g = torch.Generator(device="cpu").manual_seed(0)
-    mk = lambda *shape: torch.randn(*shape, generator=g).to(device=device, dtype=dtype)  # noqa: E731
-    q = mk(1, T, H, d).transpose(1, 2)
-    kds, vds = [mk(1, H, T, d) for _ in range(J)], [mk(1, H, T, d) for _ in range(J)]
-    out_c = mk(1, H, T, d)
-    lse_c = (2 * torch.randn(1, H, T, generator=g) + 3).to(device)
-    dout, dq_c = mk(1, H, T, d), mk(1, H, T, d)
-    scale = d ** -0.5
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
-    try:
-        got_f = MK.merge_fwd(q, kds, vds, out_c, lse_c, scale)
-        ref_f = _merge_fwd(q, kds, vds, out_c, lse_c, scale)
-        got_b = MK.merge_bwd(q, kds, vds, ref_f[0], ref_f[1], dout, dq_c, scale)
-        ref_b = _merge_bwd(q, kds, vds, ref_f[0], ref_f[1], dout, dq_c, scale)
-    except Exception as exc:  # noqa: BLE001  (a kernel that cannot compile or run here: the torch version)
-        return f"the Triton merge failed: {type(exc).__name__}: {str(exc)[:200]}"
-    pairs = [("out", got_f[0], ref_f[0]), ("lse", got_f[1], ref_f[1]), ("dq", got_b[0], ref_b[0])]
-    pairs += [(f"dk{j}", a, b) for j, (a, b) in enumerate(zip(got_b[1], ref_b[1]))]
-    pairs += [(f"dv{j}", a, b) for j, (a, b) in enumerate(zip(got_b[2], ref_b[2]))]
-    for name, a, b in pairs:
-        err = float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6))
-        if not err <= tol:
-            return f"the Triton merge's {name} differs from the torch version (max error {err:.2e} of its largest)"
-    return None
 
 
 def _kernel_pair(kernel: str, seg):
@@ -462,21 +390,13 @@ def _kernel_pair(kernel: str, seg):
             lambda dout, q, k, v, out, lse, scale, aux: bwd(dout, q, k, v, out, lse, scale, seg, aux))
 
 
-GROUPED_DIAGONALS = False
-"""False (the default): the unrolls repeat each step's keys/values to every query head once, and the
-attention merges repeated diagonals. True: the merge reads each key/value head once for the H/K query
-heads sharing it. On an H200, for the SmolLM2-sized drafter, that took 2.1 GB less peak memory but
-4% more time, 254.9 ms a step against 244.8 for repeating every diagonal inside each step's attention
-(benchmarks/train_bench.py measures it beside the default as eyas-grouped-diagonals)."""
-
-
 def _step_keys(x_BKTd: torch.Tensor, heads: int, *, packed_step0: bool = False) -> torch.Tensor:
-    """One step's keys or values as the unrolls keep them: repeated to the query heads unless GROUPED_DIAGONALS
-    (the diagonals) or, for a packed row's step 0, the varlen flash kernel reads them grouped (packing.gqa_flash:
-    the same test `fast_attention` makes, so they are repeated here once or never)."""
+    """One step's keys or values as the unrolls keep them: repeated to the query heads, unless, for a packed row's
+    step 0, the varlen flash kernel reads them grouped (packing.gqa_flash: the same test `fast_attention` makes, so
+    they are repeated here once or never)."""
     from eyas.packing import gqa_flash, pick_varlen_kernel
 
-    if gqa_flash(pick_varlen_kernel(x_BKTd)) if packed_step0 else GROUPED_DIAGONALS:
+    if packed_step0 and gqa_flash(pick_varlen_kernel(x_BKTd), x_BKTd):
         return x_BKTd
     return repeat_kv(x_BKTd, heads // x_BKTd.shape[1])
 
@@ -485,9 +405,9 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None,
     """Same result as `reference_attention`, O(T) extra memory per diagonal. With `seg` (a packed
     row, B = 1) the step-0 keys are causal within each segment. With `rows` (sorted positions, n of the
     T), the queries and the diagonal keys/values hold those n positions only; the step-0 keys all T.
-    keys/values: [B, K, T, d], K dividing H (K = H once repeated, as the unrolls keep them by default); the step-0
-    ones are repeated to the H query heads for the flash kernels (unless the varlen one reads them grouped:
-    packing.gqa_flash), the others too unless GROUPED_DIAGONALS."""
+    keys/values: [B, K, T, d], K dividing H (K = H once repeated, as the unrolls keep them); the step-0 ones are
+    repeated to the H query heads for the flash kernels (unless the varlen one reads them grouped: packing.gqa_flash),
+    the others always."""
     from eyas.packing import gqa_flash, pick_varlen_kernel
 
     if kernel is None:
@@ -498,11 +418,9 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None,
     H = q_BHTd.shape[1]
     rep = lambda x: repeat_kv(x, H // x.shape[1])  # noqa: E731  (a no-op for tensors of H heads)
     k0, v0 = keys[0], values[0]
-    if seg is None or not gqa_flash(kernel):  # (the dense kernels have no grouped-query mode)
+    if seg is None or not gqa_flash(kernel, q_BHTd):  # (the dense kernels have no grouped-query mode)
         k0, v0 = rep(k0), rep(v0)
-    kd, vd = keys[1:], values[1:]
-    if not GROUPED_DIAGONALS:
-        kd, vd = [rep(k) for k in kd], [rep(v) for v in vd]
+    kd, vd = [rep(k) for k in keys[1:]], [rep(v) for v in values[1:]]
     return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, rows, *kd, *vd)
 
 
@@ -675,18 +593,11 @@ def supervised_rows(loss_mask_N: torch.Tensor, ends_N: torch.Tensor, steps: int)
 
 def live_positions(rows: list[torch.Tensor], N: int) -> torch.Tensor:
     """int64 sorted positions that carry a loss at some TTT step (the union of `supervised_rows`): the only ones
-    whose hidden states the packed unroll computes past step 0's keys and values (PRUNE_ROWS)."""
+    whose hidden states the packed unroll computes past step 0's keys and values."""
     live = torch.zeros(N, dtype=torch.bool, device=rows[0].device if rows else "cpu")
     for r in rows:
         live[r] = True
     return live.nonzero().squeeze(1)
-
-
-PRUNE_ROWS = True
-"""True (the default): `ttt_loss_packed` computes the positions that carry no loss at any step (prompts, and the
-last tokens of each sample) only up to step 0's keys and values; every later piece of every step runs on the
-others. Same loss and gradients. False: every position at every step (benchmarks/train_bench.py's
-eyas-all-positions)."""
 
 
 @dataclass
@@ -703,8 +614,8 @@ class PackedTeacher:
     """The draft-vocab teacher logits of every row, kept when they fit `cache_bytes` (small
     batches: no recomputation per TTT step); None = recomputed chunk by chunk."""
     lse_N: torch.Tensor | None = None
-    """fp32 log-sum-exp of each row of `logits_NV`, made with it under TEACHER_LSE where the fused CE kernel (its one
-    reader) runs; else None."""
+    """fp32 log-sum-exp of each row of `logits_NV`, made with it where the fused CE kernel (its one reader) runs, so
+    that the kernel's first pass reads the student's logits only; else None."""
 
 
 TEACHER_CACHE_BYTES = 1 << 30
@@ -712,68 +623,24 @@ TEACHER_CACHE_BYTES = 1 << 30
 stays bounded by a constant and by tokens x hidden beyond it."""
 
 
-SPLIT_TEACHER_HEAD = True
-"""True (the default): `packed_teacher` (given the head's rows outside the draft vocab) multiplies the final states by
-the draft vocab's rows and by the other rows apart, and takes the full-vocab argmax from the two maxima (ties to the
-smaller target id, as one argmax over the whole row takes its first), instead of making the whole [rows x target
-vocab] product and copying the draft vocab's columns out of it: the same products, without writing and re-reading a
-[rows x draft vocab] copy (SmolLM2: about 25 GB of memory traffic a 131,072-token step, counted, not timed). The
-argmax flags can differ from the one-product path only where two logits tie to the last bit of one product and not of
-the other. Measured on one H200 (SmolLM2 online, the target on every batch, 131,072 tokens a step,
-benchmarks/train_bench.py --suite smol, 2026-12-02): 235,533 supervised tokens/s against 226,974 for one product.
-False: one product (`--flag ttt.SPLIT_TEACHER_HEAD=0` there)."""
-
-TEACHER_LSE = True
-"""True (the default): `packed_teacher` keeps each row's log-sum-exp (fp32) beside the kept teacher table, made chunk
-by chunk in the same compiled reduction as the draft vocab's maximum (which already reads each chunk), and, where the
-fused CE kernel is the chunk CE, every TTT step's head-loss chunks hand it to the kernel (`t_lse`), whose first pass
-then reads the student logits only: one of the five [rows x draft vocab] streams of each chunk (two reads each of the
-student's and the teacher's logits, one write of the gradient) less, in each of the K steps. The recomputed teacher's
-row groups (TEACHER_ONCE) take the log-sum-exp of each group's logits once for every step's slice of it (one read of
-the group's logits). The same loss, gradients and hits up to rounding (the kernel's start-up check compares them).
-Measured on one H200 (SmolLM2 online, the target on every batch, 131,072 tokens a step, benchmarks/train_bench.py
---suite smol, 2026-12-02, two pairs of runs in one chain): 249,314 against 242,250 and 250,553 against 244,140
-supervised tokens/s (1.029x, 1.026x); the 8B shape, in one process (6 rounds): 67.2 against 66.7 ms a step, inside
-the default's round-to-round spread (2.9%). False: the kernel makes the teacher's log-sum-exp itself in its first
-pass (`--flag ttt.TEACHER_LSE=0` there; train_bench.py's 8b variant eyas-kernel-lse)."""
-
-
 def _teacher_lse(logits_nV: torch.Tensor) -> torch.Tensor:
-    """[n] fp32 log-sum-exp of each row (TEACHER_LSE), summed in fp32 whatever the logits' dtype (in bf16 it would
+    """[n] fp32 log-sum-exp of each row (the kept teacher's `lse_N`), summed in fp32 whatever the logits' dtype (in bf16 it would
     keep 3 significant digits). Compiled on CUDA (`_fast`): one pass over the logits."""
     return torch.logsumexp(logits_nV.float(), -1)
 
 
 def _teacher_max_lse(logits_nV: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max, first index of the max, fp32 log-sum-exp) of each row: `packed_teacher` under TEACHER_LSE, compiled on
-    CUDA (`_fast`) so that the three reductions read each chunk of the table once, not twice."""
+    """(max, first index of the max, fp32 log-sum-exp) of each row: `packed_teacher`'s fallback for the row statistics
+    kernel, compiled on CUDA (`_fast`) so that the three reductions read each chunk of the table once, not twice."""
     top_max, top = logits_nV.max(-1)
     return top_max, top, _teacher_lse(logits_nV)
 
 
-TEACHER_STATS_KERNEL = True
-"""True (the default): under TEACHER_LSE, `packed_teacher` takes each kept chunk's maximum, its first index and the
-fp32 log-sum-exp of each row with one Triton kernel (`ce_kernel.row_max_lse`: one program per row, the three made
-in one pass of blocks), where it runs and passed its start-up check on the device (`check_row_max_lse`, once per
-device and dtype); elsewhere, and under False, with one compiled torch reduction (`_teacher_max_lse`). The same
-values up to the fp32 rounding of the log-sum-exp (the maximum and its first index exactly). In a profile of two
-online SmolLM2 steps on an H200 (2026-12-02, 131,072 tokens a step) the torch reduction read each [8,192 x 32,000]
-bf16 chunk at about 0.8 TB/s (0.65 ms a chunk, 10.4 ms a step). Measured on an H200 (2026-12-02, commit 726dd6c,
-benchmarks/train_bench.py --suite smol --cache off, the target on every batch, runs in turn in one chain): 259,437
-and 258,967 supervised tokens/s against 255,637 and 253,597 for the torch reduction (1.018x on the means); the 8B
-shape, in one process (10 rounds): 67.3 against 66.5 ms a step, inside the rounds' spread (6.0%; there the table
-is 2,048 rows, a step holds one chunk). benchmarks/train_bench.py --flag ttt.TEACHER_STATS_KERNEL=0; its 8b
-variant eyas-torch-stats."""
-_STATS_CHOICE: dict[tuple, bool] = {}
-
-
 def teacher_stats_for(device: torch.device, dtype: torch.dtype):
     """`packed_teacher`'s (max, first index of the max, fp32 log-sum-exp) of the rows of a kept chunk: the Triton
-    kernel under TEACHER_STATS_KERNEL where it runs and passed its check on this device at this dtype, else the
-    torch reduction (compiled on CUDA). Decided once per process; the reason for the torch one is logged on CUDA."""
-    if TEACHER_STATS_KERNEL and _triton_passes(
-            _STATS_CHOICE, (device.type, dtype), device, "the teacher's row statistics",
-            str(dtype).removeprefix("torch."), lambda: CE.stats_unavailable(device) or check_row_max_lse(device, dtype)):
+    kernel where it runs and passed its check on this device at this dtype (kernels: `teacher_stats`), else the
+    torch reduction (compiled on CUDA)."""
+    if kernels.use("teacher_stats", device, dtype):
         return CE.row_max_lse
     return _fast(_teacher_max_lse, device)
 
@@ -784,6 +651,9 @@ def check_row_max_lse(device: torch.device, dtype: torch.dtype, *, rows: int = 3
     Logits ~ N(0, 3); rows strided (a wider table's columns); row 0 holds its maximum twice in different blocks
     (the first index wins), row 1 its maximum in the last, partial block, row 2 a maximum far above the rest (the
     sum-exp rescaled past the block that held it)."""
+    why = CE.stats_unavailable(device)
+    if why is not None:
+        return why
     g = torch.Generator(device="cpu").manual_seed(0)
     wide = (3 * torch.randn(rows, vocab + 16, generator=g)).to(dtype)
     wide[0, 5], wide[0, vocab - 7] = 40.0, 40.0
@@ -806,8 +676,8 @@ def check_row_max_lse(device: torch.device, dtype: torch.dtype, *, rows: int = 3
 
 
 def unused_head(head_weight_VtD: torch.Tensor, t2d_Vt: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(the head's rows outside the draft vocab [U, D], their ascending target ids [U]) for `packed_teacher`'s
-    SPLIT_TEACHER_HEAD path (reads the draft-vocab mask once: call it at set-up, not per step)."""
+    """(the head's rows outside the draft vocab [U, D], their ascending target ids [U]) for `packed_teacher` (reads
+    the draft-vocab mask once: call it at set-up, not per step)."""
     unused_U = (~t2d_Vt.bool()).nonzero().squeeze(1)
     return head_weight_VtD.index_select(0, unused_U), unused_U
 
@@ -818,34 +688,35 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
                    cache_bytes: int = TEACHER_CACHE_BYTES,
                    unused: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedTeacher:
     """Argmax flags over the full target vocab, in row chunks; the draft-vocab logits are kept only
-    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk), with their log-sum-exp under
-    TEACHER_LSE where the fused CE kernel runs on this device. `unused`: `unused_head(...)`, for SPLIT_TEACHER_HEAD."""
+    when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk), with their log-sum-exp where the
+    fused CE kernel runs on this device. `unused`: `unused_head(...)` (made here when not given).
+
+    The final states are multiplied by the draft vocab's rows and by the other rows apart, and the full-vocab argmax
+    comes from the two maxima (ties to the smaller target id, as one argmax over the whole row takes its first): the
+    same products as one [rows x target vocab] product, without writing and re-reading a copy of its draft columns.
+    The flags can differ from one product's only where two logits tie to the last bit of one product and not of the
+    other."""
     flat = final_ND.to(head_weight_VtD.dtype)
     N, V = flat.shape[0], used_V.shape[0]
     keep = N * V * flat.element_size() <= cache_bytes
+    if unused is None:
+        unused = unused_head(head_weight_VtD, t2d_Vt)
     # (only where the fused kernel, its one reader, can run: on the CPU no chunk CE would read it)
-    lse_wanted = keep and TEACHER_LSE and CE.kernel_unavailable(flat.device) is None
+    lse_wanted = keep and kernels.setting("ce") != "off" and CE.kernel_unavailable(flat.device) is None
     max_lse_of = teacher_stats_for(flat.device, flat.dtype) if lse_wanted else None
     # the kept table is written in place, chunk by chunk (no [N, V] concatenation at the end: a copy of the whole
     # table, and twice its memory for a moment)
     table = flat.new_empty(N, V) if keep else None
     tops, inv, lses = [], [], []
-    split = SPLIT_TEACHER_HEAD and unused is not None
     for a in range(0, N, chunk_rows):
         into = table[a:a + chunk_rows] if keep else None
-        if split:
-            restricted = torch.matmul(flat[a:a + chunk_rows], head_used_VD.T, out=into)  # [n, V]
-        else:
-            logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
-            inv.append(t2d_Vt[logits.argmax(-1)])
-            restricted = torch.index_select(logits, 1, used_V, out=into)
+        restricted = torch.matmul(flat[a:a + chunk_rows], head_used_VD.T, out=into)  # [n, V]
         if max_lse_of is not None:  # the maximum and the log-sum-exp in one read of the chunk
             top_max, top, lse = max_lse_of(restricted)
             lses.append(lse)
         else:
             top_max, top = restricted.max(-1)  # (the first index of the maximum, as argmax)
-        if split:
-            inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
+        inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
         tops.append(top)
     return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), table, torch.cat(lses) if lses else None)
 
@@ -880,48 +751,15 @@ def _gathering(chunk):
     return call
 
 
-FUSED_TOP_RANK = True
-"""True (the default): with the fused CE kernel, the head loss's reachability test (`align_topk`: the teacher's top
-token among the drafter's top K logits, `top_rank_below`) is counted by the kernel in its pass over the student logits
-instead of by a compiled pass of its own (one full read of every [rows x draft vocab] chunk less; in a profile of two
-online SmolLM2 steps on an H200, 2026-12-02, that pass took 38.2 ms of 992 ms of GPU time). The same booleans (the
-kernel's start-up check compares them). Measured on one H200 (SmolLM2 online, the target on every batch, 131,072
-tokens a step, benchmarks/train_bench.py --suite smol, 2026-12-02, two pairs of runs): 245,245 against 238,733 and
-244,436 against 238,237 supervised tokens/s (1.027x, 1.026x); the 8B shape, in one process: 66.1 against 66.3 ms a
-step. False: a pass of its own (`--flag ttt.FUSED_TOP_RANK=0` there)."""
-
-CE_KERNEL_ENV = "EYAS_CE_KERNEL"
-"""Environment variable choosing the per-chunk CE: `auto` (default: the fused Triton kernel on CUDA
-when its start-up check passes, else compiled torch), `torch`, or `triton` (fail if it cannot run)."""
-_CE_CHOICE: dict[tuple, object] = {}
-
-
 def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype):
     """The per-chunk CE to use for logits of these dtypes on `device`, decided once per process:
     `fused_chunk_ce` (one Triton kernel, two passes per row) where it runs and agrees with
-    `_chunk_ce` on a random chunk (teacher given directly and through row ids), else `_chunk_ce`
-    (compiled on CUDA) behind `_gathering`. Either is called as f(s, t, w, top, t_rows=None). A
-    failed compile or a wrong answer on a new machine must cost speed, not correctness; the reason
-    is logged once."""
-    # (checked with the rank and the teacher's log-sum-exp too, where those are on)
-    key = (device.type, s_dtype, t_dtype) + (("rank",) if FUSED_TOP_RANK else ()) + (("lse",) if TEACHER_LSE else ())
-    if key in _CE_CHOICE:
-        return _CE_CHOICE[key]
-    want = os.environ.get(CE_KERNEL_ENV, "auto").strip().lower() or "auto"
-    if want not in ("auto", "torch", "triton"):
-        raise EyasError(f"{CE_KERNEL_ENV}={want!r}: expected auto, torch or triton; unset it for auto")
-    why = "forced by " + CE_KERNEL_ENV + "=torch" if want == "torch" else CE.kernel_unavailable(device)
-    if why is None:
-        why = check_fused_chunk_ce(device, s_dtype, t_dtype)
-    if why is None:
-        _CE_CHOICE[key] = CE.fused_chunk_ce
-    elif want == "triton":
-        raise EyasError(f"{CE_KERNEL_ENV}=triton: {why}; unset it to fall back to the torch version")
-    else:
-        if device.type == "cuda" and want == "auto":
-            log(f"train: head loss uses the compiled torch cross-entropy, not the fused Triton kernel ({why})")
-        _CE_CHOICE[key] = _gathering(_fast(_chunk_ce, device))
-    return _CE_CHOICE[key]
+    `_chunk_ce` on a random chunk (kernels: `ce`), else `_chunk_ce` (compiled on CUDA) behind `_gathering`. Either
+    is called as f(s, t, w, top, t_rows=None). Where the kernel runs it also takes the teacher's log-sum-exp (`t_lse`)
+    and counts the reachability test (`rank_topk`) in its pass over the student logits."""
+    if kernels.use("ce", device, s_dtype, t_dtype):
+        return CE.fused_chunk_ce
+    return _gathering(_fast(_chunk_ce, device))
 
 
 @torch.no_grad()
@@ -932,9 +770,13 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     Logits ~ N(0, 3) like a trained head's; weights in [0, 1) with a zero row; half of the `top`
     ids are the argmax (hits), and row 0 holds its maximum twice (a hit only at the first index).
     The table has more rows than the chunk and a row stride wider than V; `t_rows` is out of order
-    and repeats ids, so a kernel that ignores it, or reads row n for row n, fails. Under TEACHER_LSE also with the
+    and repeats ids, so a kernel that ignores it, or reads row n for row n, fails. Also with the
     teacher's log-sum-exp given (`t_lse`: the rank cases too), and once with it moved by 0.5 (against `_chunk_ce`
-    given the same), so a kernel that ignores it, or reads it at the chunk's row instead of the table's, fails."""
+    given the same), so a kernel that ignores it, or reads it at the chunk's row instead of the table's, fails. Also the rank
+    the kernel counts for the reachability test."""
+    why = CE.kernel_unavailable(device)
+    if why is not None:
+        return why
     g = torch.Generator(device="cpu").manual_seed(0)
     s = (3 * torch.randn(rows, vocab, generator=g)).to(s_dtype)
     wide = torch.zeros(rows + 7, vocab + 16, dtype=t_dtype)
@@ -952,18 +794,18 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     ref = _chunk_ce(s, t, w, top)
     by_index = {"t_rows": t_rows}
     cases = [("", (s, t, w, top), {}, ref), (" (teacher rows by index)", (s, table, w, top), by_index, ref)]
-    if TEACHER_LSE:  # the teacher's log-sum-exp given (the rank cases below get it too), and given moved by 0.5
-        table_lse = _teacher_lse(table)
-        by_index = {"t_rows": t_rows, "t_lse": table_lse}
-        moved = table_lse + 0.5
-        cases += [(" (teacher log-sum-exp given)", (s, t, w, top), {"t_lse": table_lse[t_rows]}, ref),
-                  (" (teacher rows by index, log-sum-exp given)", (s, table, w, top), by_index, ref),
-                  (" (teacher rows by index, log-sum-exp moved by 0.5)", (s, table, w, top),
-                   {"t_rows": t_rows, "t_lse": moved}, _chunk_ce(s, t, w, top, moved[t_rows]))]
-    if FUSED_TOP_RANK:  # the rank counted in the kernel, for K = 1 (the argmax, or tied with it) and for K at and
-        # one past row 2's rank (its token random: some row sits on each side of each boundary)
-        r2 = max(1, int((s[2] > s[2, top[2]]).sum()))
-        cases += [(f" (top-{k} rank)", (s, table, w, top), {**by_index, "rank_topk": k}, ref) for k in (1, r2, r2 + 1)]
+    # the teacher's log-sum-exp given (the rank cases below get it too), and given moved by 0.5
+    table_lse = _teacher_lse(table)
+    by_index = {"t_rows": t_rows, "t_lse": table_lse}
+    moved = table_lse + 0.5
+    cases += [(" (teacher log-sum-exp given)", (s, t, w, top), {"t_lse": table_lse[t_rows]}, ref),
+              (" (teacher rows by index, log-sum-exp given)", (s, table, w, top), by_index, ref),
+              (" (teacher rows by index, log-sum-exp moved by 0.5)", (s, table, w, top),
+               {"t_rows": t_rows, "t_lse": moved}, _chunk_ce(s, t, w, top, moved[t_rows]))]
+    # the rank counted in the kernel, for K = 1 (the argmax, or tied with it) and for K at and one past row 2's rank
+    # (its token random: some row sits on each side of each boundary)
+    r2 = max(1, int((s[2] > s[2, top[2]]).sum()))
+    cases += [(f" (top-{k} rank)", (s, table, w, top), {**by_index, "rank_topk": k}, ref) for k in (1, r2, r2 + 1)]
     for mode, args, kw, expect in cases:
         try:
             out = CE.fused_chunk_ce(*args, **kw)
@@ -998,40 +840,40 @@ def _chunk_ce_differs(out, ref, s_dtype: torch.dtype) -> str | None:
     return None
 
 
-_ADDMM_FP32: dict[tuple[str, torch.dtype], bool] = {}
-
-
 def addmm_fp32_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """acc += a @ b for an fp32 `acc`. With a and b in 16 bits the product is summed into `acc` inside the
-    matmul (`addmm` with out_dtype fp32) where the backend has it and it passes `check_addmm_fp32` once;
-    else through an fp32 copy of the product (one [M, N] cast and one addition more per call: at the 8B
-    shape, 7 a step, one per TTT step, for the head's [32000, 4096] weight gradient)."""
+    matmul (`addmm` with out_dtype fp32) where the backend has it and it passed its check (kernels: `addmm_fp32`);
+    else through an fp32 copy of the product (one [M, N] cast and one addition more per call, one per TTT step)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-        return
-    key = (acc.device.type, a.dtype)
-    if key not in _ADDMM_FP32:
-        _ADDMM_FP32[key] = check_addmm_fp32(acc.device, a.dtype)
-    if _ADDMM_FP32[key]:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    elif kernels.use("addmm_fp32", acc.device, a.dtype):
+        _addmm_in_fp32(acc, a, b)
     else:
-        acc += (a @ b).float()
+        _addmm_by_copy(acc, a, b)
+
+
+def _addmm_in_fp32(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+
+
+def _addmm_by_copy(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    acc += (a @ b).float()
 
 
 @torch.no_grad()
-def check_addmm_fp32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether `addmm(acc, a, b, out_dtype=fp32, out=acc)` runs on `device` for `dtype` inputs and sums
-    into `acc` in place as the plain fp32 computation does (a transposed `a`, as the head passes it)."""
+def check_addmm_fp32(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when `addmm(acc, a, b, out_dtype=fp32, out=acc)` runs on `device` for `dtype` inputs and sums
+    into `acc` in place as the plain fp32 computation does (a transposed `a`, as the head passes it); else why not."""
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(48, 64, generator=g).to(device, dtype).T
     b = torch.randn(48, 32, generator=g).to(device, dtype)
     acc = torch.randn(64, 32, generator=g).to(device)
     want = acc + a.float() @ b.float()
     try:
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError, NotImplementedError):
-        return False
-    return bool(torch.allclose(acc, want, rtol=1e-4, atol=1e-4))
+        _addmm_in_fp32(acc, a, b)
+    except (RuntimeError, TypeError, NotImplementedError) as exc:
+        return f"addmm with an fp32 output failed: {type(exc).__name__}: {str(exc)[:200]}"
+    return None if torch.allclose(acc, want, rtol=1e-4, atol=1e-4) else "addmm with an fp32 output sums differently"
 
 
 class _HeadSoftCE(torch.autograd.Function):
@@ -1048,8 +890,8 @@ class _HeadSoftCE(torch.autograd.Function):
     weight is kept only while every earlier range's row at the same position had the teacher's top token among
     its top K logits. Both orders of the work handle a position's ranges in order (step k's teacher row t+1+k
     follows step k-1's t+k), so each chunk's mask is known before its gradients are made.
-    `t_lse` (a table's only, else None): fp32 log-sum-exp of each row of `t_src`, handed to the fused kernel under
-    TEACHER_LSE (the groups make their own)."""
+    `t_lse` (a table's only, else None): fp32 log-sum-exp of each row of `t_src`, handed to the fused kernel (the
+    groups make their own)."""
 
     @staticmethod
     def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, t_lse, weight_n, top_n, chunk_rows, compute_dtype, bounds,
@@ -1065,16 +907,15 @@ class _HeadSoftCE(torch.autograd.Function):
             dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
             t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
             chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
-            given_lse = TEACHER_LSE and chunk is CE.fused_chunk_ce  # (the torch version takes no t_lse)
+            fused = chunk is CE.fused_chunk_ce  # (the torch version takes neither t_lse nor rank_topk)
             wf = weight_n.float()
             if align is not None:
                 pos_n, n_positions, topk = align
                 alive = torch.ones(n_positions, dtype=torch.float32, device=x_nD.device)
                 rank_below = _fast(top_rank_below, x_nD.device)
-                fused_rank = FUSED_TOP_RANK and chunk is CE.fused_chunk_ce
 
             # student rows a:b of range i against teacher logits t (rows t_rows of it); `lse`: the log-sum-exp of
-            # each row of t, for the fused kernel (TEACHER_LSE)
+            # each row of t, for the fused kernel
             def rows(i, a, b, t, t_rows, lse=None):
                 s = xb[a:b] @ wb.T  # student logits [c, V]
                 w = wf[a:b]
@@ -1084,7 +925,7 @@ class _HeadSoftCE(torch.autograd.Function):
                 else:  # this chunk's weights by the earlier ranges' tests; its own test marks the later ranges'
                     pos = pos_n[a:b]
                     w = w * alive[pos]
-                    if fused_rank:
+                    if fused:
                         ce, hit, g, below = chunk(s, t, w, top_n[a:b], rank_topk=topk, **kw)
                     else:  # (the test before the kernel, which may overwrite s)
                         below = rank_below(s, top_n[a:b], topk)
@@ -1098,7 +939,7 @@ class _HeadSoftCE(torch.autograd.Function):
                     addmm_fp32_(dw, g.T, xb[a:b])
 
             if groups is not None:
-                lse_of = _fast(_teacher_lse, x_nD.device) if given_lse else None
+                lse_of = _fast(_teacher_lse, x_nD.device) if fused else None
                 for t_lo, t_hi, slices in groups:
                     t = t_src[t_lo:t_hi].to(compute_dtype) @ wtb.T  # [t_hi - t_lo, V], once for every range
                     lse = lse_of(t) if lse_of is not None else None  # one read of t, for the slices of every range
@@ -1109,7 +950,7 @@ class _HeadSoftCE(torch.autograd.Function):
                     for a in range(lo, hi, chunk_rows):
                         b = min(hi, a + chunk_rows)
                         if wtb is None:  # the whole table and this chunk's row ids: the kernel reads it in place
-                            rows(i, a, b, t_src, t_idx[a:b], t_lse if given_lse else None)
+                            rows(i, a, b, t_src, t_idx[a:b], t_lse if fused else None)
                         else:  # rows of the final states (all of t_src, or rows t_idx of it) times the target head
                             f = t_src[a:b] if t_idx is None else t_src.index_select(0, t_idx[a:b])
                             rows(i, a, b, f.to(compute_dtype) @ wtb.T, None)
@@ -1128,17 +969,9 @@ class _HeadSoftCE(torch.autograd.Function):
         return dx, dw, None, None, None, None, None, None, None, None, None, None, None
 
 
-TEACHER_ONCE = True
-"""The recomputed teacher's logits (a batch over the kept table's cap, `packed_teacher`'s `cache_bytes`)
-computed once per chunk of teacher rows for all TTT steps (`teacher_groups`), not once per step: the K steps
-read nearly the same teacher rows (step k's row t reads p_{t+1+k}), so per-step recomputation repeats the
-[rows x D] @ [D x V] product K times. Measured on one H200 (SmolLM2 drafter shape, 65,536 tokens a step, the
-table's cap forced to 1 GiB): 240.0 ms a step against 259.9 per step; 235.9 with the table kept. False: per step
-(the path before 2026-12-01 late; train_bench.py's variant `eyas-teacher-per-step`)."""
-
-
 def teacher_groups(t_idx: torch.Tensor, lengths: list[int], n_teacher: int, chunk_rows: int):
-    """The work of a recomputed-teacher head call ordered by teacher rows: ((t_lo, t_hi, ((range, a, b), ...)),
+    """The work of a recomputed-teacher head call ordered by teacher rows (the K steps read nearly the same teacher
+    rows, so each group's [rows x D] @ [D x V] product is made once for all of them, not once a step): ((t_lo, t_hi, ((range, a, b), ...)),
     ...) with teacher rows [t_lo, t_hi) at most `chunk_rows` of them, and for each range (TTT step) the
     slice a:b of its rows whose teacher rows lie there. Needs every range's `t_idx` ascending and without
     repeats (then a slice has at most `chunk_rows` rows); None when one is not (or there is nothing to do).
@@ -1189,7 +1022,7 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
     call -> (total, [len(lengths)] per-range sums (detached), hits [n]). With `f_nD` and `wt_VD`,
     `teacher_rows` (optional) picks row n's final state from f (no [n, D] copy of them). `align`:
     (positions of the rows, number of positions, K), `_HeadSoftCE`'s reachability mask. `teacher_lse`: fp32
-    log-sum-exp of each row of `teacher_logits` (PackedTeacher.lse_N), for the fused kernel under TEACHER_LSE."""
+    log-sum-exp of each row of `teacher_logits` (PackedTeacher.lse_N), for the fused kernel."""
     if compute_dtype is None:
         dev = x_nD.device.type
         compute_dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x_nD.dtype
@@ -1201,7 +1034,7 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
         return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, teacher_lse, weight_n, top_n,
                                  chunk_rows, compute_dtype, bounds, None, align)
     groups = None
-    if TEACHER_ONCE and teacher_rows is not None and len(lengths) > 1:
+    if teacher_rows is not None and len(lengths) > 1:
         groups = teacher_groups(teacher_rows, lengths, f_nD.shape[0], chunk_rows)
     return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, teacher_rows, None, weight_n, top_n, chunk_rows,
                              compute_dtype, bounds, groups, align)
@@ -1222,8 +1055,7 @@ class PackedUnroll:
     Past step 0's keys and values, a position's states reach nothing but the same position's later steps (its
     queries read the step-0 keys of earlier positions and its own diagonals). So each step may run on fewer
     positions than the last (`pos`, sorted, a subset of the previous step's): the positions that carry no loss at
-    any step (PRUNE_ROWS: `live_positions`), and under `align_topk` the positions whose draft chain is no longer
-    reachable (PRUNE_UNREACHED), are computed at step 0 up to their keys and values and then dropped."""
+    any step (`live_positions`) are computed at step 0 up to their keys and values and then dropped."""
 
     def __init__(self, drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
                  steps: int, attention: str = "fast", cast_once: bool = False):
@@ -1279,32 +1111,11 @@ class PackedUnroll:
         return hidden
 
 
-PRUNE_UNREACHED = False
-"""With `align_topk` K > 0: after each TTT step, the positions whose draft chain is no longer reachable (the
-target's top token left the drafter's top K at this step or an earlier one: their later losses are masked to zero)
-leave the unroll, so the later steps' mid layer and head run on the reachable positions only. Same loss and
-gradients as without it; it costs one wait for the GPU per step (the next step's count of positions) and a
-forward product of the head per step for the test. The per-step accuracies then count a hit only where the chain
-is still reachable. Off: in a real run it halved the training rate for the same tau (H200, 2026-12-01,
-benchmarks/specforge_side_by_side.py, 600 steps of 16 samples: 51,667 against 105,699 tokens/s; MT-bench tau chain
-1.4250 / tree 1.9616 against 1.4153 / 1.9568): at that batch the step is queued by the host well ahead of the GPU, and
-each wait drains that queue. Larger batches are not measured."""
-
-
 def top_rank_below(s_cV: torch.Tensor, top_c: torch.Tensor, topk: int) -> torch.Tensor:
     """[c] bool: fewer than `topk` logits of each row of s_cV above the one of token `top_c` (that token among the
     row's top `topk`; ties count for it). Compiled on CUDA (`_fast`): one pass over the logits."""
     s_top = s_cV.gather(1, top_c[:, None].clamp(0, s_cV.shape[1] - 1))
     return (s_cV > s_top).sum(1) < topk
-
-
-def _reach(x_nD: torch.Tensor, w_VD: torch.Tensor, top_n: torch.Tensor, topk: int, chunk_rows: int) -> torch.Tensor:
-    """[n] bool: the target's top token `top_n` among the top `topk` of the logits x @ w.T (as the head loss's
-    `align` test computes it), in row chunks."""
-    rank_below = _fast(top_rank_below, x_nD.device)
-    out = [rank_below(x_nD[a:a + chunk_rows] @ w_VD.T, top_n[a:a + chunk_rows], topk)
-           for a in range(0, x_nD.shape[0], chunk_rows)]
-    return torch.cat(out) if out else torch.zeros(0, dtype=torch.bool, device=x_nD.device)
 
 
 def ttt_loss_packed(
@@ -1322,8 +1133,8 @@ def ttt_loss_packed(
 ) -> TTTOutput:
     """`ttt_loss` on a packed row: same loss, same statistics, same normalisation (`denominators`:
     the global batch's loss-mask counts per step = the summed lengths of `rows`). `live`: `live_positions(rows)`
-    (made by the data loader on the host: its length sets shapes), used when PRUNE_ROWS; PRUNE_UNREACHED narrows
-    the positions further, step by step, under `align_topk`."""
+    (made by the data loader on the host: its length sets shapes): the only positions computed past step 0's keys
+    and values (the same loss and gradients)."""
     K = cfg.steps
     dev = input_ids_N.device
     N = input_ids_N.shape[0]
@@ -1334,19 +1145,14 @@ def ttt_loss_packed(
     # after the unroll (one weight-gradient buffer for the head instead of one per step), each row
     # weighted by its step's w_k / denominator_k
     # each step's rows are gathered, normed and cast to the head's compute dtype by one `normed_rows` (compiled
-    # with the drafter), then concatenated once: written slice by slice into one buffer instead, autograd cloned
-    # the buffer's whole gradient once per step (the 8B-shaped step 79.3 ms against 82.8 on an H200, 2026-12-01)
+    # with the drafter), then concatenated once: written slice by slice into one buffer instead, autograd would
+    # clone the buffer's whole gradient once per step
     supervised = sum(int(r.numel()) for r in rows)
     cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else drafter.lm_head.weight.dtype
     parts: list[torch.Tensor] = []
     norm_rows = getattr(drafter, "_normed_rows", normed_rows)
-    if not (PRUNE_ROWS and live is not None and 0 < live.shape[0] < N):
+    if not (live is not None and 0 < live.shape[0] < N):
         live = None  # (no supervised row: the filler below needs a hidden row)
-    # PRUNE_UNREACHED: `alive` marks the positions whose chain is still reachable; each step's rows are those alive
-    unreached = PRUNE_UNREACHED and cfg.align_topk > 0 and supervised > 0
-    alive = torch.ones(N, dtype=torch.bool, device=dev) if unreached else None
-    w_head = drafter.lm_head.weight.to(cdtype) if unreached else None
-    step_rows: list[torch.Tensor] = []  # positions whose loss enters the head at step k
     unroll = PackedUnroll(drafter, input_ids_N, seg, aux_NAD, steps=K, attention=cfg.attention,
                           cast_once=cfg.cast_once_for(drafter.config.hidden_size))
     pos = live
@@ -1357,23 +1163,11 @@ def ttt_loss_packed(
             # reaches every trainable weight, so backward runs and DDP/FSDP2 reduce as on the other ranks
             last = torch.nn.functional.linear(drafter.norm(hidden[0, :1]), drafter.lm_head.weight)
             loss = loss + 0.0 * last.float().sum()
-        r = rows[k] if alive is None else rows[k][alive[rows[k]]]  # (a wait for the GPU: the count)
-        step_rows.append(r)
+        r = rows[k]
         if r.numel():
             at = r if pos is None else torch.searchsorted(pos, r)  # rows of the step's states
             parts.append(norm_rows(hidden[0], at, drafter.norm.weight, drafter.norm.eps, cdtype))
-        if alive is not None and k < K - 1:
-            with torch.no_grad():
-                tr = r + 1 + k
-                if r.numel():
-                    alive[r] = _reach(parts[-1], w_head, teacher.top_N[tr], cfg.align_topk, chunk_rows) \
-                        & teacher.in_vocab_N[tr]
-                cur = unroll.pos
-                pos = cur[alive.index_select(0, cur)]  # (a wait for the GPU: the count)
-            if not pos.numel():  # no chain reachable past this step: the later steps have no loss
-                break
-    step_rows += [rows[0].new_zeros(0)] * (K - len(step_rows))
-    lengths = [int(r.numel()) for r in step_rows]
+    lengths = [int(r.numel()) for r in rows]
     x = torch.cat(parts) if parts else torch.empty(0, drafter.config.hidden_size, dtype=cdtype, device=dev)
     # the statistics are made for all steps at once, over the steps' rows concatenated (each row's step from the
     # host's lengths): a few kernels a step instead of a few per TTT step (the 8B-shaped step is bound by its host)
@@ -1381,14 +1175,14 @@ def ttt_loss_packed(
     ce_sum, correct, accepted = torch.zeros(K, **f64), torch.zeros(K, **f64), zero
     if sum(lengths):  # one range per step (empty ones too): per_step[k] is step k's weighted sum
         k_of_row = _step_of_rows(lengths, dev)
-        r_cat = torch.cat(step_rows)
+        r_cat = torch.cat(rows)
         tr = r_cat + 1 + k_of_row  # teacher row of step k's row t: p_{t+1+k}
         valid = teacher.in_vocab_N[tr]  # the target's top token in the draft vocabulary
         scale = to_device(torch.tensor(cfg.weights, dtype=torch.float32), dev) / denominators.float()
         scale_n = scale.index_select(0, k_of_row)  # each row's w_k / denominator_k
         w = valid.float() * scale_n  # (0 where the target's top token is outside the draft vocab)
         top = teacher.top_N[tr]
-        align = (r_cat, N, cfg.align_topk) if cfg.align_topk and alive is None else None
+        align = (r_cat, N, cfg.align_topk) if cfg.align_topk else None
         if teacher.logits_NV is not None:
             total, per_step, hits = head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, w, top, lengths,
                                                         chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV,
@@ -1407,16 +1201,10 @@ def ttt_loss_packed(
             # the simulated chain: a position's step k is accepted while its steps 0..k all hit
             hit_KN = torch.zeros(K, N, dtype=torch.float32, device=dev).index_put_((k_of_row, r_cat), hit.float())
             accepted = hit_KN.cumprod(0).sum().double()
-    # every supervised row whose target top token is in the draft vocab (the statistics' denominators): the rows
-    # of the steps above, unless PRUNE_UNREACHED left some out
-    if alive is None and sum(lengths):
-        valids = torch.zeros(K, **f64).index_add_(0, k_of_row, valid.double())
-    else:
-        all_lengths = [int(r.numel()) for r in rows]
-        valids = torch.zeros(K, **f64)
-        if sum(all_lengths):
-            k_all = _step_of_rows(all_lengths, dev)
-            valids.index_add_(0, k_all, teacher.in_vocab_N[torch.cat(rows) + 1 + k_all].double())
+    # every supervised row whose target top token is in the draft vocab (the statistics' denominators)
+    valids = torch.zeros(K, **f64)
+    if sum(lengths):
+        valids.index_add_(0, k_of_row, valid.double())
     return TTTOutput(loss=loss, ce_sum=ce_sum, correct=correct, valid=valids, accepted=accepted, rounds=valids[0])
 
 

@@ -121,7 +121,7 @@ class RegenConfig:
 
 def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
     """8 on CPU; on GPU the largest multiple of 8 up to 1024 whose KV cache fits in half the free memory
-    (on an H200, SmolLM2 two-turn regeneration: 1024 rows beat 512 by 1.18x end to end)."""
+    (more rows keep a small target's decode steps busy)."""
     import torch
 
     if not device.startswith("cuda"):

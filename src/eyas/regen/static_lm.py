@@ -1,7 +1,7 @@
 """A static-KV-cache forward for Llama/Qwen-style targets, built on the Hugging Face modules.
 
 Why not transformers' StaticCache: the per-step cost that limits `generate` on a small target is
-Python and kernel-launch overhead (~60 ms a step on the H200 for SmolLM2 whatever the batch). Here a
+Python and kernel-launch overhead (for SmolLM2 nearly the whole step, whatever the batch). Here a
 decode step is a fixed-shape function of static buffers (token, position, cache), so on CUDA it is
 captured once as a CUDA graph and replayed for the cost of one launch.
 

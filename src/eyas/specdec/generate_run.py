@@ -134,8 +134,8 @@ def _turn_prompts(tokenizer, convs, answers: dict[tuple[int, int], str], turn: i
 
 
 def resolve_engine(engine: str, device) -> str:
-    """The batch-1 engine `--engine auto` means: static on CUDA (its CUDA graphs: on an H200 with SmolLM2-135M,
-    target-only decoding ran at 293.7 tokens/s static against 15.7 plain, 2026-12-01), plain elsewhere (on a
+    """The batch-1 engine `--engine auto` means: static on CUDA (its CUDA graphs remove the per-token launch cost
+    that dominates small targets), plain elsewhere (on a
     CPU the static engine attends over its whole preallocated cache every round and is the slower one)."""
     from eyas.specdec.speculative import prediction_engine  # eval's speed prediction follows the same rule
 

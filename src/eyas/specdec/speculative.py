@@ -59,8 +59,8 @@ def eager_attention(device: torch.device):
     engine's growing cache): all but cuDNN's. On Hopper (cuDNN > 9.15) torch tries cuDNN attention
     first, and cuDNN builds an execution graph for every new (query, key, mask) shape before running
     it: each static-engine prefill met two new shapes (the target's [P, P], the drafter's step-0 pass)
-    and the plain engine one a round, which fits the H200's 151 ms a prefill against 29 ms for the
-    target-only run that followed with the same [P, P]. Flash and memory-efficient attention have no
+    and the plain engine one a round, which made the first prefill of each shape several times slower than the
+    next. Flash and memory-efficient attention have no
     per-shape set-up. The CUDA-graph steps replay one shape and keep torch's choice. A no-op off CUDA."""
     if device.type != "cuda":
         return contextlib.nullcontext()
@@ -568,9 +568,8 @@ def predicted_speedup(tau: float | None, costs: dict[str, Any]) -> float | None:
 
 def prediction_engine(device: torch.device) -> str:
     """The batch-1 engine the prediction describes on `device`: `static` on CUDA, where it is the fast
-    one (`eyas generate --engine static`: CUDA-graph steps, one host read a round; on an H200 with
-    SmolLM2-135M ~1.8 ms draft + ~3.4 ms verify against 14.6 + 20.2 ms for the plain engine's eager
-    code), `plain` elsewhere: off CUDA the static engine runs the same kernels eagerly with attention
+    one (`eyas generate --engine static`: CUDA-graph steps, one host read a round, against the plain engine's
+    eager launches), `plain` elsewhere: off CUDA the static engine runs the same kernels eagerly with attention
     over its whole preallocated cache, so it is the slower one there. The same rule picks
     `eyas generate --engine auto`'s engine (generate_run.resolve_engine)."""
     return "static" if torch.device(device).type == "cuda" else "plain"

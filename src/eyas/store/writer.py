@@ -167,6 +167,7 @@ class StoreWriter:
     """Append samples to a store at `path` in committed shards (see the module docstring)."""
 
     def __init__(self, path: str | Path, spec: StoreSpec, *, shard_bytes: int = 1 << 30, hash_threads: int | None = None):
+        self.write_chunk = WRITE_CHUNK  # bytes per write() call (tests: smaller, to cross rows)
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes: {shard_bytes} must be positive")
         self.path = Path(path)
@@ -292,11 +293,11 @@ class StoreWriter:
                 self._pool.submit(_sample_digest, hidden_u8[a * rb:b * rb], scale_u8[a * sb:b * sb] if scale_u8 is not None else None)
                 for a, b in zip(starts[:-1], starts[1:])
             ]
-            for a in range(0, hidden_u8.size, WRITE_CHUNK):
+            for a in range(0, hidden_u8.size, self.write_chunk):
                 # In chunks, each handed to writeback at once: the disk starts on a batch while the
                 # rest of it is still being copied into the page cache.
                 offset = self._file.tell()
-                chunk = hidden_u8[a:a + WRITE_CHUNK]
+                chunk = hidden_u8[a:a + self.write_chunk]
                 _write_all(self._file, chunk)
                 self._kick_writeback(offset, chunk.size)
             for sid, t, a, fut in zip(ids, lengths, starts, digests):

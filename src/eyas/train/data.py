@@ -324,8 +324,7 @@ def hand_over(b: PackedBatch, done, device) -> PackedBatch:
 
 class AheadUploader:
     """Host batches (pinned) copied to the GPU on a side stream, one batch ahead: the next batch's copy overlaps
-    the current step's compute instead of queueing in front of it on the compute stream (the 8B-shaped step
-    81.6 ms against 82.8 on an H200, 2026-12-01: its aux states are 50 MB a step)."""
+    the current step's compute instead of queueing in front of it on the compute stream."""
 
     def __init__(self, device):
         self.device = torch.device(device)
@@ -445,8 +444,7 @@ class PackedPrefetcher:
     Online on CUDA: the target's forward for batch i+1 is enqueued on a side stream before the
     drafter's step on batch i, so the two overlap on the GPU; the side stream's start/end events
     give the time the target took. Online on the CPU: sequential. (Online batches' host parts made ahead by a
-    thread, as the offline reader makes its batches, gained nothing on an H200: benchmarks/RESULTS.md, 2026-12-02
-    third session, data.HOST_PREP_AHEAD.)
+    thread, as the offline reader makes its batches, gained nothing.)
     """
 
     def __init__(self, src, schedule, device, *, steps: int, pad_to: int | None, depth: int = 2):

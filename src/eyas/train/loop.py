@@ -26,7 +26,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -37,8 +37,7 @@ from eyas.train.optim import OPTIMIZERS, make_optimizer
 
 def default_tokens_per_batch(device: torch.device) -> int:
     """Packed tokens per micro-batch on CUDA when --tokens-per-batch is not given: the fastest
-    measured (SmolLM2 online on an H200: 131,072 tokens 175K tokens/s at 36 GB peak, 32,768 154K at
-    12 GB; benchmarks/RESULTS.md), 32,768 on GPUs with less than 64 GiB."""
+    measured for SmolLM2 online on a 141 GB GPU, 32,768 on GPUs with less than 64 GiB (its peak memory is a third)."""
     total = torch.cuda.get_device_properties(device).total_memory
     return 131072 if total >= 64 * 2**30 else 32768
 
@@ -74,19 +73,14 @@ class TrainConfig:
     lr: float | None = None
     """Peak learning rate (AdamW, betas 0.9/0.95; with --optimizer muon, both of its groups'). Default by the
     drafter's width and the optimizer (`default_lr`): under hidden size 2048, 2e-3 with Muon and 1e-3 with AdamW
-    (SmolLM2's 576-wide drafter, 600 steps of 16 samples on one H200, MT-bench tau: AdamW +13% chain, +17% tree at
-    3e-4 over 1e-4 (2026-12-01), then +8.3% chain, +9.4% tree at 1e-3 over 3e-4; AdamW at 2e-3 +0.2% chain, +2.1%
-    tree over 1e-3 (2026-12-02); Muon at 2e-3 +8.0% chain, +9.9% tree over Muon at 1e-3, in one call, 2026-12-02),
-    else 1e-4 (the usual setting for 8B-class drafters; higher is not measured there)."""
+    (the highest rates that still raised a narrow drafter's MT-bench tau), else 1e-4 (the usual setting for
+    8B-class drafters)."""
     optimizer: str | None = None
     """adamw, or muon: Muon (orthogonalized momentum updates) for fc and the decoder layer's matrices, AdamW for
     lm_head and the norms, at the same learning rate (train/optim.py; --grad-clip reaches Muon's update only through
     its momentum's mix, the orthogonalization removes the scale; not with --fsdp). Default (`default_optimizer`):
-    muon under hidden size 2048 without --fsdp, else adamw; a resumed run keeps its checkpoint's. Measured on one
-    H200 (SmolLM2's drafter, 3,000 regenerated chats, 600 steps of 16 samples, MT-bench tau chain / tree, each pair
-    in one call): Muon 1.5836 / 2.1892 against AdamW's 1.5473 / 2.1508 at lr 1e-3, and 1.5942 / 2.1881 against
-    1.5249 / 2.1493 in another call; Muon at 2e-3 1.7218 / 2.4049 (2026-12-02). At the 8B shape Muon's step took
-    118.8 against AdamW's 66.3 ms (2,048 tokens a step, benchmarks/train_bench.py): AdamW stays the default there."""
+    muon under hidden size 2048 without --fsdp (it reached a higher MT-bench tau there), else adamw (Muon's step is
+    much slower for wide drafters); a resumed run keeps its checkpoint's."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of --lr."""
     warmup_steps: int | None = None
@@ -109,15 +103,12 @@ class TrainConfig:
     while the draft chain from that position is still reachable: at every earlier step the target's top token was
     among the drafter's top K there (K = 1: a chain decoder; larger K: a tree of that branching). Rows past a miss
     are states decoding never reaches; masking them spends the drafter on the ones it does. The per-step losses
-    then sum the reachable rows only. Default 4: on 3,000 regenerated chats, 600 steps at lr 3e-4, MT-bench tau
-    (chain / tree) 1.4356 / 1.9808 against 1.3898 / 1.9254 with 0 (K = 1: 1.4327 / 1.9775; H200, 2026-12-01,
-    benchmarks/specforge_side_by_side.py)."""
+    then sum the reachable rows only. Default 4: it raised MT-bench tau over 0 (chain and tree)."""
     feature_loss: float = 0.0
     """> 0: adds this weight times a regression (smooth L1) of the drafter's normed state onto the target's final
     state at the position whose distribution each row learns, weighted like the row's cross-entropy: a dense
-    signal besides the distribution (EAGLE-1's feature loss). 0: the cross-entropy alone. Measured on one H200
-    (2026-12-02, 3,000 regenerated chats, 600 steps of 16 samples, lr 3e-4, MT-bench tau chain / tree): 1.3897 /
-    1.8937 at 1.0 and 1.4190 / 1.9459 at 0.1 against 1.4227 / 1.9569 without: no gain, so 0 stays the default."""
+    signal besides the distribution (EAGLE-1's feature loss). 0 (default: it gained no MT-bench tau): the
+    cross-entropy alone."""
     ttt_cast_once: bool | None = None
     """TTTConfig.cast_once (None: by the drafter's size; set for benchmarks/train_bench.py's comparisons)."""
     draft_vocab: int | None = None
@@ -243,12 +234,8 @@ def teacher_cache_bytes(device: torch.device) -> int:
 
 HEAD_CHUNK_ROWS = 8192
 """Rows a chunk of the heads' work (the drafter's head with its soft cross-entropy, the teacher's logits) holds at a
-time: its [rows x vocab] logits are the head's whole extra memory (8,192 x 32,000 in fp32: 1.0 GB), whatever the
-batch. A 131,072-token SmolLM2 step sends about 662,000 rows (its seven TTT steps' supervised rows) through the
-head: 81 chunks of 8,192, each a few dozen host-side operations and kernel launches; 32,768 cuts that to 21 at
-about 4 GB a logits chunk, and changed nothing on an H200 (2026-12-02, train_bench.py --flag
-loop.HEAD_CHUNK_ROWS=32768: 226,774 against 226,974 supervised tokens/s, 3.2 GB more peak memory): the step is
-bound by the GPU, not by those launches."""
+time: its [rows x vocab] logits are the head's whole extra memory, whatever the batch; larger chunks cost memory
+and gain nothing, since the step is bound by the GPU, not by the chunks' launches."""
 
 
 class PackedTTTModule(nn.Module):
@@ -270,20 +257,19 @@ class PackedTTTModule(nn.Module):
         used = self.drafter.used_target_ids().to(head_VtD.device)
         t2d = self.drafter.t2d.to(head_VtD.device)
         self._head = (head_VtD, head_VtD.index_select(0, used), used, t2d)
-        self._unused = None  # the rows outside the draft vocab, made on first use (ttt.SPLIT_TEACHER_HEAD)
+        self._unused = None  # the rows outside the draft vocab, made on first use
 
     def teacher(self, final_ND):
         """The packed row's teacher (drafter/ttt.py packed_teacher) from its final states. (Made ahead of its step,
-        on the side stream that brings the batch in, it did not pay on an H200: benchmarks/RESULTS.md, 2026-12-01
-        night, TEACHER_AHEAD.)"""
+        on the side stream that brings the batch in, it did not pay.)"""
         from eyas.drafter import ttt
 
         head, head_used, used, t2d = self._head
-        if ttt.SPLIT_TEACHER_HEAD and self._unused is None:
+        if self._unused is None:
             self._unused = ttt.unused_head(head, t2d)
         return ttt.packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
                                   cache_bytes=self.teacher_cache_bytes,
-                                  unused=self._unused if ttt.SPLIT_TEACHER_HEAD else None)
+                                  unused=self._unused)
 
     def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None):
         from eyas.drafter.ttt import ttt_loss_packed
@@ -417,8 +403,9 @@ def _interrupted_message(cfg: TrainConfig) -> str:
 # ----------------------------------------------------------------------------------------------
 
 
-def run(cfg: TrainConfig) -> dict[str, Any]:
-    """Train (see the module docstring). On SIGINT/SIGTERM in the loop it stops after the current step
+def run(cfg: TrainConfig, *, step_end: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """Train (see the module docstring). `step_end`: called with each step's index once its optimizer step is queued
+    (a profiler's `step()`). On SIGINT/SIGTERM in the loop it stops after the current step
     with a checkpoint of it; every interrupt ends in `Interrupted`, whose message says what a rerun does.
 
     The process group (torchrun) is torn down here, once `_train`'s frame is gone (the DDP/FSDP module
@@ -433,7 +420,7 @@ def run(cfg: TrainConfig) -> dict[str, Any]:
     had_group = torch.distributed.is_available() and torch.distributed.is_initialized()
     try:
         d = dd.setup(cfg.device)
-        summary = _train(cfg, stop, d)
+        summary = _train(cfg, stop, d, step_end)
     except BaseException as exc:
         stop.restore()  # a Ctrl-C from here on is the default one (abort() does not let it replace this error)
         _clear_frames(exc)
@@ -485,7 +472,7 @@ def _clear_frames(exc: BaseException) -> None:
         exc = exc.__context__
 
 
-def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
+def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, Any]:
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
     from eyas.drafter.ttt import TTTConfig
     from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
@@ -772,7 +759,12 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     prefetch = PackedPrefetcher(train_src, (items for s in range(start, total) for items in micro_items(s)), dev,
                                 steps=K, pad_to=tokens_per_batch)
     stop.install()
-    pending = None  # a step whose statistics are read once the next one is queued (DEFER_STATS)
+    # a step whose statistics are read once the next one is queued, so the GPU never idles while the host logs and
+    # prepares a step: they are copied to pinned host memory behind the step (`HostCopies`), and the read waits for
+    # that copy alone; the records and log lines are then one step late (never at an evaluation, a checkpoint, the
+    # last step or a stop in one process, which read at once); with several ranks, a stop asked during step s ends
+    # the run after step s + 1 on every rank alike
+    pending = None
     t_last = time.perf_counter()
     for step in range(start, total):
         micro = plan.micro_indices(step, d.rank)
@@ -806,8 +798,8 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
             opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
-        if STEP_END is not None:
-            STEP_END(step)
+        if step_end is not None:
+            step_end(step)
         if step == start and isinstance(train_src, OnlineSource) and cfg.cache_states is not False:
             _start_state_cache(cfg, train_src, item_ids, lengths, hidden=hidden, dev=dev,
                                epochs=(total - start) / plan.steps_per_epoch, log_it=d.is_main)
@@ -828,7 +820,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         eval_due = eval_src is not None and ((cfg.eval_every and (step + 1) % cfg.eval_every == 0) or done)
         save_due = bool(cfg.save_every and (step + 1) % cfg.save_every == 0) or done
         stop_here = d.world == 1 and stop.signum is not None  # (ranks agree on a stop through the statistics only)
-        if DEFER_STATS and not (done or eval_due or save_due or stop_seen or stop_here):
+        if not (done or eval_due or save_due or stop_seen or stop_here):
             pending = HostCopies(readings)  # read once the next step is queued, waiting for this one alone
             continue
         stopping = report(*readings) or stop_seen
@@ -1028,26 +1020,6 @@ def _dummy(item):
     from eyas.train.data import Item
 
     return Item(item.id, item.input_ids, torch.zeros_like(item.loss_mask))
-
-
-DEFER_STATS = True
-"""Read each step's statistics (loss, accuracies, token counts, gradient norm) after the next step is queued, so the
-GPU never idles while the host logs and prepares a step: they are copied to pinned host memory behind the step
-(`HostCopies`), and the read waits for that copy alone (reading the device tensors then would wait for the next
-step too, as it did when the figures below were measured); the records and log lines are then one step late (never
-at an evaluation, a checkpoint, the last step or a stop in one process, which read at once); with several ranks, a
-stop asked during step s (a signal, on any rank) ends the run after step s + 1 on every rank alike. With
-packing.GQA_FLASH, on an H200 (2026-12-01, `train_bench.py --suite smol`, 500 chats, 131,072 tokens a batch) the
-SmolLM2 drafter trained at 218,508 supervised tokens/s against 201,440 with the target on every batch, 285,431
-against 264,361 with the state cache. The read from the host copy, against the device tensors' read
-(train_bench.py's `eyas-stats-late-on-device`), 8B shape, one process (2026-12-02): 67.4 against 72.4 ms a step,
-the host's wait for the GPU 3.0 against 23.7 ms a step. False: read at the end of each step (train_bench.py's 8B
-variant `eyas-stats-every-step`)."""
-
-
-STEP_END = None
-"""None, or a function called with each step's index once its optimizer step is queued: a profiler's `step()`
-(benchmarks/train_bench.py --suite smol --profile)."""
 
 
 def _clip(module, params, max_norm: float) -> torch.Tensor | float:

@@ -10,10 +10,9 @@ weight decay serve both groups.
 
 Cost: five Newton-Schulz iterations a matrix a step, each three matmuls on [min x min] and [min x max] products
 (in bf16 on CUDA). Counted: 0.07 TFLOP a step for SmolLM2's 576-wide drafter (0.16 with the recipe's 6,144-wide
-MLP), small beside a step of 131,072 tokens; 27 TFLOP a step for an 8B-shaped drafter (4,096 wide, 14,336 MLP):
-measured on an H200 (benchmarks/train_bench.py, 2,048 tokens a step, 2026-12-02), 118.8 ms a step against AdamW's
-66.3. So `eyas train` uses it by default for drafters under hidden size 2048 only (train/loop.py
-`default_optimizer`), where it also trained better drafters (TrainConfig.optimizer has the figures). Not with
+MLP), small beside a step of 131,072 tokens; 27 TFLOP a step for an 8B-shaped drafter (4,096 wide, 14,336 MLP),
+which makes its step much slower than AdamW's. So `eyas train` uses it by default for drafters under hidden size 2048
+only (train/loop.py `default_optimizer`), where it also trained better drafters. Not with
 --fsdp (the iteration needs whole matrices; FSDP2 shards them).
 
 Shape legend: R rows, C columns of a weight matrix."""

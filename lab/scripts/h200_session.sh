@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # The GPU benchmarks of one H200 session, as calls of under 10 minutes each while the machine stays
-# warm (how the figures in benchmarks/RESULTS.md of 2026-11-30 were taken). Run from the repository
+# warm (how the figures in lab/archive/RESULTS.md of 2026-11-30 were taken). Run from the repository
 # root with the staged files under .stage/ (not in git):
 #   .stage/a: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), gguf and specforge wheels,
 #             chats6k.jsonl.gz (benchmarks/stage_chats.py --n 6000), question.jsonl (MT-bench)
 #   .stage/b: smol.gguf.ab          .stage/c: chats_all.jsonl.gz (stage_chats.py --n 20000)
-# Usage: bash benchmarks/h200_session.sh a|b|c|d     (logs and JSON under $OUT)
+# Usage: bash lab/scripts/h200_session.sh a|b|c|d     (logs and JSON under $OUT)
 set -uo pipefail
 part=$1
 OUT=${OUT:-/root/out}

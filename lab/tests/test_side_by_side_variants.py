@@ -1,15 +1,15 @@
-"""benchmarks/specforge_side_by_side.py --eyas-variant: what a method ablation may change, checked before any work
+"""lab/scripts/specforge_side_by_side.py --eyas-variant: what a method ablation may change, checked before any work
 (the end-to-end run with a variant is in tests/test_specforge_side_by_side.py, where SpecForge is importable)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tests.conftest import load_benchmark
+from lab.tests.conftest import load_script
 
 
 def test_variants_parse_as_toml_values_and_refuse_what_would_change_the_budget():
-    parse = load_benchmark("specforge_side_by_side").parse_variants
+    parse = load_script("specforge_side_by_side").parse_variants
     assert parse(["decay1:ttt_decay=1.0", "lr3:lr=3e-4,warmup_steps=5", "t05:teacher_temperature=0.5"]) == \
         {"decay1": {"ttt_decay": 1.0}, "lr3": {"lr": 3e-4, "warmup_steps": 5}, "t05": {"teacher_temperature": 0.5}}
     for bad, why in ((["steps:steps=100"], "'steps' is not a TrainConfig setting a variant may change"),
@@ -23,21 +23,21 @@ def test_variants_parse_as_toml_values_and_refuse_what_would_change_the_budget()
             parse(bad)
 
 
-def test_a_variant_may_set_a_boolean_module_setting_while_it_trains():
-    """MODULE.NAME=true|false (train_bench.py's --flag): parsed as a bool, refused when it names no boolean setting,
-    and set only inside the variant's context."""
-    import eyas.drafter.ttt as ttt
+def test_a_variant_may_force_a_kernel_while_it_trains(monkeypatch):
+    """kernels.NAME=true|false: parsed as a bool, refused when it names no kernel, and set only inside the variant's
+    context (EYAS_KERNELS)."""
+    from eyas import kernels
 
-    sbs = load_benchmark("specforge_side_by_side")
-    sets = sbs.parse_variants(["p:align_topk=4,ttt.PRUNE_UNREACHED=true"])["p"]
-    assert sets == {"align_topk": 4, "ttt.PRUNE_UNREACHED": True}
-    before = ttt.PRUNE_UNREACHED
+    monkeypatch.delenv(kernels.ENV, raising=False)
+    sbs = load_script("specforge_side_by_side")
+    sets = sbs.parse_variants(["p:align_topk=4,kernels.teacher_stats=false"])["p"]
+    assert sets == {"align_topk": 4, "kernels.teacher_stats": False}
     with sbs.module_flags(sets):
-        assert ttt.PRUNE_UNREACHED is True
-    assert ttt.PRUNE_UNREACHED is before
-    for bad, why in ((["p:ttt.PRUNE_UNREACHED=1"], "takes true or false"),
-                     (["p:ttt.NO_SUCH=true"], "no boolean setting"),
-                     (["p:nomodule.X=true"], "MODULE one of")):
+        assert kernels.setting("teacher_stats") == "off"
+    assert kernels.setting("teacher_stats") == "auto"
+    for bad, why in ((["p:kernels.ce=1"], "takes true or false"),
+                     (["p:kernels.no_such=true"], "expected kernels.NAME"),
+                     (["p:ttt.PRUNE_UNREACHED=true"], "expected kernels.NAME")):
         with pytest.raises(SystemExit, match=why):
             sbs.parse_variants(bad)
 
@@ -49,7 +49,7 @@ def test_an_eval_is_reused_for_the_same_drafter_reached_through_a_link(tmp_path)
 
     from eyas.specdec.run import EvalConfig
 
-    same_eval = load_benchmark("specforge_side_by_side").same_eval
+    same_eval = load_script("specforge_side_by_side").same_eval
     real, other = tmp_path / "sbs" / "eyas-lr3e-4-sglang", tmp_path / "sbs" / "eyas-sglang"
     real.mkdir(parents=True)
     other.mkdir()

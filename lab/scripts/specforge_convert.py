@@ -22,7 +22,7 @@ both trainers use one draft vocabulary, and `eyas_convert.json` (source store, s
 Resumable: a sample file is written to a temporary name and renamed, and existing files are kept.
 Disk: the files hold the same bf16 values as a bf16 store: tokens x 4 x H x 2 bytes.
 
-    PYTHONPATH=src python benchmarks/specforge_convert.py --store STORE --out DIR [--limit N] [--drafter DIR]
+    PYTHONPATH=src python lab/scripts/specforge_convert.py --store STORE --out DIR [--limit N] [--drafter DIR]
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "src"))
 
 MANIFEST = "eyas_convert.json"

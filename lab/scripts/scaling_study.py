@@ -24,7 +24,7 @@ are deleted (eyas wrote them; the latest one and the drafter stay).
 
 Points measured in another root or session: --add-points FILE (JSON lines in the format of points.jsonl; repeatable)
 counts them as done and puts them in the table, trend and plot beside this root's, which win where both have a
-point. benchmarks/scaling_points.jsonl keeps the points measured in earlier GPU sessions (each with its settings).
+point. lab/scripts/scaling_points.jsonl keeps the points measured in earlier GPU sessions (each with its settings).
 Each point record carries its held-out tau curve (`heldout_tau`: [step, tokens seen, tau] at every eval), the plot's
 third panel.
 
@@ -40,7 +40,7 @@ Exit 1 when a point (or the regeneration) failed.
 
 GPU, two H200, in calls of at most 10 minutes (repeat the same command until `"done": true`):
 
-    PYTHONPATH=src python benchmarks/scaling_study.py --recipe recipes/smollm2-gpu.toml \
+    PYTHONPATH=src python lab/scripts/scaling_study.py --recipe recipes/smollm2-gpu.toml \
         --root runs/scaling --conversations 2000,6000,17671 --steps 600,1800 --gpus 0,1 --max-minutes 8
 
 (--max-minutes 8: at the deadline the children get up to 60 s to commit, so one call stays under
@@ -69,7 +69,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 REGEN_WORKDIR = "regen-pipeline"  # phase 1's own pipeline workdir under <root>
 START_MARGIN_S = 30.0  # no child is started this close to the deadline
 GRACE_S = 60.0  # after SIGTERM, how long a child may take to commit before SIGKILL
@@ -357,7 +357,7 @@ POINT_KEYS = ("conversations", "steps", "tokens_seen", "tau_chain", "tau_tree")
 
 
 def read_points(path: Path) -> list[dict]:
-    """Point records measured elsewhere (--add-points: another root's points.jsonl, or benchmarks/scaling_points.jsonl),
+    """Point records measured elsewhere (--add-points: another root's points.jsonl, or lab/scripts/scaling_points.jsonl),
     each checked for the keys the table, trend and plot read. Raises ValueError naming the file and line."""
     out = []
     for i, line in enumerate(path.read_text().splitlines(), 1):
@@ -447,7 +447,7 @@ def main() -> None:
     ap.add_argument("--set", action="append", help="section.key=value passed to every point's pipeline")
     ap.add_argument("--add-points", action="append", type=Path, default=[], metavar="FILE",
                     help="point records measured elsewhere (JSON lines, e.g. another root's points.jsonl or "
-                         "benchmarks/scaling_points.jsonl): counted as done, shown in the table, trend and plot; this "
+                         "lab/scripts/scaling_points.jsonl): counted as done, shown in the table, trend and plot; this "
                          "root's points.jsonl stays its own")
     args = ap.parse_args()
     added: list[dict] = []

@@ -7,7 +7,7 @@
 #              chats_all.jsonl.xz (17,293 whole ShareGPT chats, benchmarks/stage_chats.py --n 20000)
 #   .stage/b:  smol.gguf.ab (second half)
 # Each folder stays under one call's 64 MiB. Run from the repository root after scripts/setup.sh:
-#   bash benchmarks/stage.sh
+#   bash lab/scripts/stage.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}

@@ -16,7 +16,7 @@ against the target's distribution (the training loss of step 0), on the loss-mas
 
 The draft vocabulary here is the target's whole vocabulary (no frequency count needed); CPU, fp32.
 
-    PYTHONPATH=src python benchmarks/init_start.py --data PREPARED [--target default] [--samples 32]
+    PYTHONPATH=src python lab/scripts/init_start.py --data PREPARED [--target default] [--samples 32]
 
 The last stdout line is one JSON document.
 """

@@ -8,7 +8,7 @@
 #              chats, xz -9 so that the half of the GGUF and the chats fit one call's 64 MiB)
 #   .stage/b:  smol.gguf.ab
 #   .stage/r:  regen.tgz, the regeneration of all staged chats that call 2 brings back ($OUT/regen.tgz.*)
-# Usage: bash benchmarks/h200x2_session.sh 1|2|3|4, each call within 30 s of the last one's end
+# Usage: bash lab/scripts/h200x2_session.sh 1|2|3|4, each call within 30 s of the last one's end
 #   (call 1 carries .stage/a2, call 2 .stage/b and, when it exists, .stage/r: then nothing is regenerated).
 #   With a regeneration already brought back: 0 (carry .stage/a2), then 3b (carry .stage/b and .stage/r)
 #   runs the quality points at once; 4 then adds the smaller points and speculative decoding.
@@ -52,7 +52,7 @@ case "$part" in
         > "$L/profile_smol.log" 2>&1
     note "smol profile done"
     wait
-    timeout 200 python benchmarks/two_gpu_bench.py --parts 8b --budget-s 190 --work /root/tg > "$L/two_gpu_8b.log" 2>&1
+    timeout 200 python lab/scripts/two_gpu_bench.py --parts 8b --budget-s 190 --work /root/tg > "$L/two_gpu_8b.log" 2>&1
     note "2-GPU 8b done"
     for f in ce_kernel train_8b profile_smol two_gpu_8b; do echo "== $f"; grep -v warmup "$L/$f.log" | tail -14; done
     ;;
@@ -65,7 +65,7 @@ case "$part" in
     if [ -f .stage/r/regen.tgz ]; then  # brought back by an earlier session: no regeneration
         mkdir -p /root/scaling && tar xzf .stage/r/regen.tgz -C /root/scaling && note "regeneration restaged"
     else
-    ( on 1 timeout 420 python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --regen-only \
+    ( on 1 timeout 420 python lab/scripts/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --regen-only \
         > "$L/regen.log" 2>&1
       note "regeneration done" ) &
     fi
@@ -81,7 +81,7 @@ case "$part" in
     [ -f .stage/r/regen.tgz ] || { [ -d /root/scaling/regen ] && tar czf - -C /root/scaling regen | split -b 15M - "$OUT/regen.tgz."; }
     left=$(( 560 - ($(date +%s) - T0) ))
     if [ "$left" -gt 150 ]; then
-        timeout $left python benchmarks/two_gpu_bench.py --parts smol,loss,ckpt --budget-s $(( left - 15 )) \
+        timeout $left python lab/scripts/two_gpu_bench.py --parts smol,loss,ckpt --budget-s $(( left - 15 )) \
             --target /root/smol --data /root/prep_orig --work /root/tg > "$L/two_gpu_smol.log" 2>&1
         cp /root/tg/loss_curves.* "$L/" 2>/dev/null
         note "2-GPU smol done"
@@ -102,9 +102,9 @@ case "$part" in
 3)  # quality: all ShareGPT, the recipe's drafter (GPU 1) | the same with a 4x wider draft MLP (GPU 0), same data and steps
     need /root/smol $S/question.jsonl $S/chats_all.jsonl /root/scaling/regen/chats.jsonl
     mkdir -p /root/ablate && ln -sfn /root/scaling/regen /root/ablate/regen
-    ( on 1 python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --max-minutes ${MINUTES:-9} \
+    ( on 1 python lab/scripts/scaling_study.py $SCALE --root /root/scaling --conversations $ALL --max-minutes ${MINUTES:-9} \
         > "$L/point_all.log" 2>&1; note "point 17671 stopped" ) &
-    on 0 python benchmarks/scaling_study.py $SCALE --root /root/ablate --conversations $ALL --max-minutes ${MINUTES:-9} \
+    on 0 python lab/scripts/scaling_study.py $SCALE --root /root/ablate --conversations $ALL --max-minutes ${MINUTES:-9} \
         --set train.draft_intermediate_size=6144 > "$L/point_all_wide.log" 2>&1
     note "wide point stopped"
     wait
@@ -113,7 +113,7 @@ case "$part" in
     ;;
 4)  # quality: the smaller points of the scaling study on both GPUs; then speculative decoding with the best drafter
     need /root/smol $S/question.jsonl $S/chats_all.jsonl /root/scaling/regen/chats.jsonl
-    python benchmarks/scaling_study.py $SCALE --root /root/scaling --conversations 2000,6000,$ALL --gpus 0,1 \
+    python lab/scripts/scaling_study.py $SCALE --root /root/scaling --conversations 2000,6000,$ALL --gpus 0,1 \
         --max-minutes ${MINUTES:-7} > "$L/scaling.log" 2>&1
     note "scaling study stopped"
     cp /root/scaling/scaling.md /root/scaling/scaling.png /root/scaling/points.jsonl "$L/" 2>/dev/null

@@ -1,4 +1,4 @@
-"""benchmarks/specforge_convert.py: an eyas store written in SpecForge 0.2.0's offline EAGLE-3 format.
+"""lab/scripts/specforge_convert.py: an eyas store written in SpecForge 0.2.0's offline EAGLE-3 format.
 
 The files are read back the way SpecForge's offline trainer reads them (sorted `*.ckpt` names,
 `torch.load`, keys and shapes of process_offline_eagle3_sample); when the `specforge` package is
@@ -16,14 +16,14 @@ import torch
 from eyas.capture.run import CaptureSettings, run_capture
 from eyas.target import load_tokenizer, tokenizer_hash
 from eyas.train.data import open_store, store_order
-from tests.conftest import load_benchmark
+from lab.tests.conftest import load_script
 from tests.test_capture_run import make_prepared
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _module():
-    return load_benchmark("specforge_convert")
+    return load_script("specforge_convert")
 
 
 @pytest.fixture(scope="module")

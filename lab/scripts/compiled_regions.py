@@ -1,12 +1,12 @@
 """How many compiled regions one 8B-structured training step calls, and where dynamo breaks its graphs.
 
-The 8B step is bound by the host (benchmarks/RESULTS.md, 2026-12-01 evening): every call of a compiled
+The 8B step is bound by the host (lab/archive/RESULTS.md, 2026-12-01 evening): every call of a compiled
 region costs host time (guards, the wrapper, its kernel launches) whatever the tensor sizes. This runs the
 CUDA path's settings (compiled pieces, bf16 autocast, weights cast once or per step) on the CPU at tiny
 dimensions, where only the structure matters, and prints the compiled-region calls of one step (forward
 and backward) and dynamo's graph breaks:
 
-    PYTHONPATH=src python benchmarks/compiled_regions.py [--cast once|steps] [--ttt-steps 7]
+    PYTHONPATH=src python lab/scripts/compiled_regions.py [--cast once|steps] [--ttt-steps 7]
 
 (once, the 8B default: the once-cast weights' gradients summed by autograd; steps: every TTT step casts the
 weights itself)

@@ -1,4 +1,4 @@
-"""benchmarks/quality_session.sh, the script of a GPU session, run on the CPU with stubs for `python` and
+"""lab/scripts/quality_session.sh, the script of a GPU session, run on the CPU with stubs for `python` and
 `nvidia-smi`: each call returns while its detached chains run on (a call piping it into `tail` must not
 wait for them), and every job gets the arguments the session means to give it, on the intended GPU. Two
 bugs of that kind cost most of one session's device time: a backgrounded `cd && ...` list kept the call's
@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-SCRIPT = REPO / "benchmarks" / "quality_session.sh"
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "lab" / "scripts" / "quality_session.sh"
 
 STUB_PYTHON = r'''#!{python}
 import json, os, pathlib, sys
@@ -169,8 +169,8 @@ def test_chains_run_the_jobs_named_in_JOBS(tmp_path, ngpus):
         a = studies[0]["args"]
         assert a[a.index("--conversations") + 1] == "2000,6000" and a[a.index("--steps") + 1] == "2400"
         # the study's 17,293-record point joins them, and its settings (no reachability mask) hold for them
-        assert a[a.index("--add-points") + 1] == "benchmarks/scaling_points.jsonl"
-        assert (Path(studies[0]["cwd"]) / "benchmarks" / "scaling_points.jsonl").is_file()
+        assert a[a.index("--add-points") + 1] == "lab/scripts/scaling_points.jsonl"
+        assert (Path(studies[0]["cwd"]) / "lab" / "scripts" / "scaling_points.jsonl").is_file()
         assert "train.align_topk=0" in [a[i + 1] for i, y in enumerate(a) if y == "--set"]
         assert _one(c, "train_bench.py", "--no-compile")["gpu"] == side
     prep = [x for x in c if x["args"][:3] == ["-m", "eyas", "pipeline"]]
@@ -330,24 +330,18 @@ def test_smol_rate_on_the_regenerated_chats_made_before_it(tmp_path):
 
 
 def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
-    """gpu_tests runs pytest on the GPU-only tests from the chain's copy of the repository, which holds the tests."""
+    """gpu_tests runs pytest on the tests marked gpu from the chain's copy of the repository, which holds the tests;
+    every test that skips without CUDA carries the marker, so the marker selects them all."""
     run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="gpu_tests", JOBS="none")
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
     hits = [c for c in calls() if c["args"][:2] == ["-m", "pytest"]]
-    assert len(hits) == 2, calls()
-    a, b = hits
-    files = ["tests/test_train_packed.py", "tests/test_merge_kernel.py", "tests/test_ce_kernel.py"]
-    assert all(f in a["args"] for f in files)
-    # the -k expression picks every test of the files that skips without CUDA
-    words = a["args"][a["args"].index("-k") + 1].split(" or ")
-    gpu_only = [name for f in files for name in re.findall(
-        r"skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)", (REPO / f).read_text())]
-    assert len(gpu_only) >= 7 and all(any(w in name for w in words) for name in gpu_only), (words, gpu_only)
+    assert len(hits) == 1, calls()
+    (a,) = hits
+    assert a["args"][a["args"].index("-m", 2) + 1] == "gpu" and a["args"][-1] == "tests"
     assert (Path(a["cwd"]) / "tests" / "test_train_packed.py").is_file() and a["gpu"] == "0"
-    # then test_train_loop.py's GPU-only test alone (its other tests need the embedded target's tokenizer)
-    assert "tests/test_train_loop.py" in b["args"]
-    src = (REPO / "tests" / "test_train_loop.py").read_text()
-    (gpu_only,) = re.findall(r"skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)", src)
-    assert b["args"][b["args"].index("-k") + 1] in gpu_only
+    unmarked = [(f.name, name) for f in sorted((REPO / "tests").glob("test_*.py")) for name in re.findall(
+        r"(?<!@pytest\.mark\.gpu\n)@pytest\.mark\.skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)",
+        f.read_text())]
+    assert not unmarked, unmarked

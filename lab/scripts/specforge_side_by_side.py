@@ -4,7 +4,7 @@ Order of work (each step resumes or is skipped when its output is already there)
   1. capture   the prepared train split (e.g. a pipeline's <workdir>/prepared: the target's own answers)
                into a bf16 eyas store, --samples conversations
   2. eyas      `eyas train` OFFLINE from that store: --steps x --batch-size samples, --draft-vocab, TTT
-  3. convert   the store into SpecForge's offline files (benchmarks/specforge_convert.py) plus
+  3. convert   the store into SpecForge's offline files (lab/scripts/specforge_convert.py) plus
                vocab_mapping.pt from eyas's drafter: ONE draft vocabulary for both
   4. specforge `specforge train` offline (data.hidden_states_path): the same steps, samples per step,
                lr, TTT length, max length and grad clip; its draft config is the one eyas exports for
@@ -22,7 +22,7 @@ teacher by one and keeps the mask unshifted; eyas follows drafter/ttt.py).
 SpecForge on the GPU machine (no SGLang needed for offline training):
     pip install --no-deps specforge==0.2.0 pydantic pydantic_core annotated-types typing-inspection \
         datasets dill multiprocess
-(what `specforge train` imports beyond the device image: benchmarks/stage.sh stages these wheels;
+(what `specforge train` imports beyond the device image: lab/scripts/stage.sh stages these wheels;
 or --specforge-path DIR: an unpacked wheel).
 Its TargetHead reads `*.index.json` + the lm_head key from the target directory: a shadow directory
 of symlinks with a generated index is made when the target has a single safetensors file, and the
@@ -32,13 +32,13 @@ GPU, one H200 (~9 min at the defaults: capture ~1 min, eyas train ~2-4 min, Spec
 2 evals ~2.5 min); run the recipe first so <workdir>/prepared exists, and repeat the command if a
 device call ends early: every step resumes.
 
-    PYTHONPATH=src python benchmarks/specforge_side_by_side.py --prepared runs/smollm2-gpu/prepared \
+    PYTHONPATH=src python lab/scripts/specforge_side_by_side.py --prepared runs/smollm2-gpu/prepared \
         --root runs/sbs --samples 3000 --steps 600 --batch-size 16 --draft-vocab 32000
 
 Method ablations against the same SpecForge drafter: `--eyas-variant NAME:KEY=VALUE[,KEY=VALUE]` (repeatable; keys
 from VARIANT_FIELDS: learning-rate schedule, weight decay, clipping, TTT decay, head init, dtype, teacher
-temperature, the reachability mask align_topk, the feature loss, the optimizer; or a boolean module setting
-MODULE.NAME=true|false as train_bench.py's --flag, e.g. ttt.PRUNE_UNREACHED=true, set while the variant trains)
+temperature, the reachability mask align_topk, the feature loss, the optimizer; or a kernel of eyas.kernels
+kernels.NAME=true|false, e.g. kernels.teacher_stats=false, set while the variant trains)
 trains one more eyas drafter per variant on the same store with the same steps and samples per step, exports and
 evaluates it with the same settings, and reports its ratios under `variants` (each variant about 1.5 GPU minutes at
 the defaults: training and one eval, measured 91-101 s on 2026-12-01).
@@ -49,7 +49,7 @@ checkpoint, skips it when the last step's checkpoint exists, and exports that on
 CPU check, no GPU time (tests/test_specforge_side_by_side.py, ~30 s): a tiny target and a few chats with
 --device cpu, e.g. --samples 8 --steps 4 --batch-size 2 --max-length 128 --draft-vocab 32 --eval-limit 1
 --eval-max-new-tokens 12 --eval-tree-topk 4 --eval-tree-depth 3 --eval-tree-tokens 8. SpecForge then runs
-through benchmarks/specforge_cpu.py (its Triton loss kernel replaced by its own reference loss, torch.compile
+through lab/scripts/specforge_cpu.py (its Triton loss kernel replaced by its own reference loss, torch.compile
 off), and two config keys differ from the GPU run: training.fsdp_sharding NO_SHARD (FSDP needs an
 accelerator; at world size 1 DDP is the same math) and training.attention_backend sdpa (FlexAttention has no
 backward on the CPU). FSDP, FlexAttention, the Triton kernel and SpecForge's compiled helpers run on the GPU only.
@@ -75,10 +75,11 @@ import time
 from pathlib import Path
 from unittest import mock
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SF_RUN_ID = "sbs"
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "lab" / "scripts"))
 
 
 def log(msg: str) -> None:
@@ -154,7 +155,7 @@ def run_logged(cmd: list[str], env: dict, log_path: Path) -> None:
 
 def specforge_cmd(args, *cli_args: str) -> list[str]:
     if args.device == "cpu":  # SpecForge's Triton loss kernel cannot run on the CPU: see specforge_cpu.py
-        return [sys.executable, str(ROOT / "benchmarks" / "specforge_cpu.py"), *cli_args]
+        return [sys.executable, str(ROOT / "lab" / "scripts" / "specforge_cpu.py"), *cli_args]
     return [sys.executable, "-c", "import sys; from specforge.cli import main; sys.exit(main())", *cli_args]
 
 
@@ -230,7 +231,7 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
         for pair in body.split(","):
             key, eq, value = pair.partition("=")
             key = key.strip()
-            if eq and "." in key:  # a boolean module setting of eyas, as train_bench.py --flag
+            if eq and "." in key:  # a kernel of eyas.kernels forced on or off
                 value = parse_value(value.strip())
                 if not isinstance(value, bool):
                     raise SystemExit(f"--eyas-variant {spec!r}: {key} takes true or false")
@@ -239,29 +240,32 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
                 continue
             if not eq or key not in fields:
                 raise SystemExit(f"--eyas-variant {spec!r}: {key!r} is not a TrainConfig setting a variant may "
-                                 f"change ({', '.join(sorted(fields))}) nor a MODULE.NAME setting")
+                                 f"change ({', '.join(sorted(fields))}) nor a kernels.NAME setting")
             sets[key] = parse_value(value.strip())
         out[name] = sets
     return out
 
 
-def module_flag(name: str):
-    """(module, attribute) of a boolean module setting MODULE.NAME (train_bench.py's --flag)."""
-    here = str(Path(__file__).resolve().parent)
-    if here not in sys.path:
-        sys.path.insert(0, here)
-    from train_bench import flag_setting
+def module_flag(name: str) -> str:
+    """The kernel of eyas.kernels that kernels.NAME names."""
+    from eyas import kernels
 
-    return flag_setting(name)
+    prefix, _, kernel = name.partition(".")
+    if prefix != "kernels" or kernel not in kernels.names():
+        raise SystemExit(f"{name!r}: expected kernels.NAME, NAME one of {', '.join(kernels.names())} (eyas has no "
+                         "module settings: lab/LOG.md)")
+    return kernel
 
 
 def module_flags(sets: dict):
-    """A context in which the variant's MODULE.NAME settings hold."""
-    stack = contextlib.ExitStack()
-    for key, value in sets.items():
-        if "." in key:
-            stack.enter_context(mock.patch.object(*module_flag(key), value))
-    return stack
+    """A context in which the variant's kernels.NAME settings hold (EYAS_KERNELS)."""
+    from eyas import kernels
+
+    forced = [f"{module_flag(k)}:{'on' if v else 'off'}" for k, v in sets.items() if "." in k]
+    if not forced:
+        return contextlib.nullcontext()
+    value = ",".join(filter(None, [os.environ.get(kernels.ENV, ""), *forced]))
+    return mock.patch.dict(os.environ, {kernels.ENV: value})
 
 
 def main() -> None:

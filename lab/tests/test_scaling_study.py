@@ -1,13 +1,13 @@
-"""benchmarks/scaling_study.py's scheduler with fake children (no process, no model): one child per
+"""lab/scripts/scaling_study.py's scheduler with fake children (no process, no model): one child per
 slot at a time, a failure that leaves the others' results, and the deadline stopping every child."""
 
 from __future__ import annotations
 
-from tests.conftest import load_benchmark
+from lab.tests.conftest import load_script
 
 
 def _study():
-    return load_benchmark("scaling_study")
+    return load_script("scaling_study")
 
 
 class Clock:
@@ -137,7 +137,7 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _point(n, steps, chain, tree, **kw):
@@ -179,7 +179,7 @@ def test_a_point_measured_in_the_root_wins_over_an_added_one():
 
 
 def _study_cli(*args, cwd):
-    return subprocess.run([sys.executable, str(REPO / "benchmarks" / "scaling_study.py"), *args], cwd=cwd,
+    return subprocess.run([sys.executable, str(REPO / "lab" / "scripts" / "scaling_study.py"), *args], cwd=cwd,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -213,7 +213,7 @@ def test_a_bad_added_points_file_is_a_usage_error_naming_it(tmp_path):
 
 def test_the_committed_points_are_readable():
     mod = _study()
-    pts = mod.read_points(REPO / "benchmarks" / "scaling_points.jsonl")
+    pts = mod.read_points(REPO / "lab" / "scripts" / "scaling_points.jsonl")
     assert {(p["conversations"], p["steps"]) for p in pts} >= {(17293, 2400)}
     for p in pts:
         assert all(c[0] % 200 == 0 for c in p.get("heldout_tau", []))

@@ -28,13 +28,13 @@ the driver itself never touches a GPU:
 NCCL runs with NVLink multicast off (NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1,
 NVSHMEM_DISABLE_NVLS=1, set in every child's environment). On a 2-GPU H200 (about 6-8 minutes):
 
-    PYTHONPATH=src python benchmarks/two_gpu_bench.py --target /root/smol --data /root/prep_orig \\
+    PYTHONPATH=src python lab/scripts/two_gpu_bench.py --target /root/smol --data /root/prep_orig \\
         --work /root/two_gpu_bench [--store STORE] [--fsdp]
 
 CPU smoke run (gloo, a tiny random target and random prepared data built under --work; the figures
 mean nothing on a shared CPU, it checks that every part runs end to end):
 
-    PYTHONPATH=src python benchmarks/two_gpu_bench.py --device cpu --work /tmp/two_gpu_smoke
+    PYTHONPATH=src python lab/scripts/two_gpu_bench.py --device cpu --work /tmp/two_gpu_smoke
 
 `--tiny` on CUDA runs loss/ckpt on that tiny target over NCCL: the checkpoint and equal-loss mechanics
 on the GPUs without staging the real target (the tiny target needs the default tokenizer: build it

@@ -4,7 +4,7 @@ With the online state cache (`eyas train --cache-states`, on by default for mult
 target runs during the first epoch only; this reads the per-step times the run logged and prints the
 rate of each part, so the cache's effect is measured inside one run (same process, data and model).
 
-    python benchmarks/epoch_rates.py RUN/metrics.jsonl --steps-per-epoch 162 [--skip 20]
+    python lab/scripts/epoch_rates.py RUN/metrics.jsonl --steps-per-epoch 162 [--skip 20]
 
 --steps-per-epoch: the run's log says it ("... N steps per epoch"). --skip: first steps left out (compile,
 warm-up). Evaluation records are ignored; a step's time is its logged `step_s`. One JSON line on stdout.

@@ -2,11 +2,11 @@
 # The GPU work of one session on H200s, as calls of under 10 minutes issued back to back while the machine
 # stays warm (each within 30 s of the last one's end). Long jobs run detached (setsid) as one chain per GPU,
 # from a copy of the repository (/root/run: later calls replace the working tree), and outlive their call.
-# Staged files (not in git; `bash benchmarks/stage.sh` builds them):
+# Staged files (not in git; `bash lab/scripts/stage.sh` builds them):
 #   .stage/a2: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), wheels (gguf, specforge, pydantic,
 #              datasets, ...), question.jsonl (MT-bench), chats_all.jsonl.xz (17,293 ShareGPT chats)
 #   .stage/b:  smol.gguf.ab        .stage/r: regen.tgz (the regeneration of all 17,293 records, optional)
-# Usage: bash benchmarks/quality_session.sh 1|2|3 (3 repeated until it reports that the chains ended).
+# Usage: bash lab/scripts/quality_session.sh 1|2|3 (3 repeated until it reports that the chains ended).
 # Two or more GPUs (`nvidia-h200-x2`, `-x4`):
 #   1 (carry .stage/a2): staging (1/2); starts the last GPU's chain: the 8B training rate (default options and
 #     the other TTTConfig.cast_once setting) against SpecForge in one process; once the target exists, the SmolLM2
@@ -84,11 +84,11 @@ stage1() {
     head -n 6000 $S/chats_all.jsonl > $S/chats6k.jsonl
     note "staged (1/2)"
 }
-snapshot() { rm -rf $ROOT/run && mkdir -p $ROOT/run && cp -r src benchmarks recipes tests pyproject.toml $ROOT/run/; }
+snapshot() { rm -rf $ROOT/run && mkdir -p $ROOT/run && cp -r src benchmarks lab recipes tests pyproject.toml $ROOT/run/; }
 
 ALL=17293
 STEPS=${STEPS:-2400}  # the recipe points' step budget (the scaling study at 1,600 steps: STEPS=1600 with the points job,
-# whose 17,293-record points at 1,600 and 2,400 steps come from benchmarks/scaling_points.jsonl)
+# whose 17,293-record points at 1,600 and 2,400 steps come from lab/scripts/scaling_points.jsonl)
 R=$ROOT/run  # the chains run from this copy: PYTHONPATH and the scripts
 SCALE="--recipe recipes/smollm2-gpu.toml --steps $STEPS --set target=$ROOT/smol --set regenerate.source=$S/chats_all.jsonl
        --set eval.prompts=$S/question.jsonl --max-minutes 28"
@@ -150,7 +150,7 @@ gpu_check() {  # one GPU, call 1 (a few minutes): the SmolLM2-shaped step on syn
 }
 side_by_side() {
     waitfor $prep/meta.json
-    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
+    python lab/scripts/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $ROOT/sbs \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs.log 2>&1
 }
 sbs_ablations() {  # the side by side (resumed: reuses what the default root holds) with eyas method variants, each
@@ -174,7 +174,7 @@ sbs_with_variants() {  # sbs_with_variants ROOT LR LOG DEFAULT_VARIANTS
     waitfor $prep/meta.json
     local v; local -a vs=()
     for v in ${SBS_VARIANTS:-$4}; do vs+=(--eyas-variant "$v"); done
-    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $1 --lr $2 \
+    python lab/scripts/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $1 --lr $2 \
         --eval-prompts $S/question.jsonl "${vs[@]}" > $ROOT/q/$3.log 2>&1
 }
 side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (the recipe's), on the first one's store
@@ -187,7 +187,7 @@ side_by_side_lr() {  # the side by side again with lr 3e-4 for both trainers (th
         ln -sfn $ROOT/sbs/eyas-lr3e-4-train $r/eyas-train && ln -sfn $ROOT/sbs/eyas-lr3e-4-sglang $r/eyas-sglang
         [ -d $ROOT/sbs/eval-eyas-lr3e-4 ] && ln -sfn $ROOT/sbs/eval-eyas-lr3e-4 $r/eval-eyas
     fi
-    python benchmarks/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $r --lr 3e-4 \
+    python lab/scripts/specforge_side_by_side.py --prepared $prep --target $ROOT/smol --root $r --lr 3e-4 \
         --eval-prompts $S/question.jsonl > $ROOT/q/sbs_lr3e-4.log 2>&1
 }
 profiles() { profile_8b; profile_small; }  # where the step time goes (synthetic states): op tables, copies by shape
@@ -197,14 +197,14 @@ profile_small() {
         > $ROOT/q/profile_small.log 2>&1
 }
 recipe() {  # recipe CONVERSATIONS GPUS [ARGS...]: scaling-study points with the recipe (ARGS: more scaling_study.py options)
-    python benchmarks/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 "${@:3}" \
+    python lab/scripts/scaling_study.py $SCALE --root $ROOT/scaling --conversations $1 --gpus $2 "${@:3}" \
         > $ROOT/q/scaling-${1//,/-}.log 2>&1
 }
 recipe_all() { recipe $ALL 0; }
 points() {  # the study's smaller points (POINTS: some of them, e.g. 2000), one after another on this chain's GPU, with
-    # the settings of its 17,293-record point (benchmarks/scaling_points.jsonl, measured at 8f7af01, before the
+    # the settings of its 17,293-record point (lab/scripts/scaling_points.jsonl, measured at 8f7af01, before the
     # reachability mask existed: align_topk 0), which joins their table, trend and plot
-    recipe ${POINTS:-2000,6000} 0 --add-points benchmarks/scaling_points.jsonl --set train.align_topk=0
+    recipe ${POINTS:-2000,6000} 0 --add-points lab/scripts/scaling_points.jsonl --set train.align_topk=0
 }
 wait_target() { waitfor $ROOT/smol/config.json; }  # a chain started in call 1 waits for call 2's target
 prepare_only() {  # the recipe point's regenerate and prepare stages alone, in its workdir with its settings (a later
@@ -215,17 +215,9 @@ prepare_only() {  # the recipe point's regenerate and prepare stages alone, in i
         > $ROOT/q/prepare.log 2>&1
 }
 smol_rate_cached() { smol_rate on; }
-gpu_tests() {  # the tests that run only on a GPU (the offline reader's side-stream upload, the head loss's reachability
-    # mask through the CUDA kernels, a training step that never waits for the GPU, the pruned positions on the flash
-    # kernel, the attention merge's Triton kernels, the teacher's row statistics kernel; pytest is in the device's image).
-    # GPU_TESTS: a pytest -k expression (default: all of these; none: none of them); then the compile workers' shield
-    # from a process-group SIGTERM (test_train_loop.py's GPU test)
-    [ "${GPU_TESTS:-}" = none ] || timeout -k 30 600 python -m pytest -q -p no:cacheprovider -rs tests/test_train_packed.py \
-        tests/test_merge_kernel.py tests/test_ce_kernel.py \
-        -k "${GPU_TESTS:-prefetcher or align or queues or gqa or pruned or host_copies or on_cuda}" \
+gpu_tests() {  # the product's tests marked gpu (they run only on a GPU; pytest is in the device's image)
+    [ "${GPU_TESTS:-}" = none ] || timeout -k 30 900 python -m pytest -q -p no:cacheprovider -rs -m gpu tests \
         > $ROOT/q/gpu_tests.log 2>&1
-    timeout -k 30 360 python -m pytest -q -p no:cacheprovider -rs tests/test_train_loop.py -k process_group \
-        >> $ROOT/q/gpu_tests.log 2>&1
 }
 specdec() {  # 16 questions: batch 16 gets 16 rows
     python benchmarks/specdec_bench.py --drafter $ROOT/scaling/n$ALL-s$STEPS/train/drafter --target $ROOT/smol \

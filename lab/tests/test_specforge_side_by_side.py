@@ -1,5 +1,5 @@
-"""benchmarks/specforge_side_by_side.py end to end on the CPU: capture, `eyas train`, conversion,
-`specforge train` (benchmarks/specforge_cpu.py), SpecForge's exporter and `eyas eval` of both drafters.
+"""lab/scripts/specforge_side_by_side.py end to end on the CPU: capture, `eyas train`, conversion,
+`specforge train` (lab/scripts/specforge_cpu.py), SpecForge's exporter and `eyas eval` of both drafters.
 
 The target is a tiny random Llama with tied embeddings (SmolLM2's layout: no lm_head.weight, so the
 shadow target names the embedding as SpecForge's head); the chats are its own greedy answers, so the
@@ -22,7 +22,7 @@ import torch
 
 from tests.conftest import make_tiny_target
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "specforge_side_by_side.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "lab" / "scripts" / "specforge_side_by_side.py"
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("specforge", "yaml", "pydantic")),
     reason="SpecForge 0.2.0 (with pyyaml, pydantic) is not importable")

@@ -1,6 +1,6 @@
-"""Run SpecForge 0.2.0's CLI on the CPU: `python benchmarks/specforge_cpu.py train --config run.yaml`.
+"""Run SpecForge 0.2.0's CLI on the CPU: `python lab/scripts/specforge_cpu.py train --config run.yaml`.
 
-Used only by benchmarks/specforge_side_by_side.py --device cpu (a CPU check of the whole side by side
+Used only by lab/scripts/specforge_side_by_side.py --device cpu (a CPU check of the whole side by side
 before GPU time is spent); on a GPU that script runs SpecForge's plain CLI. Two things in SpecForge
 cannot run on a CPU, and this launcher changes exactly those before handing over to
 `specforge.cli.main`:
