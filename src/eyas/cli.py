@@ -73,8 +73,11 @@ def emit(summary: dict) -> None:
 def _contract(fn, name: str):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from eyas.locks import command_scope
+
         try:
-            summary = fn(*args, **kwargs)
+            with command_scope():  # the outputs this command writes stay locked until it returns
+                summary = fn(*args, **kwargs)
         except EyasError as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise typer.Exit(2) from None

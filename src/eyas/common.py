@@ -236,8 +236,9 @@ OUTPUT_ENTRIES: dict[str, tuple[str, ...]] = {
     "regenerate": ("chats.jsonl", "done.jsonl", "meta.json"),
     "demo": ("prepared/prepare", "store/store", "train/train", "eval/eval", "export/exports"),
 }
-COMMON_ENTRIES = ("stage.json", ".*.tmp")
-"""In every output: the pipeline's stage record and eyas's temporary files (atomic writes, killed runs)."""
+COMMON_ENTRIES = ("stage.json", ".*.tmp", ".*.eyas-lock")
+"""In every output: the pipeline's stage record, eyas's temporary files (atomic writes, killed runs) and the lock
+files of outputs inside it (eyas.locks)."""
 
 
 def _eyas_entry(name: str, kind: str | None) -> tuple[bool, str | None]:
@@ -335,9 +336,12 @@ def check_out_dir(path: Path, *, kind: str, overwrite: bool, empty_ok: bool = Fa
     cannot become a directory (check_out_path), one eyas did not create or created for another stage
     (require_owned, naming --overwrite when it is given), and without `overwrite` one that exists
     (`empty_ok`: unless it is empty), so --overwrite is suggested only where it would work."""
+    from eyas.locks import hold
+
     p = Path(path)
     check_out_path(p)
     require_owned(p, option="--overwrite" if overwrite else "--out", kind=kind)
+    hold(p)  # one writer at a time, from here to the end of the command
     if p.exists() and not overwrite and not (empty_ok and not any(p.iterdir())):
         raise EyasError(f"--out {p} already exists{' and is not empty' if empty_ok else ''}: pass --overwrite to "
                         "replace it, or choose another --out")
@@ -391,9 +395,12 @@ def _read_only_fs(path: Path) -> bool:
 def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--out") -> Path:
     """Check `path` (check_out_path + require_owned: eyas's, and not another stage's), create it and write the
     eyas marker of `kind`."""
+    from eyas.locks import hold
+
     p = Path(path)
     check_out_path(p, option=option)
     require_owned(p, option=option, kind=kind)
+    hold(p, option=option)  # one writer at a time, from here to the end of the command
     try:
         p.mkdir(parents=True, exist_ok=True)
         write_marker(p, kind=kind)
@@ -406,10 +413,13 @@ def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | Non
     """Delete what eyas wrote into the output directory `path` of stage `kind` (default: the kind it is), and
     the directory unless files of the user's are left in it (kept); a directory eyas did not create, or
     created for another stage, is refused with its path named."""
+    from eyas.locks import hold
+
     p = Path(path)
     if not p.exists():
         return
     require_owned(p, option=option, kind=kind)
+    hold(p, option=option)  # never delete what another eyas process is writing
     _log_kept(remove_outputs(p, kind or output_kind(p)), p)
 
 

@@ -306,11 +306,13 @@ def check_records_out(out: Path | None, *, overwrite: bool) -> None:
     import json
 
     from eyas.common import check_out_file
+    from eyas.locks import hold
 
     if out is None:
         return
     out = Path(out)
     check_out_file(out)
+    hold(out)  # one writer of the records file
     if not out.exists():
         return
     if not overwrite:

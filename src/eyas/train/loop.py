@@ -52,7 +52,8 @@ class TrainConfig:
     store: Path | None = None
     """Offline: hidden-state store from `eyas capture` (training split)."""
     data: Path | None = None
-    """Online: prepared dataset; the target runs on every batch, nothing is written."""
+    """Online: prepared dataset; the target runs on every batch, nothing is written. With --store: where the
+    store's prepared dataset is now, when it moved after capture."""
     aux_layers: list[int] | None = None
     """Online: comma-separated target layer ids for fc (inputs to those layers, hf-input convention);
     default 2,N//2,N-3. Offline uses the store's."""
@@ -168,9 +169,9 @@ class TrainConfig:
         from eyas.common import check_out_path, require_owned
         from eyas.config_checks import check_choice, check_device, check_number, input_must_exist
 
-        if (self.store is None) == (self.data is None):
+        if self.store is None and self.data is None:
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
-        if self.data is not None and self.eval_store is not None:
+        if self.store is None and self.eval_store is not None:
             raise EyasError("--eval-store is for offline training (--store); with --data the prepared dataset's "
                             "eval split is used: drop --eval-store, or train from a store")
         if self.store is not None and self.cache_states:
@@ -511,9 +512,15 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     dev = d.device
     bf16 = cfg.model_dtype == "bf16" or (cfg.model_dtype == "auto" and dev.type == "cuda")
     out = Path(cfg.out)
+    from eyas.locks import hold
+
+    hold(out)  # one writer of the run folder (under torchrun, rank 0 holds it for the job)
     final_dir = out / "drafter"
     if final_dir.exists() and not cfg.overwrite and cfg.resume is None:
         raise EyasError(f"{final_dir} already exists (a finished run): pass --overwrite, --resume auto, or another --out")
+    if not cfg.overwrite and cfg.resume is None and (earlier := ck.latest_checkpoint(out / "checkpoints")) is not None:
+        raise EyasError(f"--out {out} holds another run's checkpoints ({earlier.name}); a new run would replace them: "
+                        "pass --resume auto to continue that run, --overwrite to start over, or choose another --out")
 
     # -- 2. data ------------------------------------------------------------------------------
     from eyas.defaults import resolve_target
@@ -536,7 +543,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
     check_options_fit_target(target_dir, aux_layers=cfg.aux_layers, draft_vocab=cfg.draft_vocab, tcfg=tcfg)
     target_model = None
     if cfg.store is not None:
-        reader, split, man = open_store(cfg.store)
+        reader, split, man = open_store(cfg.store, prepared=cfg.data)
         # -- 3. checks before any step --
         _check_store(man, cfg.store, n_layers=n_layers, hidden=hidden, tok_hash=tok_hash, target_id=target_id)
         aux_ids = list(man["aux_layer_ids"])
