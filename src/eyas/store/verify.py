@@ -60,7 +60,7 @@ import torch
 
 from eyas.common import log
 from eyas.errors import CheckFailed, EyasError
-from eyas.store.format import DTYPES, manifest_fields_sha256
+from eyas.store.format import DTYPES, manifest_fields_problem
 from eyas.store.reader import StoreReader
 
 TOLERANCES = {
@@ -135,11 +135,8 @@ def check_coverage(reader: StoreReader, split, *, threads: int | None = None) ->
     if recorded is None:
         log(f"warning: store {reader.path}: the manifest has no fields_sha256 (written by an older eyas): its dtype, "
             "layer ids and model dtype are taken on trust")
-    elif recorded != manifest_fields_sha256(reader.manifest):
-        notes.append(
-            f"{reader.path}/manifest.json: its fields (dtype, aux_layer_ids, model_dtype, target, prepared, ...) do not match "
-            "their checksum fields_sha256: the manifest was edited after capture; restore it or capture again"
-        )
+    elif (problem := manifest_fields_problem(reader.manifest, reader.path)) is not None:
+        notes.append(problem)
     actual_fp = _fingerprint(split._input_ids, split._loss_mask, split.offsets, split.ids)
     if actual_fp != prep.get("fingerprint"):
         notes.append(

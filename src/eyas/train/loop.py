@@ -20,6 +20,7 @@ It equals greedy chain-drafting tau when the data are the target's own greedy ou
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -546,6 +547,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
         reader, split, man = open_store(cfg.store, prepared=cfg.data)
         # -- 3. checks before any step --
         _check_store(man, cfg.store, n_layers=n_layers, hidden=hidden, tok_hash=tok_hash, target_id=target_id)
+        _check_store_layers(reader, split, target_dir, dev, bf16=bf16, is_main=d.is_main)
         aux_ids = list(man["aux_layer_ids"])
         order = store_order(reader, split)
         state_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -989,8 +991,11 @@ def check_options_fit_target(target: str | Path, *, aux_layers: list[int] | None
 
 
 def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, target_id: dict) -> None:
+    from eyas.store.format import manifest_fields_problem
     from eyas.target import CONVENTION
 
+    if (problem := manifest_fields_problem(man, Path(path))) is not None:
+        raise EyasError(problem)
     if int(man.get("hidden_size", -1)) != hidden:
         raise EyasError(f"store {path} holds hidden size {man.get('hidden_size')}, target has {hidden}: "
                         "it was captured from another model; pass the matching --target or capture again")
@@ -1009,6 +1014,37 @@ def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, 
                         f"{target_id['path']}; pass the matching --target or capture again")
     if t.get("weights_index_sha256") and t["weights_index_sha256"] != target_id["weights_index_sha256"]:
         log(f"warning: store {path} was captured from a target whose weight files differ from {target_id['path']}")
+
+
+def _check_store_layers(reader, split, target_dir: Path, dev: torch.device, *, bf16: bool, is_main: bool) -> None:
+    """Refuse a store whose states are other layers than its manifest names (store.invariants.layer_ids_problem):
+    a forward of a few tokens, skipped where the target would not fit beside training (a huge target's store is
+    checked by `eyas verify` only)."""
+    import gc
+
+    from eyas.store.invariants import layer_ids_problem
+    from eyas.target import load_target
+
+    weights = sum(f.stat().st_size for f in Path(target_dir).glob("*.safetensors"))
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if weights > free // 2:  # the target would crowd out training: leave the check to verify
+        if is_main:
+            log(f"store layer check: skipped (target weights {weights >> 20} MiB, {free >> 20} MiB free on {dev.type}); "
+                "`eyas verify` checks the store's layers")
+        return
+    model = load_target(target_dir, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
+    try:
+        problem = layer_ids_problem(reader, split, model)
+    finally:
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if problem is not None:
+        raise EyasError(problem)
 
 
 def _vocab_sha(used: torch.Tensor) -> str:
