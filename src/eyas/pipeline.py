@@ -301,7 +301,7 @@ def stage_paths(workdir: Path) -> dict[str, Path]:
 NOT_IN_FINGERPRINT = {
     "regenerate": {"concurrency", "max_retries", "request_timeout"},
     "train": {"resume", "save_every", "eval_every"},
-    "eval": {"gen_batch_size", "replay_tokens"},
+    "eval": {"gen_batch_size", "replay_tokens", "allow_other_target"},
 }
 
 # renamed fields enter fingerprints under their old names, so a workdir made before the rename
