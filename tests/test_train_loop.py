@@ -624,6 +624,9 @@ def test_bad_inputs_fail_before_training(world, tmp_path):
     deep = write_store(tmp_path / "deep", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], aux=[1, 2, 5])
     man = json.loads((deep / "manifest.json").read_text())
     man["aux_layer_ids"] = [1, 2, 40]
+    from eyas.store.format import manifest_fields_sha256
+
+    man["fields_sha256"] = manifest_fields_sha256(man)  # (a stale checksum is refused first)
     (deep / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(EyasError, match="layers"):
         run(_cfg(world, tmp_path / "c", store=deep, aux_layers=None))
