@@ -117,6 +117,8 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
     take as complete. With overwrite=False an existing `final` is an error raised by the caller.
     """
     final = Path(final)
+    if final.is_symlink():  # a link to an earlier output: replace what it points to, and keep the link
+        final = final.resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{glob_escape(final.name)}.*.tmp"):  # left by a killed earlier run
         if stale.is_dir() and (stale / MARKER).is_file():

@@ -145,7 +145,10 @@ def check_drafter_target(drafter: str | Path, target: str | Path, *, tok_hash: s
         return
     if not isinstance(recorded, dict) or not recorded:
         return
-    now = {**model_identity(target), "tokenizer_hash": tok_hash}
+    try:
+        now = {**model_identity(target), "tokenizer_hash": tok_hash}
+    except EyasError:  # not a model directory (a verifier's bare config): nothing to compare; loading it says more
+        return
     differ = [what for key, what in IDENTITY_PARTS if recorded.get(key) and now.get(key) and recorded[key] != now[key]]
     if not differ:
         return
