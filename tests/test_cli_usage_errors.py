@@ -40,3 +40,18 @@ def test_help_still_prints_and_exits_0(monkeypatch, capsys):
 def test_bad_input_found_by_a_command_keeps_its_own_line(monkeypatch, capsys, tmp_path):
     code, out, err = _main(monkeypatch, capsys, "verify", "--store", str(tmp_path / "missing"))
     assert code == 2 and err.count("\n") == 1 and "--store" in err and "is not a directory" in err, err
+
+
+def test_a_ctrl_c_at_shutdown_is_no_traceback(tmp_path):
+    """A Ctrl-C while atexit handlers run (just after a command printed its summary): the command's status, no
+    KeyboardInterrupt traceback."""
+    import subprocess
+
+    script = ("import atexit, os, signal, sys, time\n"
+              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))  # runs last, as torch's\n"
+              "sys.argv = ['eyas', 'verify', '--help']\n"
+              "from eyas.cli import main\n"
+              "main()\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "--store" in r.stdout, r.stderr
+    assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr

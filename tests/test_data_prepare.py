@@ -132,3 +132,69 @@ def test_cli_prints_json_summary_last_and_errors_cleanly(tmp_path, tiny_target_d
     for opt in ("--out", "--source", "--target", "--max-length", "--length-policy", "--eval-fraction", "--seed",
                 "--limit", "--truncated-answers", "--hf-split", "--aux-layer-count", "--overwrite"):
         assert opt in h.stdout
+
+
+def test_repeated_ids_and_the_limit(tmp_path, tiny_target_dir, capfd):
+    """Ids `a`, `a`, `a#1`: every sample gets an id of its own (a repeat takes the first free `#k`); --limit 5 reads 5
+    records and says so."""
+    rows = [conv(0), conv(1), conv(2)]
+    rows[0]["id"], rows[1]["id"], rows[2]["id"] = "a", "a", "a#1"
+    src = write_jsonl(tmp_path / "dup.jsonl", rows + [conv(i) for i in range(3, 10)])
+    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "p", eval_fraction=0))
+    ids = PreparedDataset(tmp_path / "p").split("train").ids
+    assert ids[:3] == ["a", "a#1", "a#1#1"] and len(set(ids)) == 10
+    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "l", eval_fraction=0, limit=5))
+    assert s["source_records"] == 5 and s["samples_kept"] == 5
+    assert "kept 5 of 5 records" in capfd.readouterr().err
+
+
+def test_write_prepared_names_repeated_ids(tmp_path):
+    from eyas.data.prepared import write_prepared
+
+    with pytest.raises(EyasError, match=r"^2 sample id\(s\) appear more than once \(split eval; first: a, b\)"):
+        write_prepared(tmp_path / "p", {"train": [("a", [1, 2], [0, 1])],
+                                        "eval": [("a", [1], [1]), ("b", [1], [1]), ("b", [2], [1])]}, {})
+    assert not (tmp_path / "p").exists()
+
+
+def test_a_long_chat_is_rendered_only_up_to_max_length(tiny_target_dir):
+    """A chat of 2,000 turns cut to 64 tokens: the histories of the turns past the cut are never rendered (each render
+    is as long as the history: rendering them all is quadratic in the turns)."""
+    from transformers import AutoTokenizer
+
+    from eyas.data.template import render
+
+    tok = AutoTokenizer.from_pretrained(tiny_target_dir)
+    calls = []
+    real = tok.apply_chat_template
+    tok.apply_chat_template = lambda *a, **k: calls.append(1) or real(*a, **k)
+    msgs = conv(0, n_turns=1000)["messages"]
+    r = render(tok, msgs, max_tokens=64)
+    assert len(r.input_ids) >= 64 and any(r.loss_mask[:64])
+    assert len(calls) < 50  # (the turns inside the tokenised prefix only, not 1,000)
+    full = render(tok, msgs[:6])  # the first turns' mask is the same as without the cut
+    assert r.loss_mask[:64] == full.loss_mask[:64]
+
+
+def test_a_prepared_split_changed_after_prepare_is_refused(tmp_path, tiny_target_dir):
+    """Arrays replaced by another dataset's, or the train and eval files swapped (meta.json as it was): refused on
+    open, naming the split."""
+    import shutil
+
+    from eyas.data.prepared import write_prepared
+
+    a = write_prepared(tmp_path / "a", {"train": [("x", [1, 2, 3], [0, 1, 1])], "eval": [("y", [4, 5], [0, 1])]}, {})
+    b = write_prepared(tmp_path / "b", {"train": [("x", [1, 2, 9], [0, 1, 1])], "eval": [("y", [4, 5], [0, 1])]}, {})
+    PreparedDataset(a).split("train")
+    shutil.copy(b / "train.safetensors", a / "train.safetensors")
+    with pytest.raises(EyasError, match=r"split `train` \(train.safetensors, train.ids.json\) does not match its "
+                                        r"fingerprint in meta.json .*run `eyas prepare` again"):
+        PreparedDataset(a).split("train")
+    for name in ("train", "eval"):
+        for ext in (".safetensors", ".ids.json"):
+            shutil.copy(tmp_path / "b" / f"{'eval' if name == 'train' else 'train'}{ext}", tmp_path / "b" / f"x{name}{ext}")
+    for name in ("train", "eval"):
+        for ext in (".safetensors", ".ids.json"):
+            (tmp_path / "b" / f"x{name}{ext}").replace(tmp_path / "b" / f"{name}{ext}")
+    with pytest.raises(EyasError, match=r"split `train` .*does not match its fingerprint"):
+        PreparedDataset(b).split("train")

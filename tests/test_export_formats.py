@@ -199,6 +199,16 @@ def test_export_refuses_an_existing_directory(eyas_drafter, tmp_path):
     assert (out / "model.safetensors").is_file()
 
 
+def test_export_overwrite_through_a_symlink_replaces_the_linked_export(eyas_drafter, tmp_path):
+    """--out is a link to an earlier export: --overwrite rewrites the export it points to and keeps the link."""
+    src, _, _ = eyas_drafter
+    _export(src, "sglang", tmp_path / "real")
+    (tmp_path / "link").symlink_to(tmp_path / "real")
+    _export(src, "sglang", tmp_path / "link", "--overwrite", "--weights-dtype", "bfloat16")
+    assert (tmp_path / "link").is_symlink() and (tmp_path / "link").resolve() == (tmp_path / "real").resolve()
+    assert json.loads((tmp_path / "real" / "eyas_export.json").read_text())["dtype"] == "bfloat16"
+
+
 def test_export_converts_between_engine_layouts_and_casts(eyas_drafter, tmp_path):
     src, model, _ = eyas_drafter
     _export(src, "sglang", tmp_path / "sgl", "--weights-dtype", "bfloat16")

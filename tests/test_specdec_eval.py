@@ -86,6 +86,40 @@ def test_eval_rejects_a_drafter_for_another_target(tiny_target_dir, tmp_path, pr
     assert res.exit_code == 2 and "width 48" in res.output and "hidden size is 64" in res.output
 
 
+def test_a_drafter_is_used_only_with_the_target_it_was_trained_for(tiny_target_dir, tmp_path, prompts_file,
+                                                                   smol_tokenizer, monkeypatch):
+    """A drafter recording its target (as `eyas train` writes it) against another target of the same shape (same
+    config, other weights): eval, generate and export (a local --verifier) exit 2 before any model loads;
+    --allow-other-target goes on."""
+    from conftest import make_tiny_target
+
+    from eyas.drafter.model import Eagle3Drafter
+    from eyas.target import model_identity, tokenizer_hash
+
+    other = make_tiny_target(tmp_path / "other", smol_tokenizer, seed=1)
+    assert (other / "config.json").read_bytes() == (tiny_target_dir / "config.json").read_bytes()
+    src = _make_drafter(tiny_target_dir, tmp_path / "d")
+    Eagle3Drafter.load(src).save(src, target={**model_identity(tiny_target_dir),
+                                              "tokenizer_hash": tokenizer_hash(smol_tokenizer)})
+    common = ["--drafter", src, "--target", other, "--prompts", prompts_file, "--max-new-tokens", 4, "--limit", 1]
+    said = f"--drafter {src} was trained for target {tiny_target_dir.resolve()}, not --target {other} (their weights differ)"
+    res, _ = _run(*common, "--out", tmp_path / "e1")
+    assert res.exit_code == 2 and said in res.stderr and "--allow-other-target" in res.stderr, res.stderr
+    gen = CliRunner().invoke(app, ["generate", *map(str, common), "--device", "cpu", "--no-baseline", "--warmup", "0"])
+    assert gen.exit_code == 2 and said in gen.stderr, gen.stderr
+    exp = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--verifier", str(other),
+                                   "--out", str(tmp_path / "x1")])
+    assert exp.exit_code == 2 and "not --verifier" in exp.stderr and "(their weights differ)" in exp.stderr, exp.stderr
+    res, summary = _run(*common, "--out", tmp_path / "e2", "--allow-other-target")
+    assert res.exit_code == 0 and "going on (--allow-other-target)" in res.stderr, res.stderr
+    exp = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--verifier", str(other),
+                                   "--out", str(tmp_path / "x2"), "--allow-other-target"])
+    assert exp.exit_code == 0, exp.stderr
+    res, _ = _run("--drafter", src, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
+                  "--limit", 1, "--out", tmp_path / "e3")
+    assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
+
+
 def test_eval_rejects_prompts_longer_than_the_context(tiny_target_dir, tmp_path):
     src = _make_drafter(tiny_target_dir, tmp_path / "d")
     long = tmp_path / "long.jsonl"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -166,6 +167,119 @@ def test_overwrite_starts_over_without_the_old_runs_checkpoints(world, tmp_path)
     assert [r["step"] for r in _train_records(out)] == [1]
     s = run(_cfg(world, out, data=world["prep"], steps=3, ttt_steps=2, resume="auto"))  # resumes the new run
     assert s["steps"] == 3 and (out / "NOTES.txt").read_text() == "mine"
+
+
+def test_a_new_run_never_replaces_a_killed_runs_checkpoints(world, tmp_path):
+    """A killed run (checkpoints, no drafter) and a new run in its folder without --resume or --overwrite: refused,
+    its checkpoints left as they were."""
+    import shutil
+
+    from eyas.train.loop import run
+
+    out = tmp_path / "r"
+    run(_cfg(world, out, data=world["prep"], steps=2, save_every=1))
+    shutil.rmtree(out / "drafter")
+    before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
+    with pytest.raises(EyasError, match=r"holds another run's checkpoints \(step-000002.safetensors\); a new run would "
+                                        r"replace them: pass --resume auto to continue that run, --overwrite"):
+        run(_cfg(world, out, data=world["prep"], steps=2, lr=1e-2))
+    assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
+
+
+@pytest.mark.parametrize("damage", ["low_bits", "garbage"])
+def test_resume_refuses_a_checkpoint_changed_after_it_was_written(world, tmp_path, damage):
+    """The lowest bit of 1,024 floats flipped, or 64 KB overwritten with garbage: --resume auto names the checkpoint
+    as damaged (exit 2), before any step and without blaming the store."""
+    import shutil
+
+    import numpy as np
+
+    from eyas.train.loop import run
+
+    out = tmp_path / "r"
+    run(_cfg(world, out, data=world["prep"], steps=2, save_every=1))
+    shutil.rmtree(out / "drafter")
+    ck2 = out / "checkpoints" / "step-000002.safetensors"
+    data = bytearray(ck2.read_bytes())
+    start = 8 + int.from_bytes(data[:8], "little")  # the tensors' bytes
+    if damage == "low_bits":
+        words = np.frombuffer(data, dtype=np.uint8, count=4096, offset=start).copy().view(np.uint32)
+        words ^= 1
+        data[start:start + 4096] = words.view(np.uint8).tobytes()
+    else:
+        data[start:start + 65536] = np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes()
+    ck2.write_bytes(bytes(data))
+    with pytest.raises(EyasError, match=rf"checkpoint {re.escape(str(ck2))} is damaged: its tensors do not match the "
+                                        r"checksum") as err:
+        run(_cfg(world, out, data=world["prep"], steps=3, resume="auto"))
+    assert "store" not in str(err.value)
+
+
+def _copy_store(world, tmp_path, name="store"):
+    import shutil
+
+    return Path(shutil.copytree(world["store"], tmp_path / name))
+
+
+@pytest.mark.parametrize("checksum", ["stale", "updated"])
+def test_train_refuses_a_store_whose_manifest_names_other_layers(world, tmp_path, checksum):
+    """aux_layer_ids edited in manifest.json (the states stay layers 1, 3, 4): with fields_sha256 left stale the edit
+    shows in the checksum; with it updated, the states themselves contradict the named layers. Both exit 2."""
+    from eyas.store.format import manifest_fields_sha256
+    from eyas.train.loop import run
+
+    store = _copy_store(world, tmp_path)
+    man = json.loads((store / "manifest.json").read_text())
+    man["aux_layer_ids"] = [a + 1 for a in AUX]
+    if checksum == "updated":
+        man["fields_sha256"] = manifest_fields_sha256(man)
+    (store / "manifest.json").write_text(json.dumps(man))
+    cfg = _cfg(world, tmp_path / "r", store=store, aux_layers=None, steps=1)
+    pattern = ("do not match their checksum fields_sha256: the manifest was edited" if checksum == "stale" else
+               r"aux slot 0 is listed as layer 2 in manifest.json, but its states are layer 1's")
+    with pytest.raises(EyasError, match=pattern):
+        run(cfg)
+    assert not (tmp_path / "r" / "drafter").exists()
+
+
+def test_train_refuses_prepared_tokens_changed_after_capture(world, tmp_path):
+    """The store's prepared split with one token id changed (meta.json untouched): training from the store stops."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from eyas.train.loop import run
+
+    prep = Path(shutil.copytree(world["prep"], tmp_path / "prep"))
+    arrays = load_file(str(prep / "train.safetensors"))
+    arrays["input_ids"][3] += 1
+    save_file(arrays, str(prep / "train.safetensors"))
+    with pytest.raises(EyasError, match=r"split `train` .*does not match its fingerprint in meta.json"):
+        run(_cfg(world, tmp_path / "r", store=world["store"], data=prep, aux_layers=None, steps=1))
+
+
+def test_train_finds_a_moved_prepared_dataset_through_data(world, tmp_path):
+    """A store moved with its prepared dataset: the error names --data, and --data with the new place trains."""
+    import shutil
+
+    from eyas.train.loop import run
+
+    store = _copy_store(world, tmp_path)
+    prep = Path(shutil.copytree(world["prep"], tmp_path / "prep"))
+    man = json.loads((store / "manifest.json").read_text())
+    moved = tmp_path / "moved_prep"
+    man_path = Path(man["prepared"]["path"])
+    assert man_path == Path(world["prep"]).resolve()
+    shutil.move(str(prep), moved)
+    man["prepared"]["path"] = str(tmp_path / "gone")  # (as if the original place were gone)
+    from eyas.store.format import manifest_fields_sha256
+
+    man["fields_sha256"] = manifest_fields_sha256(man)
+    (store / "manifest.json").write_text(json.dumps(man))
+    with pytest.raises(EyasError, match=r"is not there; pass its new location \(--data\)"):
+        run(_cfg(world, tmp_path / "r", store=store, aux_layers=None, steps=1))
+    s = run(_cfg(world, tmp_path / "r2", store=store, data=moved, aux_layers=None, steps=1))
+    assert s["steps"] == 1
 
 
 def _interrupt_at_step(monkeypatch, n: int, signum=None):
@@ -508,6 +622,9 @@ def test_bad_inputs_fail_before_training(world, tmp_path):
     deep = write_store(tmp_path / "deep", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], aux=[1, 2, 5])
     man = json.loads((deep / "manifest.json").read_text())
     man["aux_layer_ids"] = [1, 2, 40]
+    from eyas.store.format import manifest_fields_sha256
+
+    man["fields_sha256"] = manifest_fields_sha256(man)  # (a stale checksum is refused first)
     (deep / "manifest.json").write_text(json.dumps(man))
     with pytest.raises(EyasError, match="layers"):
         run(_cfg(world, tmp_path / "c", store=deep, aux_layers=None))

@@ -16,6 +16,7 @@ stays fast.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import json
@@ -74,8 +75,11 @@ def emit(summary: dict) -> None:
 def _contract(fn, name: str):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
+        from eyas.locks import command_scope
+
         try:
-            summary = fn(*args, **kwargs)
+            with command_scope():  # the outputs this command writes stay locked until it returns
+                summary = fn(*args, **kwargs)
         except EyasError as exc:
             print(f"error: {exc}", file=sys.stderr, flush=True)
             raise typer.Exit(2) from None
@@ -139,11 +143,31 @@ def main() -> None:
         path = ctx.command_path if ctx else "eyas"
         if message:  # none after a bare `eyas`, which printed the help
             print(f"error: {path}: {message} (see `{path} --help`)", file=sys.stderr, flush=True)
-        sys.exit(exc.exit_code)
+        _exit(exc.exit_code)
     except typer.Abort:  # an interrupt outside a command (inside one, _contract handles it)
         print("interrupted", file=sys.stderr, flush=True)
-        sys.exit(130)
-    sys.exit(code if isinstance(code, int) else 0)
+        _exit(130)
+    _exit(code if isinstance(code, int) else 0)
+
+
+def _exit(code: int) -> None:
+    """Exit with `code`. A Ctrl-C while the interpreter shuts down (torch's and other atexit handlers) ends the
+    process at once with the same status instead of a KeyboardInterrupt traceback: the command has finished and
+    said so. (Registered last, the switch runs first among the atexit handlers.)"""
+    import atexit
+
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    atexit.register(_quiet_interrupts, code)
+    sys.exit(code)
+
+
+def _quiet_interrupts(code: int) -> None:
+    import signal
+
+    with contextlib.suppress(ValueError):  # (signal handlers belong to the main thread)
+        signal.signal(signal.SIGINT, lambda signum, frame: os._exit(code))
 
 
 if __name__ == "__main__":

@@ -117,6 +117,8 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
     take as complete. With overwrite=False an existing `final` is an error raised by the caller.
     """
     final = Path(final)
+    if final.is_symlink():  # a link to an earlier output: replace what it points to, and keep the link
+        final = final.resolve()
     final.parent.mkdir(parents=True, exist_ok=True)
     for stale in final.parent.glob(f".{glob_escape(final.name)}.*.tmp"):  # left by a killed earlier run
         if stale.is_dir() and (stale / MARKER).is_file():
@@ -237,8 +239,9 @@ OUTPUT_ENTRIES: dict[str, tuple[str, ...]] = {
     "regenerate": ("chats.jsonl", "done.jsonl", "meta.json"),
     "demo": ("prepared/prepare", "store/store", "train/train", "eval/eval", "export/exports"),
 }
-COMMON_ENTRIES = ("stage.json", ".*.tmp")
-"""In every output: the pipeline's stage record and eyas's temporary files (atomic writes, killed runs)."""
+COMMON_ENTRIES = ("stage.json", ".*.tmp", ".*.eyas-lock")
+"""In every output: the pipeline's stage record, eyas's temporary files (atomic writes, killed runs) and the lock
+files of outputs inside it (eyas.locks)."""
 
 
 def _eyas_entry(name: str, kind: str | None) -> tuple[bool, str | None]:
@@ -336,9 +339,12 @@ def check_out_dir(path: Path, *, kind: str, overwrite: bool, empty_ok: bool = Fa
     cannot become a directory (check_out_path), one eyas did not create or created for another stage
     (require_owned, naming --overwrite when it is given), and without `overwrite` one that exists
     (`empty_ok`: unless it is empty), so --overwrite is suggested only where it would work."""
+    from eyas.locks import hold
+
     p = Path(path)
     check_out_path(p)
     require_owned(p, option="--overwrite" if overwrite else "--out", kind=kind)
+    hold(p)  # one writer at a time, from here to the end of the command
     if p.exists() and not overwrite and not (empty_ok and not any(p.iterdir())):
         raise EyasError(f"--out {p} already exists{' and is not empty' if empty_ok else ''}: pass --overwrite to "
                         "replace it, or choose another --out")
@@ -392,9 +398,12 @@ def _read_only_fs(path: Path) -> bool:
 def claim_output_dir(path: Path, *, kind: str | None = None, option: str = "--out") -> Path:
     """Check `path` (check_out_path + require_owned: eyas's, and not another stage's), create it and write the
     eyas marker of `kind`."""
+    from eyas.locks import hold
+
     p = Path(path)
     check_out_path(p, option=option)
     require_owned(p, option=option, kind=kind)
+    hold(p, option=option)  # one writer at a time, from here to the end of the command
     try:
         p.mkdir(parents=True, exist_ok=True)
         write_marker(p, kind=kind)
@@ -407,10 +416,13 @@ def remove_owned_dir(path: Path, *, option: str = "--overwrite", kind: str | Non
     """Delete what eyas wrote into the output directory `path` of stage `kind` (default: the kind it is), and
     the directory unless files of the user's are left in it (kept); a directory eyas did not create, or
     created for another stage, is refused with its path named."""
+    from eyas.locks import hold
+
     p = Path(path)
     if not p.exists():
         return
     require_owned(p, option=option, kind=kind)
+    hold(p, option=option)  # never delete what another eyas process is writing
     _log_kept(remove_outputs(p, kind or output_kind(p)), p)
 
 

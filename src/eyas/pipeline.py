@@ -301,7 +301,7 @@ def stage_paths(workdir: Path) -> dict[str, Path]:
 NOT_IN_FINGERPRINT = {
     "regenerate": {"concurrency", "max_retries", "request_timeout"},
     "train": {"resume", "save_every", "eval_every"},
-    "eval": {"gen_batch_size", "replay_tokens"},
+    "eval": {"gen_batch_size", "replay_tokens", "allow_other_target"},
 }
 
 # renamed fields enter fingerprints under their old names, so a workdir made before the rename
@@ -523,6 +523,9 @@ def run_pipeline(config: dict[str, Any]) -> dict[str, Any]:
     workdir: Path = config["workdir"]
     paths = stage_paths(workdir)
     cfgs = config["stages"]
+    from eyas.locks import hold
+
+    hold(workdir, option="workdir")  # one pipeline per workdir; its stages, in this process, write under this lock
     workdir.mkdir(parents=True, exist_ok=True)
     for stage in cfgs:  # every directory in the way is checked before anything runs
         claim(stage, paths[stage])

@@ -128,6 +128,39 @@ def model_identity(path: str | Path) -> dict[str, Any]:
     }
 
 
+IDENTITY_PARTS = (("config_sha256", "config.json"), ("weights_index_sha256", "weight files"),
+                  ("weights_sample_sha256", "weights"), ("tokenizer_hash", "tokenizer"))
+
+
+def check_drafter_target(drafter: str | Path, target: str | Path, *, tok_hash: str | None = None, allow: bool = False,
+                         option: str = "--target") -> None:
+    """Refuse `target` when it is not the target the eyas drafter at `drafter` was trained for (the identity its
+    config.json records: config, weight files, sampled weight bytes, tokenizer), before any model loads; with
+    `allow` (a deliberate transfer) say so and go on. Drafters of other layouts record no target: nothing to compare."""
+    from eyas.common import log
+
+    try:
+        recorded = json.loads((Path(drafter) / "config.json").read_text()).get("target")
+    except (OSError, ValueError, AttributeError):
+        return
+    if not isinstance(recorded, dict) or not recorded:
+        return
+    try:
+        now = {**model_identity(target), "tokenizer_hash": tok_hash}
+    except EyasError:  # not a model directory (a verifier's bare config): nothing to compare; loading it says more
+        return
+    differ = [what for key, what in IDENTITY_PARTS if recorded.get(key) and now.get(key) and recorded[key] != now[key]]
+    if not differ:
+        return
+    said = f"--drafter {drafter} was trained for target {recorded.get('path')}, not {option} {target} (their " \
+           f"{', '.join(differ)} differ)"
+    if allow:
+        log(f"warning: {said}; going on (--allow-other-target)")
+        return
+    raise EyasError(f"{said}: pass the target it was trained for, or --allow-other-target to use it with this one "
+                    "deliberately")
+
+
 def tokenizer_hash(tokenizer) -> str:
     """Hash of the vocabulary, special tokens and chat template: equal hashes tokenise identically."""
     vocab = sorted(tokenizer.get_vocab().items())

@@ -180,6 +180,9 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
 def run_capture(settings: CaptureSettings) -> dict[str, Any]:
     """Capture (or resume) a store; returns the summary the CLI prints. Under torchrun (WORLD_SIZE > 1)
     the processes split the samples and write one store together (see _run_capture_dp)."""
+    from eyas.locks import hold
+
+    hold(settings.out)  # (under torchrun rank 0 holds it for the job; the store writer locks its folder too)
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         return _run_capture_dp(settings)
     spec, split, ctx = store_spec_for(settings)

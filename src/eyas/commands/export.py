@@ -20,6 +20,7 @@ def export(
     format: str = typer.Option(..., "--format", help="`sglang` (LlamaForCausalLMEagle3, --speculative-draft-model-path) or `vllm` (speculators Eagle3Speculator, speculative_config model)."),
     out: Path = typer.Option(..., "--out", help="Directory to create."),
     overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out export (files eyas did not write there are kept)."),
+    allow_other_target: bool = typer.Option(False, "--allow-other-target", help="Export an eyas drafter for a local --verifier other than the target it was trained for (a deliberate transfer)."),
 ) -> dict:
     """Export a drafter for serving, with the aux layer ids converted to the engine's convention."""
     from eyas.common import check_out_dir, check_safetensors_dir
@@ -37,4 +38,5 @@ def export(
     check_out_dir(out, kind="export", overwrite=overwrite)
     check_safetensors_dir(drafter, what="--drafter")
     return export_drafter(drafter, format, out, overwrite=overwrite, dtype=cfg.weights_dtype, verifier=cfg.verifier,
-                          speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)
+                          speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers,
+                          allow_other_target=allow_other_target)

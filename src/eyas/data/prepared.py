@@ -8,12 +8,15 @@ Layout (a directory, written atomically: a crash never leaves one that looks com
     <split>.ids.json          the n sample ids (strings, unique within the dataset)
 
 Sample i of a split is input_ids[offsets[i]:offsets[i+1]]. Splits are "train" and "eval".
+Opening a split recomputes its fingerprint and refuses one that differs from meta.json's (files replaced,
+swapped or edited after prepare): one hash pass over the arrays, cheap next to reading them.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable, Sequence
@@ -80,9 +83,11 @@ def write_prepared(
     with atomic_directory(out, overwrite=overwrite, kind="prepare") as tmp:
         for name, samples in splits.items():
             packed = pack(samples)
-            dup = seen.intersection(packed["names"])
-            if dup or len(set(packed["names"])) != len(packed["names"]):
-                raise ValueError(f"duplicate sample ids in split {name}: {sorted(dup)[:5]}")
+            counts = Counter(packed["names"])
+            dup = sorted(seen.intersection(counts) | {k for k, c in counts.items() if c > 1})
+            if dup:
+                raise EyasError(f"{len(dup)} sample id(s) appear more than once (split {name}; first: "
+                                f"{', '.join(dup[:5])}): every sample needs its own id; give them distinct ids")
             seen.update(packed["names"])
             save_file(
                 {k: packed[k] for k in ("input_ids", "loss_mask", "offsets")},
@@ -102,7 +107,7 @@ def write_prepared(
 class PreparedSplit:
     """Random access to one split; arrays are memory-mapped by safetensors."""
 
-    def __init__(self, root: Path, name: str, info: dict[str, Any]):
+    def __init__(self, root: Path, name: str, info: dict[str, Any], *, check: bool = True):
         from safetensors.numpy import load_file
 
         self.root, self.name, self.info = root, name, info
@@ -118,6 +123,14 @@ class PreparedSplit:
         if len(self.offsets) != len(self.ids) + 1:
             raise EyasError(f"prepared dataset {root}: split `{name}` has {len(self.ids)} ids but {len(self.offsets) - 1} samples")
         self._index = {sid: i for i, sid in enumerate(self.ids)}
+        if check and (now := self.content_fingerprint()) != info.get("fingerprint"):
+            raise EyasError(f"prepared dataset {root}: split `{name}` ({path.name}, {name}.ids.json) does not match its "
+                            f"fingerprint in meta.json ({now[:12]} against {str(info.get('fingerprint'))[:12]}): its files "
+                            "were replaced, swapped or edited after `eyas prepare`; run `eyas prepare` again")
+
+    def content_fingerprint(self) -> str:
+        """The fingerprint of the split's arrays and ids as they are on disk now."""
+        return _fingerprint(self._input_ids, self._loss_mask, self.offsets, self.ids)
 
     @property
     def fingerprint(self) -> str:
@@ -152,8 +165,9 @@ class PreparedSplit:
 class PreparedDataset:
     """A prepared dataset directory. `ds.split("train")[i]` -> Sample."""
 
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, *, check: bool = True):
         root = Path(root)
+        self.check = check  # (verify passes False: it reports a changed split as a failed check of its own)
         meta_path = root / "meta.json"
         if not meta_path.is_file():
             raise EyasError(
@@ -176,7 +190,7 @@ class PreparedDataset:
         if name not in self.meta["splits"]:
             raise EyasError(f"prepared dataset {self.root} has no split `{name}` (has {self.split_names})")
         if name not in self._splits:
-            self._splits[name] = PreparedSplit(self.root, name, self.meta["splits"][name])
+            self._splits[name] = PreparedSplit(self.root, name, self.meta["splits"][name], check=self.check)
         return self._splits[name]
 
     @property

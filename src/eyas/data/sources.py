@@ -16,6 +16,7 @@ yielded as `Skipped(id, reason)` so the caller can count them; nothing is droppe
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -299,13 +300,16 @@ def iter_conversations(
     if info_out is not None:
         info_out.append(info)
     stem = Path(info.path).stem
-    seen: dict[str, int] = {}
-    for n, record in enumerate(records):
-        if limit is not None and n >= limit:
-            break
+    seen: set[str] = set()
+    suffix: dict[str, int] = {}  # next #k to try for a repeated id
+    # (islice: the record after the limit is never read, so info.records counts only what was used)
+    for n, record in enumerate(itertools.islice(records, limit)):
         item = normalise(record, f"{stem}:{n}")
-        count = seen.get(item.id, 0)
-        seen[item.id] = count + 1
-        if count:
-            item.id = f"{item.id}#{count}"
+        if item.id in seen:  # a repeated id gets the first free `#k` (an id of the source may already be `x#1`)
+            base, k = item.id, suffix.get(item.id, 1)
+            while f"{base}#{k}" in seen:
+                k += 1
+            suffix[base] = k + 1
+            item.id = f"{base}#{k}"
+        seen.add(item.id)
         yield item

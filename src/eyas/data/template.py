@@ -106,6 +106,8 @@ def render(
     spans: list[tuple[int, int, dict]] = []
     cursor = 0
     for k, msg in enumerate(messages):
+        if max_tokens is not None and offsets and cursor >= offsets[-1][1]:
+            break  # past the tokenised text: later turns lie beyond max_tokens (and rendering each one's history is quadratic)
         if msg["role"] == "assistant" and k > 0:
             # The template's own rendering of the history plus the generation prompt ends exactly
             # where the answer starts (when earlier turns render stably, which almost all do):

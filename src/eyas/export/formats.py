@@ -116,9 +116,10 @@ def write_export(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype: torch
 
 def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite: bool = False, dtype: str = "keep",
                    verifier: str | None = None, speculative_tokens: int | None = None,
-                   target_layers: int | None = None) -> dict[str, Any]:
+                   target_layers: int | None = None, allow_other_target: bool = False) -> dict[str, Any]:
     """Read any drafter directory and write it atomically in `fmt` layout; returns the CLI summary.
-    `speculative_tokens`: the vllm format's num_speculative_tokens, SPECULATIVE_TOKENS when None."""
+    `speculative_tokens`: the vllm format's num_speculative_tokens, SPECULATIVE_TOKENS when None. A local
+    `verifier` must be the target an eyas drafter was trained for, unless `allow_other_target`."""
     from eyas.common import atomic_directory, check_out_dir, log
 
     drafter, out = Path(drafter), Path(out)
@@ -137,6 +138,10 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
     cfg = json.loads((drafter / "config.json").read_text())
     recorded = cfg.get("target") if isinstance(cfg.get("target"), dict) else {}
     hub, local, arch = resolve_verifier(verifier, recorded.get("path"))
+    if verifier is not None and local is not None and Path(local).is_dir():
+        from eyas.target import check_drafter_target
+
+        check_drafter_target(drafter, local, allow=allow_other_target, option="--verifier")
     if fmt == "vllm" and hub is None:
         log(f"export: no Hub repository id for the target (--verifier, or `_name_or_path` in its config): "
             f"`vllm serve {out}` will refuse the local path; serve with `vllm serve <target> --speculative-config "

@@ -45,13 +45,17 @@ def check_out_before_load(out: Path, settings: dict[str, Any], *, overwrite: boo
     """Refuse an existing --out that is not a regenerate output, or (without `overwrite`) holds a run with
     other settings, reading meta.json only, so that `eyas regenerate` can refuse it before any model loads
     (ChatsWriter checks the same way). Returns the recorded meta of a run that resumes, else None."""
+    from eyas.locks import hold
+
     out = Path(out)
     if not out.is_dir() or not any(out.iterdir()):
+        hold(out)
         return None
     if not (out / META).is_file():
         if overwrite:
             raise EyasError(f"--overwrite: {out} is not a regenerate output (no meta.json); refusing to delete it")
         raise EyasError(f"--out {out} exists and is not a regenerate output (no meta.json); choose a new directory")
+    hold(out, option="--overwrite" if overwrite else "--out")  # one writer: two would append the same chats twice
     if overwrite:
         return None
     meta = _read_meta(out)

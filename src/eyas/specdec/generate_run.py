@@ -82,6 +82,8 @@ class GenerateConfig:
     """'plain' (the reference loop: dense masks, growing caches, the accept walk on the host) or 'static' (static shapes, the walk and the KV compaction on the device, CUDA graphs on CUDA; the same code eagerly on CPU, where it is slower than plain); 'auto': static on CUDA, plain elsewhere. Both produce the same tokens. Batch 1 only: --batch-size > 1 uses the batched engine."""
     batch_size: int = 1
     """Prompts decoded together (each turn's prompts in groups of this size; > 1: the batched engine, greedy only). Speculative and target-only decoding run at the same batch size."""
+    allow_other_target: bool = False
+    """Decode with an eyas drafter trained for another target (a deliberate transfer)."""
 
     def __post_init__(self):
         from eyas.config_checks import check_choice, check_device, check_number
@@ -150,7 +152,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.specdec.speculative import DecodeStats, SpeculativeDecoder, stats_summary
     from eyas.specdec.speculative_batched import BatchedSpeculativeDecoder
     from eyas.specdec.speculative_static import MIN_CAPACITY, StaticSpeculativeDecoder
-    from eyas.target import load_target, load_tokenizer
+    from eyas.target import check_drafter_target, load_target, load_tokenizer, tokenizer_hash
 
     tree = cfg.tree()
     device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
@@ -162,6 +164,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     t0 = time.perf_counter()
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
+    check_drafter_target(cfg.drafter, target_path, tok_hash=tokenizer_hash(tokenizer), allow=cfg.allow_other_target)
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     if tree.topk > ckpt.config.draft_vocab_size:
@@ -306,11 +309,13 @@ def check_records_out(out: Path | None, *, overwrite: bool) -> None:
     import json
 
     from eyas.common import check_out_file
+    from eyas.locks import hold
 
     if out is None:
         return
     out = Path(out)
     check_out_file(out)
+    hold(out)  # one writer of the records file
     if not out.exists():
         return
     if not overwrite:

@@ -57,6 +57,8 @@ class EvalConfig:
     """Prompts per batched generate() call."""
     replay_tokens: int = 131072
     """Tokens (sequences x padded length) per replay batch; lower it if memory runs out."""
+    allow_other_target: bool = False
+    """Evaluate an eyas drafter against a target other than the one it was trained for (a deliberate transfer)."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -185,7 +187,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from eyas.defaults import resolve_target
     from eyas.drafter.layouts import check_drafter_dir
     from eyas.specdec.generate import generate_conversations, load_prompts
-    from eyas.target import CONVENTION, load_target, load_tokenizer, model_identity, tokenizer_hash
+    from eyas.target import CONVENTION, check_drafter_target, load_target, load_tokenizer, model_identity, tokenizer_hash
 
     timings: dict[str, float] = {}
     device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
@@ -195,6 +197,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     check_drafter_dir(cfg.drafter)  # and so does a drafter without a usable config or weights
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
+    check_drafter_target(cfg.drafter, target_path, tok_hash=tokenizer_hash(tokenizer), allow=cfg.allow_other_target)
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     # NaN/Inf weights would draft garbage that is never accepted: tau 1.000 that looks like a result

@@ -28,7 +28,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
     def __init__(self, store_path: str | Path, split: str | None = None, *, prepared_path: str | Path | None = None,
                  dtype: torch.dtype = torch.bfloat16):
         from eyas.data.prepared import PreparedDataset
+        from eyas.locks import require_idle
 
+        require_idle(store_path, what="store")  # a capture still running: training would see a part of it
         self.store = StoreReader(store_path, verify_reads=True)
         seen: set[str] = set()
         dups = [sid for sid in self.store.sample_ids if sid in seen or seen.add(sid)]
@@ -41,7 +43,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
             raise EyasError(f"store {store_path} holds split `{prep.get('split')}`, not `{split}`: capture split `{split}` into its own store")
         root = Path(prepared_path) if prepared_path is not None else Path(prep.get("path", ""))
         if not (root / "meta.json").is_file():
-            raise EyasError(f"store {store_path}: its prepared dataset {str(root)!r} is not there; pass prepared_path= with its new location")
+            raise EyasError(f"store {store_path}: its prepared dataset {str(root)!r} is not there; pass its new location (--data)")
         self.split = PreparedDataset(root).split(split or prep["split"])
         if self.split.fingerprint != prep.get("fingerprint"):
             raise EyasError(

@@ -59,6 +59,16 @@ def manifest_fields_sha256(manifest: dict) -> str:
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
+def manifest_fields_problem(manifest: dict, path: Path) -> str | None:
+    """Why the manifest of the store at `path` cannot be trusted (its fields edited after capture), else None (also
+    for a manifest written before fields_sha256 existed: its callers say that)."""
+    recorded = manifest.get("fields_sha256")
+    if recorded is None or recorded == manifest_fields_sha256(manifest):
+        return None
+    return (f"{path}/manifest.json: its fields (dtype, aux_layer_ids, model_dtype, target, prepared, ...) do not match "
+            "their checksum fields_sha256: the manifest was edited after capture; restore it or capture again")
+
+
 @dataclass(frozen=True)
 class StoredDtype:
     name: str  # the CLI / manifest name

@@ -545,3 +545,35 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
         "failing_samples": sorted(failures),
         "failures": failures,
     }
+
+
+# ---------------------------------------------------------------------------------------------
+# layer ids
+
+
+def layer_ids_problem(reader, split, model, *, tokens: int = 32) -> str | None:
+    """Why the store's aux slots cannot be the layers its manifest names, else None: the first `tokens` tokens of
+    its shortest sample recomputed with every layer's state, and a slot whose rows match another layer within
+    tolerance while missing the named one contradicts the manifest (an edit to aux_layer_ids, even with its
+    checksum updated). States that match no layer are the numbers check's to judge (verify), not this."""
+    from eyas.store.verify import default_tolerance
+
+    if not len(reader):
+        return None
+    sid = min(reader.sample_ids, key=lambda s: reader.record(s)["tokens"])
+    n = min(tokens, int(reader.record(sid)["tokens"]))
+    device = next(model.parameters()).device
+    ids_T = split[split.index_of(sid)].input_ids[:n].to(device)
+    with torch.no_grad():
+        hs = model(input_ids=ids_T[None], output_hidden_states=True, use_cache=False).hidden_states
+    ref_LTD = torch.stack([h[0] for h in hs[:-1]]).float().cpu()  # (the last entry is post-norm: not a layer input)
+    stored_TLD = reader.get_hidden(sid, torch.float32)[:n]
+    tol = default_tolerance(reader.dtype, reader.manifest.get("model_dtype"))
+    for slot, named in enumerate(reader.aux_layer_ids):
+        err_L = torch.stack([rel_err_TL(stored_TLD[:, slot:slot + 1], ref_LTD[i][:, None]).max() for i in range(len(ref_LTD))])
+        best = int(err_L.argmin())
+        if best != named and float(err_L[best]) <= tol and not (named < len(err_L) and float(err_L[named]) <= tol):
+            return (f"store {reader.path}: aux slot {slot} is listed as layer {named} in manifest.json, but its states are "
+                    f"layer {best}'s (sample {sid}, relative error {float(err_L[best]):.2g}): the manifest's layer ids "
+                    "were changed after capture; restore them or capture again")
+    return None

@@ -60,7 +60,7 @@ import torch
 
 from eyas.common import log
 from eyas.errors import CheckFailed, EyasError
-from eyas.store.format import DTYPES, manifest_fields_sha256
+from eyas.store.format import DTYPES, manifest_fields_problem
 from eyas.store.reader import StoreReader
 
 TOLERANCES = {
@@ -134,11 +134,8 @@ def check_coverage(reader: StoreReader, split, *, threads: int | None = None) ->
     if recorded is None:
         log(f"warning: store {reader.path}: the manifest has no fields_sha256 (written by an older eyas): its dtype, "
             "layer ids and model dtype are taken on trust")
-    elif recorded != manifest_fields_sha256(reader.manifest):
-        notes.append(
-            f"{reader.path}/manifest.json: its fields (dtype, aux_layer_ids, model_dtype, target, prepared, ...) do not match "
-            "their checksum fields_sha256: the manifest was edited after capture; restore it or capture again"
-        )
+    elif (problem := manifest_fields_problem(reader.manifest, reader.path)) is not None:
+        notes.append(problem)
     actual_fp = _fingerprint(split._input_ids, split._loss_mask, split.offsets, split.ids)
     if actual_fp != prep.get("fingerprint"):
         notes.append(
@@ -341,14 +338,17 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
     from eyas.data.prepared import PreparedDataset
     from eyas.store.invariants import run_invariants, target_parts
 
+    from eyas.locks import require_idle
+
     store = cfg.store
+    require_idle(store, what="store")  # a capture still running: its manifest lists a part of the samples
     reader = StoreReader(store)
     m = reader.manifest
     prep = m.get("prepared") or {}
     data_dir = Path(cfg.data) if cfg.data is not None else Path(prep.get("path", ""))
     if not prep or not (data_dir / "meta.json").is_file():
         raise EyasError(f"store {store}: its prepared dataset {str(data_dir)!r} is not there; pass --data with its new location")
-    split = PreparedDataset(data_dir).split(prep["split"])
+    split = PreparedDataset(data_dir, check=False).split(prep["split"])  # (coverage reports a changed split)
 
     # -- coverage ------------------------------------------------------------------------------
     log(f"eyas verify: {store}: {len(reader)} samples, {reader.dtype}, aux layers {reader.aux_layer_ids} ({m.get('convention')}); coverage...")

@@ -13,12 +13,15 @@ State dicts are saved in FULL (unsharded, world-size independent) form through
 resumes on M ranks. Rank 0 writes atomically (temp file + rename); a kill mid-write leaves only a
 `.step-*.tmp` temp file, which `latest_checkpoint` and `save_checkpoint` remove. `identity`
 (drafter config, TTT settings, global batch, data fingerprint) must match on resume, otherwise the
-run stops before any step with the differences listed. Non-finite weights are never written.
+run stops before any step with the differences listed. Non-finite weights are never written. The metadata
+carries `tensors_sha256` (sha256 of every tensor's bytes, keys in sorted order), which loading checks: a file
+changed after it was written (a flipped bit, overwritten bytes) is refused naming it, never trained on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import random
 import re
@@ -123,7 +126,21 @@ def encode_checkpoint(state: dict[str, Any]) -> bytes:
 
     tensors: dict[str, torch.Tensor] = {}
     meta = _encode(state, tensors, "s")
-    return save(tensors, metadata={"format": FORMAT, "state": json.dumps(meta)})
+    return save(tensors, metadata={"format": FORMAT, "state": json.dumps(meta), "tensors_sha256": tensors_sha256(tensors)})
+
+
+def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the names, dtypes, shapes and bytes of `tensors`, keys in sorted order."""
+    h = hashlib.sha256()
+    for k in sorted(tensors):
+        t = tensors[k].detach().cpu().contiguous()
+        h.update(json.dumps([k, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data if t.numel() else b"")
+    return h.hexdigest()
+
+
+class ChecksumMismatch(ValueError):
+    """The checkpoint's tensors differ from the checksum written with them."""
 
 
 def decode_checkpoint(data: bytes) -> dict[str, Any]:
@@ -132,7 +149,10 @@ def decode_checkpoint(data: bytes) -> dict[str, Any]:
     meta = _read_metadata(data)
     if meta.get("format") != FORMAT or "state" not in meta:
         raise ValueError(f"not an eyas training checkpoint (format {meta.get('format')!r}, expected {FORMAT!r})")
-    return _decode(json.loads(meta["state"]), load(data))
+    tensors = load(data)
+    if "tensors_sha256" in meta and tensors_sha256(tensors) != meta["tensors_sha256"]:
+        raise ChecksumMismatch("its tensors do not match the checksum written with them (tensors_sha256)")
+    return _decode(json.loads(meta["state"]), tensors)
 
 
 def _read_metadata(data: bytes) -> dict[str, str]:
@@ -199,6 +219,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise EyasError(f"--resume: {path} does not exist (checkpoints are <out>/checkpoints/step-XXXXXX.safetensors)")
     try:
         return decode_checkpoint(path.read_bytes())
+    except ChecksumMismatch as exc:
+        raise EyasError(f"--resume: checkpoint {path} is damaged: {exc}; the file changed after it was written. Resume "
+                        "from an earlier checkpoint (--resume FILE) or start over with --overwrite") from None
     except Exception as exc:  # any parse failure of a user-supplied file is bad input
         raise EyasError(f"--resume: cannot read {path} as an eyas checkpoint ({type(exc).__name__}: {exc}); it may be "
                         "truncated, or written by an older eyas (pickled .pt files are not read): resume from "

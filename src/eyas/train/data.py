@@ -133,12 +133,12 @@ class StoreSource(_TokenSource):
         self.reader, self.dtype = reader, dtype
 
 
-def open_store(path: Path):
+def open_store(path: Path, *, prepared: Path | None = None):
     """(StoreReader, PreparedSplit, manifest): the store joined with the prepared split it was
-    captured from (eyas.store.dataset.HiddenStateDataset checks the split's fingerprint)."""
+    captured from (at `prepared` when it moved; eyas.store.dataset.HiddenStateDataset checks the split's fingerprint)."""
     from eyas.store.dataset import HiddenStateDataset
 
-    ds = HiddenStateDataset(path)
+    ds = HiddenStateDataset(path, prepared_path=prepared)
     return ds.store, ds.split, ds.store.manifest
 
 

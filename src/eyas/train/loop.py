@@ -20,6 +20,7 @@ It equals greedy chain-drafting tau when the data are the target's own greedy ou
 from __future__ import annotations
 
 import math
+import os
 import signal
 import threading
 import time
@@ -51,7 +52,8 @@ class TrainConfig:
     store: Path | None = None
     """Offline: hidden-state store from `eyas capture` (training split)."""
     data: Path | None = None
-    """Online: prepared dataset; the target runs on every batch, nothing is written."""
+    """Online: prepared dataset; the target runs on every batch, nothing is written. With --store: where the
+    store's prepared dataset is now, when it moved after capture."""
     aux_layers: list[int] | None = None
     """Online: comma-separated target layer ids for fc (inputs to those layers, hf-input convention);
     default 2,N//2,N-3. Offline uses the store's."""
@@ -159,9 +161,9 @@ class TrainConfig:
         from eyas.common import check_out_path, require_owned
         from eyas.config_checks import check_choice, check_device, check_number, input_must_exist
 
-        if (self.store is None) == (self.data is None):
+        if self.store is None and self.data is None:
             raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
-        if self.data is not None and self.eval_store is not None:
+        if self.store is None and self.eval_store is not None:
             raise EyasError("--eval-store is for offline training (--store); with --data the prepared dataset's "
                             "eval split is used: drop --eval-store, or train from a store")
         if self.store is not None and self.cache_states:
@@ -498,9 +500,15 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
     dev = d.device
     bf16 = cfg.model_dtype == "bf16" or (cfg.model_dtype == "auto" and dev.type == "cuda")
     out = Path(cfg.out)
+    from eyas.locks import hold
+
+    hold(out)  # one writer of the run folder (under torchrun, rank 0 holds it for the job)
     final_dir = out / "drafter"
     if final_dir.exists() and not cfg.overwrite and cfg.resume is None:
         raise EyasError(f"{final_dir} already exists (a finished run): pass --overwrite, --resume auto, or another --out")
+    if not cfg.overwrite and cfg.resume is None and (earlier := ck.latest_checkpoint(out / "checkpoints")) is not None:
+        raise EyasError(f"--out {out} holds another run's checkpoints ({earlier.name}); a new run would replace them: "
+                        "pass --resume auto to continue that run, --overwrite to start over, or choose another --out")
 
     # -- 2. data ------------------------------------------------------------------------------
     from eyas.defaults import resolve_target
@@ -523,9 +531,10 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
     check_options_fit_target(target_dir, aux_layers=cfg.aux_layers, draft_vocab=cfg.draft_vocab, tcfg=tcfg)
     target_model = None
     if cfg.store is not None:
-        reader, split, man = open_store(cfg.store)
+        reader, split, man = open_store(cfg.store, prepared=cfg.data)
         # -- 3. checks before any step --
         _check_store(man, cfg.store, n_layers=n_layers, hidden=hidden, tok_hash=tok_hash, target_id=target_id)
+        _check_store_layers(reader, split, target_dir, dev, bf16=bf16, is_main=d.is_main)
         aux_ids = list(man["aux_layer_ids"])
         order = store_order(reader, split)
         state_dtype = torch.bfloat16 if bf16 else torch.float32
@@ -974,8 +983,11 @@ def check_options_fit_target(target: str | Path, *, aux_layers: list[int] | None
 
 
 def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, target_id: dict) -> None:
+    from eyas.store.format import manifest_fields_problem
     from eyas.target import CONVENTION
 
+    if (problem := manifest_fields_problem(man, Path(path))) is not None:
+        raise EyasError(problem)
     if int(man.get("hidden_size", -1)) != hidden:
         raise EyasError(f"store {path} holds hidden size {man.get('hidden_size')}, target has {hidden}: "
                         "it was captured from another model; pass the matching --target or capture again")
@@ -994,6 +1006,37 @@ def _check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, 
                         f"{target_id['path']}; pass the matching --target or capture again")
     if t.get("weights_index_sha256") and t["weights_index_sha256"] != target_id["weights_index_sha256"]:
         log(f"warning: store {path} was captured from a target whose weight files differ from {target_id['path']}")
+
+
+def _check_store_layers(reader, split, target_dir: Path, dev: torch.device, *, bf16: bool, is_main: bool) -> None:
+    """Refuse a store whose states are other layers than its manifest names (store.invariants.layer_ids_problem):
+    a forward of a few tokens, skipped where the target would not fit beside training (a huge target's store is
+    checked by `eyas verify` only)."""
+    import gc
+
+    from eyas.store.invariants import layer_ids_problem
+    from eyas.target import load_target
+
+    weights = sum(f.stat().st_size for f in Path(target_dir).glob("*.safetensors"))
+    if dev.type == "cuda":
+        free = torch.cuda.mem_get_info(dev)[0]
+    else:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if weights > free // 2:  # the target would crowd out training: leave the check to verify
+        if is_main:
+            log(f"store layer check: skipped (target weights {weights >> 20} MiB, {free >> 20} MiB free on {dev.type}); "
+                "`eyas verify` checks the store's layers")
+        return
+    model = load_target(target_dir, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
+    try:
+        problem = layer_ids_problem(reader, split, model)
+    finally:
+        del model
+        gc.collect()
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if problem is not None:
+        raise EyasError(problem)
 
 
 def _vocab_sha(used: torch.Tensor) -> str:
