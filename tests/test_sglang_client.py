@@ -538,6 +538,9 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     assert summary["engine_numerics"]["n_samples"] == 2
     bad = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")])
     assert bad.exit_code == 2 and "--url" in bad.output
+    neg = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--url", "http://127.0.0.1:9", "--data", str(prepared),
+                                   "--out", str(tmp_path / "s3"), "--sglang-calibrate", "-1"])
+    assert neg.exit_code == 2 and "--sglang-calibrate" in neg.output and not (tmp_path / "s3").exists()
 
 
 def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, tmp_path, monkeypatch):

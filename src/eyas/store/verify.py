@@ -87,8 +87,6 @@ def store_tail_tolerance(manifest: dict, dtype: str) -> float:
     0.03 for in-process captures, while the numbers check's worst error was 0.089 (tolerance 0.1)."""
     from eyas.store.invariants import tail_tolerance
 
-    from eyas.store.numerics import is_engine_store
-
     model_dtype = manifest.get("model_dtype")
     tol = tail_tolerance(dtype, model_dtype)
     if is_engine_store(manifest):
@@ -391,6 +389,10 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         log(f"eyas verify: store made by {producer.get('backend')} {producer.get('sglang_version', '')}".rstrip()
             + f": numbers judged per layer by rms, p99.9 and max of the per-token error ({limits.source}: {limits.why}); "
             f"limits {limits.describe()}; prefix invariant {prefix_tol:.3g}")
+        calibrated_on = ((m.get("engine_numerics") or {}).get("reference") or {}).get("device")
+        if limits.source == "calibration" and calibrated_on not in (None, cfg.device.split(":")[0]):
+            log(f"eyas verify: note: the calibration's reference ran on {calibrated_on}, this one runs on {cfg.device}; "
+                "the limits' margin is what absorbs the two references' own rounding differences")
     failed = set(coverage["failing_samples"])
     candidates = list(dict.fromkeys(sid for sid in reader.sample_ids if sid not in failed and sid in split._index))
     n_wanted = min(len(candidates), max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(candidates))))
