@@ -91,6 +91,46 @@ def test_ingested_store_passes_eyas_verify(tiny_target_dir, prepared, tmp_path):
     assert summary["ok"] and summary["samples"] == len(LENGTHS)
 
 
+def test_capture_records_the_engine_numerics_that_verify_holds_the_store_to(tiny_target_dir, prepared, tmp_path):
+    from eyas.store.reader import StoreReader
+    from eyas.store.verify import verify_store
+
+    with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
+                                  calibrate=3)
+        again = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
+                                    calibrate=3)
+        plain = capture_from_sglang([srv.url], prepared, "train", tmp_path / "plain", LAYERS, target=tiny_target_dir,
+                                    calibrate=0)
+    rec = StoreReader(tmp_path / "store").manifest["engine_numerics"]
+    assert out["engine_numerics"]["n_samples"] == rec["n_samples"] == 3 and rec["engine"]["backend"] == "sglang"
+    assert list(rec["per_layer"]) == ["2", "3", "4", "final"]
+    assert 0 < rec["per_layer"]["4"]["max"]["max"] < 0.01  # the stand-in computes in fp32: only the bf16 store rounds
+    assert "kept" in again["engine_numerics"]  # a rerun with the same engine keeps the record
+    assert "engine_numerics" not in StoreReader(tmp_path / "plain").manifest and "skipped" in plain["engine_numerics"]
+    s = verify_store(tmp_path / "store", numbers=3, invariants=False)
+    assert s["ok"] and s["numbers"]["engine_limits"]["source"] == "calibration"
+    assert verify_store(tmp_path / "plain", numbers=3, invariants=False)["numbers"]["engine_limits"]["source"] == "fallback"
+
+
+def test_capture_fails_when_the_engine_disagrees_with_the_reference(tiny_target_dir, prepared, tmp_path, monkeypatch):
+    # a server whose aux states are the next layer's: every structural check passes, the calibration does not
+    import eyas.target
+    from eyas.store.verify import verify_store
+
+    real = eyas.target.forward_capture
+    monkeypatch.setattr(eyas.target, "forward_capture",
+                        lambda model, ids, mask=None, *, layer_ids: real(model, ids, mask, layer_ids=[i + 1 for i in layer_ids]))
+    with serve(tiny_target_dir, tmp_path) as srv:
+        with pytest.raises(CheckFailed, match="disagree with the reference") as info:
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
+                                calibrate=2)
+    summary = info.value.summary
+    assert summary["store_complete"] and "at layer 2" in summary["engine_numerics"]["problem"]
+    with pytest.raises(CheckFailed, match="engine_numerics is refused"):
+        verify_store(tmp_path / "store", numbers=1, invariants=False)
+
+
 def test_radix_cache_needs_a_bypass_and_salt_or_logprob_work(tiny_target_dir, tiny_model, prepared, tmp_path):
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=16) as srv:
         with pytest.raises(EyasError, match="--disable-radix-cache"):
@@ -490,12 +530,17 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
         res = CliRunner().invoke(app, [
             "capture", "--backend", "sglang", "--url", srv.url, "--data", str(prepared), "--out", str(tmp_path / "store"),
-            "--layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3"])
+            "--layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3",
+            "--sglang-calibrate", "2"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["captured"] == len(LENGTHS) and summary["rejected_count"] == 0
+    assert summary["engine_numerics"]["n_samples"] == 2
     bad = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")])
     assert bad.exit_code == 2 and "--url" in bad.output
+    neg = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--url", "http://127.0.0.1:9", "--data", str(prepared),
+                                   "--out", str(tmp_path / "s3"), "--sglang-calibrate", "-1"])
+    assert neg.exit_code == 2 and "--sglang-calibrate" in neg.output and not (tmp_path / "s3").exists()
 
 
 def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, tmp_path, monkeypatch):

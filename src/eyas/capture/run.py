@@ -67,7 +67,7 @@ class CaptureSettings:
     store_dtype: str = field(default="bf16", metadata={"aliases": ["--dtype"]})
     """Dtype the hidden states are stored in: bf16, fp8 (e4m3, a scale per token and layer; half the bytes) or fp32."""
     device: str = "cpu"
-    """transformers: where the target runs: cpu, cuda or cuda:K."""
+    """Where the target runs (sglang: the reference of --sglang-calibrate): cpu, cuda or cuda:K."""
     model_dtype: str = "auto"
     """transformers: dtype the target runs in: bf16, fp32, or auto (bf16 on CUDA, fp32 on CPU)."""
     token_budget: int = 16384
@@ -78,6 +78,9 @@ class CaptureSettings:
     """Capture only the first N samples of the split."""
     queue_depth: int = 3
     """transformers: batches in flight between forward and disk (pinned buffers on CUDA)."""
+    sglang_calibrate: int = 8
+    """sglang: stored samples recomputed here with verify's reference (needs --target) to record the engine's
+    numbers, from which `eyas verify` sets this store's limits; 0 skips it (verify then uses fixed limits)."""
 
     def __post_init__(self):
         stored_dtype(self.store_dtype)
@@ -90,6 +93,7 @@ class CaptureSettings:
         if self.limit is not None and self.limit <= 0:
             raise EyasError(f"--limit: {self.limit} must be positive")
         check_number(self, "queue_depth", ge=1)
+        check_number(self, "sglang_calibrate", ge=0)
         if self.device == "auto" or not _DEVICE_OK(self.device):
             raise EyasError(f"--device: `{self.device}`; choose cpu or cuda[:K]")
         check_device(self.device)

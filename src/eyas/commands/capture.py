@@ -48,6 +48,7 @@ def capture(
             url, cfg.data, cfg.split, cfg.out, cfg.aux_layers, target=cfg.target, dump_dir=sglang_dump_dir,
             concurrency=sglang_concurrency, cache_bypass=sglang_cache_bypass, dtype=cfg.store_dtype, limit=cfg.limit,
             max_retries=sglang_max_retries, request_timeout_s=sglang_request_timeout, dump_wait_s=sglang_dump_wait,
+            calibrate=cfg.sglang_calibrate, device=cfg.device,
         )
     if backend != "transformers":
         raise EyasError(f"--backend: `{backend}`; choose transformers or sglang")

@@ -491,12 +491,18 @@ def capture_from_sglang(
     request_timeout_s: float = 600.0,
     dump_wait_s: float = 60.0,
     mark_complete_with_rejections: bool = False,
+    calibrate: int = 8,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Capture `split` of a prepared dataset from SGLang servers into the store at `out_store`.
 
     `layer_ids` are eyas ids (hf-input); None = whatever the servers capture (they must agree).
     `target` (a local HF directory of the served model) records its identity in the store, which
-    `eyas verify` needs for its numbers check. Returns the summary dict (rejected samples listed).
+    `eyas verify` needs for its numbers check; with it, `calibrate` stored samples are then recomputed
+    with verify's reference on `device` and the engine's errors recorded in the manifest
+    (`engine_numerics`, eyas.store.numerics), which set verify's limits for this store; a calibration
+    that verify would refuse (the engine disagrees with the reference) raises CheckFailed once the
+    store is closed. Returns the summary dict (rejected samples listed).
     """
     from eyas.data.prepared import PreparedDataset
 
@@ -601,6 +607,11 @@ def capture_from_sglang(
                 for f in futures:
                     f.cancel()  # requests not started yet; running ones end within their timeouts
                 raise
+        ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
+        calibration = _calibrate(writer, Path(out_store), sp, target, calibrate=calibrate, device=device,
+                                 engine={"backend": "sglang", "sglang_version": plans[0].version,
+                                         "server_dtype": probes[0].dump_dtype})
+        ok = True
     finally:
         bar.close()
         for p in {str(p.dump_dir): p for p in plans}.values():
@@ -608,11 +619,47 @@ def capture_from_sglang(
         complete = ok and (not rejected or mark_complete_with_rejections)
         manifest = writer.close(complete=complete)  # commits verified samples even after an error
     elapsed = time.time() - t0
-    return {
+    summary = {
         "backend": "sglang", "store": str(out_store), "split": split, "urls": [p.url for p in plans],
         "layer_ids": layer_ids, "convention": CONVENTION, "sglang_layer_ids": sglang_layer_ids(layer_ids),
         "samples": n_total, "already_committed": n_total - len(todo), "captured": captured, "tokens": tokens,
         "rejected_count": len(rejected), "rejected": rejected[:REJECTED_LISTED], "retries": retries,
         "cache_bypass": [p.bypass for p in plans], "store_complete": manifest.get("status") == "complete",
         "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        "engine_numerics": calibration,
     }
+    if calibration.get("problem"):
+        from eyas.errors import CheckFailed
+
+        raise CheckFailed(f"store {out_store}: the engine's numbers disagree with the reference: {calibration['problem']}; "
+                          f"check the server (`eyas verify-server --url {plans[0].url} --target ...`)", summary)
+    return summary
+
+
+def _calibrate(writer, out_store: Path, split, target, *, calibrate: int, device: str,
+               engine: dict[str, Any]) -> dict[str, Any]:
+    """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows."""
+    from eyas.store.numerics import calibrate_store, calibration_problem
+
+    manifest = writer.manifest
+    old = manifest.get("engine_numerics")
+    if not calibrate:
+        return {"skipped": "--sglang-calibrate 0: `eyas verify` holds this store to fixed limits for a bf16 engine"}
+    if target is None:
+        return {"skipped": "no --target: `eyas verify` holds this store to fixed limits for a bf16 engine"}
+    if isinstance(old, dict) and old.get("engine") == engine:
+        return {"kept": f"recorded earlier on {old.get('n_samples')} samples with the same engine"}
+    writer.commit()  # the reference reads what the store holds, as verify will
+    if not manifest["samples"]:
+        return {"skipped": "no committed samples"}
+    log(f"eyas capture (sglang): calibrating the engine's numbers on {min(calibrate, len(manifest['samples']))} stored "
+        f"samples against the reference on {device} (--sglang-calibrate 0 skips it)")
+    rec = calibrate_store(out_store, split, str(target), device=device, samples=calibrate, engine=engine)
+    writer.set_field("engine_numerics", rec)
+    problem = calibration_problem(manifest, rec)
+    high = rec["per_layer"][str(max(manifest["aux_layer_ids"]))]
+    log(f"eyas capture (sglang): engine numerics on {rec['n_samples']} samples ({rec['tokens']} tokens), highest aux "
+        f"layer: rms max {high['rms']['max']:.3g}, p99.9 max {high['p999']['max']:.3g}, worst token {high['max']['max']:.3g}"
+        + (f"; REFUSED: {problem}" if problem else ""))
+    return {"n_samples": rec["n_samples"], "tokens": rec["tokens"], "per_layer": rec["per_layer"],
+            **({"problem": problem} if problem else {})}

@@ -51,11 +51,15 @@ CHECKSUM = "sha256"
 # model dtype, the target and data it came from); `fields_sha256` covers them, so an edit shows.
 MANIFEST_FIELDS = ("schema", "checksum", "dtype", "aux_layer_ids", "convention", "hidden_size", "slots",
                    "bytes_per_token", "model_dtype", "target", "tokenizer_hash", "prepared")
+# Covered when present (older stores' checksums stay valid): a serving engine's calibrated numbers,
+# which set the limits `eyas verify` holds that store to (eyas.store.numerics).
+OPTIONAL_MANIFEST_FIELDS = ("engine_numerics",)
 
 
 def manifest_fields_sha256(manifest: dict) -> str:
     """sha256 of the MANIFEST_FIELDS of a manifest (canonical JSON), stored as its `fields_sha256`."""
     payload = {k: manifest.get(k) for k in MANIFEST_FIELDS}
+    payload.update({k: manifest[k] for k in OPTIONAL_MANIFEST_FIELDS if k in manifest})
     return hashlib.sha256(json.dumps(payload, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 

@@ -16,7 +16,10 @@ Three checks, in this order:
   printed and `seed` repeats it): recompute each sample alone with the independent reference path
   `eyas.target.reference_hidden_states` (unbatched, no padding, `output_hidden_states` of the full
   causal LM, eager) and compare every stored slot token by token: err_t = ||stored_t - ref_t|| /
-  ||ref_t||. A sample fails when its worst err_t exceeds the tolerance. The report gives the
+  ||ref_t||. A sample fails when its worst err_t exceeds the tolerance. A store made by a serving
+  engine (SGLang) is judged instead per layer by the rms, 99.9th percentile and (to a gross limit)
+  worst of err_t, against limits calibrated at capture (eyas/store/numerics.py): the engine's fused
+  kernels put single tokens near the tolerance on correct stores. The report gives the
   probability that k bad samples (placed at random in the store) would all have been missed by
   the subset.
 
@@ -61,6 +64,7 @@ import torch
 from eyas.common import log
 from eyas.errors import CheckFailed, EyasError
 from eyas.store.format import DTYPES, manifest_fields_problem
+from eyas.store.numerics import engine_limits, is_engine_store
 from eyas.store.reader import StoreReader
 
 TOLERANCES = {
@@ -84,7 +88,7 @@ def store_tail_tolerance(manifest: dict, dtype: str) -> float:
 
     model_dtype = manifest.get("model_dtype")
     tol = tail_tolerance(dtype, model_dtype)
-    if (manifest.get("producer") or {}).get("backend") not in (None, "transformers"):
+    if is_engine_store(manifest):
         tol = max(tol, default_tolerance(dtype, model_dtype))
     return tol
 
@@ -204,28 +208,43 @@ def compare_sample(stored_TLD: torch.Tensor, ref_TLD: torch.Tensor) -> tuple[flo
 
 
 def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, tolerance: float, progress_bar=None,
-                  min_samples: int | None = None, deadline: float | None = None) -> dict[str, Any]:
+                  min_samples: int | None = None, deadline: float | None = None, limits=None) -> dict[str, Any]:
     """Recompute `sample_ids` one by one with the reference path and compare every stored slot.
 
+    A sample fails when its worst per-token error exceeds `tolerance`, or, with engine `limits`
+    (eyas.store.numerics.EngineLimits), when any layer's rms / p99.9 / max exceeds its limit.
     With a `deadline` (time.monotonic()), stops once it has passed and `min_samples` are done.
     """
-    from eyas.target import reference_hidden_states
+    from eyas.store.numerics import STAT_NAMES, recompute, sample_stats
 
-    device = next(model.parameters()).device
     per_sample: dict[str, dict[str, Any]] = {}
     for sid in sample_ids:
         if deadline is not None and len(per_sample) >= (min_samples or 0) and time.monotonic() > deadline:
             break
-        ids_T = split[split.index_of(sid)].input_ids.to(device)
-        ref_aux, ref_final = reference_hidden_states(model, ids_T, layer_ids=reader.aux_layer_ids)
-        ref_TLD = torch.cat([ref_aux, ref_final.unsqueeze(1)], dim=1).float().cpu()
-        err, slot, t = compare_sample(reader.get_hidden(sid, torch.float32), ref_TLD)
-        per_sample[sid] = {"error": err, "slot": slot_name(reader, slot) if slot >= 0 else "shape", "token": t}
+        err_TL = recompute(reader, split, model, sid)
+        flat = int(err_TL.argmax())
+        t, slot = divmod(flat, err_TL.shape[1])
+        shape_ok = reader.record(sid)["tokens"] == int(split.lengths[split.index_of(sid)])
+        per_sample[sid] = {"error": float(err_TL.reshape(-1)[flat]), "slot": slot_name(reader, slot) if shape_ok else "shape",
+                           "token": t if shape_ok else -1}
+        if limits is not None:
+            over = limits.exceeded(sample_stats(err_TL))
+            per_sample[sid]["over"] = [{**o, "slot": slot_name(reader, o["slot"]), "stat": STAT_NAMES[o["stat"]]} for o in over]
         if progress_bar is not None:
             progress_bar.update(1)
-    failing = [sid for sid, r in per_sample.items() if not r["error"] <= tolerance]
+    if limits is None:
+        failing = [sid for sid, r in per_sample.items() if not r["error"] <= tolerance]
+    else:
+        failing = [sid for sid, r in per_sample.items() if r["over"]]
     worst = max(per_sample, key=lambda s: per_sample[s]["error"], default=None)
+    out: dict[str, Any] = {}
+    if limits is not None:
+        out["engine_limits"] = limits.report()
+        out["over_limits"] = {sid: per_sample[sid]["over"][:3] for sid in failing[:LIST_MAX]}
+        first = max(failing, key=lambda s: per_sample[s]["over"][0]["ratio"], default=None)
+        out["worst_over"] = {"sample": first, **per_sample[first]["over"][0]} if first else None
     return {
+        **out,
         "ok": not failing,
         "checked": len(per_sample),
         "checked_ids": list(per_sample),
@@ -301,7 +320,7 @@ class VerifyConfig:
     """Check the every-sample invariants (prefix, tail, post-norm final, calibrated rates)."""
     tolerance: float | None = None
     """Worst per-token relative error allowed in the numbers and prefix checks; default by stored dtype and
-    model dtype."""
+    model dtype. Given for a store made by a serving engine, it replaces that store's engine limits."""
     device: str = "cpu"
     """Where the target runs for invariants and recompute: cpu or cuda[:K]."""
     target: str | None = None
@@ -359,6 +378,20 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
     if "fields_sha256" not in m:
         summary["warnings"].append("manifest has no fields_sha256 (older eyas): dtype, layer ids and model dtype taken on trust")
     tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(reader.dtype, m.get("model_dtype"))
+    limits = None
+    prefix_tol = tol
+    if cfg.tolerance is None and is_engine_store(m):
+        limits = engine_limits(m, tol)
+        # the prefix invariant compares single tokens: only the gross per-token limit parts engine noise from faults there
+        prefix_tol = max(tol, limits.gross)
+        producer = m.get("producer") or {}
+        log(f"eyas verify: store made by {producer.get('backend')} {producer.get('sglang_version', '')}".rstrip()
+            + f": numbers judged per layer by rms, p99.9 and max of the per-token error ({limits.source}: {limits.why}); "
+            f"limits {limits.describe()}; prefix invariant {prefix_tol:.3g}")
+        calibrated_on = ((m.get("engine_numerics") or {}).get("reference") or {}).get("device")
+        if limits.source == "calibration" and calibrated_on not in (None, cfg.device.split(":")[0]):
+            log(f"eyas verify: note: the calibration's reference ran on {calibrated_on}, this one runs on {cfg.device}; "
+                "the limits' margin is what absorbs the two references' own rounding differences")
     failed = set(coverage["failing_samples"])
     candidates = list(dict.fromkeys(sid for sid in reader.sample_ids if sid not in failed and sid in split._index))
     n_wanted = min(len(candidates), max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(candidates))))
@@ -374,7 +407,7 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         parts = target_parts(model, reader.aux_layer_ids)
         bar = progress(len(candidates), "verify invariants", unit="sample")
         try:
-            inv = run_invariants(reader, split, parts, sample_ids=candidates, prefix_tol=tol,
+            inv = run_invariants(reader, split, parts, sample_ids=candidates, prefix_tol=prefix_tol,
                                  tail_tol=store_tail_tolerance(m, reader.dtype), progress_bar=bar)
         finally:
             bar.close()
@@ -402,11 +435,15 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         try:
             nums = check_numbers(reader, split, model, subset, tolerance=tol, progress_bar=bar,
                                  min_samples=min(n_wanted, max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(pool)))),
-                                 deadline=deadline)
+                                 deadline=deadline, limits=limits)
         finally:
             bar.close()
     else:
         nums = {"ok": True, "checked": 0, "tolerance": tol, "checked_ids": []}
+        if limits is not None:
+            nums["engine_limits"] = limits.report()
+    if limits is not None and limits.source == "refused":
+        nums["ok"] = False  # the store's own record of its engine cannot be trusted
     nums["seed"] = seed
     nums["population"] = len(pool)
     nums["strata"] = {"shards": len({r["shard"] for r in pool}),
@@ -428,7 +465,16 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
             shown = list(inv["failures"].items())[:5]
             parts_msg.append(f"invariants: {len(inv_failed)} samples failed: " + "; ".join(
                 f"{sid} [{' | '.join(msgs)}]" for sid, msgs in shown) + (" ..." if len(inv_failed) > len(shown) else ""))
-        if nums.get("failing_samples"):
+        if limits is not None and limits.source == "refused":
+            parts_msg.append(f"numbers: {limits.why}")
+        if nums.get("failing_samples") and limits is not None:
+            w = nums["worst_over"]
+            parts_msg.append(
+                f"numbers: {len(nums['failing_samples'])}/{nums['checked']} samples over the engine limits ({limits.source}) "
+                f"(worst {w['stat']} {w['value']:.3g} > {w['limit']:.3g} in {w['sample']}, {w['slot']}): "
+                f"{nums['failing_samples'][:LIST_MAX]} (seed {seed})"
+            )
+        elif nums.get("failing_samples"):
             parts_msg.append(
                 f"numbers: {len(nums['failing_samples'])}/{nums['checked']} samples over tolerance {tol:g} "
                 f"(worst {nums['worst_rel_err']:.3g} in {nums['worst_sample']}, {nums['worst_slot']}, token {nums['worst_token']}): "

@@ -258,6 +258,13 @@ class StoreWriter:
     def committed_bytes(self) -> int:
         return sum(s["bytes"] for s in self.manifest["shards"])
 
+    def set_field(self, key: str, value: Any) -> None:
+        """Set a manifest field outside the spec (e.g. `engine_numerics`); written, with its checksum, at the
+        next commit or close."""
+        if key in ("samples", "shards", "status", "fields_sha256") or key in asdict(self.spec):
+            raise ValueError(f"set_field: {key!r} is kept by the writer itself")
+        self.manifest[key] = value
+
     # -- adding --------------------------------------------------------------------------------
 
     def add(self, sample_id: str, aux_TAD: torch.Tensor, final_TD: torch.Tensor) -> None:
