@@ -18,7 +18,7 @@ Parts (each runs on its own; a part that fails prints the reason and the others 
          larger batch is faster on this workload.
   sdpa and batch are skipped when their estimated time would take the whole run past --budget.
 
-GPU (H200: ~4 min at the 40K tok/s target, at most ~--budget 330 s plus one part's overrun; --chats from benchmarks/stage_chats.py):
+GPU (H200: ~4 min at the 40K tok/s target, at most ~--budget 330 s plus one part's overrun; --chats from lab/scripts/stage_chats.py):
     PYTHONPATH=src python benchmarks/regen_bench.py --target DIR --chats chats.jsonl.gz
 CPU proxy (tiny random llama on the target's tokenizer, a few minutes on one core):
     PYTHONPATH=src python benchmarks/regen_bench.py --small
@@ -196,7 +196,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="default", help="model directory (default: embedded SmolLM2)")
     ap.add_argument("--keep", default=None, help="move the 2turn part's `eyas regenerate` output here (else deleted)")
-    ap.add_argument("--chats", default=None, help="JSONL(.gz) chats (benchmarks/stage_chats.py; default: embedded ShareGPT)")
+    ap.add_argument("--chats", default=None, help="JSONL(.gz) chats (lab/scripts/stage_chats.py; default: embedded ShareGPT)")
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--small", action="store_true", help="CPU proxy: a tiny random llama, small sizes")
     ap.add_argument("--parts", default="fp32,2turn,sdpa,batch", help="comma-separated subset of fp32,2turn,sdpa,batch")

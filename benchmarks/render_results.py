@@ -21,19 +21,22 @@ BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 GROUPS = [  # (capability, metric prefixes), first match wins
     ("training speed", ("train_",)),
-    ("drafter quality (MT-bench tau)", ("tau_", "sbs_", "scaling_")),
+    ("drafter quality (MT-bench tau)", ("tau_", "recipe_", "sbs_", "scaling_")),
     ("speculative decoding", ("specdec_", "generate_")),
     ("regeneration", ("regen",)),
+    ("serving (SGLang / vLLM with the drafter)", ("sglang_accept", "sglang_speedup", "sglang_7_", "sglang_3_",
+                                                  "sglang_5_", "sglang_6_", "eval_export")),
     ("capture", ("capture", "sglang_")),
     ("evaluation and verification", ("eval", "verify", "invariant")),
 ]
 
 HEADLINES = [  # (what, metric, a piece of the command that picks the row, or "" for the latest)
-    ("the recipe's drafter, MT-bench tau tree", "tau_tree_mtbench", "--steps 2400 --conversations 17293"),
-    ("the recipe's drafter, MT-bench tau chain", "tau_chain_mtbench", "--steps 2400 --conversations 17293"),
+    ("the recipe's drafter, MT-bench tau tree (one run)", "recipe_tau_tree_mtbench", ""),
+    ("the recipe's drafter, MT-bench tau chain (one run)", "recipe_tau_chain_mtbench", ""),
     ("SmolLM2 `eyas train` online, supervised tokens/s", "train_smol_supervised_tok_s", ""),
     ("8B-shaped training step against SpecForge 0.2.0", "train_8b_vs_specforge", ""),
     ("SGLang capture through the plugin, states/s", "sglang_live_states_per_s", ""),
+    ("SGLang EAGLE-3 serving, accept length / eval's chain tau", "sglang_accept_len_vs_eval_chain7", ""),
 ]
 
 
@@ -101,7 +104,7 @@ def headline_rows(rows: list[dict]) -> list[tuple[str, dict]]:
     for what, metric, piece in HEADLINES:
         found = [r for r in rows if r["metric"] == metric and piece in r["command"]]
         if found:
-            out.append((what, max(found, key=lambda r: r["date"]) if not piece else found[-1]))
+            out.append((what, sorted(found, key=lambda r: r["date"])[-1]))  # the latest date, then the last line
     return out
 
 

@@ -3,7 +3,7 @@
 # warm (how the figures in lab/archive/RESULTS.md of 2026-11-30 were taken). Run from the repository
 # root with the staged files under .stage/ (not in git):
 #   .stage/a: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), gguf and specforge wheels,
-#             chats6k.jsonl.gz (benchmarks/stage_chats.py --n 6000), question.jsonl (MT-bench)
+#             chats6k.jsonl.gz (lab/scripts/stage_chats.py --n 6000), question.jsonl (MT-bench)
 #   .stage/b: smol.gguf.ab          .stage/c: chats_all.jsonl.gz (stage_chats.py --n 20000)
 # Usage: bash lab/scripts/h200_session.sh a|b|c|d     (logs and JSON under $OUT)
 set -uo pipefail

@@ -4,7 +4,7 @@
 # the two-GPU jobs run when both are free. Run from the repository root with the staged files (not in
 # git) under .stage/:
 #   .stage/a2: smol.gguf.aa (first half of the SmolLM2 GGUF: `split -n 2`), gguf and specforge wheels,
-#              question.jsonl (MT-bench), chats_all.jsonl.xz (benchmarks/stage_chats.py --n 20000: 17,293
+#              question.jsonl (MT-bench), chats_all.jsonl.xz (lab/scripts/stage_chats.py --n 20000: 17,293
 #              chats, xz -9 so that the half of the GGUF and the chats fit one call's 64 MiB)
 #   .stage/b:  smol.gguf.ab
 #   .stage/r:  regen.tgz, the regeneration of all staged chats that call 2 brings back ($OUT/regen.tgz.*)

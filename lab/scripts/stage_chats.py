@@ -4,7 +4,7 @@ Writes JSONL (OpenAI `messages`) of the first N usable conversations, keeping at
 user turns and --max-chars characters per message, gzip-compressed; `eyas prepare` and
 `eyas regenerate` read the unzipped file as any user JSONL.
 
-    python benchmarks/stage_chats.py OUT.jsonl.gz --n 5000
+    python lab/scripts/stage_chats.py OUT.jsonl.gz --n 5000
 """
 
 from __future__ import annotations
