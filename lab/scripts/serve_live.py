@@ -1,25 +1,32 @@
 """Serve the recipe's drafter on real SGLang servers on one H200 and measure what users measure.
 
-One device session, calls chained while the machine stays warm (each phase is one `run` call):
+One device session, calls chained BACK TO BACK: the machine is given back about 30 s after a call ends, and
+everything on it (the recipe's run, the SGLang venv) goes with it. Each phase is one `run` call; the device
+commands use `python3` from the repository root.
 
-  here:    python lab/scripts/sglang_live.py stage        (SGLang wheels, in runs/sglang_stage/parts)
-           python lab/scripts/serve_live.py stage         (.stage/serve-a, .stage/serve-b: the target's GGUF in
-                                                          halves, the chats, MT-bench, spare wheels, a tiny drafter)
-  device:  serve_live.py a        carry .stage/serve-a   (small files; the gguf package)
-           serve_live.py b        carry .stage/serve-b   (target converted; `eyas pipeline` recipe started detached)
-           sglang_live.py receive carry each part         (one call a part; .stage/serve-c with the last)
-           serve_live.py install                         (SGLang installed; a speculative server started with the
-                                                          tiny drafter; a missing module is installed from the spare
-                                                          wheels and the start retried)
-           serve_live.py wait --name recipe              (polls; repeat)
-           serve_live.py sweep --detach                  (eval on the export, the plain server, then each SGLang
-                                                          setting with `eyas bench-serve` against the plain one,
-                                                          then `eyas regenerate` through the plain server and
-                                                          in-process)
-           serve_live.py wait --name sweep --collect     (polls; copies logs and summaries to $OUT)
+  here:    python lab/scripts/sglang_live.py stage         (SGLang wheels, in runs/sglang_stage/parts)
+           python lab/scripts/serve_live.py stage --spare DIR --tiny-drafter DIR
+                                                           (.stage/serve-a and -b: the target's GGUF in halves,
+                                                           MT-bench, the chats; .stage/serve-c: spare wheels and a
+                                                           tiny SGLang export without embed_tokens for the smoke)
+  device:  serve_live.py a        carry .stage/serve-a     (small files; the gguf package)
+           serve_live.py b        carry .stage/serve-b     (target converted; `eyas pipeline` started detached;
+                                                           --recipe-set section.key=value shortens it)
+           sglang_live.py receive carry each part           (one call a part, seconds each)
+           serve_live.py install  carry .stage/serve-c     (unpack, install SGLang, then a speculative server with
+                                                           the tiny drafter; a missing module is installed from the
+                                                           spare wheels and the start retried; --no-smoke skips it)
+           serve_live.py sweep --detach [--snapshot]       (waits for the recipe, or with --snapshot stops it at
+                                                           its first checkpoint and exports that; then eval on the
+                                                           export, the plain server, each SGLang setting with
+                                                           `eyas bench-serve` against the plain one, and
+                                                           `eyas regenerate` through the plain server and in-process)
+           serve_live.py wait --name sweep --timeout 540 [--collect]   (polls, keeping the machine; repeat)
 
-Everything eyas runs uses the image's Python (eyas from src/); only the SGLang servers use the venv
-sglang_live.py installs. Logs and results stay under /root/eyas-stage/q on the device.
+Seen on 2026-12-04: unpack 55 s and install 108-190 s (the recipe training beside it ran at 39-100K tok/s, far
+below its rate alone); a server start 80-120 s; bench-serve of 20 conversations at concurrency 1 and 16 against
+both servers about 90 s a setting. Everything eyas runs uses the image's Python (eyas from src/); only the SGLang
+servers use the venv sglang_live.py installs. Logs and results stay under /root/eyas-stage/q on the device.
 """
 
 from __future__ import annotations
