@@ -23,9 +23,9 @@ commands use `python3` from the repository root.
                                                            `eyas regenerate` through the plain server and in-process)
            serve_live.py wait --name sweep --timeout 540 [--collect]   (polls, keeping the machine; repeat)
 
-Seen on 2026-12-04: unpack 55 s and install 108-190 s (the recipe training beside it ran at 39-100K tok/s, far
-below its rate alone); a server start 80-120 s; bench-serve of 20 conversations at concurrency 1 and 16 against
-both servers about 90 s a setting. Everything eyas runs uses the image's Python (eyas from src/); only the SGLang
+Plan the device minutes: unpacking and installing SGLang take a few minutes of CPU and slow a recipe training
+beside them; each server start takes one to two minutes (CUDA graphs); the recipe alone takes most of a session.
+Everything eyas runs uses the image's Python (eyas from src/); only the SGLang
 servers use the venv sglang_live.py installs. Logs and results stay under /root/eyas-stage/q on the device.
 """
 
