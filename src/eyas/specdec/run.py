@@ -287,5 +287,10 @@ def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) ->
         r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731  (None: no rounds at all)
         summary[f"tau_{name}"] = r4(m["acceptance_length"])
         summary[f"accepted_per_drafted_{name}"] = r4(m["accepted_per_drafted"])
-        summary[f"predicted_speedup_bs1_{name}"] = r4(m.get("speed_prediction", {}).get("predicted_speedup_bs1"))
+        pred = m.get("speed_prediction", {})
+        summary[f"predicted_speedup_bs1_{name}"] = r4(pred.get("predicted_speedup_bs1"))
+        if pred.get("predicted_speedup_bs1_range"):  # the spread of the timings behind it
+            summary[f"predicted_speedup_bs1_{name}_range"] = [r4(x) for x in pred["predicted_speedup_bs1_range"]]
+        if pred.get("withheld") and m["acceptance_length"] is not None:
+            summary[f"predicted_speedup_bs1_{name}_withheld"] = pred["withheld"]
     return summary
