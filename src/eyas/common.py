@@ -87,12 +87,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where the kernel reports it (/proc/self/status on
+    Linux: setting and restoring it races with other threads creating files); elsewhere set and put back."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+def umask_mode(*, directory: bool = False) -> int:
+    """The mode a plain open()/mkdir() would give a new file or folder: tempfile's mkstemp/mkdtemp make them
+    owner-only (0600/0700), which would keep an export or a report from anyone the user meant to share it with."""
+    return (0o777 if directory else 0o666) & ~current_umask()
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file written by a library that makes it owner-only (safetensors' save_file) the umask's mode."""
+    os.chmod(path, umask_mode())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    """Write `data` to `path` so that readers see either the old file or the whole new one (its mode as the
+    umask gives any new file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, umask_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -123,6 +148,7 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        os.chmod(tmp, umask_mode(directory=True))
         write_marker(tmp, kind=kind)
         yield tmp
         if final.exists():
