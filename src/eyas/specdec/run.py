@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import log, require_finite
+from eyas.common import log, require_finite, warn_gpu_sized
 from eyas.capture.batching import plan_batches
 from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import EyasError
@@ -23,6 +23,9 @@ from eyas.specdec.metrics import DEFINITIONS, summarize
 from eyas.specdec.replay import TreeConfig
 
 SCHEMA = "eyas.eval/1"
+
+CPU_SIZED = {"limit": 4, "max_new_tokens": 48}
+"""Options whose defaults are sized for a GPU, with the sizes `eyas demo` evaluates with on a CPU."""
 
 
 @dataclass(kw_only=True)
@@ -193,6 +196,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     t0 = time.perf_counter()
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
     check_drafter_dir(cfg.drafter)  # and so does a drafter without a usable config or weights
+    warn_gpu_sized(cfg, device, command="eval", shorter=CPU_SIZED)
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, device=device, dtype=dtype)
