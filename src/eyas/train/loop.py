@@ -134,6 +134,8 @@ class TrainConfig:
     """Samples of the eval split used per evaluation."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept: the latest N (0 = all); each save deletes older ones (a 135M target's are 200 MB each)."""
     resume: str | None = None
     """Checkpoint file to resume from, or `auto` (the latest in <out>/checkpoints)."""
     device: str = "auto"
@@ -195,6 +197,7 @@ class TrainConfig:
         check_number(self, "draft_intermediate_size", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
         check_number(self, "save_every", ge=0)
+        check_number(self, "keep_checkpoints", ge=0)
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
         check_choice(self, "grad_reduce", ("fp32", "bf16"))
@@ -847,6 +850,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d) -> dict[str, Any]:
                                    identity=identity, extra={"world": d.world}, is_main=d.is_main)
             if p is not None:
                 log(f"checkpoint {p}")
+                ck.prune_checkpoints(ckdir, keep=cfg.keep_checkpoints)
         if stopping and not done:
             prefetch.close()
             raise Interrupted(f"stopped after step {step + 1} of {total}, saved in {ck_path}; "
