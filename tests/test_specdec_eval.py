@@ -147,3 +147,10 @@ def test_greedy_generation_moves_its_progress_every_decode_step(tiny_target_dir,
     out = generate.greedy_generate(model, prompts, max_new_tokens=6, eos_ids={0}, pad_id=0, batch_size=2)
     assert len(out) == 3 and totals == [3 * 6]
     assert sum(updates) == 3 * 6 and len(updates) >= 2 * 3  # every step of each of the two batches
+
+
+def test_cpu_sizes_name_limit_only_where_the_prompts_hold_more():
+    from eyas.specdec.run import cpu_sized
+
+    assert cpu_sized(80) == {"limit": 4, "max_new_tokens": 48}  # MT-bench's 80 questions
+    assert cpu_sized(3) == {"max_new_tokens": 48}  # a short prompts file: --limit would change nothing

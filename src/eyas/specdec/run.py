@@ -24,8 +24,10 @@ from eyas.specdec.replay import TreeConfig
 
 SCHEMA = "eyas.eval/1"
 
-CPU_SIZED = {"limit": 4, "max_new_tokens": 48}
-"""Options whose defaults are sized for a GPU, with the sizes `eyas demo` evaluates with on a CPU."""
+def cpu_sized(conversations: int) -> dict[str, int]:
+    """eval's and generate's options whose defaults are sized for a GPU, with the sizes `eyas demo` evaluates
+    with on a CPU (--limit only where the prompts hold more conversations than that)."""
+    return ({"limit": 4} if conversations > 4 else {}) | {"max_new_tokens": 48}
 
 
 @dataclass(kw_only=True)
@@ -196,7 +198,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     t0 = time.perf_counter()
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
     check_drafter_dir(cfg.drafter)  # and so does a drafter without a usable config or weights
-    warn_gpu_sized(cfg, device, command="eval", shorter=CPU_SIZED)
+    warn_gpu_sized(cfg, device, command="eval", shorter=cpu_sized(len(convs)))
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     target = load_target(target_path, device=device, dtype=dtype)
