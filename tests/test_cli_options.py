@@ -235,3 +235,21 @@ def test_renamed_keys_in_pipeline_files(tmp_path):
     old_fp = hashlib.sha256(json.dumps({"stage": "regenerate", "options": _jsonable(opts), "input": None},
                                        sort_keys=True).encode()).hexdigest()
     assert fingerprint("regenerate", cfg, None) == old_fp
+
+
+@pytest.mark.parametrize("command", sorted(CONVERTED))
+def test_help_reads_at_80_columns(command):
+    """Every option's name whole, no line past 80 columns, one short paragraph an option, no internal names."""
+    import re
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80", "TERMINAL_WIDTH": "80"})
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert max(map(len, lines)) <= 80 and "…" not in result.output
+    named = set(re.findall(r"--[a-z0-9-]+", result.output))
+    for spec in read_fields(CONVERTED[command]):
+        if (command, spec.name) != ("export", "formats"):
+            assert spec.flag in named, spec.flag
+    options = sum(1 for line in lines if line.startswith("  --"))
+    assert len(lines) <= 3 * options + 10, (len(lines), options)  # about two lines an option
+    assert not re.search(r"[A-Z][a-z]+Config\.|benchmarks/|\.py\b", result.output)

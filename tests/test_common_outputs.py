@@ -54,3 +54,47 @@ def test_export_with_overwrite_refuses_a_users_directory_before_reading_the_draf
     with pytest.raises(EyasError, match=r"^--overwrite: .*user holds files eyas did not create"):
         export_drafter(tmp_path / "no-drafter", "sglang", user, overwrite=True)
     assert [p.name for p in user.iterdir()] == ["notes.txt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o077])
+def test_outputs_get_the_mode_the_umask_gives(tmp_path, tiny_target_dir, umask):
+    """Atomic writes (mkstemp/mkdtemp: owner-only) end with the mode any new file gets: weights, a checkpoint,
+    an export folder and its files, a report folder and its files."""
+    import os
+    import stat
+    from pathlib import Path
+
+    import torch
+
+    from eyas.common import atomic_directory, atomic_write_json, current_umask
+    from eyas.drafter.model import DrafterConfig, Eagle3Drafter
+    from eyas.export.formats import export_drafter
+    from eyas.target import load_target, model_identity
+    from eyas.train.checkpoint import save_checkpoint
+
+    def mode(p):
+        return stat.S_IMODE(os.stat(p).st_mode)
+
+    target = load_target(tiny_target_dir)
+    cfg = DrafterConfig.from_target_config(target.config, draft_vocab_size=300, aux_layer_ids=[1, 2, 3])
+    model = Eagle3Drafter(cfg)
+    model.reset_parameters(seed=0)
+    model.set_vocab(torch.arange(0, 3000, 10))
+    old = os.umask(umask)
+    try:
+        assert current_umask() == umask
+        weights = model.save(tmp_path / "drafter", target=model_identity(tiny_target_dir)) / "model.safetensors"
+        lin = torch.nn.Linear(2, 2)
+        opt = torch.optim.AdamW(lin.parameters())
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+        ckpt = save_checkpoint(tmp_path / "ck" / "step-000001.safetensors", model=lin, optimizer=opt, scheduler=sched,
+                               step=1, identity={}, extra={}, is_main=True)
+        export = Path(export_drafter(tmp_path / "drafter", "sglang", tmp_path / "export")["out"])
+        with atomic_directory(tmp_path / "eval", kind="eval") as tmp:
+            atomic_write_json(tmp / "report.json", {"ok": True})
+    finally:
+        os.umask(old)
+    files, folders = 0o666 & ~umask, 0o777 & ~umask
+    assert mode(weights) == mode(ckpt) == mode(tmp_path / "eval" / "report.json") == files
+    assert mode(export) == mode(tmp_path / "eval") == folders
+    assert {mode(p) for p in export.iterdir()} == {files}

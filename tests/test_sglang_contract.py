@@ -9,7 +9,8 @@ source (the layer-id rules of Llama, DeepSeek-V2/V3 and the Kimi-K2.5 wrapper), 
 `ast.unparse` output, which has no comments. The hook registry module is standard-library only,
 so the real one is loaded and the plugin's real hook functions are registered and run through it.
 
-Wheels and unpacked files are cached in $EYAS_SGLANG_WHEEL_DIR (default ~/.cache/eyas/sglang-wheels):
+Wheels and unpacked files are cached in $EYAS_SGLANG_WHEEL_DIR (default <eyas cache>/sglang-wheels, the
+eyas cache being $EYAS_CACHE or ~/.cache/eyas; pip's own cache is bypassed, so nothing lands elsewhere):
 the first run downloads about 250 MB, later runs read the cache (a few seconds in all; a change to
 NEEDED unpacks the cached wheels again). A version whose download fails for network reasons is
 skipped with the reason; a claimed version the index does not have fails, as does any other failure.
@@ -52,7 +53,9 @@ NEEDED = ("sglang/srt/plugins/", "sglang/srt/model_executor/model_runner.py", "s
 
 
 def cache_dir() -> Path:
-    d = Path(os.environ.get("EYAS_SGLANG_WHEEL_DIR") or Path.home() / ".cache/eyas/sglang-wheels")
+    from eyas.defaults import cache_dir as eyas_cache
+
+    d = Path(os.environ.get("EYAS_SGLANG_WHEEL_DIR") or eyas_cache() / "sglang-wheels")
     d.mkdir(parents=True, exist_ok=True)
     return d
 
@@ -89,7 +92,7 @@ def sglang_source(version: str) -> Path:
     wheels = [w for w in cache.glob(f"sglang-{version}-*.whl")]
     if not wheels:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-               "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(cache), "-q"]
+               "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(cache), "-q", "--no-cache-dir"]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             skip, why = download_failure(version, res.stderr + res.stdout)
@@ -764,3 +767,9 @@ def test_the_newest_release_on_the_index_passes_the_contract():
     assert problems == [], f"sglang {newest} breaks the plugin's contract: {problems}"
     pytest.fail(f"sglang {newest} passes the contract check but is not in plugin.SUPPORTED_VERSIONS: read its "
                 "prefill CUDA-graph path, then add it")
+
+
+def test_the_wheels_are_cached_under_the_eyas_cache(tmp_path, monkeypatch):
+    monkeypatch.delenv("EYAS_SGLANG_WHEEL_DIR", raising=False)
+    monkeypatch.setenv("EYAS_CACHE", str(tmp_path / "c"))
+    assert cache_dir() == tmp_path / "c" / "sglang-wheels" and cache_dir().is_dir()

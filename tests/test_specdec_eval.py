@@ -157,3 +157,34 @@ def test_eval_mtbench_two_turns_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
     assert summary["sequences"] == 2 and summary["generated_tokens"] == 12
     report = json.loads((tmp_path / "o" / "report.json").read_text())
     assert set(report["modes"]["tree"]["per_category"]) == {"writing"}  # MT-bench question 81
+
+
+def test_greedy_generation_moves_its_progress_every_decode_step(tiny_target_dir, monkeypatch):
+    """Eval's batched generation advances its progress per decode step (rows x steps), not once a batch,
+    and ends at prompts x max-new-tokens whatever the rows' early ends."""
+    from eyas.specdec import generate
+    from eyas.target import load_target
+
+    updates = []
+
+    class Bar:
+        def update(self, n=1):
+            updates.append(n)
+
+        def close(self):
+            pass
+
+    totals = []
+    monkeypatch.setattr(generate, "progress", lambda total, *a, **kw: totals.append(total) or Bar())
+    model = load_target(tiny_target_dir)
+    prompts = [[1, 5, 9], [1, 7], [1, 2, 3, 4]]
+    out = generate.greedy_generate(model, prompts, max_new_tokens=6, eos_ids={0}, pad_id=0, batch_size=2)
+    assert len(out) == 3 and totals == [3 * 6]
+    assert sum(updates) == 3 * 6 and len(updates) >= 2 * 3  # every step of each of the two batches
+
+
+def test_cpu_sizes_name_limit_only_where_the_prompts_hold_more():
+    from eyas.specdec.run import cpu_sized
+
+    assert cpu_sized(80) == {"limit": 4, "max_new_tokens": 48}  # MT-bench's 80 questions
+    assert cpu_sized(3) == {"max_new_tokens": 48}  # a short prompts file: --limit would change nothing

@@ -949,3 +949,28 @@ def test_muon_trains_resumes_exactly_and_is_recorded(world, tmp_path):
         _cfg(world, tmp_path / "bad", data=world["prep"], optimizer="sgd")
     with pytest.raises(EyasError, match="--fsdp"):
         _cfg(world, tmp_path / "sharded", data=world["prep"], optimizer="muon", fsdp=True)
+
+
+def test_only_the_latest_checkpoints_are_kept(world, tmp_path):
+    """--keep-checkpoints (default 2) bounds the disk a long run takes; the user's files there stay, and the
+    latest is what --resume auto continues from."""
+    from eyas.train.checkpoint import prune_checkpoints
+    from eyas.train.loop import run
+
+    out = tmp_path / "r"
+    run(_cfg(world, out, data=world["prep"], steps=3, save_every=1))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002.safetensors", "step-000003.safetensors"]
+    (out / "checkpoints" / "notes.txt").write_text("mine")
+    run(_cfg(world, out, data=world["prep"], steps=4, save_every=1, resume="auto"))
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "notes.txt", "step-000003.safetensors", "step-000004.safetensors"]
+    assert [r["step"] for r in _train_records(out)] == [1, 2, 3, 4]  # continued from step 3
+    d = tmp_path / "ck"
+    d.mkdir()
+    names = [f"step-{i:06d}.safetensors" for i in (1, 2, 10)] + ["step-000001.safetensors.sha256", "step-1.txt"]
+    for n in names:
+        (d / n).write_text("x")
+    assert prune_checkpoints(d, keep=0) == []
+    removed = prune_checkpoints(d, keep=2)
+    assert sorted(p.name for p in removed) == ["step-000001.safetensors", "step-000001.safetensors.sha256"]
+    assert sorted(p.name for p in d.iterdir()) == ["step-000002.safetensors", "step-000010.safetensors", "step-1.txt"]

@@ -34,6 +34,7 @@ app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,  # click's plain help: wraps to any width and never cuts an option's name
 )
 
 # (subcommand, module under eyas.commands, function name)

@@ -70,13 +70,71 @@ def triton_kernel_unavailable(kernel: Any, device: Any, *, import_error: str | N
     return None
 
 
-def progress(total: int | None, desc: str, unit: str = "it", *, disable: bool | None = None):
-    """A tqdm bar on stderr (hidden when stderr is not a terminal unless EYAS_PROGRESS=1)."""
+def fmt_duration(s: float) -> str:
+    return f"{s / 3600:.1f}h" if s >= 3600 else f"{s / 60:.0f}m" if s >= 60 else f"{s:.0f}s"
+
+
+class LineProgress:
+    """progress() where stderr is not a terminal (a log file, a pipe): a line with the count, rate and ETA
+    every `every` seconds, and a last one at close when any was written (a short job stays quiet)."""
+
+    def __init__(self, total: int | None, desc: str, unit: str, *, every: float = 30.0, clock=time.monotonic):
+        self.total, self.desc, self.unit, self.every, self.clock = total, desc, unit, every, clock
+        self.n, self.postfix, self.lines = 0, "", 0
+        self.t0 = self.last = clock()
+
+    def line(self) -> str:
+        dt = max(self.clock() - self.t0, 1e-9)
+        rate = self.n / dt
+        text = f"{self.desc}: {self.n:,}" + (f"/{self.total:,}" if self.total else "") + f" {self.unit}"
+        text += f" | {rate:,.3g} {self.unit}/s | {fmt_duration(dt)} elapsed"
+        if self.total and 0 < self.n < self.total:
+            text += f" | eta {fmt_duration((self.total - self.n) / rate)}"
+        return text + (f" | {self.postfix}" if self.postfix else "")
+
+    def update(self, n: int = 1) -> None:
+        self.n += n
+        if self.clock() - self.last >= self.every:
+            self.last = self.clock()
+            self.lines += 1
+            log(self.line())
+
+    def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
+        self.postfix = s
+
+    def close(self) -> None:
+        if self.lines:
+            log(self.line())
+            self.lines = 0
+
+
+def progress(total: int | None, desc: str, unit: str = "it", *, disable: bool | None = None, lines: bool = True):
+    """A tqdm bar on stderr where stderr is a terminal (or EYAS_PROGRESS=1), else a LineProgress (lines=False:
+    nothing, for a caller that logs its own lines): either way a long job says how far it is, how fast it goes
+    and when it ends. disable=True: neither."""
     from tqdm.auto import tqdm
 
-    if disable is None:
-        disable = not (sys.stderr.isatty() or os.environ.get("EYAS_PROGRESS") == "1")
-    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=disable, dynamic_ncols=True)
+    if disable is None and not (sys.stderr.isatty() or os.environ.get("EYAS_PROGRESS") == "1"):
+        if lines:
+            return LineProgress(total, desc, unit)
+        disable = True
+    return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, disable=bool(disable), dynamic_ncols=True)
+
+
+def warn_gpu_sized(cfg: Any, device: Any, *, command: str, shorter: dict[str, Any]) -> list[str]:
+    """On a CPU, one warning line naming the options in `shorter` (field -> a CPU-sized value) that `cfg` leaves
+    at their defaults, which are sized for a GPU; returns those options (empty: no warning)."""
+    import dataclasses
+
+    if str(device).split(":")[0] != "cpu":
+        return []
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    left = [f"--{name.replace('_', '-')} {value}" for name, value in shorter.items()
+            if getattr(cfg, name) == defaults.get(name)]
+    if left:
+        log(f"{command}: warning: its defaults are sized for a GPU and this runs on the CPU, where they take a long "
+            f"time; a CPU-sized run: {' '.join(left)}")
+    return left
 
 
 def fsync_dir(path: Path) -> None:
@@ -87,12 +145,37 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def current_umask() -> int:
+    """The process's umask, read without changing it where the kernel reports it (/proc/self/status on
+    Linux: setting and restoring it races with other threads creating files); elsewhere set and put back."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    old = os.umask(0o077)
+    os.umask(old)
+    return old
+
+
+def umask_mode(*, directory: bool = False) -> int:
+    """The mode a plain open()/mkdir() would give a new file or folder: tempfile's mkstemp/mkdtemp make them
+    owner-only (0600/0700), which would keep an export or a report from anyone the user meant to share it with."""
+    return (0o777 if directory else 0o666) & ~current_umask()
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file written by a library that makes it owner-only (safetensors' save_file) the umask's mode."""
+    os.chmod(path, umask_mode())
+
+
 def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write `data` to `path` so that readers see either the old file or the whole new one."""
+    """Write `data` to `path` so that readers see either the old file or the whole new one (its mode as the
+    umask gives any new file)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, umask_mode())
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
@@ -125,6 +208,7 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
             shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".tmp", dir=final.parent))
     try:
+        os.chmod(tmp, umask_mode(directory=True))
         write_marker(tmp, kind=kind)
         yield tmp
         if final.exists():

@@ -115,12 +115,44 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
     stage("eval", lambda: evaluate_to(out / "eval", EvalConfig(
         drafter=drafter, target="default", prompts="mtbench", max_new_tokens=cfg.max_new_tokens,
         limit=cfg.eval_questions, device=cfg.device), overwrite=True))
+    # the serving copies in bf16, the dtype the engines run a drafter in: the fp32 weights stay in one place,
+    # train/drafter (what eval read and `eyas export` reads again)
     stage("export", lambda: {
-        fmt: export_drafter(drafter, fmt, out / "export" / fmt, overwrite=True) for fmt in ("sglang", "vllm")
+        fmt: export_drafter(drafter, fmt, out / "export" / fmt, overwrite=True, dtype="bfloat16")
+        for fmt in ("sglang", "vllm")
     })
     summary = _summarise(results, times, out)
     _print_table(summary)
+    from eyas.defaults import resolve_target
+
+    log("\n" + "\n".join(next_steps(summary, target=resolve_target("default"))))
     return summary
+
+
+def next_steps(s: dict[str, Any], *, target: Path) -> list[str]:
+    """What a user does after the demo: where its drafter is, what its tau says, and the commands that
+    evaluate, export and serve it (the paths the demo wrote; `target` the converted default target)."""
+    out, e = Path(s["out"]), s["eval"]
+    drafter, sglang, vllm = s["drafter"], s["export"]["sglang"], s["export"]["vllm"]
+    return [
+        "== eyas demo: what next ==",
+        f"Drafter: {drafter} (fp32, eyas layout); serving copies (bf16): {sglang}, {vllm}",
+        f"tau (tree {e.get('tau_tree')}, chain {e.get('tau_chain')}; 1.0 = no draft token accepted) is what a short",
+        f"CPU run on {s['data']['train_samples']} chats gives: it shows the pipeline works, not a useful drafter;",
+        "`eyas pipeline recipes/smollm2-gpu.toml` trains one on a GPU (README: Measured).",
+        "Evaluate on more questions (CPU-sized; eval's defaults are sized for a GPU):",
+        f"  eyas eval --drafter {drafter} --limit 8 --max-new-tokens 64 --out {out / 'eval-more'}",
+        "Export (the demo did; for a drafter of your own):",
+        f"  eyas export --drafter {drafter} --format sglang --weights-dtype bfloat16 --out {out / 'export-mine'}",
+        "Serve (docs/serving.md):",
+        f"  python -m sglang.launch_server --model-path {target} \\",
+        "    --speculative-algorithm EAGLE3 --speculative-draft-model-path "
+        f"{sglang} \\",
+        "    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
+        f"  vllm serve {target} --speculative-config \\",
+        f"    '{{\"method\": \"eagle3\", \"model\": \"{vllm}\", \"num_speculative_tokens\": 3}}'",
+        f"Disk: `du -sh {out}`; the checkpoints in {out / 'train' / 'checkpoints'} only serve a resume.",
+    ]
 
 
 def _summarise(results: dict[str, Any], times: dict[str, float], out: Path) -> dict[str, Any]:
@@ -135,6 +167,7 @@ def _summarise(results: dict[str, Any], times: dict[str, float], out: Path) -> d
         "train": t,
         "eval": e,
         "export": {fmt: r.get("out") for fmt, r in results["export"].items()},
+        "drafter": str(out / "train" / "drafter"),
     }
 
 

@@ -300,7 +300,7 @@ def stage_paths(workdir: Path) -> dict[str, Path]:
 # options that never change a stage's result: they do not enter its fingerprint
 NOT_IN_FINGERPRINT = {
     "regenerate": {"concurrency", "max_retries", "request_timeout"},
-    "train": {"resume", "save_every", "eval_every"},
+    "train": {"resume", "save_every", "eval_every", "keep_checkpoints"},
     "eval": {"gen_batch_size", "replay_tokens", "allow_other_target"},
 }
 

@@ -9,8 +9,7 @@ import typer
 
 
 def pipeline(
-    # `\\[`: rich would read a bare [section] as markup and drop it from the help
-    config: Path = typer.Argument(..., help="Pipeline file (TOML): top-level workdir/target/device and one \\[section] per stage, whose keys are that stage's options (e.g. recipes/smollm2-gpu.toml)."),
+    config: Path = typer.Argument(..., help="Pipeline file (TOML): top-level workdir/target/device and one [section] per stage, whose keys are that stage's options (e.g. recipes/smollm2-gpu.toml)."),
     workdir: Optional[Path] = typer.Option(None, "--workdir", help="Override the file's `workdir`."),
     set_: Optional[List[str]] = typer.Option(None, "--set", help="Override one option: section.key=value (TOML value), e.g. --set train.steps=100 --set regenerate.limit=2000. Repeatable."),
     until: Optional[str] = typer.Option(None, "--until", help="Run the stages up to and including this one (regenerate, prepare, train, eval or export), then stop; the summary lists the stages not run."),

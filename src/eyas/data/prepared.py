@@ -24,7 +24,7 @@ from typing import Any, Iterable, Sequence
 import numpy as np
 import torch
 
-from eyas.common import atomic_directory, check_out_dir
+from eyas.common import atomic_directory, check_out_dir, honour_umask
 from eyas.errors import EyasError
 
 SCHEMA = "eyas.prepared/1"
@@ -93,6 +93,7 @@ def write_prepared(
                 {k: packed[k] for k in ("input_ids", "loss_mask", "offsets")},
                 str(tmp / f"{name}.safetensors"),
             )
+            honour_umask(tmp / f"{name}.safetensors")
             (tmp / f"{name}.ids.json").write_text(json.dumps(packed["names"]))
             meta["splits"][name] = {
                 "samples": len(packed["names"]),

@@ -499,10 +499,13 @@ def write_eyas(out_dir: str | Path, config: DrafterConfig, weights: dict[str, to
     """The eyas layout: config.json (every DrafterConfig field + target identity) and model.safetensors."""
     from safetensors.torch import save_file
 
+    from eyas.common import honour_umask
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     sd = {k: v.detach().to("cpu").contiguous() for k, v in weights.items()}
     save_file(sd, str(out / WEIGHTS_FILE), metadata={"format": "pt", "schema": SCHEMA})
+    honour_umask(out / WEIGHTS_FILE)
     meta = {"schema": SCHEMA, "drafter": config.to_dict(), "target": target or {}, **(extra or {})}
     (out / CONFIG_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
@@ -606,6 +609,8 @@ def write_engine_layout(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype
     (config, weight keys, dtype name, full_vocab)."""
     from safetensors.torch import save_file
 
+    from eyas.common import honour_umask
+
     if fmt not in ENGINES:
         raise EyasError(f"--format {fmt!r}: expected one of {', '.join(ENGINES)}")
     config = ckpt.config
@@ -623,5 +628,6 @@ def write_engine_layout(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype
         cfg = vllm_config(config, dtype=dtype_name, verifier=verifier, speculative_tokens=speculative_tokens,
                           verifier_architectures=verifier_architectures, verifier_path=verifier_path)
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
+    honour_umask(out_dir / WEIGHTS_FILE)
     (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")
     return {"config": cfg, "keys": sorted(weights), "dtype": dtype_name, "full_vocab": full_vocab}

@@ -220,7 +220,7 @@ class Regenerator:
 
     def run(self, engine) -> None:
         """Drive `engine` to the end; on any exception commit what is decided, then re-raise."""
-        self.bar = progress(self.total, "regen", "conv")
+        self.bar = progress(self.total, "regen", "conv", lines=False)  # progress_line() is logged instead
         self.bar.update(self.decided_before)
         try:
             engine.run(self.pull, self.deliver)

@@ -119,23 +119,50 @@ def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos
                               eos_token_id=sorted(eos_ids), pad_token_id=pad_id, use_cache=True)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
-    bar = progress(len(prompts), "generate", "seq")
+    # progress in decode steps x rows, so a batch that runs for minutes moves the bar every step; an upper
+    # bound (a batch whose rows all ended early skips its remaining steps)
+    bar = progress(len(prompts) * max_new_tokens, "generate", "tok")
     for start in range(0, len(order), batch_size):
         idx = order[start:start + batch_size]
+        streamer = StepCounter(bar, rows=len(idx), steps=max_new_tokens)
         width = max(len(prompts[i]) for i in idx)
         ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
         for row, i in enumerate(idx):  # left padding: every row's next token is at the same column
             ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
             mask[row, width - len(prompts[i]):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config)[:, width:].tolist()
+        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
+                             streamer=streamer)[:, width:].tolist()
         for row, i in enumerate(idx):
             toks = gen[row]
             cut = next((j + 1 for j, t in enumerate(toks) if t in eos_ids), len(toks))
             out[i] = toks[:cut]
-        bar.update(len(idx))
+        streamer.finish()
     bar.close()
     return out
+
+
+class StepCounter:
+    """A generate() streamer that advances `bar` by `rows` for every decode step (the first put() is the
+    prompt), and to the batch's full `steps` at finish()."""
+
+    def __init__(self, bar, *, rows: int, steps: int):
+        self.bar, self.rows, self.steps, self.seen, self.prompt = bar, rows, steps, 0, True
+
+    def put(self, value) -> None:
+        if self.prompt:
+            self.prompt = False
+            return
+        if self.seen < self.steps:
+            self.seen += 1
+            self.bar.update(self.rows)
+
+    def end(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        self.bar.update(self.rows * (self.steps - self.seen))
+        self.seen = self.steps
 
 
 def generate_conversations(model, tokenizer, convs: list[Conversation], *, max_new_tokens: int,

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from eyas.common import log, progress
+from eyas.common import log, progress, warn_gpu_sized
 from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import CheckFailed, EyasError
 from eyas.specdec.replay import TreeConfig
@@ -158,6 +158,9 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
     engine = resolve_engine(cfg.engine, device)
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
+    from eyas.specdec.run import cpu_sized
+
+    warn_gpu_sized(cfg, device, command="generate", shorter=cpu_sized(len(convs)))
     from eyas.drafter.layouts import check_drafter_dir
 
     check_drafter_dir(cfg.drafter)  # and a drafter folder eval could not read

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import log, require_finite
+from eyas.common import log, require_finite, warn_gpu_sized
 from eyas.capture.batching import plan_batches
 from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import EyasError
@@ -23,6 +23,11 @@ from eyas.specdec.metrics import DEFINITIONS, summarize
 from eyas.specdec.replay import TreeConfig
 
 SCHEMA = "eyas.eval/1"
+
+def cpu_sized(conversations: int) -> dict[str, int]:
+    """eval's and generate's options whose defaults are sized for a GPU, with the sizes `eyas demo` evaluates
+    with on a CPU (--limit only where the prompts hold more conversations than that)."""
+    return ({"limit": 4} if conversations > 4 else {}) | {"max_new_tokens": 48}
 
 
 @dataclass(kw_only=True)
@@ -195,6 +200,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     t0 = time.perf_counter()
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
     check_drafter_dir(cfg.drafter)  # and so does a drafter without a usable config or weights
+    warn_gpu_sized(cfg, device, command="eval", shorter=cpu_sized(len(convs)))
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     check_drafter_target(cfg.drafter, target_path, tok_hash=tokenizer_hash(tokenizer), allow=cfg.allow_other_target)
@@ -290,5 +296,10 @@ def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) ->
         r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731  (None: no rounds at all)
         summary[f"tau_{name}"] = r4(m["acceptance_length"])
         summary[f"accepted_per_drafted_{name}"] = r4(m["accepted_per_drafted"])
-        summary[f"predicted_speedup_bs1_{name}"] = r4(m.get("speed_prediction", {}).get("predicted_speedup_bs1"))
+        pred = m.get("speed_prediction", {})
+        summary[f"predicted_speedup_bs1_{name}"] = r4(pred.get("predicted_speedup_bs1"))
+        if pred.get("predicted_speedup_bs1_range"):  # the spread of the timings behind it
+            summary[f"predicted_speedup_bs1_{name}_range"] = [r4(x) for x in pred["predicted_speedup_bs1_range"]]
+        if pred.get("withheld") and m["acceptance_length"] is not None:
+            summary[f"predicted_speedup_bs1_{name}_withheld"] = pred["withheld"]
     return summary

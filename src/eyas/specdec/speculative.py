@@ -492,13 +492,78 @@ def stats_summary(st: DecodeStats, *, depth: int | None, drafted_per_round: int 
 # step costs and the speed-up they predict
 
 
+PREDICTION_MAX_SPREAD = 0.2
+"""Widest relative range, (high - low) / value, a predicted speed-up is reported with: wider, the timings
+measured the machine's load rather than the engine's costs, so the figure is withheld."""
+
+
+def quartiles(samples: list[float]) -> tuple[float, float, float]:
+    """(lower quartile, median, upper quartile) of `samples` (one sample: itself three times)."""
+    import statistics
+
+    if not samples:
+        raise ValueError("no timing samples")
+    if len(samples) == 1:
+        return samples[0], samples[0], samples[0]
+    q1, q2, q3 = statistics.quantiles(samples, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def costs_from_samples(parts: dict[str, list[float]], step: list[float]) -> dict[str, Any]:
+    """Step costs from per-repeat timings: each part's and the target step's median (the figures the
+    prediction uses), round_s = the parts' medians summed, and `quartiles_s`, the lower and upper quartile
+    of round_s (the parts' quartiles summed) and of target_step_s: the spread the prediction carries."""
+    q = {k: quartiles(v) for k, v in parts.items()}
+    t = quartiles(step)
+    return {**{k: v[1] for k, v in q.items()}, "round_s": sum(v[1] for v in q.values()), "target_step_s": t[1],
+            "quartiles_s": {"round_s": [sum(v[0] for v in q.values()), sum(v[2] for v in q.values())],
+                            "target_step_s": [t[0], t[2]]},
+            "repeats": min(len(step), *(len(v) for v in parts.values()))}
+
+
+def timing_spread(costs: dict[str, Any]) -> float | None:
+    """The relative width, (high - low) / value, of the speed-up these costs predict for any tau (tau cancels):
+    high = upper-quartile target step / lower-quartile round, low the other way round. None without quartiles."""
+    qs = costs.get("quartiles_s")
+    if not qs:
+        return None
+    (r_lo, r_hi), (t_lo, t_hi) = qs["round_s"], qs["target_step_s"]
+    if min(r_lo, costs["round_s"], costs["target_step_s"]) <= 0:
+        return float("inf")
+    return (t_hi / r_lo - t_lo / r_hi) / (costs["target_step_s"] / costs["round_s"])
+
+
+def settle_timings(measure, *, min_repeats: int, max_repeats: int, max_seconds: float,
+                   clock=time.perf_counter) -> tuple[dict[str, list[float]], list[float]]:
+    """Call measure() (-> ({part: seconds}, target step seconds), one repeat) at least `min_repeats` times
+    and then until the prediction's spread (timing_spread) is half PREDICTION_MAX_SPREAD, `max_repeats` or
+    `max_seconds` is reached: a quiet device stops early, a busy one gets more samples before the verdict."""
+    parts: dict[str, list[float]] = {}
+    step: list[float] = []
+    t0 = clock()
+    while True:
+        got, s = measure()
+        for k, v in got.items():
+            parts.setdefault(k, []).append(v)
+        step.append(s)
+        n = len(step)
+        if n >= max_repeats or (n >= min_repeats and (
+                clock() - t0 >= max_seconds
+                or timing_spread(costs_from_samples(parts, step)) <= PREDICTION_MAX_SPREAD / 2)):
+            return parts, step
+
+
 @torch.no_grad()
 def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, layer_ids: list[int], context: int = 512,
-                       repeats: int | None = None, seed: int = 0) -> dict[str, float]:
+                       repeats: int | None = None, seed: int = 0, max_seconds: float = 30.0) -> dict[str, Any]:
     """This (plain) engine's seconds per call, after a prefill of `context` random tokens, of: one draft
     round (the tree or chain from the root), the drafter's step-0 update for one accepted token + bonus,
     the verify forward of the root + `tree.tokens` drafted tokens (round_s = the three), and a
     target-only decode step (1 token). The host-side walk and cache compaction are left out.
+
+    Each repeat times every part once, in turn, so a change of load touches the round and the target step
+    alike; repeats go on until their spread settles (settle_timings: at least `repeats`, at most 8x that or
+    `max_seconds`). The figures are medians; `quartiles_s` gives their spread.
 
     Token values do not change the arithmetic, so random ids measure the same costs as real text.
     The static engine's counterpart: speculative_static.measure_static_step_costs.
@@ -515,18 +580,15 @@ def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, 
     prop.extend(torch.tensor(prompt[1:] + [prompt[0]], device=dev), aux)
     c = context + 1
     rows, t = torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([c - 2], device=dev)
-    repeats = repeats or (20 if dev.type == "cuda" else 3)  # CPU: a 60-token verify of a real target is ~0.5 s
+    repeats = repeats or (20 if dev.type == "cuda" else 5)  # CPU: a 60-token verify of a real target is ~0.5 s
     warmup = 2 if dev.type == "cuda" else 1
 
     def timed(fn) -> float:
-        for _ in range(warmup):
-            fn()
         _sync(dev)
         t0 = time.perf_counter()
-        for _ in range(repeats):
-            fn()
+        fn()
         _sync(dev)
-        return (time.perf_counter() - t0) / repeats
+        return time.perf_counter() - t0
 
     drafted = build_tree(prop, rows, t, tree)
     tok, par, depth = _submitted(drafted)
@@ -550,20 +612,55 @@ def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, 
         prop.extend(ids_v[:2], aux[:2])
         prop.length = n0
 
-    parts = {"draft_s": timed(lambda: build_tree(prop, rows, t, tree)), "drafter_update_s": timed(update),
-             "verify_s": timed(verify)}
-    return {"engine": "plain", "context": context, **parts, "round_s": sum(parts.values()),
-            "target_step_s": timed(plain)}
+    calls = {"draft_s": lambda: build_tree(prop, rows, t, tree), "drafter_update_s": update, "verify_s": verify}
+
+    def once():
+        return {k: timed(fn) for k, fn in calls.items()}, timed(plain)
+
+    for _ in range(warmup):
+        once()
+    parts, step = settle_timings(once, min_repeats=repeats, max_repeats=8 * repeats, max_seconds=max_seconds)
+    return {"engine": "plain", "context": context, **costs_from_samples(parts, step)}
 
 
 def predicted_speedup(tau: float | None, costs: dict[str, Any]) -> float | None:
     """tau tokens per round at round_s seconds, against one token per target step: tau * target_step_s
     / round_s, both from one engine (costs["engine"]). The plain engine's round leaves its host-side
     walk and compaction out, so its loop's measured speed-up falls below this where per-round overhead
-    is large; the static engine's round is every step of its loop."""
+    is large; the static engine's round is every step of its loop. Unchecked: see judge_prediction."""
     if tau is None:
         return None
     return tau * costs["target_step_s"] / costs["round_s"]
+
+
+def judge_prediction(tau: float | None, costs: dict[str, Any], *,
+                     max_spread: float = PREDICTION_MAX_SPREAD) -> dict[str, Any]:
+    """The speed-up these costs predict, only where it can be stood behind: {"predicted_speedup_bs1": value or
+    None, "predicted_speedup_bs1_range": [low, high] (from the timings' quartiles) or None, "withheld": why
+    or None}. Withheld when (a) the range is wider than `max_spread` of the value (the timings measured load)
+    or (b) the value exceeds tau: a round drafts, then verifies more tokens than a target step computes, so
+    it cannot cost less than one; a prediction above tau says the timings are wrong, not that decoding is fast."""
+    if tau is None:
+        return {"predicted_speedup_bs1": None, "predicted_speedup_bs1_range": None,
+                "withheld": "no drafting rounds, so no tau to predict from"}
+    value = predicted_speedup(tau, costs)
+    qs = costs.get("quartiles_s")
+    rng = None
+    if qs:
+        (r_lo, r_hi), (t_lo, t_hi) = qs["round_s"], qs["target_step_s"]
+        rng = [tau * t_lo / r_hi, tau * t_hi / r_lo] if r_lo > 0 else [0.0, float("inf")]
+    spread = timing_spread(costs)
+    why = None
+    if value > tau:
+        why = (f"the predicted {value:.2f}x exceeds tau {tau:.2f}: a round measured {costs['round_s']:.3g} s against "
+               f"{costs['target_step_s']:.3g} s for one target step, which it cannot undercut; the timings are noise "
+               "(a busy device?)")
+    elif spread is not None and spread > max_spread:
+        why = (f"the step timings did not settle in {costs.get('repeats')} repeats: the predicted {value:.2f}x "
+               f"lies anywhere in {rng[0]:.2f}x-{rng[1]:.2f}x (wider than {max_spread:.0%} of it); rerun on an idle device")
+    if why is not None:
+        return {"predicted_speedup_bs1": None, "predicted_speedup_bs1_range": None, "withheld": why}
+    return {"predicted_speedup_bs1": value, "predicted_speedup_bs1_range": rng, "withheld": None}
 
 
 def prediction_engine(device: torch.device) -> str:
@@ -580,6 +677,9 @@ def predict_for_modes(target, drafter: FunctionalDrafter, modes: dict[str, TreeC
     """`eyas eval`'s predicted batch-1 speed-up per mode, from step costs measured on its device with
     `engine` (default: prediction_engine(the drafter's device)); step_costs_s["engine"] names the one
     measured.
+
+    The prediction is judged (judge_prediction): one its timings cannot stand behind is withheld, with
+    the reason in "withheld".
 
     A target neither engine can run (not Llama/Qwen-shaped: both run it through StaticLM's modules)
     gets {"skipped": why}, never an error: the prediction is an extra, the acceptance figures stand
@@ -609,7 +709,9 @@ def predict_for_modes(target, drafter: FunctionalDrafter, modes: dict[str, TreeC
                 log(f"eval: {name}: static-engine step costs failed ({fell_back}); predicting from the plain engine")
         if engine == "plain" or fell_back:
             costs = measure_step_costs(target, drafter, **kw)
-        out[name] = {"step_costs_s": costs, "predicted_speedup_bs1": predicted_speedup(taus.get(name), costs)}
+        out[name] = {"step_costs_s": costs, **judge_prediction(taus.get(name), costs)}
+        if out[name]["withheld"] and taus.get(name) is not None:
+            log(f"eval: {name}: predicted speed-up withheld: {out[name]['withheld']}")
         if fell_back:
             out[name]["static_error"] = fell_back
     return out

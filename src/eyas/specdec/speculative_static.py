@@ -49,7 +49,8 @@ import torch
 from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.replay import DraftTree, TreeConfig, build_tree
-from eyas.specdec.speculative import DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync, eager_attention
+from eyas.specdec.speculative import (DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync, costs_from_samples,
+                                     eager_attention)
 
 
 def _path_end(toks: list[int], nxt: int, budget: int, eos_ids: set[int]) -> tuple[list[int], int | None]:
@@ -425,19 +426,19 @@ def measure_static_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeC
     prompt = torch.randint(0, vocab, (context,), generator=torch.Generator().manual_seed(seed)).tolist()
     clock = time.perf_counter
 
-    def timed_rounds(dec: StaticSpeculativeDecoder, parts: dict[str, Callable[[], None]]) -> dict[str, float]:
+    def timed_rounds(dec: StaticSpeculativeDecoder, parts: dict[str, Callable[[], None]]) -> dict[str, list[float]]:
         dec.prefill(prompt)
-        total = dict.fromkeys(parts, 0.0)
+        samples: dict[str, list[float]] = {name: [] for name in parts}
         for r in range(rounds):
             for name, fn in parts.items():
                 t0 = clock()
                 fn()
                 _sync(dev)
                 if r >= warmup:
-                    total[name] += clock() - t0
+                    samples[name].append(clock() - t0)
         if int(dec.start) + dec.T + 1 > dec.max_len:  # room above is the bound; this read is after the timing
             raise RuntimeError(f"step-cost rounds ran start to {int(dec.start)} of max_len {dec.max_len}")
-        return {k: v / repeats for k, v in total.items()}
+        return samples
 
     spec = StaticSpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=max_len, eos_ids=set())
     s = spec.steps
@@ -448,6 +449,7 @@ def measure_static_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeC
     step = timed_rounds(base, {"verify": b["verify"], "walk": lambda: (b["walk"](), base.result.tolist()),
                                "commit": b["commit"]})
     notes = [n for n in (spec.describe()["graph_note"], base.describe()["graph_note"]) if n]
-    return {"engine": "static", "context": context, "max_len": max_len, **costs, "round_s": sum(costs.values()),
-            "target_step_s": sum(step.values()), "cuda_graphs": spec.describe()["graphs"],
+    # the prediction's figures: each part's median, and the quartiles of the round and of the target step
+    return {"engine": "static", "context": context, "max_len": max_len,
+            **costs_from_samples(costs, [sum(x) for x in zip(*step.values())]), "cuda_graphs": spec.describe()["graphs"],
             "graph_note": "; ".join(notes) or None}

@@ -245,3 +245,20 @@ def restore(ckpt: dict, *, model, optimizer, scheduler) -> None:
                    options=_sd_options())
     scheduler.load_state_dict(ckpt["scheduler"])
     set_rng_state(ckpt["rng"])
+
+
+def prune_checkpoints(directory: Path, *, keep: int) -> list[Path]:
+    """Delete all but the latest `keep` checkpoints in `directory` (keep 0: none deleted); only eyas's own
+    step-XXXXXX.safetensors names (and files named after one, e.g. its checksum), so `--resume auto` finds the
+    latest and nothing else there is touched."""
+    directory = Path(directory)
+    if keep <= 0 or not directory.is_dir():
+        return []
+    found = sorted((int(m.group(1)), p) for p in directory.iterdir() if (m := CKPT_RE.match(p.name)))
+    removed = []
+    for _, p in found[:-keep]:
+        for q in [p, *(x for x in directory.iterdir() if x.name.startswith(p.name + ".") and x.is_file())]:
+            with contextlib.suppress(FileNotFoundError):
+                q.unlink()
+                removed.append(q)
+    return removed

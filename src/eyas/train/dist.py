@@ -214,8 +214,14 @@ def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool, grad
     if d.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
+        import inspect
+
         ids = [d.device.index] if d.device.type == "cuda" else None
-        ddp = DDP(module, device_ids=ids, broadcast_buffers=False, gradient_as_bucket_view=True)
+        # no buffer broadcast before each forward (every rank builds the same buffers); torch's new name for it
+        # where it has one: the old one warns of its deprecation
+        sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
+                else {"broadcast_buffers": False})
+        ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True, **sync)
         if grad_reduce == "bf16":
             ddp.register_comm_hook(None, _bf16_all_reduce)
         return ddp

@@ -55,34 +55,23 @@ class TrainConfig:
     """Online: prepared dataset; the target runs on every batch, nothing is written. With --store: where the
     store's prepared dataset is now, when it moved after capture."""
     aux_layers: list[int] | None = None
-    """Online: comma-separated target layer ids for fc (inputs to those layers, hf-input convention);
-    default 2,N//2,N-3. Offline uses the store's."""
+    """Online: target layer ids for fc, comma-separated (hf-input convention); default 2,N//2,N-3."""
     eval_store: Path | None = None
-    """Offline: store of eval states; without it --eval-samples store samples are held out of training."""
+    """Offline: a store of eval states; without it --eval-samples samples are held out of --store."""
     steps: int | None = None
     """Optimizer steps (overrides --epochs)."""
     epochs: float = 1.0
     """Passes over the training split when --steps is not given."""
     tokens_per_batch: int | None = None
-    """Tokens per micro-batch per process: samples are packed end to end into one row of exactly
-    this many tokens (no attention across samples, a padding tail). Default on CUDA when --batch-size
-    is not given: 131072 (32768 on GPUs under 64 GiB)."""
+    """Tokens per micro-batch per process, samples packed end to end (CUDA default: 131072, 32768 under 64 GiB)."""
     batch_size: int | None = None
-    """Samples per micro-batch per process instead of --tokens-per-batch (global batch = this x
-    --grad-accum x processes), packed into one row. Default on the CPU: 1."""
+    """Samples per micro-batch per process, instead of --tokens-per-batch (CPU default: 1)."""
     grad_accum: int = 1
     """Micro-batches accumulated per optimizer step."""
     lr: float | None = None
-    """Peak learning rate (AdamW, betas 0.9/0.95; with --optimizer muon, both of its groups'). Default by the
-    drafter's width and the optimizer (`default_lr`): under hidden size 2048, 2e-3 with Muon and 1e-3 with AdamW
-    (the highest rates that still raised a narrow drafter's MT-bench tau), else 1e-4 (the usual setting for
-    8B-class drafters)."""
+    """Peak learning rate (default by drafter width: 2e-3 Muon / 1e-3 AdamW under hidden 2048, else 1e-4)."""
     optimizer: str | None = None
-    """adamw, or muon: Muon (orthogonalized momentum updates) for fc and the decoder layer's matrices, AdamW for
-    lm_head and the norms, at the same learning rate (train/optim.py; --grad-clip reaches Muon's update only through
-    its momentum's mix, the orthogonalization removes the scale; not with --fsdp). Default (`default_optimizer`):
-    muon under hidden size 2048 without --fsdp (it reached a higher MT-bench tau there), else adamw (Muon's step is
-    much slower for wide drafters); a resumed run keeps its checkpoint's."""
+    """adamw, or muon (orthogonalized updates for the matrices; default under hidden 2048 without --fsdp)."""
     min_lr_ratio: float = 0.1
     """Cosine decay floor as a fraction of --lr."""
     warmup_steps: int | None = None
@@ -96,29 +85,17 @@ class TrainConfig:
     ttt_decay: float = 0.8
     """Loss weight of TTT step k = decay**k."""
     teacher_temperature: float = 1.0
-    """Temperature of the target's distribution the drafter learns (the soft cross-entropy's targets:
-    softmax(target logits / T)). Below 1 it is sharper, closer to the target's top token, which is what
-    greedy decoding accepts; the top token itself, so the top-1 statistics, does not change. The held-out
-    loss is reported at the same temperature."""
+    """Temperature of the target's distribution the drafter learns; below 1 sharpens it toward greedy's top token."""
     align_topk: int = 4
-    """0: every step's supervised rows carry their loss. K > 0: the loss of TTT step k at a position counts only
-    while the draft chain from that position is still reachable: at every earlier step the target's top token was
-    among the drafter's top K there (K = 1: a chain decoder; larger K: a tree of that branching). Rows past a miss
-    are states decoding never reaches; masking them spends the drafter on the ones it does. The per-step losses
-    then sum the reachable rows only. Default 4: it raised MT-bench tau over 0 (chain and tree)."""
+    """K > 0: a TTT step's loss counts only while the target's token stayed in the drafter's top K (0 = all rows)."""
     feature_loss: float = 0.0
-    """> 0: adds this weight times a regression (smooth L1) of the drafter's normed state onto the target's final
-    state at the position whose distribution each row learns, weighted like the row's cross-entropy: a dense
-    signal besides the distribution (EAGLE-1's feature loss). 0 (default: it gained no MT-bench tau): the
-    cross-entropy alone."""
+    """> 0: adds this weight times a regression onto the target's final state (EAGLE-1's feature loss)."""
     ttt_cast_once: bool | None = None
-    """TTTConfig.cast_once (None: by the drafter's size; set for benchmarks/train_bench.py's comparisons)."""
+    """Cast the mid layer's weights once per forward under autocast (default: by the drafter's size)."""
     draft_vocab: int | None = None
     """Draft vocabulary size (default min(32000, target vocab))."""
     draft_intermediate_size: int | None = None
-    """SwiGLU inner width of the draft layer (default: the target's). The layer's only free size:
-    widening it gives a small target's one-layer drafter more capacity at the same interface (the
-    exported config carries it; SGLang and vLLM read it from there)."""
+    """SwiGLU inner width of the draft layer (default: the target's); wider adds capacity, exports carry it."""
     max_length: int = 2048
     """Samples are truncated to this many tokens."""
     eval_every: int = 0
@@ -127,35 +104,30 @@ class TrainConfig:
     """Samples of the eval split used per evaluation."""
     save_every: int = 0
     """Checkpoint every N steps (0 = only at the end)."""
+    keep_checkpoints: int = 2
+    """Checkpoints kept: the latest N (0 = all); older ones are deleted at each save to bound the disk used."""
     resume: str | None = None
     """Checkpoint file to resume from, or `auto` (the latest in <out>/checkpoints)."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:N (under torchrun each rank uses cuda:LOCAL_RANK)."""
     model_dtype: str = field(default="auto", metadata={"aliases": ["--precision"]})
-    """Dtype the target and the drafter's compute run in: bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
+    """Compute dtype: bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
     fsdp: bool = False
     """FSDP2: shard parameters, gradients and optimizer state across processes (needs torchrun)."""
     grad_reduce: str = "fp32"
-    """DDP gradient all-reduce dtype across processes: fp32, or bf16 (half the bytes; each rank's share
-    rounded to bf16 before the sum). FSDP2 always reduces in fp32."""
+    """DDP gradient all-reduce dtype: fp32, or bf16 (half the bytes); FSDP2 always reduces in fp32."""
     attention: str = "fast"
     """TTT attention: fast (flash + diagonals) or reference (dense mask)."""
     compile: bool | None = None
-    """torch.compile the drafter's per-step pieces (drafter/ttt.py compile_drafter); default: on for
-    CUDA (faster after a one-off compile of about a minute), off on the CPU."""
+    """torch.compile the drafter's per-step pieces (default: on for CUDA, off on the CPU)."""
     init_head: bool = False
-    """Start lm_head and the final norm from the target's (draft-vocab rows). Off by default: on
-    SmolLM2 it starts at ~15 nats per step (confident and wrong) vs ln(32000) = 10.4 from random."""
+    """Start lm_head and the final norm from the target's (off: a copied head starts confident and wrong)."""
     cache_states: bool | None = None
-    """Online: keep the target's states of every training sample on the device once computed, so
-    epochs after the first read them instead of running the target (4 x hidden numbers a token: 4.6 KB
-    in bf16 for SmolLM2). Default: on for CUDA runs of more than one epoch when they fit beside the
-    first step's measured peak, else off (the log says which and why)."""
+    """Online: keep the target's states on the device after epoch 1 (default: when they fit; the log says)."""
     seed: int = 0
     """Seeds weights and data order."""
     overwrite: bool = False
-    """Start the run in --out over (without --resume): its checkpoints, metrics and drafter are deleted once
-    the run's inputs are checked; files eyas did not write there are kept."""
+    """Start --out over: its checkpoints, metrics and drafter are deleted (files eyas did not write are kept)."""
 
     def __post_init__(self):
         from eyas.common import check_out_path, require_owned
@@ -188,6 +160,7 @@ class TrainConfig:
         check_number(self, "draft_intermediate_size", ge=1, optional=True)
         check_number(self, "eval_every", ge=0)
         check_number(self, "save_every", ge=0)
+        check_number(self, "keep_checkpoints", ge=0)
         check_choice(self, "model_dtype", ("auto", "bf16", "fp32"))
         check_choice(self, "attention", ("fast", "reference"))
         check_choice(self, "grad_reduce", ("fp32", "bf16"))
@@ -848,6 +821,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
                                    identity=identity, extra={"world": d.world}, is_main=d.is_main)
             if p is not None:
                 log(f"checkpoint {p}")
+                ck.prune_checkpoints(ckdir, keep=cfg.keep_checkpoints)
         if stopping and not done:
             prefetch.close()
             raise Interrupted(f"stopped after step {step + 1} of {total}, saved in {ck_path}; "
