@@ -67,7 +67,8 @@ def main() -> int:
         print(json.dumps(result))
         return 1
     from eyas.drafter import ce_kernel as CE
-    from eyas.drafter.ttt import _chunk_ce, _fast, _gathering, check_fused_chunk_ce
+    from eyas.drafter.ttt.compiled import _fast
+    from eyas.drafter.ttt.head_loss import _chunk_ce, _gathering, check_fused_chunk_ce
 
     dev = torch.device("cuda")
     result["device"] = torch.cuda.get_device_name(dev)

@@ -19,6 +19,8 @@ import torch
 from eyas import kernels
 from eyas.drafter import ce_kernel as CE
 from eyas.drafter import ttt
+from eyas.drafter.ttt import head_loss
+from eyas.drafter.ttt import teacher as ttt_teacher
 from eyas.errors import EyasError
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -87,7 +89,7 @@ def check_kernel() -> None:
     for i, (c, V, sd, td, block) in enumerate(cases):
         s, t, w, top = _chunk(c, V, sd, td, seed=i)
         ce, hits, g = CE.fused_chunk_ce(s, t, w, top, block_v=block)
-        ce_r, hits_r, g_r = ttt._chunk_ce(s, t, w, top)
+        ce_r, hits_r, g_r = head_loss._chunk_ce(s, t, w, top)
         assert ce.dtype == torch.float32 and ce.shape == () and hits.dtype == torch.bool and g.dtype == sd
         assert hits[0] and torch.equal(hits, hits_r), (hits, hits_r)  # row 0: the first of the tied maxima
         assert 0 < hits.sum() < c  # both outcomes occur
@@ -139,7 +141,7 @@ def check_indexed() -> None:
         t_rows[-1] = t_rows[0]  # a repeated id
         assert not torch.equal(t_rows.sort().values, t_rows)  # out of order
         ce, hits, g = CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows, block_v=block)
-        ce_r, hits_r, g_r = ttt._chunk_ce(s, table[t_rows], w, top)
+        ce_r, hits_r, g_r = head_loss._chunk_ce(s, table[t_rows], w, top)
         assert torch.equal(hits, hits_r) and hits[0], (hits, hits_r)
         torch.testing.assert_close(ce, ce_r, rtol=1e-5, atol=1e-5)
         rtol = 1e-5 if sd == torch.float32 else 2 ** -7  # bf16 g: both round fp32, one ulp apart
@@ -165,7 +167,7 @@ def check_indexed() -> None:
         seen.append((t.data_ptr() == table.data_ptr() and t.shape == table.shape, t_rows))
         return chosen(s, t, w, top, t_rows=t_rows)
 
-    ttt.chunk_ce_for = lambda *a: spy  # (a child process: nothing to restore)
+    head_loss.chunk_ce_for = lambda *a: spy  # (a child process: nothing to restore)
     tot, _ = ttt.head_soft_ce(x, wv, None, None, weight, topn, chunk_rows=4, teacher_logits=table, teacher_rows=rows)
     assert len(seen) == 3 and all(whole for whole, _ in seen), seen  # 11 rows in chunks of 4
     assert torch.equal(torch.cat([r for _, r in seen]), rows)
@@ -185,9 +187,9 @@ def test_torch_fallback_gathers_teacher_rows(monkeypatch):
     s, _, w, top = _chunk(5, 40, torch.float32, torch.float32, seed=1)
     table = torch.randn(9, 40, generator=torch.Generator().manual_seed(2))
     t_rows = torch.tensor([8, 2, 2, 0, 5])
-    out, ref = chunk(s, table, w, top, t_rows=t_rows), ttt._chunk_ce(s, table[t_rows], w, top)
+    out, ref = chunk(s, table, w, top, t_rows=t_rows), head_loss._chunk_ce(s, table[t_rows], w, top)
     assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1]) and torch.equal(out[2], ref[2])
-    assert not torch.equal(out[2], ttt._chunk_ce(s, table[:5], w, top)[2])  # the rows did matter
+    assert not torch.equal(out[2], head_loss._chunk_ce(s, table[:5], w, top)[2])  # the rows did matter
 
 
 def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
@@ -196,7 +198,7 @@ def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
     cpu = torch.device("cpu")
     if CE.kernel_unavailable(cpu) is None:
         pytest.skip("TRITON_INTERPRET=1 in this process: the kernel runs on CPU here")
-    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is ttt._chunk_ce
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is head_loss._chunk_ce
     monkeypatch.setenv(kernels.ENV, "ce:on")
     kernels.forget()
     with pytest.raises(EyasError, match="ce:on, but"):
@@ -209,12 +211,12 @@ def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
 def test_forced_torch_skips_a_working_kernel(monkeypatch):
     kernels.forget()
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
-    @ttt._gathering
+    @head_loss._gathering
     def kernel(s, t, w, top):  # a stand-in kernel that passes its check
-        return ttt._chunk_ce(s, t, w, top)
+        return head_loss._chunk_ce(s, t, w, top)
 
     monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
-    monkeypatch.setattr(ttt, "check_fused_chunk_ce", lambda *a, **k: None)
+    monkeypatch.setattr(head_loss, "check_fused_chunk_ce", lambda *a, **k: None)
     cpu = torch.device("cpu")
     monkeypatch.setenv(kernels.ENV, "ce:auto")
     assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32) is kernel
@@ -222,26 +224,26 @@ def test_forced_torch_skips_a_working_kernel(monkeypatch):
     assert kernels.checked() == {("ce", "cpu", torch.float32, torch.float32): None}
     kernels.forget()
     monkeypatch.setenv(kernels.ENV, "ce:off")
-    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is ttt._chunk_ce
+    assert ttt.chunk_ce_for(cpu, torch.float32, torch.float32).__wrapped__ is head_loss._chunk_ce
 
 
-@ttt._gathering
+@head_loss._gathering
 def _wrong_argmax(s, t, w, top):  # the last index of a tied maximum
-    ce, _, g = ttt._chunk_ce(s, t, w, top)
+    ce, _, g = head_loss._chunk_ce(s, t, w, top)
     last = s.shape[1] - 1 - s.float().flip(-1).argmax(-1)
     return ce, last == top, g
 
 
-@ttt._gathering
+@head_loss._gathering
 def _wrong_grad(s, t, w, top):  # forgets the row weights in g
-    ce, hits, _ = ttt._chunk_ce(s, t, w, top)
+    ce, hits, _ = head_loss._chunk_ce(s, t, w, top)
     return ce, hits, (torch.softmax(s.float(), -1) - torch.softmax(t.float(), -1)).to(s.dtype)
 
 
-@ttt._gathering
+@head_loss._gathering
 def _wrong_loss(s, t, w, top):  # unweighted sum
-    _, hits, g = ttt._chunk_ce(s, t, w, top)
-    return ttt._chunk_ce(s, t, torch.ones_like(w), top)[0], hits, g
+    _, hits, g = head_loss._chunk_ce(s, t, w, top)
+    return head_loss._chunk_ce(s, t, torch.ones_like(w), top)[0], hits, g
 
 
 def _crashes(s, t, w, top, *, t_rows=None):
@@ -249,13 +251,13 @@ def _crashes(s, t, w, top, *, t_rows=None):
 
 
 def _reads_row_n(s, t, w, top, *, t_rows=None):  # ignores t_rows: the table's first c rows
-    return ttt._chunk_ce(s, t[:s.shape[0]], w, top)
+    return head_loss._chunk_ce(s, t[:s.shape[0]], w, top)
 
 
 def _crashes_indexed(s, t, w, top, *, t_rows=None):
     if t_rows is not None:
         raise TypeError("unexpected keyword t_rows")
-    return ttt._chunk_ce(s, t, w, top)
+    return head_loss._chunk_ce(s, t, w, top)
 
 
 def _ranks(off_by: int, lse: bool = True):
@@ -266,7 +268,7 @@ def _ranks(off_by: int, lse: bool = True):
             raise TypeError(f"unexpected keyword {next(iter(kw))}")
         t_lse = kw.get("t_lse")
         at = torch.arange(s.shape[0]) if t_rows is None else t_rows
-        out = ttt._chunk_ce(s, t[at], w, top, None if t_lse is None else t_lse[at])
+        out = head_loss._chunk_ce(s, t[at], w, top, None if t_lse is None else t_lse[at])
         return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk + off_by))
     return kernel
 
@@ -321,7 +323,7 @@ def check_rank() -> None:
     assert torch.equal(far, ttt.top_rank_below(s, torch.full_like(top, V + 5), k))
     x, W, f, wt, wn, top, tr, pos, lengths = _steps(11)
     N, topk = f.shape[0], 8
-    chunk_ce_for = ttt.chunk_ce_for
+    chunk_ce_for = head_loss.chunk_ce_for
     got = {}
     for fused in (False, True):
         os.environ[kernels.ENV] = "ce:auto" if fused else "ce:off"
@@ -334,7 +336,7 @@ def check_rank() -> None:
             return chosen(*a, **kw)
 
         real = CE.fused_chunk_ce
-        ttt.chunk_ce_for = lambda *a: spy
+        head_loss.chunk_ce_for = lambda *a: spy
         if fused:
             CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
         try:
@@ -343,7 +345,7 @@ def check_rank() -> None:
                                                      teacher_rows=tr)
         finally:
             CE.fused_chunk_ce = real
-            ttt.chunk_ce_for = chunk_ce_for
+            head_loss.chunk_ce_for = chunk_ce_for
         assert calls and all(c == fused for c in calls), calls
         got[fused] = (total.detach(), hits, *torch.autograd.grad(total, [x, W]))
     (total_f, hits_f, gx_f, gw_f), (total_s, hits_s, gx_s, gw_s) = got[True], got[False]
@@ -393,7 +395,7 @@ def check_lse() -> None:
         torch.testing.assert_close(given[2].float(), plain[2].float(), rtol=rtol, atol=1e-7)
         moved = lse + 0.5
         off = CE.fused_chunk_ce(s, t, w, top, t_lse=moved, **kw)
-        want = ttt._chunk_ce(s, t[t_rows], w, top, moved[t_rows])
+        want = head_loss._chunk_ce(s, t[t_rows], w, top, moved[t_rows])
         torch.testing.assert_close(off[0], want[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(off[2].float(), want[2].float(), rtol=rtol, atol=1e-7)
         assert abs(float(off[0]) - float(plain[0])) > 1e-2, (off[0], plain[0])  # it did use the moved one
@@ -419,7 +421,7 @@ def check_lse_head() -> None:
     cpu = torch.device("cpu")
     ids, seg, rows, _, aux, final, den, head, used, t2d = TP._packed_on(cpu, [9, 14, 21], K=4, seed=3)
     x, W, f, wt, wn, top, tr, pos, lengths = _steps(13)
-    real_kernel, real_choice = CE.fused_chunk_ce, ttt.chunk_ce_for
+    real_kernel, real_choice = CE.fused_chunk_ce, head_loss.chunk_ce_for
     got = {}
     try:
         for on in (False, True):
@@ -435,7 +437,7 @@ def check_lse_head() -> None:
 
             if on:
                 CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
-                ttt.chunk_ce_for = lambda *a: spy
+                head_loss.chunk_ce_for = lambda *a: spy
             m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=TP.V)
             m.set_vocab(used)
             pt = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7)
@@ -454,7 +456,7 @@ def check_lse_head() -> None:
                 torch.testing.assert_close(lse, torch.logsumexp(t.float(), -1), rtol=1e-6, atol=1e-6)
             got[on] = (packed, (total.detach(), per_step, hits, *torch.autograd.grad(total, [x, W])))
     finally:
-        CE.fused_chunk_ce, ttt.chunk_ce_for = real_kernel, real_choice
+        CE.fused_chunk_ce, head_loss.chunk_ce_for = real_kernel, real_choice
         os.environ.pop(kernels.ENV, None)
     for (on, off), name in zip(zip(got[True], got[False]), ("packed loss", "groups")):
         assert torch.equal(on[2], off[2])  # the hits (packed: correct per step, as counts)
@@ -512,7 +514,7 @@ def _with_lse(misuse: str | None):
     def kernel(s, t, w, top, *, t_rows=None, t_lse=None, rank_topk=None):
         at = torch.arange(s.shape[0]) if t_rows is None else t_rows
         lse = None if t_lse is None or misuse == "ignores" else t_lse[torch.arange(s.shape[0]) if misuse else at]
-        out = ttt._chunk_ce(s, t[at], w, top, lse)
+        out = head_loss._chunk_ce(s, t[at], w, top, lse)
         return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk))
     return kernel
 
@@ -530,7 +532,7 @@ def test_startup_check_tests_the_teacher_lse(monkeypatch, kernel, says):
     kernels.forget()
     monkeypatch.delenv(kernels.ENV, raising=False)
     chosen = ttt.chunk_ce_for(torch.device("cpu"), torch.bfloat16, torch.float32)
-    assert chosen is kernel if says is None else chosen.__wrapped__ is ttt._chunk_ce
+    assert chosen is kernel if says is None else chosen.__wrapped__ is head_loss._chunk_ce
     assert list(kernels.checked()) == [("ce", "cpu", torch.bfloat16, torch.float32)]
 
 
@@ -589,7 +591,7 @@ def check_row_stats() -> None:
         x[2, 0] = 80.0  # far above the rest, in the first block
         for block in (16, 128):
             got = CE.row_max_lse(x, block_v=block)
-            ref = ttt._teacher_max_lse(x)
+            ref = ttt_teacher._teacher_max_lse(x)
             assert got[0].dtype == dtype and got[1].dtype == torch.int64 and got[2].dtype == torch.float32
             assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), (got[1], ref[1])
             assert int(got[1][0]) == 3 and int(got[1][1]) == 99
@@ -620,7 +622,7 @@ def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
     def bad(x, **kw):
         if wrong == "raises":
             raise RuntimeError("no such kernel")
-        m, i, lse = ttt._teacher_max_lse(x)
+        m, i, lse = ttt_teacher._teacher_max_lse(x)
         if wrong == "max":
             m = m + 1
         elif wrong == "index":  # the last index of each row's maximum
@@ -646,7 +648,7 @@ def test_row_stats_default_falls_back_where_the_kernel_cannot_run(monkeypatch):
     tried = []
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)
     monkeypatch.setattr(CE, "stats_unavailable", lambda device: "triton is not importable")
-    monkeypatch.setattr(CE, "row_max_lse", lambda x, **kw: tried.append(x) or ttt._teacher_max_lse(x))
+    monkeypatch.setattr(CE, "row_max_lse", lambda x, **kw: tried.append(x) or ttt_teacher._teacher_max_lse(x))
     kernels.forget()
     cpu = torch.device("cpu")
     assert ttt.teacher_stats_for(cpu, torch.float32) is not CE.row_max_lse
@@ -671,7 +673,7 @@ def test_row_max_lse_on_cuda(dtype):
     x = (3 * torch.randn(8192, 32000, generator=g)).to(dtype)
     x[::97, 31999] = x[::97, 100] = 30.0
     x = x.to(dev)
-    got, ref = CE.row_max_lse(x), ttt._teacher_max_lse(x)
+    got, ref = CE.row_max_lse(x), ttt_teacher._teacher_max_lse(x)
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert int(got[1][0]) == 100
     assert float((got[2] - ref[2]).abs().max()) < 1e-4

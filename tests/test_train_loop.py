@@ -355,16 +355,16 @@ def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp
 def test_the_heads_chunk_size_changes_no_record(world, tmp_path, monkeypatch):
     """The heads' work in chunks of 5 rows or of the default gives the same records (the
     chunks' sums in another order: equal to float rounding)."""
-    from eyas.drafter import ttt
+    from eyas.drafter.ttt import unroll
     from eyas.train import loop
 
-    seen, real = [], ttt.ttt_loss_packed
+    seen, real = [], unroll.ttt_loss_packed
 
     def spy(*a, **k):
         seen.append(k["chunk_rows"])
         return real(*a, **k)
 
-    monkeypatch.setattr(ttt, "ttt_loss_packed", spy)
+    monkeypatch.setattr(unroll, "ttt_loss_packed", spy)
     recs = {}
     module = loop.PackedTTTModule
     for rows in (5, loop.HEAD_CHUNK_ROWS):

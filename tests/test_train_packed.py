@@ -268,11 +268,11 @@ def test_teacher_computed_once_per_row_group_gives_the_per_step_result(chunk, mo
 def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
     """The packed TTT loss sends every step's rows through ONE head call (one [V, D] weight-gradient
     buffer), not one call per step."""
-    import eyas.drafter.ttt as ttt
+    from eyas.drafter.ttt import head_loss
 
     calls = []
-    real = ttt._HeadSoftCE.apply
-    monkeypatch.setattr(ttt._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-3])) or real(*a))  # bounds
+    real = head_loss._HeadSoftCE.apply
+    monkeypatch.setattr(head_loss._HeadSoftCE, "apply", lambda *a: calls.append(len(a[-3])) or real(*a))  # bounds
     K = 4
     samples = _samples([9, 14])
     m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
@@ -332,29 +332,29 @@ def test_diagonal_merge_compiles_as_on_cuda_and_keeps_a_graph_per_diagonal_count
     eager, as 8 did on an H200."""
     import torch._dynamo as dynamo
 
-    import eyas.drafter.ttt as ttt
+    from eyas.drafter.ttt import attention, compiled
 
     g = torch.Generator().manual_seed(6)
     B, H, K, T, d, J = 1, 6, 2, 20, 8, 2
     mk = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
     q, out_c, lse_c, dout, dq_c = mk(B, H, T, d), mk(B, H, T, d), mk(B, H, T), mk(B, H, T, d), mk(B, H, T, d)
     kds, vds = [mk(B, K, T, d) for _ in range(J)], [mk(B, K, T, d) for _ in range(J)]
-    out, lse = ttt._merge_fwd(q, kds, vds, out_c, lse_c, 0.3)
-    dq, dks, dvs = ttt._merge_bwd(q, kds, vds, out, lse, dout, dq_c, 0.3)
+    out, lse = attention._merge_fwd(q, kds, vds, out_c, lse_c, 0.3)
+    dq, dks, dvs = attention._merge_bwd(q, kds, vds, out, lse, dout, dq_c, 0.3)
     assert len(dks) == len(dvs) == J and dks[0].shape == kds[0].shape
     close = lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5)  # noqa: E731
-    o, l = torch.compile(ttt._merge_fwd, dynamic=True)(q, kds, vds, out_c, lse_c, 0.3)
+    o, l = torch.compile(attention._merge_fwd, dynamic=True)(q, kds, vds, out_c, lse_c, 0.3)
     assert close(o, out) and close(l, lse)
-    gq, gks, gvs = torch.compile(ttt._merge_bwd, dynamic=True)(q, kds, vds, out, lse, dout, dq_c, 0.3)
+    gq, gks, gvs = torch.compile(attention._merge_bwd, dynamic=True)(q, kds, vds, out, lse, dout, dq_c, 0.3)
     assert close(gq, dq) and all(close(a, b) for a, b in zip(gks + gvs, dks + dvs))
 
-    monkeypatch.setattr(ttt, "_COMPILED", {})
+    monkeypatch.setattr(compiled, "_COMPILED", {})
     with dynamo.config.patch(recompile_limit=8):  # dynamo's default
-        ttt._fast(ttt._merge_fwd, torch.device("cuda"))  # compiles lazily: no GPU needed to build it
+        compiled._fast(attention._merge_fwd, torch.device("cuda"))  # compiles lazily: no GPU needed to build it
         assert dynamo.config.recompile_limit >= 12
         dynamo.reset()
         dynamo.utils.counters.clear()
-        merge = torch.compile(ttt._merge_fwd, backend="eager", dynamic=True)
+        merge = torch.compile(attention._merge_fwd, backend="eager", dynamic=True)
         for batch in (1, 2):
             for j in range(1, 7):
                 ks = [torch.randn(batch, K, T, d) for _ in range(j)]

@@ -17,7 +17,7 @@ same tokens per step on average (the orders differ: each trainer shuffles with i
 What stays each trainer's own: its loss, its optimizer at the shared --lr (eyas: its default, Muon for drafters
 under hidden size 2048 since 2026-12-02, AdamW before; SpecForge: AdamW), schedule details (eyas: cosine to 10% of
 lr, 2% warmup; SpecForge: cosine, --warmup-ratio), data order and alignment of the mask (SpecForge shifts ids and
-teacher by one and keeps the mask unshifted; eyas follows drafter/ttt.py).
+teacher by one and keeps the mask unshifted; eyas follows docs/ttt.md).
 
 SpecForge on the GPU machine (no SGLang needed for offline training):
     pip install --no-deps specforge==0.2.0 pydantic pydantic_core annotated-types typing-inspection \

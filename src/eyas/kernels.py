@@ -42,16 +42,18 @@ class Kernel:
 
 _TABLE = {k.name: k for k in (
     Kernel("ce", "the head loss's cross-entropy (one Triton kernel, two passes a row)",
-           "eyas.drafter.ce_kernel:fused_chunk_ce", "eyas.drafter.ttt:_chunk_ce", "eyas.drafter.ttt:check_fused_chunk_ce"),
+           "eyas.drafter.ce_kernel:fused_chunk_ce", "eyas.drafter.ttt.head_loss:_chunk_ce",
+           "eyas.drafter.ttt.head_loss:check_fused_chunk_ce"),
     Kernel("teacher_stats", "the teacher's row maximum and log-sum-exp (one Triton pass)",
-           "eyas.drafter.ce_kernel:row_max_lse", "eyas.drafter.ttt:_teacher_max_lse",
-           "eyas.drafter.ttt:check_row_max_lse"),
+           "eyas.drafter.ce_kernel:row_max_lse", "eyas.drafter.ttt.teacher:_teacher_max_lse",
+           "eyas.drafter.ttt.teacher:check_row_max_lse"),
     Kernel("varlen_flash", "packed causal attention (the varlen flash kernel)",
            "eyas.packing:cuda_fwd", "eyas.packing:segments_fwd", "eyas.packing:check_varlen_flash"),
     Kernel("gqa_flash", "grouped keys read by the flash kernel (no repeated copy)",
            "eyas.packing:cuda_fwd", "eyas.drafter.model:repeat_kv", "eyas.packing:check_gqa_flash"),
     Kernel("addmm_fp32", "the head's fp32 weight gradient summed inside the matmul",
-           "eyas.drafter.ttt:_addmm_in_fp32", "eyas.drafter.ttt:_addmm_by_copy", "eyas.drafter.ttt:check_addmm_fp32"),
+           "eyas.drafter.ttt.head_loss:_addmm_in_fp32", "eyas.drafter.ttt.head_loss:_addmm_by_copy",
+           "eyas.drafter.ttt.head_loss:check_addmm_fp32"),
 )}
 
 _checked: dict[tuple, str | None] = {}

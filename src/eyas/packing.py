@@ -11,7 +11,7 @@ a sample and never crosses a boundary, and positions restart at 0 in each sample
     ends      3 3 3   5 5   7   7         (exclusive end of each position's segment)
 
 Attention kernels (forward returns the output and the log-sum-exp, backward takes them back, so
-callers can merge extra keys by the split-KV identity; see drafter/ttt.py):
+callers can merge extra keys by the split-KV identity; see drafter/ttt/attention.py):
 - "cuda-flash": aten's flash kernel in its variable-length form (cumulative sequence lengths), one
   launch for the whole row, no mask tensor;
 - "cpu-flash": aten's CPU flash kernel once per segment;

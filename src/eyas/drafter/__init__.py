@@ -1,1 +1,1 @@
-"""The EAGLE-3 draft model (model.py), its vocabulary mapping (vocab.py) and the training-time-test loss (ttt.py)."""
+"""The EAGLE-3 draft model (model.py), its vocabulary mapping (vocab.py) and the training-time-test loss (ttt/)."""

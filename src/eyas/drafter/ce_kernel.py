@@ -1,7 +1,7 @@
 """One fused Triton kernel for the per-chunk soft cross-entropy of the drafter's head loss.
 
 What it computes, per row n of a chunk (student logits s [c, V], teacher logits t [c, V], row
-weights w [c], teacher top-1 draft ids top [c]) -- the contract of `eyas.drafter.ttt._chunk_ce`:
+weights w [c], teacher top-1 draft ids top [c]) -- the contract of `eyas.drafter.ttt.head_loss._chunk_ce`:
 
     lse_s = log sum_v exp(s_v)          lse_t = log sum_v exp(t_v)          p_v = exp(t_v - lse_t)
     CE_n  = lse_s - sum_v p_v s_v       hit_n = (argmax_v s_v == top_n)     (first index of the max)
@@ -39,7 +39,7 @@ the given log-sum-exp instead of the teacher's max and sum-exp.
 Triton is imported on first use, so machines without it (CPU CI) still import eyas; the kernel also
 runs on CPU under Triton's interpreter when TRITON_INTERPRET=1 is set before triton is imported
 (the tests do that in a child process). The training loop picks this kernel only after
-`eyas.drafter.ttt` has checked it against the torch version on the device (`eyas.kernels`: `ce`).
+`eyas.drafter.ttt.head_loss` has checked it against the torch version on the device (`eyas.kernels`: `ce`).
 
 Shape legend: c rows of the chunk, V draft vocab, N rows of a teacher table (indexed mode).
 """
@@ -190,7 +190,7 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
                    num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
     """(sum_n w_n CE_n fp32 scalar, hits [c] bool, g [c, V] in s's dtype): `_chunk_ce` in one launch.
     With `rank_topk` K, a fourth output: [c] bool, fewer than K logits of row n above the one of token top[n]
-    (`eyas.drafter.ttt.top_rank_below`, the head loss's reachability test), counted in the same pass over s
+    (`eyas.drafter.ttt.head_loss.top_rank_below`, the head loss's reachability test), counted in the same pass over s
     instead of a pass of its own.
 
     s: [c, V] float; t: [c, V] float, or with `t_rows` [c] integer a table [N, V] whose row
@@ -284,8 +284,8 @@ def stats_unavailable(device: torch.device) -> str | None:
 def row_max_lse(x: torch.Tensor, *, block_v: int = BLOCK_V,
                 num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max [n] in x's dtype, first index of the max [n] int64, fp32 log-sum-exp [n]) of each row of x [n, V] in one
-    read of it: `eyas.drafter.ttt._teacher_max_lse` (x.max(-1) and logsumexp(x.float(), -1)) as one launch. Rows may
-    be strided, entries must be contiguous. No host syncs."""
+    read of it: `eyas.drafter.ttt.teacher._teacher_max_lse` (x.max(-1) and logsumexp(x.float(), -1)) as one launch.
+    Rows may be strided, entries must be contiguous. No host syncs."""
     kernel = _stats_kernel()
     if kernel is None:
         raise RuntimeError(f"row_max_lse: triton is not importable ({_STATS_STATE['error']})")

@@ -22,7 +22,7 @@ API for callers (training, speculative decoding, export):
     drafter.compute_logits(hidden_prenorm_BTD)          -> logits_BTV over the draft vocab
     drafter.draft_to_target(draft_ids)                  -> target ids (via d2t offsets)
     drafter.save(dir, target=...), Eagle3Drafter.load(dir)   (the eyas layout, drafter/layouts.py)
-The training-time-test loop (drafter/ttt.py) uses the lower-level `midlayer.project_qkv` /
+The training-time-test loop (drafter/ttt/) uses the lower-level `midlayer.project_qkv` /
 `midlayer.finish` pair so it can run its own attention.
 
 Shape legend: B batch, T new tokens, S keys (cached + new), D hidden size, A aux layers,

@@ -235,7 +235,7 @@ class PackedBatch:
     seg: object
     """eyas.packing.Segments of the row (the samples, then a padding segment if padded)."""
     rows: list[torch.Tensor]
-    """[K] positions carrying a loss at TTT step k (drafter/ttt.py supervised_rows)."""
+    """[K] positions carrying a loss at TTT step k (drafter/ttt/masks.py supervised_rows)."""
     aux_NAD: torch.Tensor
     final_ND: torch.Tensor
     tokens: int
@@ -247,12 +247,12 @@ class PackedBatch:
     target_timing: object = None
     """(start, end) CUDA events around the online target forward, or its seconds on the CPU."""
     live: torch.Tensor | None = None
-    """Positions carrying a loss at some step (drafter/ttt.py live_positions): made from `rows` when they are on
+    """Positions carrying a loss at some step (drafter/ttt/masks.py live_positions): made from `rows` when they are on
     the host (pinned when they are), else given; None leaves every position in every step."""
 
     def __post_init__(self):
         if self.live is None and self.rows and self.rows[0].device.type == "cpu":
-            from eyas.drafter.ttt import live_positions
+            from eyas.drafter.ttt.masks import live_positions
 
             self.live = live_positions(self.rows, self.input_ids_N.shape[0])
             if self.rows[0].is_pinned():
@@ -261,7 +261,7 @@ class PackedBatch:
 
 def pack_tokens(items: list[Item], *, steps: int, pad_to: int | None):
     """(ids_N, mask_N, Segments, rows) on the host for `items` laid end to end (+ padding tail)."""
-    from eyas.drafter.ttt import supervised_rows
+    from eyas.drafter.ttt.masks import supervised_rows
     from eyas.packing import Segments, pad_lengths
 
     lengths = pad_lengths([it.input_ids.shape[0] for it in items], pad_to)
@@ -378,7 +378,7 @@ def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int
 def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, pad_to: int | None) -> PackedBatch:
     """The packed row's states: read from the source's StateCache where it holds the samples, the
     target run over the others (and the cache filled with them)."""
-    from eyas.drafter.ttt import live_positions
+    from eyas.drafter.ttt.masks import live_positions
 
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
     dev = torch.device(device)

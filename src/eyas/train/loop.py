@@ -9,7 +9,7 @@ The final drafter is written with `Eagle3Drafter.save` to <out>/drafter.
 
 Numerics: fp32 master weights; on CUDA the forward runs under bf16 autocast (FSDP2: bf16 params,
 fp32 gradient reduction). Loss normalisation uses the GLOBAL batch's loss-mask counts per TTT step
-(drafter/ttt.py), so a step is the same whatever the split into ranks and micro-batches.
+(drafter/ttt/masks.py), so a step is the same whatever the split into ranks and micro-batches.
 
 Simulated acceptance length (eval): for each supervised position (one simulated drafting round),
 accepted = the number of leading TTT steps whose draft top-1 equals the target's top-1 (inputs are
@@ -199,7 +199,7 @@ def teacher_cache_bytes(device: torch.device) -> int:
     they are recomputed chunk by chunk. The cap is a constant per device, so memory still grows with
     tokens x hidden, not tokens x vocab, past it: a tenth of the GPU's memory, at most 16 GiB (an H200
     keeps a whole 131,072-token batch at a 32,000-token draft vocab: 8.4 GB), and 1 GiB elsewhere."""
-    from eyas.drafter.ttt import TEACHER_CACHE_BYTES
+    from eyas.drafter.ttt.teacher import TEACHER_CACHE_BYTES
 
     if device.type != "cuda":
         return TEACHER_CACHE_BYTES
@@ -217,7 +217,7 @@ class PackedTTTModule(nn.Module):
     """The drafter plus its packed TTT loss as one forward(), so DDP/FSDP2 hooks see every use.
 
     The target's lm_head (`head_VtD`, frozen, not a parameter) turns the stored final states into
-    teacher logits inside the forward, chunk by chunk (drafter/ttt.py, fast path; `chunk_rows`: HEAD_CHUNK_ROWS
+    teacher logits inside the forward, chunk by chunk (drafter/ttt/unroll.py, the packed path; `chunk_rows`: HEAD_CHUNK_ROWS
     unless given)."""
 
     def __init__(self, drafter, ttt_cfg, *, head_VtD: torch.Tensor, chunk_rows: int | None = None):
@@ -235,19 +235,19 @@ class PackedTTTModule(nn.Module):
         self._unused = None  # the rows outside the draft vocab, made on first use
 
     def teacher(self, final_ND):
-        """The packed row's teacher (drafter/ttt.py packed_teacher) from its final states. (Made ahead of its step,
+        """The packed row's teacher (drafter/ttt/teacher.py packed_teacher) from its final states. (Made ahead of its step,
         on the side stream that brings the batch in, it did not pay.)"""
-        from eyas.drafter import ttt
+        from eyas.drafter.ttt.teacher import packed_teacher, unused_head
 
         head, head_used, used, t2d = self._head
         if self._unused is None:
-            self._unused = ttt.unused_head(head, t2d)
-        return ttt.packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
-                                  cache_bytes=self.teacher_cache_bytes,
-                                  unused=self._unused)
+            self._unused = unused_head(head, t2d)
+        return packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
+                              cache_bytes=self.teacher_cache_bytes,
+                              unused=self._unused)
 
     def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None):
-        from eyas.drafter.ttt import ttt_loss_packed
+        from eyas.drafter.ttt.unroll import ttt_loss_packed
 
         teacher = self.teacher(final_ND)
         out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
@@ -266,7 +266,8 @@ class TTTModule(nn.Module):
         self.ttt_cfg = ttt_cfg
 
     def forward(self, input_ids_BT, loss_mask_BT, aux_BTAD, probs_BTV, top_BT, in_vocab_BT, denominators):
-        from eyas.drafter.ttt import Teacher, ttt_loss
+        from eyas.drafter.ttt.reference import ttt_loss
+        from eyas.drafter.ttt.teacher import Teacher
 
         out = ttt_loss(self.drafter, input_ids_BT=input_ids_BT, loss_mask_BT=loss_mask_BT, aux_BTAD=aux_BTAD,
                        teacher=Teacher(probs_BTV, top_BT, in_vocab_BT), cfg=self.ttt_cfg, denominators=denominators)
@@ -449,7 +450,7 @@ def _clear_frames(exc: BaseException) -> None:
 
 def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, Any]:
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
-    from eyas.drafter.ttt import TTTConfig
+    from eyas.drafter.ttt.config import TTTConfig
     from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
     from eyas.train import checkpoint as ck
     from eyas.train import dist as dd
@@ -634,7 +635,7 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
     total = cfg.steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total // 50)
     if cfg.compile or (cfg.compile is None and dev.type == "cuda"):
-        from eyas.drafter.ttt import compile_drafter
+        from eyas.drafter.ttt.unroll import compile_drafter
 
         compile_drafter(drafter)
     module = PackedTTTModule(drafter, ttt_cfg, head_VtD=head_w)
