@@ -12,7 +12,7 @@ Cost: five Newton-Schulz iterations a matrix a step, each three matmuls on [min 
 (in bf16 on CUDA). Counted: 0.07 TFLOP a step for SmolLM2's 576-wide drafter (0.16 with the recipe's 6,144-wide
 MLP), small beside a step of 131,072 tokens; 27 TFLOP a step for an 8B-shaped drafter (4,096 wide, 14,336 MLP),
 which makes its step much slower than AdamW's. So `eyas train` uses it by default for drafters under hidden size 2048
-only (train/loop.py `default_optimizer`), where it also trained better drafters. Not with
+only (`default_optimizer` below), where it also trained better drafters. Not with
 --fsdp (the iteration needs whole matrices; FSDP2 shards them).
 
 Shape legend: R rows, C columns of a weight matrix."""
@@ -120,3 +120,27 @@ def make_optimizer(module: torch.nn.Module, kind: str, *, lr: float, weight_deca
     hidden = [p for n, p in named if p.ndim == 2 and "lm_head" not in n]
     rest = [p for n, p in named if not (p.ndim == 2 and "lm_head" not in n)]
     return MuonAdamW([{"params": hidden, "muon": True}, {"params": rest}], lr=lr, weight_decay=weight_decay)
+
+
+SMALL_DRAFTER_LR, SMALL_DRAFTER_MUON_LR, LARGE_DRAFTER_LR, LARGE_DRAFTER_HIDDEN = 1e-3, 2e-3, 1e-4, 2048
+
+
+def default_optimizer(hidden_size: int, *, fsdp: bool) -> str:
+    """--optimizer's default for a drafter of this hidden size (TrainConfig.optimizer): Muon for small drafters, whose
+    Newton-Schulz iterations cost little beside a step; AdamW for large ones and under --fsdp."""
+    return "muon" if hidden_size < LARGE_DRAFTER_HIDDEN and not fsdp else "adamw"
+
+
+def default_lr(hidden_size: int, optimizer: str) -> float:
+    """--lr's default for a drafter of this hidden size trained with this optimizer (TrainConfig.lr)."""
+    if hidden_size >= LARGE_DRAFTER_HIDDEN:
+        return LARGE_DRAFTER_LR
+    return SMALL_DRAFTER_MUON_LR if optimizer == "muon" else SMALL_DRAFTER_LR
+
+
+def lr_lambda(step: int, *, warmup: int, total: int, min_ratio: float) -> float:
+    """Linear warmup to 1, then cosine to min_ratio at `total`."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
