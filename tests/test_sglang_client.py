@@ -530,7 +530,7 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
         res = CliRunner().invoke(app, [
             "capture", "--backend", "sglang", "--url", srv.url, "--data", str(prepared), "--out", str(tmp_path / "store"),
-            "--layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3",
+            "--aux-layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3",
             "--sglang-calibrate", "2"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])

@@ -60,11 +60,10 @@ class CaptureSettings:
     """Split of the prepared dataset to capture."""
     out: Path
     """Store directory; rerunning with the same settings resumes it."""
-    aux_layers: list[int] | None = field(default=None, metadata={"parse": "eyas.capture.run:parse_layers",
-                                                                 "aliases": ["--layers"]})
+    aux_layers: list[int] | None = field(default=None, metadata={"parse": "eyas.capture.run:parse_layers"})
     """Aux layer ids, comma-separated, convention hf-input (id i = input to decoder layer i); default =
     EAGLE-3's 2,N//2,N-3 (sglang: the server's)."""
-    store_dtype: str = field(default="bf16", metadata={"aliases": ["--dtype"]})
+    store_dtype: str = "bf16"
     """Dtype the hidden states are stored in: bf16, fp8 (e4m3, a scale per token and layer; half the bytes) or fp32."""
     device: str = "cpu"
     """Where the target runs (sglang: the reference of --sglang-calibrate): cpu, cuda or cuda:K."""

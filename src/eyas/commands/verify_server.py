@@ -21,7 +21,7 @@ Checks, in order (each a real request through the same path as `eyas capture --b
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Optional
 
 import typer
 
@@ -37,7 +37,6 @@ def verify_server(
     device: str = typer.Option("auto", "--device", help="Device for the local reference forward: auto, cpu, cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the test prompts (a random nonce keeps them unique per run)."),
     dump_wait_s: float = typer.Option(60.0, "--dump-wait", help="Seconds to wait for a dump after the server answers."),
-    old_layers: Annotated[Optional[str], typer.Option("--layers", hidden=True, help="Old spelling of --aux-layers.")] = None,
 ) -> dict:
     """Check that a plugin-equipped SGLang server dumps every prompt token, and (with --target) the right numbers."""
     import os
@@ -51,10 +50,7 @@ def verify_server(
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
-    if old_layers is not None and layers is None:  # the old spelling, named as the user wrote it
-        layer_ids = parse_int_list(old_layers, option="--layers", min_value=0)
-    else:
-        layer_ids = parse_int_list(layers, option="--aux-layers", min_value=0)
+    layer_ids = parse_int_list(layers, option="--aux-layers", min_value=0)
     check_in(cache_bypass, "--sglang-cache-bypass", ("auto", "salt", "logprob", "none"))
     check_value(prompt_tokens, "--prompt-tokens", ge=8, optional=True)
     check_value(tolerance, "--tolerance", gt=0, optional=True)

@@ -9,7 +9,7 @@ every drafting mode; (4) metrics and the report.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class EvalConfig:
     """EAGLE-2 tree: draft tokens submitted per round, root excluded."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
-    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    model_dtype: str = "auto"
     """Dtype the target and drafter run in: `auto` (bfloat16 on GPU, float32 on CPU), `bfloat16`, `float16`, `float32`."""
     limit: int | None = None
     """Evaluate only the first N conversations."""
