@@ -609,9 +609,9 @@ def test_overwrite_replaces_an_eyas_output_but_not_a_user_dir(tmp_path):
     user = tmp_path / "u"
     user.mkdir()
     (user / "notes").write_text("x")
-    with pytest.raises(EyasError, match="holds files eyas did not create"):
-        with atomic_directory(user, overwrite=True) as t:
-            pass
+    with (pytest.raises(EyasError, match="holds files eyas did not create"),
+          atomic_directory(user, overwrite=True)):
+        pass
     with pytest.raises(EyasError, match="holds files eyas did not create"):
         remove_owned_dir(user)
     assert (user / "notes").read_text() == "x"

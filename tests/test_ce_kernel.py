@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from eyas import kernels
-from eyas.drafter import ce_kernel as CE
-from eyas.drafter import ttt
+from eyas.drafter import ce_kernel as CE, ttt
 from eyas.errors import EyasError
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -329,7 +328,7 @@ def check_rank() -> None:
         assert (chosen is CE.fused_chunk_ce) == fused
         calls = []
 
-        def spy(*a, **kw):
+        def spy(*a, calls=calls, chosen=chosen, **kw):  # this iteration's
             calls.append("rank_topk" in kw)
             return chosen(*a, **kw)
 
@@ -429,7 +428,7 @@ def check_lse_head() -> None:
             assert (chosen is real_kernel) == on  # the start-up check passed (with the log-sum-exp cases)
             calls = []
 
-            def spy(s, t, w, top_c, **kw):
+            def spy(s, t, w, top_c, *, calls=calls, chosen=chosen, **kw):  # this iteration's
                 calls.append((t, kw.get("t_lse")))
                 return chosen(s, t, w, top_c, block_v=16, **kw)
 

@@ -38,9 +38,10 @@ import importlib.util
 import inspect
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import typer
 
@@ -148,23 +149,23 @@ def _typer_param(spec: FieldSpec) -> tuple[Any, Any]:
     default = spec.default
     if spec.parse is not None:  # text parsed in _convert; the default is shown as the field holds it
         text = default if default in (None, REQUIRED) else str(default)
-        return Optional[str], typer.Option(text, spec.flag, help=spec.doc)
+        return str | None, typer.Option(text, spec.flag, help=spec.doc)
     if base is bool:
         stem = spec.flag[2:]
-        return (Optional[bool] if optional else bool), typer.Option(default, f"--{stem}/--no-{stem}", help=spec.doc)
+        return (bool | None if optional else bool), typer.Option(default, f"--{stem}/--no-{stem}", help=spec.doc)
     origin = typing.get_origin(base)
     if origin is list:
         (inner,) = typing.get_args(base)
         if inner is int:  # comma-separated text, parsed (and refused naming the option) in _convert
             text = None if default in (None, REQUIRED) else ",".join(map(str, default))
-            return Optional[str], typer.Option(REQUIRED if default is REQUIRED else text, spec.flag, help=spec.doc)
+            return str | None, typer.Option(REQUIRED if default is REQUIRED else text, spec.flag, help=spec.doc)
         if inner is str:  # a repeated option
-            return Optional[List[str]], typer.Option(None if default in (None, []) else default, spec.flag,
-                                                     help=spec.doc + " Repeatable.")
+            return list[str] | None, typer.Option(None if default in (None, []) else default, spec.flag,
+                                                  help=spec.doc + " Repeatable.")
         raise TypeError(f"{spec.name}: list[{inner}] options are not supported")
     if base not in (int, float, str, Path):
         raise TypeError(f"{spec.name}: options of type {base} are not supported")
-    return (Optional[base] if optional or default is None else base), typer.Option(default, spec.flag, help=spec.doc)
+    return (base | None if optional or default is None else base), typer.Option(default, spec.flag, help=spec.doc)
 
 
 def _convert(spec: FieldSpec, value: Any) -> Any:

@@ -52,12 +52,22 @@ import time
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from eyas.common import (STAGE_KINDS, atomic_write_json, files_kind, is_owned, log, output_kind, read_text_file,
-                         remove_outputs, write_marker)
+from eyas.common import (
+    STAGE_KINDS,
+    atomic_write_json,
+    files_kind,
+    is_owned,
+    log,
+    output_kind,
+    read_text_file,
+    remove_outputs,
+    write_marker,
+)
 from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 

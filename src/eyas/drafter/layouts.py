@@ -25,9 +25,10 @@ otherwise serve a randomly initialised layer. Run: `eyas export --drafter DIR --
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 

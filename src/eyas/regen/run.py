@@ -146,14 +146,12 @@ def _count(config: RegenConfig) -> int:
 
 def _build_local(config: RegenConfig, sampling):
     import torch
-
-    from eyas.regen.local import make_local_engine
-    from eyas.target import load_target, load_tokenizer
-
     from transformers import AutoConfig
 
     from eyas.defaults import resolve_target
     from eyas.dtypes import DTYPES, resolve_device_dtype
+    from eyas.regen.local import make_local_engine
+    from eyas.target import load_target, load_tokenizer
 
     cfg = AutoConfig.from_pretrained(resolve_target(config.target))
     own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # the target's own dtype, for auto
@@ -215,7 +213,7 @@ def regen_settings(config: RegenConfig) -> dict[str, Any]:
 
 def regenerate(config: RegenConfig) -> dict[str, Any]:
     from eyas.data.sources import iter_conversations
-    from eyas.regen.driver import RegenOptions, Regenerator
+    from eyas.regen.driver import Regenerator, RegenOptions
     from eyas.regen.output import ChatsWriter, check_out_before_load
     from eyas.regen.sampling import Sampling
 
