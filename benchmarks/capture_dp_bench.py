@@ -148,7 +148,7 @@ def bench_model(name: str, args, env: dict[str, str]) -> dict:
     root = store_root(args.work, tokens_est * per_token)
     root.mkdir(parents=True, exist_ok=True)
     log(f"[{name}] target {target}, data {data} (~{tokens_est} tokens), stores under {root}")
-    common = ["capture", "--target", str(target), "--data", str(data), "--dtype", args.dtype, "--device", args.device,
+    common = ["capture", "--target", str(target), "--data", str(data), "--store-dtype", args.dtype, "--device", args.device,
               "--token-budget", str(args.token_budget)]
     row: dict = {"model": name, "device": args.device, "processes": args.procs, "store_root": str(root)}
     one, many = root / f"{name}_1proc", root / f"{name}_{args.procs}proc"

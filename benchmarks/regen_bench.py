@@ -284,7 +284,7 @@ def main() -> None:
         print(f"{name:<8}{r['assistant_turns']:>9,}{r['answer_tokens']:>11,}{r['wall_s']:>9.1f}{r['tok_s_wall']:>10,.0f}"
               f"{s.get('occupancy') or 0:>8.2f}{s.get('attention_efficiency') or 0:>9.2f}"
               f"{s.get('prefill_tok_s') or 0:>15,.0f}{s.get('decode_tok_s') or 0:>14,.0f}{s.get('decode_ms_per_step') or 0:>9.2f}")
-    print(f"fp32 greedy identical to generate: " + (f"{fp['identical']}/{fp['compared']} ({fp['fraction_identical']})"
+    print("fp32 greedy identical to generate: " + (f"{fp['identical']}/{fp['compared']} ({fp['fraction_identical']})"
                                                    if fp else res["errors"].get("fp32", "not run")))
     print(json.dumps(res))
 

@@ -62,7 +62,7 @@ import json
 import sys
 import time
 import types
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -68,6 +68,7 @@ import statistics
 import sys
 import time
 from contextlib import nullcontext
+from pathlib import Path
 from unittest import mock
 
 import torch
@@ -94,7 +95,7 @@ def shapes(small: bool) -> dict:
 
 
 def flops_per_token(c: dict, *, T: int, K: int) -> dict:
-    H, Hq, Hkv, d, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]
+    H, Hq, Hkv, d, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]  # noqa: E741
     V, Vt = c["draft_vocab_size"], c["vocab_size"]
     lin = 2 * H * Hq * d + 2 * (2 * H * Hkv * d) + Hq * d * H + 3 * H * I + H * V
     linears = 6 * lin * K
@@ -151,7 +152,7 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     does (train/data.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.packing import to_device
-    from eyas.train.data import AheadUploader, HostCopies, Item, _packed_to, pack_tokens, PackedBatch
+    from eyas.train.data import AheadUploader, HostCopies, Item, PackedBatch, _packed_to, pack_tokens
     from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
     from eyas.train.optim import make_optimizer
 
@@ -315,7 +316,7 @@ def measure(step, *, warmup: int, steps: int, device, tokens_per_step: int, labe
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     t1 = time.perf_counter()
-    for i in range(steps):
+    for _ in range(steps):
         loss = step()
     sync(device)
     dt = (time.perf_counter() - t1) / steps
@@ -423,7 +424,6 @@ def suite_8b(args, dist) -> dict:
                     "gflop_per_token": fl["total"] / 1e9, "flops_breakdown_gflop": {k: v / 1e9 for k, v in fl.items()}}
     if device.type == "cuda":
         from eyas.drafter.ttt import check_fast_attention
-
         from eyas.packing import check_varlen_kernel, pick_varlen_kernel
 
         result["varlen_check_max_abs_diff"] = check_varlen_kernel(device, torch.bfloat16)
@@ -536,9 +536,9 @@ def suite_8b(args, dist) -> dict:
                 continue
             print(f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
                   f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} "
-                  f"{'%8.1f' % r['peak_mem_gb'] if r.get('peak_mem_gb') is not None else '%8s' % '-'}"
-                  f" {r['spread'] if 'spread' in r else float('nan'):7.3f}"
-                  f" {'%8.2f' % r['wait_ms'] if 'wait_ms' in r else '%8s' % '-'}")
+                  + (f"{r['peak_mem_gb']:8.1f}" if r.get('peak_mem_gb') is not None else f"{'-':>8s}")
+                  + f" {r['spread'] if 'spread' in r else float('nan'):7.3f}"
+                  + (f" {r['wait_ms']:8.2f}" if 'wait_ms' in r else f" {'-':>8s}"))
         if result.get("peak_mem_gb_all_variants"):
             print(f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "
                   f"ms/step: the median of {rounds} rounds (spread: (max - min) / median); wait ms: the host's wait "
@@ -630,7 +630,7 @@ def print_ranges(averages, device) -> None:
 
 
 def _steady(metrics_file, skip: int) -> dict:
-    recs = [json.loads(x) for x in open(metrics_file) if '"eval"' not in x]
+    recs = [json.loads(x) for x in Path(metrics_file).read_text().splitlines() if '"eval"' not in x]
     tail = recs[skip:] or recs
     secs = sum(r["step_s"] for r in tail)
     return {"steps_timed": len(tail), "tokens_per_s": sum(r["tokens"] for r in tail) / secs,
@@ -665,7 +665,6 @@ def suite_smol(args) -> dict:
     import tempfile
     from pathlib import Path
 
-    from eyas.train import loop
     from eyas.train.loop import TrainConfig, run
 
     budgets = [int(x) for x in args.budgets.split(",")]
@@ -682,7 +681,7 @@ def suite_smol(args) -> dict:
                          + ("-profiled" if args.profile else ""))
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
-                def one():
+                def one(data=data, budget=budget, compiled=compiled, label=label, steps=steps):  # this iteration's
                     cuda = args.device in (None, "cuda") or str(args.device).startswith("cuda")
                     if cuda:
                         torch.cuda.reset_peak_memory_stats()
@@ -715,7 +714,7 @@ def suite_smol(args) -> dict:
         result["best"] = best
         result["train_smol_tok_s"] = ok[best]["tokens_per_s"]
         result["train_smol_supervised_tok_s"] = ok[best]["supervised_tokens_per_s"]
-        for k, r in ok.items():
+        for r in ok.values():
             if r["tokens_per_batch"] >= 131072:
                 result["train_smol_peak_gb_128k"] = max(result.get("train_smol_peak_gb_128k", 0), r["peak_mem_gb"])
     print(f"{'run':24s} {'tok/s':>9s} {'superv/s':>9s} {'useful':>7s} {'target':>7s} {'peak GB':>8s} {'wait ms':>8s}")

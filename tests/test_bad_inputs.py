@@ -185,11 +185,11 @@ CASES = [
     ("option-train-resume-missing", ["train", "--data", D, "--out", "{root}/o4", "--resume", "{root}/none.safetensors"], r"--resume .*no such checkpoint"),
     ("option-capture-queue-depth", ["capture", "--data", D, "--out", "{root}/o5", "--queue-depth", "0"], r"--queue-depth must be >= 1, got 0"),
     ("option-capture-device", ["capture", "--data", D, "--out", "{root}/o5", "--device", "tpu"], r"--device"),
-    ("option-capture-dtype", ["capture", "--data", D, "--out", "{root}/o5", "--dtype", "int3"], r"int3"),
+    ("option-capture-dtype", ["capture", "--data", D, "--out", "{root}/o5", "--store-dtype", "int3"], r"int3"),
     ("option-capture-backend", ["capture", "--data", D, "--out", "{root}/o5", "--backend", "vllm"], r"--backend"),
     ("option-eval-device", ["eval", "--drafter", D, "--out", "{root}/o3", "--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
     ("option-eval-max-new", ["eval", "--drafter", D, "--out", "{root}/o3", "--max-new-tokens", "0"], r"--max-new-tokens must be >= 1"),
-    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--dtype", "fp4"], r"--model-dtype fp4: not a dtype eyas knows; it takes auto, fp32, bf16, fp16"),
+    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "fp4"], r"--model-dtype fp4: not a dtype eyas knows; it takes auto, fp32, bf16, fp16"),
     ("option-eval-dtype-fp8", ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "float8_e4m3fn"], r"--model-dtype float8_e4m3fn: fp8 is not supported here; it takes auto, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$"),
     ("option-export-dtype-int8", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--weights-dtype", "int8"], r"--weights-dtype int8: not a dtype eyas knows; it takes keep, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$"),
     ("struct-eval-drafter-no-config", ["eval", "--drafter", D, "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"], r"--drafter .*some_dir: no config\.json"),
@@ -226,8 +226,8 @@ CASES = [
     # url: malformed server addresses and layer lists
     ("url-verify-server-url", ["verify-server", "--url", "not a url"], r"--url 'not a url' is not an http\(s\) URL"),
     ("url-verify-server-port", ["verify-server", "--url", "http://host:99999"], r"--url .* is not an http\(s\) URL"),
-    ("url-verify-server-layers", ["verify-server", "--url", "http://127.0.0.1:9", "--layers", "2,x"], r"--layers: expected comma-separated integers"),
-    ("url-verify-server-layers-neg", ["verify-server", "--url", "http://127.0.0.1:9", "--layers", "-1,2"], r"--layers: values must be >= 0"),
+    ("url-verify-server-layers", ["verify-server", "--url", "http://127.0.0.1:9", "--aux-layers", "2,x"], r"--aux-layers: expected comma-separated integers"),
+    ("url-verify-server-layers-neg", ["verify-server", "--url", "http://127.0.0.1:9", "--aux-layers", "-1,2"], r"--aux-layers: values must be >= 0"),
     ("url-capture-sglang-url", ["capture", "--backend", "sglang", "--data", D, "--out", "{root}/o5", "--url", "ftp://x"], r"--url 'ftp://x' is not an http\(s\) URL"),
     ("url-regenerate-server-url", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-url", "localhost:8000"], r"--server-url 'localhost:8000'"),
     # outfile: --out is an existing file
@@ -609,9 +609,9 @@ def test_overwrite_replaces_an_eyas_output_but_not_a_user_dir(tmp_path):
     user = tmp_path / "u"
     user.mkdir()
     (user / "notes").write_text("x")
-    with pytest.raises(EyasError, match="holds files eyas did not create"):
-        with atomic_directory(user, overwrite=True) as t:
-            pass
+    with (pytest.raises(EyasError, match="holds files eyas did not create"),
+          atomic_directory(user, overwrite=True)):
+        pass
     with pytest.raises(EyasError, match="holds files eyas did not create"):
         remove_owned_dir(user)
     assert (user / "notes").read_text() == "x"

@@ -11,7 +11,6 @@ from eyas.store.format import dequantize
 from eyas.target import forward_capture, load_target, reference_hidden_states
 from tests.conftest import make_tiny_target
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 FAMILIES = ["llama", "qwen2", "qwen3", "deepseek_v3"]

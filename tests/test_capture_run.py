@@ -21,7 +21,6 @@ from eyas.store.verify import verify_store
 from eyas.target import load_target, load_tokenizer, reference_hidden_states, tokenizer_hash
 from tests.conftest import make_tiny_target
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 

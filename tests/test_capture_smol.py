@@ -13,7 +13,6 @@ from eyas.store import StoreReader, StoreSpec, StoreWriter
 from eyas.store.verify import verify_store
 from eyas.target import load_target, reference_hidden_states, tokenizer_hash
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 CHATS = [

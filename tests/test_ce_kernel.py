@@ -331,7 +331,7 @@ def check_rank() -> None:
         assert (chosen is CE.fused_chunk_ce) == fused
         calls = []
 
-        def spy(*a, **kw):
+        def spy(*a, calls=calls, chosen=chosen, **kw):  # this iteration's
             calls.append("rank_topk" in kw)
             return chosen(*a, **kw)
 
@@ -431,7 +431,7 @@ def check_lse_head() -> None:
             assert (chosen is real_kernel) == on  # the start-up check passed (with the log-sum-exp cases)
             calls = []
 
-            def spy(s, t, w, top_c, **kw):
+            def spy(s, t, w, top_c, *, calls=calls, chosen=chosen, **kw):  # this iteration's
                 calls.append((t, kw.get("t_lse")))
                 return chosen(s, t, w, top_c, block_v=16, **kw)
 

@@ -94,7 +94,7 @@ def test_regenerate_repeated_server_url_and_eval_value_error(tmp_path, monkeypat
     seen: list = []
     _fake_run(monkeypatch, "eyas.regen.run", "regenerate", seen)
     out = CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r"), "--server-url", "http://127.0.0.1:1/",
-                                   "--server-url", "http://127.0.0.1:2", "--retries", "0"])
+                                   "--server-url", "http://127.0.0.1:2", "--max-retries", "0"])
     assert out.exit_code == 0, out.output
     assert seen[0].server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and seen[0].engine == "server"
     assert seen[0].max_retries == 0
@@ -106,23 +106,19 @@ def test_regenerate_repeated_server_url_and_eval_value_error(tmp_path, monkeypat
     assert ev.exit_code == 2 and "--chain-k 0 and --tree-depth 0" in ev.output, ev.output
 
 
-def test_hidden_old_spellings_and_parsed_text(tmp_path, monkeypatch):
-    """Renamed options keep their old spelling (hidden from --help); --shard-bytes takes sizes, defaulting to the field's."""
+def test_parsed_text_options(tmp_path, monkeypatch):
+    """--aux-layer-count (prepare), --aux-layers (capture, comma-separated) and --shard-bytes (sizes, defaulting
+    to the field's) arrive parsed."""
     seen: list = []
     _fake_run(monkeypatch, "eyas.data.prepare", "prepare", seen)
-    out = CliRunner().invoke(app, ["prepare", "--out", str(tmp_path / "p"), "--aux-layers", "5"])
-    assert out.exit_code == 0, out.output
-    assert seen[-1].aux_layer_count == 5
     new = CliRunner().invoke(app, ["prepare", "--out", str(tmp_path / "p"), "--aux-layer-count", "4"])
-    assert new.exit_code == 0 and seen[-1].aux_layer_count == 4
-    helptext = CliRunner().invoke(app, ["prepare", "--help"], env={"COLUMNS": "400"}).output
-    assert "--aux-layer-count" in helptext and "--aux-layers " not in helptext
+    assert new.exit_code == 0 and seen[-1].aux_layer_count == 4, new.output
 
     _fake_run(monkeypatch, "eyas.capture.run", "run_capture", seen)
     data = tmp_path / "prep"
     data.mkdir()
     base = ["capture", "--data", str(data), "--out", str(tmp_path / "s")]
-    assert CliRunner().invoke(app, [*base, "--layers", "1,3"]).exit_code == 0
+    assert CliRunner().invoke(app, [*base, "--aux-layers", "1,3"]).exit_code == 0
     assert seen[-1].aux_layers == [1, 3] and seen[-1].shard_bytes == 1 << 30 and seen[-1].target is None
     assert CliRunner().invoke(app, [*base, "--aux-layers", "2,4", "--shard-bytes", "512MiB"]).exit_code == 0
     assert seen[-1].aux_layers == [2, 4] and seen[-1].shard_bytes == 512 << 20
@@ -130,48 +126,36 @@ def test_hidden_old_spellings_and_parsed_text(tmp_path, monkeypatch):
     assert bad.exit_code == 2 and "--shard-bytes" in bad.output
 
 
-def test_regenerate_max_len_renamed_with_old_spellings(tmp_path, monkeypatch):
-    """`--max-len` / `max_len` (pipeline files) still set RegenConfig.max_length; giving both names is refused."""
-    from eyas.errors import EyasError
-    from eyas.pipeline import check_config
-
-    seen: list = []
-    _fake_run(monkeypatch, "eyas.regen.run", "regenerate", seen)
-    assert CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r"), "--max-len", "300"]).exit_code == 0
-    assert seen[-1].max_length == 300
-    assert CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r"), "--max-length", "256"]).exit_code == 0
-    assert seen[-1].max_length == 256
-    raw = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"max_len": 300}, "prepare": {}}
-    assert check_config(raw, where="p.toml")["stages"]["regenerate"].max_length == 300
-    with pytest.raises(EyasError, match="`max_len` is the old name of `max_length`"):
-        check_config({**raw, "regenerate": {"max_len": 300, "max_length": 200}}, where="p.toml")
-
-
-# one name per meaning: (command, new flag, old hidden flag, config field, value given)
-RENAMED = [
-    ("capture", "--store-dtype", "--dtype", "store_dtype", "fp8"),
-    ("regenerate", "--model-dtype", "--dtype", "model_dtype", "bfloat16"),
-    ("regenerate", "--max-retries", "--retries", "max_retries", "7"),
-    ("eval", "--model-dtype", "--dtype", "model_dtype", "float16"),
-    ("generate", "--model-dtype", "--dtype", "model_dtype", "float16"),
-    ("train", "--model-dtype", "--precision", "model_dtype", "fp32"),
-    ("export", "--weights-dtype", "--dtype", "weights_dtype", "float16"),
+# one name per meaning: (command, flag, config field, value given)
+OPTIONS = [
+    ("capture", "--store-dtype", "store_dtype", "fp8"),
+    ("regenerate", "--model-dtype", "model_dtype", "bfloat16"),
+    ("regenerate", "--max-retries", "max_retries", "7"),
+    ("regenerate", "--max-length", "max_length", "300"),
+    ("eval", "--model-dtype", "model_dtype", "float16"),
+    ("generate", "--model-dtype", "model_dtype", "float16"),
+    ("train", "--model-dtype", "model_dtype", "fp32"),
+    ("export", "--weights-dtype", "weights_dtype", "float16"),
 ]
 
 
-def _invoke_renamed(tmp_path, monkeypatch, command: str, flag: str, value: str):
+def _invoke(tmp_path, monkeypatch, command: str, flag: str, value: str):
     """Run `eyas <command> <flag> <value>` with the work faked out; returns (result, the config built)."""
     seen: list = []
     d = tmp_path / "dir"
     d.mkdir(exist_ok=True)
     args = {"capture": ["--data", str(d), "--out", str(tmp_path / "s")],
+            "prepare": ["--out", str(tmp_path / "p")],
             "regenerate": ["--out", str(tmp_path / "r")],
             "eval": ["--drafter", str(d), "--out", str(tmp_path / "e")],
             "generate": ["--drafter", str(d), "--out", str(tmp_path / "g")],
             "train": ["--data", str(d), "--out", str(tmp_path / "t")],
-            "export": ["--drafter", str(d), "--format", "sglang", "--out", str(tmp_path / "x")]}[command]
+            "export": ["--drafter", str(d), "--format", "sglang", "--out", str(tmp_path / "x")],
+            "verify-server": ["--url", "http://127.0.0.1:9"]}[command]
     if command == "capture":
         _fake_run(monkeypatch, "eyas.capture.run", "run_capture", seen)
+    elif command == "prepare":
+        _fake_run(monkeypatch, "eyas.data.prepare", "prepare", seen)
     elif command == "regenerate":
         _fake_run(monkeypatch, "eyas.regen.run", "regenerate", seen)
     elif command == "train":
@@ -182,7 +166,7 @@ def _invoke_renamed(tmp_path, monkeypatch, command: str, flag: str, value: str):
     elif command == "generate":
         monkeypatch.setattr(importlib.import_module("eyas.specdec.generate_run"), "generate_to",
                             lambda cfg, **k: seen.append(cfg) or {"ok": 1})
-    else:  # export: the dtype reaches export_drafter
+    elif command == "export":  # the dtype reaches export_drafter
         monkeypatch.setattr(importlib.import_module("eyas.common"), "check_safetensors_dir", lambda *a, **k: None)
         monkeypatch.setattr(importlib.import_module("eyas.export.formats"), "export_drafter",
                             lambda drafter, fmt, out, **k: seen.append(k) or {"ok": 1})
@@ -190,51 +174,87 @@ def _invoke_renamed(tmp_path, monkeypatch, command: str, flag: str, value: str):
     return result, seen
 
 
-@pytest.mark.parametrize("command,new,old,name,value", RENAMED)
-def test_renamed_options_old_spelling_still_works_and_is_hidden(tmp_path, monkeypatch, command, new, old, name, value):
-    helptext = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "400", "TERMINAL_WIDTH": "400"}).output
-    assert new in helptext
-    assert f"{old} " not in helptext and f"{old}," not in helptext, f"{old} should be hidden from {command} --help"
-    for flag in (new, old):
-        result, seen = _invoke_renamed(tmp_path, monkeypatch, command, flag, value)
-        assert result.exit_code == 0, (flag, result.output)
-        got = seen[-1]["dtype"] if command == "export" else getattr(seen[-1], name)
-        assert str(got) == value, (flag, got)
+@pytest.mark.parametrize("command,flag,name,value", OPTIONS)
+def test_one_name_per_meaning_reaches_the_config(tmp_path, monkeypatch, command, flag, name, value):
+    result, seen = _invoke(tmp_path, monkeypatch, command, flag, value)
+    assert result.exit_code == 0, (flag, result.output)
+    got = seen[-1]["dtype"] if command == "export" else getattr(seen[-1], name)
+    assert str(got) == value, (flag, got)
 
 
-@pytest.mark.parametrize("command,new,old,name,value", [r for r in RENAMED if "dtype" in r[1]])
-def test_renamed_dtype_options_refuse_a_bad_value_naming_the_new_option(tmp_path, monkeypatch, command, new, old,
-                                                                        name, value):
-    result, seen = _invoke_renamed(tmp_path, monkeypatch, command, old, "int3")
-    assert result.exit_code == 2 and new in result.output and not seen, result.output
+@pytest.mark.parametrize("command,old,value", [
+    ("capture", "--dtype", "fp8"),
+    ("capture", "--layers", "1,3"),
+    ("prepare", "--aux-layers", "4"),  # prepare's --aux-layer-count (--aux-layers is layer ids everywhere)
+    ("regenerate", "--dtype", "bfloat16"),
+    ("regenerate", "--retries", "7"),
+    ("regenerate", "--max-len", "300"),
+    ("eval", "--dtype", "float16"),
+    ("generate", "--dtype", "float16"),
+    ("train", "--precision", "fp32"),
+    ("export", "--dtype", "float16"),
+    ("verify-server", "--layers", "2,4"),
+])
+def test_old_spellings_are_usage_errors(tmp_path, monkeypatch, command, old, value):
+    """The old spellings are gone (eyas 0.1.0 keeps no aliases): click's "No such option", exit 2, nothing run."""
+    result, seen = _invoke(tmp_path, monkeypatch, command, old, value)
+    assert result.exit_code == 2 and f"No such option: {old}" in result.output and not seen, result.output
 
 
-def test_renamed_keys_in_pipeline_files(tmp_path):
-    """Old TOML keys (`dtype`, `retries`, `precision`) still read as the renamed fields, and fingerprints keep
-    the old names, so a workdir made before the rename does not rerun."""
+@pytest.mark.parametrize("command,flag,name,value", [r for r in OPTIONS if "dtype" in r[1]])
+def test_dtype_options_refuse_a_bad_value_naming_the_option(tmp_path, monkeypatch, command, flag, name, value):
+    result, seen = _invoke(tmp_path, monkeypatch, command, flag, "int3")
+    assert result.exit_code == 2 and flag in result.output and not seen, result.output
+
+
+@pytest.mark.parametrize("stage,old", [("regenerate", "dtype"), ("regenerate", "retries"), ("regenerate", "max_len"),
+                                       ("train", "precision"), ("eval", "dtype"), ("export", "dtype")])
+def test_old_keys_in_pipeline_files_are_unknown_keys(tmp_path, stage, old):
+    """A pipeline file's old keys get the usual unknown-key error; fingerprints use the field names."""
+    from eyas.errors import EyasError
+    from eyas.pipeline import check_config
+
+    raw = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {}, "prepare": {}, "train": {}, "eval": {},
+           "export": {}}
+    raw[stage] = {old: "x"}
+    with pytest.raises(EyasError, match=rf"^p\.toml: \[{stage}\] unknown key `{old}`;"):
+        check_config(raw, where="p.toml")
+
+
+def test_fingerprints_use_the_field_names(tmp_path):
     import hashlib
     import json
 
     from eyas.pipeline import _jsonable, check_config, fingerprint
     from eyas.regen.run import RegenConfig
 
-    raw = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"dtype": "float32", "retries": 1},
-           "prepare": {}, "train": {"precision": "fp32"}, "eval": {"dtype": "float32"},
-           "export": {"dtype": "bfloat16"}}
-    stages = check_config(raw, where="p.toml")["stages"]
-    assert (stages["regenerate"].model_dtype, stages["regenerate"].max_retries) == ("float32", 1)
-    assert stages["train"].model_dtype == "fp32" and stages["eval"].model_dtype == "float32"
-    assert stages["export"].weights_dtype == "bfloat16"
     new = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"model_dtype": "float32", "max_retries": 1},
            "prepare": {}, "train": {"model_dtype": "fp32"}, "eval": {"model_dtype": "float32"},
            "export": {"weights_dtype": "bfloat16"}}
-    assert check_config(new, where="p.toml")["stages"]["export"].weights_dtype == "bfloat16"
+    stages = check_config(new, where="p.toml")["stages"]
+    assert (stages["regenerate"].model_dtype, stages["regenerate"].max_retries) == ("float32", 1)
+    assert stages["train"].model_dtype == "fp32" and stages["export"].weights_dtype == "bfloat16"
     cfg = RegenConfig(out=tmp_path / "r", model_dtype="float32")
-    opts = {("dtype" if k == "model_dtype" else k): v for k, v in dataclasses.asdict(cfg).items()
+    opts = {k: v for k, v in dataclasses.asdict(cfg).items()
             if k not in ("concurrency", "max_retries", "request_timeout")}
-    old_fp = hashlib.sha256(json.dumps({"stage": "regenerate", "options": _jsonable(opts), "input": None},
-                                       sort_keys=True).encode()).hexdigest()
-    assert fingerprint("regenerate", cfg, None) == old_fp
+    want = hashlib.sha256(json.dumps({"stage": "regenerate", "options": _jsonable(opts), "input": None},
+                                     sort_keys=True).encode()).hexdigest()
+    assert fingerprint("regenerate", cfg, None) == want
+
+
+def test_field_metadata_other_than_flag_and_parse_is_refused(tmp_path, monkeypatch):
+    """No hidden aliases: a field's metadata takes `flag` and `parse` only, checked when the CLI is built."""
+    import sys
+
+    from eyas.cli_options import read_fields
+
+    (tmp_path / "eyas_meta_probe.py").write_text(
+        "from dataclasses import dataclass, field\n\n@dataclass(kw_only=True)\nclass C:\n"
+        "    x: int = field(default=1, metadata={'aliases': ['--y']})\n    \"\"\"X.\"\"\"\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "eyas_meta_probe", raising=False)
+    with pytest.raises(TypeError, match=r"eyas_meta_probe:C.x: field metadata \['aliases'\] not understood"):
+        read_fields("eyas_meta_probe:C")
 
 
 @pytest.mark.parametrize("command", sorted(CONVERTED))

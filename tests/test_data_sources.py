@@ -8,8 +8,16 @@ from collections import Counter
 import pytest
 
 from eyas.data.sources import (
-    EMPTY_TURN, MALFORMED, NO_ASSISTANT, NON_TEXT, NOT_ALTERNATING, UNKNOWN_ROLE,
-    Conversation, Skipped, iter_conversations, normalise,
+    EMPTY_TURN,
+    MALFORMED,
+    NO_ASSISTANT,
+    NON_TEXT,
+    NOT_ALTERNATING,
+    UNKNOWN_ROLE,
+    Conversation,
+    Skipped,
+    iter_conversations,
+    normalise,
 )
 from eyas.errors import EyasError
 

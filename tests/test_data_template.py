@@ -5,8 +5,7 @@ from __future__ import annotations
 import copy
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from eyas.data.template import render
 

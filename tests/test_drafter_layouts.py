@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from eyas.errors import EyasError
 from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
+from eyas.errors import EyasError
 from eyas.specdec.functional import FunctionalDrafter
 
 H, V, VD = 32, 100, 10

@@ -18,7 +18,6 @@ from eyas.drafter.ttt import (
     ttt_unroll,
 )
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
@@ -44,7 +43,10 @@ def test_fast_attention_matches_dense_reference(kernel, kv_heads):
     g = torch.Generator().manual_seed(1)
     B, H, T, d, steps = 2, 6, 37, 16, 4
     dt = torch.float64 if kernel == "math" else torch.float32
-    mk = lambda h: torch.randn(B, h, T, d, generator=g, dtype=dt).requires_grad_()
+
+    def mk(h):
+        return torch.randn(B, h, T, d, generator=g, dtype=dt).requires_grad_()
+
     q, ks, vs = mk(H), [mk(kv_heads) for _ in range(steps)], [mk(kv_heads) for _ in range(steps)]
     dout = torch.randn(B, H, T, d, generator=g, dtype=q.dtype)
     for n in (1, steps):  # step 0 alone, and with diagonals

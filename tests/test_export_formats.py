@@ -67,7 +67,7 @@ def vllm_load(names):
         elif "lm_head" not in name:
             name = "model." + name
         name = name.replace("midlayer.", "layers.0.")
-        for param, shard, sid in STACKED:
+        for param, shard, sid in STACKED:  # noqa: B007 (sid is read after the loop)
             if shard in name:
                 name = name.replace(shard, param)
                 break

@@ -74,9 +74,8 @@ def test_a_second_writer_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp
 def test_two_names_of_one_folder_share_a_lock(tmp_path):
     (tmp_path / "real").mkdir()
     (tmp_path / "link").symlink_to(tmp_path / "real")
-    with held_elsewhere(tmp_path / "real") as proc:
-        with command_scope(), pytest.raises(EyasError, match=f"pid {proc.pid}"):
-            hold(tmp_path / "link")
+    with held_elsewhere(tmp_path / "real") as proc, command_scope(), pytest.raises(EyasError, match=f"pid {proc.pid}"):
+        hold(tmp_path / "link")
 
 
 def test_a_lock_is_only_checked_outside_a_command(tmp_path):
@@ -97,11 +96,11 @@ def test_torchrun_ranks_other_than_0_leave_the_lock_to_rank_0(tmp_path, monkeypa
 @pytest.fixture(scope="module")
 def inputs(tmp_path_factory, tiny_target_dir, smol_tokenizer):
     """What each writing command needs to reach its --out check: a prepared dataset, a drafter, chats, prompts."""
+    from transformers import AutoConfig
+
     from eyas.data.prepared import write_prepared
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
     from eyas.target import tokenizer_hash
-
-    from transformers import AutoConfig
 
     root = tmp_path_factory.mktemp("lock_inputs")
     g = torch.Generator().manual_seed(0)

@@ -9,7 +9,7 @@ import pytest
 
 from eyas.data.sources import iter_conversations
 from eyas.errors import EyasError
-from eyas.regen.driver import RegenOptions, Regenerator
+from eyas.regen.driver import Regenerator, RegenOptions
 from eyas.regen.output import CHATS, META, ChatsWriter, read_chats
 from eyas.regen.requests import CONTEXT_OVERFLOW, Result
 from eyas.regen.sampling import Sampling

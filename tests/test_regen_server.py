@@ -10,7 +10,7 @@ import pytest
 
 from eyas.data.sources import iter_conversations
 from eyas.errors import EyasError
-from eyas.regen.driver import RegenOptions, Regenerator
+from eyas.regen.driver import Regenerator, RegenOptions
 from eyas.regen.output import META, ChatsWriter, read_chats
 from eyas.regen.requests import CONTEXT_OVERFLOW, SERVER_ERROR, Request
 from eyas.regen.sampling import Sampling
@@ -94,7 +94,10 @@ def _engine(urls, **kw):
 def test_single_calls_and_failure_reasons(server):
     eng = _engine([server.url + "/v1/"])
     assert eng.model == "fake-model" and eng.alive == [server.url]
-    req = lambda text: Request((0, 0), [{"role": "user", "content": text}], 7, 99)
+
+    def req(text):
+        return Request((0, 0), [{"role": "user", "content": text}], 7, 99)
+
     ok = eng.call(req("hello"))
     assert ok.text == "echo(hello)" and ok.failure is None and not ok.truncated and ok.new_tokens == 2
     body = server.requests[-1]

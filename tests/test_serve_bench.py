@@ -223,10 +223,9 @@ def free_port() -> int:
 @pytest.fixture(scope="module")
 def servers(tiny_target_dir, tmp_path_factory, smol_tokenizer):
     """A draft stand-in, a second one, a baseline, one serving another model, one with another tokenizer."""
+    from conftest import make_tiny_target
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-
-    from conftest import make_tiny_target
 
     tmp = tmp_path_factory.mktemp("bench_servers")
     words = Tokenizer(models.WordLevel({"[UNK]": 0, "eyas": 1}, unk_token="[UNK]"))

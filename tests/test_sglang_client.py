@@ -51,7 +51,8 @@ def serve(tiny_target_dir, tmp_path, **kw) -> StandinServer:
     return StandinServer(StandinConfig(target=tiny_target_dir, dump_dir=tmp_path / "dumps", **kw))
 
 
-def check_store_against_reference(store, prepared, model, n=len(LENGTHS)):
+def check_store_against_reference(store, prepared, model, n=None):
+    n = len(LENGTHS) if n is None else n
     from eyas.data.prepared import PreparedDataset
     from eyas.store.reader import StoreReader
     from eyas.target import forward_capture
@@ -121,10 +122,10 @@ def test_capture_fails_when_the_engine_disagrees_with_the_reference(tiny_target_
     real = eyas.target.forward_capture
     monkeypatch.setattr(eyas.target, "forward_capture",
                         lambda model, ids, mask=None, *, layer_ids: real(model, ids, mask, layer_ids=[i + 1 for i in layer_ids]))
-    with serve(tiny_target_dir, tmp_path) as srv:
-        with pytest.raises(CheckFailed, match="disagree with the reference") as info:
-            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
-                                calibrate=2)
+    with (serve(tiny_target_dir, tmp_path) as srv,
+          pytest.raises(CheckFailed, match="disagree with the reference") as info):
+        capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
+                            calibrate=2)
     summary = info.value.summary
     assert summary["store_complete"] and "at layer 2" in summary["engine_numerics"]["problem"]
     with pytest.raises(CheckFailed, match="engine_numerics is refused"):
@@ -185,25 +186,21 @@ def test_plugin_rejection_reaches_the_client(tiny_target_dir, prepared, tmp_path
 
 
 def test_preflight_refusals(tiny_target_dir, tmp_path):
-    with serve(tiny_target_dir, tmp_path, plugin=False) as srv:
-        with pytest.raises(EyasError, match="plugin is not loaded.*EYAS_CAPTURE=1"):
-            preflight(srv.url, LAYERS)
+    with serve(tiny_target_dir, tmp_path, plugin=False) as srv, pytest.raises(EyasError, match="plugin is not loaded.*EYAS_CAPTURE=1"):
+        preflight(srv.url, LAYERS)
     with serve(tiny_target_dir, tmp_path) as srv:
         with pytest.raises(EyasError, match="EYAS_CAPTURE_LAYERS=1,3,5"):
             preflight(srv.url, [1, 3, 5])
         with pytest.raises(EyasError, match="not visible here"):
             preflight(srv.url, LAYERS, dump_dir=tmp_path / "nowhere")
-    with serve(tiny_target_dir, tmp_path, speculative_algorithm="EAGLE3") as srv:
-        with pytest.raises(EyasError, match="speculative"):
-            preflight(srv.url, LAYERS)
+    with serve(tiny_target_dir, tmp_path, speculative_algorithm="EAGLE3") as srv, pytest.raises(EyasError, match="speculative"):
+        preflight(srv.url, LAYERS)
     with pytest.raises(EyasError, match="cannot read the server's info"):
         preflight("http://127.0.0.1:9", LAYERS)
-    with serve(tiny_target_dir, tmp_path, enable_dp_attention=True) as srv:
-        with pytest.raises(EyasError, match="DP attention.*--enable-dp-attention"):
-            preflight(srv.url, LAYERS)
-    with serve(tiny_target_dir, tmp_path, enable_two_batch_overlap=True) as srv:
-        with pytest.raises(EyasError, match="--enable-two-batch-overlap"):
-            preflight(srv.url, LAYERS)
+    with serve(tiny_target_dir, tmp_path, enable_dp_attention=True) as srv, pytest.raises(EyasError, match="DP attention.*--enable-dp-attention"):
+        preflight(srv.url, LAYERS)
+    with serve(tiny_target_dir, tmp_path, enable_two_batch_overlap=True) as srv, pytest.raises(EyasError, match="--enable-two-batch-overlap"):
+        preflight(srv.url, LAYERS)
 
 
 def test_preflight_refuses_a_plugin_blind_to_graph_replay_unless_the_graph_is_off(tiny_target_dir, tmp_path):
@@ -261,7 +258,7 @@ def test_the_prefill_graph_is_on_when_the_resolved_config_says_so_not_by_cuda_de
         srv.server_info = lambda: old_plugin("disabled")
         assert preflight(srv.url, LAYERS).status["plugin_version"] == "1"
         for backend in ("breakable", "full"):
-            srv.server_info = lambda: old_plugin(backend)
+            srv.server_info = lambda backend=backend: old_plugin(backend)
             with pytest.raises(EyasError, match="restart it with --disable-prefill-cuda-graph"):
                 preflight(srv.url, LAYERS)
     # and lost request ids are blamed on the graph only where it runs
@@ -385,9 +382,8 @@ def test_verify_server_names_the_flag_when_replay_batches_cannot_be_matched(tiny
         return fb
 
     monkeypatch.setattr(standin, "replay_batch", foreign)
-    with serve(tiny_target_dir, tmp_path) as srv:
-        with pytest.raises(CheckFailed) as exc:
-            _verify(srv)
+    with serve(tiny_target_dir, tmp_path) as srv, pytest.raises(CheckFailed) as exc:
+        _verify(srv)
     checks = exc.value.summary["checks"]
     assert "--disable-prefill-cuda-graph" in checks["unique_prompt"]["reason"]
     assert not checks["plugin_counters"]["ok"] and "--disable-prefill-cuda-graph" in checks["plugin_counters"]["fix"]
@@ -421,9 +417,8 @@ def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batc
                                                                                   monkeypatch, old_plugin):
     # no dump at all (not even a rejected one): the counters must name the flag, not the dump directory
     run_model_runner_forward_elsewhere(monkeypatch, old_plugin=old_plugin)
-    with serve(tiny_target_dir, tmp_path) as srv:
-        with pytest.raises(CheckFailed) as exc:
-            _verify(srv, dump_wait_s=0.3)
+    with serve(tiny_target_dir, tmp_path) as srv, pytest.raises(CheckFailed) as exc:
+        _verify(srv, dump_wait_s=0.3)
     checks = exc.value.summary["checks"]
     assert "no dump appeared" in checks["unique_prompt"]["reason"]
     counters = checks["plugin_counters"]
@@ -471,9 +466,8 @@ def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_
         return real(model, ids, mask, layer_ids=[i + 1 for i in layer_ids])
 
     monkeypatch.setattr(eyas.target, "forward_capture", shifted)
-    with serve(tiny_target_dir, tmp_path) as srv:
-        with pytest.raises(CheckFailed) as exc:
-            _verify(srv, layers="2,3,4", target=str(tiny_target_dir), prompt_tokens=40)
+    with serve(tiny_target_dir, tmp_path) as srv, pytest.raises(CheckFailed) as exc:
+        _verify(srv, layers="2,3,4", target=str(tiny_target_dir), prompt_tokens=40)
     checks = exc.value.summary["checks"]
     assert checks["unique_prompt"]["ok"] and checks["shared_prefix"]["ok"] and not checks["numbers"]["ok"]
     assert min(checks["numbers"]["mean_rel_l2"][k] for k in ("aux2", "aux3", "aux4")) > 0.05
@@ -530,7 +524,7 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
         res = CliRunner().invoke(app, [
             "capture", "--backend", "sglang", "--url", srv.url, "--data", str(prepared), "--out", str(tmp_path / "store"),
-            "--layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3",
+            "--aux-layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3",
             "--sglang-calibrate", "2"])
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])

@@ -25,9 +25,9 @@ import os
 import subprocess
 import sys
 import types
+import typing
 import zipfile
 from pathlib import Path
-from typing import List, Optional
 
 import pytest
 import torch
@@ -144,7 +144,7 @@ def code(node) -> str:
 
 def load_methods(path: Path, cls: str, names: list[str]) -> dict:
     """SGLang's own method bodies, compiled standalone (they only touch `self`)."""
-    ns = {"Optional": Optional, "List": List}
+    ns = {"Optional": typing.Optional, "List": typing.List}  # noqa: UP006 (what SGLang imports)
     for name in names:
         exec(compile(ast.Module([method(path, cls, name)], []), f"{path}:{cls}.{name}", "exec"), ns)
     return {n: ns[n] for n in names}

@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from eyas.sglang import plugin, standin
-from eyas.sglang.standin import ForwardMode, replay_batch
 from eyas.sglang.core import DumpWriter, make_rid, read_dump
+from eyas.sglang.standin import ForwardMode, replay_batch
 
 A, H = 3, 8
 
@@ -62,7 +62,7 @@ def batch(mode, pieces, pad=0):
     g = torch.Generator().manual_seed(0)
     T = sum(n for *_, n in pieces) + pad
     hidden, aux = torch.randn(T, H, generator=g), torch.randn(T, A * H, generator=g)
-    pos, ids, row = [], [], 0
+    pos, ids = [], []
     for _, _, p, n in pieces:
         pos.append(torch.arange(p, p + n)), ids.append(torch.arange(100 + p, 100 + p + n))
     pos.append(torch.zeros(pad, dtype=torch.long)), ids.append(torch.zeros(pad, dtype=torch.long))
@@ -370,10 +370,9 @@ def test_version_range():
 
 
 def test_entry_point_declared_for_sglang():
+    import pkgutil
     import tomllib
     from pathlib import Path
-
-    import pkgutil
 
     pyproject = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
     value = pyproject["project"]["entry-points"][plugin.ENTRY_POINT_GROUP]["eyas_capture"]

@@ -15,6 +15,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tilted_drafter
 
 from eyas.drafter.layouts import read_drafter
 from eyas.specdec.functional import FunctionalDrafter
@@ -23,8 +24,6 @@ from eyas.specdec.replay import TreeConfig
 from eyas.specdec.speculative import SpeculativeDecoder
 from eyas.specdec.speculative_batched import BatchedSpeculativeDecoder
 from eyas.target import load_target
-
-from conftest import tilted_drafter
 
 MAX_NEW = 24
 LAYERS = [1, 3, 4]

@@ -8,9 +8,9 @@ chain does not. Replay and the real loop must agree on every round of every sequ
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from conftest import tilted_drafter
 
 from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
@@ -18,8 +18,6 @@ from eyas.specdec.generate import greedy_generate
 from eyas.specdec.reference import reference_decode
 from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch
 from eyas.target import forward_capture, load_target
-
-from conftest import tilted_drafter
 
 MAX_NEW = 20
 LAYERS = [1, 3, 4]

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 import torch
+from conftest import tilted_drafter
 
 from eyas.drafter.layouts import read_drafter
 from eyas.specdec.functional import FunctionalDrafter
@@ -20,8 +21,6 @@ from eyas.specdec.generate import greedy_generate
 from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch
 from eyas.specdec.speculative import SpeculativeDecoder
 from eyas.target import forward_capture, load_target
-
-from conftest import tilted_drafter
 
 MAX_NEW = 24
 LAYERS = [1, 3, 4]

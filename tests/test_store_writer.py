@@ -109,7 +109,7 @@ def test_resume_removes_uncommitted_leftovers(tmp_path):
     w2.close(complete=True)
     r = StoreReader(path)
     assert sorted(r.sample_ids) == sorted(s[0] for s in data) and r.complete
-    for sid, aux, fin in data:
+    for sid, _aux, fin in data:
         assert torch.equal(r.get(sid, torch.float32)[1], fin.bfloat16().float())
 
 
@@ -126,9 +126,8 @@ def test_resume_refuses_other_settings_and_duplicates(tmp_path):
         StoreWriter(path, spec("fp8"))
     moved = spec()
     moved.prepared = {"path": "/moved", "split": "train", "fingerprint": "f"}
-    with StoreWriter(path, moved) as w:  # same data at a new path: resumable
-        with pytest.raises(ValueError, match="already added"):
-            w.add(sid, aux, fin)
+    with StoreWriter(path, moved) as w, pytest.raises(ValueError, match="already added"):  # same data, new path: resumable
+        w.add(sid, aux, fin)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x.bin").write_bytes(b"1")
     with pytest.raises(EyasError, match="not an eyas store"):

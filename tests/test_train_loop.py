@@ -445,7 +445,7 @@ def test_compile_workers_start_with_the_stop_signals_ignored(monkeypatch):
     try:
         assert {s: signal.getsignal(s) for s in before} == before
         time.sleep(0.5)  # (the child's interpreter has started)
-        ignored = int(next(x for x in open(f"/proc/{child.pid}/status") if x.startswith("SigIgn:")).split()[1], 16)
+        ignored = int(next(x for x in Path(f"/proc/{child.pid}/status").read_text().splitlines() if x.startswith("SigIgn:")).split()[1], 16)
         assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1
         child.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -867,7 +867,6 @@ def test_a_profiler_steps_through_the_loops_step_end(world, tmp_path, monkeypatc
 
     from conftest import load_benchmark
 
-    from eyas.train import loop
     from eyas.train.loop import run
 
     seen = []

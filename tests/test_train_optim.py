@@ -16,7 +16,7 @@ def test_newton_schulz_keeps_the_singular_vectors_and_flattens_the_values(shape)
     U = torch.linalg.qr(torch.randn(shape[0], n, generator=g))[0]
     V = torch.linalg.qr(torch.randn(shape[1], n, generator=g))[0]
     G = U @ torch.diag(torch.logspace(0, 2, n)) @ V.T  # singular values 1 .. 100
-    O = newton_schulz(G)
+    O = newton_schulz(G)  # noqa: E741 (the orthogonalised G)
     assert O.shape == G.shape and O.dtype == G.dtype
     s = torch.linalg.svdvals(O)
     assert float(s.min()) > 0.6 and float(s.max()) < 1.25, s  # every direction moved about the same
@@ -32,7 +32,7 @@ def test_adamw_groups_match_torchs_adamw():
     b = [p.detach().clone().requires_grad_(True) for p in a]
     ours = MuonAdamW([{"params": a}], lr=1e-2, weight_decay=0.1)
     ref = torch.optim.AdamW(b, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, foreach=False)
-    for step in range(4):
+    for _ in range(4):
         grads = [torch.randn_like(p) for p in a]
         for p, q, gr in zip(a, b, grads):
             p.grad, q.grad = gr.clone(), gr.clone()

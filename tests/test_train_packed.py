@@ -10,6 +10,7 @@ from eyas import kernels
 from eyas.drafter.ttt import (
     Teacher,
     TTTConfig,
+    fast_attention,
     head_soft_ce,
     head_soft_ce_ranges,
     live_positions,
@@ -20,7 +21,6 @@ from eyas.drafter.ttt import (
     supervised_rows,
     ttt_loss,
     ttt_loss_packed,
-    fast_attention,
 )
 from eyas.packing import Segments, pad_lengths
 from tests.test_drafter_ttt import tiny_drafter
@@ -343,8 +343,8 @@ def test_diagonal_merge_compiles_as_on_cuda_and_keeps_a_graph_per_diagonal_count
     dq, dks, dvs = attention._merge_bwd(q, kds, vds, out, lse, dout, dq_c, 0.3)
     assert len(dks) == len(dvs) == J and dks[0].shape == kds[0].shape
     close = lambda a, b: torch.allclose(a, b, atol=1e-5, rtol=1e-5)  # noqa: E731
-    o, l = torch.compile(attention._merge_fwd, dynamic=True)(q, kds, vds, out_c, lse_c, 0.3)
-    assert close(o, out) and close(l, lse)
+    o, o_lse = torch.compile(attention._merge_fwd, dynamic=True)(q, kds, vds, out_c, lse_c, 0.3)
+    assert close(o, out) and close(o_lse, lse)
     gq, gks, gvs = torch.compile(attention._merge_bwd, dynamic=True)(q, kds, vds, out, lse, dout, dq_c, 0.3)
     assert close(gq, dq) and all(close(a, b) for a, b in zip(gks + gvs, dks + dvs))
 

@@ -23,8 +23,8 @@ import weakref
 import pytest
 import torch
 import torch.distributed as tdist
-from test_train_loop import _cfg, world  # noqa: F401  (fixture)
 from test_train_ddp import _args
+from test_train_loop import _cfg, world  # noqa: F401  (fixture)
 
 from eyas.errors import EyasError, Interrupted
 

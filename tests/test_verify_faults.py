@@ -16,11 +16,8 @@ from eyas.capture.run import CaptureSettings, run_capture
 from eyas.errors import CheckFailed
 from eyas.store import StoreReader, StoreSpec, StoreWriter
 from eyas.store.verify import verify_store
-from eyas.target import load_target, reference_hidden_states
+from eyas.target import load_target, load_tokenizer, reference_hidden_states, tokenizer_hash
 from tests.test_capture_run import make_prepared
-
-from eyas.target import load_tokenizer, tokenizer_hash
-
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

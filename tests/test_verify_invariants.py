@@ -22,7 +22,14 @@ from eyas.data.prepared import PreparedDataset, write_prepared
 from eyas.errors import CheckFailed, EyasError
 from eyas.store import StoreReader, StoreSpec, StoreWriter
 from eyas.store.verify import miss_probability, stratified_order, verify_store
-from eyas.target import _decoder_parts, load_target, load_tokenizer, model_identity, reference_hidden_states, tokenizer_hash
+from eyas.target import (
+    _decoder_parts,
+    load_target,
+    load_tokenizer,
+    model_identity,
+    reference_hidden_states,
+    tokenizer_hash,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 

@@ -55,6 +55,7 @@ CPU check (tiny): --recipe recipes/smollm2-cpu-smoke.toml --conversations 4,8 --
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -65,9 +66,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 ROOT = Path(__file__).resolve().parents[2]
 REGEN_WORKDIR = "regen-pipeline"  # phase 1's own pipeline workdir under <root>
@@ -106,7 +108,7 @@ class Child:
                 env["OMP_NUM_THREADS"] = str(max(1, cores // side_by_side))
         pin = f"CUDA_VISIBLE_DEVICES={gpu} " if gpu is not None else ""
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(log_path, "ab")
+        self._log = open(log_path, "ab")  # noqa: SIM115 (the child's log, open while it runs)
         self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {pin}{' '.join(cmd)}\n".encode())
         log(f"[{name}] start: {pin}{' '.join(cmd)}\n[{name}] log: {log_path}")
         self.t0 = time.time()
@@ -152,16 +154,12 @@ class Child:
         return rc
 
     def terminate(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGTERM)  # our own child's group: regenerate commits on SIGTERM
-        except ProcessLookupError:
-            pass
 
     def kill(self) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
 
     def summary(self) -> dict[str, Any] | None:
         lines = b"".join(self._stdout).decode("utf-8", "replace").strip().splitlines()

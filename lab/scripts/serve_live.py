@@ -32,6 +32,7 @@ servers use the venv sglang_live.py installs. Logs and results stay under /root/
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -178,7 +179,7 @@ class Server:
         Q.mkdir(parents=True, exist_ok=True)
         log("$ " + " ".join(self.cmd))
         t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,
+        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115 (the server's log, open while it runs)
                                      start_new_session=True)
         while time.time() - t0 < self.timeout:
             if self.proc.poll() is not None:
@@ -202,10 +203,8 @@ class Server:
             os.killpg(self.proc.pid, signal.SIGTERM)
             self.proc.wait(30)
         except Exception:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
         time.sleep(3)  # the GPU memory of the scheduler subprocesses
 
 
@@ -301,7 +300,7 @@ def snapshot(results: dict, env: dict) -> Path:
     ckpt = sorted((W / "train" / "checkpoints").glob("step-*.safetensors"))[-1]
     prefix = "s.model.drafter."
     with safe_open(str(ckpt), "pt") as f:
-        weights = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}
+        weights = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118 (safe_open has keys(), no iteration)
     cfg = json.loads((S / "tiny-config.json").read_text())
     d = cfg["drafter"]
     d["draft_vocab_size"] = int(weights["lm_head.weight"].shape[0])

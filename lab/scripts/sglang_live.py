@@ -140,7 +140,7 @@ scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shelli
 statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
 tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
-zipp""".split())
+zipp""".split())  # noqa: SIM905 (the list as KINDS.md gives it: words, not a literal)
 # Staged although the image has them, because the image's version does not do:
 KEEP_OVER_IMAGE = {
     "transformers": "sglang pins transformers==<pin>; the image has 5.17.0",
@@ -530,7 +530,7 @@ def run(a) -> None:
                     if self.f is None:
                         if not self.paths:
                             return b""
-                        self.f = open(self.paths.pop(0), "rb")
+                        self.f = open(self.paths.pop(0), "rb")  # noqa: SIM115 (the next part of the stream, closed by read())
                     data = self.f.read(n)
                     if data:
                         return data
@@ -603,7 +603,7 @@ def run(a) -> None:
                     capture=True, check=False, env=env)
         if kprobe.returncode != 0:
             raise RuntimeError("sgl_kernel does not load or run. It was staged trimmed to sm_90 (sgl_kernel/sm100/ "
-                               f"left out, the cubins of other GPU architectures blanked): on a GPU other than sm_90, "
+                               "left out, the cubins of other GPU architectures blanked): on a GPU other than sm_90, "
                                "or if its loader changed, stage with --no-kernel-trim:\n" + kprobe.stderr[-2500:])
         result["sgl_kernel_probe"] = kprobe.stdout.strip()
         ipy = sh([str(py), "-c", "import IPython.display"], capture=True, check=False, env=env)
@@ -634,7 +634,7 @@ def run(a) -> None:
         cmd = [str(py), "-m", "sglang.launch_server", "--model-path", result["target"], "--port", str(PORT),
                "--dtype", "bfloat16", "--mem-fraction-static", str(a.mem)]  # everything else: SGLang's CUDA defaults
         log("$ " + " ".join(cmd))
-        f = open(server["log"], "w")
+        f = open(server["log"], "w")  # noqa: SIM115 (the server's log, open while it runs)
         server["proc"] = subprocess.Popen(cmd, env=senv, stdout=f, stderr=subprocess.STDOUT)
         t0 = time.time()
         while time.time() - t0 < a.server_timeout:

@@ -99,7 +99,7 @@ def shadow_target(target_dir: Path, out: Path) -> tuple[Path, str]:
     keys: dict[str, str] = {}
     for f in files:
         with safe_open(str(f), "pt") as h:
-            keys.update({k: f.name for k in h.keys()})
+            keys.update({k: f.name for k in h.keys()})  # noqa: SIM118 (safe_open has keys(), no iteration)
     head = "lm_head.weight" if "lm_head.weight" in keys else "model.embed_tokens.weight"  # tied embeddings
     if list(target_dir.glob("*.index.json")):
         return target_dir, head
@@ -202,10 +202,8 @@ def specforge_last_log(log_path: Path) -> dict:
     for line in log_path.read_text().splitlines() if log_path.is_file() else []:
         head, sep, body = line.partition(": ")
         if sep and head.startswith("step ") and head[5:].isdigit():
-            try:
+            with contextlib.suppress(ValueError, SyntaxError):
                 last = {"step": int(head[5:]), **ast.literal_eval(body)}
-            except (ValueError, SyntaxError):
-                pass
     return {k: last[k] for k in ("step", "loss", "acc", "grad_norm", "lr") if k in last}
 
 
@@ -298,12 +296,13 @@ def main() -> None:
     args = ap.parse_args()
     variants = parse_variants(args.eyas_variant)
 
+    from specforge_convert import convert
+
     from eyas.capture.run import CaptureSettings, run_capture
     from eyas.defaults import resolve_target
     from eyas.export.formats import export_drafter
     from eyas.specdec.run import EvalConfig, evaluate_to
     from eyas.train.loop import TrainConfig, run as train
-    from specforge_convert import convert
 
     root = args.root
     root.mkdir(parents=True, exist_ok=True)

@@ -16,16 +16,16 @@ CLI is built, and tests/test_cli_options.py checks that the source-read defaults
 imported class's.
 
 Field metadata understood: `field(default=..., metadata={"flag": "--server-url"})` spells the option
-differently from the field (a repeated option named in the singular), `{"aliases": ["--old-name"]}`
-keeps old spellings working as hidden options, `{"parse": "module:function"}` takes text and turns
-it into the field's value (`--shard-bytes 512MiB`).
+differently from the field (a repeated option named in the singular), `{"parse": "module:function"}`
+takes text and turns it into the field's value (`--shard-bytes 512MiB`); any other key is refused
+when the CLI is built.
 
-One name per meaning, across commands (old spellings stay as hidden aliases, old TOML keys too):
-`--model-dtype` the dtype a model computes in (capture, regenerate, eval, generate, train; was
-`--dtype`, train's `--precision`), `--store-dtype` the dtype capture stores hidden states in (was
-`--dtype`), `--weights-dtype` the dtype export writes weights in (was `--dtype`), `--max-retries`
-the retries of one server request (regenerate, was `--retries`; capture's SGLang-backend options
-all carry the `--sglang-` prefix: `--sglang-max-retries`).
+One name per meaning, across commands: `--model-dtype` the dtype a model computes in (capture,
+regenerate, eval, generate, train), `--store-dtype` the dtype capture stores hidden states in,
+`--weights-dtype` the dtype export writes weights in, `--max-retries` the retries of one server
+request (regenerate; capture's SGLang-backend options all carry the `--sglang-` prefix:
+`--sglang-max-retries`). There are no hidden aliases: an old spelling is click's usual "no such
+option" (exit 2).
 
 Run: used by eyas/commands/*.py; `pytest tests/test_cli_options.py`.
 """
@@ -38,9 +38,10 @@ import importlib.util
 import inspect
 import types
 import typing
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, List, Optional
+from typing import Any
 
 import typer
 
@@ -48,6 +49,7 @@ from eyas.config_checks import option_name, parse_int_list
 from eyas.errors import EyasError
 
 REQUIRED = ...
+METADATA_KEYS = ("flag", "parse")
 _TYPES = {"Path": Path, "list": list, "int": int, "float": float, "str": str, "bool": bool, "Any": Any,
           "None": None}
 
@@ -63,7 +65,6 @@ class FieldSpec:
     """The literal default, REQUIRED (...) when the field has none."""
     doc: str
     flag: str
-    aliases: list[str] = field(default_factory=list)
     parse: str | None = None
     """"module:function" turning the option's text into the field's value (e.g. '1GB' -> bytes)."""
 
@@ -133,10 +134,12 @@ def read_fields(target: str) -> list[FieldSpec]:
         if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
             doc = " ".join(nxt.value.value.split())
         default, meta = _default_of(stmt.value, where)
+        unknown = sorted(set(meta) - set(METADATA_KEYS))
+        if unknown:
+            raise TypeError(f"{where}: field metadata {unknown} not understood (expected {', '.join(METADATA_KEYS)})")
         hint = eval(ast.unparse(stmt.annotation), {"__builtins__": {}}, dict(_TYPES))  # noqa: S307 (our own source)
         out.append(FieldSpec(name=name, hint=hint, default=default, doc=doc,
-                             flag=meta.get("flag", option_name(name)), aliases=list(meta.get("aliases", [])),
-                             parse=meta.get("parse")))
+                             flag=meta.get("flag", option_name(name)), parse=meta.get("parse")))
     return out
 
 
@@ -146,23 +149,23 @@ def _typer_param(spec: FieldSpec) -> tuple[Any, Any]:
     default = spec.default
     if spec.parse is not None:  # text parsed in _convert; the default is shown as the field holds it
         text = default if default in (None, REQUIRED) else str(default)
-        return Optional[str], typer.Option(text, spec.flag, help=spec.doc)
+        return str | None, typer.Option(text, spec.flag, help=spec.doc)
     if base is bool:
         stem = spec.flag[2:]
-        return (Optional[bool] if optional else bool), typer.Option(default, f"--{stem}/--no-{stem}", help=spec.doc)
+        return (bool | None if optional else bool), typer.Option(default, f"--{stem}/--no-{stem}", help=spec.doc)
     origin = typing.get_origin(base)
     if origin is list:
         (inner,) = typing.get_args(base)
         if inner is int:  # comma-separated text, parsed (and refused naming the option) in _convert
             text = None if default in (None, REQUIRED) else ",".join(map(str, default))
-            return Optional[str], typer.Option(REQUIRED if default is REQUIRED else text, spec.flag, help=spec.doc)
+            return str | None, typer.Option(REQUIRED if default is REQUIRED else text, spec.flag, help=spec.doc)
         if inner is str:  # a repeated option
-            return Optional[List[str]], typer.Option(None if default in (None, []) else default, spec.flag,
-                                                     help=spec.doc + " Repeatable.")
+            return list[str] | None, typer.Option(None if default in (None, []) else default, spec.flag,
+                                                  help=spec.doc + " Repeatable.")
         raise TypeError(f"{spec.name}: list[{inner}] options are not supported")
     if base not in (int, float, str, Path):
         raise TypeError(f"{spec.name}: options of type {base} are not supported")
-    return (Optional[base] if optional or default is None else base), typer.Option(default, spec.flag, help=spec.doc)
+    return (base | None if optional or default is None else base), typer.Option(default, spec.flag, help=spec.doc)
 
 
 def _convert(spec: FieldSpec, value: Any) -> Any:
@@ -189,24 +192,15 @@ def options_from(target: str, *, exclude: tuple[str, ...] = ()) -> Callable[[Cal
         clash = {s.name for s in specs} & {p.name for p in extra}
         if clash:
             raise TypeError(f"{body.__name__}: options {sorted(clash)} are both config fields and extra options")
-        params, hidden = [], {}
+        params = []
         for s in specs:
             annotation, option = _typer_param(s)
             params.append(inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option,
                                             annotation=annotation))
-            for j, alias in enumerate(s.aliases):
-                key = f"{s.name}__alias{j}"
-                hidden[key] = s
-                params.append(inspect.Parameter(key, inspect.Parameter.KEYWORD_ONLY, annotation=annotation,
-                                                default=typer.Option(None, alias, hidden=True)))
         # the command's own options first: they are usually the required paths (--drafter, --out)
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra] + params
 
         def command(**kwargs: Any) -> dict:
-            for key, s in hidden.items():  # an old spelling counts when the new one was not given
-                value = kwargs.pop(key)
-                if value is not None and kwargs[s.name] == _typer_param(s)[1].default:
-                    kwargs[s.name] = value
             values = {s.name: _convert(s, kwargs.pop(s.name)) for s in specs}
             module, cls = target.split(":")
             config_cls = getattr(importlib.import_module(module), cls)

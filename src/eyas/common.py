@@ -25,8 +25,9 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from eyas.errors import EyasError
 
@@ -542,7 +543,7 @@ def iter_text_lines(path: Path, *, what: str) -> Iterator[str]:
     U+2028); a line that is not UTF-8 is refused naming the file and the line."""
     p = Path(path)
     try:
-        f = open(p, "rb")
+        f = open(p, "rb")  # noqa: SIM115 (the `with f:` below closes it; open errors named first)
     except OSError as exc:
         raise EyasError(f"{what} {p}: cannot read it ({exc.strerror or exc})") from exc
     with f:

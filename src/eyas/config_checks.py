@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Iterable
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterable
+from typing import Any
 from urllib.parse import urlparse
 
 from eyas.errors import EyasError
@@ -63,7 +64,7 @@ def check_value(value: Any, option: str, *, ge: float | None = None, gt: float |
         raise EyasError(f"{option} must be a finite number, got {value}")
     bounds = [(ge, lambda v, b: v >= b, ">="), (gt, lambda v, b: v > b, ">"),
               (le, lambda v, b: v <= b, "<="), (lt, lambda v, b: v < b, "<")]
-    for bound, ok, sym in bounds:
+    for bound, ok, _sym in bounds:
         if bound is not None and not ok(value, bound):
             allowed = " and ".join(f"{s} {b:g}" for b, _, s in bounds if b is not None)
             raise EyasError(f"{option} must be {allowed}, got {value:g}")

@@ -32,7 +32,7 @@ LONG: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloa
                                 torch.float8_e4m3fn: "float8_e4m3fn"}
 
 
-def to_dtype(name: str | torch.dtype, *, what: str = "--dtype", allowed: Iterable[torch.dtype] | None = None,
+def to_dtype(name: str | torch.dtype, *, what: str = "dtype", allowed: Iterable[torch.dtype] | None = None,
              also: Iterable[str] = ()) -> torch.dtype | None:
     """A dtype name (either vocabulary) -> torch dtype; `allowed` limits it; the error names `what` and
     lists what it takes. `also`: the option's words besides dtypes (auto, keep), accepted as None for
@@ -73,7 +73,7 @@ def resolve_device(device: str, *, what: str = "--device") -> torch.device:
 
 
 def resolve_device_dtype(device: str, dtype: str | torch.dtype, *, what_device: str = "--device",
-                         what_dtype: str = "--dtype", auto_dtype: torch.dtype | None = None,
+                         what_dtype: str = "--model-dtype", auto_dtype: torch.dtype | None = None,
                          allowed: Iterable[torch.dtype] = MODEL_DTYPES) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) with `auto` resolved: the dtype is `auto_dtype` when given (a model's own),
     else bf16 on cuda; always fp32 on cpu (CPU bf16 matmuls are slow and this is where tests run)."""

@@ -28,8 +28,8 @@ Shape legend: N packed tokens, S segments, H heads, K kv heads, d head dim, D hi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

@@ -52,12 +52,22 @@ import time
 import tomllib
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from eyas.common import (STAGE_KINDS, atomic_write_json, files_kind, is_owned, log, output_kind, read_text_file,
-                         remove_outputs, write_marker)
+from eyas.common import (
+    STAGE_KINDS,
+    atomic_write_json,
+    files_kind,
+    is_owned,
+    log,
+    output_kind,
+    read_text_file,
+    remove_outputs,
+    write_marker,
+)
 from eyas.config_checks import inputs_made_later
 from eyas.errors import EyasError
 
@@ -74,7 +84,7 @@ class ExportOptions:
 
     formats: list[str] = field(default_factory=lambda: ["sglang", "vllm"])
     """Serving layouts to write: sglang, vllm."""
-    weights_dtype: str = field(default="keep", metadata={"aliases": ["--dtype"]})
+    weights_dtype: str = "keep"
     """Dtype of the exported weights: `keep` (as stored), `bfloat16`, `float16` or `float32`."""
     verifier: str | None = None
     """vllm format: the target's Hub repository id (owner/name), written as
@@ -232,13 +242,6 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
         filled = set(FILLED[stage])
         if stage == "prepare" and "regenerate" in raw:
             filled.add("source")
-        for f in fields.values():  # a renamed option's old key (its CLI alias) still reads as the field
-            for alias in f.metadata.get("aliases", ()):
-                old = alias.lstrip("-").replace("-", "_")
-                if old in section and old not in fields:
-                    if f.name in section:
-                        raise EyasError(f"{where}: [{stage}] `{old}` is the old name of `{f.name}`; give only `{f.name}`")
-                    section = {(f.name if k == old else k): v for k, v in section.items()}
         for key, value in section.items():
             if isinstance(value, dict):
                 raise EyasError(f"{where}: [{stage}.{key}] is not a stage option (nested tables are not supported)")
@@ -304,11 +307,6 @@ NOT_IN_FINGERPRINT = {
     "eval": {"gen_batch_size", "replay_tokens", "allow_other_target"},
 }
 
-# renamed fields enter fingerprints under their old names, so a workdir made before the rename
-# (one name per meaning: model_dtype, weights_dtype) does not rerun its stages
-OLD_KEY = {"regenerate": {"model_dtype": "dtype"}, "eval": {"model_dtype": "dtype"},
-           "export": {"weights_dtype": "dtype"}, "train": {"model_dtype": "precision"}}
-
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, Path):
@@ -323,8 +321,7 @@ def _jsonable(x: Any) -> Any:
 def fingerprint(stage: str, cfg: Any, input_fp: str | None, *, auto: set[str] = frozenset()) -> str:
     """sha256 of the options that decide the stage's result plus its input's fingerprint."""
     skip = NOT_IN_FINGERPRINT.get(stage, set()) | set(auto)
-    keys = OLD_KEY.get(stage, {})
-    opts = {keys.get(k, k): v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
     blob = json.dumps({"stage": stage, "options": _jsonable(opts), "input": input_fp}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

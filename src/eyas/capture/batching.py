@@ -20,8 +20,8 @@ unbatched reference for every supported family.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

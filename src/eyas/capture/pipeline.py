@@ -24,8 +24,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
 
 import torch
 

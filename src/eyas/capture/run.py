@@ -36,7 +36,7 @@ from eyas.capture.batching import make_batch, plan_batches
 from eyas.capture.pipeline import CapturePipeline
 from eyas.common import check_out_path, human_bytes, is_owned, log, progress, require_owned, write_marker
 from eyas.config_checks import check_device, check_number
-from eyas.dtypes import resolve_device, to_dtype
+from eyas.dtypes import to_dtype
 from eyas.errors import EyasError
 from eyas.store.format import HEADER_BYTES, stored_dtype
 from eyas.store.writer import StoreSpec, StoreWriter, check_free_space
@@ -60,11 +60,10 @@ class CaptureSettings:
     """Split of the prepared dataset to capture."""
     out: Path
     """Store directory; rerunning with the same settings resumes it."""
-    aux_layers: list[int] | None = field(default=None, metadata={"parse": "eyas.capture.run:parse_layers",
-                                                                 "aliases": ["--layers"]})
+    aux_layers: list[int] | None = field(default=None, metadata={"parse": "eyas.capture.run:parse_layers"})
     """Aux layer ids, comma-separated, convention hf-input (id i = input to decoder layer i); default =
     EAGLE-3's 2,N//2,N-3 (sglang: the server's)."""
-    store_dtype: str = field(default="bf16", metadata={"aliases": ["--dtype"]})
+    store_dtype: str = "bf16"
     """Dtype the hidden states are stored in: bf16, fp8 (e4m3, a scale per token and layer; half the bytes) or fp32."""
     device: str = "cpu"
     """Where the target runs (sglang: the reference of --sglang-calibrate): cpu, cuda or cuda:K."""
@@ -148,7 +147,12 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
     from eyas.defaults import resolve_target
     from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
     from eyas.target import (
-        CONVENTION, hidden_size_of, load_tokenizer, model_identity, num_layers_of, tokenizer_hash,
+        CONVENTION,
+        hidden_size_of,
+        load_tokenizer,
+        model_identity,
+        num_layers_of,
+        tokenizer_hash,
     )
 
     target_dir = resolve_target(settings.target or "default")
@@ -435,7 +439,7 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
         import os
         import sys
 
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout silenced for the process's life)
     return summary
 
 

@@ -10,7 +10,6 @@ declared here.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -21,8 +20,8 @@ from eyas.cli_options import options_from
 def capture(
     cfg,
     backend: str = typer.Option("transformers", help="`transformers` (the target runs here) or `sglang` (SGLang servers with the eyas plugin, see --url)."),
-    url: Optional[List[str]] = typer.Option(None, help="sglang: server base URL, e.g. http://127.0.0.1:30000; repeat for several servers (data parallel)."),
-    sglang_dump_dir: Optional[Path] = typer.Option(None, help="sglang: the plugin's dump directory as seen from here (default: what the server reports)."),
+    url: list[str] | None = typer.Option(None, help="sglang: server base URL, e.g. http://127.0.0.1:30000; repeat for several servers (data parallel)."),
+    sglang_dump_dir: Path | None = typer.Option(None, help="sglang: the plugin's dump directory as seen from here (default: what the server reports)."),
     sglang_concurrency: int = typer.Option(16, help="sglang: requests in flight over all servers."),
     sglang_cache_bypass: str = typer.Option("auto", help="sglang: how a radix-cache prefix hit is prevented: auto (unique cache salt per request, or nothing when the cache is disabled), salt, logprob, none."),
     sglang_max_retries: int = typer.Option(5, help="sglang: retries of a request on transient HTTP errors (exponential backoff)."),

@@ -21,23 +21,21 @@ Checks, in order (each a real request through the same path as `eyas capture --b
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
 
 import typer
 
 
 def verify_server(
     url: str = typer.Option(..., "--url", help="SGLang server URL, e.g. http://127.0.0.1:30000."),
-    layers: Optional[str] = typer.Option(None, "--aux-layers", help="Aux layer ids the server must capture, comma-separated, eyas convention (hf-input: id i = input to decoder layer i); default: accept what the plugin reports."),
-    dump_dir: Optional[Path] = typer.Option(None, "--sglang-dump-dir", help="Directory where the plugin's dumps appear on this machine; default: the one the plugin reports (EYAS_DUMP_DIR on the server)."),
+    layers: str | None = typer.Option(None, "--aux-layers", help="Aux layer ids the server must capture, comma-separated, eyas convention (hf-input: id i = input to decoder layer i); default: accept what the plugin reports."),
+    dump_dir: Path | None = typer.Option(None, "--sglang-dump-dir", help="Directory where the plugin's dumps appear on this machine; default: the one the plugin reports (EYAS_DUMP_DIR on the server)."),
     cache_bypass: str = typer.Option("auto", "--sglang-cache-bypass", help="Per-request radix-cache bypass: auto, salt (unique cache_salt, SGLang >= 0.5.22), logprob (return_logprob from 0), none (needs --disable-radix-cache)."),
-    target: Optional[str] = typer.Option(None, "--target", help="Local copy of the served model (Hugging Face directory): compare one sample's numbers with the transformers reference."),
-    prompt_tokens: Optional[int] = typer.Option(None, "--prompt-tokens", help="Length L of the test prompts; default crosses a chunk boundary (1.5 x chunked_prefill_size + 3, within the context length) or 300."),
-    tolerance: Optional[float] = typer.Option(None, "--tolerance", help="Largest mean relative L2 error per slot in the numbers check; default 0.05 for bf16/fp16 servers, 1e-3 for fp32."),
+    target: str | None = typer.Option(None, "--target", help="Local copy of the served model (Hugging Face directory): compare one sample's numbers with the transformers reference."),
+    prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", help="Length L of the test prompts; default crosses a chunk boundary (1.5 x chunked_prefill_size + 3, within the context length) or 300."),
+    tolerance: float | None = typer.Option(None, "--tolerance", help="Largest mean relative L2 error per slot in the numbers check; default 0.05 for bf16/fp16 servers, 1e-3 for fp32."),
     device: str = typer.Option("auto", "--device", help="Device for the local reference forward: auto, cpu, cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the test prompts (a random nonce keeps them unique per run)."),
     dump_wait_s: float = typer.Option(60.0, "--dump-wait", help="Seconds to wait for a dump after the server answers."),
-    old_layers: Annotated[Optional[str], typer.Option("--layers", hidden=True, help="Old spelling of --aux-layers.")] = None,
 ) -> dict:
     """Check that a plugin-equipped SGLang server dumps every prompt token, and (with --target) the right numbers."""
     import os
@@ -51,10 +49,7 @@ def verify_server(
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
-    if old_layers is not None and layers is None:  # the old spelling, named as the user wrote it
-        layer_ids = parse_int_list(old_layers, option="--layers", min_value=0)
-    else:
-        layer_ids = parse_int_list(layers, option="--aux-layers", min_value=0)
+    layer_ids = parse_int_list(layers, option="--aux-layers", min_value=0)
     check_in(cache_bypass, "--sglang-cache-bypass", ("auto", "salt", "logprob", "none"))
     check_value(prompt_tokens, "--prompt-tokens", ge=8, optional=True)
     check_value(tolerance, "--tolerance", gt=0, optional=True)

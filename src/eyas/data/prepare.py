@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +54,7 @@ class PrepareConfig:
     the end-of-turn token), `mask` (no loss on the turn), `drop` (skip the conversation)."""
     hf_split: str | None = None
     """Split to read when --source is a saved DatasetDict."""
-    aux_layer_count: int = field(default=3, metadata={"aliases": ["--aux-layers"]})
+    aux_layer_count: int = 3
     """How many aux layers the capture will store (for the disk estimate)."""
     overwrite: bool = False
     """Replace an existing --out directory."""

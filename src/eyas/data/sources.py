@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import itertools
 import json
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eyas.common import iter_text_lines, read_text_file
 from eyas.errors import EyasError

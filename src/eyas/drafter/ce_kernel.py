@@ -74,7 +74,7 @@ def _build(triton, tl):
                       BLOCK: tl.constexpr, INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr,
                       TLSE: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
-        if INDEXED:  # a compile-time switch: the plain mode never touches T_ROWS
+        if INDEXED:  # noqa: SIM108 (a compile-time switch: the plain mode never touches T_ROWS)
             t_at = tl.load(T_ROWS + row).to(tl.int64)  # the teacher table's row for this chunk row
         else:
             t_at = row

@@ -25,9 +25,10 @@ otherwise serve a randomly initialised layer. Run: `eyas export --drafter DIR --
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -72,7 +73,7 @@ def default_aux_layer_ids(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
 
-def check_layer_ids(layer_ids: Sequence[int], num_layers: int, *, what: str = "--layers") -> list[int]:
+def check_layer_ids(layer_ids: Sequence[int], num_layers: int, *, what: str = "aux layer ids") -> list[int]:
     """Aux ids must be inputs to existing layers after the first: 1 <= i <= N-1 (0 is the embeddings,
     which neither engine can capture; N would be the final output). Returns them as ints."""
     ids = [int(i) for i in layer_ids]

@@ -229,7 +229,7 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
-        D, I = cfg.hidden_size, cfg.intermediate_size
+        D, I = cfg.hidden_size, cfg.intermediate_size  # noqa: E741 (I: the intermediate size, as in [2I, D])
         self.gate_proj = nn.Linear(D, I, bias=False)
         self.up_proj = nn.Linear(D, I, bias=False)
         self.down_proj = nn.Linear(I, D, bias=False)
@@ -257,8 +257,10 @@ class MidLayer(nn.Module):
         them inside each matmul instead, through a shared-weight autograd function, was slower: every use broke the
         compiled pieces' graphs.)"""
         a, m = self.self_attn, self.mlp
-        cast = lambda *mods: torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 \
-            else mods[0].weight.to(dtype)
+
+        def cast(*mods):
+            return torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 else mods[0].weight.to(dtype)
+
         return {"qkv": cast(a.q_proj, a.k_proj, a.v_proj), "o_proj": cast(a.o_proj),
                 "gate_up": cast(m.gate_proj, m.up_proj), "down_proj": cast(m.down_proj)}
 

@@ -49,7 +49,7 @@ def triton_unavailable(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _decode_split(Q, Kc, Vc, LEN, O, M, L, scale,
+    def _decode_split(Q, Kc, Vc, LEN, O, M, L, scale,  # noqa: E741 (O: the output, beside Q, M, L)
                              s_qb, s_qh, s_kb, s_kh, s_ks, s_ob, s_oh, s_op, s_mb, s_mh,
                              G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
                              BN: tl.constexpr, IEEE: tl.constexpr):
@@ -73,7 +73,7 @@ if triton is not None:
             n = n0 + tl.arange(0, BN)
             nmask = n < end
             k = tl.load(kbase + n[:, None] * s_ks + d[None, :], mask=nmask[:, None], other=0.0)
-            if IEEE:
+            if IEEE:  # noqa: SIM108 (a constexpr branch of a Triton kernel, compiled away)
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
             else:
                 s = tl.dot(q, tl.trans(k))

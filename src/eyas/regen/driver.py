@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any
 
 from eyas.common import log, progress
 from eyas.regen.output import ChatsWriter

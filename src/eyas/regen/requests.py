@@ -9,8 +9,9 @@ a conversation only exists once its previous answer has been delivered.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 # Failure reasons (the summary and meta.json count each one).
 CONTEXT_OVERFLOW = "context_overflow"

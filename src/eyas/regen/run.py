@@ -41,7 +41,7 @@ class RegenConfig:
     """Answer token limit per turn; answers that reach it are marked truncated."""
     max_turns: int | None = None
     """Keep only the first N user turns of each conversation."""
-    max_length: int = field(default=2048, metadata={"aliases": ["--max-len"]})
+    max_length: int = 2048
     """Most tokens of prompt + answer (local engines); a prompt leaving no room is counted as context_overflow."""
     temperature: float = 0.0
     """0 = greedy; > 0 samples from softmax(logits / T)."""
@@ -60,7 +60,7 @@ class RegenConfig:
     sdpa), triton (error if unavailable), sdpa (masked, over a span covering every row)."""
     device: str = "auto"
     """auto (cuda if available), cpu, cuda or cuda:N."""
-    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    model_dtype: str = "auto"
     """Dtype the target runs in: auto (GPU: the target's dtype, bfloat16 for an fp32 checkpoint; CPU: float32), float32, bfloat16, float16."""
     continue_after_truncated: bool = False
     """Answer later turns after an answer cut at --max-new-tokens (default: stop the conversation there)."""
@@ -72,7 +72,7 @@ class RegenConfig:
     """Served model name (default: the first id from GET /v1/models)."""
     concurrency: int = 64
     """Server requests in flight, over all URLs."""
-    max_retries: int = field(default=4, metadata={"aliases": ["--retries"]})
+    max_retries: int = 4
     """Retries per server request on connection errors, timeouts, 429 and 5xx (exponential backoff)."""
     request_timeout: float = 600.0
     """Seconds to wait for one server answer."""
@@ -146,14 +146,12 @@ def _count(config: RegenConfig) -> int:
 
 def _build_local(config: RegenConfig, sampling):
     import torch
-
-    from eyas.regen.local import make_local_engine
-    from eyas.target import load_target, load_tokenizer
-
     from transformers import AutoConfig
 
     from eyas.defaults import resolve_target
     from eyas.dtypes import DTYPES, resolve_device_dtype
+    from eyas.regen.local import make_local_engine
+    from eyas.target import load_target, load_tokenizer
 
     cfg = AutoConfig.from_pretrained(resolve_target(config.target))
     own = getattr(cfg, "dtype", None) or getattr(cfg, "torch_dtype", None)  # the target's own dtype, for auto
@@ -215,7 +213,7 @@ def regen_settings(config: RegenConfig) -> dict[str, Any]:
 
 def regenerate(config: RegenConfig) -> dict[str, Any]:
     from eyas.data.sources import iter_conversations
-    from eyas.regen.driver import RegenOptions, Regenerator
+    from eyas.regen.driver import Regenerator, RegenOptions
     from eyas.regen.output import ChatsWriter, check_out_before_load
     from eyas.regen.sampling import Sampling
 

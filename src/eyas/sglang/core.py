@@ -41,14 +41,14 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
-from eyas.drafter.layouts import CONVENTION, engine_layer_ids
-from eyas.drafter.layouts import eyas_layer_ids as _eyas_layer_ids
+from eyas.drafter.layouts import CONVENTION, engine_layer_ids, eyas_layer_ids as _eyas_layer_ids
 
 DUMP_SCHEMA = "eyas.sglang-dump/1"
 STATUS_SCHEMA = "eyas.sglang-plugin/1"

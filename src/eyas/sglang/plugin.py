@@ -66,10 +66,10 @@ from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
 from eyas.errors import EyasError
 from eyas.sglang.core import (
     DEFAULT_DUMP_DIR,
+    REPLAY_FLAG,
     CaptureCore,
     CompletedSample,
     DumpWriter,
-    REPLAY_FLAG,
     ForwardInfo,
     parse_rid,
     plugin_status,
@@ -132,7 +132,7 @@ class PluginConfig:
     """Where dumps are written (a tmpfs keeps it fast; the client deletes each dump it ingests)."""
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None) -> "PluginConfig":
+    def from_env(cls, env: dict[str, str] | None = None) -> PluginConfig:
         env = os.environ if env is None else env
         raw = env.get("EYAS_CAPTURE_LAYERS", "").strip()
         layers = None

@@ -329,7 +329,7 @@ class StandinServer:
 
     # -- lifecycle
 
-    def start(self) -> "StandinServer":
+    def start(self) -> StandinServer:
         threading.Thread(target=self.httpd.serve_forever, name="standin-http", daemon=True).start()
         threading.Thread(target=self._schedule_loop, name="standin-scheduler", daemon=True).start()
         return self

@@ -30,7 +30,7 @@ flip and it is only reported.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -74,7 +74,7 @@ class GenerateConfig:
     """Prompts decoded once before timing starts (not counted)."""
     device: str = "auto"
     """'auto' (cuda if available), 'cpu', 'cuda', 'cuda:1', ..."""
-    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    model_dtype: str = "auto"
     """Dtype the target and drafter run in: 'auto' (bfloat16 on GPU, float32 on CPU), 'bfloat16', 'float16' or 'float32'."""
     limit: int | None = None
     """Decode only the first N conversations."""

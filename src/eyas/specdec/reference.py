@@ -30,7 +30,7 @@ class _Node:
     token: int  # target id
     score: float  # cumulative log-prob
     feature: torch.Tensor  # the parent's pre-norm output: this node's feature input
-    path: list["_Node"]  # ancestors from depth 1, then this node
+    path: list[_Node]  # ancestors from depth 1, then this node
 
 
 def _node_output(drafter: FunctionalDrafter, base_ids: list[int], base_feat: torch.Tensor, path: list[_Node]) -> torch.Tensor:

@@ -52,7 +52,7 @@ class TreeConfig:
             )
 
     @classmethod
-    def chain(cls, k: int) -> "TreeConfig":
+    def chain(cls, k: int) -> TreeConfig:
         return cls(topk=1, depth=k, tokens=k)
 
     @property

@@ -9,14 +9,14 @@ every drafting mode; (4) metrics and the report.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from eyas.common import log, require_finite, warn_gpu_sized
 from eyas.capture.batching import plan_batches
+from eyas.common import log, require_finite, warn_gpu_sized
 from eyas.dtypes import MODEL_DTYPES, resolve_device_dtype, to_dtype
 from eyas.errors import EyasError
 from eyas.specdec.metrics import DEFINITIONS, summarize
@@ -54,7 +54,7 @@ class EvalConfig:
     """EAGLE-2 tree: draft tokens submitted per round, root excluded."""
     device: str = "auto"
     """`auto` (cuda if available), `cpu`, `cuda`, `cuda:N`."""
-    model_dtype: str = field(default="auto", metadata={"aliases": ["--dtype"]})
+    model_dtype: str = "auto"
     """Dtype the target and drafter run in: `auto` (bfloat16 on GPU, float32 on CPU), `bfloat16`, `float16`, `float32`."""
     limit: int | None = None
     """Evaluate only the first N conversations."""
@@ -192,7 +192,14 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     from eyas.defaults import resolve_target
     from eyas.drafter.layouts import check_drafter_dir
     from eyas.specdec.generate import generate_conversations, load_prompts
-    from eyas.target import CONVENTION, check_drafter_target, load_target, load_tokenizer, model_identity, tokenizer_hash
+    from eyas.target import (
+        CONVENTION,
+        check_drafter_target,
+        load_target,
+        load_tokenizer,
+        model_identity,
+        tokenizer_hash,
+    )
 
     timings: dict[str, float] = {}
     device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype, what_dtype="--model-dtype")
@@ -210,7 +217,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     require_finite(ckpt.weights, what=f"--drafter {cfg.drafter}",
                    hint="its training diverged or the file is damaged; evaluate another drafter or retrain")
     spec = ckpt.config
-    for name, tree in modes.items():
+    for tree in modes.values():
         if tree.topk > spec.draft_vocab_size:
             raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens")
     timings["load_s"] = time.perf_counter() - t0

@@ -296,7 +296,7 @@ class DecodeStats:
     def total_s(self) -> float:
         return self.prefill_s + self.draft_s + self.verify_s + self.overhead_s
 
-    def add(self, other: "DecodeStats") -> None:
+    def add(self, other: DecodeStats) -> None:
         self.tokens += other.tokens
         self.prompt_tokens += other.prompt_tokens
         self.accepted_per_round += other.accepted_per_round

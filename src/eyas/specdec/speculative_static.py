@@ -42,15 +42,22 @@ predicts its speed-up from this engine's step costs (measure_static_step_costs, 
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 from eyas.common import log
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.replay import DraftTree, TreeConfig, build_tree
-from eyas.specdec.speculative import (DecodeStats, LiveProposer, SpeculativeDecoder, _emit, _sync, costs_from_samples,
-                                     eager_attention)
+from eyas.specdec.speculative import (
+    DecodeStats,
+    LiveProposer,
+    SpeculativeDecoder,
+    _emit,
+    _sync,
+    costs_from_samples,
+    eager_attention,
+)
 
 
 def _path_end(toks: list[int], nxt: int, budget: int, eos_ids: set[int]) -> tuple[list[int], int | None]:

@@ -157,7 +157,7 @@ def check_coverage(reader: StoreReader, split, *, threads: int | None = None) ->
         if rec["id"] in lengths and rec["tokens"] != lengths[rec["id"]]:
             found["token_count"].append(rec["id"])
     bad_shards = set()
-    for index, shard in enumerate(reader.manifest["shards"]):
+    for index in range(len(reader.manifest["shards"])):
         try:
             reader.layout(index)
         except EyasError as exc:
@@ -355,9 +355,8 @@ def verify_store(store: str | Path, **options: Any) -> dict[str, Any]:
 def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
     from eyas.common import progress
     from eyas.data.prepared import PreparedDataset
-    from eyas.store.invariants import run_invariants, target_parts
-
     from eyas.locks import require_idle
+    from eyas.store.invariants import run_invariants, target_parts
 
     store = cfg.store
     require_idle(store, what="store")  # a capture still running: its manifest lists a part of the samples

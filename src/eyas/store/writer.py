@@ -32,16 +32,24 @@ import json
 import os
 import re
 import shutil
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
 from eyas.common import atomic_write_bytes, disk_margin, fsync_dir, human_bytes, log
 from eyas.errors import EyasError
 from eyas.store.format import (
-    CHECKSUM, HEADER_BYTES, MANIFEST, SCHEMA, bytes_per_token, encode_rows, manifest_fields_sha256, shard_header,
+    CHECKSUM,
+    HEADER_BYTES,
+    MANIFEST,
+    SCHEMA,
+    bytes_per_token,
+    encode_rows,
+    manifest_fields_sha256,
+    shard_header,
     stored_dtype,
 )
 
@@ -102,7 +110,7 @@ def _identity(value):
 
 
 def _now() -> str:
-    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    return _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds")
 
 
 def manifest_bytes(manifest: dict[str, Any], lines: dict[str, list[str]] | None = None) -> bytes:
@@ -178,7 +186,7 @@ class StoreWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         lock_path = self.path / ".lock"
         new_lock = not lock_path.exists()
-        self._lock = open(lock_path, "a+")
+        self._lock = open(lock_path, "a+")  # noqa: SIM115 (the lock, held while the writer lives)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
@@ -346,7 +354,7 @@ class StoreWriter:
     def _open_shard(self) -> None:
         name = self._shard_name()
         self._tmp_path = self.path / f".{name}.{os.getpid()}.tmp"
-        self._file = open(self._tmp_path, "wb")
+        self._file = open(self._tmp_path, "wb")  # noqa: SIM115 (the shard, closed at commit or abort)
         _write_all(self._file, b"\0" * HEADER_BYTES)  # the header is written at commit, when N is known
         self._rows = 0
 
@@ -438,7 +446,7 @@ class StoreWriter:
         if self._closed:
             raise RuntimeError("StoreWriter is closed")
         lock_path = src / ".lock"
-        lock = open(lock_path, "a+") if src.is_dir() else None
+        lock = open(lock_path, "a+") if src.is_dir() else None  # noqa: SIM115 (the lock, held until the fold ends)
         try:
             if lock is not None:
                 try:

@@ -212,9 +212,9 @@ def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool, grad
         fully_shard(module, mp_policy=mp)
         return module
     if d.enabled:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         import inspect
+
+        from torch.nn.parallel import DistributedDataParallel as DDP
 
         ids = [d.device.index] if d.device.type == "cuda" else None
         # no buffer broadcast before each forward (every rank builds the same buffers); torch's new name for it

@@ -116,7 +116,7 @@ class TrainConfig:
     """Checkpoint file to resume from, or `auto` (the latest in <out>/checkpoints)."""
     device: str = "auto"
     """auto, cpu, cuda, cuda:N (under torchrun each rank uses cuda:LOCAL_RANK)."""
-    model_dtype: str = field(default="auto", metadata={"aliases": ["--precision"]})
+    model_dtype: str = "auto"
     """Compute dtype: bf16 (autocast, fp32 master weights) or fp32; auto = bf16 on CUDA, fp32 on CPU."""
     fsdp: bool = False
     """FSDP2: shard parameters, gradients and optimizer state across processes (needs torchrun)."""
