@@ -17,10 +17,8 @@ import pytest
 import torch
 
 from eyas import kernels
-from eyas.drafter import ce_kernel as CE
-from eyas.drafter import ttt
-from eyas.drafter.ttt import head_loss
-from eyas.drafter.ttt import teacher as ttt_teacher
+from eyas.drafter import ce_kernel as CE, ttt
+from eyas.drafter.ttt import head_loss, teacher as ttt_teacher
 from eyas.errors import EyasError
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -271,7 +271,8 @@ def build_batches(cfg, d, lengths: list[int], n_train: int) -> Batches:
     else:
         plan = Plan(n=n_train, micro_batch=batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
     if d.is_main:
-        log(f"batches: {'%d tokens' % tokens_per_batch if tokens_per_batch else '%d samples' % batch_size} per "
+        unit = f"{tokens_per_batch} tokens" if tokens_per_batch else f"{batch_size} samples"
+        log(f"batches: {unit} per "
             f"micro-batch (packed rows), {plan.steps_per_epoch} steps per epoch")
     total = cfg.steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total // 50)

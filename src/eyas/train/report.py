@@ -48,7 +48,7 @@ class Reporter:
         t0 = time.perf_counter()
         loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
         waited += time.perf_counter() - t0
-        loss_v = sum(w * l for w, l in zip(self.weights, loss_k))
+        loss_v = sum(w * x for w, x in zip(self.weights, loss_k))
         acc_k = (correct / valid.clamp_min(1)).tolist()
         tokens, padded, supervised, stopping = (int(x) for x in counts_t.tolist())
         target_s = sum(target_seconds(t) for t in timings)

@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from eyas.common import log
 from eyas.errors import Interrupted
 from eyas.packing import to_device
-from eyas.train import checkpoint as ck
-from eyas.train import dist as dd
+from eyas.train import checkpoint as ck, dist as dd
 from eyas.train.builders import start_state_cache
 from eyas.train.data import HostCopies, OnlineSource, PackedPrefetcher
 from eyas.train.evaluate import dummy_item, evaluate
