@@ -19,15 +19,17 @@ It equals greedy chain-drafting tau when the data are the target's own greedy ou
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
 from eyas.common import log
 from eyas.errors import EyasError, Interrupted
+
 # (names other modules, tests and benchmarks import from here, wherever they are defined now)
 from eyas.train.builders import default_tokens_per_batch  # noqa: F401
 from eyas.train.checks import check_options_fit_target  # noqa: F401
@@ -43,10 +45,13 @@ from eyas.train.optim import (  # noqa: F401
     default_optimizer,
     lr_lambda,
 )
-from eyas.train.stop import StopRequest, start_compile_workers_shielded  # noqa: F401
-from eyas.train.stop import clear_frames as _clear_frames
-from eyas.train.stop import interrupted_message as _interrupted_message
-from eyas.train.stop import peer_stopped as _peer_stopped
+from eyas.train.stop import (  # noqa: F401
+    StopRequest,
+    clear_frames as _clear_frames,
+    interrupted_message as _interrupted_message,
+    peer_stopped as _peer_stopped,
+    start_compile_workers_shielded,
+)
 
 
 @dataclass(kw_only=True)
@@ -242,15 +247,13 @@ def run(cfg: TrainConfig, *, step_end: Callable[[int], None] | None = None) -> d
         import os
         import sys
 
-        sys.stdout = open(os.devnull, "w")
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115  (kept open: stdout for the rest of the process)
     return summary
 
 
 def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, Any]:
     from eyas.drafter.ttt import TTTConfig
-    from eyas.train import builders as b
-    from eyas.train import checkpoint as ck
-    from eyas.train import dist as dd
+    from eyas.train import builders as b, checkpoint as ck, dist as dd
     from eyas.train.checks import claim_out
     from eyas.train.metrics import MetricsWriter
     from eyas.train.report import Reporter, save_final, summary

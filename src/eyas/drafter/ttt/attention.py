@@ -254,7 +254,10 @@ def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.
                          steps: int = 3, seed: int = 0) -> float:
     """Max abs difference of output and grads between fast and reference on random inputs."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    mk = lambda: torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+    def mk():
+        return torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
     q = mk()
     ks, vs = [mk() for _ in range(steps)], [mk() for _ in range(steps)]
     dout = torch.randn(2, 4, T, 64, generator=g).to(device=device, dtype=dtype)
