@@ -299,7 +299,7 @@ def build_optimizer(cfg, module, hidden_size: int, state: dict | None, d, batche
     """The optimizer (--optimizer, else a resumed run's, else the default for the drafter's width), its peak
     learning rate and the warmup + cosine schedule."""
     dev = d.device
-    optimizer = cfg.optimizer or (state["identity"].get("optimizer", "adamw") if state is not None
+    optimizer = cfg.optimizer or (state["identity"]["optimizer"] if state is not None
                                   else default_optimizer(hidden_size, fsdp=cfg.fsdp))
     lr = default_lr(hidden_size, optimizer) if cfg.lr is None else cfg.lr
     if d.is_main:
@@ -316,20 +316,10 @@ def build_optimizer(cfg, module, hidden_size: int, state: dict | None, d, batche
 def run_identity(cfg, *, ttt_cfg, dcfg, global_batch: int, fingerprint: dict, vocab_used: torch.Tensor,
                  optimizer: str) -> dict:
     """What a checkpoint must match to be resumed by this run."""
-    later = ("align_topk", "feature_loss")  # (in the identity below, only when set)
-    ttt_id = {k: v for k, v in asdict(ttt_cfg).items() if k not in later} | {"attention": None}
+    ttt_id = asdict(ttt_cfg) | {"attention": None}  # the attention kernel does not change what is computed
     identity = {"drafter": dcfg.to_dict(), "ttt": ttt_id, "global_batch": global_batch,
-                "data": fingerprint, "seed": cfg.seed, "draft_vocab_sha": vocab_sha(vocab_used)}
-    # (absent at the values runs had before these settings existed, temperature 1, no mask, no feature loss, AdamW:
-    # their checkpoints still resume with those values)
-    if cfg.teacher_temperature != 1.0:
-        identity["teacher_temperature"] = cfg.teacher_temperature
-    if cfg.align_topk:
-        identity["align_topk"] = cfg.align_topk
-    if cfg.feature_loss:
-        identity["feature_loss"] = cfg.feature_loss
-    if optimizer != "adamw":
-        identity["optimizer"] = optimizer
+                "data": fingerprint, "seed": cfg.seed, "draft_vocab_sha": vocab_sha(vocab_used),
+                "teacher_temperature": cfg.teacher_temperature, "optimizer": optimizer}
     return identity
 
 
