@@ -139,7 +139,7 @@ def next_steps(s: dict[str, Any], *, target: Path) -> list[str]:
         f"Drafter: {drafter} (fp32, eyas layout); serving copies (bf16): {sglang}, {vllm}",
         f"tau (tree {e.get('tau_tree')}, chain {e.get('tau_chain')}; 1.0 = no draft token accepted) is what a short",
         f"CPU run on {s['data']['train_samples']} chats gives: it shows the pipeline works, not a useful drafter;",
-        "`eyas pipeline recipes/smollm2-gpu.toml` trains one on a GPU (README: Measured).",
+        "`eyas pipeline recipes/smollm2-gpu.toml` trains one on a GPU (recipes/README.md).",
         "Evaluate on more questions (CPU-sized; eval's defaults are sized for a GPU):",
         f"  eyas eval --drafter {drafter} --limit 8 --max-new-tokens 64 --out {out / 'eval-more'}",
         "Export (the demo did; for a drafter of your own):",
