@@ -87,10 +87,15 @@ def test_a_lock_is_only_checked_outside_a_command(tmp_path):
 
 
 def test_torchrun_ranks_other_than_0_leave_the_lock_to_rank_0(tmp_path, monkeypatch):
-    monkeypatch.setenv("RANK", "1")
-    monkeypatch.setenv("LOCAL_RANK", "1")
-    with held_elsewhere(tmp_path / "x"), command_scope():
-        hold(tmp_path / "x")  # rank 0 of its own job holds it
+    with held_elsewhere(tmp_path / "x") as other:  # rank 0 (here: another process) holds it
+        monkeypatch.setenv("RANK", "1")
+        monkeypatch.setenv("LOCAL_RANK", "1")
+        with command_scope():
+            hold(tmp_path / "x")  # a rank other than 0 takes no lock: no error although it is held
+        assert holder(tmp_path / "x")["pid"] == other.pid
+        monkeypatch.delenv("RANK")
+        with command_scope(), pytest.raises(EyasError, match=str(other.pid)):
+            hold(tmp_path / "x")  # rank 0 itself is refused
 
 
 @pytest.fixture(scope="module")

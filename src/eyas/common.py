@@ -229,6 +229,44 @@ def atomic_directory(final: Path, *, overwrite: bool = False, kind: str | None =
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+class HTTPFailure(Exception):
+    """One HTTP request that failed: `code` is the HTTP status, None when the server was not reached (`reason`)."""
+
+    def __init__(self, url: str, *, code: int | None = None, detail: str = "", reason: str = ""):
+        self.url, self.code, self.detail, self.reason = url, code, detail, reason
+        super().__init__(f"HTTP {code} from {url}" + (f": {detail}" if detail else "") if code is not None
+                         else f"{url}: {reason}")
+
+
+def http_request(method: str, url: str, body: Any = None, *, timeout: float) -> bytes:
+    """One request with a JSON body (or none); the answer's raw bytes. Failures are HTTPFailure: an HTTP error with
+    its status and a one-line excerpt of its body, or a connection failure with its reason."""
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            return resp.read()
+    except urllib.error.HTTPError as exc:
+        raise HTTPFailure(url, code=exc.code, detail=http_body_excerpt(exc.read(4096))) from None
+    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
+        raise HTTPFailure(url, reason=f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
+
+
+def save_figure(fig, path: Path, *, dpi: int = 110) -> None:
+    """A matplotlib figure written atomically as PNG, then closed."""
+    import io
+
+    import matplotlib.pyplot as plt
+
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
 def http_body_excerpt(body: bytes | str, *, limit: int = 120) -> str:
     """A short one-line excerpt of an HTTP error body for a message: HTML tags dropped, whitespace folded, cut."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body

@@ -38,8 +38,6 @@ import shlex
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import asdict, dataclass, field
@@ -158,18 +156,12 @@ class RequestFailed(Exception):
 
 def http(method: str, url: str, body: Any = None, *, timeout: float, text: bool = False) -> Any:
     """One request; the answer as JSON (or text). An HTTP error or a connection failure is a RequestFailed."""
-    from eyas.common import http_body_excerpt
+    from eyas.common import HTTPFailure, http_body_excerpt, http_request
 
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = http_body_excerpt(exc.read(4096))
-        raise RequestFailed(f"HTTP {exc.code} from {url}" + (f": {detail}" if detail else ""), code=exc.code) from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise RequestFailed(f"{url}: {getattr(exc, 'reason', exc)}", unreachable=True) from None
+        raw = http_request(method, url, body, timeout=timeout)
+    except HTTPFailure as exc:
+        raise RequestFailed(str(exc), code=exc.code or 0, unreachable=exc.code is None) from None
     if text:
         return raw.decode("utf-8", "replace")
     try:
@@ -767,9 +759,8 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     except ImportError as exc:
         log(f"bench-serve: no plot ({exc})")
         return False
-    import io
 
-    from eyas.common import atomic_write_bytes
+    from eyas.common import save_figure
 
     cs = summary["concurrency"]
     runs = [summary["runs"][f"c{c}"] for c in cs]
@@ -784,10 +775,7 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
     return True
 
 

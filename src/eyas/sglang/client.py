@@ -32,8 +32,6 @@ import os
 import random
 import shutil
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +39,7 @@ from typing import Any
 
 import torch
 
-from eyas.common import http_body_excerpt, log, progress
+from eyas.common import HTTPFailure, http_body_excerpt, http_request, log, progress
 from eyas.errors import EyasError
 from eyas.sglang.core import (
     CONVENTION,
@@ -75,19 +73,12 @@ class PermanentHTTPError(Exception):
 
 def http_json(method: str, url: str, body: dict | None = None, *, timeout: float = 60.0) -> Any:
     """One JSON request; an HTTP error's body is cut to a one-line excerpt (a wrong port may serve a whole page)."""
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            raw = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = http_body_excerpt(exc.read(4096))
-        msg = f"HTTP {exc.code} from {url}" + (f": {detail}" if detail else "")
-        if exc.code >= 500 or exc.code == 429:
-            raise TransientHTTPError(msg) from None
-        raise PermanentHTTPError(msg, code=exc.code) from None
-    except (urllib.error.URLError, ConnectionError, TimeoutError, OSError) as exc:
-        raise TransientHTTPError(f"{url}: {type(exc).__name__}: {getattr(exc, 'reason', exc)}") from None
+        raw = http_request(method, url, body, timeout=timeout)
+    except HTTPFailure as exc:
+        if exc.code is None or exc.code >= 500 or exc.code == 429:
+            raise TransientHTTPError(str(exc)) from None
+        raise PermanentHTTPError(str(exc), code=exc.code) from None
     try:
         return json.loads(raw or b"null")
     except ValueError:

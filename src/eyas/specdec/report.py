@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eyas.common import atomic_write_bytes, atomic_write_json
+from eyas.common import atomic_write_bytes, atomic_write_json, save_figure
 from eyas.specdec.metrics import DEFINITIONS
 
 
@@ -55,7 +55,6 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def plot(report: dict[str, Any], path: Path) -> None:
-    import io
 
     import matplotlib
 
@@ -78,10 +77,7 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    save_figure(fig, path)
 
 
 def write_report(out: Path, report: dict[str, Any], sequences: list[dict[str, Any]]) -> None:
