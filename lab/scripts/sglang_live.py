@@ -65,6 +65,13 @@ because the device reaches no network. Three phases, each one command:
    sglang` on them, and `eyas verify --numbers 16` (recomputes samples against the in-process transformers
    reference). A second `run` on the same warm machine reinstalls only eyas.
 
+For training from the server's states (one call after the recipe's regeneration exists on the device):
+
+       run(command="python lab/scripts/sglang_live.py run --source <recipe>/regenerate/chats.jsonl --records 6000 "
+                   "--samples 6000 --max-length 2048 --verify-seeds 3 --train-steps 1600", timeout_s=600)
+
+   (detach it: capture, three verifies, 1,600 offline steps and eval exceed one call).
+
 Progress goes to stderr; the last stdout lines are one JSON document and a short table: every step
 with ok/failed, seconds and the error tail of the first failed step (the run stops there), states
 per second (prompt tokens captured / capture seconds), dumps written vs requested, verify result.
@@ -94,6 +101,11 @@ STAGE = REPO / "runs" / "sglang_stage"
 DEVICE_STAGE = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))
 PART_BYTES = 60 * 1024 * 1024
 PORT = 30000
+# recipes/smollm2-gpu.toml's [train] at the scaling study's settings (its 6,000-record point: align_topk 0), for
+# `run --train-steps`: the in-process point it is compared with trained the same way
+RECIPE_TRAIN = ["--ttt-steps", "7", "--draft-vocab", "32000", "--draft-intermediate-size", "6144",
+                "--tokens-per-batch", "65536", "--lr", "3e-4", "--optimizer", "adamw", "--max-length", "2048",
+                "--align-topk", "0"]
 LAYERS = "2,15,27"  # SmolLM2: 30 layers -> 2, N//2, N-3
 # What SGLang 0.5.15-0.5.17 import while starting a text-only server (its full requirement list
 # also pulls vision, audio and many optional kernel packages that a Llama server never imports).
@@ -690,7 +702,7 @@ def run(a) -> None:
                 shutil.copyfileobj(f, g)
             source = plain
         sh([str(py), "-m", "eyas", "prepare", "--source", str(source), "--target", result["target"], "--out", str(out),
-            "--limit", str(a.samples * 2), "--max-length", "1024", "--eval-fraction", "0.02", "--overwrite"], env=env)
+            "--limit", str(a.records or a.samples * 2), "--max-length", str(a.max_length), "--eval-fraction", "0.02", "--overwrite"], env=env)
         prepared["dir"] = out
 
     def capture():
@@ -718,6 +730,17 @@ def run(a) -> None:
                 fails.append(k + 2)
         result["verify_false_alarms"] = (int(result["verify"]["exit_code"] != 0) + len(fails), a.verify_seeds)
 
+    def train_offline():
+        time.sleep(5)  # the server's GPU memory
+        eyas_json(["train", "--store", str(DEVICE_STAGE / "store"), "--data", str(prepared["dir"]),
+                   "--target", result["target"], "--out", str(DEVICE_STAGE / "train"), "--device", "cuda",
+                   "--steps", str(a.train_steps), *RECIPE_TRAIN, "--overwrite"], 3600, "train")
+
+    def evaluate():
+        out = eyas_json(["eval", "--drafter", str(DEVICE_STAGE / "train" / "drafter"), "--target", result["target"],
+                         "--prompts", "mtbench", "--out", str(DEVICE_STAGE / "eval"), "--overwrite"], 1200, "eval")
+        result["sglang_store_tau_chain"], result["sglang_store_tau_tree"] = out.get("tau_chain"), out.get("tau_tree")
+
     S.run("unpack staged parts", unpack)
     S.run("install sglang + eyas (entry point)", install)
     if a.only_install:  # serve_live.py installs SGLang this way and starts its own servers
@@ -740,6 +763,9 @@ def run(a) -> None:
             server["proc"].wait(30)
         except subprocess.TimeoutExpired:
             server["proc"].kill()
+    if a.train_steps:  # the server's store trained offline at the scaling study's settings, then MT-bench
+        S.run("eyas train --store (offline)", train_offline)
+        S.run("eyas eval (MT-bench)", evaluate)
     result["steps"] = S.steps
     result["failed_step"] = S.failed
     print(json.dumps(result, default=str))
@@ -769,6 +795,11 @@ def main() -> None:
     r.add_argument("--server-timeout", type=float, default=420.0, help="seconds to wait for the server (JIT kernels)")
     r.add_argument("--mem", type=float, default=0.6, help="the server's --mem-fraction-static")
     r.add_argument("--verify-seeds", type=int, default=1, help="eyas verify runs, each with a fresh seed")
+    r.add_argument("--records", type=int, default=None, help="source records `eyas prepare` reads (default 2 x "
+                   "--samples)")
+    r.add_argument("--max-length", type=int, default=1024, help="`eyas prepare --max-length` (the recipe: 2048)")
+    r.add_argument("--train-steps", type=int, default=0, help="after verify: train offline from the store for N "
+                   "steps at the recipe's settings, then eval on MT-bench (issue: the same tau as in-process)")
     r.add_argument("--only-install", action="store_true", help="stop after unpacking and installing SGLang + eyas")
     a = ap.parse_args()
     {"stage": stage, "receive": receive, "run": run}[a.phase](a)
