@@ -31,7 +31,7 @@ def test_cli_regenerate_then_prepare(chats, tiny_target_dir, tmp_path):
     out = tmp_path / "regen"
     runner = CliRunner()
     args = ["regenerate", "--source", str(chats), "--target", str(tiny_target_dir), "--out", str(out),
-            "--max-new-tokens", "5", "--max-len", "200", "--batch-size", "3", "--device", "cpu"]
+            "--max-new-tokens", "5", "--max-length", "200", "--batch-size", "3", "--device", "cpu"]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     summary = _last_json(r.stdout)
