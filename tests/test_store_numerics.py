@@ -18,13 +18,14 @@ import torch
 
 from eyas.data.prepared import PreparedDataset
 from eyas.errors import CheckFailed
-from eyas.store import StoreReader, StoreSpec, StoreWriter
+from eyas.store import StoreReader
 from eyas.store.format import manifest_fields_sha256
 from eyas.store.invariants import tail_final, target_parts
 from eyas.store.numerics import calibrate_store, engine_limits, token_errors
 from eyas.store.verify import verify_store
 from eyas.target import load_target, load_tokenizer, reference_hidden_states, tokenizer_hash
 from tests.test_capture_run import make_prepared
+from tests.test_verify_faults import rewrite
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -33,25 +34,9 @@ HIGH = 2  # slot of the highest aux layer
 SLOT_NOISE = [0.35, 0.7, 1.0]  # relative size of the noise per aux slot
 WORST = 0.104  # the worst token's error at the highest aux layer, as on the live store
 SGLANG = {"backend": "sglang", "sglang_version": "0.5.17", "server_dtype": "bfloat16"}
-FIELDS = ("aux_layer_ids", "hidden_size", "dtype", "convention", "target", "tokenizer_hash", "prepared", "model_dtype",
-          "producer")
-
-
-def write_store(src, dst, mutate=lambda sid, h, everything: h, *, extra=None, **fields):
-    """Copy store `src` to `dst` through mutate(id, hidden_TLD, all samples) (None drops a sample); `fields`
-    replace spec fields, `extra` sets other manifest fields (checksum recomputed by the writer)."""
-    r = StoreReader(src)
-    spec = StoreSpec(**{**{k: r.manifest[k] for k in FIELDS}, **fields})
-    everything = {sid: r.get_hidden(sid, torch.float32) for sid in r.sample_ids}
-    with StoreWriter(dst, spec, shard_bytes=20_000) as w:
-        for sid in r.sample_ids:
-            h = mutate(sid, everything[sid].clone(), everything)
-            if h is not None:
-                w.add(sid, h[:, :-1], h[:, -1])
-        for k, v in (extra or {}).items():
-            w.set_field(k, v)
-        w.close(complete=True)
-    return dst
+def write_store(src, dst, mutate=lambda sid, h, everything: h, **kw):
+    """test_verify_faults.rewrite with this file's shard size."""
+    return rewrite(src, dst, mutate, shard_bytes=20_000, **kw)
 
 
 def edit_manifest(src, dst, edit, *, rehash: bool):

@@ -34,18 +34,24 @@ def good(tmp_path_factory, tiny_target_dir):
     return root / "good"
 
 
-def rewrite(src, dst, mutate):
-    """Copy store `src` to `dst` sample by sample through mutate(id, hidden_TLD, all) -> hidden_TLD or None."""
+FIELDS = ("aux_layer_ids", "hidden_size", "dtype", "convention", "target", "tokenizer_hash", "prepared", "model_dtype",
+          "producer")
+
+
+def rewrite(src, dst, mutate=lambda sid, h, everything: h, *, shard_bytes=10_000, extra=None, **fields):
+    """Copy store `src` to `dst` sample by sample through mutate(id, hidden_TLD, all) -> hidden_TLD or None (None
+    drops the sample); `fields` replace spec fields, `extra` sets other manifest fields (the writer recomputes the
+    checksum)."""
     r = StoreReader(src)
-    m = r.manifest
-    spec = StoreSpec(**{k: m[k] for k in ("aux_layer_ids", "hidden_size", "dtype", "convention", "target",
-                                          "tokenizer_hash", "prepared", "model_dtype", "producer")})
+    spec = StoreSpec(**{**{k: r.manifest[k] for k in FIELDS}, **fields})
     everything = {sid: r.get_hidden(sid, torch.float32) for sid in r.sample_ids}
-    with StoreWriter(dst, spec, shard_bytes=10_000) as w:
+    with StoreWriter(dst, spec, shard_bytes=shard_bytes) as w:
         for sid in r.sample_ids:
             h = mutate(sid, everything[sid].clone(), everything)
             if h is not None:
                 w.add(sid, h[:, :-1], h[:, -1])
+        for k, v in (extra or {}).items():
+            w.set_field(k, v)
         w.close(complete=True)
     return dst
 
