@@ -144,7 +144,12 @@ def phase_b(a) -> None:
             f"convert_gguf(Path('{S}/smol.gguf'), Path('{SMOL}'))"], env=eyas_env())
     if not (S / "chats_all.jsonl").exists():
         sh(["bash", "-c", f"xz -dc {S}/chats_all.jsonl.xz > {S}/chats_all.jsonl"])
-    if not a.no_recipe:
+    if a.prepare_only:  # issue 41: the recipe's first N records regenerated and prepared, no training
+        detached("recipe", [sys.executable, "-m", "eyas", "pipeline", REPO / "recipes" / "smollm2-gpu.toml",
+                            "--workdir", W, "--until", "prepare", "--set", f'target="{SMOL}"',
+                            "--set", f'regenerate.source="{S}/chats_all.jsonl"',
+                            "--set", f"regenerate.limit={a.prepare_only}"])
+    elif not a.no_recipe:
         detached("recipe", [sys.executable, "-m", "eyas", "pipeline", REPO / "recipes" / "smollm2-gpu.toml",
                             "--workdir", W, "--set", f'target="{SMOL}"',
                             "--set", f'regenerate.source="{S}/chats_all.jsonl"',
@@ -243,6 +248,10 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 
 
 def install(a) -> None:
+    if a.detach:  # beside the regeneration; `store` waits for the venv's marker
+        detached("install", [sys.executable, __file__, "install", "--no-smoke"] if a.no_smoke else
+                 [sys.executable, __file__, "install"])
+        return
     if STAGE_C.exists():  # carried with the last part: the smoke server's tiny drafter and the spare wheels
         shutil.copytree(STAGE_C, S, dirs_exist_ok=True)
     res = sh([sys.executable, REPO / "lab" / "scripts" / "sglang_live.py", "run", "--only-install"], check=False)
@@ -319,6 +328,34 @@ def snapshot(results: dict, env: dict) -> Path:
     return exp
 
 
+def serve_settings(base: Server, export: Path, settings: list[str], results: dict, *, limit: int, concurrency: str,
+                   evdir: Path | None, env: dict, record: Path, prefix: str = "sglang") -> None:
+    """Each setting: a speculative server with `export`, `eyas bench-serve` against the plain `base`, stopped."""
+    results.setdefault("settings", {})
+    for setting in settings:
+        name = setting.replace("/", "-")
+        spec = Server(SPEC_PORT, f"eagle3-{name}", draft=export, setting=setting, mem=0.35)
+        try:
+            start_s = start_with_spares(spec)
+        except Exception as exc:
+            results["settings"][setting] = {"error": str(exc)[-2000:]}
+            log(f"{setting}: the server did not start")
+            continue
+        cmd = [sys.executable, "-m", "eyas", "bench-serve", "--url", spec.url, "--baseline-url", base.url,
+               "--target", SMOL, "--prompts", S / "question.jsonl", "--limit", str(limit),
+               "--max-new-tokens", "256", "--concurrency", concurrency, "--out", Q / f"bench-{prefix}-{name}",
+               "--label", f"{prefix}_{name.replace('-', '_')}", "--overwrite"]
+        if setting == "7/1/8" and evdir is not None:
+            cmd += ["--eval-report", evdir]
+        res = sh(cmd, env=env, check=False, capture=True)
+        sys.stderr.write(res.stderr[-4000:])
+        last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
+        results["settings"][setting] = {"start_s": round(start_s, 1), "exit": res.returncode,
+                                        "summary": last[-6000:], "stderr_tail": res.stderr[-800:]}
+        spec.stop()
+        record.write_text(json.dumps(results, indent=1))
+
+
 def sweep(a) -> None:
     if a.detach:
         args = [sys.executable, __file__, "sweep", "--limit", str(a.limit), "--settings", a.settings,
@@ -342,28 +379,8 @@ def sweep(a) -> None:
     base = Server(BASE_PORT, "plain", mem=0.35)
     results["plain_start_s"] = round(start_with_spares(base), 1)
     try:
-        for setting in a.settings.split(","):
-            name = setting.replace("/", "-")
-            spec = Server(SPEC_PORT, f"eagle3-{name}", draft=export, setting=setting, mem=0.35)
-            try:
-                start_s = start_with_spares(spec)
-            except Exception as exc:
-                results["settings"][setting] = {"error": str(exc)[-2000:]}
-                log(f"{setting}: the server did not start")
-                continue
-            cmd = [sys.executable, "-m", "eyas", "bench-serve", "--url", spec.url, "--baseline-url", base.url,
-                   "--target", SMOL, "--prompts", S / "question.jsonl", "--limit", str(a.limit),
-                   "--max-new-tokens", "256", "--concurrency", a.concurrency, "--out", Q / f"bench-{name}",
-                   "--label", f"sglang_{name.replace('-', '_')}", "--overwrite"]
-            if setting == "7/1/8":
-                cmd += ["--eval-report", evdir]
-            res = sh(cmd, env=env, check=False, capture=True)
-            sys.stderr.write(res.stderr[-4000:])
-            last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
-            results["settings"][setting] = {"start_s": round(start_s, 1), "exit": res.returncode,
-                                            "summary": last[-6000:], "stderr_tail": res.stderr[-800:]}
-            spec.stop()
-            (Q / "sweep.json").write_text(json.dumps(results, indent=1))
+        serve_settings(base, export, a.settings.split(","), results, limit=a.limit, concurrency=a.concurrency,
+                       evdir=evdir, env=env, record=Q / "sweep.json")
         if a.regen_limit:
             for name, extra in (("regen-server", ["--server-url", base.url, "--concurrency", "256"]),
                                 ("regen-inprocess", ["--device", "cuda"])):
@@ -384,6 +401,192 @@ def sweep(a) -> None:
     print(json.dumps(results))
 
 
+# ----------------------------------------------------------------------------- device: train from the server's states
+
+
+CAPTURE_PORT = 30002
+STORE, TRAIN41 = ROOT / "store41", ROOT / "train41"
+# recipes/smollm2-gpu.toml's [train] at the scaling study's settings (its 6,000-record point: align_topk 0)
+RECIPE_TRAIN = ["--ttt-steps", "7", "--draft-vocab", "32000", "--draft-intermediate-size", "6144",
+                "--tokens-per-batch", "65536", "--lr", "3e-4", "--optimizer", "adamw", "--max-length", "2048",
+                "--align-topk", "0", "--eval-every", "200", "--eval-samples", "64", "--save-every", "200"]
+RECIPE_EVAL = ["--max-new-tokens", "256", "--chain-k", "7", "--tree-topk", "10", "--tree-depth", "6",
+               "--tree-tokens", "60"]
+
+
+def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: int = 16) -> dict:
+    """The capture's requests without the eyas rid (no dump): the same server's prefill tokens/s."""
+    import concurrent.futures as cf
+
+    sys.path.insert(0, str(REPO / "src"))
+    from eyas.data.prepared import PreparedDataset
+    from eyas.sglang.client import build_request, http_json
+
+    sp = PreparedDataset(prepared).split("train")
+    n = min(n, len(sp))
+    run = os.urandom(3).hex()
+
+    def one(i: int) -> int:
+        ids = sp[i].input_ids.tolist()
+        out = http_json("POST", f"{url}/generate", build_request(ids, f"plain-{run}-{i}", bypass), timeout=600)
+        return int(out["meta_info"]["prompt_tokens"])
+
+    t0 = time.time()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, range(n)))
+    secs = time.time() - t0
+    return {"samples": n, "tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
+            "bypass": bypass, "concurrency": concurrency}
+
+
+def store_run(a) -> None:
+    """Issue 41: the recipe's first records captured from SGLang, verified, trained offline, evaluated, served."""
+    if a.detach:
+        detached("store", [sys.executable, __file__, "store", "--samples", str(a.samples), "--steps", str(a.steps),
+                           "--serve", a.serve, "--limit", str(a.limit), "--prefill-samples", str(a.prefill_samples),
+                           "--inprocess-samples", str(a.inprocess_samples)])
+        return
+    env = eyas_env()
+    res_path = Q / "store.json"
+    R: dict = {"steps": {}}
+
+    def keep():
+        res_path.write_text(json.dumps(R, indent=1, default=str))
+
+    def step(name: str, fn):
+        t0 = time.time()
+        log(f"== {name}")
+        try:
+            out = fn()
+            R["steps"][name] = {"ok": True, "seconds": round(time.time() - t0, 1)}
+            return out
+        except Exception as exc:  # recorded; later steps that need it fail on their own
+            R["steps"][name] = {"ok": False, "seconds": round(time.time() - t0, 1), "error": str(exc)[-3000:]}
+            log(f"{name} failed: {exc}")
+            return None
+        finally:
+            keep()
+
+    def eyas(args: list, key: str, timeout: float = 3600) -> dict:
+        res = sh([sys.executable, "-m", "eyas", *args], env=env, check=False, capture=True, timeout=timeout)
+        (Q / f"{key}.stderr").write_text(res.stderr[-20000:])
+        try:
+            out = json.loads(res.stdout.strip().splitlines()[-1])
+        except Exception:
+            out = {"stdout_tail": res.stdout[-2000:]}
+        out["exit_code"] = res.returncode
+        R[key] = out
+        if res.returncode != 0:
+            raise RuntimeError(f"eyas {args[0]} exit {res.returncode}: {res.stderr[-1500:]}")
+        return out
+
+    prepared = W / "prepared"
+
+    def wait_ready():  # the regeneration + prepare (phase b) and the SGLang install (phase install)
+        t0 = time.time()
+        while not ((Q / "recipe.rc").exists() and (ROOT / "venv" / ".eyas-installed").exists()):
+            if time.time() - t0 > 1200:
+                raise RuntimeError("prepare or install not done after 20 minutes")
+            time.sleep(3)
+        if (Q / "recipe.rc").read_text().strip() != "0":
+            raise RuntimeError("regenerate/prepare failed: " + (Q / "recipe.log").read_text()[-2000:])
+        R["pipeline"] = json.loads((W / "pipeline.json").read_text()) if (W / "pipeline.json").exists() else None
+
+    step("wait for prepare and install", wait_ready)
+    srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5)
+    R["capture_server_start_s"] = step("capture server start", lambda: round(start_with_spares(srv), 1))
+    try:
+        sys.path.insert(0, str(REPO / "src"))
+        from eyas.sglang.client import choose_bypass, get_server_info
+
+        bypass = choose_bypass(get_server_info(srv.url), "auto")  # what `eyas capture` will choose
+        R["bypass"] = bypass
+        step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64))
+        R["prefill_same_bypass"] = step("prefill, no dumps (capture's bypass)",
+                                        lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples))
+        R["prefill_plain"] = step("prefill, no dumps, no bypass",
+                                  lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples))
+
+        def capture():
+            t0 = time.time()
+            out = eyas(["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train",
+                        "--out", STORE, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda",
+                        "--limit", str(a.samples)], "capture")
+            R["capture_wall_s"] = round(time.time() - t0, 1)
+            return out
+
+        step("eyas capture --backend sglang", capture)
+        R["prefill_same_bypass_after"] = step("prefill again", lambda: prefill_rate(
+            srv.url, prepared, bypass=bypass, n=a.prefill_samples))
+    finally:
+        srv.stop()
+    cap = R.get("capture") or {}
+    pre = [r["tokens_per_s"] for r in (R.get("prefill_same_bypass"), R.get("prefill_same_bypass_after")) if r]
+    if cap.get("tokens_per_s") and pre:
+        R["sglang_capture_vs_prefill"] = round(cap["tokens_per_s"] / (sum(pre) / len(pre)), 4)
+    keep()
+
+    import threading
+
+    def verify_all():
+        R["verify"] = []
+        for k in range(3):
+            try:
+                out = eyas(["verify", "--store", STORE, "--numbers", "16", "--device", "cuda"], f"verify_{k + 1}", 1200)
+            except RuntimeError as exc:
+                out = R.get(f"verify_{k + 1}", {"error": str(exc)[-1500:]})
+            R["verify"].append(out)
+            keep()
+        R["sglang_verify_false_alarms"] = sum(int(v.get("exit_code", 1) != 0) for v in R["verify"])
+        keep()
+
+    vt = threading.Thread(target=verify_all)  # beside the training: verify reads the store, the GPU barely
+    vt.start()
+
+    def train():
+        out = eyas(["train", "--store", STORE, "--target", SMOL, "--out", TRAIN41, "--device", "cuda",
+                    "--steps", str(a.steps), *RECIPE_TRAIN, "--overwrite"], "train", 3600)
+        shutil.copy(TRAIN41 / "metrics.jsonl", Q / "train41-metrics.jsonl")
+        return out
+
+    step("eyas train --store (offline)", train)
+
+    def evaluate():
+        out = eyas(["eval", "--drafter", TRAIN41 / "drafter", "--target", SMOL, "--prompts", S / "question.jsonl",
+                    *RECIPE_EVAL, "--device", "cuda", "--out", Q / "eval41", "--overwrite"], "eval", 1200)
+        R["sglang_store_tau_chain"], R["sglang_store_tau_tree"] = out.get("tau_chain"), out.get("tau_tree")
+        return out
+
+    step("eyas eval (MT-bench)", evaluate)
+    vt.join()
+
+    def inprocess():
+        out = eyas(["capture", "--backend", "transformers", "--data", prepared, "--split", "train", "--out",
+                    ROOT / "store-ip", "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda",
+                    "--limit", str(a.inprocess_samples)], "capture_inprocess", 1200)
+        shutil.rmtree(ROOT / "store-ip", ignore_errors=True)
+        return out
+
+    step("eyas capture --backend transformers", inprocess)
+    if a.serve:
+        export = ROOT / "export41"
+        step("eyas export sglang", lambda: eyas(["export", "--drafter", TRAIN41 / "drafter", "--format", "sglang",
+                                                 "--out", export, "--weights-dtype", "bfloat16", "--overwrite"],
+                                                "export"))
+        base = Server(BASE_PORT, "plain", mem=0.35)
+        try:
+            R["plain_start_s"] = step("plain server start", lambda: round(start_with_spares(base), 1))
+            step("serve", lambda: serve_settings(base, export, a.serve.split(","), R, limit=a.limit,
+                                                 concurrency="1,16", evdir=Q / "eval41", env=env, record=res_path,
+                                                 prefix="store41"))
+        finally:
+            base.stop()
+    R["done"] = True
+    keep()
+    print(json.dumps({k: R.get(k) for k in ("sglang_capture_vs_prefill", "sglang_verify_false_alarms",
+                                            "sglang_store_tau_chain", "sglang_store_tau_tree")}))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="phase", required=True)
@@ -394,8 +597,11 @@ def main() -> None:
     b = sub.add_parser("b")
     b.add_argument("--no-recipe", action="store_true")
     b.add_argument("--recipe-set", action="append", default=[], help="section.key=value for the recipe (repeatable)")
+    b.add_argument("--prepare-only", type=int, default=0, metavar="N",
+                   help="only regenerate and prepare the recipe's first N records (for `store`)")
     i = sub.add_parser("install")
     i.add_argument("--no-smoke", action="store_true")
+    i.add_argument("--detach", action="store_true")
     w = sub.add_parser("wait")
     w.add_argument("--name", default="recipe")
     w.add_argument("--timeout", type=float, default=540)
@@ -408,8 +614,16 @@ def main() -> None:
     sw.add_argument("--concurrency", default="1,16")
     sw.add_argument("--regen-limit", type=int, default=2000)
     sw.add_argument("--snapshot", action="store_true", help="stop the recipe and serve its newest checkpoint")
+    st = sub.add_parser("store", help="issue 41: capture from SGLang, verify x3, train offline, eval, serve")
+    st.add_argument("--detach", action="store_true")
+    st.add_argument("--samples", type=int, default=6000, help="train samples captured (all of 6,000 records)")
+    st.add_argument("--steps", type=int, default=1600)
+    st.add_argument("--prefill-samples", type=int, default=3000)
+    st.add_argument("--inprocess-samples", type=int, default=1000)
+    st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
+    st.add_argument("--limit", type=int, default=20, help="MT-bench conversations bench-serve sends")
     a = ap.parse_args()
-    {"stage": stage, "a": phase_a, "b": phase_b, "install": install, "wait": wait, "sweep": sweep}[a.phase](a)
+    {"store": store_run, "stage": stage, "a": phase_a, "b": phase_b, "install": install, "wait": wait, "sweep": sweep}[a.phase](a)
 
 
 if __name__ == "__main__":
