@@ -135,7 +135,8 @@ def phase_a(a) -> None:
 
 
 def phase_b(a) -> None:
-    shutil.copytree(STAGE_B, S, dirs_exist_ok=True)
+    if STAGE_B.exists():  # absent in a snapshot of the repository (run again from one)
+        shutil.copytree(STAGE_B, S, dirs_exist_ok=True)
     if not (SMOL / "config.json").exists():
         with open(S / "smol.gguf", "wb") as g:
             for part in ("smol.gguf.aa", "smol.gguf.ab"):
@@ -491,6 +492,8 @@ def store_run(a) -> None:
         if (Q / "recipe.rc").read_text().strip() != "0":
             raise RuntimeError("regenerate/prepare failed: " + (Q / "recipe.log").read_text()[-2000:])
         R["pipeline"] = json.loads((W / "pipeline.json").read_text()) if (W / "pipeline.json").exists() else None
+        # the servers import the plugin from this copy of eyas, not from the tree each call rewrites
+        sh([VPY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation", "-e", REPO])
 
     step("wait for prepare and install", wait_ready)
     srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5)
