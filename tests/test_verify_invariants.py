@@ -344,3 +344,71 @@ def test_batched_invariants_equal_per_sample_run(chat_store, tmp_path, tiny_targ
     assert many["rates"] == one["rates"]
     assert many["tail"]["worst_sample"] == one["tail"]["worst_sample"] == victim
     assert many["tail"]["worst_rel_err"] == pytest.approx(one["tail"]["worst_rel_err"], rel=1e-4)
+
+
+@pytest.fixture(scope="module")
+def run_store(tmp_path_factory, tiny_target_dir):
+    """(store, split) of chat-shaped samples, one of which ("run") answers with one token repeated 150 times
+    between random tokens, the way a small target's greedy answer can end."""
+    root = tmp_path_factory.mktemp("verify_run")
+    tok = load_tokenizer(tiny_target_dir)
+    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][:24]
+    g = torch.Generator().manual_seed(3)
+    rows = []
+    for i in range(40):
+        ids = prefix + torch.randint(3, len(tok), (40,), generator=g).tolist()
+        rows.append((f"c{i:03d}", ids, [k >= 24 for k in range(len(ids))]))
+    rand = torch.randint(3, len(tok), (40,), generator=g).tolist()
+    ids = prefix + rand[:20] + [int(rand[0])] * 150 + rand[20:]
+    rows.append(("run", ids, [k >= 24 for k in range(len(ids))]))
+    data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
+    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS,
+                                token_budget=512))
+    return root / "good", PreparedDataset(data).split("train")
+
+
+def test_a_run_of_one_repeated_token_is_no_fault(run_store, tiny_target_dir):
+    """Inside the run adjacent states are nearly equal, so `align` cannot tell positions apart there: those
+    positions are not counted, and the correct store passes."""
+    from eyas.store.invariants import sample_rates, target_parts
+
+    store, split = run_store
+    s = verify_store(store)
+    assert s["ok"] and not s["invariants"]["failing_samples"], s["invariants"]["failures"]
+    reader = StoreReader(store)
+    parts = target_parts(load_target(tiny_target_dir), reader.aux_layer_ids)
+    x = split[split.index_of("run")]
+    names = [f"layer {i}" for i in LAYERS] + ["final"]
+    rates = sample_rates(parts, x.input_ids, reader.get_hidden("run", torch.float32), slot_names=names,
+                         sample_key="run", start=24, answer_T=x.loss_mask)
+    align = rates["align layer 1 -> layer 3"]
+    assert align[1] == 40 - 1  # the 150 run positions (and the position entering the run) are left out
+    assert align[0] >= 0.9 * align[1]
+
+
+def test_a_roll_outside_the_run_is_still_caught(run_store, tmp_path):
+    store, _ = run_store
+
+    def mutate(sid, h, r):
+        if sid == "run":
+            h[:, 1] = torch.roll(h[:, 1], -1, dims=0)  # layer 3 only
+        return h
+
+    expect_caught(rewrite(store, tmp_path / "f", mutate), "run", words=["layer 3"])
+
+
+def test_next_counts_answer_positions_only(chat_store, tiny_target_dir):
+    from eyas.store.invariants import sample_rates, target_parts
+
+    store, split = chat_store
+    reader = StoreReader(store)
+    parts = target_parts(load_target(tiny_target_dir), reader.aux_layer_ids)
+    sid = reader.sample_ids[0]
+    x = split[split.index_of(sid)]
+    names = [f"layer {i}" for i in LAYERS] + ["final"]
+    h = reader.get_hidden(sid, torch.float32)
+    every = sample_rates(parts, x.input_ids, h, slot_names=names, sample_key=sid, start=4)
+    answer = sample_rates(parts, x.input_ids, h, slot_names=names, sample_key=sid, start=4, answer_T=x.loss_mask)
+    t = x.input_ids.shape[0]
+    assert every["next final"][1] == t - 1 - 4
+    assert answer["next final"][1] == int(x.loss_mask[1:][4:].sum()) == t - 24

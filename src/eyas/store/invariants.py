@@ -23,11 +23,16 @@ target's weights and, for two of them, a few layers or a few tokens of forward:
                 token (low layers).
     next        the target's lm_head on the final state ranks the next token above its neighbours
                 and other tokens of the sample (a cheap stand-in for the next-token agreement
-                rate: K+3 logits per token instead of V). Catches swapped samples and a rolled
-                final slot.
+                rate: K+3 logits per token instead of V), counted where the next token is part of
+                an answer (the loss mask): a long user turn the target cannot predict (logs, code,
+                another language) would otherwise read as a fault. Catches swapped samples and a
+                rolled final slot.
     align       adjacent stored slots (low->mid->high->final) agree position by position: the
                 centred cosine of slot k and k+1 at the same token beats the one-token-shifted
-                pairs. Catches a single layer's rows rolled by one token anywhere in a sample.
+                pairs, counted where the token differs from both neighbours (inside a run of one
+                repeated token the states of adjacent positions are nearly equal and the
+                comparison is a coin toss). Catches a single layer's rows rolled by one token
+                anywhere in a sample outside such runs.
 
 prefix, tail and final_norm have absolute tolerances (they compare numbers that must be equal up
 to rounding). token, next and align are rates whose level depends on the target and the data
@@ -268,21 +273,23 @@ def _align_passes(a_TD: torch.Tensor, b_TD: torch.Tensor) -> torch.Tensor:
 
 
 def sample_rates(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
-                 sample_key: str, start: int = 0) -> dict[str, tuple[int, int]]:
+                 sample_key: str, start: int = 0, answer_T: torch.Tensor | None = None) -> dict[str, tuple[int, int]]:
     """token[slot], next and align[pair] pass counts of one sample, over positions >= `start`.
 
     The shared prefix (checked exactly by `prefix`) is left out: rows copied from another sample
     with the same chat template agree there, and counting them would dilute the evidence.
+    `answer_T` (bool, the loss mask) limits `next` to predictions of answer tokens; None counts all.
     """
     names, passed, totals = _rate_counts(parts, ids_T, hidden_TLD, slot_names=slot_names, sample_key=sample_key,
-                                         start=start)
+                                         start=start, answer_T=answer_T)
     if not names:
         return {}
     return {n: (int(k), t) for n, k, t in zip(names, torch.stack(passed).tolist(), totals)}
 
 
 def _rate_counts(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
-                 sample_key: str, start: int) -> tuple[list[str], list[torch.Tensor], list[int]]:
+                 sample_key: str, start: int, answer_T: torch.Tensor | None = None,
+                 ) -> tuple[list[str], list[torch.Tensor], list[int]]:
     """`sample_rates` as (names, pass counts as 0-d tensors on the target's device, totals): the
     caller moves many samples' counts to the host at once (one device sync per batch, not seven per
     sample). hidden_TLD may live on the host or the device; ids_T and the rivals are drawn on the host."""
@@ -304,16 +311,21 @@ def _rate_counts(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tens
         names.append(f"token {slot_names[slot]}")
         passed.append(ok.sum())
         totals.append(ok.numel())
-    if parts.lm_head_VD is not None:
+    # which positions count, decided on the host from the ids and the mask (no device sync)
+    counted_next = torch.ones(t - 1, dtype=torch.bool) if answer_T is None else answer_T[1:].bool()
+    counted_next = counted_next[start:]
+    if parts.lm_head_VD is not None and counted_next.any():
         ok = _rank_passes(h[:-1, a], parts.lm_head_VD, ids_d[1:], rivals_next, cosine=False)[start:]
         names.append("next final")
-        passed.append(ok.sum())
-        totals.append(ok.numel())
-    for slot in range(a):
+        passed.append((ok & _to_device(counted_next, dev)).sum())
+        totals.append(int(counted_next.sum()))
+    distinct = ((ids_T[1:-1] != ids_T[:-2]) & (ids_T[1:-1] != ids_T[2:]))[max(start - 1, 0):]
+    distinct_d = _to_device(distinct, dev)
+    for slot in range(a) if distinct.any() else ():
         ok = _align_passes(h[:, slot], h[:, slot + 1])[max(start - 1, 0):]  # entry i is position i + 1
         names.append(f"align {slot_names[slot]} -> {slot_names[slot + 1]}")
-        passed.append(ok.sum())
-        totals.append(ok.numel())
+        passed.append((ok & distinct_d).sum())
+        totals.append(int(distinct.sum()))
     return names, passed, totals
 
 
@@ -422,7 +434,8 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
     layer_ids = reader.aux_layer_ids
     names = [f"layer {i}" for i in layer_ids] + ["final"]
     device = next(parts.model.parameters()).device
-    ids_by_sample = {sid: split[split.index_of(sid)].input_ids for sid in sample_ids}
+    samples = {sid: split[split.index_of(sid)] for sid in sample_ids}
+    ids_by_sample = {sid: x.input_ids for sid, x in samples.items()}
     prefix_ref: dict[str, torch.Tensor] = {}
     for prefix, sids in prefix_groups(ids_by_sample):
         aux, final = reference_hidden_states(parts.model, prefix.to(device), layer_ids=layer_ids)
@@ -496,7 +509,8 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
             on_device["rms"] = (h_NLD[:, -1] / scale_D).pow(2).mean(-1).sqrt()
             lap("final_norm")
         counts = [_rate_counts(parts, ids_by_sample[sid], h_NLD[a:b], slot_names=names, sample_key=sid,
-                               start=prefix_ref[sid].shape[0]) for sid, a, b in zip(batch, bounds[:-1], bounds[1:])]
+                               start=prefix_ref[sid].shape[0], answer_T=samples[sid].loss_mask)
+                  for sid, a, b in zip(batch, bounds[:-1], bounds[1:])]
         passed = [k for _, ks, _ in counts for k in ks]
         if passed:
             on_device["passed"] = torch.stack(passed)
