@@ -25,7 +25,7 @@ GROUPS = [  # (capability, metric prefixes), first match wins
     ("speculative decoding", ("specdec_", "generate_")),
     ("regeneration", ("regen",)),
     ("serving (SGLang / vLLM with the drafter)", ("sglang_accept", "sglang_speedup", "sglang_7_", "sglang_3_",
-                                                  "sglang_5_", "sglang_6_", "eval_export")),
+                                                  "sglang_5_", "sglang_6_", "eval_export", "store41_")),
     ("capture", ("capture", "sglang_")),
     ("evaluation and verification", ("eval", "verify", "invariant")),
 ]

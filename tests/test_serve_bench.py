@@ -307,3 +307,30 @@ def test_allow_no_draft_measures_a_server_without_one_and_overwrite_keeps_the_us
     code, _, err = bench(*args, "--overwrite")
     assert code == 0, err
     assert (out / "notes.txt").read_text() == "mine" and (out / "summary.json").is_file()
+
+
+def test_eval_tau_over_the_conversations_sent(tiny_target_dir, prompts, tmp_path):
+    """With eval's sequences.jsonl, the comparison uses eval's rounds of exactly the conversations bench-serve sent
+    (an 80-question tau against 20 served conversations differs by the categories alone); eval sequences that lack
+    a sent conversation are refused before any timed request."""
+    eval_dir = tmp_path / "eval"
+    eval_dir.mkdir()
+    (eval_dir / "report.json").write_text(json.dumps({"modes": {"chain": {"acceptance_length": 9.0}}}))
+    seqs = [{"id": "q0", "turn": 1, "accepted_chain": [1, 0, 2]}, {"id": "q0", "turn": 2, "accepted_chain": [3]},
+            {"id": "q1", "turn": 1, "accepted_chain": [0, 0]}, {"id": "q1", "turn": 2, "accepted_chain": [1, 1]},
+            {"id": "q7", "turn": 1, "accepted_chain": [7, 7, 7]}]  # not sent: left out
+    (eval_dir / "sequences.jsonl").write_text("".join(json.dumps(x) + "\n" for x in seqs))
+    draft = standin(tiny_target_dir, tmp_path, "draft", draft_accept_length=2.0)
+    try:
+        args = ["--url", draft.url, "--target", str(tiny_target_dir), "--prompts", str(prompts),
+                "--max-new-tokens", "4", "--concurrency", "1", "--eval-report", str(eval_dir)]
+        code, s, err = bench(*args, "--out", str(tmp_path / "out"))
+        assert code == 0, err
+        assert s["eval_chain_tau"] == round(1 + 8 / 8, 4) and "2 conversations sent" in s["eval_chain_tau_from"]
+        assert s["accept_len_vs_eval_chain"] == round(s["runs"]["c1"]["accept_length"] / 2.0, 4)
+        (eval_dir / "sequences.jsonl").write_text("".join(json.dumps(x) + "\n" for x in seqs if x["id"] != "q1"))
+        code, s, err = bench(*args, "--out", str(tmp_path / "out2"))
+        assert code == 2 and s is None
+        assert any("no eval sequences for 1 of the 2 conversations" in line and "q1" in line for line in err), err
+    finally:
+        draft.close()

@@ -142,6 +142,44 @@ def read_eval_chain_tau(path: Path) -> float:
     return float(tau)
 
 
+def eval_chain_tau_on(path: Path, conv_ids: list[str]) -> tuple[float, str]:
+    """Eval's chain tau over the conversations bench-serve sends, and where it came from.
+
+    From the report's sequences.jsonl (every round of every turn) where it exists: a tau over other
+    conversations is not comparable (MT-bench categories differ by more than the band). Without it,
+    the report's own tau, said so."""
+    tau = read_eval_chain_tau(path)
+    d = Path(path) if Path(path).is_dir() else Path(path).parent
+    seq = d / "sequences.jsonl"
+    if not seq.is_file():
+        return tau, f"the report's tau over its own prompts ({seq} not found)"
+    from eyas.common import read_text_file
+
+    want = {str(c) for c in conv_ids}
+    accepted = rounds = 0
+    seen: set[str] = set()
+    for n, line in enumerate(read_text_file(seq, what="--eval-report").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            cid, chain = str(rec["id"]), rec["accepted_chain"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise EyasError(f"--eval-report {seq}: line {n} is not an `eyas eval` sequence (id, accepted_chain)") from None
+        if cid in want:
+            seen.add(cid)
+            accepted += sum(chain)
+            rounds += len(chain)
+    missing = sorted(want - seen)
+    if missing:
+        raise EyasError(f"--eval-report {seq}: no eval sequences for {len(missing)} of the {len(want)} conversations "
+                        f"bench-serve sends (e.g. {', '.join(missing[:3])}): run `eyas eval` on the same --prompts with "
+                        "a --limit at least bench-serve's")
+    if not rounds:
+        raise EyasError(f"--eval-report {seq}: the conversations bench-serve sends have no chain rounds")
+    return 1 + accepted / rounds, f"eval's sequences of the {len(want)} conversations sent"
+
+
 # ----------------------------------------------------------------------------------------------
 # HTTP
 
@@ -589,7 +627,8 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
     probes = {name: check_tokenizer(s, tokenizer) for name, s in servers}
     contexts = [c for c in [target_context, *(s.context for _, s in servers)] if isinstance(c, int) and c > 0]
     context = min(contexts)
-    eval_tau = read_eval_chain_tau(cfg.eval_report) if cfg.eval_report is not None else None
+    eval_tau, eval_from = (eval_chain_tau_on(cfg.eval_report, [c.id for c in convs]) if cfg.eval_report is not None
+                           else (None, None))
     log(f"bench-serve: {len(convs)} conversations ({sum(len(c.turns) for c in convs)} turns) from {cfg.prompts}, "
         f"max {cfg.max_new_tokens} new tokens a turn, concurrency {','.join(map(str, cfg.concurrency))}; "
         + "; ".join(f"{name}: {s.engine} {s.version or ''} at {s.url} ({s.model})" for name, s in servers))
@@ -640,12 +679,13 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
         c0 = 1 if 1 in cfg.concurrency else min(cfg.concurrency)
         engine_tau = runs[f"c{c0}"].get("accept_length")
         ratio = round(engine_tau / eval_tau, 4) if engine_tau else None
-        summary["eval_chain_tau"] = eval_tau
+        summary["eval_chain_tau"] = round(eval_tau, 4)
+        summary["eval_chain_tau_from"] = eval_from
         summary["accept_len_vs_eval_chain"] = ratio
         summary["accept_len_vs_eval_concurrency"] = c0
         if ratio is not None and not EVAL_RATIO_BAND[0] <= ratio <= EVAL_RATIO_BAND[1]:
             log(f"bench-serve: warning: the engine's accept length at concurrency {c0} ({engine_tau}) is {ratio}x eval's "
-                f"chain tau ({eval_tau}), outside [{EVAL_RATIO_BAND[0]}, {EVAL_RATIO_BAND[1]}]; compare the draft settings "
+                f"chain tau ({eval_tau:.4f}), outside [{EVAL_RATIO_BAND[0]}, {EVAL_RATIO_BAND[1]}]; compare the draft settings "
                 f"(server: {draft.settings.get('speculative_num_steps')} steps, topk "
                 f"{draft.settings.get('speculative_eagle_topk')}) with eval's --chain-k")
     summary["out"] = str(out)
