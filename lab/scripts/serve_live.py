@@ -23,6 +23,18 @@ commands use `python3` from the repository root.
                                                            `eyas regenerate` through the plain server and in-process)
            serve_live.py wait --name sweep --timeout 540 [--collect]   (polls, keeping the machine; repeat)
 
+Training from the server's states (issue 41), the same staging with `b --prepare-only 6000` (the recipe's first
+records regenerated and prepared, no training) and `install --detach --no-smoke` carried with the last part;
+`store --detach` waits for both, then: a capture server with the eyas plugin, the same server's prefill without
+dumps, `eyas capture --backend sglang`, `eyas verify` x3 beside `eyas train --store` (the scaling study's
+settings), eval, in-process capture for comparison, then the trained drafter served (`--serve 7/1/8,3/1/4`).
+
+Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
+module at that moment fails (seen: ModuleNotFoundError in a running `eyas pipeline`). Copy it first and start
+them from the copy:
+    R=/root/eyas-stage/repo; mkdir -p $R && cp -r src lab recipes pyproject.toml $R/ && cd $R && python3 ...
+(`store` reinstalls the servers' eyas from that copy.)
+
 Plan the device minutes: unpacking and installing SGLang take a few minutes of CPU and slow a recipe training
 beside them; each server start takes one to two minutes (CUDA graphs); the recipe alone takes most of a session.
 Everything eyas runs uses the image's Python (eyas from src/); only the SGLang

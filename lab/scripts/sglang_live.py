@@ -65,12 +65,8 @@ because the device reaches no network. Three phases, each one command:
    sglang` on them, and `eyas verify --numbers 16` (recomputes samples against the in-process transformers
    reference). A second `run` on the same warm machine reinstalls only eyas.
 
-For training from the server's states (one call after the recipe's regeneration exists on the device):
-
-       run(command="python lab/scripts/sglang_live.py run --source <recipe>/regenerate/chats.jsonl --records 6000 "
-                   "--samples 6000 --max-length 2048 --verify-seeds 3 --train-steps 1600", timeout_s=600)
-
-   (detach it: capture, three verifies, 1,600 offline steps and eval exceed one call).
+For training from the server's states, lab/scripts/serve_live.py `store` runs the whole chain (capture,
+verify x3, offline training, eval, serving) from one detached job; `run --train-steps` remains for a quick pass.
 
 Progress goes to stderr; the last stdout lines are one JSON document and a short table: every step
 with ok/failed, seconds and the error tail of the first failed step (the run stops there), states
