@@ -161,7 +161,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.specdec.run import cpu_sized
 
     warn_gpu_sized(cfg, device, command="generate", shorter=cpu_sized(len(convs)))
-    from eyas.drafter.layouts import check_drafter_dir
+    from eyas.drafter.reader import check_drafter_dir
 
     check_drafter_dir(cfg.drafter)  # and a drafter folder eval could not read
     t0 = time.perf_counter()
