@@ -95,7 +95,8 @@ def shapes(small: bool) -> dict:
 
 
 def flops_per_token(c: dict, *, T: int, K: int) -> dict:
-    H, Hq, Hkv, d, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]  # noqa: E741
+    H, Hq, Hkv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    I = c["intermediate_size"]  # noqa: E741
     V, Vt = c["draft_vocab_size"], c["vocab_size"]
     lin = 2 * H * Hq * d + 2 * (2 * H * Hkv * d) + Hq * d * H + 3 * H * I + H * V
     linears = 6 * lin * K
