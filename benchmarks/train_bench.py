@@ -17,7 +17,7 @@ addmm_fp32 off), `eyas-repeated-keys` (step 0's keys repeated to every query hea
 flash kernel's grouped-query mode: kernel gqa_flash off), `eyas-stats-every-step` (the statistics read at the end of
 each step instead of one step late: what a per-step wait for the GPU costs),
 `eyas-stats-late-on-device` (read one step late but from the device tensors, which waits for the step queued after
-them too: the loop before its pinned host copies, train/data.py HostCopies),
+them too: the loop before its pinned host copies, train/prefetch.py HostCopies),
 `eyas-no-align` (every supervised row's loss kept: TrainConfig.align_topk 0), `eyas-muon`
 (`--optimizer muon`), `eyas-torch-ce` (the head loss's compiled torch cross-entropy, not the fused kernel: kernel ce
 off), `eyas-torch-stats` (the kept teacher table's maximum and log-sum-exp by a compiled torch reduction, not the
@@ -95,7 +95,8 @@ def shapes(small: bool) -> dict:
 
 
 def flops_per_token(c: dict, *, T: int, K: int) -> dict:
-    H, Hq, Hkv, d, I = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"], c["intermediate_size"]  # noqa: E741
+    H, Hq, Hkv, d = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    I = c["intermediate_size"]  # noqa: E741
     V, Vt = c["draft_vocab_size"], c["vocab_size"]
     lin = 2 * H * Hq * d + 2 * (2 * H * Hkv * d) + Hq * d * H + 3 * H * I + H * V
     linears = 6 * lin * K
@@ -149,12 +150,14 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     `bf16`: bf16 autocast (default: on CUDA, as `eyas train`). `optimizer`: TrainConfig's (`muon`: Muon for the
     drafter's hidden matrices, train/optim.py; not with FSDP).
     On CUDA the next step's batch is copied on a side stream while this step runs, as the loop's offline reader
-    does (train/data.py AheadUploader)."""
+    does (train/prefetch.py AheadUploader)."""
     from eyas.drafter.ttt import TTTConfig
     from eyas.packing import to_device
-    from eyas.train.data import AheadUploader, HostCopies, Item, PackedBatch, _packed_to, pack_tokens
+    from eyas.train.batches import PackedBatch, _packed_to, pack_tokens
+    from eyas.train.data import Item
     from eyas.train.loop import PackedTTTModule, TrainConfig, lr_lambda
     from eyas.train.optim import make_optimizer
+    from eyas.train.prefetch import AheadUploader, HostCopies
 
     defer_stats = True if defer_stats is None else defer_stats
     if align_topk is None:
@@ -611,7 +614,7 @@ def print_fill_sites(prof, device, rows: int) -> None:
 
 RANGES = ("eyas.target_forward", "eyas.drafter_forward", "_HeadSoftCE", "eyas.drafter_backward", "eyas.optimizer",
           "Command Buffer Full")
-"""The named parts of the real loop's step (train/loop.py, train/data.py; _HeadSoftCE is the head's loss with its
+"""The named parts of the real loop's step (train/step.py, train/batches.py; _HeadSoftCE is the head's loss with its
 gradients, inside the drafter's forward) and the host's waits for a full GPU launch queue."""
 
 

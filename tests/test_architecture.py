@@ -1,6 +1,7 @@
-"""The product's import and state rules, checked on the source (AST): nothing under src/eyas imports lab, and no
+"""The product's import, state and size rules, checked on the source (AST): nothing under src/eyas imports lab, no
 ALL_CAPS module-level name of src/eyas is rebound by code in src/ or tests/ (module flags that change what eyas
-computes live as kernels in eyas.kernels, switched by EYAS_KERNELS, or as lab code that patches eyas for one run)."""
+computes live as kernels in eyas.kernels, switched by EYAS_KERNELS, or as lab code that patches eyas for one run), no
+module of drafter/ or train/ is longer than MODULE_LINES and no function of src/eyas longer than FUNCTION_LINES."""
 
 from __future__ import annotations
 
@@ -11,6 +12,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 SRC = REPO / "src" / "eyas"
 CAPS = re.compile(r"^[A-Z][A-Z0-9_]*$")
+MODULE_LINES = 600
+"""The most lines of a module under src/eyas/drafter or src/eyas/train: a longer one is split along its concerns."""
+FUNCTION_LINES = 150
+"""The most lines of a function of src/eyas, from its `def` to its last line."""
+LONG_FUNCTIONS = {
+    "src/eyas/sglang/client.py:capture_from_sglang",
+    "src/eyas/store/invariants.py:run_invariants",
+    "src/eyas/store/verify.py:run_verify",
+}
+"""Functions allowed over FUNCTION_LINES for now (longer than it once `ruff format` wraps them): split them next."""
 
 
 def _trees(root: Path):
@@ -85,3 +96,34 @@ def test_no_dated_figures_in_src():
              for n, line in enumerate(p.read_text().splitlines(), 1)
              if re.search(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", line)]
     assert not dated, dated
+
+
+def _long_functions(tree: ast.AST, limit: int) -> dict[str, int]:
+    """Functions (methods and nested functions too) of `tree` over `limit` lines -> their lines."""
+    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit}
+
+
+def test_no_module_of_drafter_or_train_is_over_the_size_limit():
+    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
+             for pkg in ("drafter", "train") for p in sorted((SRC / pkg).rglob("*.py"))}
+    assert "src/eyas/train/loop.py" in sizes  # the scan sees the modules
+    long = {path: n for path, n in sizes.items() if n > MODULE_LINES}
+    assert not long, f"over {MODULE_LINES} lines (split them along their concerns): {long}"
+
+
+def test_no_function_of_src_is_over_the_length_limit():
+    long = {}
+    for path, tree in _trees(SRC):
+        for name, n in _long_functions(tree, FUNCTION_LINES).items():
+            key = f"{path.relative_to(REPO)}:{name}"
+            if key not in LONG_FUNCTIONS:
+                long[key] = n
+    assert not long, f"over {FUNCTION_LINES} lines (split them): {long}"
+
+
+def test_the_length_rule_counts_a_function_from_def_to_its_last_line():
+    body = "".join(f"    x{i} = {i}\n" for i in range(3))
+    tree = ast.parse(f"def f(\n    a,\n):\n{body}\nclass C:\n    def g(self):\n{body.replace('    ', '        ')}")
+    assert _long_functions(tree, 3) == {"f": 6, "g": 4}  # a method too
+    assert _long_functions(tree, 5) == {"f": 6} and _long_functions(tree, 6) == {}  # at the limit is within it

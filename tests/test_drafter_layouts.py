@@ -1,4 +1,4 @@
-"""drafter/layouts.py: reading foreign layouts (layer-id conventions, defaults, .bin weights, RoPE scaling, bad
+"""drafter/layouts.py and reader.py: reading foreign layouts (layer-id conventions, defaults, .bin weights, RoPE scaling, bad
 files), the one layer-id conversion and its inverse, the one default and range check."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
+from eyas.drafter.reader import read_drafter as load_draft_checkpoint
 from eyas.errors import EyasError
 from eyas.specdec.functional import FunctionalDrafter
 
@@ -96,8 +96,8 @@ def test_speculators_layout_and_norm_before_residual_default(tmp_path):
 
 def test_llama3_rope_old_and_new_keys_read_the_same():
     """SGLang-era configs write rope_theta + rope_scaling {"type": ...}; newer ones rope_parameters."""
-    from eyas.drafter.layouts import rope_parameters_of
     from eyas.drafter.model import DrafterConfig, rope_inv_freq
+    from eyas.drafter.reader import rope_parameters_of
 
     rp = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     old = rope_parameters_of({"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **rp}})
@@ -147,7 +147,8 @@ def test_an_eyas_drafter_config_is_read_once(tmp_path, monkeypatch):
     """check_drafter_dir and read_drafter read an eyas drafter's config.json once, for its layout and its config."""
     from pathlib import Path
 
-    from eyas.drafter.layouts import check_drafter_dir, write_eyas
+    from eyas.drafter.reader import check_drafter_dir
+    from eyas.drafter.writer import write_eyas
 
     ck = load_draft_checkpoint(_write(tmp_path / "s", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids":
                                                                                   [1, 14, 26]}), _weights()))
@@ -161,7 +162,7 @@ def test_an_eyas_drafter_config_is_read_once(tmp_path, monkeypatch):
 
 def test_check_drafter_dir_refuses_what_read_drafter_would_naming_the_path(tmp_path):
     """Read from config.json alone (eval calls it before the target loads); every message names the folder."""
-    from eyas.drafter.layouts import check_drafter_dir
+    from eyas.drafter.reader import check_drafter_dir
 
     sgl = _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]})
     assert check_drafter_dir(_write(tmp_path / "ok", sgl, _weights())) == "sglang"

@@ -130,7 +130,7 @@ def test_vocab_mapping_and_save_load(tmp_path):
     back = Eagle3Drafter.load(tmp_path / "d")
     for k, v in m.state_dict().items():
         assert torch.equal(v, back.state_dict()[k]), k
-    from eyas.drafter.layouts import read_eyas_config
+    from eyas.drafter.reader import read_eyas_config
 
     cfg, meta = read_eyas_config(tmp_path / "d")
     assert cfg == m.config and meta["target"] == {"path": "x"}

@@ -22,7 +22,7 @@ import torch
 from typer.testing import CliRunner
 
 from eyas.cli import app
-from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
+from eyas.drafter.reader import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 
 LAYERS = [1, 3, 4]

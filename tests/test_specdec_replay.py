@@ -12,7 +12,7 @@ import pytest
 import torch
 from conftest import tilted_drafter
 
-from eyas.drafter.layouts import read_drafter as load_draft_checkpoint
+from eyas.drafter.reader import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.generate import greedy_generate
 from eyas.specdec.reference import reference_decode

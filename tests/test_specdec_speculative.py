@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import tilted_drafter
 
-from eyas.drafter.layouts import read_drafter
+from eyas.drafter.reader import read_drafter
 from eyas.specdec.functional import FunctionalDrafter
 from eyas.specdec.generate import greedy_generate
 from eyas.specdec.replay import DrafterProposer, TreeConfig, replay_batch

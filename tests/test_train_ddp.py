@@ -83,8 +83,8 @@ def test_token_batches_across_an_epoch_end_and_a_one_process_checkpoint_on_two(w
     from test_train_loop import _cfg
 
     from eyas.data.prepared import PreparedDataset
-    from eyas.train.data import TokenPlan
     from eyas.train.loop import run
+    from eyas.train.plans import TokenPlan
 
     lengths = [int(x) for x in PreparedDataset(world["prep"]).split("train").lengths]
     budget = next(b for b in range(64, 200) if len(TokenPlan(lengths=lengths, tokens_per_batch=b, accum=1, world=1,

@@ -330,7 +330,7 @@ def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world,
 def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp_path, monkeypatch):
     """host_wait_s: the seconds the host waited for a step's statistics, within the step's own time, read at once
     and one step late; a read slowed by 50 ms shows in it."""
-    from eyas.train import data, loop
+    from eyas.train import loop, prefetch
 
     for every in (1, 0):  # a checkpoint every step reads each step's statistics at once
         out = tmp_path / f"save{every}"
@@ -338,13 +338,13 @@ def test_each_record_says_how_long_the_host_waited_for_its_statistics(world, tmp
         recs = _train_records(out)
         assert [r["step"] for r in recs] == [1, 2, 3]
         assert all(0 <= r["host_wait_s"] <= r["step_s"] for r in recs), recs
-    real = data.HostCopies.get
+    real = prefetch.HostCopies.get
 
     def slow(self):  # a GPU that is 50 ms behind the host at each deferred read
         time.sleep(0.05)
         return real(self)
 
-    monkeypatch.setattr(data.HostCopies, "get", slow)
+    monkeypatch.setattr(prefetch.HostCopies, "get", slow)
     out = tmp_path / "slow"
     loop.run(_cfg(world, out, data=world["prep"], steps=3, batch_size=2))
     recs = _train_records(out)
@@ -658,7 +658,7 @@ def test_cli_progress_line_and_summary(world, tmp_path):
 
 
 def test_plan_covers_every_sample_once_per_epoch():
-    from eyas.train.data import Plan
+    from eyas.train.plans import Plan
 
     for world_size, micro, accum in ((1, 2, 1), (2, 1, 2), (3, 2, 1)):
         plan = Plan(n=23, micro_batch=micro, accum=accum, world=world_size, seed=4)
@@ -679,7 +679,7 @@ def test_plan_covers_every_sample_once_per_epoch():
 
 
 def test_token_plan_covers_every_sample_once_within_budget():
-    from eyas.train.data import TokenPlan
+    from eyas.train.plans import TokenPlan
 
     g = torch.Generator().manual_seed(0)
     lengths = torch.randint(1, 40, (57,), generator=g).tolist()

@@ -58,7 +58,8 @@ def _head(seed=7, Vt=80):
 def _packed_on(dev, lengths, *, K, seed):
     """Samples packed in one row on `dev` as the data loader hands them over: (ids, seg, rows, live, aux, final,
     denominators), plus the target head, a draft vocab missing some target ids and its t2d mask."""
-    from eyas.train.data import Item, pack_tokens
+    from eyas.train.batches import pack_tokens
+    from eyas.train.data import Item
 
     samples = _samples(lengths, seed=seed)
     items = [Item(str(i), s[0], s[1]) for i, s in enumerate(samples)]
@@ -129,7 +130,8 @@ def test_attention_on_some_query_rows_equals_the_full_attention_there(kernel):
 
 def test_live_positions_are_the_rows_of_any_step_and_travel_with_the_batch():
     """The union of the steps' rows, sorted; a packed batch made on the host carries it, and `_packed_to` too."""
-    from eyas.train.data import Item, PackedBatch, _packed_to, pack_tokens
+    from eyas.train.batches import PackedBatch, _packed_to, pack_tokens
+    from eyas.train.data import Item
 
     mask = torch.tensor([0, 0, 1, 1, 0, 1, 1, 0, 0, 0, 1], dtype=torch.bool)
     seg = Segments.from_lengths([4, 3, 4])
@@ -575,7 +577,9 @@ def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
     batch reaches the GPU equal to what `store_packed` packs on the host, in schedule order."""
     import time
 
-    from eyas.train.data import Item, PackedPrefetcher, StoreSource, store_packed
+    from eyas.train.batches import store_packed
+    from eyas.train.data import Item, StoreSource
+    from eyas.train.prefetch import PackedPrefetcher
 
     lens = [5, 9, 3, 7, 4, 6, 8]
 
@@ -610,7 +614,7 @@ def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
 
 
 def test_host_copies_pass_host_values_through():
-    from eyas.train.data import HostCopies
+    from eyas.train.prefetch import HostCopies
 
     t = torch.arange(4.0)
     got = HostCopies((3, t, None, 0.5)).get()
@@ -623,7 +627,7 @@ def test_host_copies_wait_for_the_work_before_them_and_not_after():
     """A step's statistics read once the next step is queued: the copy made behind the step
     holds the step's values, and reading it returns while work queued after it still runs on the GPU (reading the
     device tensor would wait for that work too)."""
-    from eyas.train.data import HostCopies
+    from eyas.train.prefetch import HostCopies
 
     x = torch.zeros(1000, device="cuda")
     torch.cuda._sleep(50_000_000)  # the work before the copy (tens of ms), then its result

@@ -93,7 +93,7 @@ def test_an_interrupt_tears_the_group_down_and_says_what_was_saved(world, tmp_pa
     _assert_gone(fake_ranks)
 
 
-def test_a_failing_teardown_is_a_warning_and_the_error_still_propagates(world, tmp_path, fake_ranks, monkeypatch, capfd):  # noqa: F811
+def test_a_failing_teardown_warns_and_the_error_still_propagates(world, tmp_path, fake_ranks, monkeypatch, capfd):  # noqa: F811
     from eyas.train.loop import run
 
     _fail_at_step(monkeypatch, 1, EyasError("bad batch t0"))

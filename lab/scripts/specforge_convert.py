@@ -107,7 +107,7 @@ def convert(store: Path, out: Path, *, limit: int | None = None, max_length: int
 
 def write_vocab_mapping(drafter: Path, path: Path) -> Path:
     """An eyas (or SGLang-layout) drafter's d2t/t2d as SpecForge's vocab_mapping.pt."""
-    from eyas.drafter.layouts import read_drafter
+    from eyas.drafter.reader import read_drafter
 
     ckpt = read_drafter(drafter)
     d2t = ckpt.weights["d2t"].to(torch.long).cpu()

@@ -416,21 +416,8 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
             writer.abort()  # releases the store's lock (a no-op once closed); committed shards stay
         # the group is freed here, its gloo threads joined, not left to race the interpreter's exit
         teardown(d)
-    rows = sum(r["tokens"] for r in reports)
-    slowest = max(r["seconds"] for r in reports)
-    summary = {
-        "store": str(Path(settings.out)), "status": "complete", "dtype": spec.dtype, "model_dtype": spec.model_dtype,
-        "aux_layer_ids": spec.aux_layer_ids, "convention": spec.convention, "hidden_size": spec.hidden_size,
-        "samples": totals["samples"], "tokens": totals["tokens"], "shards": totals["shards"], "bytes": totals["bytes"],
-        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2), "resumed_samples": resumed,
-        "captured_samples": len(todo), "captured_tokens": sum(lengths[i] for i in todo), "processes": d.world,
-        "per_rank": [{k: r[k] for k in ("rank", "samples", "tokens", "seconds")} for r in reports],
-    }
-    if rows:
-        padded = sum(r["padded_tokens"] for r in reports)
-        # the slowest process bounds the wall time of the capture: aggregate rate = all tokens / its seconds
-        summary.update({"seconds": round(slowest, 3), "tokens_per_s": round(rows / max(slowest, 1e-9), 1),
-                        "batches": sum(r["batches"] for r in reports), "padding_fraction": round(1 - rows / max(padded, 1), 4)})
+    summary = _dp_summary(settings, spec, totals, reports, resumed=resumed, todo=todo, lengths=lengths,
+                          world=d.world)
     if d.is_main:
         log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token", "processes")}))
     else:
@@ -440,6 +427,28 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
         import sys
 
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115 (stdout silenced for the process's life)
+    return summary
+
+
+def _dp_summary(settings: CaptureSettings, spec: StoreSpec, totals: dict[str, Any], reports: list[dict[str, Any]], *,
+                resumed: int, todo: list[int], lengths: list[int], world: int) -> dict[str, Any]:
+    """The summary of a data-parallel capture: the store's totals (rank 0's), what this run captured, and every
+    rank's report."""
+    rows = sum(r["tokens"] for r in reports)
+    slowest = max(r["seconds"] for r in reports)
+    summary = {
+        "store": str(Path(settings.out)), "status": "complete", "dtype": spec.dtype, "model_dtype": spec.model_dtype,
+        "aux_layer_ids": spec.aux_layer_ids, "convention": spec.convention, "hidden_size": spec.hidden_size,
+        "samples": totals["samples"], "tokens": totals["tokens"], "shards": totals["shards"], "bytes": totals["bytes"],
+        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2), "resumed_samples": resumed,
+        "captured_samples": len(todo), "captured_tokens": sum(lengths[i] for i in todo), "processes": world,
+        "per_rank": [{k: r[k] for k in ("rank", "samples", "tokens", "seconds")} for r in reports],
+    }
+    if rows:
+        padded = sum(r["padded_tokens"] for r in reports)
+        # the slowest process bounds the wall time of the capture: aggregate rate = all tokens / its seconds
+        summary.update({"seconds": round(slowest, 3), "tokens_per_s": round(rows / max(slowest, 1e-9), 1),
+                        "batches": sum(r["batches"] for r in reports), "padding_fraction": round(1 - rows / max(padded, 1), 4)})
     return summary
 
 

@@ -44,8 +44,7 @@ def verify_server(
 
     from eyas.config_checks import check_device, check_in, check_url, check_value, parse_int_list
     from eyas.errors import CheckFailed, EyasError
-    from eyas.sglang.client import NO_DUMP, capture_one, get_server_info, missing_dump_cause, plugin_state, preflight
-    from eyas.sglang.core import REPLAY_FLAG
+    from eyas.sglang.client import capture_one, preflight
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
@@ -105,21 +104,7 @@ def verify_server(
                          "reasons": [r.reason for r in rs if r.reason is not None]}
 
     # 4. what the plugin counted while serving them
-    after = plugin_state(get_server_info(plan.url)) or {}
-    stats = after.get("stats", {})
-    ids_lost = ("unmatched_forwards", "rid_less_forwards")
-    counters = {k: int(stats.get(k, 0)) for k in ("live_batches", "rids_from_live_batch", *ids_lost)}
-    counters.update(hook_errors=int(after.get("hook_errors", 0)), write_errors=int(after.get("write_errors", 0)))
-    bad = {k: v for k, v in counters.items() if k in (*ids_lost, "hook_errors", "write_errors") and v}
-    # missing dumps: the counters may say why (also for an older plugin without rid_less_forwards)
-    missing = any((r.reason or "").startswith(NO_DUMP) for r in (r1, ra, rb, *rs))
-    cause = missing_dump_cause(plan, stats) if missing else None
-    if cause is None and any(k in bad for k in ids_lost):
-        cause = ("plugin could not find the request ids of prefill CUDA-graph replay batches; restart the server "
-                 f"with {REPLAY_FLAG}")
-    fix = f"the {cause}" if cause else "see the server log for `eyas capture`" if bad else ""
-    checks["plugin_counters"] = {"ok": not bad and cause is None, **counters,
-                                 "last_error": after.get("last_error", ""), "fix": fix}
+    checks["plugin_counters"] = _plugin_counters(plan, (r1, ra, rb, *rs))
 
     # 5. the numbers, against the transformers reference on a local copy of the model
     if target is not None:
@@ -134,6 +119,28 @@ def verify_server(
         fix = checks["plugin_counters"]["fix"]  # the counters say why dumps are missing better than the dump checks
         raise CheckFailed(f"server {plan.url} failed: {', '.join(failed)}" + (f"; fix: {fix}" if fix else ""), summary)
     return summary
+
+
+def _plugin_counters(plan, results) -> dict:
+    """Check 4: the plugin's counters after the requests of `results` (the earlier checks' captures), and the fix
+    when they or a missing dump point to one."""
+    from eyas.sglang.client import NO_DUMP, get_server_info, missing_dump_cause, plugin_state
+    from eyas.sglang.core import REPLAY_FLAG
+
+    after = plugin_state(get_server_info(plan.url)) or {}
+    stats = after.get("stats", {})
+    ids_lost = ("unmatched_forwards", "rid_less_forwards")
+    counters = {k: int(stats.get(k, 0)) for k in ("live_batches", "rids_from_live_batch", *ids_lost)}
+    counters.update(hook_errors=int(after.get("hook_errors", 0)), write_errors=int(after.get("write_errors", 0)))
+    bad = {k: v for k, v in counters.items() if k in (*ids_lost, "hook_errors", "write_errors") and v}
+    # missing dumps: the counters may say why (also for an older plugin without rid_less_forwards)
+    missing = any((r.reason or "").startswith(NO_DUMP) for r in results)
+    cause = missing_dump_cause(plan, stats) if missing else None
+    if cause is None and any(k in bad for k in ids_lost):
+        cause = ("plugin could not find the request ids of prefill CUDA-graph replay batches; restart the server "
+                 f"with {REPLAY_FLAG}")
+    fix = f"the {cause}" if cause else "see the server log for `eyas capture`" if bad else ""
+    return {"ok": not bad and cause is None, **counters, "last_error": after.get("last_error", ""), "fix": fix}
 
 
 def _compare_numbers(target, ids, res, layer_ids, *, tolerance, device, server_dtype) -> dict:

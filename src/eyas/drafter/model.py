@@ -21,7 +21,7 @@ API for callers (training, speculative decoding, export):
                                                         -> (hidden_prenorm_BTD, logits_BTV)
     drafter.compute_logits(hidden_prenorm_BTD)          -> logits_BTV over the draft vocab
     drafter.draft_to_target(draft_ids)                  -> target ids (via d2t offsets)
-    drafter.save(dir, target=...), Eagle3Drafter.load(dir)   (the eyas layout, drafter/layouts.py)
+    drafter.save(dir, target=...), Eagle3Drafter.load(dir)   (the eyas layout, drafter/writer.py)
 The training-time-test loop (drafter/ttt/) uses the lower-level `midlayer.project_qkv` /
 `midlayer.finish` pair so it can run its own attention.
 
@@ -54,7 +54,7 @@ class DrafterConfig:
     """Everything needed to build or run an EAGLE-3 draft layer, whatever layout it was read from.
 
     Defaults come from the target (`from_target_config`); drafters read from SGLang or speculators
-    layouts fill the same fields (drafter/layouts.py), with where they came from kept apart.
+    layouts fill the same fields (drafter/reader.py), with where they came from kept apart.
     """
 
     hidden_size: int
@@ -128,7 +128,8 @@ class DrafterConfig:
     def from_target_config(cls, cfg, *, draft_vocab_size: int | None = None,
                            aux_layer_ids: list[int] | None = None, **overrides) -> DrafterConfig:
         """Defaults from a target's HF config (object or dict): same width, heads, MLP and RoPE."""
-        from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids, llama_dims
+        from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
+        from eyas.drafter.reader import llama_dims
 
         if not isinstance(cfg, dict):
             text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
@@ -487,7 +488,7 @@ class Eagle3Drafter(nn.Module):
     def save(self, out_dir: str | Path, *, target: dict[str, Any] | None = None,
              extra: dict[str, Any] | None = None) -> Path:
         """Write the eyas layout: config.json (every DrafterConfig field + target identity), model.safetensors."""
-        from eyas.drafter.layouts import write_eyas
+        from eyas.drafter.writer import write_eyas
 
         return write_eyas(out_dir, self.config, self.state_dict(), target=target, extra=extra)
 
@@ -497,7 +498,8 @@ class Eagle3Drafter(nn.Module):
         """Load a drafter saved by `save`; checks that every SGLang key is present with its shape."""
         from safetensors.torch import load_file
 
-        from eyas.drafter.layouts import WEIGHTS_FILE, read_eyas_config
+        from eyas.drafter.layouts import WEIGHTS_FILE
+        from eyas.drafter.reader import read_eyas_config
 
         path = Path(path)
         w_file = path / WEIGHTS_FILE

@@ -1,6 +1,6 @@
 """`eyas export`: write any readable drafter in SGLang's or vLLM/speculators' serving layout.
 
-The layouts themselves (readers, writers, layer-id conversion) are eyas.drafter.layouts; this module
+The layouts themselves are eyas.drafter.layouts (layer-id conversion), .reader and .writer; this module
 adds what exporting needs on top: an atomic output directory, the verifier named for vLLM, and
 `eyas_export.json` (provenance, checksums, the layer ids in every convention).
 
@@ -25,14 +25,9 @@ from typing import Any
 
 import torch
 
-from eyas.drafter.layouts import (
-    CONVENTION,
-    ENGINES,
-    DraftCheckpoint,
-    engine_layer_ids,
-    read_drafter,
-    write_engine_layout,
-)
+from eyas.drafter.layouts import CONVENTION, ENGINES, DraftCheckpoint, engine_layer_ids
+from eyas.drafter.reader import read_drafter
+from eyas.drafter.writer import write_engine_layout
 from eyas.errors import EyasError
 
 FORMATS = ENGINES

@@ -49,10 +49,12 @@ def triton_unavailable(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _decode_split(Q, Kc, Vc, LEN, O, M, L, scale,  # noqa: E741 (O: the output, beside Q, M, L)
-                             s_qb, s_qh, s_kb, s_kh, s_ks, s_ob, s_oh, s_op, s_mb, s_mh,
-                             G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
-                             BN: tl.constexpr, IEEE: tl.constexpr):
+    def _decode_split(Q, Kc, Vc, LEN,
+                      O,  # noqa: E741 (the output, beside Q, M, L)
+                      M, L, scale,
+                      s_qb, s_qh, s_kb, s_kh, s_ks, s_ob, s_oh, s_op, s_mb, s_mh,
+                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
+                      BN: tl.constexpr, IEEE: tl.constexpr):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)

@@ -1,6 +1,6 @@
 """Speculative decoding: the drafter as a function, exact replay of greedy decoding, acceptance metrics.
 
-- drafters are read by eyas.drafter.layouts (any of the three layouts, one `DrafterConfig`, weights
+- drafters are read by eyas.drafter.reader (any of the three layouts, one `DrafterConfig`, weights
   keyed by SGLang's names, aux layer ids in eyas's convention).
 - `functional`: the EAGLE-3 draft step written over those weights (step-0 pass over target features,
   tree/chain expansion steps with a KV buffer and an ancestor mask).

@@ -149,9 +149,8 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.defaults import resolve_target
     from eyas.specdec.generate import context_length, eos_ids_of, load_prompts
     from eyas.specdec.run import load_drafter_for
-    from eyas.specdec.speculative import DecodeStats, SpeculativeDecoder, stats_summary
-    from eyas.specdec.speculative_batched import BatchedSpeculativeDecoder
-    from eyas.specdec.speculative_static import MIN_CAPACITY, StaticSpeculativeDecoder
+    from eyas.specdec.speculative import DecodeStats
+    from eyas.specdec.speculative_static import MIN_CAPACITY
     from eyas.target import check_drafter_target, load_target, load_tokenizer, tokenizer_hash
 
     tree = cfg.tree()
@@ -161,7 +160,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     from eyas.specdec.run import cpu_sized
 
     warn_gpu_sized(cfg, device, command="generate", shorter=cpu_sized(len(convs)))
-    from eyas.drafter.layouts import check_drafter_dir
+    from eyas.drafter.reader import check_drafter_dir
 
     check_drafter_dir(cfg.drafter)  # and a drafter folder eval could not read
     t0 = time.perf_counter()
@@ -194,17 +193,9 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         capacity = min(max_len, max(need, 2 * capacity, MIN_CAPACITY))
         # the static and batched engines preallocate (and, on CUDA, capture their graphs for) this
         # capacity: a rebuild costs a capture, hence the doubling
-        if batched:
-            def make(d, t, ids):
-                return BatchedSpeculativeDecoder(target, d, tree=t, layer_ids=ids, max_len=capacity, eos_ids=eos, batch=rows)
-        else:
-            cls = StaticSpeculativeDecoder if engine == "static" else SpeculativeDecoder
-
-            def make(d, t, ids):
-                return cls(target, d, tree=t, layer_ids=ids, max_len=capacity, eos_ids=eos, temperature=cfg.temperature,
-                           seed=cfg.seed)
-        spec = make(drafter, tree, layer_ids)
-        plain = make(None, None, []) if cfg.baseline else None
+        spec = _decoder(cfg, target, drafter, tree, layer_ids, engine=engine, rows=rows, capacity=capacity, eos=eos)
+        plain = _decoder(cfg, target, None, None, [], engine=engine, rows=rows, capacity=capacity,
+                         eos=eos) if cfg.baseline else None
 
     def decode(dec, group: list[list[int]], max_new: int):
         """-> (outputs, stats of the group, accepted counts per output); batch 1 goes through the batch-1 engines."""
@@ -262,6 +253,34 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
                 bar.update(1)
     bar.close()
 
+    summary = _summary(cfg, tree=tree, engine=engine, batched=batched, batches=batches, records=records, spec=spec,
+                       spec_total=spec_total, base_total=base_total, mismatches=mismatches, load_s=load_s,
+                       device=device, dtype=dtype)
+    return summary, records
+
+
+def _decoder(cfg: GenerateConfig, target, drafter, tree: TreeConfig | None, layer_ids: list[int], *, engine: str,
+             rows: int, capacity: int, eos):
+    """A decoder of the run's engine with caches of `capacity` tokens: batched (`rows` rows) when --batch-size > 1,
+    else the batch-1 `engine`; the drafter None decodes target-only."""
+    from eyas.specdec.speculative import SpeculativeDecoder
+    from eyas.specdec.speculative_batched import BatchedSpeculativeDecoder
+    from eyas.specdec.speculative_static import StaticSpeculativeDecoder
+
+    if cfg.batch_size > 1:
+        return BatchedSpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity,
+                                         eos_ids=eos, batch=rows)
+    cls = StaticSpeculativeDecoder if engine == "static" else SpeculativeDecoder
+    return cls(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos,
+               temperature=cfg.temperature, seed=cfg.seed)
+
+
+def _summary(cfg: GenerateConfig, *, tree: TreeConfig, engine: str, batched: bool, batches: int,
+             records: list[dict[str, Any]], spec, spec_total, base_total, mismatches: int, load_s: float, device,
+             dtype) -> dict[str, Any]:
+    """The run's summary from the decoders' summed stats (both runs' rates, tau, the speed-up), logged."""
+    from eyas.specdec.speculative import stats_summary
+
     s = stats_summary(spec_total, depth=tree.depth, drafted_per_round=tree.tokens)
     summary: dict[str, Any] = {
         "schema": SCHEMA,
@@ -299,7 +318,7 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     log(f"generate: {summary['generated_tokens']} tokens, {summary['tokens_per_s'] or 0:.1f} tokens/s"
         + (f" vs {summary['baseline_tokens_per_s'] or 0:.1f} target-only (x{summary['speedup'] or 0:.2f})" if cfg.baseline else "")
         + (f", tau {tau:.3f}" if tau is not None else ", no drafting rounds"))
-    return summary, records
+    return summary
 
 
 RECORD_KEYS = ("id", "turn", "generated_ids", "accepted")

@@ -111,7 +111,7 @@ def _sync(device: torch.device) -> None:
 
 def load_drafter_for(target, drafter_dir: Path, *, device, dtype):
     """(checkpoint, FunctionalDrafter) after checking the drafter against the target."""
-    from eyas.drafter.layouts import check_against_target, read_drafter
+    from eyas.drafter.reader import check_against_target, read_drafter
     from eyas.specdec.functional import FunctionalDrafter
     from eyas.target import num_layers_of
 
@@ -190,7 +190,7 @@ def mode_summary(name: str, tree: TreeConfig, rounds: list[list[int]], seqs) -> 
 def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run everything; returns (report, per-sequence records). Writes nothing."""
     from eyas.defaults import resolve_target
-    from eyas.drafter.layouts import check_drafter_dir
+    from eyas.drafter.reader import check_drafter_dir
     from eyas.specdec.generate import generate_conversations, load_prompts
     from eyas.target import (
         CONVENTION,

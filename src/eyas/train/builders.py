@@ -258,7 +258,7 @@ class Batches:
 
 
 def build_batches(cfg, d, lengths: list[int], n_train: int) -> Batches:
-    from eyas.train.data import Plan, TokenPlan
+    from eyas.train.plans import Plan, TokenPlan
 
     dev = d.device
     tokens_per_batch = cfg.tokens_per_batch or (default_tokens_per_batch(dev)

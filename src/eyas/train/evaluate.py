@@ -12,8 +12,10 @@ import torch
 def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch: int, device) -> dict[str, Any]:
     """Per-step top-1 accuracy, loss and simulated acceptance length on the eval source (sharded by
     rank, packed into rows of at most `tokens_per_batch` tokens)."""
-    from eyas.train.data import StoreSource, _packed_to, cut_by_tokens, online_packed, store_packed
+    from eyas.train.batches import _packed_to, online_packed, store_packed
+    from eyas.train.data import StoreSource
     from eyas.train.dist import all_reduce_sum
+    from eyas.train.plans import cut_by_tokens
 
     was = module.training
     module.eval()

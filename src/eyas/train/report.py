@@ -40,7 +40,7 @@ class Reporter:
         line; True when a process asked to stop. `waited`: seconds the host already waited for them (a deferred
         read's copies); the record's `host_wait_s` adds the wait here (well above 0: the GPU bounds the step; near 0
         the host did not wait here, as when it waits in kernel launches behind a full GPU queue instead)."""
-        from eyas.train.data import target_seconds
+        from eyas.train.prefetch import target_seconds
 
         K, total = self.K, self.total
         ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]

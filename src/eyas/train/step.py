@@ -17,8 +17,9 @@ from eyas.errors import Interrupted
 from eyas.packing import to_device
 from eyas.train import checkpoint as ck, dist as dd
 from eyas.train.builders import start_state_cache
-from eyas.train.data import HostCopies, OnlineSource, PackedPrefetcher
+from eyas.train.data import OnlineSource
 from eyas.train.evaluate import dummy_item, evaluate
+from eyas.train.prefetch import HostCopies, PackedPrefetcher
 from eyas.train.report import Reporter
 from eyas.train.stop import StopRequest, continue_hint, start_compile_workers_shielded
 
