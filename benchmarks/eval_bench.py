@@ -51,12 +51,13 @@ def random_drafter(target_dir: str, out: Path, *, seed: int) -> Path:
 
 def reference_check(cfg, records, report, n: int) -> dict:
     """Replay vs the real loop on the first n sequences, at the eval's device and dtype."""
+    from eyas.dtypes import resolve_device_dtype
     from eyas.specdec.generate import eos_ids_of
     from eyas.specdec.reference import reference_decode
-    from eyas.specdec.run import load_drafter_for, resolve_device
+    from eyas.specdec.run import load_drafter_for
     from eyas.target import load_target, load_tokenizer
 
-    device, dtype = resolve_device(cfg.device, cfg.model_dtype)
+    device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype)
     target = load_target(cfg.target, device=device, dtype=dtype)
     _, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     eos = eos_ids_of(target, load_tokenizer(cfg.target))
