@@ -1,0 +1,448 @@
+"""Run the recipe N times per arm on one H200 and tabulate MT-bench tau per run and per arm (issue 45).
+
+Arms (each a full `eyas pipeline recipes/smollm2-gpu.toml` from the same prepared data, `--set train.seed=N`):
+  default   the recipe as it is
+  muon      --set train.optimizer="muon" --set train.lr=2e-3
+  eagle31   the recipe through lab/variants/eagle31.py (EAGLE-3.1: fc_norm + norm_output, trained, evaluated and
+            exported as SGLang serves it)
+  steps     --set train.steps=<--more-steps> (more training, where the session's time allows)
+
+One device session, calls chained BACK TO BACK: the machine is given back about 30 s after a call ends, and
+everything on it (the staged target, every run) goes with it. A call runs at most 10 minutes, so the runs go
+detached (setsid) and `wait` polls. The device commands use `python3` from the repository root.
+
+  here:    python lab/scripts/serve_live.py stage       (.stage/serve-a and -b: the target's GGUF in halves, MT-bench,
+                                                         the chats; each call carries at most 64 MiB)
+  device:  serve_live.py a               carry .stage/serve-a
+           serve_live.py b --no-recipe   carry .stage/serve-b   (the target converted, the chats unpacked)
+           recipe_arms.py start --seeds 1 --arms default,eagle31 [--set section.key=value ...] [--parallel P]
+                                         (detached: regenerate + prepare once into arms/base, then every run in its
+                                         own workdir seeded with base's regenerate/ and prepared/, seed-major: all
+                                         arms of one seed before the next seed)
+           recipe_arms.py wait --timeout 540              (polls, prints the table; repeat, back to back)
+           recipe_arms.py wait --timeout 480 --collect    ($OUT: arms.json, arms.txt, arms.tgz of logs and
+                                                          reports; the last call of the session)
+  here:    python lab/scripts/recipe_arms.py table FILE [FILE ...]   (one table over several sessions' arms.json)
+  device:  recipe_arms.py stop           (ends the driver's process group, by the id `start` recorded)
+
+Plan the device minutes: a session's machine goes back after 30 minutes held, its start included; staging,
+the regeneration and prepare take a few minutes, and one full training plus eval most of a quarter hour
+(recipes/README.md and the ledger give the recipe's wall time). So a session fits about two full runs: three seeds
+of two arms take three sessions (seed 1, then `--seeds 2`, then `--seeds 3`; the greedy regeneration is redone each
+time), or shorten every arm alike with `--set train.steps=...`. `--parallel 2` trains two runs at once on the one
+GPU (the table's tok/s shows whether they slow each other down; GPU memory holds each online run's state cache).
+Runs still going when the session ends are lost; `wait --collect` reports the finished ones.
+
+Reusing one regeneration: `eyas pipeline` skips a stage whose stage.json records `complete` with the same
+fingerprint (the stage's options, paths the pipeline fills excluded, plus its input's fingerprint) and whose
+output is there. Every run gets the same options for regenerate and prepare, so the copies of base's stage
+folders (regenerate/ without its run/ folder, which only a rerun would read; prepared/ whole) are SKIPPED and
+each run starts at train. An arm may only change train, eval or export options.
+
+The eagle31 runs' exports (arms/eagle31-sN/export/sglang) carry the variant's config keys and norms; the unpatched
+eyas refuses them, so anything that evaluates them goes through the variant too
+(`python3 lab/variants/eagle31.py eval --drafter DIR ...`); SGLang itself reads them as they are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tarfile
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RECIPE = REPO / "recipes" / "smollm2-gpu.toml"
+VARIANT = REPO / "lab" / "variants" / "eagle31.py"
+DEFAULT_ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))  # serve_live.py's ROOT
+ARMS = {  # arm -> (runner, --set values); `steps` gets train.steps from --more-steps
+    "default": ("eyas", []),
+    "muon": ("eyas", ['train.optimizer="muon"', "train.lr=2e-3"]),
+    "eagle31": ("eagle31", []),
+    "steps": ("eyas", []),
+}
+MORE_STEPS = 3600
+SHARED_STAGES = ("regenerate", "prepared")
+
+
+def log(msg: str) -> None:
+    print(f"[recipe_arms {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def paths(root: Path) -> dict[str, Path]:
+    """serve_live.py's staging (s: chats and MT-bench, smol: the target) and this script's folders."""
+    return {"s": root / "s", "smol": root / "smol", "q": root / "q", "w": root / "arms"}
+
+
+def env() -> dict[str, str]:
+    pp = os.environ.get("PYTHONPATH")
+    return {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep + pp if pp else ''}", "PYTHONUNBUFFERED": "1"}
+
+
+# ----------------------------------------------------------------------------- what a run is
+
+
+def arm_sets(arm: str, *, more_steps: int = MORE_STEPS) -> list[str]:
+    if arm not in ARMS:
+        raise SystemExit(f"arm {arm!r}: expected some of {', '.join(ARMS)}")
+    sets = list(ARMS[arm][1])
+    if arm == "steps":
+        sets.append(f"train.steps={more_steps}")
+    bad = [s for s in sets if not s.startswith(("train.", "eval.", "export."))]
+    if bad:
+        raise SystemExit(f"arm {arm}: {bad} would rerun the shared regeneration or prepare")
+    return sets
+
+
+def common_sets(a) -> list[str]:
+    """The --set values every pipeline of the session gets (the base's too: they decide its fingerprints)."""
+    out = []
+    if a.target:
+        out.append(f"target={json.dumps(str(a.target))}")
+    if a.source:
+        out.append(f"regenerate.source={json.dumps(str(a.source))}")
+    if a.prompts:
+        out.append(f"eval.prompts={json.dumps(str(a.prompts))}")
+    return out + list(a.set or [])
+
+
+def pipeline_command(runner: str, recipe: Path, workdir: Path, sets: list[str], *, until: str | None = None) -> list[str]:
+    head = [sys.executable, str(VARIANT)] if runner == "eagle31" else [sys.executable, "-m", "eyas"]
+    cmd = [*head, "pipeline", str(recipe), "--workdir", str(workdir)]
+    if until:
+        cmd += ["--until", until]
+    for s in sets:
+        cmd += ["--set", s]
+    return cmd
+
+
+def plan(arms: list[str], seeds: list[int]) -> list[tuple[str, int]]:
+    """Seed-major: every arm of one seed before any arm of the next (a session cut short still pairs the arms)."""
+    return [(arm, seed) for seed in seeds for arm in arms]
+
+
+def run_name(arm: str, seed: int) -> str:
+    return f"{arm}-s{seed}"
+
+
+def seed_workdir(base: Path, run: Path) -> None:
+    """Copy base's finished regenerate/ and prepared/ stage folders into the run's workdir (once): the run's
+    pipeline then skips both. regenerate/run (the whole regeneration) stays behind: a skipped stage never reads it."""
+    run.mkdir(parents=True, exist_ok=True)
+    for stage in SHARED_STAGES:
+        src, dst = base / stage, run / stage
+        if not (src / "stage.json").is_file():
+            raise SystemExit(f"{src}: no stage.json; run the base pipeline (--until prepare) first")
+        if (dst / "stage.json").is_file():
+            continue
+        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("run") if stage == "regenerate" else None,
+                        dirs_exist_ok=True)
+
+
+# ----------------------------------------------------------------------------- the driver (detached)
+
+
+def run_logged(cmd: list[str], log_file: Path) -> int:
+    log(f"$ {' '.join(cmd)}  (log {log_file})")
+    with open(log_file, "w") as f:
+        return subprocess.run(cmd, env=env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                              stdin=subprocess.DEVNULL, check=False).returncode
+
+
+def one_run(a, arm: str, seed: int, base: Path, w: Path) -> dict[str, Any]:
+    name = run_name(arm, seed)
+    run = w / name
+    seed_workdir(base, run)
+    sets = [*common_sets(a), f"train.seed={seed}", *arm_sets(arm, more_steps=a.more_steps)]
+    cmd = pipeline_command(ARMS[arm][0], Path(a.recipe), run, sets)
+    rec = {"name": name, "arm": arm, "seed": seed, "command": cmd, "started": time.time()}
+    (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
+    rc = run_logged(cmd, w / f"{name}.log")
+    rec.update(rc=rc, seconds=round(time.time() - rec["started"], 1))
+    (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
+    log(f"{name}: exit {rc} after {rec['seconds']} s")
+    return rec
+
+
+def drive(a) -> int:
+    w = paths(Path(a.root))["w"]
+    w.mkdir(parents=True, exist_ok=True)
+    base = w / "base"
+    rc = run_logged(pipeline_command("eyas", Path(a.recipe), base, common_sets(a), until="prepare"), w / "base.log")
+    if rc:
+        log(f"the base pipeline (regenerate + prepare) failed with exit {rc}: {w / 'base.log'}")
+        return rc
+    runs = plan(a.arms, a.seeds)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
+        recs = list(pool.map(lambda r: one_run(a, r[0], r[1], base, w), runs))
+    print(format_table(gather(w)))
+    return int(any(r["rc"] for r in recs))
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def variant_check(run: Path) -> str | None:
+    """For the eagle31 arm: whether the trained drafter and the SGLang export carry the variant."""
+    try:
+        drafter = json.loads((run / "train" / "drafter" / "config.json").read_text())
+        export = json.loads((run / "export" / "sglang" / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    ok = (drafter.get("lab_variant") or {}).get("name") == "eagle31" and export.get("fc_norm") is True \
+        and export.get("norm_output") is True
+    return "ok" if ok else "MISSING"
+
+
+def progress(run: Path) -> str:
+    """Where an unfinished run is: the last stage record that says running, or the training's last step."""
+    metrics = run / "train" / "metrics.jsonl"
+    if metrics.is_file():
+        lines = metrics.read_text().strip().splitlines()
+        for line in reversed(lines):
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if "step" in rec:
+                return f"train step {rec['step']}"
+    return "started"
+
+
+def gather(w: Path) -> list[dict[str, Any]]:
+    """Every run under `w` that the driver started: its arm, seed, exit and figures (None until it finished)."""
+    out = []
+    for arm_file in sorted(w.glob("*/arm.json")):
+        run = arm_file.parent
+        rec = json.loads(arm_file.read_text())
+        row = {k: rec.get(k) for k in ("name", "arm", "seed", "rc", "seconds")}
+        pj = run / "pipeline.json"
+        if pj.is_file() and rec.get("rc") == 0:
+            p = json.loads(pj.read_text())
+            tr, ev = p["stages"].get("train", {}), p["stages"].get("eval", {})
+            row.update(tau_chain=p.get("tau_chain"), tau_tree=p.get("tau_tree"), train_s=tr.get("seconds"),
+                       steps=tr.get("steps"), tokens_per_s=tr.get("tokens_per_s"),
+                       heldout_tau=tr.get("heldout_tau_simulated"), eval_s=ev.get("seconds"),
+                       skipped=[s for s, r in p["stages"].items() if r.get("status") == "skipped"])
+            if rec["arm"] == "eagle31":
+                row["variant"] = variant_check(run)
+        else:
+            row["progress"] = "failed" if rec.get("rc") else progress(run)
+        out.append(row)
+    return out
+
+
+def _num(x, digits=4) -> str:
+    return f"{x:.{digits}f}" if isinstance(x, (int, float)) else "-"
+
+
+def arm_stats(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Per arm: n finished runs, mean, sample standard deviation and range of tau chain and tree."""
+    out: dict[str, dict[str, Any]] = {}
+    for arm in dict.fromkeys(r["arm"] for r in runs):
+        done = [r for r in runs if r["arm"] == arm and r.get("tau_chain") is not None]
+        st: dict[str, Any] = {"n": len(done)}
+        for key in ("tau_chain", "tau_tree"):
+            xs = [float(r[key]) for r in done]
+            st[key] = {"mean": statistics.fmean(xs) if xs else None,
+                       "sd": statistics.stdev(xs) if len(xs) > 1 else None,
+                       "min": min(xs) if xs else None, "max": max(xs) if xs else None}
+        out[arm] = st
+    return out
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    lines = [f"{'run':<16} {'tau chain':>9} {'tau tree':>9} {'steps':>6} {'train s':>8} {'tok/s':>9} "
+             f"{'held-out':>8}  note"]
+    for r in runs:
+        note = r.get("progress") or ("variant " + r["variant"] if r.get("variant") else "")
+        if r.get("skipped") and set(r["skipped"]) != {"regenerate", "prepare"}:
+            note += f" skipped {r['skipped']}"
+        lines.append(f"{r['name']:<16} {_num(r.get('tau_chain')):>9} {_num(r.get('tau_tree')):>9} "
+                     f"{r.get('steps') or '-':>6} {_num(r.get('train_s'), 0):>8} {_num(r.get('tokens_per_s'), 0):>9} "
+                     f"{_num(r.get('heldout_tau'), 3):>8}  {note}")
+    stats = arm_stats(runs)
+    ref = stats.get("default", {})
+    lines.append("")
+    lines.append(f"{'arm':<10} {'n':>2}  {'chain mean':>10} {'sd':>7} {'range':>15}  {'tree mean':>10} {'sd':>7} "
+                 f"{'range':>15}  vs default (chain / tree)")
+    for arm, st in stats.items():
+        cells = []
+        for key in ("tau_chain", "tau_tree"):
+            s = st[key]
+            rng = f"{_num(s['min'])}..{_num(s['max'])}" if s["min"] is not None else "-"
+            cells.append(f"{_num(s['mean']):>10} {_num(s['sd']):>7} {rng:>15}")
+        diff = "-"
+        if arm != "default" and st["n"] and ref.get("n"):
+            diff = " / ".join(f"{st[k]['mean'] - ref[k]['mean']:+.4f}" for k in ("tau_chain", "tau_tree"))
+        lines.append(f"{arm:<10} {st['n']:>2}  {cells[0]}  {cells[1]}  {diff}")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- commands
+
+
+def start(a) -> None:
+    p = paths(Path(a.root))
+    q = p["q"]
+    q.mkdir(parents=True, exist_ok=True)
+    pid_file, rc_file = q / "arms.pid", q / "arms.rc"
+    if pid_file.exists() and not rc_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), 0)
+            raise SystemExit(f"a driver is running (process group {pid_file.read_text().strip()}): wait or stop it")
+        except ProcessLookupError:
+            pass
+    rc_file.unlink(missing_ok=True)
+    cmd = [sys.executable, __file__, "drive", "--root", str(a.root), "--recipe", str(a.recipe),
+           "--arms", ",".join(a.arms), "--seeds", ",".join(map(str, a.seeds)), "--parallel", str(a.parallel),
+           "--more-steps", str(a.more_steps)]
+    for opt in ("target", "source", "prompts"):
+        cmd += [f"--{opt}", str(getattr(a, opt) or "")]
+    for s in a.set or []:
+        cmd += ["--set", s]
+    line = " ".join(f"'{c}'" for c in cmd)
+    proc = subprocess.Popen(["bash", "-c", f"{line} > {q}/arms.log 2>&1; echo $? > {rc_file}"], env=env(),
+                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)  # setsid: outlives this call
+    pid_file.write_text(str(proc.pid))
+    log(f"driver started detached (process group {proc.pid}): {line}")
+    print(json.dumps({"phase": "start", "runs": [run_name(x, s) for x, s in plan(a.arms, a.seeds)],
+                      "pgid": proc.pid}))
+
+
+def wait(a) -> None:
+    p = paths(Path(a.root))
+    rc_file, t0 = p["q"] / "arms.rc", time.time()
+    while time.time() - t0 < a.timeout and not rc_file.exists():
+        time.sleep(10)
+    log_file = p["q"] / "arms.log"
+    print(log_file.read_text()[-a.tail:] if log_file.exists() else "(no driver log)")
+    runs = gather(p["w"])
+    table = format_table(runs)
+    print(table)
+    done = rc_file.exists()
+    print(json.dumps({"phase": "wait", "done": done, "rc": rc_file.read_text().strip() if done else None,
+                      "waited_s": round(time.time() - t0), "finished": sum(r.get("tau_chain") is not None for r in runs),
+                      "runs": len(runs)}))
+    if a.collect:
+        collect(p, runs, table)
+
+
+def collect(p: dict[str, Path], runs: list[dict[str, Any]], table: str) -> None:
+    out = Path(os.environ.get("OUT", "/tmp/out"))
+    out.mkdir(parents=True, exist_ok=True)
+    try:  # (the device's copy of the tree may have no .git)
+        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=30).stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        commit = ""
+    doc = {"schema": "lab.recipe_arms/1", "commit": commit or None, "device": gpu_name(), "runs": runs,
+           "arms": arm_stats(runs)}
+    (out / "arms.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (out / "arms.txt").write_text(table + "\n")
+    w = p["w"]
+    keep = ("pipeline.json", "arm.json", "stage.json", "report.json", "metrics.jsonl", "config.json",
+            "eyas_export.json")
+    with tarfile.open(out / "arms.tgz", "w:gz") as tar:
+        for f in sorted(w.rglob("*")):
+            rel = f.relative_to(w)
+            if f.is_file() and (f.suffix == ".log" or f.name in keep) and not set(rel.parts) & {
+                    "regenerate", "prepared", "checkpoints"}:
+                tar.add(f, arcname=str(rel))
+        if (p["q"] / "arms.log").is_file():
+            tar.add(p["q"] / "arms.log", arcname="arms.log")
+    log(f"collected into {out}: " + ", ".join(sorted(x.name for x in out.iterdir())))
+
+
+def gpu_name() -> str | None:
+    try:
+        res = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return res.stdout.strip() or None
+
+
+def stop(a) -> None:
+    pid_file = paths(Path(a.root))["q"] / "arms.pid"
+    if not pid_file.exists():
+        raise SystemExit("no driver was started here")
+    pgid = int(pid_file.read_text())
+    try:
+        os.killpg(pgid, signal.SIGTERM)
+        log(f"sent SIGTERM to the driver's process group {pgid}")
+    except ProcessLookupError:
+        log(f"process group {pgid} has already ended")
+
+
+def table(a) -> None:
+    runs = []
+    for i, f in enumerate(a.files):
+        doc = json.loads(Path(f).read_text())
+        for r in doc["runs"]:
+            runs.append({**r, "name": f"{r['name']}" if len(a.files) == 1 else f"{i + 1}:{r['name']}"})
+    print(format_table(runs))
+    print(json.dumps({"arms": arm_stats(runs)}))
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def _arms(text: str) -> list[str]:
+    arms = [x for x in text.split(",") if x]
+    for arm in arms:
+        arm_sets(arm)
+    return arms
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="command", required=True)
+    for name in ("start", "drive"):
+        s = sub.add_parser(name, help="run the arms detached" if name == "start" else "(what start runs detached)")
+        s.add_argument("--arms", type=_arms, default=["default", "eagle31"], help="comma-separated: " + ", ".join(ARMS))
+        s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
+        s.add_argument("--parallel", type=int, default=1, help="runs training at once on the GPU")
+        s.add_argument("--more-steps", type=int, default=MORE_STEPS, help="train.steps of the `steps` arm")
+        s.add_argument("--set", action="append", default=[], help="section.key=value for every run (repeatable)")
+        s.add_argument("--recipe", default=str(RECIPE))
+        s.add_argument("--root", default=str(DEFAULT_ROOT))
+        s.add_argument("--target", default=None, help="default: serve_live's converted target (ROOT/smol); '' = the "
+                       "recipe's own")
+        s.add_argument("--source", default=None, help="regenerate.source; default: serve_live's staged chats "
+                       "(ROOT/s/chats_all.jsonl); '' = the recipe's own")
+        s.add_argument("--prompts", default=None, help="eval.prompts; default: serve_live's staged MT-bench "
+                       "(ROOT/s/question.jsonl); '' = the recipe's own")
+    w = sub.add_parser("wait")
+    w.add_argument("--timeout", type=float, default=540)
+    w.add_argument("--tail", type=int, default=2000)
+    w.add_argument("--collect", action="store_true")
+    w.add_argument("--root", default=str(DEFAULT_ROOT))
+    st = sub.add_parser("stop")
+    st.add_argument("--root", default=str(DEFAULT_ROOT))
+    t = sub.add_parser("table")
+    t.add_argument("files", nargs="+")
+    a = ap.parse_args(argv)
+    if a.command in ("start", "drive"):
+        p = paths(Path(a.root))
+        a.target = a.target if a.target is not None else p["smol"]
+        a.source = a.source if a.source is not None else p["s"] / "chats_all.jsonl"
+        a.prompts = a.prompts if a.prompts is not None else p["s"] / "question.jsonl"
+    if a.command == "drive":
+        raise SystemExit(drive(a))
+    {"start": start, "wait": wait, "stop": stop, "table": table}[a.command](a)
+
+
+if __name__ == "__main__":
+    main()

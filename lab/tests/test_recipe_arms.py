@@ -1,0 +1,133 @@
+"""lab/scripts/recipe_arms.py: the arms' command lines, the seeding of each run's workdir, the table, and one
+detached session on the CPU smoke recipe (start -> wait --collect) with the default and eagle31 arms."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from lab.tests.conftest import REPO, load_script
+
+ra = load_script("recipe_arms")
+SMOKE = REPO / "recipes" / "smollm2-cpu-smoke.toml"
+
+
+def test_runs_are_seed_major_and_each_arm_changes_only_training():
+    assert ra.plan(["default", "eagle31"], [1, 2]) == [("default", 1), ("eagle31", 1), ("default", 2), ("eagle31", 2)]
+    assert ra.arm_sets("default") == [] and ra.arm_sets("eagle31") == []
+    assert ra.arm_sets("muon") == ['train.optimizer="muon"', "train.lr=2e-3"]
+    assert ra.arm_sets("steps", more_steps=3000) == ["train.steps=3000"]
+    with pytest.raises(SystemExit, match="arm 'fast'"):
+        ra.arm_sets("fast")
+    eyas = ra.pipeline_command("eyas", SMOKE, Path("w"), ["train.seed=2"], until="prepare")
+    assert eyas == [sys.executable, "-m", "eyas", "pipeline", str(SMOKE), "--workdir", "w", "--until", "prepare",
+                    "--set", "train.seed=2"]
+    variant = ra.pipeline_command("eagle31", SMOKE, Path("w"), [])
+    assert variant[:3] == [sys.executable, str(REPO / "lab" / "variants" / "eagle31.py"), "pipeline"]
+    a = ra.main.__globals__["argparse"].Namespace(target="/t", source="", prompts="/p.jsonl", set=["train.steps=5"])
+    assert ra.common_sets(a) == ['target="/t"', 'eval.prompts="/p.jsonl"', "train.steps=5"]
+
+
+def test_arm_sets_that_touch_shared_stages_are_refused(monkeypatch):
+    monkeypatch.setitem(ra.ARMS, "odd", ("eyas", ["prepare.max_length=64"]))
+    with pytest.raises(SystemExit, match="shared regeneration or prepare"):
+        ra.arm_sets("odd")
+
+
+def test_seed_workdir_copies_the_stage_folders_once_without_the_regeneration(tmp_path):
+    base, run = tmp_path / "base", tmp_path / "run"
+    with pytest.raises(SystemExit, match="no stage.json"):
+        ra.seed_workdir(base, run)
+    for stage in ("regenerate", "prepared"):
+        (base / stage).mkdir(parents=True)
+        (base / stage / "stage.json").write_text("{}")
+    (base / "regenerate" / "chats.jsonl").write_text("x")
+    (base / "regenerate" / "run").mkdir()
+    (base / "regenerate" / "run" / "chats.jsonl").write_text("everything")
+    (base / "prepared" / "train.bin").write_text("t")
+    ra.seed_workdir(base, run)
+    assert (run / "regenerate" / "chats.jsonl").read_text() == "x" and not (run / "regenerate" / "run").exists()
+    assert (run / "prepared" / "train.bin").read_text() == "t"
+    (run / "prepared" / "train.bin").write_text("mine")
+    ra.seed_workdir(base, run)  # already seeded: left as it is
+    assert (run / "prepared" / "train.bin").read_text() == "mine"
+
+
+def _fake_run(w: Path, arm: str, seed: int, *, rc=0, chain=None, tree=None, variant=True):
+    run = w / ra.run_name(arm, seed)
+    run.mkdir(parents=True)
+    (run / "arm.json").write_text(json.dumps({"name": run.name, "arm": arm, "seed": seed, "rc": rc, "seconds": 9.0}))
+    if chain is not None:
+        stages = {"regenerate": {"status": "skipped"}, "prepare": {"status": "skipped"},
+                  "train": {"status": "ran", "seconds": 600.0, "steps": 2400, "tokens_per_s": 250000.0,
+                            "heldout_tau_simulated": 2.4},
+                  "eval": {"status": "ran", "seconds": 60.0}, "export": {"status": "ran"}}
+        (run / "pipeline.json").write_text(json.dumps({"tau_chain": chain, "tau_tree": tree, "stages": stages}))
+        if arm == "eagle31":
+            (run / "train" / "drafter").mkdir(parents=True)
+            (run / "export" / "sglang").mkdir(parents=True)
+            (run / "train" / "drafter" / "config.json").write_text(json.dumps({"lab_variant": {"name": "eagle31"}}))
+            (run / "export" / "sglang" / "config.json").write_text(json.dumps({"fc_norm": variant, "norm_output": True}))
+    elif rc is None:
+        (run / "train").mkdir()
+        (run / "train" / "metrics.jsonl").write_text(json.dumps({"step": 120, "loss": 3.0}) + "\n")
+
+
+def test_table_reports_each_run_and_each_arms_mean_and_spread(tmp_path):
+    w = tmp_path / "arms"
+    _fake_run(w, "default", 1, chain=2.5, tree=3.5)
+    _fake_run(w, "default", 2, chain=2.7, tree=3.7)
+    _fake_run(w, "eagle31", 1, chain=2.8, tree=3.9)
+    _fake_run(w, "eagle31", 2, chain=2.6, tree=3.5, variant=False)
+    _fake_run(w, "muon", 1, rc=None)
+    _fake_run(w, "steps", 1, rc=2)
+    runs = ra.gather(w)
+    by = {r["name"]: r for r in runs}
+    assert by["eagle31-s1"]["variant"] == "ok" and by["eagle31-s2"]["variant"] == "MISSING"
+    assert by["muon-s1"]["progress"] == "train step 120" and by["steps-s1"]["progress"] == "failed"
+    stats = ra.arm_stats(runs)
+    assert stats["default"]["n"] == 2 and stats["default"]["tau_chain"]["mean"] == pytest.approx(2.6)
+    assert stats["default"]["tau_chain"]["sd"] == pytest.approx(0.1414, abs=1e-4)
+    assert stats["eagle31"]["tau_tree"]["mean"] == pytest.approx(3.7)
+    assert stats["muon"]["n"] == 0 and stats["muon"]["tau_chain"]["mean"] is None
+    text = ra.format_table(runs)
+    assert "+0.1000 / +0.1000" in text and "variant MISSING" in text and "train step 120" in text
+
+    docs = []
+    for i, names in enumerate((["default-s1", "eagle31-s1"], ["default-s2", "eagle31-s2"])):
+        f = tmp_path / f"arms{i}.json"
+        f.write_text(json.dumps({"runs": [by[n] for n in names]}))
+        docs.append(str(f))
+    merged = ra.arm_stats([r for d in docs for r in json.loads(Path(d).read_text())["runs"]])
+    assert merged["eagle31"]["tau_chain"]["mean"] == pytest.approx(2.7)
+
+
+def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_target_dir, monkeypatch, capsys):
+    """start (detached) -> wait --collect: the base pipeline regenerates and prepares once; the default and eagle31
+    runs skip both, train, evaluate and export; the collected table and files are in $OUT."""
+    monkeypatch.setenv("OUT", str(tmp_path / "out"))
+    common = ["--root", str(tmp_path / "root"), "--recipe", str(SMOKE), "--target", str(tiny_target_dir),
+              "--source", "", "--prompts", "", "--set", "regenerate.limit=6", "--set", "regenerate.max_new_tokens=12",
+              "--set", "train.steps=2", "--set", "train.draft_vocab=256"]
+    ra.main(["start", "--arms", "default,eagle31", "--seeds", "4", *common])
+    with pytest.raises(SystemExit, match="a driver is running"):
+        ra.main(["start", "--arms", "default", *common])
+    ra.main(["wait", "--root", str(tmp_path / "root"), "--timeout", "500", "--collect"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["done"] and last["rc"] == "0" and last["finished"] == 2, last
+    doc = json.loads((tmp_path / "out" / "arms.json").read_text())
+    runs = {r["name"]: r for r in doc["runs"]}
+    assert set(runs) == {"default-s4", "eagle31-s4"}
+    for r in runs.values():
+        assert r["rc"] == 0 and r["tau_chain"] >= 1.0 and r["steps"] == 2 and sorted(r["skipped"]) == ["prepare", "regenerate"]
+    assert runs["eagle31-s4"]["variant"] == "ok" and "variant" not in runs["default-s4"]
+    assert "eagle31-s4" in (tmp_path / "out" / "arms.txt").read_text()
+    with tarfile.open(tmp_path / "out" / "arms.tgz") as tar:
+        names = tar.getnames()
+    assert "eagle31-s4.log" in names and "eagle31-s4/pipeline.json" in names
+    assert not [n for n in names if n.endswith(".safetensors")]
+    ra.main(["stop", "--root", str(tmp_path / "root")])  # the driver has ended: nothing to stop
