@@ -233,7 +233,7 @@ def test_every_eyas_path_computes_what_sglang_serves_from_the_export(variant, tm
     """Training (padded and packed unroll), the model's drafting steps and eval's decoding drafter read from the
     SGLang export give, step by step, the logits of SGLang's forward on that export (unpatched eyas: plain EAGLE-3,
     which calibrates the re-implementation); the variant's function differs from EAGLE-3's on the same weights."""
-    from eyas.drafter.layouts import read_drafter
+    from eyas.drafter.reader import read_drafter
     from eyas.specdec.functional import FunctionalDrafter
 
     ids, aux = inputs()
@@ -337,18 +337,18 @@ def test_exports_carry_the_config_keys_and_norm_weights_the_engines_read(variant
 
 def _patch_targets():
     from eyas import pipeline
-    from eyas.drafter import layouts
+    from eyas.drafter import reader, writer
     from eyas.drafter.model import Eagle3Drafter, MidLayer
     from eyas.drafter.ttt import unroll
     from eyas.specdec.functional import FunctionalDrafter
 
     owners = {"Eagle3Drafter": Eagle3Drafter, "MidLayer": MidLayer, "FunctionalDrafter": FunctionalDrafter,
-              "layouts": layouts, "unroll": unroll, "pipeline": pipeline}
+              "reader": reader, "writer": writer, "unroll": unroll, "pipeline": pipeline}
     names = {"Eagle3Drafter": ("__init__", "project_aux", "compute_logits"), "MidLayer": ("finish",),
              "FunctionalDrafter": ("fuse", "finish", "logits"), "unroll": ("normed_rows",),
              "pipeline": ("fingerprint",),
-             "layouts": ("canonical_weights", "check_shapes", "_eyas_config", "write_eyas", "_config_from_sglang",
-                         "_speculators_layer", "sglang_config", "vllm_config")}
+             "reader": ("canonical_weights", "check_shapes", "_eyas_config", "_config_from_sglang", "_speculators_layer"),
+             "writer": ("write_eyas", "sglang_config", "vllm_config")}
     return {(o, n): owners[o].__dict__[n] for o, ns in names.items() for n in ns}
 
 
@@ -357,7 +357,7 @@ def test_the_patch_is_undone_and_each_eyas_refuses_the_others_drafters(tmp_path)
     drafter is plain EAGLE-3; the unpatched eyas refuses the variant's drafters (unknown weights), the patched one
     refuses plain drafters and those of another variant; patches do not nest."""
     from eyas import pipeline
-    from eyas.drafter.layouts import read_drafter
+    from eyas.drafter.reader import read_drafter
 
     before = _patch_targets()
     plain_keys = set(make_drafter().state_dict())
@@ -403,7 +403,7 @@ def test_the_entry_point_trains_evaluates_and_exports_on_copied_stages(tmp_path,
     an unpatched base run: both are skipped, the variant trains (its norms move off their
     ones), eval reports a tau, and the exports carry the variant; the unpatched eyas refuses them."""
     from eyas.cli import app
-    from eyas.drafter.layouts import read_drafter
+    from eyas.drafter.reader import read_drafter
 
     sets = ["--set", f"target={json.dumps(str(tiny_target_dir))}", "--set", "regenerate.limit=6",
             "--set", "regenerate.max_new_tokens=12", "--set", "train.steps=2", "--set", "train.draft_vocab=256"]

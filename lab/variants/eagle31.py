@@ -151,7 +151,7 @@ def _patches(v: Variant):
     from torch import nn
 
     import eyas.pipeline as pipeline
-    from eyas.drafter import layouts
+    from eyas.drafter import reader, writer
     from eyas.drafter.model import Eagle3Drafter, MidLayer, RMSNorm, rms_norm
     from eyas.drafter.ttt import unroll
     from eyas.errors import EyasError
@@ -160,9 +160,10 @@ def _patches(v: Variant):
     orig = {name: getattr(Eagle3Drafter, name) for name in ("__init__", "project_aux")}
     f_orig = {name: getattr(FunctionalDrafter, name) for name in ("fuse", "finish")}
     mid_finish = MidLayer.finish
-    lay = {name: getattr(layouts, name) for name in ("canonical_weights", "check_shapes", "_eyas_config",
-                                                      "write_eyas", "_config_from_sglang", "_speculators_layer",
-                                                      "sglang_config", "vllm_config")}
+    owner = {name: reader for name in ("canonical_weights", "check_shapes", "_eyas_config", "_config_from_sglang",
+                                       "_speculators_layer")}
+    owner.update({name: writer for name in ("write_eyas", "sglang_config", "vllm_config")})
+    lay = {name: getattr(mod, name) for name, mod in owner.items()}
     fingerprint = pipeline.fingerprint
     mine = v.marker()
 
@@ -279,7 +280,7 @@ def _patches(v: Variant):
         out += [(MidLayer, "finish", finish), (Eagle3Drafter, "compute_logits", compute_logits),
                 (unroll, "normed_rows", rows), (FunctionalDrafter, "finish", f_finish),
                 (FunctionalDrafter, "logits", logits)]
-    out += [(layouts, name, fn) for name, fn in (
+    out += [(owner[name], name, fn) for name, fn in (
         ("canonical_weights", canonical_weights), ("check_shapes", check_shapes), ("_eyas_config", _eyas_config),
         ("write_eyas", write_eyas), ("_config_from_sglang", _config_from_sglang),
         ("_speculators_layer", _speculators_layer), ("sglang_config", sglang_config), ("vllm_config", vllm_config))]
