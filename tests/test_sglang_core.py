@@ -237,6 +237,16 @@ def test_all_finite_matches_isfinite(dtype):
         y[13, 4] = bad
         assert not core.all_finite(y) and not bool(torch.isfinite(y).all())
     assert core.all_finite(torch.tensor([65504.0], dtype=dtype))  # largest fp16, finite everywhere
+    # one bad value anywhere in a tensor as large as a sample (vectorised and threaded reductions, their tails)
+    big = torch.randn(700, 4, 576).to(dtype)
+    flat = big.view(-1)
+    for i in (0, 1, 7, 8, 15, 16, 31, 32767, 32768, 65535, flat.numel() // 2, flat.numel() - 2, flat.numel() - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            saved = flat[i].clone()
+            flat[i] = bad
+            assert not core.all_finite(big) and not core.all_finite(big.transpose(0, 1)), (i, bad)  # contiguous or not
+            flat[i] = saved
+    assert core.all_finite(big) and core.all_finite(torch.empty(0, 4, dtype=dtype))
 
 
 def test_completed_samples_never_alias_the_servers_buffers():

@@ -351,16 +351,13 @@ class CaptureCore:
 # ----------------------------------------------------------------------------- dumps on disk
 
 
-_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-                  torch.float32: (torch.int32, 0x7F800000)}
-
-
 def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/Inf: an all-ones exponent, tested on the integer bits (2x faster than isfinite on CPU)."""
-    if t.dtype in _EXPONENT_BITS and t.is_contiguous():
-        itype, mask = _EXPONENT_BITS[t.dtype]
-        return bool(((t.view(itype) & mask) != mask).all())
-    return bool(torch.isfinite(t).all())
+    """No NaN/Inf. torch's min and max propagate NaN and an Inf is the min or the max, so one aminmax
+    pass decides, without the elementwise temporaries of isfinite (the client checks every sample)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _dtype_name(t: torch.Tensor) -> str:
