@@ -80,6 +80,67 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     assert any(p > 0 for f in forwards for p in f["extend_prefix_lens"])
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
     assert list((tmp_path / "dumps").iterdir()) == []  # every dump deleted once ingested
+    # the loop's own rate leaves out the set-up, and the summary says where the loop's time went
+    assert 0 < out["loop_s"] < out["elapsed_s"] and out["loop_tokens_per_s"] > out["tokens_per_s"]
+    assert sorted(out["seconds_summed"]) == ["check", "dump", "ingest", "request"]
+    assert all(v > 0 for v in out["seconds_summed"].values())
+
+
+def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, prepared, tmp_path, monkeypatch):
+    # With 2 slots, a dump wait that lasts until a third request is answered ends only if the samples
+    # waiting for dumps gave their slots to the next ones; the server never has more than 2 requests.
+    from eyas.sglang import client
+
+    cond = threading.Condition()
+    st = {"at_server": 0, "most": 0, "answered": 0, "stuck": 0}
+    real_http, real_wait = client.http_json, client.wait_for_dump
+
+    def http(method, url, body=None, **kw):
+        if not url.endswith("/generate") or "probe" in body["rid"]:
+            return real_http(method, url, body, **kw)
+        with cond:
+            st["at_server"] += 1
+            st["most"] = max(st["most"], st["at_server"])
+        try:
+            return real_http(method, url, body, **kw)
+        finally:
+            with cond:
+                st["at_server"] -= 1
+                st["answered"] += 1
+                cond.notify_all()
+
+    def wait(dump_dir, rid, **kw):
+        if "probe" not in rid:
+            with cond:
+                st["stuck"] += not cond.wait_for(lambda: st["answered"] >= 3, timeout=20)
+        return real_wait(dump_dir, rid, **kw)
+
+    monkeypatch.setattr(client, "http_json", http)
+    monkeypatch.setattr(client, "wait_for_dump", wait)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=2, calibrate=0)
+    assert st["stuck"] == 0 and st["most"] == 2 and st["answered"] == len(LENGTHS)
+    assert out["captured"] == len(LENGTHS) and out["rejected_count"] == 0
+
+
+def test_wait_for_dump_never_pauses_long_between_looks(tmp_path):
+    # a dump lands milliseconds after the answer: however long it takes, the pause between looks stays short
+    from eyas.sglang.client import DUMP_POLL_S, wait_for_dump
+    from eyas.sglang.core import CaptureCore, ForwardInfo, make_rid, write_dump
+
+    rid = make_rid(3, "late")
+    sample = CaptureCore().observe(ForwardInfo(rids=[rid], extend_prefix_lens=[0], extend_seq_lens=[3],
+                                               aux=torch.zeros(3, 3, 4), final_TD=torch.zeros(3, 4)))[0]
+    pauses = []
+
+    def sleep(s):
+        pauses.append(s)
+        if len(pauses) == 50:
+            write_dump(tmp_path, sample, layer_ids=LAYERS)
+
+    d = wait_for_dump(tmp_path, rid, timeout=3600, sleep=sleep)
+    assert d is not None and d.status == "complete" and len(pauses) == 50
+    assert pauses[0] == DUMP_POLL_S[0] and max(pauses) == DUMP_POLL_S[1] <= 0.005
 
 
 def test_ingested_store_passes_eyas_verify(tiny_target_dir, prepared, tmp_path):
@@ -303,7 +364,7 @@ def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, tiny_model, prepa
 def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch):
     from eyas.store.writer import StoreWriter
 
-    real_add, calls = StoreWriter.add, []
+    real_add, calls = StoreWriter.add_stacked, []
 
     def crashing_add(self, *args, **kwargs):
         calls.append(args[0])
@@ -312,10 +373,10 @@ def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_
         return real_add(self, *args, **kwargs)
 
     with serve(tiny_target_dir, tmp_path) as srv:
-        monkeypatch.setattr(StoreWriter, "add", crashing_add)
+        monkeypatch.setattr(StoreWriter, "add_stacked", crashing_add)
         with pytest.raises(KeyboardInterrupt):
             capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
-        monkeypatch.setattr(StoreWriter, "add", real_add)
+        monkeypatch.setattr(StoreWriter, "add_stacked", real_add)
         assert list((tmp_path / "dumps").iterdir()) == []
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
     assert out["already_committed"] == 3 and out["captured"] == 5 and out["store_complete"]

@@ -169,19 +169,53 @@ def test_write_and_read_dump_round_trip_bf16(tmp_path):
 
 
 def test_failed_write_leaves_no_partial_dump(tmp_path, monkeypatch):
-    import safetensors.torch
+    import os
 
     a = truth(4, 13)
     s = CaptureCore().observe(pack([(make_rid(4, "f"), a, 0, 4)]))[0]
+    real_writev, calls = os.writev, []
 
-    def boom(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def full_disk(fd, buffers):  # the first call writes a little, the next finds the disk full
+        calls.append(len(buffers))
+        if len(calls) > 1:
+            raise OSError(28, "No space left on device")
+        return real_writev(fd, [bytes(buffers[0])[:5]])
 
-    monkeypatch.setattr(safetensors.torch, "save_file", boom)
+    monkeypatch.setattr(os, "writev", full_disk)
     w = DumpWriter(tmp_path, layer_ids=[1, 2, 3])
     w.submit([s])
-    assert w.written == 0 and "No space left" in w.errors[0]
+    assert len(calls) == 2 and w.written == 0 and "No space left" in w.errors[0]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_dump_is_standard_safetensors_written_piece_by_piece(tmp_path, monkeypatch):
+    # the plugin writes the file itself (GIL-free writev, pieces back to back): the safetensors package
+    # must read it as its own, whatever the dtype, and short writes must be continued, not lost
+    import os
+
+    from safetensors import safe_open
+
+    real_writev = os.writev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real_writev(fd, [bytes(bufs[0])[:997]]))
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
+        a = truth(11, 16)
+        a["aux"], a["final"] = a["aux"].to(dtype), a["final"].to(dtype)
+        rid = make_rid(11, f"st-{str(dtype)[6:]}")
+        cc = CaptureCore()
+        cc.observe(pack([(rid, a, 0, 4)]))
+        cc.observe(pack([(rid, a, 4, 5)]))
+        s = cc.observe(pack([(rid, a, 9, 2)]))[0]
+        assert len(s.aux_pieces) == len(s.final_pieces) == 3  # never stitched on the server's thread
+        path = write_dump(tmp_path, s, layer_ids=[2, 4, 5])
+        with safe_open(str(path / core.TENSORS_FILE), framework="pt") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has keys(), no iteration)
+        assert sorted(got) == ["aux", "final", "input_ids", "positions"]
+        assert got["aux"].dtype == dtype and torch.equal(got["aux"], a["aux"]) and torch.equal(got["final"], a["final"])
+        assert torch.equal(got["input_ids"], a["ids"]) and torch.equal(got["positions"], torch.arange(11))
+        meta = json.loads((path / "meta.json").read_text())
+        assert meta["shapes"] == {"aux": [11, A, H], "final": [11, H], "input_ids": [11], "positions": [11]}
+        assert meta["pieces"] == 3 and meta["positions_covered"] == [[0, 4], [4, 9], [9, 11]]
+        assert meta["dtype"] == str(dtype)[6:]
 
 
 def test_rejected_dump_has_reason_and_no_tensors(tmp_path):
@@ -203,6 +237,16 @@ def test_all_finite_matches_isfinite(dtype):
         y[13, 4] = bad
         assert not core.all_finite(y) and not bool(torch.isfinite(y).all())
     assert core.all_finite(torch.tensor([65504.0], dtype=dtype))  # largest fp16, finite everywhere
+    # one bad value anywhere in a tensor as large as a sample (vectorised and threaded reductions, their tails)
+    big = torch.randn(700, 4, 576).to(dtype)
+    flat = big.view(-1)
+    for i in (0, 1, 7, 8, 15, 16, 31, 32767, 32768, 65535, flat.numel() // 2, flat.numel() - 2, flat.numel() - 1):
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            saved = flat[i].clone()
+            flat[i] = bad
+            assert not core.all_finite(big) and not core.all_finite(big.transpose(0, 1)), (i, bad)  # contiguous or not
+            flat[i] = saved
+    assert core.all_finite(big) and core.all_finite(torch.empty(0, 4, dtype=dtype))
 
 
 def test_completed_samples_never_alias_the_servers_buffers():
@@ -211,3 +255,22 @@ def test_completed_samples_never_alias_the_servers_buffers():
     out = CaptureCore().observe(info)[0]
     info.aux.fill_(7.0), info.final_TD.fill_(7.0), info.input_ids_T.fill_(7)  # the server reuses its buffers
     assert_matches(out, a)
+
+
+def test_the_writer_waits_for_host_copies_still_in_flight(tmp_path):
+    # from a GPU the rows land in host memory after observe returns (a CUDA event marks it): a writer that
+    # did not wait would write whatever the buffers held before
+    a = truth(5, 17)
+    s = CaptureCore().observe(pack([(make_rid(5, "late"), a, 0, 5)]))[0]
+    landed = [t.clone() for t in s.aux_pieces + s.final_pieces]
+    for t in s.aux_pieces + s.final_pieces:
+        t.zero_()
+
+    class CopyDone:  # what torch.cuda.Event offers the writer
+        def synchronize(self):
+            for t, src in zip(s.aux_pieces + s.final_pieces, landed):
+                t.copy_(src)
+
+    s.ready = [CopyDone()]
+    d = read_dump(write_dump(tmp_path, s, layer_ids=[1, 2, 3]))
+    assert torch.equal(d.aux_LAD, a["aux"]) and torch.equal(d.final_LD, a["final"]) and s.ready == []

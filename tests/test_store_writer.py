@@ -58,6 +58,39 @@ def test_round_trip_and_safetensors_compat(tmp_path, dtype):
     assert ("scale" in tensors) == (dtype == "fp8")
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp32"])
+def test_add_stacked_stores_what_add_stores(tmp_path, dtype):
+    # the SGLang client stacks [T, A+1, D] on its request threads and hands that over: the store must be
+    # byte for byte what add(aux, final) writes, and rows already in the stored dtype are not copied
+    data = samples(5, seed=3)
+    with StoreWriter(tmp_path / "a", spec(dtype)) as w:
+        for sid, aux, fin in data:
+            w.add(sid, aux, fin)
+    seen = []
+    real = StoreWriter.add_packed
+
+    def spy(self, ids, lengths, hidden, scale):
+        seen.append(hidden.data_ptr())
+        return real(self, ids, lengths, hidden, scale)
+
+    with StoreWriter(tmp_path / "b", spec(dtype)) as w:
+        w.add_packed = spy.__get__(w)
+        for sid, aux, fin in data:
+            stacked = torch.cat([aux, fin[:, None]], dim=1)
+            stacked = stacked.bfloat16() if dtype == "bf16" else stacked
+            w.add_stacked(sid, stacked)
+            assert (seen[-1] == stacked.data_ptr()) == (dtype != "fp8")  # fp8 is quantised, the others go as they are
+        with pytest.raises(ValueError, match=r"hidden has shape \(4, 3, 32\), expected \[T, 4, 32\]"):
+            w.add_stacked("bad", torch.zeros(4, A, D))
+    a, b = StoreReader(tmp_path / "a"), StoreReader(tmp_path / "b")
+    assert a.sample_ids == b.sample_ids
+    for sid, *_ in data:
+        ha, sa = a.raw(sid)
+        hb, sb = b.raw(sid)
+        assert torch.equal(ha.view(torch.uint8), hb.view(torch.uint8))
+        assert (sa is None and sb is None) or torch.equal(sa, sb)
+
+
 def test_bytes_per_token_fp8_halves_bf16(tmp_path):
     assert bytes_per_token("bf16", slots=4, hidden_size=4096) == 4 * 4096 * 2
     assert bytes_per_token("fp8", slots=4, hidden_size=4096) == 4 * 4096 + 16

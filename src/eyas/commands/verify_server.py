@@ -156,7 +156,7 @@ def _compare_numbers(target, ids, res, layer_ids, *, tolerance, device, server_d
     model = load_target(target, device=dev, dtype=torch.float32)
     ref_aux, ref_final = reference_hidden_states(model, ids.to(dev), layer_ids=layer_ids)
     ref = torch.cat([ref_aux, ref_final[:, None]], dim=1).float().cpu()  # [L, A+1, H]
-    got = torch.cat([res.aux_LAD, res.final_LD[:, None]], dim=1).float()
+    got = res.hidden_LSD.float()
     if got.shape != ref.shape:
         return {"ok": False, "reason": f"dump shape {tuple(got.shape)} vs reference {tuple(ref.shape)}"}
     low_precision = is_low_precision(server_dtype)

@@ -26,11 +26,13 @@ but computes input logprobs: slower); `none` requires --disable-radix-cache on t
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import hashlib
 import json
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -43,6 +45,7 @@ from eyas.common import HTTPFailure, http_body_excerpt, http_request, log, progr
 from eyas.errors import EyasError
 from eyas.sglang.core import (
     CONVENTION,
+    META_FILE,
     REPLAY_FLAG,
     Dump,
     all_finite,
@@ -247,18 +250,23 @@ def build_request(input_ids: Sequence[int], rid: str, bypass: str) -> dict[str, 
     return body
 
 
-def wait_for_dump(dump_dir: Path, rid: str, *, timeout: float) -> Dump | None:
+DUMP_POLL_S = (0.0005, 0.005)
+"""wait_for_dump's first and longest pause between looks for a dump: a dump lands milliseconds after the
+answer, and a long pause would add itself to the time every sample spends in flight."""
+
+
+def wait_for_dump(dump_dir: Path, rid: str, *, timeout: float, sleep=time.sleep) -> Dump | None:
     """The dump of `rid`, read whole, or None if it did not appear within `timeout` seconds."""
-    path = dump_dir / rid
+    meta = str(dump_dir / rid / META_FILE)
     deadline = time.monotonic() + timeout
-    delay = 0.002
+    delay, longest = DUMP_POLL_S
     while True:
-        if (path / "meta.json").is_file():
-            return read_dump(path)
+        if os.path.isfile(meta):
+            return read_dump(dump_dir / rid)
         if time.monotonic() > deadline:
             return None
-        time.sleep(delay)
-        delay = min(delay * 2, 0.1)
+        sleep(delay)
+        delay = min(delay * 1.5, longest)
 
 
 NO_DUMP = "no dump appeared"
@@ -311,13 +319,16 @@ def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump 
 class Outcome:
     sample_id: str
     tokens: int
-    aux_LAD: torch.Tensor | None = None
-    final_LD: torch.Tensor | None = None
+    hidden_LSD: torch.Tensor | None = None
+    """The verified states stacked as the store keeps them: [L, A+1, H], aux slots then the final state."""
     reason: str | None = None
     retries: int = 0
     dump_dtype: str | None = None
     pieces: int = 0
     """EXTEND forwards the prompt took on the server (> 1: chunked prefill was stitched)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where this sample's time went: `request` (at the server), `dump` (waiting for and reading the
+    dump after the answer), `check` (checking and stacking it)."""
 
 
 def remove_dump(dump_dir: Path, rid: str) -> None:
@@ -326,16 +337,25 @@ def remove_dump(dump_dir: Path, rid: str) -> None:
 
 def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: str, *, layer_ids: Sequence[int],
                 max_retries: int = 5, backoff_s: float = 1.0, request_timeout_s: float = 600.0,
-                dump_wait_s: float = 60.0, sleep=time.sleep) -> Outcome:
-    """Send one sample (retrying transient HTTP errors), then read, check and delete its dump."""
+                dump_wait_s: float = 60.0, sleep=time.sleep, gate=None) -> Outcome:
+    """Send one sample (retrying transient HTTP errors), then read, check and delete its dump.
+
+    `gate` (a semaphore) is held only while the request is at the server: waiting for the dump,
+    reading and checking it leave the slot to the next sample."""
     L = int(input_ids.shape[0])
     retries = 0
+    seconds = {"request": 0.0, "dump": 0.0, "check": 0.0}
     while True:
         rid = make_rid(L, f"{tag}-{retries}")
         remove_dump(plan.dump_dir, rid)
         try:
-            out = http_json("POST", f"{plan.url}/generate", build_request(input_ids.tolist(), rid, plan.bypass),
-                            timeout=request_timeout_s)
+            with gate if gate is not None else contextlib.nullcontext():
+                t0 = time.perf_counter()
+                try:
+                    out = http_json("POST", f"{plan.url}/generate", build_request(input_ids.tolist(), rid, plan.bypass),
+                                    timeout=request_timeout_s)
+                finally:
+                    seconds["request"] += time.perf_counter() - t0
             break
         except TransientHTTPError as exc:
             remove_dump(plan.dump_dir, rid)
@@ -353,15 +373,20 @@ def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: 
         return Outcome(sample_id=sample_id, tokens=L, reason=f"server error: {str(out['error'])[:300]}", retries=retries)
     meta_info = (out or {}).get("meta_info", {})
     dump = None
+    t0 = time.perf_counter()
     try:
         if int(meta_info.get("cached_tokens", 0) or 0) == 0:
             dump = wait_for_dump(plan.dump_dir, rid, timeout=dump_wait_s)
+        t1 = time.perf_counter()
         reason = check_sample(input_ids, meta_info, dump, layer_ids=layer_ids, hidden_size=plan.hidden_size)
     finally:
         remove_dump(plan.dump_dir, rid)
+    # stacked here, on one of many request threads, so that the one thread that ingests only writes
+    hidden = None if reason is not None else torch.cat([dump.aux_LAD, dump.final_LD.unsqueeze(1).to(dump.aux_LAD.dtype)], dim=1)
+    seconds.update(dump=t1 - t0, check=time.perf_counter() - t1)
     if reason is not None:
-        return Outcome(sample_id=sample_id, tokens=L, reason=reason, retries=retries)
-    return Outcome(sample_id=sample_id, tokens=L, aux_LAD=dump.aux_LAD, final_LD=dump.final_LD, retries=retries,
+        return Outcome(sample_id=sample_id, tokens=L, reason=reason, retries=retries, seconds=seconds)
+    return Outcome(sample_id=sample_id, tokens=L, hidden_LSD=hidden, retries=retries, seconds=seconds,
                    dump_dtype=dump.meta.get("dtype"), pieces=int(dump.meta.get("pieces", 0)))
 
 
@@ -532,7 +557,7 @@ def capture_from_sglang(
         int.from_bytes(os.urandom(4), "little")))
     probes = [probe(p, probe_ids, layer_ids=layer_ids, tag=f"{job}-probe{i}", dump_wait_s=dump_wait_s,
                     max_retries=max_retries, backoff_s=backoff_s) for i, p in enumerate(plans)]
-    hidden = int(probes[0].aux_LAD.shape[2])
+    hidden = int(probes[0].hidden_LSD.shape[2])
     server_dtype = _model_dtype(probes[0].dump_dtype)
 
     if target is None:
@@ -555,13 +580,18 @@ def capture_from_sglang(
     rejected: list[dict[str, Any]] = []
     captured = tokens = 0
     retries = sum(p.retries for p in probes)
-    inflight = concurrency * len(plans)
+    # `concurrency` requests at each server (its gate); as many more samples again are being read and
+    # checked, or wait for a slot, so that a server never waits for this process to read a dump
+    gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
+    queued = 2 * concurrency * len(plans)
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
+    spent = {"request": 0.0, "dump": 0.0, "check": 0.0, "ingest": 0.0}  # summed over samples
+    loop_t0 = time.time()
     futures: dict[cf.Future, int] = {}  # future -> index of its server
     try:
-        with cf.ThreadPoolExecutor(max_workers=inflight) as pool:
-            load = [0] * len(plans)  # requests in flight per server: the least loaded gets the next one
+        with cf.ThreadPoolExecutor(max_workers=queued) as pool:
+            load = [0] * len(plans)  # samples taken per server: the least loaded gets the next one
             it = iter(todo)
 
             def submit_next() -> bool:
@@ -572,33 +602,40 @@ def capture_from_sglang(
                 s = sp[i]
                 futures[pool.submit(capture_one, plans[k], s.id, s.input_ids, f"{job}-{run}-{i}",
                                     layer_ids=layer_ids, max_retries=max_retries, backoff_s=backoff_s,
-                                    request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s)] = k
+                                    request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s,
+                                    gate=gates[k])] = k
                 load[k] += 1
                 return True
 
             try:
-                while len(futures) < inflight and submit_next():
+                while len(futures) < queued and submit_next():
                     pass
                 while futures:
                     finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-                    for f in finished:
+                    for f in finished:  # refill first: the next samples go out while these are stored
                         load[futures.pop(f)] -= 1
+                        submit_next()
+                    for f in finished:
                         res: Outcome = f.result()
                         retries += res.retries
+                        for part, secs in res.seconds.items():
+                            spent[part] += secs
                         if res.reason is not None:
                             rejected.append({"id": res.sample_id, "tokens": res.tokens, "reason": res.reason})
                             log(f"eyas: rejected {res.sample_id}: {res.reason}")
                         else:
-                            writer.add(res.sample_id, res.aux_LAD, res.final_LD)
+                            t_add = time.perf_counter()
+                            writer.add_stacked(res.sample_id, res.hidden_LSD)
+                            spent["ingest"] += time.perf_counter() - t_add
                             captured += 1
                             tokens += res.tokens
                         bar.update(res.tokens)
-                        submit_next()
                 ok = True
             except BaseException:
                 for f in futures:
                     f.cancel()  # requests not started yet; running ones end within their timeouts
                 raise
+        loop_s = time.time() - loop_t0
         ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
         calibration = _calibrate(writer, Path(out_store), sp, target, calibrate=calibrate, device=device,
                                  engine={"backend": "sglang", "sglang_version": plans[0].version,
@@ -618,6 +655,8 @@ def capture_from_sglang(
         "rejected_count": len(rejected), "rejected": rejected[:REJECTED_LISTED], "retries": retries,
         "cache_bypass": [p.bypass for p in plans], "store_complete": manifest.get("status") == "complete",
         "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        "loop_s": round(loop_s, 3), "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
+        "seconds_summed": {k: round(v, 3) for k, v in spent.items()},
         "engine_numerics": calibration,
     }
     if calibration.get("problem"):

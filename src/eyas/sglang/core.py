@@ -39,6 +39,7 @@ import os
 import queue
 import re
 import shutil
+import struct
 import threading
 import time
 from collections.abc import Sequence
@@ -134,9 +135,19 @@ def _aux_rows(aux, a: int, b: int) -> torch.Tensor:
     return torch.stack([x[a:b] for x in aux], dim=1)
 
 
-def _host(t: torch.Tensor) -> torch.Tensor:
-    """A CPU copy that never aliases the server's buffers (on a CPU server `.to("cpu")` would)."""
-    return t.to("cpu", copy=True)
+def _host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """A CPU copy that never aliases the server's buffers (on a CPU server `.to("cpu")` would), and the
+    CUDA event that marks it done, or None when it is done already.
+
+    From a GPU the copy goes into pinned memory without waiting: the scheduler thread goes on with the
+    forward while the copy runs in stream order, and the dump writer waits for the event instead."""
+    if t.device.type != "cuda":
+        return t.to("cpu", copy=True), None
+    out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    out.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return out, done
 
 
 def _num_rows(aux) -> int:
@@ -150,6 +161,7 @@ class _Piece:
     final_LD: torch.Tensor
     input_ids_L: torch.Tensor | None
     positions_L: torch.Tensor | None
+    ready: list[Any] = field(default_factory=list)  # CUDA events of copies still in flight
 
 
 @dataclass
@@ -163,19 +175,48 @@ class _Pending:
 
 @dataclass(kw_only=True)
 class CompletedSample:
-    """A request whose prompt tokens are all present (or a rejected one, with its reason)."""
+    """A request whose prompt tokens are all present (or a rejected one, with its reason).
+
+    Its states stay in the pieces they arrived in (host copies, in position order): the dump writer
+    writes them back to back, so no stitched copy is ever made on the server's thread. `aux_LAD` and
+    `final_LD` stitch them on demand."""
 
     rid: str
     num_tokens: int
     status: str  # "complete" | "rejected"
     reason: str = ""
-    aux_LAD: torch.Tensor | None = None
-    final_LD: torch.Tensor | None = None
+    aux_pieces: list[torch.Tensor] = field(default_factory=list)
+    """[n, A, H] host copies of the aux states, one per piece, in position order."""
+    final_pieces: list[torch.Tensor] = field(default_factory=list)
+    """[n, H] host copies of the final state, as `aux_pieces`."""
     input_ids_L: torch.Tensor | None = None
     positions_L: torch.Tensor | None = None
     """Positions the server reported for the rows (None when it reported none)."""
     pieces: int = 0
     positions_covered: list[list[int]] = field(default_factory=list)
+    ready: list[Any] = field(default_factory=list)
+    """CUDA events of host copies still in flight; `wait()` before reading the pieces."""
+
+    def wait(self) -> None:
+        """Block until every host copy of this sample has landed."""
+        for ev in self.ready:
+            ev.synchronize()
+        self.ready = []
+
+    @property
+    def aux_LAD(self) -> torch.Tensor | None:
+        return _stitch(self, self.aux_pieces)
+
+    @property
+    def final_LD(self) -> torch.Tensor | None:
+        return _stitch(self, self.final_pieces)
+
+
+def _stitch(sample: CompletedSample, pieces: list[torch.Tensor]) -> torch.Tensor | None:
+    if not pieces:
+        return None
+    sample.wait()
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
 
 
 class CaptureCore:
@@ -266,7 +307,10 @@ class CaptureCore:
                                                  "(a decode step or a wrong rid length)", now)
         st.last_seen = now
         if n > 0:
-            st.pieces.append(_Piece(p, _host(_aux_rows(info.aux, a, a + n)), _host(info.final_TD[a:a + n]), ids, pos))
+            aux, aux_done = _host(_aux_rows(info.aux, a, a + n))
+            final, final_done = _host(info.final_TD[a:a + n])
+            ready = [ev for ev in (aux_done, final_done) if ev is not None]
+            st.pieces.append(_Piece(p, aux, final, ids, pos, ready))
             st.covered += n
             self.stats["pieces"] += 1
         if st.covered < num_tokens:
@@ -280,10 +324,10 @@ class CaptureCore:
             pos = torch.cat([pc.positions_L for pc in st.pieces])
         return CompletedSample(
             rid=rid, num_tokens=num_tokens, status="complete",
-            aux_LAD=torch.cat([pc.aux_LAD for pc in st.pieces]),
-            final_LD=torch.cat([pc.final_LD for pc in st.pieces]),
+            aux_pieces=[pc.aux_LAD for pc in st.pieces], final_pieces=[pc.final_LD for pc in st.pieces],
             input_ids_L=ids, positions_L=pos, pieces=len(st.pieces),
             positions_covered=[[pc.start, pc.start + pc.final_LD.shape[0]] for pc in st.pieces],
+            ready=[ev for pc in st.pieces for ev in pc.ready],
         )
 
     def _reject(self, rid, num_tokens, reason, now) -> CompletedSample:
@@ -307,27 +351,80 @@ class CaptureCore:
 # ----------------------------------------------------------------------------- dumps on disk
 
 
-_EXPONENT_BITS = {torch.bfloat16: (torch.int16, 0x7F80), torch.float16: (torch.int16, 0x7C00),
-                  torch.float32: (torch.int32, 0x7F800000)}
-
-
 def all_finite(t: torch.Tensor) -> bool:
-    """No NaN/Inf: an all-ones exponent, tested on the integer bits (2x faster than isfinite on CPU)."""
-    if t.dtype in _EXPONENT_BITS and t.is_contiguous():
-        itype, mask = _EXPONENT_BITS[t.dtype]
-        return bool(((t.view(itype) & mask) != mask).all())
-    return bool(torch.isfinite(t).all())
+    """No NaN/Inf. torch's min and max propagate NaN and an Inf is the min or the max, so one aminmax
+    pass decides, without the elementwise temporaries of isfinite (the client checks every sample)."""
+    if not t.is_floating_point() or t.numel() == 0:
+        return True
+    lo, hi = torch.aminmax(t)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def _dtype_name(t: torch.Tensor) -> str:
     return str(t.dtype).removeprefix("torch.")
 
 
+_IOV_MAX = 512  # buffers per writev call, below every platform's IOV_MAX
+_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
+                       torch.int64: "I64", torch.int32: "I32"}
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _safetensors_file(tensors: list[tuple[str, list[torch.Tensor]]]) -> list[memoryview | bytes]:
+    """A safetensors file as buffers to write back to back: the header, then each tensor's bytes. A
+    tensor may be given in pieces along its first dimension (written one after the other, never joined)."""
+    header: dict[str, Any] = {}
+    body: list[memoryview] = []
+    offset = 0
+    for name, pieces in tensors:
+        pieces = [t.contiguous() for t in pieces]
+        first = pieces[0]
+        if first.dtype not in _SAFETENSORS_DTYPES:
+            raise ValueError(f"dump tensor {name}: dtype {first.dtype} is not one the dump format stores")
+        if any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in pieces):
+            raise ValueError(f"dump tensor {name}: pieces of shapes {[tuple(t.shape) for t in pieces]} "
+                             f"and dtypes {sorted({str(t.dtype) for t in pieces})} do not stack")
+        views = [_byte_view(t) for t in pieces]
+        size = sum(v.nbytes for v in views)
+        shape = [sum(int(t.shape[0]) for t in pieces), *map(int, first.shape[1:])]
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        body += views
+        offset += size
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data starts aligned for every dtype, as safetensors pads its own
+    return [struct.pack("<Q", len(text)) + text, *body]
+
+
+def _write_buffers(path: Path, buffers: list[memoryview | bytes]) -> None:
+    """Write `buffers` to a new file with os.writev, which holds no GIL while the kernel copies (the
+    server's scheduler thread keeps running); short writes are continued."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        left = [memoryview(b).cast("B") for b in buffers if len(b)]
+        while left:
+            n = os.writev(fd, left[:_IOV_MAX])
+            if n <= 0:
+                raise OSError(f"{path}: writev wrote nothing")
+            while left and n >= left[0].nbytes:
+                n -= left[0].nbytes
+                left.pop(0)
+            if n:
+                left[0] = left[0][n:]
+    finally:
+        os.close(fd)
+
+
 def write_dump(dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequence[int],
                writer: dict[str, Any] | None = None) -> Path:
-    """Write one sample atomically: a hidden temporary directory renamed to `<dump_dir>/<rid>`."""
-    from safetensors.torch import save_file
+    """Write one sample atomically: a hidden temporary directory renamed to `<dump_dir>/<rid>`.
 
+    tensors.safetensors is written here, not by the safetensors package: older releases of it hold the
+    GIL for the whole file (the server's scheduler would stall behind every dump), and a sample's
+    pieces are written back to back instead of being stitched first."""
     dump_dir = Path(dump_dir)
     dump_dir.mkdir(parents=True, exist_ok=True)
     final = dump_dir / sample.rid
@@ -342,14 +439,17 @@ def write_dump(dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequ
     }
     try:
         if sample.status == "complete":
-            aux, final_ = sample.aux_LAD.contiguous(), sample.final_LD.contiguous()
-            tensors = {"aux": aux, "final": final_}
+            sample.wait()
+            tensors = []  # the int64 tensors first: every tensor then starts aligned to its element size
             if sample.positions_L is not None:
-                tensors["positions"] = sample.positions_L.contiguous()
+                tensors.append(("positions", [sample.positions_L]))
             if sample.input_ids_L is not None:
-                tensors["input_ids"] = sample.input_ids_L.contiguous()
-            save_file(tensors, str(tmp / TENSORS_FILE))
-            meta.update(dtype=_dtype_name(aux), shapes={k: list(v.shape) for k, v in tensors.items()})
+                tensors.append(("input_ids", [sample.input_ids_L]))
+            tensors += [("aux", sample.aux_pieces), ("final", sample.final_pieces)]
+            _write_buffers(tmp / TENSORS_FILE, _safetensors_file(tensors))
+            first = sample.aux_pieces[0]
+            meta.update(dtype=_dtype_name(first), shapes={
+                name: [sum(int(t.shape[0]) for t in pieces), *map(int, pieces[0].shape[1:])] for name, pieces in tensors})
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         if final.exists():  # a re-sent request: replace the old dump whole
             shutil.rmtree(final, ignore_errors=True)

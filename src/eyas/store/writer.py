@@ -8,8 +8,9 @@ other engines' dumps. The contract:
   EyasError naming the field that differs. On reopen, leftovers of a killed run (a `.shard-*.tmp`,
   or a renamed shard the manifest never listed) are deleted: their samples were never committed.
 - `writer.committed_ids` is the set of sample ids already in committed shards: skip them.
-- `add(sample_id, aux_TAD, final_TD)` (any float dtype, any device) or the fast
-  `add_packed(ids, lengths, hidden_NLD, scale_NL)` (rows already in the stored dtype, on the CPU).
+- `add(sample_id, aux_TAD, final_TD)` (any float dtype, any device), `add_stacked(sample_id,
+  hidden_TLD)` (the same states stacked as stored: no copy when already in the stored dtype) or the
+  fast `add_packed(ids, lengths, hidden_NLD, scale_NL)` (rows already in the stored dtype, on the CPU).
   Rows stream into the open shard's temporary file; once it holds >= shard_bytes it is committed:
   header written, fsync, rename to `shard-NNNNN.safetensors`, directory fsync, then the manifest is
   rewritten atomically. A sample never spans two shards.
@@ -282,9 +283,16 @@ class StoreWriter:
             raise ValueError(f"sample {sample_id}: aux has shape {tuple(aux_TAD.shape)}, expected [T, {a}, {d}]")
         if final_TD.shape != (aux_TAD.shape[0], d):
             raise ValueError(f"sample {sample_id}: final has shape {tuple(final_TD.shape)}, expected [{aux_TAD.shape[0]}, {d}]")
-        hidden_TLD = torch.cat([aux_TAD, final_TD.unsqueeze(1).to(aux_TAD.dtype)], dim=1)
+        self.add_stacked(sample_id, torch.cat([aux_TAD, final_TD.unsqueeze(1).to(aux_TAD.dtype)], dim=1))
+
+    def add_stacked(self, sample_id: str, hidden_TLD: torch.Tensor) -> None:
+        """Add one sample whose states are already stacked as stored: [T, A+1, D], the aux slots in
+        aux_layer_ids order, then the final state. Rows already in the stored dtype are not copied."""
+        want = (self.spec.slots, self.spec.hidden_size)
+        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want:
+            raise ValueError(f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]")
         rows, scale = encode_rows(hidden_TLD, self.spec.dtype)
-        self.add_packed([sample_id], [aux_TAD.shape[0]], rows.cpu(), None if scale is None else scale.cpu())
+        self.add_packed([sample_id], [hidden_TLD.shape[0]], rows.cpu(), None if scale is None else scale.cpu())
 
     def add_packed(self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None) -> None:
         """Add samples whose rows lie back to back in `hidden_NLD` (stored dtype, CPU, contiguous).

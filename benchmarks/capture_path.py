@@ -1,0 +1,322 @@
+"""Where `eyas capture --backend sglang` spends its time between "the server computed the states" and
+"the sample is in the store", stage by stage, on the CPU (issue 41).
+
+Shapes are SmolLM2-135M's (hidden 576, 3 aux layers + the final state, bf16: 4.6 KB per token) and
+samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
+
+  observe    CaptureCore.observe on packed EXTEND forwards (as the plugin's logits hook drives it)
+  write      write_dump of every completed sample, one thread (the dump's serialisation and tmpfs write)
+  write_pool DumpWriter with the plugin's writer threads (what the server runs)
+  read       wait_for_dump of a dump already on disk (open, parse, load the tensors)
+  wait       wait_for_dump of a dump written `--appear-ms` after the call: reports how late the client
+             sees a dump that has appeared (ms), i.e. its polling or notification delay
+  check      check_sample on a read dump (ids, positions, lengths, layers, finiteness)
+  remove     remove_dump
+  stack      aux and final stacked into the store's [L, A+1, H] (where the client does it on its
+             request threads, before handing the sample to the one ingesting thread)
+  ingest     what the client's ingesting thread does per sample into a store on --store-dir
+             (StoreWriter.add_stacked, or StoreWriter.add where that is absent), then close
+  e2e        capture_from_sglang (the real client, --concurrency requests in flight) against the
+             stand-in server (eyas/sglang/standin.py) whose forward is replaced by a free one that
+             returns fixed states: the server costs nothing, so this is eyas's own path end to end
+             (HTTP, plugin hooks, dump write, wait, read, check, ingest) in one process; e2e_loop
+             leaves out the set-up (where the client reports its loop time)
+
+    PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
+
+Progress goes to stderr; the last stdout line is one JSON document of the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from eyas.sglang.client import check_sample, remove_dump, wait_for_dump
+from eyas.sglang.core import CaptureCore, DumpWriter, ForwardInfo, make_rid, write_dump
+
+HIDDEN, AUX = 576, 3
+LAYERS = [2, 15, 27]  # SmolLM2-135M's EAGLE-3 default (30 layers: 2, N//2, N-3)
+WRITER_THREADS = 4  # eyas.sglang.plugin.WRITER_THREADS
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def sample_lengths(n: int, seed: int) -> list[int]:
+    """Log-normal prompt lengths, mean about 640, clipped to 16..2048."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.exp(torch.randn(n, generator=g) * 0.75 + 6.2)
+    return [int(x) for x in raw.clamp(16, 2048)]
+
+
+def schedule(lengths: list[int], *, chunk: int, budget: int) -> list[list[tuple[int, int, int]]]:
+    """SGLang-like EXTEND forwards: (request, start, n) under a token budget, long prompts chunked."""
+    done = [0] * len(lengths)
+    forwards = []
+    while any(d < n for d, n in zip(done, lengths)):
+        left, fwd = budget, []
+        for r, n in enumerate(lengths):
+            if done[r] >= n or left <= 0:
+                continue
+            k = min(n - done[r], chunk, left)
+            fwd.append((r, done[r], k))
+            done[r] += k
+            left -= k
+        forwards.append(fwd)
+    return forwards
+
+
+def token_ids(n: int, start: int = 0) -> torch.Tensor:
+    return (torch.arange(start, start + n) * 7919 + 13) % 49152
+
+
+def make_forwards(plan, rids, pool_TAD: torch.Tensor, pool_TD: torch.Tensor, pad_to: int) -> list[ForwardInfo]:
+    """Packed forwards whose rows are slices of fixed pools (aux as SGLang's list of [T, H])."""
+    out = []
+    for fwd in plan:
+        T = sum(n for *_, n in fwd)
+        Tp = T + (-T) % pad_to
+        rows = torch.cat([torch.arange(s, s + n) for _, s, n in fwd] + [torch.zeros(Tp - T, dtype=torch.long)])
+        aux_TAD = pool_TAD[rows]
+        out.append(ForwardInfo(
+            rids=[rids[r] for r, _, _ in fwd], extend_prefix_lens=[s for _, s, _ in fwd],
+            extend_seq_lens=[n for *_, n in fwd], aux=[aux_TAD[:, a].contiguous() for a in range(AUX)],
+            final_TD=pool_TD[rows], positions_T=rows,
+            input_ids_T=torch.cat([token_ids(n, s) for _, s, n in fwd] + [torch.zeros(Tp - T, dtype=torch.long)]),
+        ))
+    return out
+
+
+def clock() -> tuple[float, float]:
+    """Wall and CPU time (every thread of this process): on a shared machine the CPU time per token is
+    the steadier figure, the wall time the one a user waits for."""
+    return time.perf_counter(), time.process_time()
+
+
+def stage(results: dict, name: str, tokens: int, start: tuple[float, float] | None = None, *,
+          seconds: float | None = None, cpu_s: float | None = None, **extra) -> None:
+    """Record a stage timed from `start` (or given); over repeats the fastest run is kept."""
+    if start is not None:
+        wall, cpu = clock()
+        seconds, cpu_s = wall - start[0], cpu - start[1]
+    cpu_part = f"  cpu {cpu_s / tokens * 1e6:7.2f} us/token" if cpu_s is not None else ""
+    log(f"{name:10s} {seconds:8.3f} s  {tokens / seconds:12,.0f} tok/s  {seconds / tokens * 1e6:7.2f} us/token"
+        + cpu_part + "".join(f"  {k} {v}" for k, v in extra.items()))
+    if name in results and results[name]["seconds"] <= seconds:
+        return
+    results[name] = {"seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
+                     "us_per_token": round(seconds / tokens * 1e6, 3),
+                     **({"cpu_us_per_token": round(cpu_s / tokens * 1e6, 3)} if cpu_s is not None else {}), **extra}
+
+
+def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
+    tokens = sum(lengths)
+    g = torch.Generator().manual_seed(1)
+    pool_TAD = torch.randn(2048, AUX, HIDDEN, generator=g).bfloat16()
+    pool_TD = torch.randn(2048, HIDDEN, generator=g).bfloat16()
+    rids = [make_rid(n, f"bench-{i}") for i, n in enumerate(lengths)]
+    plan = schedule(lengths, chunk=a.chunk, budget=a.forward_tokens)
+    fwds = make_forwards(plan, rids, pool_TAD, pool_TD, pad_to=64)
+    log(f"{len(lengths)} samples, {tokens} tokens (mean {tokens / len(lengths):.0f}, max {max(lengths)}), "
+        f"{len(plan)} forwards, H={HIDDEN}, A={AUX}, bf16 ({(AUX + 1) * HIDDEN * 2} B/token)")
+
+    CaptureCore().observe(fwds[0])  # warm-up
+    core = CaptureCore()
+    t0 = clock()
+    done = [s for info in fwds for s in core.observe(info)]
+    stage(results, "observe", tokens, t0)
+    assert len(done) == len(lengths) and all(s.status == "complete" for s in done), core.stats
+    del fwds
+
+    dump_dir = dump_root / "serial"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    write_dump(dump_dir, done[0], layer_ids=LAYERS)  # warm-up (imports)
+    t0 = clock()
+    for s in done:
+        write_dump(dump_dir, s, layer_ids=LAYERS)
+    stage(results, "write", tokens, t0)
+
+    pool_dir = dump_root / "pool"
+    shutil.rmtree(pool_dir, ignore_errors=True)
+    writer = DumpWriter(pool_dir, layer_ids=LAYERS, threads=WRITER_THREADS)
+    t0 = clock()
+    writer.submit(done)
+    writer.flush()
+    stage(results, "write_pool", tokens, t0, threads=WRITER_THREADS)
+    assert writer.written == len(done) and not writer.errors, writer.errors[:3]
+    shutil.rmtree(pool_dir, ignore_errors=True)
+
+    by_rid = {s.rid: s for s in done}
+    t0 = clock()
+    dumps = [wait_for_dump(dump_dir, rid, timeout=5.0) for rid in rids]
+    stage(results, "read", tokens, t0)
+    assert all(d is not None for d in dumps)
+
+    t0 = clock()
+    for rid, n, d in zip(rids, lengths, dumps):
+        reason = check_sample(token_ids(n), {"prompt_tokens": n, "cached_tokens": 0}, d, layer_ids=LAYERS,
+                              hidden_size=HIDDEN)
+        assert reason is None, f"{rid}: {reason}"
+    stage(results, "check", tokens, t0)
+
+    t0 = clock()
+    for rid in rids:
+        remove_dump(dump_dir, rid)
+    stage(results, "remove", tokens, t0)
+
+    wait = wait_latency(a, dump_root / "late", [by_rid[r] for r in rids[: a.wait_samples]])
+    if "wait" not in results or wait["late_ms_mean"] < results["wait"]["late_ms_mean"]:
+        results["wait"] = wait
+
+    from eyas.store.writer import StoreSpec, StoreWriter
+
+    store = store_root / "store"
+    shutil.rmtree(store, ignore_errors=True)
+    w = StoreWriter(store, StoreSpec(aux_layer_ids=LAYERS, hidden_size=HIDDEN, dtype="bf16"))
+    if hasattr(w, "add_stacked"):  # the client stacks on its request threads, then the ingest thread only writes
+        t0 = clock()
+        stacked = [torch.cat([d.aux_LAD, d.final_LD.unsqueeze(1)], dim=1) for d in dumps]
+        stage(results, "stack", tokens, t0)
+        t0 = clock()
+        for i, h in enumerate(stacked):
+            w.add_stacked(f"s{i}", h)
+    else:
+        t0 = clock()
+        for i, d in enumerate(dumps):
+            w.add(f"s{i}", d.aux_LAD, d.final_LD)
+    w.close(complete=True)
+    stage(results, "ingest", tokens, t0)
+    shutil.rmtree(store, ignore_errors=True)
+    shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def wait_latency(a, dump_dir: Path, samples) -> dict:
+    """wait_for_dump called `appear_ms` before another thread writes the dump: how late it returns."""
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    dump_dir.mkdir(parents=True)
+    late = []
+    for s in samples:
+        written = []
+
+        def later(s=s, written=written):
+            time.sleep(a.appear_ms / 1e3)
+            write_dump(dump_dir, s, layer_ids=LAYERS)
+            written.append(time.perf_counter())
+
+        th = threading.Thread(target=later)
+        th.start()
+        d = wait_for_dump(dump_dir, s.rid, timeout=5.0)
+        got = time.perf_counter()
+        th.join()
+        assert d is not None
+        late.append((got - written[0]) * 1e3)
+        remove_dump(dump_dir, s.rid)
+    late.sort()
+    out = {"appear_ms": a.appear_ms, "samples": len(late), "late_ms_mean": round(sum(late) / len(late), 2),
+           "late_ms_p90": round(late[int(0.9 * (len(late) - 1))], 2), "late_ms_max": round(late[-1], 2)}
+    log(f"{'wait':10s} dump seen {out['late_ms_mean']:.2f} ms (mean), {out['late_ms_p90']:.2f} ms (p90), "
+        f"{out['late_ms_max']:.2f} ms (max) after it was written (written {a.appear_ms} ms after the call)")
+    return out
+
+
+def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
+    """capture_from_sglang against the stand-in server with a free forward (see the module docstring)."""
+    import eyas.target
+    from eyas.data.prepared import write_prepared
+    from eyas.defaults import default_target_dir
+    from eyas.sglang.client import capture_from_sglang
+    from eyas.sglang.standin import StandinConfig, StandinServer
+    from eyas.target import load_tokenizer, tokenizer_hash
+
+    target = default_target_dir()
+    work = store_root / "e2e"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    samples = [(f"s{i}", token_ids(n).tolist(), [True] * n) for i, n in enumerate(lengths)]
+    prepared = write_prepared(work / "prep", {"train": samples, "eval": []},
+                              {"tokenizer_hash": tokenizer_hash(load_tokenizer(target))})
+    g = torch.Generator().manual_seed(2)
+    pool_BTAD = torch.randn(1, 2048, AUX, HIDDEN, generator=g).bfloat16()
+    pool_BTD = torch.randn(1, 2048, HIDDEN, generator=g).bfloat16()
+
+    def free_forward(model, input_ids_BT, attention_mask_BT=None, *, layer_ids):
+        T = input_ids_BT.shape[1]
+        return pool_BTAD[:, :T], pool_BTD[:, :T]
+
+    real_forward = eyas.target.forward_capture
+    eyas.target.forward_capture = free_forward
+    dump_dir = dump_root / "e2e"
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    try:
+        cfg = StandinConfig(target=target, dump_dir=dump_dir, layer_ids=LAYERS, max_forward_tokens=a.forward_tokens,
+                            chunked_prefill_size=a.chunk, pad_rows_to=1, batch_wait_s=0.001)
+        srv = StandinServer(cfg)
+        srv.model.lm_head = torch.nn.Identity()  # the next token is not what is measured
+        with srv:
+            t0 = clock()
+            out = capture_from_sglang([srv.url], prepared, "train", work / "store", LAYERS, target=target,
+                                      concurrency=a.concurrency, calibrate=0)
+            cpu_s = clock()[1] - t0[1]
+    finally:
+        eyas.target.forward_capture = real_forward
+        shutil.rmtree(dump_dir, ignore_errors=True)
+    assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
+    # elapsed_s includes the set-up (preflight, probe, the store's identity hashes); loop_s, where the
+    # client reports it, only the sending and ingesting
+    stage(results, "e2e", out["tokens"], seconds=out["elapsed_s"], cpu_s=cpu_s, concurrency=a.concurrency)
+    if out.get("loop_s"):
+        stage(results, "e2e_loop", out["tokens"], seconds=out["loop_s"], concurrency=a.concurrency,
+              **({"seconds_summed": out["seconds_summed"]} if "seconds_summed" in out else {}))
+    shutil.rmtree(work, ignore_errors=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--samples", type=int, default=256)
+    ap.add_argument("--e2e-samples", type=int, default=256)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--chunk", type=int, default=8192, help="SGLang --chunked-prefill-size")
+    ap.add_argument("--forward-tokens", type=int, default=10240, help="token budget of one EXTEND forward")
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--appear-ms", type=float, default=15.0, help="wait stage: the dump appears this long after the call")
+    ap.add_argument("--wait-samples", type=int, default=40)
+    ap.add_argument("--dump-dir", type=Path, default=None, help="default: a directory under /dev/shm (else the temp dir)")
+    ap.add_argument("--store-dir", type=Path, default=None, help="where stores are written (default: the temp dir)")
+    ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--repeat", type=int, default=3, help="run everything this often; each stage keeps its fastest run")
+    a = ap.parse_args()
+    shm = Path("/dev/shm")
+    dump_root = a.dump_dir or Path(tempfile.mkdtemp(prefix="eyas-capture-path-", dir=shm if shm.is_dir() else None))
+    store_root = a.store_dir or Path(tempfile.mkdtemp(prefix="eyas-capture-path-"))
+    results: dict = {}
+    lengths = sample_lengths(a.samples, a.seed)
+    try:
+        for k in range(a.repeat):
+            log(f"-- run {k + 1} of {a.repeat}")
+            run_stages(a, lengths, dump_root, store_root, results)
+            if not a.no_e2e:
+                run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)
+    finally:
+        if a.dump_dir is None:
+            shutil.rmtree(dump_root, ignore_errors=True)
+        if a.store_dir is None:
+            shutil.rmtree(store_root, ignore_errors=True)
+    print(json.dumps({"benchmark": "capture_path", "hidden": HIDDEN, "aux": AUX, "dtype": "bf16",
+                      "samples": len(lengths), "tokens": sum(lengths), "mean_tokens": round(sum(lengths) / len(lengths), 1),
+                      "repeat": a.repeat, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
+                      "stages": results}))
+
+
+if __name__ == "__main__":
+    main()
