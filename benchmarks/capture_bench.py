@@ -55,8 +55,15 @@ def build_llama8b(device: str):
     import transformers
 
     config = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
     )
     config._attn_implementation = "sdpa"
     old = torch.get_default_dtype()
@@ -155,14 +162,24 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     total = warmup + n_timed
     cpu_batches = [
-        make_batch([f"b{i}-{j}" for j in range(bsz)], [torch.randint(0, cfg.vocab_size, (seq,), generator=g) for _ in range(bsz)])
+        make_batch(
+            [f"b{i}-{j}" for j in range(bsz)],
+            [torch.randint(0, cfg.vocab_size, (seq,), generator=g) for _ in range(bsz)],
+        )
         for i in range(total)
     ]
     dev_ids = [b.input_ids_BT.to(device) for b in cpu_batches]
     tokens = n_timed * bsz * seq
-    results: dict = {"device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu", "model": model_name,
-                     "batch": [bsz, seq], "timed_batches": n_timed, "tokens": tokens, "aux_layer_ids": layers, "hidden_size": hidden,
-                     "torch": torch.__version__}
+    results: dict = {
+        "device": torch.cuda.get_device_name() if device.startswith("cuda") else "cpu",
+        "model": model_name,
+        "batch": [bsz, seq],
+        "timed_batches": n_timed,
+        "tokens": tokens,
+        "aux_layer_ids": layers,
+        "hidden_size": hidden,
+        "torch": torch.__version__,
+    }
 
     # -- plain, packed, naive ---------------------------------------------------------------------
     idx = list(range(total))
@@ -170,7 +187,12 @@ def main() -> None:
         dt = time_loop(lambda i: model.model(input_ids=dev_ids[i], use_cache=False), idx, device, warmup)
         results["plain_tok_s"] = tokens / dt
         log(f"plain forward: {results['plain_tok_s']:.0f} tok/s")
-        dt = time_loop(lambda i: forward_capture_packed(model, dev_ids[i], None, None, layer_ids=layers, dtype="bf16"), idx, device, warmup)
+        dt = time_loop(
+            lambda i: forward_capture_packed(model, dev_ids[i], None, None, layer_ids=layers, dtype="bf16"),
+            idx,
+            device,
+            warmup,
+        )
         results["packed_forward_tok_s"] = tokens / dt
         log(f"packed forward (hooks, no copy): {results['packed_forward_tok_s']:.0f} tok/s")
 
@@ -185,16 +207,24 @@ def main() -> None:
     # -- eyas pipeline into stores ----------------------------------------------------------------
     from eyas.store.writer import check_free_space
 
-    check_free_space(out, tokens * bytes_per_token("bf16", slots=slots, hidden_size=hidden) + (4 << 30), what="the benchmark stores")
+    check_free_space(
+        out, tokens * bytes_per_token("bf16", slots=slots, hidden_size=hidden) + (4 << 30), what="the benchmark stores"
+    )
     probe_bytes = (256 << 20) if small else (4 << 30)
     results["disk_write_GBps"] = disk_write_rate(out, probe_bytes) / 1e9
     log(f"disk sequential write + fsync in {out}: {results['disk_write_GBps']:.2f} GB/s")
 
     def eyas_run(dtype: str, root: Path) -> dict:
-        spec = StoreSpec(aux_layer_ids=layers, hidden_size=hidden, dtype=dtype, model_dtype=model_dtype,
-                         producer={"backend": "capture_bench"})
-        pipe = CapturePipeline(model, layer_ids=layers, dtype=dtype, hidden_size=hidden, max_rows=bsz * seq,
-                               queue_depth=args.queue_depth)
+        spec = StoreSpec(
+            aux_layer_ids=layers,
+            hidden_size=hidden,
+            dtype=dtype,
+            model_dtype=model_dtype,
+            producer={"backend": "capture_bench"},
+        )
+        pipe = CapturePipeline(
+            model, layer_ids=layers, dtype=dtype, hidden_size=hidden, max_rows=bsz * seq, queue_depth=args.queue_depth
+        )
         warm_dir, dir_ = root / f"eyas-bench-warm-{os.getpid()}", root / f"eyas-bench-{dtype}-{os.getpid()}"
         for d in (warm_dir, dir_):
             shutil.rmtree(d, ignore_errors=True)
@@ -212,8 +242,13 @@ def main() -> None:
         finally:
             for d in (warm_dir, dir_):
                 shutil.rmtree(d, ignore_errors=True)
-        return {"tok_s": tokens / dt, "seconds": dt, "bytes_per_token": on_disk / tokens,
-                "waited_for_disk_s": stats.main_wait_s, "writer_busy_s": stats.writer_busy_s}
+        return {
+            "tok_s": tokens / dt,
+            "seconds": dt,
+            "bytes_per_token": on_disk / tokens,
+            "waited_for_disk_s": stats.main_wait_s,
+            "writer_busy_s": stats.writer_busy_s,
+        }
 
     for dtype in ("bf16", "fp8"):
         r = eyas_run(dtype, out)
@@ -221,10 +256,17 @@ def main() -> None:
         results[f"eyas_{dtype}_bytes_per_token"] = r["bytes_per_token"]
         results[f"eyas_{dtype}_waited_for_disk_s"] = r["waited_for_disk_s"]
         results[f"eyas_{dtype}_writer_busy_s"] = r["writer_busy_s"]
-        log(f"eyas capture {dtype} -> {out}: {r['tok_s']:.0f} tok/s, {r['bytes_per_token']:.1f} B/token "
-            f"(main waited {r['waited_for_disk_s']:.2f}s for the writer, writer busy {r['writer_busy_s']:.2f}s of {r['seconds']:.2f}s)")
+        log(
+            f"eyas capture {dtype} -> {out}: {r['tok_s']:.0f} tok/s, {r['bytes_per_token']:.1f} B/token "
+            f"(main waited {r['waited_for_disk_s']:.2f}s for the writer, writer busy {r['writer_busy_s']:.2f}s of {r['seconds']:.2f}s)"
+        )
     shm = Path("/dev/shm")
-    if device.startswith("cuda") and not args.no_shm and shm.is_dir() and shutil.disk_usage(shm).free > 2 * tokens * slots * hidden * 2:
+    if (
+        device.startswith("cuda")
+        and not args.no_shm
+        and shm.is_dir()
+        and shutil.disk_usage(shm).free > 2 * tokens * slots * hidden * 2
+    ):
         r = eyas_run("bf16", shm)
         results["eyas_bf16_shm_tok_s"] = r["tok_s"]
         log(f"eyas capture bf16 -> /dev/shm: {r['tok_s']:.0f} tok/s")
@@ -240,7 +282,7 @@ def main() -> None:
             for j in range(2):
                 aux, final = reference_hidden_states(model, dev_ids[0][j], layer_ids=layers)
                 ref = torch.cat([aux, final.unsqueeze(1)], dim=1).float()
-                err, _, _ = compare_sample(hidden_NLD[j * seq:(j + 1) * seq].float(), ref)
+                err, _, _ = compare_sample(hidden_NLD[j * seq : (j + 1) * seq].float(), ref)
                 worst = max(worst, err)
         results["bf16_store_worst_rel_err_vs_unbatched"] = worst
         log(f"batched bf16 capture vs unbatched reference (2 samples): worst per-token relative error {worst:.4f}")
@@ -255,13 +297,26 @@ def main() -> None:
     results["target_ratio"] = 0.95
 
     # -- table ------------------------------------------------------------------------------------
-    rows = [("plain forward", results["plain_tok_s"], ""), ("packed forward (no copy)", results["packed_forward_tok_s"], ""),
-            ("naive capture (.cpu())", results["naive_capture_tok_s"], ""),
-            ("eyas bf16 -> disk", results["eyas_bf16_tok_s"], f"{results['eyas_bf16_bytes_per_token']:.1f} B/tok (ideal {slots * hidden * 2})"),
-            ("eyas fp8 -> disk", results["eyas_fp8_tok_s"], f"{results['eyas_fp8_bytes_per_token']:.1f} B/tok (ideal {slots * hidden})")]
+    rows = [
+        ("plain forward", results["plain_tok_s"], ""),
+        ("packed forward (no copy)", results["packed_forward_tok_s"], ""),
+        ("naive capture (.cpu())", results["naive_capture_tok_s"], ""),
+        (
+            "eyas bf16 -> disk",
+            results["eyas_bf16_tok_s"],
+            f"{results['eyas_bf16_bytes_per_token']:.1f} B/tok (ideal {slots * hidden * 2})",
+        ),
+        (
+            "eyas fp8 -> disk",
+            results["eyas_fp8_tok_s"],
+            f"{results['eyas_fp8_bytes_per_token']:.1f} B/tok (ideal {slots * hidden})",
+        ),
+    ]
     if "eyas_bf16_shm_tok_s" in results:
         rows.append(("eyas bf16 -> /dev/shm", results["eyas_bf16_shm_tok_s"], ""))
-    print(f"{model_name} on {results['device']}, {n_timed} x {bsz} x {seq} tokens, aux layers {layers}, disk {results['disk_write_GBps']:.2f} GB/s")
+    print(
+        f"{model_name} on {results['device']}, {n_timed} x {bsz} x {seq} tokens, aux layers {layers}, disk {results['disk_write_GBps']:.2f} GB/s"
+    )
     print(f"{'mode':28s} {'tok/s':>10s} {'vs plain':>9s}  bytes")
     for name, rate, extra in rows:
         print(f"{name:28s} {rate:10.0f} {rate / results['plain_tok_s']:9.3f}  {extra}")

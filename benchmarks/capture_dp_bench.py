@@ -71,8 +71,15 @@ def ensure_target(name: str, work: Path, device: str) -> Path:
 
     log(f"building the 8B-shaped random target into {out} (once)")
     config = transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=8192, rms_norm_eps=1e-5, tie_word_embeddings=False,
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
         torch_dtype="bfloat16",
     )
     torch.manual_seed(0)
@@ -137,7 +144,9 @@ def run_cmd(cmd: list[str], env: dict[str, str], timeout: float) -> tuple[dict, 
 
 def bench_model(name: str, args, env: dict[str, str]) -> dict:
     target = ensure_target(name, args.work, args.device)
-    data = ensure_prepared(target, args.work, samples=args.samples, min_len=args.min_len, max_len=args.max_len, seed=args.seed)
+    data = ensure_prepared(
+        target, args.work, samples=args.samples, min_len=args.min_len, max_len=args.max_len, seed=args.seed
+    )
     from transformers import AutoConfig
 
     from eyas.target import hidden_size_of
@@ -148,8 +157,19 @@ def bench_model(name: str, args, env: dict[str, str]) -> dict:
     root = store_root(args.work, tokens_est * per_token)
     root.mkdir(parents=True, exist_ok=True)
     log(f"[{name}] target {target}, data {data} (~{tokens_est} tokens), stores under {root}")
-    common = ["capture", "--target", str(target), "--data", str(data), "--store-dtype", args.dtype, "--device", args.device,
-              "--token-budget", str(args.token_budget)]
+    common = [
+        "capture",
+        "--target",
+        str(target),
+        "--data",
+        str(data),
+        "--store-dtype",
+        args.dtype,
+        "--device",
+        args.device,
+        "--token-budget",
+        str(args.token_budget),
+    ]
     row: dict = {"model": name, "device": args.device, "processes": args.procs, "store_root": str(root)}
     one, many = root / f"{name}_1proc", root / f"{name}_{args.procs}proc"
     for p in (one, many):
@@ -158,25 +178,59 @@ def bench_model(name: str, args, env: dict[str, str]) -> dict:
         s1, w1 = run_cmd([sys.executable, "-m", "eyas", *common, "--out", str(one)], env, args.timeout)
         shutil.rmtree(one, ignore_errors=True)
         log(f"[{name}] 1 process: {s1.get('tokens_per_s')} tok/s ({s1['captured_tokens']} tokens, wall {w1:.1f} s)")
-        launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.procs), "-m", "eyas"]
+        launcher = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(args.procs),
+            "-m",
+            "eyas",
+        ]
         s2, w2 = run_cmd([*launcher, *common, "--out", str(many)], env, args.timeout)
-        log(f"[{name}] {args.procs} processes: {s2.get('tokens_per_s')} tok/s (wall {w2:.1f} s), per rank {s2.get('per_rank')}")
-        row.update({
-            "tokens": s1["captured_tokens"], "samples": s1["captured_samples"],
-            "tokens_per_s_1": s1.get("tokens_per_s"), f"tokens_per_s_{args.procs}": s2.get("tokens_per_s"),
-            "scaling": round(s2["tokens_per_s"] / s1["tokens_per_s"], 3) if s1.get("tokens_per_s") and s2.get("tokens_per_s") else None,
-            "wall_s_1": round(w1, 1), f"wall_s_{args.procs}": round(w2, 1),
-            "wall_scaling": round(w1 / w2, 3), "per_rank": s2.get("per_rank"), "same_samples": s2["samples"] == s1["samples"],
-        })
+        log(
+            f"[{name}] {args.procs} processes: {s2.get('tokens_per_s')} tok/s (wall {w2:.1f} s), per rank {s2.get('per_rank')}"
+        )
+        row.update(
+            {
+                "tokens": s1["captured_tokens"],
+                "samples": s1["captured_samples"],
+                "tokens_per_s_1": s1.get("tokens_per_s"),
+                f"tokens_per_s_{args.procs}": s2.get("tokens_per_s"),
+                "scaling": round(s2["tokens_per_s"] / s1["tokens_per_s"], 3)
+                if s1.get("tokens_per_s") and s2.get("tokens_per_s")
+                else None,
+                "wall_s_1": round(w1, 1),
+                f"wall_s_{args.procs}": round(w2, 1),
+                "wall_scaling": round(w1 / w2, 3),
+                "per_rank": s2.get("per_rank"),
+                "same_samples": s2["samples"] == s1["samples"],
+            }
+        )
         if args.verify != "none":
-            vcmd = [sys.executable, "-m", "eyas", "verify", "--store", str(many), "--device", args.device,
-                    "--numbers", "4" if args.verify == "quick" else "8"]
+            vcmd = [
+                sys.executable,
+                "-m",
+                "eyas",
+                "verify",
+                "--store",
+                str(many),
+                "--device",
+                args.device,
+                "--numbers",
+                "4" if args.verify == "quick" else "8",
+            ]
             if args.verify == "quick":
                 vcmd.append("--no-invariants")
             try:
                 v, wv = run_cmd(vcmd, env, args.timeout)
-                row["verify"] = {"ok": v.get("ok"), "mode": args.verify, "seconds": round(wv, 1),
-                                 "samples": (v.get("coverage") or {}).get("expected_samples")}
+                row["verify"] = {
+                    "ok": v.get("ok"),
+                    "mode": args.verify,
+                    "seconds": round(wv, 1),
+                    "samples": (v.get("coverage") or {}).get("expected_samples"),
+                }
             except (RuntimeError, subprocess.TimeoutExpired, ValueError) as exc:  # exit 1 = a failed check
                 row["verify"] = {"ok": False, "mode": args.verify, "error": str(exc)[-600:]}
     finally:
@@ -197,8 +251,12 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="bf16", help="stored dtype: bf16, fp8, fp32")
     ap.add_argument("--token-budget", type=int, default=16384)
-    ap.add_argument("--verify", choices=("quick", "full", "none"), default="quick",
-                    help="eyas verify on the P-process store: quick = coverage + checksums + 4 recomputed samples; full = with invariants")
+    ap.add_argument(
+        "--verify",
+        choices=("quick", "full", "none"),
+        default="quick",
+        help="eyas verify on the P-process store: quick = coverage + checksums + 4 recomputed samples; full = with invariants",
+    )
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per command")
     args = ap.parse_args()
     if args.device is None:
@@ -222,16 +280,25 @@ def main() -> None:
         except Exception as exc:  # one model failing must not lose the others' figures
             log(f"[{name}] FAILED: {type(exc).__name__}: {exc}")
             rows.append({"model": name, "error": f"{type(exc).__name__}: {str(exc)[-800:]}"})
-    print(f"{'model':6} {'tokens':>9} {'tok/s 1':>10} {'tok/s ' + str(args.procs):>10} {'scaling':>8} {'wall x':>7} {'verify':>7}")
+    print(
+        f"{'model':6} {'tokens':>9} {'tok/s 1':>10} {'tok/s ' + str(args.procs):>10} {'scaling':>8} {'wall x':>7} {'verify':>7}"
+    )
     for r in rows:
         if "error" in r:
             print(f"{r['model']:6} error: {r['error'][:100]}")
             continue
-        print(f"{r['model']:6} {r['tokens']:>9} {r['tokens_per_s_1']!s:>10} {r[f'tokens_per_s_{args.procs}']!s:>10} "
-              f"{r['scaling']!s:>8} {r['wall_scaling']!s:>7} {str((r.get('verify') or {}).get('ok')):>7}")
-    result = {"bench": "capture_2gpu_scaling" if args.procs == 2 else f"capture_{args.procs}proc_scaling",
-              "device": args.device, "dtype": args.dtype, "samples": args.samples, "rows": rows,
-              "date": time.strftime("%Y-%m-%d", time.gmtime())}
+        print(
+            f"{r['model']:6} {r['tokens']:>9} {r['tokens_per_s_1']!s:>10} {r[f'tokens_per_s_{args.procs}']!s:>10} "
+            f"{r['scaling']!s:>8} {r['wall_scaling']!s:>7} {str((r.get('verify') or {}).get('ok')):>7}"
+        )
+    result = {
+        "bench": "capture_2gpu_scaling" if args.procs == 2 else f"capture_{args.procs}proc_scaling",
+        "device": args.device,
+        "dtype": args.dtype,
+        "samples": args.samples,
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
     try:
         import torch
 

@@ -89,12 +89,17 @@ def make_forwards(plan, rids, pool_TAD: torch.Tensor, pool_TD: torch.Tensor, pad
         Tp = T + (-T) % pad_to
         rows = torch.cat([torch.arange(s, s + n) for _, s, n in fwd] + [torch.zeros(Tp - T, dtype=torch.long)])
         aux_TAD = pool_TAD[rows]
-        out.append(ForwardInfo(
-            rids=[rids[r] for r, _, _ in fwd], extend_prefix_lens=[s for _, s, _ in fwd],
-            extend_seq_lens=[n for *_, n in fwd], aux=[aux_TAD[:, a].contiguous() for a in range(AUX)],
-            final_TD=pool_TD[rows], positions_T=rows,
-            input_ids_T=torch.cat([token_ids(n, s) for _, s, n in fwd] + [torch.zeros(Tp - T, dtype=torch.long)]),
-        ))
+        out.append(
+            ForwardInfo(
+                rids=[rids[r] for r, _, _ in fwd],
+                extend_prefix_lens=[s for _, s, _ in fwd],
+                extend_seq_lens=[n for *_, n in fwd],
+                aux=[aux_TAD[:, a].contiguous() for a in range(AUX)],
+                final_TD=pool_TD[rows],
+                positions_T=rows,
+                input_ids_T=torch.cat([token_ids(n, s) for _, s, n in fwd] + [torch.zeros(Tp - T, dtype=torch.long)]),
+            )
+        )
     return out
 
 
@@ -104,20 +109,35 @@ def clock() -> tuple[float, float]:
     return time.perf_counter(), time.process_time()
 
 
-def stage(results: dict, name: str, tokens: int, start: tuple[float, float] | None = None, *,
-          seconds: float | None = None, cpu_s: float | None = None, **extra) -> None:
+def stage(
+    results: dict,
+    name: str,
+    tokens: int,
+    start: tuple[float, float] | None = None,
+    *,
+    seconds: float | None = None,
+    cpu_s: float | None = None,
+    **extra,
+) -> None:
     """Record a stage timed from `start` (or given); over repeats the fastest run is kept."""
     if start is not None:
         wall, cpu = clock()
         seconds, cpu_s = wall - start[0], cpu - start[1]
     cpu_part = f"  cpu {cpu_s / tokens * 1e6:7.2f} us/token" if cpu_s is not None else ""
-    log(f"{name:10s} {seconds:8.3f} s  {tokens / seconds:12,.0f} tok/s  {seconds / tokens * 1e6:7.2f} us/token"
-        + cpu_part + "".join(f"  {k} {v}" for k, v in extra.items()))
+    log(
+        f"{name:10s} {seconds:8.3f} s  {tokens / seconds:12,.0f} tok/s  {seconds / tokens * 1e6:7.2f} us/token"
+        + cpu_part
+        + "".join(f"  {k} {v}" for k, v in extra.items())
+    )
     if name in results and results[name]["seconds"] <= seconds:
         return
-    results[name] = {"seconds": round(seconds, 4), "tokens_per_s": round(tokens / seconds, 1),
-                     "us_per_token": round(seconds / tokens * 1e6, 3),
-                     **({"cpu_us_per_token": round(cpu_s / tokens * 1e6, 3)} if cpu_s is not None else {}), **extra}
+    results[name] = {
+        "seconds": round(seconds, 4),
+        "tokens_per_s": round(tokens / seconds, 1),
+        "us_per_token": round(seconds / tokens * 1e6, 3),
+        **({"cpu_us_per_token": round(cpu_s / tokens * 1e6, 3)} if cpu_s is not None else {}),
+        **extra,
+    }
 
 
 def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
@@ -128,8 +148,10 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     rids = [make_rid(n, f"bench-{i}") for i, n in enumerate(lengths)]
     plan = schedule(lengths, chunk=a.chunk, budget=a.forward_tokens)
     fwds = make_forwards(plan, rids, pool_TAD, pool_TD, pad_to=64)
-    log(f"{len(lengths)} samples, {tokens} tokens (mean {tokens / len(lengths):.0f}, max {max(lengths)}), "
-        f"{len(plan)} forwards, H={HIDDEN}, A={AUX}, bf16 ({(AUX + 1) * HIDDEN * 2} B/token)")
+    log(
+        f"{len(lengths)} samples, {tokens} tokens (mean {tokens / len(lengths):.0f}, max {max(lengths)}), "
+        f"{len(plan)} forwards, H={HIDDEN}, A={AUX}, bf16 ({(AUX + 1) * HIDDEN * 2} B/token)"
+    )
 
     CaptureCore().observe(fwds[0])  # warm-up
     core = CaptureCore()
@@ -165,8 +187,9 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
 
     t0 = clock()
     for rid, n, d in zip(rids, lengths, dumps):
-        reason = check_sample(token_ids(n), {"prompt_tokens": n, "cached_tokens": 0}, d, layer_ids=LAYERS,
-                              hidden_size=HIDDEN)
+        reason = check_sample(
+            token_ids(n), {"prompt_tokens": n, "cached_tokens": 0}, d, layer_ids=LAYERS, hidden_size=HIDDEN
+        )
         assert reason is None, f"{rid}: {reason}"
     stage(results, "check", tokens, t0)
 
@@ -223,10 +246,17 @@ def wait_latency(a, dump_dir: Path, samples) -> dict:
         late.append((got - written[0]) * 1e3)
         remove_dump(dump_dir, s.rid)
     late.sort()
-    out = {"appear_ms": a.appear_ms, "samples": len(late), "late_ms_mean": round(sum(late) / len(late), 2),
-           "late_ms_p90": round(late[int(0.9 * (len(late) - 1))], 2), "late_ms_max": round(late[-1], 2)}
-    log(f"{'wait':10s} dump seen {out['late_ms_mean']:.2f} ms (mean), {out['late_ms_p90']:.2f} ms (p90), "
-        f"{out['late_ms_max']:.2f} ms (max) after it was written (written {a.appear_ms} ms after the call)")
+    out = {
+        "appear_ms": a.appear_ms,
+        "samples": len(late),
+        "late_ms_mean": round(sum(late) / len(late), 2),
+        "late_ms_p90": round(late[int(0.9 * (len(late) - 1))], 2),
+        "late_ms_max": round(late[-1], 2),
+    }
+    log(
+        f"{'wait':10s} dump seen {out['late_ms_mean']:.2f} ms (mean), {out['late_ms_p90']:.2f} ms (p90), "
+        f"{out['late_ms_max']:.2f} ms (max) after it was written (written {a.appear_ms} ms after the call)"
+    )
     return out
 
 
@@ -244,8 +274,9 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     samples = [(f"s{i}", token_ids(n).tolist(), [True] * n) for i, n in enumerate(lengths)]
-    prepared = write_prepared(work / "prep", {"train": samples, "eval": []},
-                              {"tokenizer_hash": tokenizer_hash(load_tokenizer(target))})
+    prepared = write_prepared(
+        work / "prep", {"train": samples, "eval": []}, {"tokenizer_hash": tokenizer_hash(load_tokenizer(target))}
+    )
     g = torch.Generator().manual_seed(2)
     pool_BTAD = torch.randn(1, 2048, AUX, HIDDEN, generator=g).bfloat16()
     pool_BTD = torch.randn(1, 2048, HIDDEN, generator=g).bfloat16()
@@ -259,14 +290,29 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
     dump_dir = dump_root / "e2e"
     shutil.rmtree(dump_dir, ignore_errors=True)
     try:
-        cfg = StandinConfig(target=target, dump_dir=dump_dir, layer_ids=LAYERS, max_forward_tokens=a.forward_tokens,
-                            chunked_prefill_size=a.chunk, pad_rows_to=1, batch_wait_s=0.001)
+        cfg = StandinConfig(
+            target=target,
+            dump_dir=dump_dir,
+            layer_ids=LAYERS,
+            max_forward_tokens=a.forward_tokens,
+            chunked_prefill_size=a.chunk,
+            pad_rows_to=1,
+            batch_wait_s=0.001,
+        )
         srv = StandinServer(cfg)
         srv.model.lm_head = torch.nn.Identity()  # the next token is not what is measured
         with srv:
             t0 = clock()
-            out = capture_from_sglang([srv.url], prepared, "train", work / "store", LAYERS, target=target,
-                                      concurrency=a.concurrency, calibrate=0)
+            out = capture_from_sglang(
+                [srv.url],
+                prepared,
+                "train",
+                work / "store",
+                LAYERS,
+                target=target,
+                concurrency=a.concurrency,
+                calibrate=0,
+            )
             cpu_s = clock()[1] - t0[1]
     finally:
         eyas.target.forward_capture = real_forward
@@ -276,8 +322,14 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
     # client reports it, only the sending and ingesting
     stage(results, "e2e", out["tokens"], seconds=out["elapsed_s"], cpu_s=cpu_s, concurrency=a.concurrency)
     if out.get("loop_s"):
-        stage(results, "e2e_loop", out["tokens"], seconds=out["loop_s"], concurrency=a.concurrency,
-              **({"seconds_summed": out["seconds_summed"]} if "seconds_summed" in out else {}))
+        stage(
+            results,
+            "e2e_loop",
+            out["tokens"],
+            seconds=out["loop_s"],
+            concurrency=a.concurrency,
+            **({"seconds_summed": out["seconds_summed"]} if "seconds_summed" in out else {}),
+        )
     shutil.rmtree(work, ignore_errors=True)
 
 
@@ -289,9 +341,13 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8192, help="SGLang --chunked-prefill-size")
     ap.add_argument("--forward-tokens", type=int, default=10240, help="token budget of one EXTEND forward")
     ap.add_argument("--concurrency", type=int, default=16)
-    ap.add_argument("--appear-ms", type=float, default=15.0, help="wait stage: the dump appears this long after the call")
+    ap.add_argument(
+        "--appear-ms", type=float, default=15.0, help="wait stage: the dump appears this long after the call"
+    )
     ap.add_argument("--wait-samples", type=int, default=40)
-    ap.add_argument("--dump-dir", type=Path, default=None, help="default: a directory under /dev/shm (else the temp dir)")
+    ap.add_argument(
+        "--dump-dir", type=Path, default=None, help="default: a directory under /dev/shm (else the temp dir)"
+    )
     ap.add_argument("--store-dir", type=Path, default=None, help="where stores are written (default: the temp dir)")
     ap.add_argument("--no-e2e", action="store_true")
     ap.add_argument("--repeat", type=int, default=3, help="run everything this often; each stage keeps its fastest run")
@@ -312,10 +368,23 @@ def main() -> None:
             shutil.rmtree(dump_root, ignore_errors=True)
         if a.store_dir is None:
             shutil.rmtree(store_root, ignore_errors=True)
-    print(json.dumps({"benchmark": "capture_path", "hidden": HIDDEN, "aux": AUX, "dtype": "bf16",
-                      "samples": len(lengths), "tokens": sum(lengths), "mean_tokens": round(sum(lengths) / len(lengths), 1),
-                      "repeat": a.repeat, "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
-                      "stages": results}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "capture_path",
+                "hidden": HIDDEN,
+                "aux": AUX,
+                "dtype": "bf16",
+                "samples": len(lengths),
+                "tokens": sum(lengths),
+                "mean_tokens": round(sum(lengths) / len(lengths), 1),
+                "repeat": a.repeat,
+                "cpus": os.cpu_count(),
+                "torch_threads": torch.get_num_threads(),
+                "stages": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -60,8 +60,15 @@ def main() -> int:
     args = ap.parse_args()
     if args.table_rows < args.rows:
         ap.error(f"--table-rows {args.table_rows} < --rows {args.rows}: the chunk picks distinct rows of the table")
-    result: dict = {"bench": "ce_kernel", "rows": args.rows, "vocab": args.vocab, "student_dtype": "bf16",
-                    "teacher_dtype": args.teacher_dtype, "table_rows": args.table_rows, "errors": {}}
+    result: dict = {
+        "bench": "ce_kernel",
+        "rows": args.rows,
+        "vocab": args.vocab,
+        "student_dtype": "bf16",
+        "teacher_dtype": args.teacher_dtype,
+        "table_rows": args.table_rows,
+        "errors": {},
+    }
     if not torch.cuda.is_available():
         result["errors"]["cuda"] = "CUDA is not available: nothing to time"
         print(json.dumps(result))
@@ -100,10 +107,14 @@ def main() -> int:
             result["errors"][name] = f"{type(exc).__name__}: {str(exc)[:400]}"
             note(traceback.format_exc())
             return
-        entry = {"ms": round(ms, 4), "gb_s": round(nbytes / ms / 1e6, 1), "first_call_s": round(first_s, 2),
-                 "ce_rel_diff": abs(out[0].item() - ref[0].item()) / max(1.0, abs(ref[0].item())),
-                 "g_max_abs_diff": (out[2].float() - ref[2].float()).abs().max().item(),
-                 "hits_mismatch": int((out[1] != ref[1]).sum().item())}
+        entry = {
+            "ms": round(ms, 4),
+            "gb_s": round(nbytes / ms / 1e6, 1),
+            "first_call_s": round(first_s, 2),
+            "ce_rel_diff": abs(out[0].item() - ref[0].item()) / max(1.0, abs(ref[0].item())),
+            "g_max_abs_diff": (out[2].float() - ref[2].float()).abs().max().item(),
+            "hits_mismatch": int((out[1] != ref[1]).sum().item()),
+        }
         result[name] = entry
         rows.append((name, entry))
 
@@ -126,29 +137,48 @@ def main() -> int:
         run("triton", lambda: CE.fused_chunk_ce(s, t, w, top))
         run("triton_indexed", lambda: CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows))
         run("index_select+triton", lambda: CE.fused_chunk_ce(s, table.index_select(0, t_rows), w, top))
-        run("triton_indexed_b32768_w16", lambda: CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows, block_v=32768,
-                                                                    num_warps=16))
-        for block, warps in [(1024, 4), (2048, 8), (4096, 4), (4096, 8), (8192, 16), (32768, 8), (32768, 16), (32768, 32)]:
-            run(f"triton_b{block}_w{warps}",
-                lambda b=block, nw=warps: CE.fused_chunk_ce(s, t, w, top, block_v=b, num_warps=nw))
+        run(
+            "triton_indexed_b32768_w16",
+            lambda: CE.fused_chunk_ce(s, table, w, top, t_rows=t_rows, block_v=32768, num_warps=16),
+        )
+        for block, warps in [
+            (1024, 4),
+            (2048, 8),
+            (4096, 4),
+            (4096, 8),
+            (8192, 16),
+            (32768, 8),
+            (32768, 16),
+            (32768, 32),
+        ]:
+            run(
+                f"triton_b{block}_w{warps}",
+                lambda b=block, nw=warps: CE.fused_chunk_ce(s, t, w, top, block_v=b, num_warps=nw),
+            )
         try:
             t0 = time.perf_counter()
             verdict = check_fused_chunk_ce(dev, torch.bfloat16, t_dtype)
-            result["startup_check"] = {"passed": verdict is None, "why": verdict,
-                                       "seconds": round(time.perf_counter() - t0, 3)}
+            result["startup_check"] = {
+                "passed": verdict is None,
+                "why": verdict,
+                "seconds": round(time.perf_counter() - t0, 3),
+            }
         except Exception as exc:  # noqa: BLE001
             result["errors"]["startup_check"] = f"{type(exc).__name__}: {exc}"
     if "compiled" in result and "triton" in result:
         result["speedup_vs_compiled"] = round(result["compiled"]["ms"] / result["triton"]["ms"], 2)
     if "triton_indexed" in result and "index_select+triton" in result:
         result["speedup_indexed_vs_gather"] = round(
-            result["index_select+triton"]["ms"] / result["triton_indexed"]["ms"], 2)
+            result["index_select+triton"]["ms"] / result["triton_indexed"]["ms"], 2
+        )
     if "index_select" in result:
         note(f"index_select alone: {result['index_select']['ms']:.3f} ms")
     print(f"{'version':<22}{'ms':>9}{'GB/s':>9}{'g diff':>11}{'ce rel':>11}{'hits !=':>9}")
     for name, e in rows:
-        print(f"{name:<22}{e['ms']:>9.3f}{e['gb_s']:>9.0f}{e['g_max_abs_diff']:>11.2e}{e['ce_rel_diff']:>11.2e}"
-              f"{e['hits_mismatch']:>9}")
+        print(
+            f"{name:<22}{e['ms']:>9.3f}{e['gb_s']:>9.0f}{e['g_max_abs_diff']:>11.2e}{e['ce_rel_diff']:>11.2e}"
+            f"{e['hits_mismatch']:>9}"
+        )
     if "index_select" in result:
         print(f"{'index_select alone':<22}{result['index_select']['ms']:>9.3f}{result['index_select']['gb_s']:>9.0f}")
     print(json.dumps(result))

@@ -67,18 +67,31 @@ def reference_check(cfg, records, report, n: int) -> dict:
         t0 = time.perf_counter()
         for rec in records[:n]:
             print(f"eval_bench: reference loop ({name}) on {rec['id']} turn {rec['turn']}", file=sys.stderr, flush=True)
-            gen, rounds = reference_decode(target, drafter, rec["prompt_ids"], layer_ids=report["drafter"]["aux_layer_ids"],
-                                           max_new_tokens=cfg.max_new_tokens, tree=tree, eos_ids=eos)
+            gen, rounds = reference_decode(
+                target,
+                drafter,
+                rec["prompt_ids"],
+                layer_ids=report["drafter"]["aux_layer_ids"],
+                max_new_tokens=cfg.max_new_tokens,
+                tree=tree,
+                eos_ids=eos,
+            )
             same_seq += gen == rec["generated_ids"]
             same_rounds += rounds == rec[f"accepted_{name}"]
-        out[name] = {"sequences": min(n, len(records)), "same_output": same_seq, "same_accepted_counts": same_rounds,
-                     "seconds": round(time.perf_counter() - t0, 2)}
+        out[name] = {
+            "sequences": min(n, len(records)),
+            "same_output": same_seq,
+            "same_accepted_counts": same_rounds,
+            "seconds": round(time.perf_counter() - t0, 2),
+        }
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", default=None, help="drafter directory (eyas, SGLang or speculators layout); default: random")
+    ap.add_argument(
+        "--drafter", default=None, help="drafter directory (eyas, SGLang or speculators layout); default: random"
+    )
     ap.add_argument("--target", default="default", help="target directory or 'default' (SmolLM2-135M-Instruct)")
     ap.add_argument("--prompts", default="mtbench", help="'mtbench' or a JSONL prompts file")
     ap.add_argument("--limit", type=int, default=None, help="first N conversations only")
@@ -93,9 +106,13 @@ def main() -> None:
     ap.add_argument("--replay-tokens", type=int, default=131072)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
     ap.add_argument("--out", default=None, help="also write the eval report here")
-    ap.add_argument("--reference-check", type=int, default=0,
-                    help="re-decode the first N sequences with the real speculative decoding loop (specdec/reference.py) "
-                         "and count those whose output and accepted counts equal the replay's (slow: ~10-30 s each)")
+    ap.add_argument(
+        "--reference-check",
+        type=int,
+        default=0,
+        help="re-decode the first N sequences with the real speculative decoding loop (specdec/reference.py) "
+        "and count those whose output and accepted counts equal the replay's (slow: ~10-30 s each)",
+    )
     args = ap.parse_args()
 
     import torch
@@ -106,12 +123,23 @@ def main() -> None:
     t_start = time.perf_counter()
     target_dir = str(resolve_target(args.target))
     with tempfile.TemporaryDirectory() as tmp:
-        drafter = Path(args.drafter) if args.drafter else random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
+        drafter = (
+            Path(args.drafter) if args.drafter else random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
+        )
         print(f"eval_bench: drafter {drafter}{' (random)' if not args.drafter else ''}", file=sys.stderr, flush=True)
         cfg = EvalConfig(
-            drafter=drafter, target=target_dir, prompts=args.prompts, max_new_tokens=args.max_new_tokens,
-            chain_k=args.chain_k, tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-            device=args.device, model_dtype=args.dtype, limit=args.limit, gen_batch_size=args.gen_batch_size,
+            drafter=drafter,
+            target=target_dir,
+            prompts=args.prompts,
+            max_new_tokens=args.max_new_tokens,
+            chain_k=args.chain_k,
+            tree_topk=args.tree_topk,
+            tree_depth=args.tree_depth,
+            tree_tokens=args.tree_tokens,
+            device=args.device,
+            model_dtype=args.dtype,
+            limit=args.limit,
+            gen_batch_size=args.gen_batch_size,
             replay_tokens=args.replay_tokens,
         )
         t0 = time.perf_counter()
@@ -130,7 +158,9 @@ def main() -> None:
     gen = report["generation"]
     figures = {
         "device": report["settings"]["device"],
-        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() and "cuda" in report["settings"]["device"] else None,
+        "gpu": torch.cuda.get_device_name(0)
+        if torch.cuda.is_available() and "cuda" in report["settings"]["device"]
+        else None,
         "dtype": report["settings"]["dtype"],
         "drafter": "random" if not args.drafter else str(args.drafter),
         "conversations": report["prompts"]["conversations"],
@@ -140,7 +170,9 @@ def main() -> None:
         "max_new_tokens": args.max_new_tokens,
         "load_s": t.get("load_s"),
         "generation_s": t.get("generation_s"),
-        "generation_tokens_per_s": round(gen["generated_tokens"] / t["generation_s"], 1) if t.get("generation_s") else None,
+        "generation_tokens_per_s": round(gen["generated_tokens"] / t["generation_s"], 1)
+        if t.get("generation_s")
+        else None,
         "target_features_s": t.get("target_features_s"),
         "replay_chain_s": t.get("replay_chain_s"),
         "replay_tree_s": t.get("replay_tree_s"),
@@ -160,12 +192,16 @@ def main() -> None:
         print(f"{key:<22}{'-' if v is None else f'{v:10.2f}':>10}")
     for name in ("chain", "tree"):
         if figures[f"tau_{name}"] is not None:
-            print(f"tau {name:<18}{figures[f'tau_{name}']:10.3f}   ({figures[name]}, {figures[f'rounds_{name}']} rounds)")
+            print(
+                f"tau {name:<18}{figures[f'tau_{name}']:10.3f}   ({figures[name]}, {figures[f'rounds_{name}']} rounds)"
+            )
     print(f"{figures['sequences']} sequences, {figures['generated_tokens']} generated tokens")
     if check:
         for name, c in check.items():
-            print(f"reference check {name}: {c['same_accepted_counts']}/{c['sequences']} same accepted counts, "
-                  f"{c['same_output']}/{c['sequences']} same output")
+            print(
+                f"reference check {name}: {c['same_accepted_counts']}/{c['sequences']} same accepted counts, "
+                f"{c['same_output']}/{c['sequences']} same output"
+            )
     print(json.dumps(figures))
 
 

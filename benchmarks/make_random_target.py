@@ -29,7 +29,10 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out, safe_serialization=True)
     for f in args.skeleton.iterdir():
-        if f.is_file() and (f.name.startswith("tokenizer") or f.name in ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")):
+        if f.is_file() and (
+            f.name.startswith("tokenizer")
+            or f.name in ("special_tokens_map.json", "chat_template.jinja", "generation_config.json")
+        ):
             shutil.copy(f, args.out / f.name)
     print(args.out)
 

@@ -96,8 +96,12 @@ def compare(ref: list[list[int]], got: list[list[int]]) -> dict:
         while k < min(len(a), len(b)) and a[k] == b[k]:
             k += 1
         prefix.append(k / max(len(a), len(b), 1))
-    return {"identical": same, "compared": len(ref), "fraction_identical": round(same / max(len(ref), 1), 4),
-            "mean_matching_prefix": round(sum(prefix) / max(len(prefix), 1), 4)}
+    return {
+        "identical": same,
+        "compared": len(ref),
+        "fraction_identical": round(same / max(len(ref), 1), 4),
+        "mean_matching_prefix": round(sum(prefix) / max(len(prefix), 1), 4),
+    }
 
 
 def part_fp32(args, target: str, source: str, device: str) -> dict:
@@ -132,27 +136,46 @@ def part_fp32(args, target: str, source: str, device: str) -> dict:
     t_eng = time.perf_counter() - t0
     got = [results[i].token_ids for i in range(P)]
     ref = [r[:-1] if r and r[-1] in eng.stop else r for r in ref]  # both without the stop token
-    out = {"prompts": P, "max_new_tokens": max_new, "generate_s": round(t_gen, 2), "static_s": round(t_eng, 2),
-           **compare(ref, got), "engine": eng.describe()}
-    log(f"  identical {out['identical']}/{P} (mean matching prefix {out['mean_matching_prefix']}); "
-        f"decode attention {out['engine']['decode_attention']}, prefill {out['engine']['prefill_attention']}")
+    out = {
+        "prompts": P,
+        "max_new_tokens": max_new,
+        "generate_s": round(t_gen, 2),
+        "static_s": round(t_eng, 2),
+        **compare(ref, got),
+        "engine": eng.describe(),
+    }
+    log(
+        f"  identical {out['identical']}/{P} (mean matching prefix {out['mean_matching_prefix']}); "
+        f"decode attention {out['engine']['decode_attention']}, prefill {out['engine']['prefill_attention']}"
+    )
     del eng, gen, model
     if torch.device(device).type == "cuda":
         torch.cuda.empty_cache()
     return out
 
 
-def part_regenerate(args, target: str, source: str, device: str, tmp: Path, *, limit: int, name: str,
-                    **overrides) -> dict:
+def part_regenerate(
+    args, target: str, source: str, device: str, tmp: Path, *, limit: int, name: str, **overrides
+) -> dict:
     """`eyas regenerate` through its Python entry point, default options except `overrides`."""
     from eyas.regen.run import RegenConfig, regenerate
 
-    cfg = RegenConfig(out=tmp / f"out_{name}", source=source, target=target, max_turns=args.max_turns,
-                      max_new_tokens=args.max_new_tokens, limit=limit, overwrite=True,
-                      device=device, **overrides)
+    cfg = RegenConfig(
+        out=tmp / f"out_{name}",
+        source=source,
+        target=target,
+        max_turns=args.max_turns,
+        max_new_tokens=args.max_new_tokens,
+        limit=limit,
+        overwrite=True,
+        device=device,
+        **overrides,
+    )
     flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in overrides.items())
-    log(f"bench {name}: eyas regenerate --source {source} --limit {limit} --max-turns {args.max_turns} "
-        f"--max-new-tokens {args.max_new_tokens} {flags}")
+    log(
+        f"bench {name}: eyas regenerate --source {source} --limit {limit} --max-turns {args.max_turns} "
+        f"--max-new-tokens {args.max_new_tokens} {flags}"
+    )
     sync(device)
     t0 = time.perf_counter()
     summary = regenerate(cfg)
@@ -160,14 +183,24 @@ def part_regenerate(args, target: str, source: str, device: str, tmp: Path, *, l
     wall = time.perf_counter() - t0
     meta = json.loads((tmp / f"out_{name}" / "meta.json").read_text())
     tokens = summary["tokens_this_run"]
-    out = {"conversations": summary["conversations"], "written": summary["written"],
-           "assistant_turns": summary["assistant_turns"], "truncated_turns": summary["truncated_turns"],
-           "failed_turns": summary["failed_turns"], "answer_tokens": tokens, "wall_s": round(wall, 2),
-           "tok_s_wall": round(tokens / wall, 1), "driver_s": summary["elapsed_s"],
-           "tok_s_driver": summary["tokens_per_s"], "engine_stats": summary["engine_stats"],
-           "engine": meta.get("engine")}
-    log(f"  {tokens:,} answer tokens in {wall:.1f} s wall = {tokens / wall:,.0f} tok/s "
-        f"(driver only {summary['tokens_per_s']:,.0f} tok/s)")
+    out = {
+        "conversations": summary["conversations"],
+        "written": summary["written"],
+        "assistant_turns": summary["assistant_turns"],
+        "truncated_turns": summary["truncated_turns"],
+        "failed_turns": summary["failed_turns"],
+        "answer_tokens": tokens,
+        "wall_s": round(wall, 2),
+        "tok_s_wall": round(tokens / wall, 1),
+        "driver_s": summary["elapsed_s"],
+        "tok_s_driver": summary["tokens_per_s"],
+        "engine_stats": summary["engine_stats"],
+        "engine": meta.get("engine"),
+    }
+    log(
+        f"  {tokens:,} answer tokens in {wall:.1f} s wall = {tokens / wall:,.0f} tok/s "
+        f"(driver only {summary['tokens_per_s']:,.0f} tok/s)"
+    )
     log("  engine_stats " + json.dumps(summary["engine_stats"]))
     if name == "2turn" and getattr(args, "keep", None):
         shutil.move(str(tmp / f"out_{name}"), args.keep)  # the regenerated chats, for `eyas prepare`
@@ -182,11 +215,20 @@ def tiny_target(tok, out: Path) -> str:
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=96, intermediate_size=128, num_hidden_layers=4,
-                                      num_attention_heads=6, num_key_value_heads=2, head_dim=16,
-                                      max_position_embeddings=8192, tie_word_embeddings=False,
-                                      bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                      pad_token_id=tok.pad_token_id)
+    config = transformers.LlamaConfig(
+        vocab_size=len(tok),
+        hidden_size=96,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=6,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=8192,
+        tie_word_embeddings=False,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     return str(out)
@@ -196,7 +238,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--target", default="default", help="model directory (default: embedded SmolLM2)")
     ap.add_argument("--keep", default=None, help="move the 2turn part's `eyas regenerate` output here (else deleted)")
-    ap.add_argument("--chats", default=None, help="JSONL(.gz) chats (lab/scripts/stage_chats.py; default: embedded ShareGPT)")
+    ap.add_argument(
+        "--chats", default=None, help="JSONL(.gz) chats (lab/scripts/stage_chats.py; default: embedded ShareGPT)"
+    )
     ap.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     ap.add_argument("--small", action="store_true", help="CPU proxy: a tiny random llama, small sizes")
     ap.add_argument("--parts", default="fp32,2turn,sdpa,batch", help="comma-separated subset of fp32,2turn,sdpa,batch")
@@ -208,9 +252,12 @@ def main() -> None:
     ap.add_argument("--max-prompt-tokens", type=int, default=512, help="fp32 prompts longer than this are skipped")
     ap.add_argument("--compare-chats", type=int, default=None, help="sdpa part chats (GPU 1000, small 8)")
     ap.add_argument("--extra-batch", type=int, default=None, help="batch part: --batch-size (GPU 1024, small 16)")
-    ap.add_argument("--budget", type=float, default=330.0,
-                    help="seconds for the whole benchmark: an optional part (sdpa, batch) whose estimate "
-                         "would pass it is skipped")
+    ap.add_argument(
+        "--budget",
+        type=float,
+        default=330.0,
+        help="seconds for the whole benchmark: an optional part (sdpa, batch) whose estimate would pass it is skipped",
+    )
     args = ap.parse_args()
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.small else "cpu")
     gpu = torch.device(device).type == "cuda"
@@ -225,9 +272,15 @@ def main() -> None:
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     import transformers
 
-    res: dict = {"device": torch.cuda.get_device_name(device) if gpu else "cpu", "torch": torch.__version__,
-                 "transformers": transformers.__version__, "target": args.target, "chats": args.chats,
-                 "small": args.small, "errors": {}}
+    res: dict = {
+        "device": torch.cuda.get_device_name(device) if gpu else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "target": args.target,
+        "chats": args.chats,
+        "small": args.small,
+        "errors": {},
+    }
     try:
         import triton
 
@@ -264,28 +317,58 @@ def main() -> None:
             return True
 
         if "sdpa" in parts and fits("sdpa", per_chat and 5 * per_chat * args.compare_chats):
-            attempt("sdpa", part_regenerate, args, target, source, device, tmp, limit=args.compare_chats,
-                    name="sdpa", attention="sdpa")
+            attempt(
+                "sdpa",
+                part_regenerate,
+                args,
+                target,
+                source,
+                device,
+                tmp,
+                limit=args.compare_chats,
+                name="sdpa",
+                attention="sdpa",
+            )
         if "batch" in parts and args.extra_batch and fits("batch", two_wall):
-            attempt("batch", part_regenerate, args, target, source, device, tmp, limit=args.conversations,
-                    name="batch", batch_size=args.extra_batch)
+            attempt(
+                "batch",
+                part_regenerate,
+                args,
+                target,
+                source,
+                device,
+                tmp,
+                limit=args.conversations,
+                name="batch",
+                batch_size=args.extra_batch,
+            )
 
     two, fp = res.get("2turn"), res.get("fp32")
     res["regen_2turn_tok_s"] = two["tok_s_wall"] if two else None
     res["regen_fp32_identical"] = fp["fraction_identical"] if fp else None
-    print(f"{'part':<8}{'answers':>9}{'tokens':>11}{'wall s':>9}{'tok/s':>10}{'occup.':>8}{'attn eff':>9}"
-          f"{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/step':>9}")
+    print(
+        f"{'part':<8}{'answers':>9}{'tokens':>11}{'wall s':>9}{'tok/s':>10}{'occup.':>8}{'attn eff':>9}"
+        f"{'prefill tok/s':>15}{'decode tok/s':>14}{'ms/step':>9}"
+    )
     for name in ("2turn", "sdpa", "batch"):
         r = res.get(name)
         if not r:
             print(f"{name:<8}  -- {res['errors'].get(name, 'not run')}")
             continue
         s = r["engine_stats"] or {}
-        print(f"{name:<8}{r['assistant_turns']:>9,}{r['answer_tokens']:>11,}{r['wall_s']:>9.1f}{r['tok_s_wall']:>10,.0f}"
-              f"{s.get('occupancy') or 0:>8.2f}{s.get('attention_efficiency') or 0:>9.2f}"
-              f"{s.get('prefill_tok_s') or 0:>15,.0f}{s.get('decode_tok_s') or 0:>14,.0f}{s.get('decode_ms_per_step') or 0:>9.2f}")
-    print("fp32 greedy identical to generate: " + (f"{fp['identical']}/{fp['compared']} ({fp['fraction_identical']})"
-                                                   if fp else res["errors"].get("fp32", "not run")))
+        print(
+            f"{name:<8}{r['assistant_turns']:>9,}{r['answer_tokens']:>11,}{r['wall_s']:>9.1f}{r['tok_s_wall']:>10,.0f}"
+            f"{s.get('occupancy') or 0:>8.2f}{s.get('attention_efficiency') or 0:>9.2f}"
+            f"{s.get('prefill_tok_s') or 0:>15,.0f}{s.get('decode_tok_s') or 0:>14,.0f}{s.get('decode_ms_per_step') or 0:>9.2f}"
+        )
+    print(
+        "fp32 greedy identical to generate: "
+        + (
+            f"{fp['identical']}/{fp['compared']} ({fp['fraction_identical']})"
+            if fp
+            else res["errors"].get("fp32", "not run")
+        )
+    )
     print(json.dumps(res))
 
 

@@ -24,8 +24,19 @@ GROUPS = [  # (capability, metric prefixes), first match wins
     ("drafter quality (MT-bench tau)", ("tau_", "recipe_", "sbs_", "scaling_")),
     ("speculative decoding", ("specdec_", "generate_")),
     ("regeneration", ("regen",)),
-    ("serving (SGLang / vLLM with the drafter)", ("sglang_accept", "sglang_speedup", "sglang_7_", "sglang_3_",
-                                                  "sglang_5_", "sglang_6_", "eval_export", "store41_")),
+    (
+        "serving (SGLang / vLLM with the drafter)",
+        (
+            "sglang_accept",
+            "sglang_speedup",
+            "sglang_7_",
+            "sglang_3_",
+            "sglang_5_",
+            "sglang_6_",
+            "eval_export",
+            "store41_",
+        ),
+    ),
     ("capture", ("capture", "sglang_")),
     ("evaluation and verification", ("eval", "verify", "invariant")),
 ]
@@ -71,7 +82,9 @@ def group_of(metric: str) -> str:
 
 def _value(row: dict) -> str:
     v = row["value"]
-    return f"{v:,.0f}" if isinstance(v, (int, float)) and abs(v) >= 1000 else f"{v:g}" if isinstance(v, float) else str(v)
+    return (
+        f"{v:,.0f}" if isinstance(v, (int, float)) and abs(v) >= 1000 else f"{v:g}" if isinstance(v, float) else str(v)
+    )
 
 
 def _cell(text: str) -> str:
@@ -80,21 +93,31 @@ def _cell(text: str) -> str:
 
 def render_performance(rows: list[dict]) -> str:
     last = latest(rows)
-    lines = ["# Performance", "",
-             "Rendered from `benchmarks/results.jsonl` by `python benchmarks/render_results.py`; do not edit by hand.",
-             "The latest figure of each metric, with the commit it measured and how. The history before the ledger:",
-             "[lab/archive/RESULTS.md](../lab/archive/RESULTS.md).", ""]
+    lines = [
+        "# Performance",
+        "",
+        "Rendered from `benchmarks/results.jsonl` by `python benchmarks/render_results.py`; do not edit by hand.",
+        "The latest figure of each metric, with the commit it measured and how. The history before the ledger:",
+        "[lab/archive/RESULTS.md](../lab/archive/RESULTS.md).",
+        "",
+    ]
     names = [g for g, _ in GROUPS] + ["other"]
     for name in names:
         metrics = sorted(m for m in last if group_of(m) == name)
         if not metrics:
             continue
-        lines += [f"## {name}", "", "| metric | value | unit | date | commit | device | command |",
-                  "|---|---|---|---|---|---|---|"]
+        lines += [
+            f"## {name}",
+            "",
+            "| metric | value | unit | date | commit | device | command |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for m in metrics:
             r = last[m]
-            lines.append(f"| {m} | {_value(r)} | {_cell(r['unit'])} | {r['date']} | {r['commit']} | "
-                         f"{_cell(r['device'])} | {_cell(r['command'])} |")
+            lines.append(
+                f"| {m} | {_value(r)} | {_cell(r['unit'])} | {r['date']} | {r['commit']} | "
+                f"{_cell(r['device'])} | {_cell(r['command'])} |"
+            )
         lines.append("")
     return "\n".join(lines)
 
@@ -111,7 +134,9 @@ def headline_rows(rows: list[dict]) -> list[tuple[str, dict]]:
 def render_table(rows: list[dict]) -> str:
     lines = [BEGIN, "| what | measured | at | device |", "|---|---|---|---|"]
     for what, r in headline_rows(rows):
-        lines.append(f"| {what} | {_value(r)} {_cell(r['unit'])} | {r['commit']} ({r['date']}) | {_cell(r['device'])} |")
+        lines.append(
+            f"| {what} | {_value(r)} {_cell(r['unit'])} | {r['commit']} ({r['date']}) | {_cell(r['device'])} |"
+        )
     lines += ["", "Every figure with its command: [docs/performance.md](docs/performance.md).", END]
     return "\n".join(lines)
 
@@ -120,7 +145,7 @@ def with_table(readme: str, table: str) -> str:
     a, b = readme.find(BEGIN), readme.find(END)
     if a < 0 or b < a:
         raise SystemExit(f"README.md: no {BEGIN} ... {END} block")
-    return readme[:a] + table + readme[b + len(END):]
+    return readme[:a] + table + readme[b + len(END) :]
 
 
 def main(argv: list[str] | None = None) -> int:

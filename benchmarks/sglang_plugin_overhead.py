@@ -58,16 +58,23 @@ def make_forwards(plan, rids, *, aux: int, hidden: int, dtype, device, pad_to: i
     for fwd in plan:
         T = sum(n for *_, n in fwd)
         Tp = T + (-T) % pad_to
-        out.append(ForwardInfo(
-            rids=[rids[r] for r, _, _ in fwd], extend_prefix_lens=[s for _, s, _ in fwd],
-            extend_seq_lens=[n for *_, n in fwd],
-            aux=[torch.randn(Tp, hidden, generator=g, device=device, dtype=dtype) for _ in range(aux)],
-            final_TD=torch.randn(Tp, hidden, generator=g, device=device, dtype=dtype),
-            positions_T=torch.cat([torch.arange(s, s + n, device=device) for _, s, n in fwd]
-                                  + [torch.zeros(Tp - T, dtype=torch.long, device=device)]),
-            input_ids_T=torch.cat([torch.arange(s, s + n, device=device) % 1000 for _, s, n in fwd]
-                                  + [torch.zeros(Tp - T, dtype=torch.long, device=device)]),
-        ))
+        out.append(
+            ForwardInfo(
+                rids=[rids[r] for r, _, _ in fwd],
+                extend_prefix_lens=[s for _, s, _ in fwd],
+                extend_seq_lens=[n for *_, n in fwd],
+                aux=[torch.randn(Tp, hidden, generator=g, device=device, dtype=dtype) for _ in range(aux)],
+                final_TD=torch.randn(Tp, hidden, generator=g, device=device, dtype=dtype),
+                positions_T=torch.cat(
+                    [torch.arange(s, s + n, device=device) for _, s, n in fwd]
+                    + [torch.zeros(Tp - T, dtype=torch.long, device=device)]
+                ),
+                input_ids_T=torch.cat(
+                    [torch.arange(s, s + n, device=device) % 1000 for _, s, n in fwd]
+                    + [torch.zeros(Tp - T, dtype=torch.long, device=device)]
+                ),
+            )
+        )
     return out
 
 
@@ -100,8 +107,10 @@ def main() -> None:
     tokens = sum(lengths)
     bytes_per_token = (a.aux + 1) * a.hidden * 2
     plan = schedule(lengths, a.chunk, a.forward_tokens)
-    log(f"{a.requests} prompts, {tokens} tokens, {len(plan)} forwards, H={a.hidden}, A={a.aux}, bf16 "
-        f"({bytes_per_token} B/token), device {device}")
+    log(
+        f"{a.requests} prompts, {tokens} tokens, {len(plan)} forwards, H={a.hidden}, A={a.aux}, bf16 "
+        f"({bytes_per_token} B/token), device {device}"
+    )
     dump_dir = Path(a.dump_dir)
     results = {}
 
@@ -126,8 +135,11 @@ def main() -> None:
         assert done == a.requests, f"{done} of {a.requests} samples completed"
         if writer:
             assert not writer.errors, writer.errors[:3]
-        results[name] = {"seconds": round(dt, 4), "tokens_per_s": round(tokens / dt, 1),
-                         "GB_per_s": round(tokens * bytes_per_token / dt / 1e9, 3)}
+        results[name] = {
+            "seconds": round(dt, 4),
+            "tokens_per_s": round(tokens / dt, 1),
+            "GB_per_s": round(tokens * bytes_per_token / dt / 1e9, 3),
+        }
         log(f"{name:8s} {dt:8.3f} s  {tokens / dt:12,.0f} tok/s  {tokens * bytes_per_token / dt / 1e9:6.2f} GB/s")
         return rids
 
@@ -145,19 +157,34 @@ def main() -> None:
         assert reason is None, reason
         shutil.rmtree(dump_dir / rid)
     dt = time.perf_counter() - t0
-    results["client"] = {"seconds": round(dt, 4), "tokens_per_s": round(tokens / dt, 1),
-                         "GB_per_s": round(tokens * bytes_per_token / dt / 1e9, 3)}
+    results["client"] = {
+        "seconds": round(dt, 4),
+        "tokens_per_s": round(tokens / dt, 1),
+        "GB_per_s": round(tokens * bytes_per_token / dt / 1e9, 3),
+    }
     log(f"{'client':8s} {dt:8.3f} s  {tokens / dt:12,.0f} tok/s  {tokens * bytes_per_token / dt / 1e9:6.2f} GB/s")
     shutil.rmtree(dump_dir, ignore_errors=True)
 
     print(f"{'stage':8s} {'tok/s':>12s} {'GB/s':>7s}")
     for k, v in results.items():
         print(f"{k:8s} {v['tokens_per_s']:12,.0f} {v['GB_per_s']:7.2f}")
-    print(json.dumps({"benchmark": "sglang_plugin_overhead", "device": str(device),
-                      "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
-                      "hidden": a.hidden, "aux": a.aux, "requests": a.requests, "tokens": tokens,
-                      "forwards": len(plan), "bytes_per_token": bytes_per_token, "writer_threads": a.writer_threads,
-                      "stages": results}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "sglang_plugin_overhead",
+                "device": str(device),
+                "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+                "hidden": a.hidden,
+                "aux": a.aux,
+                "requests": a.requests,
+                "tokens": tokens,
+                "forwards": len(plan),
+                "bytes_per_token": bytes_per_token,
+                "writer_threads": a.writer_threads,
+                "stages": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -51,13 +51,17 @@ def log(msg: str) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--drafter", default=None, help="drafter directory (eyas, SGLang or speculators layout); default: random")
+    ap.add_argument(
+        "--drafter", default=None, help="drafter directory (eyas, SGLang or speculators layout); default: random"
+    )
     ap.add_argument("--target", default="default", help="target directory or 'default' (SmolLM2-135M-Instruct)")
     ap.add_argument("--prompts", default="mtbench", help="'mtbench' or a JSONL prompts file")
     ap.add_argument("--limit", type=int, default=None, help="first N conversations only")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--modes", default="tree,chain", help="comma-separated: tree, chain")
-    ap.add_argument("--engine", default="plain,static", help="comma-separated: plain, static (each one's own table rows)")
+    ap.add_argument(
+        "--engine", default="plain,static", help="comma-separated: plain, static (each one's own table rows)"
+    )
     ap.add_argument("--chain-k", type=int, default=7)
     ap.add_argument("--tree-topk", type=int, default=10)
     ap.add_argument("--tree-depth", type=int, default=6)
@@ -65,10 +69,17 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
-    ap.add_argument("--batch-sizes", default="1",
-                    help="comma-separated batch sizes, e.g. 1,4,16 (> 1: the batched engine, speculative and target-only)")
-    ap.add_argument("--predict", action=argparse.BooleanOptionalAction, default=True,
-                    help="also measure draft/verify step costs and the speed-up they predict from tau")
+    ap.add_argument(
+        "--batch-sizes",
+        default="1",
+        help="comma-separated batch sizes, e.g. 1,4,16 (> 1: the batched engine, speculative and target-only)",
+    )
+    ap.add_argument(
+        "--predict",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also measure draft/verify step costs and the speed-up they predict from tau",
+    )
     args = ap.parse_args()
     try:
         batch_sizes = sorted({int(b) for b in args.batch_sizes.split(",") if b.strip()})
@@ -84,10 +95,17 @@ def main() -> None:
 
     t_start = time.perf_counter()
     target_dir = str(resolve_target(args.target))
-    figures: dict = {"drafter": args.drafter or "random", "target": args.target, "prompts": args.prompts,
-                     "limit": args.limit, "max_new_tokens": args.max_new_tokens, "batch_size": 1,
-                     "batch_sizes": batch_sizes, "temperature": 0,
-                     "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}
+    figures: dict = {
+        "drafter": args.drafter or "random",
+        "target": args.target,
+        "prompts": args.prompts,
+        "limit": args.limit,
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": 1,
+        "batch_sizes": batch_sizes,
+        "temperature": 0,
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     engines = [e.strip() for e in args.engine.split(",") if e.strip()] if 1 in batch_sizes else []
     figures["engines"] = engines
@@ -101,11 +119,23 @@ def main() -> None:
 
             drafter = random_drafter(target_dir, Path(tmp) / "drafter", seed=args.seed)
             log("no --drafter: a random drafter (tau ~1): the speed-up below is the loop's overhead, not a result")
+
         def config(mode: str, **kw) -> GenerateConfig:
-            return GenerateConfig(drafter=drafter, target=target_dir, prompts=args.prompts,
-                                  max_new_tokens=args.max_new_tokens, mode=mode, chain_k=args.chain_k,
-                                  tree_topk=args.tree_topk, tree_depth=args.tree_depth, tree_tokens=args.tree_tokens,
-                                  device=args.device, model_dtype=args.dtype, limit=args.limit, **kw)
+            return GenerateConfig(
+                drafter=drafter,
+                target=target_dir,
+                prompts=args.prompts,
+                max_new_tokens=args.max_new_tokens,
+                mode=mode,
+                chain_k=args.chain_k,
+                tree_topk=args.tree_topk,
+                tree_depth=args.tree_depth,
+                tree_tokens=args.tree_tokens,
+                device=args.device,
+                model_dtype=args.dtype,
+                limit=args.limit,
+                **kw,
+            )
 
         def timed_run(key: str, cfg: GenerateConfig) -> dict:
             """One `eyas generate` run's summary (+ wall_s, outputs), or {"error": ...}: one run failing
@@ -128,7 +158,9 @@ def main() -> None:
                 log(f"mode {mode}, engine {engine}: decoding with the drafter and target-only")
                 cfg = config(mode, engine=engine)
                 runs[key] = timed_run(key, cfg)
-            bs1_outputs = next((runs[f"{mode}/{e}"]["outputs"] for e in engines if "outputs" in runs[f"{mode}/{e}"]), None)
+            bs1_outputs = next(
+                (runs[f"{mode}/{e}"]["outputs"] for e in engines if "outputs" in runs[f"{mode}/{e}"]), None
+            )
             for bs in batch_sizes:
                 if bs == 1:
                     continue
@@ -179,8 +211,10 @@ def main() -> None:
         figures[f"rows_bs{bs}"] = tb.get("rows")
     figures["total_s"] = round(time.perf_counter() - t_start, 2)
 
-    print(f"{'mode':<6}{'engine':<8}{'bs':>4}{'rows':>6}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'draft_s':>9}"
-          f"{'verify_s':>9}{'over_s':>8}  same  =bs1  graphs")
+    print(
+        f"{'mode':<6}{'engine':<8}{'bs':>4}{'rows':>6}{'tok/s':>9}{'target':>9}{'speedup':>9}{'tau':>7}{'draft_s':>9}"
+        f"{'verify_s':>9}{'over_s':>8}  same  =bs1  graphs"
+    )
     f = lambda v, w, d: f"{v:{w}.{d}f}" if isinstance(v, (int, float)) else f"{'-':>{w}}"  # noqa: E731
     for key, s in runs.items():
         mode, engine, *rest = key.split("/")
@@ -191,17 +225,21 @@ def main() -> None:
         t = s["time_s"]
         graphs = ",".join(s.get("cuda_graphs") or []) or "-"
         same1 = "-" if s.get("same_as_bs1") is None else str(s["same_as_bs1"])
-        print(f"{mode:<6}{engine:<8}{bs:>4}{f(s.get('rows', 1), 6, 1)}{f(s['tokens_per_s'], 9, 1)}"
-              f"{f(s.get('baseline_tokens_per_s'), 9, 1)}{f(s.get('speedup'), 9, 3)}{f(s['acceptance_length'], 7, 3)}"
-              f"{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}{f(t['overhead_s'], 8, 2)}  "
-              f"{str(s.get('greedy_mismatches', '-') == 0):<5} {same1:<5} {graphs}")
+        print(
+            f"{mode:<6}{engine:<8}{bs:>4}{f(s.get('rows', 1), 6, 1)}{f(s['tokens_per_s'], 9, 1)}"
+            f"{f(s.get('baseline_tokens_per_s'), 9, 1)}{f(s.get('speedup'), 9, 3)}{f(s['acceptance_length'], 7, 3)}"
+            f"{f(t['draft_s'], 9, 2)}{f(t['verify_s'], 9, 2)}{f(t['overhead_s'], 8, 2)}  "
+            f"{str(s.get('greedy_mismatches', '-') == 0):<5} {same1:<5} {graphs}"
+        )
     for mode in modes:
         s = figures.get(mode, {})
         if "engine" in s:
             pred = (s.get("predicted") or {}).get("predicted_speedup")
-            print(f"{mode}: fastest engine {s['engine']}, speed-up {f(s.get('speedup'), 0, 3)} (vs fastest target-only "
-                  f"{f(s.get('speedup_vs_fastest_target'), 0, 3)}), predicted ({(s.get('predicted') or {}).get('engine')} costs) {f(pred, 0, 3)}, "
-                  f"engines agree {s.get('engines_agree')}")
+            print(
+                f"{mode}: fastest engine {s['engine']}, speed-up {f(s.get('speedup'), 0, 3)} (vs fastest target-only "
+                f"{f(s.get('speedup_vs_fastest_target'), 0, 3)}), predicted ({(s.get('predicted') or {}).get('engine')} costs) {f(pred, 0, 3)}, "
+                f"engines agree {s.get('engines_agree')}"
+            )
     print(json.dumps(figures, default=str))
 
 
@@ -218,11 +256,15 @@ def predict(target_dir: str, drafter: Path, cfg, summary: dict) -> dict:
     target = load_target(target_dir, device=device, dtype=dtype)
     ckpt, d = load_drafter_for(target, drafter, device=device, dtype=dtype)
     tree: TreeConfig = cfg.tree()
-    out = predict_for_modes(target, d, {"m": tree}, {"m": summary["acceptance_length"]},
-                            layer_ids=ckpt.config.aux_layer_ids, context=512)["m"]
+    out = predict_for_modes(
+        target, d, {"m": tree}, {"m": summary["acceptance_length"]}, layer_ids=ckpt.config.aux_layer_ids, context=512
+    )["m"]
     if "skipped" in out:
         return {"error": out["skipped"]}
-    return out["step_costs_s"] | {"predicted_speedup": out["predicted_speedup_bs1"], "static_error": out.get("static_error")}
+    return out["step_costs_s"] | {
+        "predicted_speedup": out["predicted_speedup_bs1"],
+        "static_error": out.get("static_error"),
+    }
 
 
 if __name__ == "__main__":

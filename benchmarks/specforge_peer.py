@@ -171,8 +171,10 @@ def _import_specforge() -> types.SimpleNamespace:
 
     torch.compile(lambda x: x)  # same: loads the compile machinery with the real (or no) triton
     if importlib.util.find_spec("specforge") is None:
-        raise ImportError(f"specforge is not importable (install specforge=={SPECFORGE_VERSION} with "
-                          "`pip install --no-deps --target DIR` and put DIR on PYTHONPATH)")
+        raise ImportError(
+            f"specforge is not importable (install specforge=={SPECFORGE_VERSION} with "
+            "`pip install --no-deps --target DIR` and put DIR on PYTHONPATH)"
+        )
     # First without any placeholder; only a missing optional package that the import path really
     # reaches gets one, and the import is retried from scratch.
     stand_ins: set[str] = set()
@@ -285,9 +287,18 @@ def synthetic_batch(shape: dict, *, seq: int, device, seed: int = 0, dtype=torch
     }
 
 
-def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed: int = 0,
-                         attention: str | None = None, teacher: str = "full", lr: float = LEARNING_RATE,
-                         betas: tuple[float, float] = (0.9, 0.95)) -> Callable[[], torch.Tensor]:
+def build_specforge_step(
+    shape: dict,
+    *,
+    seq: int,
+    ttt_steps: int,
+    device,
+    seed: int = 0,
+    attention: str | None = None,
+    teacher: str = "full",
+    lr: float = LEARNING_RATE,
+    betas: tuple[float, float] = (0.9, 0.95),
+) -> Callable[[], torch.Tensor]:
     """One full SpecForge offline EAGLE-3 training step on a fixed synthetic batch; returns a
     callable that runs it and returns the weighted TTT loss (a detached scalar tensor).
 
@@ -319,12 +330,14 @@ def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed:
 
     data = synthetic_batch(shape, seq=seq, device=device, seed=seed, dtype=dtype)
     head = _target_head(sf, data["head"])
-    strategy = sf.base.Eagle3TrainStrategy(model, target_head=head, ploss_decay=PLOSS_DECAY,
-                                           compact_teacher=teacher == "compact")
+    strategy = sf.base.Eagle3TrainStrategy(
+        model, target_head=head, ploss_decay=PLOSS_DECAY, compact_teacher=teacher == "compact"
+    )
 
     def make_optimizer(target):
-        opt = sf.optimizer.BF16Optimizer(target, lr=lr, max_grad_norm=MAX_GRAD_NORM, warmup_ratio=0.0,
-                                         lr_scheduler="constant", total_steps=10**9)
+        opt = sf.optimizer.BF16Optimizer(
+            target, lr=lr, max_grad_norm=MAX_GRAD_NORM, warmup_ratio=0.0, lr_scheduler="constant", total_steps=10**9
+        )
         for group in opt.optimizer.param_groups:
             group["betas"] = tuple(betas)
         return opt
@@ -338,10 +351,17 @@ def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed:
     loss_mask = data["mask"].clone()
     loss_mask[0, -1] = 0  # as SpecForge's offline normaliser does
     batch = sf.contracts.TrainBatch(
-        sample_ids=["synthetic-0"], strategy="eagle3",
-        tensors={"input_ids": data["ids"], "attention_mask": torch.ones_like(data["ids"]),
-                 "loss_mask": loss_mask, "hidden_state": data["aux"], "target": data["final"]},
-        metadata={"target_repr": "hidden_state"})
+        sample_ids=["synthetic-0"],
+        strategy="eagle3",
+        tensors={
+            "input_ids": data["ids"],
+            "attention_mask": torch.ones_like(data["ids"]),
+            "loss_mask": loss_mask,
+            "hidden_state": data["aux"],
+            "target": data["final"],
+        },
+        metadata={"target_repr": "hidden_state"},
+    )
 
     last: dict = {}
     forward_loss = strategy.forward_loss
@@ -360,8 +380,12 @@ def build_specforge_step(shape: dict, *, seq: int, ttt_steps: int, device, seed:
             core.train_step(batch)
         return last["loss"]
 
-    step.info = {"attention": backend, "teacher": teacher, "specforge_version": sf.version,
-                 "trainable_params_m": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6}
+    step.info = {
+        "attention": backend,
+        "teacher": teacher,
+        "specforge_version": sf.version,
+        "trainable_params_m": sum(p.numel() for p in model.parameters() if p.requires_grad) / 1e6,
+    }
     return step
 
 
@@ -392,14 +416,41 @@ def _cpu_reference_mode(sf):
 # CLI: --tiny (CPU check) and --shape 8b (GPU timing)
 # ---------------------------------------------------------------------------------------------
 
-TINY = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=128,
-            vocab_size=512, draft_vocab_size=256, target_hidden_size=64, aux_layer_ids=[1, 2, 3],
-            rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=2048)
-LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-                aux_layer_ids=[2, 16, 29], rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+TINY = dict(
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=128,
+    vocab_size=512,
+    draft_vocab_size=256,
+    target_hidden_size=64,
+    aux_layer_ids=[1, 2, 3],
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=2048,
+)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    draft_vocab_size=32000,
+    target_hidden_size=4096,
+    aux_layer_ids=[2, 16, 29],
+    rope_theta=500000.0,
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+)
 
 
 def _sync(device: torch.device) -> None:
@@ -416,14 +467,31 @@ def run_tiny(*, steps: int, lr: float) -> dict:
         curve.append(float(step()))
         log(f"[tiny] step {i + 1:02d}/{steps}: loss {curve[-1]:.5f}")
     ok = all(map(lambda v: v == v and abs(v) != float("inf"), curve)) and curve[-1] < curve[0]
-    return {"bench": "specforge_peer_tiny", "ok": ok, "loss_first": curve[0], "loss_last": curve[-1],
-            "loss_curve": curve, "lr": lr, **step.info}
+    return {
+        "bench": "specforge_peer_tiny",
+        "ok": ok,
+        "loss_first": curve[0],
+        "loss_last": curve[-1],
+        "loss_curve": curve,
+        "lr": lr,
+        **step.info,
+    }
 
 
-def run_timed(shape: dict, *, device: torch.device, seq: int, ttt_steps: int, warmup: int, steps: int,
-              attention: str | None, teacher: str) -> dict:
-    step = build_specforge_step(shape, seq=seq, ttt_steps=ttt_steps, device=device, attention=attention,
-                                teacher=teacher)
+def run_timed(
+    shape: dict,
+    *,
+    device: torch.device,
+    seq: int,
+    ttt_steps: int,
+    warmup: int,
+    steps: int,
+    attention: str | None,
+    teacher: str,
+) -> dict:
+    step = build_specforge_step(
+        shape, seq=seq, ttt_steps=ttt_steps, device=device, attention=attention, teacher=teacher
+    )
     t0 = time.perf_counter()
     for i in range(warmup):
         loss = step()
@@ -452,10 +520,18 @@ def main() -> None:
     ap.add_argument("--ttt-steps", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=None, help="timed steps (default 10; --tiny: training steps, 20)")
-    ap.add_argument("--attention", default=None, choices=["flex_attention", "sdpa", "fa"],
-                    help="SpecForge attention backend (default: flex_attention on CUDA, sdpa on CPU)")
-    ap.add_argument("--teacher", default="full", choices=["full", "compact"],
-                    help="full: SpecForge's default teacher; compact: its --compact-teacher")
+    ap.add_argument(
+        "--attention",
+        default=None,
+        choices=["flex_attention", "sdpa", "fa"],
+        help="SpecForge attention backend (default: flex_attention on CUDA, sdpa on CPU)",
+    )
+    ap.add_argument(
+        "--teacher",
+        default="full",
+        choices=["full", "compact"],
+        help="full: SpecForge's default teacher; compact: its --compact-teacher",
+    )
     ap.add_argument("--lr", type=float, default=None, help="--tiny only (default 1e-3 there)")
     args = ap.parse_args()
 
@@ -466,20 +542,42 @@ def main() -> None:
         sys.exit(1)
     if args.tiny:
         res = run_tiny(steps=args.steps or 20, lr=args.lr or 1e-3)
-        print(f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f} over {len(res['loss_curve'])} steps: "
-              f"{'ok' if res['ok'] else 'FAILED'}")
+        print(
+            f"loss {res['loss_first']:.4f} -> {res['loss_last']:.4f} over {len(res['loss_curve'])} steps: "
+            f"{'ok' if res['ok'] else 'FAILED'}"
+        )
         print(json.dumps(res, sort_keys=True))
         sys.exit(0 if res["ok"] else 1)
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     shape = LLAMA_8B if args.shape == "8b" else TINY
-    log(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
-        f"torch {torch.__version__}; SpecForge step, shape {args.shape}, 1 x {args.seq}, TTT {args.ttt_steps}")
-    res = run_timed(shape, device=device, seq=args.seq, ttt_steps=args.ttt_steps, warmup=args.warmup,
-                    steps=args.steps or 10, attention=args.attention, teacher=args.teacher)
-    res.update({"bench": "specforge_peer", "shape": args.shape, "device": str(device), "seq": args.seq,
-                "ttt_steps": args.ttt_steps, "batch": 1})
+    log(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), "
+        f"torch {torch.__version__}; SpecForge step, shape {args.shape}, 1 x {args.seq}, TTT {args.ttt_steps}"
+    )
+    res = run_timed(
+        shape,
+        device=device,
+        seq=args.seq,
+        ttt_steps=args.ttt_steps,
+        warmup=args.warmup,
+        steps=args.steps or 10,
+        attention=args.attention,
+        teacher=args.teacher,
+    )
+    res.update(
+        {
+            "bench": "specforge_peer",
+            "shape": args.shape,
+            "device": str(device),
+            "seq": args.seq,
+            "ttt_steps": args.ttt_steps,
+            "batch": 1,
+        }
+    )
     print(f"{'peer':10s} {'ms/step':>9s} {'tok/s':>10s} {'peak GB':>8s}")
-    print(f"{'specforge':10s} {res['s_per_step'] * 1000:9.1f} {res['tokens_per_s']:10.0f} {res.get('peak_mem_gb') or 0:8.1f}")
+    print(
+        f"{'specforge':10s} {res['s_per_step'] * 1000:9.1f} {res['tokens_per_s']:10.0f} {res.get('peak_mem_gb') or 0:8.1f}"
+    )
     print(json.dumps(res, sort_keys=True))
 
 

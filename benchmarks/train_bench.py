@@ -84,14 +84,43 @@ def log(msg: str) -> None:
 
 def shapes(small: bool) -> dict:
     if small:  # SmolLM2-135M-Instruct
-        return dict(hidden_size=576, num_attention_heads=9, num_key_value_heads=3, head_dim=64, intermediate_size=1536,
-                    vocab_size=49152, draft_vocab_size=32000, target_hidden_size=576, aux_layer_ids=[2, 15, 27],
-                    target_num_layers=30, rope_theta=100000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
-    return dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128, intermediate_size=14336,
-                vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096, aux_layer_ids=[2, 16, 29],
-                target_num_layers=32, rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072,
-                rope_parameters={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                 "original_max_position_embeddings": 8192})
+        return dict(
+            hidden_size=576,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            intermediate_size=1536,
+            vocab_size=49152,
+            draft_vocab_size=32000,
+            target_hidden_size=576,
+            aux_layer_ids=[2, 15, 27],
+            target_num_layers=30,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+            max_position_embeddings=8192,
+        )
+    return dict(
+        hidden_size=4096,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        draft_vocab_size=32000,
+        target_hidden_size=4096,
+        aux_layer_ids=[2, 16, 29],
+        target_num_layers=32,
+        rope_theta=500000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=131072,
+        rope_parameters={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+    )
 
 
 def flops_per_token(c: dict, *, T: int, K: int) -> dict:
@@ -103,8 +132,13 @@ def flops_per_token(c: dict, *, T: int, K: int) -> dict:
     attention = sum(12 * Hq * d * ((T + 1) / 2 + k) for k in range(K))
     fc = 4 * 3 * H * H
     teacher = 2 * H * Vt
-    return {"linears": linears, "attention": attention, "fc": fc, "teacher": teacher,
-            "total": linears + attention + fc + teacher}
+    return {
+        "linears": linears,
+        "attention": attention,
+        "fc": fc,
+        "teacher": teacher,
+        "total": linears + attention + fc + teacher,
+    }
 
 
 def _synthetic(c: dict, *, B: int, T: int, device, seed: int, rank: int = 0):
@@ -136,10 +170,25 @@ def _drafter(c: dict, device, *, seed: int, compile_parts: bool):
     return drafter
 
 
-def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: bool = False, seed: int = 0,
-                   compile_parts: bool = False, grad_reduce: str = "fp32", cast_once: bool | None = None,
-                   defer_stats: bool | None = None, align_topk: int | None = None, bf16: bool | None = None,
-                   host_copies: bool = True, optimizer: str = "adamw"):
+def make_fast_step(
+    c: dict,
+    *,
+    B: int,
+    T: int,
+    K: int,
+    device,
+    dist=None,
+    fsdp: bool = False,
+    seed: int = 0,
+    compile_parts: bool = False,
+    grad_reduce: str = "fp32",
+    cast_once: bool | None = None,
+    defer_stats: bool | None = None,
+    align_topk: int | None = None,
+    bf16: bool | None = None,
+    host_copies: bool = True,
+    optimizer: str = "adamw",
+):
     """One `eyas train` step on the packed path (train/loop.py), data copied from pinned host memory.
     `defer_stats`: the step's statistics are copied to pinned host memory behind it and read after the NEXT step is
     queued, as the loop does (None: as the loop); else at the step's end, which waits for the
@@ -165,8 +214,9 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
 
     drafter = _drafter(c, device, seed=seed, compile_parts=compile_parts)
     data = _synthetic(c, B=B, T=T, device=device, seed=seed, rank=dist.rank if dist is not None else 0)
-    module = PackedTTTModule(drafter, TTTConfig(steps=K, cast_once=cast_once, align_topk=align_topk),
-                             head_VtD=data["head"]).to(device)
+    module = PackedTTTModule(
+        drafter, TTTConfig(steps=K, cast_once=cast_once, align_topk=align_topk), head_VtD=data["head"]
+    ).to(device)
     bf16 = device.type == "cuda" if bf16 is None else bf16
     if dist is not None and dist.enabled:
         from eyas.train.dist import wrap_model
@@ -175,11 +225,20 @@ def make_fast_step(c: dict, *, B: int, T: int, K: int, device, dist=None, fsdp: 
     items = [Item(str(i), data["ids"][i], data["mask"][i]) for i in range(B)]
     ids, mask, seg, rows = pack_tokens(items, steps=K, pad_to=None)
     pin = device.type == "cuda"
-    host = PackedBatch(ids, seg, rows, data["aux"].flatten(0, 1), data["final"].flatten(0, 1), B * T, B * T,
-                       int(mask.sum()))
+    host = PackedBatch(
+        ids, seg, rows, data["aux"].flatten(0, 1), data["final"].flatten(0, 1), B * T, B * T, int(mask.sum())
+    )
     if pin:
-        host = PackedBatch(ids.pin_memory(), seg.pin_memory(), [r.pin_memory() for r in rows],
-                           host.aux_NAD.pin_memory(), host.final_ND.pin_memory(), B * T, B * T, host.supervised)
+        host = PackedBatch(
+            ids.pin_memory(),
+            seg.pin_memory(),
+            [r.pin_memory() for r in rows],
+            host.aux_NAD.pin_memory(),
+            host.final_ND.pin_memory(),
+            B * T,
+            B * T,
+            host.supervised,
+        )
     denoms = torch.tensor([float(len(r)) for r in rows], dtype=torch.float64)
     params = [p for p in module.parameters() if p.requires_grad]
     opt = make_optimizer(module, optimizer, lr=1e-4, weight_decay=0.0, fused=device.type == "cuda" and not fsdp)
@@ -232,9 +291,11 @@ class _OnDevice:
 
 def patched(step, patcher):
     """`step` run under `patcher` (a unittest.mock patch of a ttt setting: the variants of the default path)."""
+
     def run():
         with patcher:
             return step()
+
     run.waited = getattr(step, "waited", None)
     return run
 
@@ -246,8 +307,10 @@ def kernel_setting(spec: str) -> tuple[str, str]:
     name, _, value = spec.partition("=")
     mode = {"": "on", "1": "on", "on": "on", "0": "off", "off": "off"}.get(value.lower())
     if name not in kernels.names() or mode is None:
-        raise SystemExit(f"--flag {spec!r}: expected KERNEL[=on|off], KERNEL one of {', '.join(kernels.names())} "
-                         "(eyas's module settings were removed: lab/LOG.md)")
+        raise SystemExit(
+            f"--flag {spec!r}: expected KERNEL[=on|off], KERNEL one of {', '.join(kernels.names())} "
+            "(eyas's module settings were removed: lab/LOG.md)"
+        )
     return name, mode
 
 
@@ -287,8 +350,9 @@ def make_reference_step(c: dict, *, B: int, T: int, K: int, device, seed: int = 
     def step():
         teacher = teacher_from_final(data["final"], data["head"], used, t2d)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-            loss, _stats = module(data["ids"], data["mask"], data["aux"], teacher.probs_BTV, teacher.top_BT,
-                                  teacher.in_vocab_BT, denoms)
+            loss, _stats = module(
+                data["ids"], data["mask"], data["aux"], teacher.probs_BTV, teacher.top_BT, teacher.in_vocab_BT, denoms
+            )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
@@ -330,8 +394,9 @@ def measure(step, *, warmup: int, steps: int, device, tokens_per_step: int, labe
     return res
 
 
-def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, steps: int, device,
-                   tokens_per_step: int) -> float | None:
+def measure_rounds(
+    variants: list, runs: dict, *, rounds: int, warmup: int, steps: int, device, tokens_per_step: int
+) -> float | None:
     """Every variant built and warmed up first, then timed in `rounds` rounds of `steps` steps, the variants taking
     turns within each round; a variant's time is the median of its rounds. Run one after another, variants of the
     same code differed by up to 13% between two calls (a step bound by the host: what else the host does moves
@@ -339,11 +404,13 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
     of the whole run (all variants resident), None off CUDA."""
     built: dict = {}
     for label, make in variants:
+
         def warm(label=label, make=make):
             step = make()
             seconds = warm_up(step, warmup=warmup, device=device, label=label)
             built[label] = step
             return {"warmup_s": seconds}
+
         _try(label, runs, warm)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -371,8 +438,12 @@ def measure_rounds(variants: list, runs: dict, *, rounds: int, warmup: int, step
         log(f"round {r + 1}/{rounds}: " + ", ".join(f"{k} {v[-1] * 1000:.1f}" for k, v in times.items()) + " ms/step")
     for label, ts in times.items():
         dt = statistics.median(ts)
-        runs[label].update(s_per_step=dt, tokens_per_s=tokens_per_step / dt, rounds_ms=[round(t * 1000, 2) for t in ts],
-                           spread=(max(ts) - min(ts)) / dt)
+        runs[label].update(
+            s_per_step=dt,
+            tokens_per_s=tokens_per_step / dt,
+            rounds_ms=[round(t * 1000, 2) for t in ts],
+            spread=(max(ts) - min(ts)) / dt,
+        )
         if waits[label]:  # well above 0: the GPU bounds the step (near 0: see the module's docstring)
             runs[label]["wait_ms"] = statistics.median(waits[label]) * 1000
     return torch.cuda.max_memory_allocated() / 1e9 if device.type == "cuda" else None
@@ -420,27 +491,52 @@ def suite_8b(args, dist) -> dict:
     warmup = args.warmup if args.warmup is not None else (3 if device.type == "cuda" else 1)
     c = shapes(args.small)
     fl = flops_per_token(c, T=T, K=K)
-    log(f"drafter H={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} I={c['intermediate_size']} "
-        f"V={c['draft_vocab_size']}/{c['vocab_size']}, batch {B} x {T}, TTT {K}; {fl['total'] / 1e9:.2f} GFLOP/token")
-    result: dict = {"suite": "8b" if not args.small else "small", "batch": B, "seq": T, "ttt_steps": K, "world": W,
-                    "parallel": ("fsdp2" if args.fsdp else f"ddp-{args.grad_reduce}") if W > 1 else "none",
-                    "gflop_per_token": fl["total"] / 1e9, "flops_breakdown_gflop": {k: v / 1e9 for k, v in fl.items()}}
+    log(
+        f"drafter H={c['hidden_size']} heads={c['num_attention_heads']}/{c['num_key_value_heads']} I={c['intermediate_size']} "
+        f"V={c['draft_vocab_size']}/{c['vocab_size']}, batch {B} x {T}, TTT {K}; {fl['total'] / 1e9:.2f} GFLOP/token"
+    )
+    result: dict = {
+        "suite": "8b" if not args.small else "small",
+        "batch": B,
+        "seq": T,
+        "ttt_steps": K,
+        "world": W,
+        "parallel": ("fsdp2" if args.fsdp else f"ddp-{args.grad_reduce}") if W > 1 else "none",
+        "gflop_per_token": fl["total"] / 1e9,
+        "flops_breakdown_gflop": {k: v / 1e9 for k, v in fl.items()},
+    }
     if device.type == "cuda":
         from eyas.drafter.ttt import check_fast_attention
         from eyas.packing import check_varlen_kernel, pick_varlen_kernel
 
         result["varlen_check_max_abs_diff"] = check_varlen_kernel(device, torch.bfloat16)
-        result["varlen_kernel"] = pick_varlen_kernel(torch.empty(1, 1, 1, c["head_dim"], device=device, dtype=torch.bfloat16))
-        log(f"packed attention kernel {result['varlen_kernel']}: max |diff| vs exact {result['varlen_check_max_abs_diff']:.4f}")
+        result["varlen_kernel"] = pick_varlen_kernel(
+            torch.empty(1, 1, 1, c["head_dim"], device=device, dtype=torch.bfloat16)
+        )
+        log(
+            f"packed attention kernel {result['varlen_kernel']}: max |diff| vs exact {result['varlen_check_max_abs_diff']:.4f}"
+        )
         result["fast_attention_check_max_abs_diff"] = check_fast_attention(device, torch.bfloat16)
-        log(f"fast attention vs dense reference (bf16, out + grads): max |diff| {result['fast_attention_check_max_abs_diff']:.4f}")
+        log(
+            f"fast attention vs dense reference (bf16, out + grads): max |diff| {result['fast_attention_check_max_abs_diff']:.4f}"
+        )
     runs: dict = {}
     kw = dict(device=device, tokens_per_step=W * B * T)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 
-        step = make_fast_step(c, B=B, T=T, K=K, device=device, dist=dist, fsdp=args.fsdp, grad_reduce=args.grad_reduce,
-                              compile_parts=device.type == "cuda", cast_once=AUTO_ON_OFF[args.cast_once])
+        step = make_fast_step(
+            c,
+            B=B,
+            T=T,
+            K=K,
+            device=device,
+            dist=dist,
+            fsdp=args.fsdp,
+            grad_reduce=args.grad_reduce,
+            compile_parts=device.type == "cuda",
+            cast_once=AUTO_ON_OFF[args.cast_once],
+        )
         for _ in range(3):
             step()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
@@ -457,10 +553,14 @@ def suite_8b(args, dist) -> dict:
 
         other = not TTTConfig().cast_once_for(c["hidden_size"])  # the other cast_once setting than the default's
         variants += [
-            ("eyas-cast-once" if other else "eyas-per-step-casts",
-             lambda: make_fast_step(**fast, compile_parts=True, cast_once=other)),
-            ("eyas-head-grad-copies", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "addmm_fp32",
-                                                          "off")),
+            (
+                "eyas-cast-once" if other else "eyas-per-step-casts",
+                lambda: make_fast_step(**fast, compile_parts=True, cast_once=other),
+            ),
+            (
+                "eyas-head-grad-copies",
+                lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "addmm_fp32", "off"),
+            ),
             # step 0's keys repeated to every query head, not read by the flash kernel's grouped-query mode
             ("eyas-repeated-keys", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "gqa_flash", "off")),
             ("eyas-stats-every-step", lambda: make_fast_step(**fast, compile_parts=True, defer_stats=False)),
@@ -472,8 +572,11 @@ def suite_8b(args, dist) -> dict:
             # the head loss's cross-entropy by compiled torch (the default: the fused Triton kernel)
             ("eyas-torch-ce", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "ce", "off")),
             # the kept teacher table's row statistics by a compiled torch reduction (the default: one Triton kernel)
-            ("eyas-torch-stats", lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "teacher_stats",
-                                                     "off"))]
+            (
+                "eyas-torch-stats",
+                lambda: with_kernel(make_fast_step(**fast, compile_parts=True), "teacher_stats", "off"),
+            ),
+        ]
     if device.type == "cuda" and not args.no_compile:
         variants.append(("eyas-no-compile", lambda: make_fast_step(**fast, fsdp=args.fsdp)))
     if W == 1 and not args.no_reference:
@@ -487,8 +590,9 @@ def suite_8b(args, dist) -> dict:
         except Exception as exc:  # the peer harness itself missing or broken
             why = f"{type(exc).__name__}: {exc}"
         if why is None:
-            variants.append(("specforge", lambda: specforge_peer.build_specforge_step(c, seq=T, ttt_steps=K,
-                                                                                      device=device)))
+            variants.append(
+                ("specforge", lambda: specforge_peer.build_specforge_step(c, seq=T, ttt_steps=K, device=device))
+            )
         else:
             log(f"SpecForge not measured: {why}")
             result["specforge_skipped"] = why
@@ -501,12 +605,16 @@ def suite_8b(args, dist) -> dict:
     rounds = args.rounds if args.rounds is not None else (5 if device.type == "cuda" else 1)
     result["rounds"] = rounds
     if rounds > 1:
-        result["peak_mem_gb_all_variants"] = measure_rounds(variants, runs, rounds=rounds, warmup=warmup, steps=steps,
-                                                            **kw)
+        result["peak_mem_gb_all_variants"] = measure_rounds(
+            variants, runs, rounds=rounds, warmup=warmup, steps=steps, **kw
+        )
     else:
         for label, make in variants:
-            _try(label, runs, lambda label=label, make=make: measure(make(), warmup=warmup, steps=steps, label=label,
-                                                                     **kw))
+            _try(
+                label,
+                runs,
+                lambda label=label, make=make: measure(make(), warmup=warmup, steps=steps, label=label, **kw),
+            )
     if device.type == "cuda":
         from eyas import kernels
 
@@ -528,29 +636,48 @@ def suite_8b(args, dist) -> dict:
             if paired is not None:
                 result["train_8b_vs_specforge_paired"] = paired
             if "tokens_per_s" in runs.get("eyas-per-step-casts", {}):
-                result["train_8b_per_step_casts_vs_specforge"] = (runs["eyas-per-step-casts"]["tokens_per_s"]
-                                                                  / runs["specforge"]["tokens_per_s"])
+                result["train_8b_per_step_casts_vs_specforge"] = (
+                    runs["eyas-per-step-casts"]["tokens_per_s"] / runs["specforge"]["tokens_per_s"]
+                )
     if dist.is_main:
-        print(f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}"
-              f" {'spread':>7s} {'wait ms':>8s}")
+        print(
+            f"{'mode':22s} {'ms/step':>9s} {'tok/s':>10s} {'TFLOP/s':>9s} {'MFU/989':>8s} {'MFU/756':>8s} {'peak GB':>8s}"
+            f" {'spread':>7s} {'wait ms':>8s}"
+        )
         for name, r in runs.items():
             if "tokens_per_s" not in r:
                 print(f"{name:22s} failed: {r['error'][:80]}")
                 continue
-            print(f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
-                  f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} "
-                  + (f"{r['peak_mem_gb']:8.1f}" if r.get('peak_mem_gb') is not None else f"{'-':>8s}")
-                  + f" {r['spread'] if 'spread' in r else float('nan'):7.3f}"
-                  + (f" {r['wait_ms']:8.2f}" if 'wait_ms' in r else f" {'-':>8s}"))
+            print(
+                f"{name:22s} {r['s_per_step'] * 1000:9.1f} {r['tokens_per_s']:10.0f} {r['tflops']:9.1f} "
+                f"{r['mfu_vs_989']:8.3f} {r['mfu_vs_756_measured']:8.3f} "
+                + (f"{r['peak_mem_gb']:8.1f}" if r.get("peak_mem_gb") is not None else f"{'-':>8s}")
+                + f" {r['spread'] if 'spread' in r else float('nan'):7.3f}"
+                + (f" {r['wait_ms']:8.2f}" if "wait_ms" in r else f" {'-':>8s}")
+            )
         if result.get("peak_mem_gb_all_variants"):
-            print(f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "
-                  f"ms/step: the median of {rounds} rounds (spread: (max - min) / median); wait ms: the host's wait "
-                  "for the GPU in a step (its statistics' read); well above 0: the GPU bounds the step")
+            print(
+                f"peak GPU memory with every variant resident: {result['peak_mem_gb_all_variants']:.1f} GB; "
+                f"ms/step: the median of {rounds} rounds (spread: (max - min) / median); wait ms: the host's wait "
+                "for the GPU in a step (its statistics' read); well above 0: the GPU bounds the step"
+            )
     return result
 
 
-BY_SHAPE = ("aten::copy_", "aten::_to_copy", "aten::add_", "aten::add", "aten::mul", "aten::clone", "aten::zero_",
-            "aten::fill_", "aten::index_add_", "aten::index_copy_", "aten::index_select", "aten::gather")
+BY_SHAPE = (
+    "aten::copy_",
+    "aten::_to_copy",
+    "aten::add_",
+    "aten::add",
+    "aten::mul",
+    "aten::clone",
+    "aten::zero_",
+    "aten::fill_",
+    "aten::index_add_",
+    "aten::index_copy_",
+    "aten::index_select",
+    "aten::gather",
+)
 """The ops `print_profile` splits by input shapes: copies, casts, additions, and the fills and index ops behind the
 online SmolLM2 step's memsets (cudaMemsetAsync: 31.9 ms of device time in two steps, 2026-12-02, not yet placed)."""
 
@@ -577,12 +704,15 @@ def _print_profile(prof, device, rows: int) -> None:
     print(prof.key_averages().table(sort_by=key.removeprefix("self_"), row_limit=rows))
     if device.type == "cuda":
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
-    by_shape = [e for e in prof.key_averages(group_by_input_shape=True)
-                if e.key in BY_SHAPE]
+    by_shape = [e for e in prof.key_averages(group_by_input_shape=True) if e.key in BY_SHAPE]
 
     def self_us(e):  # torch 2.11 names the device time self_device_time_total (self_cuda_time_total before)
-        return getattr(e, "self_device_time_total", None) if device.type == "cuda" and \
-            hasattr(e, "self_device_time_total") else getattr(e, key)
+        return (
+            getattr(e, "self_device_time_total", None)
+            if device.type == "cuda" and hasattr(e, "self_device_time_total")
+            else getattr(e, key)
+        )
+
     by_shape.sort(key=self_us, reverse=True)
     print(f"{'op':16s} {'calls':>6s} {'self ms':>8s}  input shapes")
     for e in by_shape[:rows]:
@@ -604,16 +734,25 @@ def print_fill_sites(prof, device, rows: int) -> None:
         return
     if not sites:
         return
-    key = "self_device_time_total" if device.type == "cuda" and hasattr(sites[0], "self_device_time_total") \
+    key = (
+        "self_device_time_total"
+        if device.type == "cuda" and hasattr(sites[0], "self_device_time_total")
         else "self_cpu_time_total"
+    )
     sites.sort(key=lambda e: getattr(e, key), reverse=True)
     print(f"{'fill':12s} {'calls':>6s} {'self ms':>8s}  where (innermost first)")
     for e in sites[:rows]:
         print(f"{e.key:12s} {e.count:6d} {getattr(e, key) / 1e3:8.2f}  {' <- '.join(e.stack)[:200]}")
 
 
-RANGES = ("eyas.target_forward", "eyas.drafter_forward", "_HeadSoftCE", "eyas.drafter_backward", "eyas.optimizer",
-          "Command Buffer Full")
+RANGES = (
+    "eyas.target_forward",
+    "eyas.drafter_forward",
+    "_HeadSoftCE",
+    "eyas.drafter_backward",
+    "eyas.optimizer",
+    "Command Buffer Full",
+)
 """The named parts of the real loop's step (train/step.py, train/batches.py; _HeadSoftCE is the head's loss with its
 gradients, inside the drafter's forward) and the host's waits for a full GPU launch queue."""
 
@@ -636,11 +775,15 @@ def _steady(metrics_file, skip: int) -> dict:
     recs = [json.loads(x) for x in Path(metrics_file).read_text().splitlines() if '"eval"' not in x]
     tail = recs[skip:] or recs
     secs = sum(r["step_s"] for r in tail)
-    return {"steps_timed": len(tail), "tokens_per_s": sum(r["tokens"] for r in tail) / secs,
-            "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in tail) / secs,
-            "useful_fraction": sum(r["tokens"] for r in tail) / max(1, sum(r["padded_tokens"] for r in tail)),
-            "target_share": tail[-1].get("target_share"), "final_loss": tail[-1]["loss"],
-            "wait_ms": statistics.median(r.get("host_wait_s", 0.0) for r in tail) * 1000}
+    return {
+        "steps_timed": len(tail),
+        "tokens_per_s": sum(r["tokens"] for r in tail) / secs,
+        "supervised_tokens_per_s": sum(r["supervised_tokens"] for r in tail) / secs,
+        "useful_fraction": sum(r["tokens"] for r in tail) / max(1, sum(r["padded_tokens"] for r in tail)),
+        "target_share": tail[-1].get("target_share"),
+        "final_loss": tail[-1]["loss"],
+        "wait_ms": statistics.median(r.get("host_wait_s", 0.0) for r in tail) * 1000,
+    }
 
 
 def _loop_profile(args, cuda: bool):
@@ -651,10 +794,14 @@ def _loop_profile(args, cuda: bool):
     from torch.profiler import ProfilerActivity, profile, schedule
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    stacks = dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) \
-        if getattr(args, "profile_stacks", False) else {}
-    prof = profile(activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1),
-                   **stacks)
+    stacks = (
+        dict(with_stack=True, experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True))
+        if getattr(args, "profile_stacks", False)
+        else {}
+    )
+    prof = profile(
+        activities=acts, record_shapes=True, schedule=schedule(wait=args.skip, warmup=1, active=2, repeat=1), **stacks
+    )
     return prof
 
 
@@ -675,13 +822,16 @@ def suite_smol(args) -> dict:
     work = Path(args.work or tempfile.mkdtemp(prefix="train_bench_"))
     for di, data in enumerate(args.data):
         for budget in budgets:
-            for compiled in ([None, False] if (args.compile_smol and budget == budgets[-1]) else [None]):
-                label = (f"data{di}-{budget // 1024}k" + ("-no-compile" if compiled is False else "")
-                         + (f"-cache-{args.cache}" if args.cache != "auto" else "")
-                         + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else "")
-                         + "".join(f"-{f.replace('=', '-')}" for f in args.flag)
-                         + (f"-{args.optimizer}" if args.optimizer else "")
-                         + ("-profiled" if args.profile else ""))
+            for compiled in [None, False] if (args.compile_smol and budget == budgets[-1]) else [None]:
+                label = (
+                    f"data{di}-{budget // 1024}k"
+                    + ("-no-compile" if compiled is False else "")
+                    + (f"-cache-{args.cache}" if args.cache != "auto" else "")
+                    + (f"-cast-once-{args.cast_once}" if args.cast_once != "auto" else "")
+                    + "".join(f"-{f.replace('=', '-')}" for f in args.flag)
+                    + (f"-{args.optimizer}" if args.optimizer else "")
+                    + ("-profiled" if args.profile else "")
+                )
                 steps = args.steps or max(12, min(40, (4 << 20) // budget))
 
                 def one(data=data, budget=budget, compiled=compiled, label=label, steps=steps):  # this iteration's
@@ -691,27 +841,53 @@ def suite_smol(args) -> dict:
                     prof = _loop_profile(args, cuda)
                     t0 = time.perf_counter()
                     with prof or nullcontext():
-                        summary = run(TrainConfig(
-                            target=args.target, data=Path(data), out=work / label, steps=steps,
-                            tokens_per_batch=budget, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
-                            device=args.device or "cuda", eval_samples=8, compile=compiled,
-                            max_length=min(2048, budget), overwrite=True, lr=1e-4, optimizer=args.optimizer,
-                            cache_states=AUTO_ON_OFF[args.cache], ttt_cast_once=AUTO_ON_OFF[args.cast_once]),
-                            step_end=profiler_step(prof))
+                        summary = run(
+                            TrainConfig(
+                                target=args.target,
+                                data=Path(data),
+                                out=work / label,
+                                steps=steps,
+                                tokens_per_batch=budget,
+                                ttt_steps=args.ttt_steps,
+                                draft_vocab=args.draft_vocab,
+                                device=args.device or "cuda",
+                                eval_samples=8,
+                                compile=compiled,
+                                max_length=min(2048, budget),
+                                overwrite=True,
+                                lr=1e-4,
+                                optimizer=args.optimizer,
+                                cache_states=AUTO_ON_OFF[args.cache],
+                                ttt_cast_once=AUTO_ON_OFF[args.cast_once],
+                            ),
+                            step_end=profiler_step(prof),
+                        )
                     if prof is not None:
                         print_profile(prof, torch.device("cuda" if cuda else "cpu"), args.profile)
                     r = _steady(work / label / "metrics.jsonl", args.skip)
-                    r.update(peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0, wall_s=time.perf_counter() - t0,
-                             steps=steps, data=str(data), tokens_per_batch=budget, compiled=compiled,
-                             summary_tokens_per_s=summary.get("tokens_per_s"), state_cache=summary.get("state_cache"),
-                             target_forwards=summary.get("target_forwards"), profiled=prof is not None)
-                    log(f"[{label}] {r['tokens_per_s']:.0f} tok/s ({r['supervised_tokens_per_s']:.0f} supervised), "
+                    r.update(
+                        peak_mem_gb=torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+                        wall_s=time.perf_counter() - t0,
+                        steps=steps,
+                        data=str(data),
+                        tokens_per_batch=budget,
+                        compiled=compiled,
+                        summary_tokens_per_s=summary.get("tokens_per_s"),
+                        state_cache=summary.get("state_cache"),
+                        target_forwards=summary.get("target_forwards"),
+                        profiled=prof is not None,
+                    )
+                    log(
+                        f"[{label}] {r['tokens_per_s']:.0f} tok/s ({r['supervised_tokens_per_s']:.0f} supervised), "
                         f"useful {r['useful_fraction']:.3f}, target share {r['target_share']}, "
-                        f"peak {r['peak_mem_gb']:.1f} GB")
+                        f"peak {r['peak_mem_gb']:.1f} GB"
+                    )
                     return r
 
                 _try(label, result["runs"], one)
-    ok = {k: r for k, r in result["runs"].items() if "tokens_per_s" in r and r["compiled"] is None and not r["profiled"]}
+    ok = {
+        k: r for k, r in result["runs"].items() if "tokens_per_s" in r and r["compiled"] is None and not r["profiled"]
+    }
     if ok:
         best = max(ok, key=lambda k: ok[k]["tokens_per_s"])
         result["best"] = best
@@ -725,11 +901,15 @@ def suite_smol(args) -> dict:
         if "tokens_per_s" not in r:
             print(f"{name:24s} failed: {r['error'][:80]}")
             continue
-        print(f"{name:24s} {r['tokens_per_s']:9.0f} {r['supervised_tokens_per_s']:9.0f} {r['useful_fraction']:7.3f} "
-              f"{(r['target_share'] or 0):7.2f} {r['peak_mem_gb']:8.1f} {r['wait_ms']:8.2f}")
-    print("wait ms: the median over the timed steps of the host's wait for the GPU when it read a step's statistics "
-          "(well above 0: the GPU bounds the step; near 0: the host did not wait there, which it also does not when "
-          "it waits in kernel launches behind a full GPU queue: a profile tells the two apart)")
+        print(
+            f"{name:24s} {r['tokens_per_s']:9.0f} {r['supervised_tokens_per_s']:9.0f} {r['useful_fraction']:7.3f} "
+            f"{(r['target_share'] or 0):7.2f} {r['peak_mem_gb']:8.1f} {r['wait_ms']:8.2f}"
+        )
+    print(
+        "wait ms: the median over the timed steps of the host's wait for the GPU when it read a step's statistics "
+        "(well above 0: the GPU bounds the step; near 0: the host did not wait there, which it also does not when "
+        "it waits in kernel launches behind a full GPU queue: a profile tells the two apart)"
+    )
     return result
 
 
@@ -743,23 +923,51 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=None, help="tokens per sample (default 2048; --small: 512)")
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--ttt-steps", type=int, default=7)
-    ap.add_argument("--steps", type=int, default=None, help="timed steps (8b: default 10 on CUDA, 3 on CPU; smol: "
-                                                             "optimizer steps per run, default by budget)")
+    ap.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="timed steps (8b: default 10 on CUDA, 3 on CPU; smol: optimizer steps per run, default by budget)",
+    )
     ap.add_argument("--warmup", type=int, default=None, help="untimed steps (default 3 on CUDA, 1 on CPU)")
-    ap.add_argument("--variants", default=None, help="8b: only these variants (comma-separated labels, e.g. "
-                    "eyas,eyas-shared-weight-grads)")
-    ap.add_argument("--rounds", type=int, default=None, help="8b: time the variants in this many rounds of --steps "
-                    "steps, taking turns, and report each one's median (default 5 on CUDA; 1 = one after another)")
+    ap.add_argument(
+        "--variants",
+        default=None,
+        help="8b: only these variants (comma-separated labels, e.g. eyas,eyas-shared-weight-grads)",
+    )
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="8b: time the variants in this many rounds of --steps "
+        "steps, taking turns, and report each one's median (default 5 on CUDA; 1 = one after another)",
+    )
     ap.add_argument("--fsdp", action="store_true", help="under torchrun: FSDP2 instead of DDP")
-    ap.add_argument("--grad-reduce", default="fp32", choices=["fp32", "bf16"], help="under torchrun, DDP: gradient "
-                                                                                   "all-reduce dtype (eyas train --grad-reduce)")
-    ap.add_argument("--profile-stacks", action="store_true",
-                    help="smol --profile: record Python stacks too and place the fills (memsets) at the lines that "
-                         "queued them (once failed to build its event tree inside a full test run: off by default)")
-    ap.add_argument("--profile", type=int, default=0, help="8b: print the top N ops of two profiled steps and stop; "
-                    "smol: of two steps of each run after --skip (its rates are then left out of the figures)")
-    ap.add_argument("--cast-once", default="auto", choices=list(AUTO_ON_OFF),
-                    help="8b --profile and smol: TTTConfig.cast_once (auto: the default, by the drafter's size)")
+    ap.add_argument(
+        "--grad-reduce",
+        default="fp32",
+        choices=["fp32", "bf16"],
+        help="under torchrun, DDP: gradient all-reduce dtype (eyas train --grad-reduce)",
+    )
+    ap.add_argument(
+        "--profile-stacks",
+        action="store_true",
+        help="smol --profile: record Python stacks too and place the fills (memsets) at the lines that "
+        "queued them (once failed to build its event tree inside a full test run: off by default)",
+    )
+    ap.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="8b: print the top N ops of two profiled steps and stop; "
+        "smol: of two steps of each run after --skip (its rates are then left out of the figures)",
+    )
+    ap.add_argument(
+        "--cast-once",
+        default="auto",
+        choices=list(AUTO_ON_OFF),
+        help="8b --profile and smol: TTTConfig.cast_once (auto: the default, by the drafter's size)",
+    )
     ap.add_argument("--no-compile", action="store_true", help="8b: skip the torch.compile variant")
     ap.add_argument("--no-reference", action="store_true", help="8b: skip the earlier padded path")
     ap.add_argument("--no-specforge", action="store_true", help="8b: skip SpecForge even when importable")
@@ -769,15 +977,27 @@ def main() -> None:
     ap.add_argument("--compile-smol", action="store_true", help="smol: also run the last budget with --no-compile")
     ap.add_argument("--draft-vocab", type=int, default=32000, help="smol: draft vocabulary size")
     ap.add_argument("--skip", type=int, default=3, help="smol: steps left out of the steady-state rate")
-    ap.add_argument("--cache", default="auto", choices=list(AUTO_ON_OFF),
-                    help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
-                         "of a few batches, --skip past the first epoch measures the cached rate")
+    ap.add_argument(
+        "--cache",
+        default="auto",
+        choices=list(AUTO_ON_OFF),
+        help="smol: the online state cache (eyas train --cache-states); with `on` and a prepared set "
+        "of a few batches, --skip past the first epoch measures the cached rate",
+    )
     ap.add_argument("--work", default=None, help="smol: run directories (default a temp dir)")
-    ap.add_argument("--optimizer", default=None, choices=list(OPTIMIZERS),
-                    help="smol: eyas train's --optimizer (default: its own, by the drafter's width)")
-    ap.add_argument("--flag", action="append", default=[], metavar="KERNEL[=0]",
-                    help="smol: force a kernel of eyas.kernels on (=0: off) for the run, e.g. teacher_stats=0 "
-                         "(repeatable)")
+    ap.add_argument(
+        "--optimizer",
+        default=None,
+        choices=list(OPTIMIZERS),
+        help="smol: eyas train's --optimizer (default: its own, by the drafter's width)",
+    )
+    ap.add_argument(
+        "--flag",
+        action="append",
+        default=[],
+        metavar="KERNEL[=0]",
+        help="smol: force a kernel of eyas.kernels on (=0: off) for the run, e.g. teacher_stats=0 (repeatable)",
+    )
     args = ap.parse_args()
     for spec in args.flag:
         set_flag(spec)
@@ -795,7 +1015,9 @@ def main() -> None:
     if not dist.is_main:
         globals()["log"] = lambda msg: None
     device = dist.device
-    log(f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}")
+    log(
+        f"device {device} ({torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}), torch {torch.__version__}"
+    )
     result = suite_8b(args, dist)
     if dist.enabled:
         import torch.distributed as tdist

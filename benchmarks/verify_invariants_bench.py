@@ -50,14 +50,34 @@ def build_store(args, work: Path) -> Path:
     if not (prep / "meta.json").is_file():
         log(f"preparing {args.samples} chats -> {prep}")
         try:
-            prepare(PrepareConfig(target=args.target, out=prep, limit=int(args.samples * 1.6), max_length=args.max_length,
-                                  eval_fraction=0.0, overwrite=True, **({"source": args.source} if args.source else {})))
+            prepare(
+                PrepareConfig(
+                    target=args.target,
+                    out=prep,
+                    limit=int(args.samples * 1.6),
+                    max_length=args.max_length,
+                    eval_fraction=0.0,
+                    overwrite=True,
+                    **({"source": args.source} if args.source else {}),
+                )
+            )
         except Exception as exc:  # no ShareGPT wheel on this machine: chat-shaped random data instead
             log(f"ShareGPT unavailable ({type(exc).__name__}: {exc}); using the chat template's prefix + random tokens")
             synthetic_prepared(args, prep)
     log(f"capturing -> {store}")
-    run_capture(CaptureSettings(target=args.target, data=prep, out=store, device=args.device, model_dtype=args.model_dtype,
-                                store_dtype=args.dtype, token_budget=8192, shard_bytes=4 << 20, limit=args.samples))
+    run_capture(
+        CaptureSettings(
+            target=args.target,
+            data=prep,
+            out=store,
+            device=args.device,
+            model_dtype=args.model_dtype,
+            store_dtype=args.dtype,
+            token_budget=8192,
+            shard_bytes=4 << 20,
+            limit=args.samples,
+        )
+    )
     return store
 
 
@@ -68,11 +88,15 @@ def synthetic_prepared(args, prep: Path) -> None:
 
     tok = load_tokenizer(args.target)
     prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"]
-    prefix = prefix[:max(1, len(prefix) - 3)]
+    prefix = prefix[: max(1, len(prefix) - 3)]
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(args.samples):
-        n = int(torch.randint(args.max_length // 4, max(args.max_length - len(prefix), args.max_length // 4 + 1), (1,), generator=g))
+        n = int(
+            torch.randint(
+                args.max_length // 4, max(args.max_length - len(prefix), args.max_length // 4 + 1), (1,), generator=g
+            )
+        )
         ids = prefix + torch.randint(3, len(tok), (n,), generator=g).tolist()
         rows.append((f"r{i:05d}", ids, [k >= len(prefix) for k in range(len(ids))]))
     write_prepared(prep, {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
@@ -86,8 +110,22 @@ def rewrite(src: Path, dst: Path, mutate) -> Path:
     m = r.manifest
     if dst.exists():
         shutil.rmtree(dst)
-    spec = StoreSpec(**{k: m[k] for k in ("aux_layer_ids", "hidden_size", "dtype", "convention", "target",
-                                          "tokenizer_hash", "prepared", "model_dtype", "producer")})
+    spec = StoreSpec(
+        **{
+            k: m[k]
+            for k in (
+                "aux_layer_ids",
+                "hidden_size",
+                "dtype",
+                "convention",
+                "target",
+                "tokenizer_hash",
+                "prepared",
+                "model_dtype",
+                "producer",
+            )
+        }
+    )
     with StoreWriter(dst, spec, shard_bytes=4 << 20) as w:
         for sid in r.sample_ids:
             h = mutate(sid, r.get_hidden(sid, torch.float32), r)
@@ -140,8 +178,13 @@ def faults(model, split, reader, victim: str, other: str):
         aux, final = reference_hidden_states(model, torch.cat([pad, ids]).to(device), layer_ids=layers)
         return torch.cat([aux, final.unsqueeze(1)], dim=1)[5:].float().cpu()
 
-    return {"swap": swap, "roll_mid_layer": only(roll), "noise_5pct": only(noise), "final_prenorm": only(prenorm),
-            "left_pad_no_mask": only(left_pad)}
+    return {
+        "swap": swap,
+        "roll_mid_layer": only(roll),
+        "noise_5pct": only(noise),
+        "final_prenorm": only(prenorm),
+        "left_pad_no_mask": only(left_pad),
+    }
 
 
 def profile_tail(parts, reader, split, sids, device: str) -> None:
@@ -164,8 +207,9 @@ def profile_tail(parts, reader, split, sids, device: str) -> None:
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
     runs = {"per_sample": lambda: [tail_final(parts, i.to(dev), x, first_layer=high) for i, x in zip(ids, highs)]}
     if kernel is not None:
-        runs["packed"] = lambda: tail_final_packed(parts, torch.cat(highs), [i.shape[0] for i in ids], first_layer=high,
-                                                   kernel=kernel)
+        runs["packed"] = lambda: tail_final_packed(
+            parts, torch.cat(highs), [i.shape[0] for i in ids], first_layer=high, kernel=kernel
+        )
     else:
         log(f"profile: no packed tail ({why})")
     for name, fn in runs.items():
@@ -183,7 +227,9 @@ def profile_tail(parts, reader, split, sids, device: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default="default")
-    ap.add_argument("--source", default=None, help="chats to prepare (a .json/.jsonl file); default: the embedded ShareGPT")
+    ap.add_argument(
+        "--source", default=None, help="chats to prepare (a .json/.jsonl file); default: the embedded ShareGPT"
+    )
     ap.add_argument("--store", type=Path, default=None, help="reuse a store (its prepared data must exist)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/verify_invariants_bench"))
     ap.add_argument("--samples", type=int, default=60)
@@ -193,9 +239,12 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp8", "fp32"])
     ap.add_argument("--no-faults", action="store_true")
     ap.add_argument("--numbers-too", action="store_true", help="also time the full reference recompute")
-    ap.add_argument("--compare-tail-paths", action="store_true",
-                    help="also run the invariants with the other tail path (GPU: per-sample Hugging Face, the pre-batching "
-                         "path; CPU: packed)")
+    ap.add_argument(
+        "--compare-tail-paths",
+        action="store_true",
+        help="also run the invariants with the other tail path (GPU: per-sample Hugging Face, the pre-batching "
+        "path; CPU: packed)",
+    )
     ap.add_argument("--profile", action="store_true", help="torch.profiler tables of the per-sample and packed tail")
     args = ap.parse_args()
 
@@ -213,10 +262,20 @@ def main() -> None:
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[m.get("model_dtype") or "fp32"]
     model = load_target(m["target"]["path"], device=args.device, dtype=dtype)
     parts = target_parts(model, reader.aux_layer_ids)
-    tol = dict(prefix_tol=default_tolerance(reader.dtype, m.get("model_dtype")), tail_tol=tail_tolerance(reader.dtype, m.get("model_dtype")))
+    tol = dict(
+        prefix_tol=default_tolerance(reader.dtype, m.get("model_dtype")),
+        tail_tol=tail_tolerance(reader.dtype, m.get("model_dtype")),
+    )
     sids = reader.sample_ids
-    result: dict = {"store": str(store), "samples": len(sids), "dtype": reader.dtype, "model_dtype": m.get("model_dtype"),
-                    "device": args.device, "aux_layers": reader.aux_layer_ids, "tolerances": tol}
+    result: dict = {
+        "store": str(store),
+        "samples": len(sids),
+        "dtype": reader.dtype,
+        "model_dtype": m.get("model_dtype"),
+        "device": args.device,
+        "aux_layers": reader.aux_layer_ids,
+        "tolerances": tol,
+    }
 
     log("invariants on the correct store")
     if args.device.startswith("cuda"):
@@ -226,10 +285,16 @@ def main() -> None:
     wall = time.perf_counter() - t0
     tokens = good["tokens"]
     result["correct_store"] = {
-        "ok": good["ok"], "failing": good["failures"], "tokens": tokens, "seconds": round(wall, 3),
+        "ok": good["ok"],
+        "failing": good["failures"],
+        "tokens": tokens,
+        "seconds": round(wall, 3),
         "us_per_token": round(1e6 * wall / tokens, 2),
         "us_per_token_by_check": {k: round(1e6 * v / tokens, 2) for k, v in good["seconds"].items()},
-        "prefix": good["prefix"], "tail": good["tail"], "final_norm": good["final_norm"], "rates": good["rates"],
+        "prefix": good["prefix"],
+        "tail": good["tail"],
+        "final_norm": good["final_norm"],
+        "rates": good["rates"],
     }
     result["correct_store"]["tail_path"] = good["tail_path"]
     if args.compare_tail_paths and not parts.tail_ok:
@@ -245,7 +310,8 @@ def main() -> None:
         else:
             wall_ref = time.perf_counter() - t0
             result["other_tail_path"] = {
-                "tail_path": ref["tail_path"], "us_per_token": round(1e6 * wall_ref / tokens, 2),
+                "tail_path": ref["tail_path"],
+                "us_per_token": round(1e6 * wall_ref / tokens, 2),
                 "us_per_token_by_check": {k: round(1e6 * v / tokens, 2) for k, v in ref["seconds"].items()},
                 "tail_worst_rel_err": ref["tail"].get("worst_rel_err"),
                 "same_failing_samples": ref["failing_samples"] == good["failing_samples"],
@@ -285,8 +351,12 @@ def main() -> None:
             bad = rewrite(store, args.work / f"fault_{name}", mutate)
             out = run_invariants(StoreReader(bad), split, parts, sample_ids=sids, **tol)
             caught = out["failures"].get(victim, [])
-            result["faults"][name] = {"victim": victim, "caught": bool(caught), "by": caught,
-                                      "false_alarms": sorted(set(out["failing_samples"]) - {victim, other})}
+            result["faults"][name] = {
+                "victim": victim,
+                "caught": bool(caught),
+                "by": caught,
+                "false_alarms": sorted(set(out["failing_samples"]) - {victim, other}),
+            }
             shutil.rmtree(bad)
 
     print(f"{'check':<12} {'us/token':>9}", file=sys.stdout)

@@ -87,9 +87,19 @@ def make_tiny_target(out: Path, tokenizer, *, family: str = "llama", seed: int =
         config = transformers.Qwen3Config(**common, head_dim=16, **overrides)
     elif family == "deepseek_v3":
         config = transformers.DeepseekV3Config(
-            **common, moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
-            n_shared_experts=1, first_k_dense_replace=1, n_group=1, topk_group=1,
-            q_lora_rank=32, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+            **common,
+            moe_intermediate_size=32,
+            n_routed_experts=4,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            first_k_dense_replace=1,
+            n_group=1,
+            topk_group=1,
+            q_lora_rank=32,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=16,
             **overrides,
         )
     else:
@@ -126,7 +136,9 @@ def tilted_drafter(target, seq: list[int], gen: list[list[int]], out: Path, *, l
     seqs = torch.tensor([seq])
     aux, _ = forward_capture(target, seqs, None, layer_ids=layers)
     with torch.no_grad():
-        hidden, _ = model.forward_step(seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None])
+        hidden, _ = model.forward_step(
+            seqs[:, 1:], model.project_aux(aux[:, :-1]), torch.arange(seqs.shape[1] - 1)[None]
+        )
         mean = model.norm(hidden).mean(dim=(0, 1))
         (first, _), (second, _) = counts.most_common(2)
         unit = mean / mean.norm() ** 2
@@ -142,8 +154,12 @@ def prompts_file(tmp_path_factory):
     import json
 
     p = tmp_path_factory.mktemp("prompts") / "p.jsonl"
-    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
-                 + json.dumps({"prompt": "What is 2+2?"}) + "\n")
+    p.write_text(
+        json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]})
+        + "\n"
+        + json.dumps({"prompt": "What is 2+2?"})
+        + "\n"
+    )
     return p
 
 

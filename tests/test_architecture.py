@@ -34,8 +34,13 @@ def _module_caps() -> dict[str, set[str]]:
     out: dict[str, set[str]] = {}
     for path, tree in _trees(SRC):
         for node in tree.body:
-            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
-                node, (ast.AnnAssign, ast.AugAssign)) else []
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else [node.target]
+                if isinstance(node, (ast.AnnAssign, ast.AugAssign))
+                else []
+            )
             for t in targets:
                 if isinstance(t, ast.Name) and CAPS.match(t.id):
                     out.setdefault(t.id, set()).add(str(path.relative_to(REPO)))
@@ -55,8 +60,13 @@ def _rebound(tree: ast.AST) -> set[str]:
         elif isinstance(node, ast.Call):
             f = node.func
             fname = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-            if fname in ("setattr", "object") and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) \
-                    and isinstance(node.args[1].value, str) and CAPS.match(node.args[1].value):
+            if (
+                fname in ("setattr", "object")
+                and len(node.args) >= 2
+                and isinstance(node.args[1], ast.Constant)
+                and isinstance(node.args[1].value, str)
+                and CAPS.match(node.args[1].value)
+            ):
                 names.add(node.args[1].value)
         elif isinstance(node, ast.Global):
             names.update(n for n in node.names if CAPS.match(n))
@@ -67,10 +77,18 @@ def test_nothing_in_src_imports_lab():
     bad = []
     for path, tree in _trees(SRC):
         for node in ast.walk(tree):
-            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else \
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
-            bad += [f"{path.relative_to(REPO)}:{node.lineno} imports {m}" for m in mods
-                    if m == "lab" or m.startswith("lab.")]
+            mods = (
+                [a.name for a in node.names]
+                if isinstance(node, ast.Import)
+                else [node.module or ""]
+                if isinstance(node, ast.ImportFrom)
+                else []
+            )
+            bad += [
+                f"{path.relative_to(REPO)}:{node.lineno} imports {m}"
+                for m in mods
+                if m == "lab" or m.startswith("lab.")
+            ]
     assert not bad, bad
 
 
@@ -86,27 +104,38 @@ def test_no_module_level_constant_of_src_is_rebound_by_src_or_tests():
 
 
 def test_the_rule_catches_a_rebinding():
-    tree = ast.parse("import m\nm.FLAG = True\ndef t(monkeypatch):\n    monkeypatch.setattr(m, 'OTHER', 1)\n"
-                     "    global THIRD\n    mock.patch.object(m, 'FOURTH', 2)\n")
+    tree = ast.parse(
+        "import m\nm.FLAG = True\ndef t(monkeypatch):\n    monkeypatch.setattr(m, 'OTHER', 1)\n"
+        "    global THIRD\n    mock.patch.object(m, 'FOURTH', 2)\n"
+    )
     assert _rebound(tree) == {"FLAG", "OTHER", "THIRD", "FOURTH"}
 
 
 def test_no_dated_figures_in_src():
-    dated = [f"{p.relative_to(REPO)}:{n}" for p in sorted(SRC.rglob("*.py"))
-             for n, line in enumerate(p.read_text().splitlines(), 1)
-             if re.search(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", line)]
+    dated = [
+        f"{p.relative_to(REPO)}:{n}"
+        for p in sorted(SRC.rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]", line)
+    ]
     assert not dated, dated
 
 
 def _long_functions(tree: ast.AST, limit: int) -> dict[str, int]:
     """Functions (methods and nested functions too) of `tree` over `limit` lines -> their lines."""
-    return {node.name: node.end_lineno - node.lineno + 1 for node in ast.walk(tree)
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit}
+    return {
+        node.name: node.end_lineno - node.lineno + 1
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= limit
+    }
 
 
 def test_no_module_of_drafter_or_train_is_over_the_size_limit():
-    sizes = {str(p.relative_to(REPO)): len(p.read_text().splitlines())
-             for pkg in ("drafter", "train") for p in sorted((SRC / pkg).rglob("*.py"))}
+    sizes = {
+        str(p.relative_to(REPO)): len(p.read_text().splitlines())
+        for pkg in ("drafter", "train")
+        for p in sorted((SRC / pkg).rglob("*.py"))
+    }
     assert "src/eyas/train/loop.py" in sizes  # the scan sees the modules
     long = {path: n for path, n in sizes.items() if n > MODULE_LINES}
     assert not long, f"over {MODULE_LINES} lines (split them along their concerns): {long}"

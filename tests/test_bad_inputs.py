@@ -130,8 +130,11 @@ def read_only(monkeypatch, bad):
 
     real_access = os.access
     ro = str(bad["ro"])
-    monkeypatch.setattr(os, "access", lambda path, mode, **k: False if str(path).startswith(ro) and mode & os.W_OK
-                        else real_access(path, mode, **k))
+    monkeypatch.setattr(
+        os,
+        "access",
+        lambda path, mode, **k: False if str(path).startswith(ro) and mode & os.W_OK else real_access(path, mode, **k),
+    )
     monkeypatch.setattr(eyas.common, "_read_only_fs", lambda path: str(path).startswith(ro))
 
 
@@ -150,123 +153,467 @@ def _one_line_error(r) -> str:
 D = "{dir}"
 CASES = [
     # text: non-UTF-8 / random bytes
-    ("text-prepare-latin1", ["prepare", "--source", "{nonutf8}", "--out", "{root}/o1"], r"latin1\.jsonl.*line 1.*not UTF-8"),
-    ("text-prepare-random", ["prepare", "--source", "{random}", "--out", "{root}/o1"], r"random\.jsonl.*(not UTF-8|NUL|malformed JSON)"),
-    ("text-prepare-random-json", ["prepare", "--source", "{random_json}", "--out", "{root}/o1"], r"random\.json.*not UTF-8"),
-    ("text-regenerate-latin1", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--device", "cpu"], r"latin1\.jsonl.*not UTF-8"),
-    ("text-regenerate-random", ["regenerate", "--source", "{random}", "--out", "{root}/o2", "--device", "cpu"], r"random\.jsonl"),
-    ("text-eval-prompts-latin1", ["eval", "--drafter", D, "--prompts", "{nonutf8}", "--out", "{root}/o3", "--device", "cpu"], r"--prompts .*not UTF-8"),
-    ("text-eval-prompts-random", ["eval", "--drafter", D, "--prompts", "{random}", "--out", "{root}/o3", "--device", "cpu"], r"--prompts .*random\.jsonl"),
-    ("text-prepare-target-config", ["prepare", "--target", "{binary_target}", "--out", "{root}/o1"], r"config\.json.*(not UTF-8|NUL)"),
+    (
+        "text-prepare-latin1",
+        ["prepare", "--source", "{nonutf8}", "--out", "{root}/o1"],
+        r"latin1\.jsonl.*line 1.*not UTF-8",
+    ),
+    (
+        "text-prepare-random",
+        ["prepare", "--source", "{random}", "--out", "{root}/o1"],
+        r"random\.jsonl.*(not UTF-8|NUL|malformed JSON)",
+    ),
+    (
+        "text-prepare-random-json",
+        ["prepare", "--source", "{random_json}", "--out", "{root}/o1"],
+        r"random\.json.*not UTF-8",
+    ),
+    (
+        "text-regenerate-latin1",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--device", "cpu"],
+        r"latin1\.jsonl.*not UTF-8",
+    ),
+    (
+        "text-regenerate-random",
+        ["regenerate", "--source", "{random}", "--out", "{root}/o2", "--device", "cpu"],
+        r"random\.jsonl",
+    ),
+    (
+        "text-eval-prompts-latin1",
+        ["eval", "--drafter", D, "--prompts", "{nonutf8}", "--out", "{root}/o3", "--device", "cpu"],
+        r"--prompts .*not UTF-8",
+    ),
+    (
+        "text-eval-prompts-random",
+        ["eval", "--drafter", D, "--prompts", "{random}", "--out", "{root}/o3", "--device", "cpu"],
+        r"--prompts .*random\.jsonl",
+    ),
+    (
+        "text-prepare-target-config",
+        ["prepare", "--target", "{binary_target}", "--out", "{root}/o1"],
+        r"config\.json.*(not UTF-8|NUL)",
+    ),
     # struct: malformed structure
-    ("struct-eval-turns-int", ["eval", "--drafter", D, "--prompts", "{turns5}", "--out", "{root}/o3", "--device", "cpu"], r"turns5\.jsonl:1: needs \"turns\""),
-    ("struct-prepare-model-type", ["prepare", "--target", "{bogus_target}", "--out", "{root}/o1"], r"model_type 'bogus_arch' is unknown"),
-    ("struct-train-model-type", ["train", "--target", "{bogus_target}", "--data", D, "--out", "{root}/o4"], r"model_type 'bogus_arch'"),
-    ("struct-capture-model-type", ["capture", "--target", "{bogus_target}", "--data", D, "--out", "{root}/o5"], r"model_type 'bogus_arch'"),
+    (
+        "struct-eval-turns-int",
+        ["eval", "--drafter", D, "--prompts", "{turns5}", "--out", "{root}/o3", "--device", "cpu"],
+        r"turns5\.jsonl:1: needs \"turns\"",
+    ),
+    (
+        "struct-prepare-model-type",
+        ["prepare", "--target", "{bogus_target}", "--out", "{root}/o1"],
+        r"model_type 'bogus_arch' is unknown",
+    ),
+    (
+        "struct-train-model-type",
+        ["train", "--target", "{bogus_target}", "--data", D, "--out", "{root}/o4"],
+        r"model_type 'bogus_arch'",
+    ),
+    (
+        "struct-capture-model-type",
+        ["capture", "--target", "{bogus_target}", "--data", D, "--out", "{root}/o5"],
+        r"model_type 'bogus_arch'",
+    ),
     ("struct-verify-manifest", ["verify", "--store", "{store_nofields}"], r"manifest has no `dtype` field"),
-    ("struct-train-manifest", ["train", "--store", "{store_nofields}", "--out", "{root}/o4"], r"manifest has no `dtype` field"),
-    ("struct-eval-garbage-weights", ["eval", "--drafter", "{garbage_drafter}", "--out", "{root}/o3", "--device", "cpu"], r"model\.safetensors is not a valid safetensors file"),
-    ("struct-export-garbage-weights", ["export", "--drafter", "{garbage_drafter}", "--format", "sglang", "--out", "{root}/o6"], r"model\.safetensors is not a valid safetensors file"),
-    ("struct-eval-missing-drafter", ["eval", "--drafter", "{root}/nope", "--out", "{root}/o3"], r"--drafter .*nope is not a directory"),
+    (
+        "struct-train-manifest",
+        ["train", "--store", "{store_nofields}", "--out", "{root}/o4"],
+        r"manifest has no `dtype` field",
+    ),
+    (
+        "struct-eval-garbage-weights",
+        ["eval", "--drafter", "{garbage_drafter}", "--out", "{root}/o3", "--device", "cpu"],
+        r"model\.safetensors is not a valid safetensors file",
+    ),
+    (
+        "struct-export-garbage-weights",
+        ["export", "--drafter", "{garbage_drafter}", "--format", "sglang", "--out", "{root}/o6"],
+        r"model\.safetensors is not a valid safetensors file",
+    ),
+    (
+        "struct-eval-missing-drafter",
+        ["eval", "--drafter", "{root}/nope", "--out", "{root}/o3"],
+        r"--drafter .*nope is not a directory",
+    ),
     # option: numbers and enums
-    ("option-train-lr-nan", ["train", "--data", D, "--out", "{root}/o4", "--lr", "nan"], r"--lr must be a finite number, got nan"),
-    ("option-train-lr-inf", ["train", "--data", D, "--out", "{root}/o4", "--lr", "inf"], r"--lr must be a finite number"),
-    ("option-train-attention", ["train", "--data", D, "--out", "{root}/o4", "--attention", "bogus"], r"--attention must be one of fast, reference; got 'bogus'"),
-    ("option-train-grad-reduce", ["train", "--data", D, "--out", "{root}/o4", "--grad-reduce", "fp8"], r"--grad-reduce must be one of fp32, bf16; got 'fp8'"),
-    ("option-train-grad-reduce-fsdp", ["train", "--data", D, "--out", "{root}/o4", "--grad-reduce", "bf16", "--fsdp"], r"--grad-reduce bf16 applies to DDP; --fsdp always reduces in fp32"),
-    ("option-train-draft-vocab-0", ["train", "--data", D, "--out", "{root}/o4", "--draft-vocab", "0"], r"--draft-vocab must be >= 1, got 0"),
-    ("option-train-warmup-neg", ["train", "--data", D, "--out", "{root}/o4", "--warmup-steps", "-1"], r"--warmup-steps must be >= 0, got -1"),
-    ("option-train-save-every-neg", ["train", "--data", D, "--out", "{root}/o4", "--save-every", "-3"], r"--save-every must be >= 0"),
-    ("option-train-grad-clip-neg", ["train", "--data", D, "--out", "{root}/o4", "--grad-clip", "-1"], r"--grad-clip must be >= 0"),
-    ("option-train-min-lr-ratio", ["train", "--data", D, "--out", "{root}/o4", "--min-lr-ratio", "5"], r"--min-lr-ratio must be >= 0 and <= 1, got 5"),
-    ("option-train-ttt-decay", ["train", "--data", D, "--out", "{root}/o4", "--ttt-decay", "-1"], r"--ttt-decay must be > 0 and <= 1"),
-    ("option-train-device", ["train", "--data", D, "--out", "{root}/o4", "--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
+    (
+        "option-train-lr-nan",
+        ["train", "--data", D, "--out", "{root}/o4", "--lr", "nan"],
+        r"--lr must be a finite number, got nan",
+    ),
+    (
+        "option-train-lr-inf",
+        ["train", "--data", D, "--out", "{root}/o4", "--lr", "inf"],
+        r"--lr must be a finite number",
+    ),
+    (
+        "option-train-attention",
+        ["train", "--data", D, "--out", "{root}/o4", "--attention", "bogus"],
+        r"--attention must be one of fast, reference; got 'bogus'",
+    ),
+    (
+        "option-train-grad-reduce",
+        ["train", "--data", D, "--out", "{root}/o4", "--grad-reduce", "fp8"],
+        r"--grad-reduce must be one of fp32, bf16; got 'fp8'",
+    ),
+    (
+        "option-train-grad-reduce-fsdp",
+        ["train", "--data", D, "--out", "{root}/o4", "--grad-reduce", "bf16", "--fsdp"],
+        r"--grad-reduce bf16 applies to DDP; --fsdp always reduces in fp32",
+    ),
+    (
+        "option-train-draft-vocab-0",
+        ["train", "--data", D, "--out", "{root}/o4", "--draft-vocab", "0"],
+        r"--draft-vocab must be >= 1, got 0",
+    ),
+    (
+        "option-train-warmup-neg",
+        ["train", "--data", D, "--out", "{root}/o4", "--warmup-steps", "-1"],
+        r"--warmup-steps must be >= 0, got -1",
+    ),
+    (
+        "option-train-save-every-neg",
+        ["train", "--data", D, "--out", "{root}/o4", "--save-every", "-3"],
+        r"--save-every must be >= 0",
+    ),
+    (
+        "option-train-grad-clip-neg",
+        ["train", "--data", D, "--out", "{root}/o4", "--grad-clip", "-1"],
+        r"--grad-clip must be >= 0",
+    ),
+    (
+        "option-train-min-lr-ratio",
+        ["train", "--data", D, "--out", "{root}/o4", "--min-lr-ratio", "5"],
+        r"--min-lr-ratio must be >= 0 and <= 1, got 5",
+    ),
+    (
+        "option-train-ttt-decay",
+        ["train", "--data", D, "--out", "{root}/o4", "--ttt-decay", "-1"],
+        r"--ttt-decay must be > 0 and <= 1",
+    ),
+    (
+        "option-train-device",
+        ["train", "--data", D, "--out", "{root}/o4", "--device", "tpu"],
+        r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'",
+    ),
     ("option-train-aux-layers", ["train", "--data", D, "--out", "{root}/o4", "--aux-layers", "1,x"], r"--aux-layers"),
-    ("option-train-resume-missing", ["train", "--data", D, "--out", "{root}/o4", "--resume", "{root}/none.safetensors"], r"--resume .*no such checkpoint"),
-    ("option-capture-queue-depth", ["capture", "--data", D, "--out", "{root}/o5", "--queue-depth", "0"], r"--queue-depth must be >= 1, got 0"),
+    (
+        "option-train-resume-missing",
+        ["train", "--data", D, "--out", "{root}/o4", "--resume", "{root}/none.safetensors"],
+        r"--resume .*no such checkpoint",
+    ),
+    (
+        "option-capture-queue-depth",
+        ["capture", "--data", D, "--out", "{root}/o5", "--queue-depth", "0"],
+        r"--queue-depth must be >= 1, got 0",
+    ),
     ("option-capture-device", ["capture", "--data", D, "--out", "{root}/o5", "--device", "tpu"], r"--device"),
     ("option-capture-dtype", ["capture", "--data", D, "--out", "{root}/o5", "--store-dtype", "int3"], r"int3"),
     ("option-capture-backend", ["capture", "--data", D, "--out", "{root}/o5", "--backend", "vllm"], r"--backend"),
-    ("option-eval-device", ["eval", "--drafter", D, "--out", "{root}/o3", "--device", "tpu"], r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'"),
-    ("option-eval-max-new", ["eval", "--drafter", D, "--out", "{root}/o3", "--max-new-tokens", "0"], r"--max-new-tokens must be >= 1"),
-    ("option-eval-dtype", ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "fp4"], r"--model-dtype fp4: not a dtype eyas knows; it takes auto, fp32, bf16, fp16"),
-    ("option-eval-dtype-fp8", ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "float8_e4m3fn"], r"--model-dtype float8_e4m3fn: fp8 is not supported here; it takes auto, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$"),
-    ("option-export-dtype-int8", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--weights-dtype", "int8"], r"--weights-dtype int8: not a dtype eyas knows; it takes keep, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$"),
-    ("struct-eval-drafter-no-config", ["eval", "--drafter", D, "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"], r"--drafter .*some_dir: no config\.json"),
-    ("struct-eval-drafter-empty-config", ["eval", "--drafter", "{empty_cfg_drafter}", "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"], r"--drafter .*empty_cfg_drafter/config\.json: cannot tell the drafter layout"),
-    ("option-train-aux-layers-range", ["train", "--data", D, "--out", "{root}/o4", "--aux-layers", "2,15,99"], r"--aux-layers \(target .*\): ids \[2, 15, 99\] include \[99\]"),
-    ("option-train-draft-vocab-range", ["train", "--data", D, "--out", "{root}/o4", "--draft-vocab", "100000"], r"--draft-vocab 100000 exceeds the vocabulary of target .*\(49152 tokens\)"),
-    ("option-train-eval-store-online", ["train", "--data", D, "--out", "{root}/o4", "--eval-store", D], r"--eval-store is for offline training \(--store\)"),
-    ("option-train-cache-states-offline", ["train", "--store", D, "--out", "{root}/o4", "--cache-states"], r"--cache-states .*online training \(--data\); with --store"),
-    ("option-prepare-hf-split-file", ["prepare", "--source", "{turns5}", "--out", "{root}/o1", "--hf-split", "validation"], r"--hf-split validation: --source .*turns5\.jsonl is a file, not a DatasetDict"),
-    ("option-regenerate-hf-split-file", ["regenerate", "--source", "{turns5}", "--out", "{root}/o2", "--hf-split", "validation"], r"--hf-split validation: --source .*turns5\.jsonl is a file"),
-    ("option-regenerate-attention-generate", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--engine", "generate", "--attention", "triton"], r"--attention triton .*--engine generate does not use it"),
-    ("option-regenerate-server-model", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-model", "foo"], r"--server-model foo .*pass --server-url too"),
+    (
+        "option-eval-device",
+        ["eval", "--drafter", D, "--out", "{root}/o3", "--device", "tpu"],
+        r"--device must be auto, cpu, cuda or cuda:N; got 'tpu'",
+    ),
+    (
+        "option-eval-max-new",
+        ["eval", "--drafter", D, "--out", "{root}/o3", "--max-new-tokens", "0"],
+        r"--max-new-tokens must be >= 1",
+    ),
+    (
+        "option-eval-dtype",
+        ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "fp4"],
+        r"--model-dtype fp4: not a dtype eyas knows; it takes auto, fp32, bf16, fp16",
+    ),
+    (
+        "option-eval-dtype-fp8",
+        ["eval", "--drafter", D, "--out", "{root}/o3", "--model-dtype", "float8_e4m3fn"],
+        r"--model-dtype float8_e4m3fn: fp8 is not supported here; it takes auto, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$",
+    ),
+    (
+        "option-export-dtype-int8",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--weights-dtype", "int8"],
+        r"--weights-dtype int8: not a dtype eyas knows; it takes keep, fp32, bf16, fp16 \(or the long names float32, bfloat16, float16\)$",
+    ),
+    (
+        "struct-eval-drafter-no-config",
+        ["eval", "--drafter", D, "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"],
+        r"--drafter .*some_dir: no config\.json",
+    ),
+    (
+        "struct-eval-drafter-empty-config",
+        ["eval", "--drafter", "{empty_cfg_drafter}", "--prompts", "{prompts}", "--out", "{root}/o3", "--device", "cpu"],
+        r"--drafter .*empty_cfg_drafter/config\.json: cannot tell the drafter layout",
+    ),
+    (
+        "option-train-aux-layers-range",
+        ["train", "--data", D, "--out", "{root}/o4", "--aux-layers", "2,15,99"],
+        r"--aux-layers \(target .*\): ids \[2, 15, 99\] include \[99\]",
+    ),
+    (
+        "option-train-draft-vocab-range",
+        ["train", "--data", D, "--out", "{root}/o4", "--draft-vocab", "100000"],
+        r"--draft-vocab 100000 exceeds the vocabulary of target .*\(49152 tokens\)",
+    ),
+    (
+        "option-train-eval-store-online",
+        ["train", "--data", D, "--out", "{root}/o4", "--eval-store", D],
+        r"--eval-store is for offline training \(--store\)",
+    ),
+    (
+        "option-train-cache-states-offline",
+        ["train", "--store", D, "--out", "{root}/o4", "--cache-states"],
+        r"--cache-states .*online training \(--data\); with --store",
+    ),
+    (
+        "option-prepare-hf-split-file",
+        ["prepare", "--source", "{turns5}", "--out", "{root}/o1", "--hf-split", "validation"],
+        r"--hf-split validation: --source .*turns5\.jsonl is a file, not a DatasetDict",
+    ),
+    (
+        "option-regenerate-hf-split-file",
+        ["regenerate", "--source", "{turns5}", "--out", "{root}/o2", "--hf-split", "validation"],
+        r"--hf-split validation: --source .*turns5\.jsonl is a file",
+    ),
+    (
+        "option-regenerate-attention-generate",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--engine", "generate", "--attention", "triton"],
+        r"--attention triton .*--engine generate does not use it",
+    ),
+    (
+        "option-regenerate-server-model",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-model", "foo"],
+        r"--server-model foo .*pass --server-url too",
+    ),
     ("option-pipeline-directory", ["pipeline", D], r"pipeline file .*some_dir is a directory, expected a file"),
-    ("option-eval-tree-topk", ["eval", "--drafter", D, "--out", "{root}/o3", "--tree-topk", "0"], r"--tree-topk must be >= 1"),
+    (
+        "option-eval-tree-topk",
+        ["eval", "--drafter", D, "--out", "{root}/o3", "--tree-topk", "0"],
+        r"--tree-topk must be >= 1",
+    ),
     ("option-prepare-eval-fraction", ["prepare", "--out", "{root}/o1", "--eval-fraction", "nan"], r"--eval-fraction"),
     ("option-prepare-policy", ["prepare", "--out", "{root}/o1", "--length-policy", "squash"], r"--length-policy"),
-    ("option-prepare-source-missing", ["prepare", "--source", "{root}/nope.jsonl", "--out", "{root}/o1"], r"--source .*nope\.jsonl does not exist"),
-    ("option-regenerate-temperature", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--temperature", "nan"], r"--temperature must be a finite number"),
-    ("option-regenerate-top-p", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--top-p", "2"], r"--top-p must be > 0 and <= 1, got 2"),
-    ("option-regenerate-device", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--device", "tpu"], r"--device"),
-    ("option-regenerate-timeout", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--request-timeout", "-5"], r"--request-timeout must be > 0"),
+    (
+        "option-prepare-source-missing",
+        ["prepare", "--source", "{root}/nope.jsonl", "--out", "{root}/o1"],
+        r"--source .*nope\.jsonl does not exist",
+    ),
+    (
+        "option-regenerate-temperature",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--temperature", "nan"],
+        r"--temperature must be a finite number",
+    ),
+    (
+        "option-regenerate-top-p",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--top-p", "2"],
+        r"--top-p must be > 0 and <= 1, got 2",
+    ),
+    (
+        "option-regenerate-device",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--device", "tpu"],
+        r"--device",
+    ),
+    (
+        "option-regenerate-timeout",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--request-timeout", "-5"],
+        r"--request-timeout must be > 0",
+    ),
     ("option-export-format", ["export", "--drafter", D, "--format", "onnx", "--out", "{root}/o6"], r"--format 'onnx'"),
-    ("option-export-verifier-empty-dir", ["export", "--drafter", D, "--format", "vllm", "--out", "{root}/o6", "--verifier", D], r"--verifier .*some_dir: a directory without config\.json; expected a Hub repository id OWNER/NAME or a model directory with config\.json$"),
-    ("option-export-verifier-not-vllm", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--verifier", "foo/bar"], r"--verifier only applies to --format vllm .*not --format sglang"),
-    ("option-export-target-layers", ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--target-layers", "0"], r"--target-layers must be >= 1"),
+    (
+        "option-export-verifier-empty-dir",
+        ["export", "--drafter", D, "--format", "vllm", "--out", "{root}/o6", "--verifier", D],
+        r"--verifier .*some_dir: a directory without config\.json; expected a Hub repository id OWNER/NAME or a model directory with config\.json$",
+    ),
+    (
+        "option-export-verifier-not-vllm",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--verifier", "foo/bar"],
+        r"--verifier only applies to --format vllm .*not --format sglang",
+    ),
+    (
+        "option-export-target-layers",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{root}/o6", "--target-layers", "0"],
+        r"--target-layers must be >= 1",
+    ),
     ("option-verify-numbers", ["verify", "--store", D, "--numbers", "-1"], r"--numbers must be >= 0"),
     ("option-verify-tolerance", ["verify", "--store", D, "--tolerance", "nan"], r"--tolerance must be a finite number"),
     ("option-verify-device", ["verify", "--store", D, "--device", "tpu"], r"--device"),
     ("option-verify-store-missing", ["verify", "--store", "{root}/nope"], r"--store .*nope is not a directory"),
     ("option-demo-lr", ["demo", "--out", "{root}/o7", "--lr", "nan"], r"--lr must be a finite number"),
     ("option-demo-device", ["demo", "--out", "{root}/o7", "--device", "tpu"], r"--device must be cpu or cuda"),
-    ("option-verify-server-bypass", ["verify-server", "--url", "http://127.0.0.1:9", "--sglang-cache-bypass", "maybe"], r"--sglang-cache-bypass must be one of"),
-    ("option-verify-server-prompt", ["verify-server", "--url", "http://127.0.0.1:9", "--prompt-tokens", "3"], r"--prompt-tokens must be >= 8"),
+    (
+        "option-verify-server-bypass",
+        ["verify-server", "--url", "http://127.0.0.1:9", "--sglang-cache-bypass", "maybe"],
+        r"--sglang-cache-bypass must be one of",
+    ),
+    (
+        "option-verify-server-prompt",
+        ["verify-server", "--url", "http://127.0.0.1:9", "--prompt-tokens", "3"],
+        r"--prompt-tokens must be >= 8",
+    ),
     # url: malformed server addresses and layer lists
     ("url-verify-server-url", ["verify-server", "--url", "not a url"], r"--url 'not a url' is not an http\(s\) URL"),
     ("url-verify-server-port", ["verify-server", "--url", "http://host:99999"], r"--url .* is not an http\(s\) URL"),
-    ("url-verify-server-layers", ["verify-server", "--url", "http://127.0.0.1:9", "--aux-layers", "2,x"], r"--aux-layers: expected comma-separated integers"),
-    ("url-verify-server-layers-neg", ["verify-server", "--url", "http://127.0.0.1:9", "--aux-layers", "-1,2"], r"--aux-layers: values must be >= 0"),
-    ("url-capture-sglang-url", ["capture", "--backend", "sglang", "--data", D, "--out", "{root}/o5", "--url", "ftp://x"], r"--url 'ftp://x' is not an http\(s\) URL"),
-    ("url-regenerate-server-url", ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-url", "localhost:8000"], r"--server-url 'localhost:8000'"),
+    (
+        "url-verify-server-layers",
+        ["verify-server", "--url", "http://127.0.0.1:9", "--aux-layers", "2,x"],
+        r"--aux-layers: expected comma-separated integers",
+    ),
+    (
+        "url-verify-server-layers-neg",
+        ["verify-server", "--url", "http://127.0.0.1:9", "--aux-layers", "-1,2"],
+        r"--aux-layers: values must be >= 0",
+    ),
+    (
+        "url-capture-sglang-url",
+        ["capture", "--backend", "sglang", "--data", D, "--out", "{root}/o5", "--url", "ftp://x"],
+        r"--url 'ftp://x' is not an http\(s\) URL",
+    ),
+    (
+        "url-regenerate-server-url",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{root}/o2", "--server-url", "localhost:8000"],
+        r"--server-url 'localhost:8000'",
+    ),
     # outfile: --out is an existing file
     ("outfile-prepare", ["prepare", "--out", "{file}"], r"--out .*a_file is an existing file"),
     ("outfile-capture", ["capture", "--data", D, "--out", "{file}"], r"--out .*a_file is an existing file"),
     ("outfile-train", ["train", "--data", D, "--out", "{file}"], r"--out .*a_file is an existing file"),
-    ("outfile-eval", ["eval", "--drafter", D, "--out", "{file}", "--device", "cpu"], r"--out .*a_file is an existing file"),
-    ("outfile-regenerate", ["regenerate", "--source", "{nonutf8}", "--out", "{file}"], r"--out .*a_file is an existing file"),
-    ("outfile-export", ["export", "--drafter", D, "--format", "sglang", "--out", "{file}"], r"--out .*a_file is an existing file"),
+    (
+        "outfile-eval",
+        ["eval", "--drafter", D, "--out", "{file}", "--device", "cpu"],
+        r"--out .*a_file is an existing file",
+    ),
+    (
+        "outfile-regenerate",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{file}"],
+        r"--out .*a_file is an existing file",
+    ),
+    (
+        "outfile-export",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{file}"],
+        r"--out .*a_file is an existing file",
+    ),
     ("outfile-demo", ["demo", "--out", "{file}"], r"--out .*a_file is an existing file"),
-    ("outfile-under-file", ["prepare", "--out", "{file}/sub"], r"a_file is a file, so no directory can be created under it"),
+    (
+        "outfile-under-file",
+        ["prepare", "--out", "{file}/sub"],
+        r"a_file is a file, so no directory can be created under it",
+    ),
     # owner: never delete or write into what eyas did not create
-    ("owner-prepare-overwrite", ["prepare", "--out", "{user}", "--overwrite"], r"--overwrite: .*user_dir holds files eyas did not create"),
-    ("owner-regenerate-overwrite", ["regenerate", "--source", "{nonutf8}", "--out", "{user}", "--overwrite"], r"--overwrite: .*user_dir holds files eyas did not create"),
-    ("owner-regenerate-other-stage", ["regenerate", "--source", "{nonutf8}", "--out", "{prepared_like}", "--overwrite"], r"is an eyas `prepare` output, not a `regenerate` output"),
-    ("owner-demo-overwrite", ["demo", "--out", "{user}", "--overwrite"], r"--overwrite: .*user_dir holds files eyas did not create"),
+    (
+        "owner-prepare-overwrite",
+        ["prepare", "--out", "{user}", "--overwrite"],
+        r"--overwrite: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-regenerate-overwrite",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{user}", "--overwrite"],
+        r"--overwrite: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-regenerate-other-stage",
+        ["regenerate", "--source", "{nonutf8}", "--out", "{prepared_like}", "--overwrite"],
+        r"is an eyas `prepare` output, not a `regenerate` output",
+    ),
+    (
+        "owner-demo-overwrite",
+        ["demo", "--out", "{user}", "--overwrite"],
+        r"--overwrite: .*user_dir holds files eyas did not create",
+    ),
     ("owner-demo-out", ["demo", "--out", "{user}"], r"--out: .*user_dir holds files eyas did not create"),
-    ("owner-eval-overwrite", ["eval", "--drafter", D, "--out", "{user}", "--overwrite", "--device", "cpu"], r"--overwrite: .*user_dir holds files eyas did not create"),
-    ("owner-export-overwrite", ["export", "--drafter", D, "--format", "vllm", "--out", "{user}", "--overwrite"], r"--overwrite: .*user_dir holds files eyas did not create"),
-    ("owner-train-out", ["train", "--data", D, "--out", "{user}"], r"--out: .*user_dir holds files eyas did not create"),
-    ("owner-capture-out", ["capture", "--data", D, "--out", "{user}"], r"--out: .*user_dir holds files eyas did not create"),
+    (
+        "owner-eval-overwrite",
+        ["eval", "--drafter", D, "--out", "{user}", "--overwrite", "--device", "cpu"],
+        r"--overwrite: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-export-overwrite",
+        ["export", "--drafter", D, "--format", "vllm", "--out", "{user}", "--overwrite"],
+        r"--overwrite: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-train-out",
+        ["train", "--data", D, "--out", "{user}"],
+        r"--out: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-capture-out",
+        ["capture", "--data", D, "--out", "{user}"],
+        r"--out: .*user_dir holds files eyas did not create",
+    ),
     # owner: another stage's eyas output (a kind check, before anything is written into it or deleted)
-    ("owner-demo-other-stage", ["demo", "--out", "{prepared_like}", "--overwrite"], r"--overwrite: .*prepared_like is an eyas `prepare` output, not a `demo` output"),
-    ("owner-demo-out-other-stage", ["demo", "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `demo` output"),
-    ("owner-prepare-over-train-run", ["prepare", "--out", "{train_run}", "--overwrite"], r"--overwrite: .*train_run is an eyas `train` output, not a `prepare` output"),
-    ("owner-train-out-other-stage", ["train", "--data", D, "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `train` output"),
-    ("owner-capture-out-other-stage", ["capture", "--data", D, "--out", "{prepared_like}"], r"--out: .*prepared_like is an eyas `prepare` output, not a `store` output"),
+    (
+        "owner-demo-other-stage",
+        ["demo", "--out", "{prepared_like}", "--overwrite"],
+        r"--overwrite: .*prepared_like is an eyas `prepare` output, not a `demo` output",
+    ),
+    (
+        "owner-demo-out-other-stage",
+        ["demo", "--out", "{prepared_like}"],
+        r"--out: .*prepared_like is an eyas `prepare` output, not a `demo` output",
+    ),
+    (
+        "owner-prepare-over-train-run",
+        ["prepare", "--out", "{train_run}", "--overwrite"],
+        r"--overwrite: .*train_run is an eyas `train` output, not a `prepare` output",
+    ),
+    (
+        "owner-train-out-other-stage",
+        ["train", "--data", D, "--out", "{prepared_like}"],
+        r"--out: .*prepared_like is an eyas `prepare` output, not a `train` output",
+    ),
+    (
+        "owner-capture-out-other-stage",
+        ["capture", "--data", D, "--out", "{prepared_like}"],
+        r"--out: .*prepared_like is an eyas `prepare` output, not a `store` output",
+    ),
     # owner: a training run's drafter/ is part of that run, not a directory of the user's nor an export
-    ("owner-export-over-train-drafter", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}/drafter", "--overwrite"], r"--overwrite: .*train_run/drafter is the `drafter` folder of the eyas `train` output .*train_run, not an output of its own; refusing to replace it"),
-    ("owner-export-into-train-drafter", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}/drafter"], r"^(?!.*--overwrite).*--out: .*train_run/drafter is the `drafter` folder of the eyas `train` output"),
+    (
+        "owner-export-over-train-drafter",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}/drafter", "--overwrite"],
+        r"--overwrite: .*train_run/drafter is the `drafter` folder of the eyas `train` output .*train_run, not an output of its own; refusing to replace it",
+    ),
+    (
+        "owner-export-into-train-drafter",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}/drafter"],
+        r"^(?!.*--overwrite).*--out: .*train_run/drafter is the `drafter` folder of the eyas `train` output",
+    ),
     # owner: without --overwrite, a user's directory is refused without suggesting --overwrite (which is refused too)
-    ("owner-prepare-out-user", ["prepare", "--out", "{user}"], r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create"),
-    ("owner-eval-out-user", ["eval", "--drafter", D, "--out", "{user}", "--device", "cpu"], r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create"),
-    ("owner-export-out-user", ["export", "--drafter", D, "--format", "sglang", "--out", "{user}"], r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create"),
-    ("owner-export-other-stage", ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}", "--overwrite"], r"--overwrite: .*train_run is an eyas `train` output, not a `export` output"),
+    (
+        "owner-prepare-out-user",
+        ["prepare", "--out", "{user}"],
+        r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-eval-out-user",
+        ["eval", "--drafter", D, "--out", "{user}", "--device", "cpu"],
+        r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-export-out-user",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{user}"],
+        r"^(?!.*--overwrite).*--out: .*user_dir holds files eyas did not create",
+    ),
+    (
+        "owner-export-other-stage",
+        ["export", "--drafter", D, "--format", "sglang", "--out", "{train_run}", "--overwrite"],
+        r"--overwrite: .*train_run is an eyas `train` output, not a `export` output",
+    ),
     # owner: generate's --out file (existing: only with --overwrite, and only generate's own records)
-    ("owner-generate-existing-file", ["generate", "--drafter", D, "--out", "{file}"], r"--out .*a_file already exists: pass --overwrite"),
-    ("owner-generate-overwrite-user-file", ["generate", "--drafter", D, "--out", "{file}", "--overwrite"], r"--overwrite: .*a_file is not an `eyas generate` records file \(line 1"),
-    ("outfile-generate-under-file", ["generate", "--drafter", D, "--out", "{file}/x.jsonl"], r"--out .*a_file/x\.jsonl: .*a_file is a file"),
+    (
+        "owner-generate-existing-file",
+        ["generate", "--drafter", D, "--out", "{file}"],
+        r"--out .*a_file already exists: pass --overwrite",
+    ),
+    (
+        "owner-generate-overwrite-user-file",
+        ["generate", "--drafter", D, "--out", "{file}", "--overwrite"],
+        r"--overwrite: .*a_file is not an `eyas generate` records file \(line 1",
+    ),
+    (
+        "outfile-generate-under-file",
+        ["generate", "--drafter", D, "--out", "{file}/x.jsonl"],
+        r"--out .*a_file/x\.jsonl: .*a_file is a file",
+    ),
 ]
 
 RO_CASES = [
@@ -369,9 +716,15 @@ def train_world(tmp_path, tiny_target_dir, smol_tokenizer):
     split = PreparedDataset(prep).split("train")
 
     def make_store(name: str, *, nan_in: str | None = None) -> Path:
-        spec = StoreSpec(aux_layer_ids=[1, 2, 3], hidden_size=64, dtype="fp32", target=model_identity(tiny_target_dir),
-                         tokenizer_hash=th, model_dtype="fp32",
-                         prepared={"path": str(prep), "split": "train", "fingerprint": split.fingerprint})
+        spec = StoreSpec(
+            aux_layer_ids=[1, 2, 3],
+            hidden_size=64,
+            dtype="fp32",
+            target=model_identity(tiny_target_dir),
+            tokenizer_hash=th,
+            model_dtype="fp32",
+            prepared={"path": str(prep), "split": "train", "fingerprint": split.fingerprint},
+        )
         with StoreWriter(tmp_path / name, spec) as w:
             for s in split:
                 T = s.input_ids.numel()
@@ -386,8 +739,25 @@ def train_world(tmp_path, tiny_target_dir, smol_tokenizer):
 
 
 def _train_args(w, store, out):
-    return ["train", "--target", w["target"], "--store", store, "--out", w["root"] / out, "--steps", "3",
-            "--device", "cpu", "--eval-samples", "1", "--draft-vocab", "64", "--ttt-steps", "2"]
+    return [
+        "train",
+        "--target",
+        w["target"],
+        "--store",
+        store,
+        "--out",
+        w["root"] / out,
+        "--steps",
+        "3",
+        "--device",
+        "cpu",
+        "--eval-samples",
+        "1",
+        "--draft-vocab",
+        "64",
+        "--ttt-steps",
+        "2",
+    ]
 
 
 def test_train_refuses_nan_in_a_sample_naming_it(train_world):
@@ -456,8 +826,23 @@ def test_eval_refuses_a_drafter_with_nan_weights(tmp_path, tiny_target_dir):
     d.save(tmp_path / "drafter")
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Hi"}\n')
-    r = _run(["eval", "--drafter", tmp_path / "drafter", "--target", tiny_target_dir, "--prompts", prompts,
-              "--out", tmp_path / "ev", "--device", "cpu", "--max-new-tokens", "2"])
+    r = _run(
+        [
+            "eval",
+            "--drafter",
+            tmp_path / "drafter",
+            "--target",
+            tiny_target_dir,
+            "--prompts",
+            prompts,
+            "--out",
+            tmp_path / "ev",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     assert r.exit_code == 2 and re.search(r"--drafter .*drafter: 1 tensor\(s\) hold NaN/Inf", r.stderr), r.stderr
     assert not (tmp_path / "ev").exists()
 
@@ -486,8 +871,16 @@ def test_checkpoint_round_trip_without_pickle(tmp_path):
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     sched.step()
-    path = ck.save_checkpoint(tmp_path / "step-000007.pt", model=model, optimizer=opt, scheduler=sched, step=7,
-                              identity={"a": (1, 2), "b": {"c": None}}, extra={"world": 1}, is_main=True)
+    path = ck.save_checkpoint(
+        tmp_path / "step-000007.pt",
+        model=model,
+        optimizer=opt,
+        scheduler=sched,
+        step=7,
+        identity={"a": (1, 2), "b": {"c": None}},
+        extra={"world": 1},
+        is_main=True,
+    )
     assert path.name == "step-000007.safetensors" and ck.latest_checkpoint(tmp_path) == path
     expect_rand = torch.rand(3)
     random_state = random.random()
@@ -542,8 +935,16 @@ def test_save_refuses_non_finite_weights_and_clears_stale_temps(tmp_path):
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     with pytest.raises(EyasError, match=r"the drafter weights at step 4: 1 tensor\(s\) hold NaN/Inf \(weight\)"):
-        ck.save_checkpoint(tmp_path / "step-000004.pt", model=model, optimizer=opt, scheduler=sched, step=4,
-                           identity={}, extra={}, is_main=True)
+        ck.save_checkpoint(
+            tmp_path / "step-000004.pt",
+            model=model,
+            optimizer=opt,
+            scheduler=sched,
+            step=4,
+            identity={},
+            extra={},
+            is_main=True,
+        )
     assert not list(tmp_path.glob("step-*"))
     assert ck.latest_checkpoint(tmp_path) is None
     assert not stale.exists() and mine.exists()  # only eyas's own temp names are removed
@@ -609,8 +1010,7 @@ def test_overwrite_replaces_an_eyas_output_but_not_a_user_dir(tmp_path):
     user = tmp_path / "u"
     user.mkdir()
     (user / "notes").write_text("x")
-    with (pytest.raises(EyasError, match="holds files eyas did not create"),
-          atomic_directory(user, overwrite=True)):
+    with pytest.raises(EyasError, match="holds files eyas did not create"), atomic_directory(user, overwrite=True):
         pass
     with pytest.raises(EyasError, match="holds files eyas did not create"):
         remove_owned_dir(user)
@@ -675,13 +1075,28 @@ def test_atomic_directory_removes_its_own_stale_temp_dirs(tmp_path):
 def test_regenerate_that_writes_nothing_is_an_error(tmp_path, tiny_target_dir):
     src = tmp_path / "user_only.jsonl"
     src.write_text('{"conversations": [{"from": "human", "value": "Hi"}]}\n' * 2)
-    r = _run(["regenerate", "--source", src, "--target", tiny_target_dir, "--out", tmp_path / "o", "--device", "cpu",
-              "--max-new-tokens", "2"])
+    r = _run(
+        [
+            "regenerate",
+            "--source",
+            src,
+            "--target",
+            tiny_target_dir,
+            "--out",
+            tmp_path / "o",
+            "--device",
+            "cpu",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
     assert r.exit_code == 2, r.stderr
     assert "none of its 2 conversations could be regenerated (skipped: no_assistant_turn: 2)" in r.stderr
 
 
-@pytest.mark.parametrize("name,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.float8_e4m3fn)])
+@pytest.mark.parametrize(
+    "name,dtype", [("bf16", torch.bfloat16), ("fp32", torch.float32), ("fp8", torch.float8_e4m3fn)]
+)
 def test_raw_finite_bit_test_agrees_with_torch(name, dtype):
     from eyas.store.reader import _all_finite
 
@@ -695,8 +1110,10 @@ def test_raw_finite_bit_test_agrees_with_torch(name, dtype):
 def test_a_missing_cuda_device_suggests_only_a_device_the_command_takes(bad, monkeypatch, no_model_loads):
     """demo takes cpu or cuda (not auto): the hint must not name an option value it would refuse."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    for args in (["demo", "--out", bad["root"] / "o7", "--device", "cuda"],
-                 ["train", "--data", bad["dir"], "--out", bad["root"] / "o4", "--device", "cuda"]):
+    for args in (
+        ["demo", "--out", bad["root"] / "o7", "--device", "cuda"],
+        ["train", "--data", bad["dir"], "--out", bad["root"] / "o4", "--device", "cuda"],
+    ):
         r = _run(args)
         line = _one_line_error(r)
         assert r.exit_code == 2, line

@@ -30,11 +30,22 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 N = 16
 # Each sample alone in its forward (budget 1): the same shapes as the one-process run, so the same
 # kernels and bit-identical fp32 rows; small shards so every process commits several.
-COMMON = ["--store-dtype", "fp32", "--token-budget", "1", "--shard-bytes", "30000", "--device", "cpu", "--aux-layers", "1,3,4"]
+COMMON = [
+    "--store-dtype",
+    "fp32",
+    "--token-budget",
+    "1",
+    "--shard-bytes",
+    "30000",
+    "--device",
+    "cpu",
+    "--aux-layers",
+    "1,3,4",
+]
 
 # A launcher that runs `eyas capture` but SIGKILLs rank 1 right after its second committed shard:
 # a crash in the middle of the data-parallel run, with committed work in a rank store.
-KILLER = '''
+KILLER = """
 import os, signal, sys
 import eyas.store.writer as w
 orig = w.StoreWriter.commit
@@ -46,7 +57,7 @@ w.StoreWriter.commit = commit
 from eyas.cli import main
 sys.argv = ["eyas", *sys.argv[1:]]
 main()
-'''
+"""
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +65,17 @@ def world(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("dp")
     data = make_prepared(root / "p", tokenizer_hash(load_tokenizer(tiny_target_dir)), n=N)
     ref = root / "ref"
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=ref, store_dtype="fp32", token_budget=1,
-                                shard_bytes=30000, aux_layers=[1, 3, 4]))
+    run_capture(
+        CaptureSettings(
+            target=str(tiny_target_dir),
+            data=data,
+            out=ref,
+            store_dtype="fp32",
+            token_budget=1,
+            shard_bytes=30000,
+            aux_layers=[1, 3, 4],
+        )
+    )
     return {"target": tiny_target_dir, "data": data, "ref": ref, "root": root}
 
 
@@ -81,7 +101,9 @@ def _assert_same_as_reference(store, ref):
     ids = [s["id"] for s in r.manifest["samples"]]
     assert len(ids) == len(set(ids)) == N, "a sample is stored twice or missing"
     assert sorted(ids) == sorted(q.sample_ids)
-    assert [s["name"] for s in r.manifest["shards"]] == [f"shard-{i:05d}.safetensors" for i in range(len(r.manifest["shards"]))]
+    assert [s["name"] for s in r.manifest["shards"]] == [
+        f"shard-{i:05d}.safetensors" for i in range(len(r.manifest["shards"]))
+    ]
     for sid in ids:
         a, b = r.raw(sid)[0], q.raw(sid)[0]
         assert a.shape == b.shape and torch.equal(a, b), f"sample {sid} differs from the one-process capture"
@@ -128,8 +150,17 @@ def test_killed_rank_resumes_without_duplicates(world, tmp_path, resume_with):
     if resume_with == 2:
         summary = _torchrun(_args(world, out))
     else:
-        summary = run_capture(CaptureSettings(target=str(world["target"]), data=world["data"], out=out, store_dtype="fp32",
-                                              token_budget=1, shard_bytes=30000, aux_layers=[1, 3, 4]))
+        summary = run_capture(
+            CaptureSettings(
+                target=str(world["target"]),
+                data=world["data"],
+                out=out,
+                store_dtype="fp32",
+                token_budget=1,
+                shard_bytes=30000,
+                aux_layers=[1, 3, 4],
+            )
+        )
     assert summary["resumed_samples"] >= rank1["totals"]["samples"] > 0
     assert summary["resumed_samples"] + summary["captured_samples"] == N
     _assert_same_as_reference(out, world["ref"])

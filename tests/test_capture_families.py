@@ -36,19 +36,22 @@ def test_batched_capture_matches_unbatched_reference(family_dirs, family, model_
     seqs = [torch.randint(0, model.config.vocab_size, (t,), generator=g) for t in lengths]
     batch = make_batch([str(i) for i in range(4)], seqs, pad_token_id=0)
     store_dtype = "fp32" if model_dtype == torch.float32 else "bf16"
-    hidden, scale = forward_capture_packed(model, batch.input_ids_BT, None, batch.rows_index,
-                                           layer_ids=LAYERS, dtype=store_dtype)
+    hidden, scale = forward_capture_packed(
+        model, batch.input_ids_BT, None, batch.rows_index, layer_ids=LAYERS, dtype=store_dtype
+    )
     assert hidden.shape == (sum(lengths), len(LAYERS) + 1, model.config.hidden_size) and scale is None
     # Right padding without a mask: pad rows follow the real ones, which causal attention never lets
     # them see. The simple hook path (stack, then keep the real rows) agrees exactly with the packed one.
     aux_BTAD, final_BTD = forward_capture(model, batch.input_ids_BT, None, layer_ids=LAYERS)
-    simple = torch.cat([aux_BTAD, final_BTD.unsqueeze(2)], dim=2).reshape(-1, len(LAYERS) + 1, hidden.shape[-1])[batch.rows_index]
+    simple = torch.cat([aux_BTAD, final_BTD.unsqueeze(2)], dim=2).reshape(-1, len(LAYERS) + 1, hidden.shape[-1])[
+        batch.rows_index
+    ]
     assert torch.equal(simple.to(hidden.dtype), hidden)
     start = 0
     for seq in seqs:
         aux, final = reference_hidden_states(model, seq, layer_ids=LAYERS)
         ref = torch.cat([aux, final.unsqueeze(1)], dim=1)
-        assert rel_err(hidden[start:start + len(seq)], ref) < TOL[model_dtype], family
+        assert rel_err(hidden[start : start + len(seq)], ref) < TOL[model_dtype], family
         start += len(seq)
 
 
@@ -56,8 +59,9 @@ def test_fp8_packed_capture_within_quantisation_error(family_dirs):
     model = load_target(family_dirs["deepseek_v3"], dtype=torch.float32)
     seqs = [torch.arange(5, 30), torch.arange(100, 112)]
     batch = make_batch(["a", "b"], seqs)
-    hidden, scale = forward_capture_packed(model, batch.input_ids_BT, None, batch.rows_index,
-                                           layer_ids=LAYERS, dtype="fp8")
+    hidden, scale = forward_capture_packed(
+        model, batch.input_ids_BT, None, batch.rows_index, layer_ids=LAYERS, dtype="fp8"
+    )
     assert hidden.dtype == torch.float8_e4m3fn and scale.shape == (37, 4)
     aux, final = reference_hidden_states(model, seqs[1], layer_ids=LAYERS)
     err = rel_err(dequantize(hidden[25:], scale[25:], torch.float32), torch.cat([aux, final.unsqueeze(1)], 1))
@@ -73,8 +77,17 @@ def test_capture_and_verify_end_to_end_bf16(tmp_path, family_dirs, family):
     from tests.test_capture_run import make_prepared
 
     data = make_prepared(tmp_path / "p", tokenizer_hash(load_tokenizer(family_dirs[family])), n=6, max_len=30)
-    s = run_capture(CaptureSettings(target=str(family_dirs[family]), data=data, out=tmp_path / "s", aux_layers=LAYERS,
-                                    model_dtype="bf16", token_budget=48, shard_bytes=4000))
+    s = run_capture(
+        CaptureSettings(
+            target=str(family_dirs[family]),
+            data=data,
+            out=tmp_path / "s",
+            aux_layers=LAYERS,
+            model_dtype="bf16",
+            token_budget=48,
+            shard_bytes=4000,
+        )
+    )
     assert s["samples"] == 6 and s["model_dtype"] == "bf16" and s["batches"] > 1
     v = verify_store(tmp_path / "s", numbers=6)
     assert v["ok"] and v["numbers"]["checked"] == 6

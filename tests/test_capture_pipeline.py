@@ -29,6 +29,7 @@ def fake_forward(delay):
         rows = ids_BT.reshape(-1) if rows_index is None else ids_BT.reshape(-1)[rows_index]
         hidden = rows.to(torch.bfloat16)[:, None, None].expand(-1, len(layer_ids) + 1, 4).contiguous()
         return hidden, None
+
     return forward
 
 
@@ -38,7 +39,9 @@ def model():
 
 
 def batches(n):
-    return [make_batch([f"b{i}a", f"b{i}b"], [torch.tensor([i, i + 1, i + 2]), torch.tensor([i + 3])]) for i in range(n)]
+    return [
+        make_batch([f"b{i}a", f"b{i}b"], [torch.tensor([i, i + 1, i + 2]), torch.tensor([i + 3])]) for i in range(n)
+    ]
 
 
 def test_writes_overlap_forwards_and_keep_order(model, monkeypatch):

@@ -30,7 +30,9 @@ def make_prepared(path, tok_hash, n=12, seed=0, vocab=49152, max_len=40):
     for i in range(n):
         t = int(torch.randint(1, max_len, (1,), generator=g))
         rows.append((f"s{i:03d}", torch.randint(0, vocab, (t,), generator=g).tolist(), [k % 3 == 0 for k in range(t)]))
-    write_prepared(path, {"train": rows, "eval": [("e0", [1, 2, 3], [0, 1, 1])]}, {"tokenizer_hash": tok_hash}, overwrite=True)
+    write_prepared(
+        path, {"train": rows, "eval": [("e0", [1, 2, 3], [0, 1, 1])]}, {"tokenizer_hash": tok_hash}, overwrite=True
+    )
     return path
 
 
@@ -85,7 +87,9 @@ def test_resume_after_limit_and_rerun_is_idempotent(tmp_path, tiny_target_dir, t
 
 def test_bad_input_is_refused_clearly(tmp_path, tiny_target_dir, tok_hash, smol_tokenizer):
     data = make_prepared(tmp_path / "p", tok_hash, n=4)
-    with pytest.raises(EyasError, match=r"--aux-layers: ids \[1, 6\] include \[6\], expected inputs to decoder layers 1..5"):
+    with pytest.raises(
+        EyasError, match=r"--aux-layers: ids \[1, 6\] include \[6\], expected inputs to decoder layers 1..5"
+    ):
         run_capture(settings(tiny_target_dir, data, tmp_path / "s", aux_layers=[1, 6]))
     run_capture(settings(tiny_target_dir, data, tmp_path / "s"))
     # A store written for another model is not resumed. (model_identity hashes the config and the
@@ -109,7 +113,9 @@ def test_bad_input_is_refused_clearly(tmp_path, tiny_target_dir, tok_hash, smol_
         settings(tiny_target_dir, data, tmp_path / "s3", store_dtype="int4")
     with pytest.raises(EyasError, match="--shard-bytes"):
         parse_bytes("lots")
-    assert parse_bytes("512MiB") == 512 << 20 and parse_bytes("1GB") == 10**9 and parse_layers("2, 15,27") == [2, 15, 27]
+    assert (
+        parse_bytes("512MiB") == 512 << 20 and parse_bytes("1GB") == 10**9 and parse_layers("2, 15,27") == [2, 15, 27]
+    )
 
 
 def test_prepared_changing_mid_run_leaves_store_incomplete(tmp_path, tiny_target_dir, tok_hash, monkeypatch):
@@ -157,9 +163,25 @@ def test_kill_9_mid_run_then_resume(tmp_path, tiny_target_dir, tok_hash):
     """A real SIGKILL while shards are being written: resume finishes with every sample exactly once."""
     data = make_prepared(tmp_path / "p", tok_hash, n=200, max_len=60)
     out = tmp_path / "s"
-    cmd = [sys.executable, "-m", "eyas", "capture", "--target", str(tiny_target_dir), "--data", str(data), "--out", str(out),
-           "--token-budget", "64", "--shard-bytes", "3000"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyas",
+        "capture",
+        "--target",
+        str(tiny_target_dir),
+        "--data",
+        str(data),
+        "--out",
+        str(out),
+        "--token-budget",
+        "64",
+        "--shard-bytes",
+        "3000",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     deadline = time.time() + 120
     killed_at = None
     while time.time() < deadline and proc.poll() is None:

@@ -27,8 +27,9 @@ CHATS = [
 def smol_prepared(tmp_path_factory, smol_dir, smol_tokenizer):
     rows = []
     for i, (q, a) in enumerate(CHATS):
-        ids = smol_tokenizer.apply_chat_template([{"role": "user", "content": q}, {"role": "assistant", "content": a}],
-                                                 tokenize=True, return_dict=False)
+        ids = smol_tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}, {"role": "assistant", "content": a}], tokenize=True, return_dict=False
+        )
         rows.append((f"chat{i}", ids, [True] * len(ids)))
     out = tmp_path_factory.mktemp("smol") / "prepared"
     return write_prepared(out, {"train": rows}, {"tokenizer_hash": tokenizer_hash(smol_tokenizer)})
@@ -36,19 +37,45 @@ def smol_prepared(tmp_path_factory, smol_dir, smol_tokenizer):
 
 @pytest.mark.parametrize("dtype,model_dtype", [("bf16", "fp32"), ("fp8", "fp32"), ("bf16", "bf16")])
 def test_smol_capture_verifies(tmp_path, smol_prepared, dtype, model_dtype):
-    s = run_capture(CaptureSettings(target="default", data=smol_prepared, out=tmp_path / "s", store_dtype=dtype,
-                                    model_dtype=model_dtype, token_budget=128))
+    s = run_capture(
+        CaptureSettings(
+            target="default",
+            data=smol_prepared,
+            out=tmp_path / "s",
+            store_dtype=dtype,
+            model_dtype=model_dtype,
+            token_budget=128,
+        )
+    )
     assert s["samples"] == 4 and s["aux_layer_ids"] == [2, 15, 27] and s["hidden_size"] == 576
     v = verify_store(tmp_path / "s", numbers=4)
     assert v["ok"] and v["numbers"]["worst_rel_err"] < v["numbers"]["tolerance"] / 2
 
 
 def test_smol_default_tolerance_catches_shift_and_neighbour_layer(tmp_path, smol_prepared):
-    run_capture(CaptureSettings(target="default", data=smol_prepared, out=tmp_path / "good", store_dtype="fp8", token_budget=128))
+    run_capture(
+        CaptureSettings(
+            target="default", data=smol_prepared, out=tmp_path / "good", store_dtype="fp8", token_budget=128
+        )
+    )
     r = StoreReader(tmp_path / "good")
     m = r.manifest
-    spec = StoreSpec(**{k: m[k] for k in ("aux_layer_ids", "hidden_size", "dtype", "convention", "target",
-                                          "tokenizer_hash", "prepared", "model_dtype", "producer")})
+    spec = StoreSpec(
+        **{
+            k: m[k]
+            for k in (
+                "aux_layer_ids",
+                "hidden_size",
+                "dtype",
+                "convention",
+                "target",
+                "tokenizer_hash",
+                "prepared",
+                "model_dtype",
+                "producer",
+            )
+        }
+    )
     model = load_target("default")
     from eyas.data.prepared import PreparedDataset
 

@@ -28,8 +28,12 @@ needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not importab
 def _in_interpreter(call: str) -> str:
     """Run `tests.test_ce_kernel.<call>` in a child with TRITON_INTERPRET=1; its stdout, failing
     with its output if the child failed."""
-    env = {**os.environ, "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)}
+    env = {
+        **os.environ,
+        "TRITON_INTERPRET": "1",
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in sys.path if p),
+    }
     env.pop(kernels.ENV, None)
     code = f"import tests.test_ce_kernel as t; t.{call}"
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -95,7 +99,7 @@ def check_kernel() -> None:
         if sd == torch.float32:
             torch.testing.assert_close(g, g_r, rtol=1e-5, atol=1e-7)
         else:  # both round an fp32 value to bf16: at most one ulp apart
-            torch.testing.assert_close(g.float(), g_r.float(), rtol=2 ** -7, atol=1e-7)
+            torch.testing.assert_close(g.float(), g_r.float(), rtol=2**-7, atol=1e-7)
         assert torch.all(g[1] == 0)  # the zero-weight row
         print("kernel ok", i)
     # rows with a stride larger than V (a view into a wider buffer) and ce not scaled by w twice
@@ -128,8 +132,12 @@ def test_indexed_teacher_rows_under_interpreter():
 def check_indexed() -> None:
     """t_rows mode: row n's teacher is table[t_rows[n]] (ids repeated and out of order, a table with
     more rows than the chunk and a row stride wider than V), equal to `_chunk_ce` on the gathered rows."""
-    cases = [(6, 700, torch.float32, torch.float32, 256), (5, 777, torch.bfloat16, torch.bfloat16, 256),
-             (4, 300, torch.bfloat16, torch.float32, 128), (3, 50, torch.float32, torch.bfloat16, 64)]
+    cases = [
+        (6, 700, torch.float32, torch.float32, 256),
+        (5, 777, torch.bfloat16, torch.bfloat16, 256),
+        (4, 300, torch.bfloat16, torch.float32, 128),
+        (3, 50, torch.float32, torch.bfloat16, 64),
+    ]
     for i, (c, V, sd, td, block) in enumerate(cases):
         s, _, w, top = _chunk(c, V, sd, td, seed=20 + i)
         gen = torch.Generator().manual_seed(40 + i)
@@ -142,7 +150,7 @@ def check_indexed() -> None:
         ce_r, hits_r, g_r = head_loss._chunk_ce(s, table[t_rows], w, top)
         assert torch.equal(hits, hits_r) and hits[0], (hits, hits_r)
         torch.testing.assert_close(ce, ce_r, rtol=1e-5, atol=1e-5)
-        rtol = 1e-5 if sd == torch.float32 else 2 ** -7  # bf16 g: both round fp32, one ulp apart
+        rtol = 1e-5 if sd == torch.float32 else 2**-7  # bf16 g: both round fp32, one ulp apart
         torch.testing.assert_close(g.float(), g_r.float(), rtol=rtol, atol=1e-7)
         assert torch.equal(g[-1], CE.fused_chunk_ce(s[-1:], table[t_rows[-1:]], w[-1:], top[-1:], block_v=block)[2][0])
         print("indexed ok", i)
@@ -209,6 +217,7 @@ def test_selection_falls_back_to_torch_on_cpu(monkeypatch):
 def test_forced_torch_skips_a_working_kernel(monkeypatch):
     kernels.forget()
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
+
     @head_loss._gathering
     def kernel(s, t, w, top):  # a stand-in kernel that passes its check
         return head_loss._chunk_ce(s, t, w, top)
@@ -249,7 +258,7 @@ def _crashes(s, t, w, top, *, t_rows=None):
 
 
 def _reads_row_n(s, t, w, top, *, t_rows=None):  # ignores t_rows: the table's first c rows
-    return head_loss._chunk_ce(s, t[:s.shape[0]], w, top)
+    return head_loss._chunk_ce(s, t[: s.shape[0]], w, top)
 
 
 def _crashes_indexed(s, t, w, top, *, t_rows=None):
@@ -261,6 +270,7 @@ def _crashes_indexed(s, t, w, top, *, t_rows=None):
 def _ranks(off_by: int, lse: bool = True):
     """A stand-in kernel with `rank_topk` whose top-K test uses K + off_by (0: right), taking `t_lse` (unless not
     `lse`)."""
+
     def kernel(s, t, w, top, *, t_rows=None, rank_topk=None, **kw):
         if kw and not lse:
             raise TypeError(f"unexpected keyword {next(iter(kw))}")
@@ -268,6 +278,7 @@ def _ranks(off_by: int, lse: bool = True):
         at = torch.arange(s.shape[0]) if t_rows is None else t_rows
         out = head_loss._chunk_ce(s, t[at], w, top, None if t_lse is None else t_lse[at])
         return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk + off_by))
+
     return kernel
 
 
@@ -279,10 +290,18 @@ def test_startup_check_tests_the_fused_rank(monkeypatch, off_by, says):
     assert why is None if says is None else (why is not None and says in why), why
 
 
-@pytest.mark.parametrize("bad, says", [(_ranks(0), None), (_wrong_argmax, "hits differ"),
-                                       (_wrong_grad, "gradient differs"), (_wrong_loss, "loss differs"),
-                                       (_crashes, "failed: RuntimeError"), (_reads_row_n, "by index): "),
-                                       (_crashes_indexed, "by index) failed: TypeError")])
+@pytest.mark.parametrize(
+    "bad, says",
+    [
+        (_ranks(0), None),
+        (_wrong_argmax, "hits differ"),
+        (_wrong_grad, "gradient differs"),
+        (_wrong_loss, "loss differs"),
+        (_crashes, "failed: RuntimeError"),
+        (_reads_row_n, "by index): "),
+        (_crashes_indexed, "by index) failed: TypeError"),
+    ],
+)
 @pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.float32)])
 def test_startup_check_catches_a_wrong_kernel(monkeypatch, bad, says, dtypes):
     monkeypatch.setattr(CE, "fused_chunk_ce", bad)
@@ -305,11 +324,15 @@ def check_rank() -> None:
     against it; a token id past the row is clamped as the torch test clamps it), blocked and whole-row, with the
     first three outputs unchanged; the head loss picks it (its start-up check passes) and gives the loss, gradients
     and hits of the torch fallback's separate test (EYAS_KERNELS=ce:off)."""
-    cases = [(6, 700, torch.float32, 256, 3), (5, 777, torch.bfloat16, 256, 40), (4, 50, torch.float32, 64, 2),
-             (5, 777, torch.bfloat16, 1024, 1)]
+    cases = [
+        (6, 700, torch.float32, 256, 3),
+        (5, 777, torch.bfloat16, 256, 40),
+        (4, 50, torch.float32, 64, 2),
+        (5, 777, torch.bfloat16, 1024, 1),
+    ]
     for i, (c, V, sd, block, k) in enumerate(cases):
         s, t, w, top = _chunk(c, V, sd, torch.float32, seed=60 + i)
-        s[3, :k + 2] = s[3, top[3]]  # k + 1 logits tied with the token's (itself among them): still rank 0
+        s[3, : k + 2] = s[3, top[3]]  # k + 1 logits tied with the token's (itself among them): still rank 0
         out = CE.fused_chunk_ce(s, t, w, top, rank_topk=k, block_v=block)
         plain = CE.fused_chunk_ce(s, t, w, top, block_v=block)
         want = ttt.top_rank_below(s, top, k)
@@ -338,9 +361,19 @@ def check_rank() -> None:
         if fused:
             CE.fused_chunk_ce = spy  # (the head loss tests `chunk is CE.fused_chunk_ce`)
         try:
-            total, _, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5,
-                                                     compute_dtype=torch.float32, align=(pos, N, topk),
-                                                     teacher_rows=tr)
+            total, _, hits = ttt.head_soft_ce_ranges(
+                x,
+                W,
+                f,
+                wt,
+                wn,
+                top,
+                lengths,
+                chunk_rows=5,
+                compute_dtype=torch.float32,
+                align=(pos, N, topk),
+                teacher_rows=tr,
+            )
         finally:
             CE.fused_chunk_ce = real
             head_loss.chunk_ce_for = chunk_ce_for
@@ -348,8 +381,9 @@ def check_rank() -> None:
         got[fused] = (total.detach(), hits, *torch.autograd.grad(total, [x, W]))
     (total_f, hits_f, gx_f, gw_f), (total_s, hits_s, gx_s, gw_s) = got[True], got[False]
     assert torch.equal(hits_f, hits_s)
-    plain, _, _ = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5, compute_dtype=torch.float32,
-                                          teacher_rows=tr)
+    plain, _, _ = ttt.head_soft_ce_ranges(
+        x, W, f, wt, wn, top, lengths, chunk_rows=5, compute_dtype=torch.float32, teacher_rows=tr
+    )
     assert float(plain.detach()) > float(total_f) + 1e-3  # the test dropped rows: it mattered
     for a, b in ((total_f, total_s), (gx_f, gx_s), (gw_f, gw_s)):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
@@ -388,7 +422,7 @@ def check_lse() -> None:
         given = CE.fused_chunk_ce(s, t, w, top, rank_topk=3, t_lse=lse, **kw)
         assert torch.equal(given[1], plain[1]) and torch.equal(given[3], plain[3]), (given, plain)
         assert 0 < int(plain[1].sum()) < c and 0 < int(plain[3].sum())  # the booleans are not all alike
-        rtol = 1e-5 if sd == torch.float32 else 2 ** -7  # bf16 g: both round fp32, one ulp apart
+        rtol = 1e-5 if sd == torch.float32 else 2**-7  # bf16 g: both round fp32, one ulp apart
         torch.testing.assert_close(given[0], plain[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(given[2].float(), plain[2].float(), rtol=rtol, atol=1e-7)
         moved = lse + 0.5
@@ -440,15 +474,34 @@ def check_lse_head() -> None:
             m.set_vocab(used)
             pt = ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7)
             assert pt.logits_NV is not None and (pt.lse_N is not None) == on
-            out = ttt.ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
-                                      cfg=ttt.TTTConfig(steps=4, align_topk=8), denominators=den, chunk_rows=6)
+            out = ttt.ttt_loss_packed(
+                m,
+                input_ids_N=ids,
+                seg=seg,
+                rows=rows,
+                aux_NAD=aux,
+                teacher=pt,
+                cfg=ttt.TTTConfig(steps=4, align_topk=8),
+                denominators=den,
+                chunk_rows=6,
+            )
             grads = torch.autograd.grad(out.loss, [p for p in m.parameters() if p.requires_grad])
             assert (len(calls) > 0) == on and all(t is pt.logits_NV and lse is pt.lse_N for t, lse in calls)
             packed = (out.loss.detach(), out.ce_sum, out.correct, *grads)
             calls.clear()
-            total, per_step, hits = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5,
-                                                            compute_dtype=torch.float32, align=(pos, f.shape[0], 8),
-                                                            teacher_rows=tr)
+            total, per_step, hits = ttt.head_soft_ce_ranges(
+                x,
+                W,
+                f,
+                wt,
+                wn,
+                top,
+                lengths,
+                chunk_rows=5,
+                compute_dtype=torch.float32,
+                align=(pos, f.shape[0], 8),
+                teacher_rows=tr,
+            )
             assert (len(calls) >= 2) == on and all(t.shape[0] <= 5 for t, _ in calls)  # the groups' logits
             for t, lse in calls:  # each group's log-sum-exp, one per row of its logits
                 torch.testing.assert_close(lse, torch.logsumexp(t.float(), -1), rtol=1e-6, atol=1e-6)
@@ -476,8 +529,9 @@ def _small_teacher(seed: int, dtype: torch.dtype = torch.float32):
     t2d[used] = True
 
     def teacher(**kw):
-        return ttt.packed_teacher(final, head, head[used], used, t2d, chunk_rows=7, unused=ttt.unused_head(head, t2d),
-                                  **kw)
+        return ttt.packed_teacher(
+            final, head, head[used], used, t2d, chunk_rows=7, unused=ttt.unused_head(head, t2d), **kw
+        )
 
     return teacher, final, head, used
 
@@ -509,18 +563,25 @@ def test_packed_teacher_keeps_the_teacher_lse_for_the_kernel(monkeypatch, dtype)
 def _with_lse(misuse: str | None):
     """A stand-in kernel taking `t_lse` (and `rank_topk`): right (None), ignoring it ("ignores"), or reading it at
     the chunk's row instead of the table's ("chunk row")."""
+
     def kernel(s, t, w, top, *, t_rows=None, t_lse=None, rank_topk=None):
         at = torch.arange(s.shape[0]) if t_rows is None else t_rows
         lse = None if t_lse is None or misuse == "ignores" else t_lse[torch.arange(s.shape[0]) if misuse else at]
         out = head_loss._chunk_ce(s, t[at], w, top, lse)
         return out if rank_topk is None else (*out, ttt.top_rank_below(s, top, rank_topk))
+
     return kernel
 
 
-@pytest.mark.parametrize("kernel, says", [(_with_lse(None), None),
-                                          (_with_lse("ignores"), "log-sum-exp moved by 0.5): loss differs"),
-                                          (_with_lse("chunk row"), "by index, log-sum-exp given): loss differs"),
-                                          (_ranks(0, lse=False), "log-sum-exp given) failed: TypeError")])
+@pytest.mark.parametrize(
+    "kernel, says",
+    [
+        (_with_lse(None), None),
+        (_with_lse("ignores"), "log-sum-exp moved by 0.5): loss differs"),
+        (_with_lse("chunk row"), "by index, log-sum-exp given): loss differs"),
+        (_ranks(0, lse=False), "log-sum-exp given) failed: TypeError"),
+    ],
+)
 def test_startup_check_tests_the_teacher_lse(monkeypatch, kernel, says):
     monkeypatch.setattr(CE, "fused_chunk_ce", kernel)
     monkeypatch.setattr(CE, "kernel_unavailable", lambda device: None)  # as if on a GPU with triton
@@ -557,8 +618,20 @@ def test_head_loss_hands_the_teacher_lse_to_the_fused_kernel_only(monkeypatch):
         kernels.forget()
         assert (ttt.chunk_ce_for(torch.device("cpu"), torch.float32, torch.float32) is kernel) == (want == "auto")
         calls.clear()
-        kept = ttt.head_soft_ce_ranges(x, W, None, None, wn, top, lengths, chunk_rows=5, teacher_logits=table,
-                                       teacher_rows=tr, teacher_lse=lse, align=(pos, f.shape[0], 8))
+        kept = ttt.head_soft_ce_ranges(
+            x,
+            W,
+            None,
+            None,
+            wn,
+            top,
+            lengths,
+            chunk_rows=5,
+            teacher_logits=table,
+            teacher_rows=tr,
+            teacher_lse=lse,
+            align=(pos, f.shape[0], 8),
+        )
         assert all(t is table and t_lse is lse for t, t_lse in calls) and len(calls) == (want == "auto") * chunks
         calls.clear()
         grouped = ttt.head_soft_ce_ranges(x, W, f, wt, wn, top, lengths, chunk_rows=5, teacher_rows=tr)
@@ -617,6 +690,7 @@ def check_row_stats() -> None:
 def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
     """`check_row_max_lse` refuses a kernel whose maximum, index of the maximum (e.g. the last of a tie) or
     log-sum-exp is off, or that fails; `teacher_stats_for` then keeps the torch reduction."""
+
     def bad(x, **kw):
         if wrong == "raises":
             raise RuntimeError("no such kernel")
@@ -633,8 +707,9 @@ def test_row_stats_check_catches_a_wrong_kernel(monkeypatch, wrong):
     monkeypatch.setattr(CE, "stats_unavailable", lambda device: None)
     cpu = torch.device("cpu")
     why = ttt.check_row_max_lse(cpu, torch.bfloat16, vocab=300)
-    assert why is not None and ({"max": "maximum differs", "index": "first index", "lse": "log-sum-exp",
-                                 "raises": "failed"}[wrong] in why), why
+    assert why is not None and (
+        {"max": "maximum differs", "index": "first index", "lse": "log-sum-exp", "raises": "failed"}[wrong] in why
+    ), why
     kernels.forget()
     assert ttt.teacher_stats_for(cpu, torch.bfloat16) is not bad
 

@@ -67,8 +67,25 @@ def test_train_values_reach_the_config(tmp_path, monkeypatch):
     _fake_run(monkeypatch, "eyas.train.loop", "run", seen)
     data = tmp_path / "prep"
     data.mkdir()
-    out = CliRunner().invoke(app, ["train", "--data", str(data), "--out", str(tmp_path / "o"), "--aux-layers", "1,3,4",
-                                   "--no-compile", "--steps", "5", "--lr", "2e-4", "--device", "cpu"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--data",
+            str(data),
+            "--out",
+            str(tmp_path / "o"),
+            "--aux-layers",
+            "1,3,4",
+            "--no-compile",
+            "--steps",
+            "5",
+            "--lr",
+            "2e-4",
+            "--device",
+            "cpu",
+        ],
+    )
     assert out.exit_code == 0, out.output
     (cfg,) = seen
     assert cfg.aux_layers == [1, 3, 4] and cfg.compile is False and cfg.steps == 5 and cfg.lr == 2e-4
@@ -76,11 +93,14 @@ def test_train_values_reach_the_config(tmp_path, monkeypatch):
     assert cfg.data == data and isinstance(cfg.out, Path)
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--aux-layers", "1,x"], "--aux-layers: expected comma-separated integers, got '1,x'"),
-    (["--ttt-decay", "-1"], "--ttt-decay must be > 0 and <= 1"),
-    (["--attention", "bogus"], "--attention must be one of fast, reference"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--aux-layers", "1,x"], "--aux-layers: expected comma-separated integers, got '1,x'"),
+        (["--ttt-decay", "-1"], "--ttt-decay must be > 0 and <= 1"),
+        (["--attention", "bogus"], "--attention must be one of fast, reference"),
+    ],
+)
 def test_bad_values_exit_2_naming_the_option_before_running(tmp_path, monkeypatch, args, message):
     seen: list = []
     _fake_run(monkeypatch, "eyas.train.loop", "run", seen)
@@ -93,16 +113,29 @@ def test_bad_values_exit_2_naming_the_option_before_running(tmp_path, monkeypatc
 def test_regenerate_repeated_server_url_and_eval_value_error(tmp_path, monkeypatch):
     seen: list = []
     _fake_run(monkeypatch, "eyas.regen.run", "regenerate", seen)
-    out = CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r"), "--server-url", "http://127.0.0.1:1/",
-                                   "--server-url", "http://127.0.0.1:2", "--max-retries", "0"])
+    out = CliRunner().invoke(
+        app,
+        [
+            "regenerate",
+            "--out",
+            str(tmp_path / "r"),
+            "--server-url",
+            "http://127.0.0.1:1/",
+            "--server-url",
+            "http://127.0.0.1:2",
+            "--max-retries",
+            "0",
+        ],
+    )
     assert out.exit_code == 0, out.output
     assert seen[0].server_urls == ["http://127.0.0.1:1", "http://127.0.0.1:2"] and seen[0].engine == "server"
     assert seen[0].max_retries == 0
     bad = CliRunner().invoke(app, ["regenerate", "--out", str(tmp_path / "r2"), "--top-p", "0"])
     assert bad.exit_code == 2 and "--top-p must be > 0 and <= 1, got 0" in bad.output
     # EvalConfig raises ValueError: still exit 2 with the option named
-    ev = CliRunner().invoke(app, ["eval", "--drafter", str(tmp_path), "--out", str(tmp_path / "e"), "--chain-k", "0",
-                                  "--tree-depth", "0"])
+    ev = CliRunner().invoke(
+        app, ["eval", "--drafter", str(tmp_path), "--out", str(tmp_path / "e"), "--chain-k", "0", "--tree-depth", "0"]
+    )
     assert ev.exit_code == 2 and "--chain-k 0 and --tree-depth 0" in ev.output, ev.output
 
 
@@ -144,14 +177,16 @@ def _invoke(tmp_path, monkeypatch, command: str, flag: str, value: str):
     seen: list = []
     d = tmp_path / "dir"
     d.mkdir(exist_ok=True)
-    args = {"capture": ["--data", str(d), "--out", str(tmp_path / "s")],
-            "prepare": ["--out", str(tmp_path / "p")],
-            "regenerate": ["--out", str(tmp_path / "r")],
-            "eval": ["--drafter", str(d), "--out", str(tmp_path / "e")],
-            "generate": ["--drafter", str(d), "--out", str(tmp_path / "g")],
-            "train": ["--data", str(d), "--out", str(tmp_path / "t")],
-            "export": ["--drafter", str(d), "--format", "sglang", "--out", str(tmp_path / "x")],
-            "verify-server": ["--url", "http://127.0.0.1:9"]}[command]
+    args = {
+        "capture": ["--data", str(d), "--out", str(tmp_path / "s")],
+        "prepare": ["--out", str(tmp_path / "p")],
+        "regenerate": ["--out", str(tmp_path / "r")],
+        "eval": ["--drafter", str(d), "--out", str(tmp_path / "e")],
+        "generate": ["--drafter", str(d), "--out", str(tmp_path / "g")],
+        "train": ["--data", str(d), "--out", str(tmp_path / "t")],
+        "export": ["--drafter", str(d), "--format", "sglang", "--out", str(tmp_path / "x")],
+        "verify-server": ["--url", "http://127.0.0.1:9"],
+    }[command]
     if command == "capture":
         _fake_run(monkeypatch, "eyas.capture.run", "run_capture", seen)
     elif command == "prepare":
@@ -161,15 +196,24 @@ def _invoke(tmp_path, monkeypatch, command: str, flag: str, value: str):
     elif command == "train":
         _fake_run(monkeypatch, "eyas.train.loop", "run", seen)
     elif command == "eval":
-        monkeypatch.setattr(importlib.import_module("eyas.specdec.run"), "evaluate_to",
-                            lambda out, cfg, **k: seen.append(cfg) or {"ok": 1})
+        monkeypatch.setattr(
+            importlib.import_module("eyas.specdec.run"),
+            "evaluate_to",
+            lambda out, cfg, **k: seen.append(cfg) or {"ok": 1},
+        )
     elif command == "generate":
-        monkeypatch.setattr(importlib.import_module("eyas.specdec.generate_run"), "generate_to",
-                            lambda cfg, **k: seen.append(cfg) or {"ok": 1})
+        monkeypatch.setattr(
+            importlib.import_module("eyas.specdec.generate_run"),
+            "generate_to",
+            lambda cfg, **k: seen.append(cfg) or {"ok": 1},
+        )
     elif command == "export":  # the dtype reaches export_drafter
         monkeypatch.setattr(importlib.import_module("eyas.common"), "check_safetensors_dir", lambda *a, **k: None)
-        monkeypatch.setattr(importlib.import_module("eyas.export.formats"), "export_drafter",
-                            lambda drafter, fmt, out, **k: seen.append(k) or {"ok": 1})
+        monkeypatch.setattr(
+            importlib.import_module("eyas.export.formats"),
+            "export_drafter",
+            lambda drafter, fmt, out, **k: seen.append(k) or {"ok": 1},
+        )
     result = CliRunner().invoke(app, [command, *args, flag, value])
     return result, seen
 
@@ -182,19 +226,22 @@ def test_one_name_per_meaning_reaches_the_config(tmp_path, monkeypatch, command,
     assert str(got) == value, (flag, got)
 
 
-@pytest.mark.parametrize("command,old,value", [
-    ("capture", "--dtype", "fp8"),
-    ("capture", "--layers", "1,3"),
-    ("prepare", "--aux-layers", "4"),  # prepare's --aux-layer-count (--aux-layers is layer ids everywhere)
-    ("regenerate", "--dtype", "bfloat16"),
-    ("regenerate", "--retries", "7"),
-    ("regenerate", "--max-len", "300"),
-    ("eval", "--dtype", "float16"),
-    ("generate", "--dtype", "float16"),
-    ("train", "--precision", "fp32"),
-    ("export", "--dtype", "float16"),
-    ("verify-server", "--layers", "2,4"),
-])
+@pytest.mark.parametrize(
+    "command,old,value",
+    [
+        ("capture", "--dtype", "fp8"),
+        ("capture", "--layers", "1,3"),
+        ("prepare", "--aux-layers", "4"),  # prepare's --aux-layer-count (--aux-layers is layer ids everywhere)
+        ("regenerate", "--dtype", "bfloat16"),
+        ("regenerate", "--retries", "7"),
+        ("regenerate", "--max-len", "300"),
+        ("eval", "--dtype", "float16"),
+        ("generate", "--dtype", "float16"),
+        ("train", "--precision", "fp32"),
+        ("export", "--dtype", "float16"),
+        ("verify-server", "--layers", "2,4"),
+    ],
+)
 def test_old_spellings_are_usage_errors(tmp_path, monkeypatch, command, old, value):
     """The old spellings are gone (eyas 0.1.0 keeps no aliases): click's "No such option", exit 2, nothing run."""
     result, seen = _invoke(tmp_path, monkeypatch, command, old, value)
@@ -207,15 +254,31 @@ def test_dtype_options_refuse_a_bad_value_naming_the_option(tmp_path, monkeypatc
     assert result.exit_code == 2 and flag in result.output and not seen, result.output
 
 
-@pytest.mark.parametrize("stage,old", [("regenerate", "dtype"), ("regenerate", "retries"), ("regenerate", "max_len"),
-                                       ("train", "precision"), ("eval", "dtype"), ("export", "dtype")])
+@pytest.mark.parametrize(
+    "stage,old",
+    [
+        ("regenerate", "dtype"),
+        ("regenerate", "retries"),
+        ("regenerate", "max_len"),
+        ("train", "precision"),
+        ("eval", "dtype"),
+        ("export", "dtype"),
+    ],
+)
 def test_old_keys_in_pipeline_files_are_unknown_keys(tmp_path, stage, old):
     """A pipeline file's old keys get the usual unknown-key error; fingerprints use the field names."""
     from eyas.errors import EyasError
     from eyas.pipeline import check_config
 
-    raw = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {}, "prepare": {}, "train": {}, "eval": {},
-           "export": {}}
+    raw = {
+        "workdir": str(tmp_path / "w"),
+        "device": "cpu",
+        "regenerate": {},
+        "prepare": {},
+        "train": {},
+        "eval": {},
+        "export": {},
+    }
     raw[stage] = {old: "x"}
     with pytest.raises(EyasError, match=rf"^p\.toml: \[{stage}\] unknown key `{old}`;"):
         check_config(raw, where="p.toml")
@@ -228,17 +291,25 @@ def test_fingerprints_use_the_field_names(tmp_path):
     from eyas.pipeline import _jsonable, check_config, fingerprint
     from eyas.regen.run import RegenConfig
 
-    new = {"workdir": str(tmp_path / "w"), "device": "cpu", "regenerate": {"model_dtype": "float32", "max_retries": 1},
-           "prepare": {}, "train": {"model_dtype": "fp32"}, "eval": {"model_dtype": "float32"},
-           "export": {"weights_dtype": "bfloat16"}}
+    new = {
+        "workdir": str(tmp_path / "w"),
+        "device": "cpu",
+        "regenerate": {"model_dtype": "float32", "max_retries": 1},
+        "prepare": {},
+        "train": {"model_dtype": "fp32"},
+        "eval": {"model_dtype": "float32"},
+        "export": {"weights_dtype": "bfloat16"},
+    }
     stages = check_config(new, where="p.toml")["stages"]
     assert (stages["regenerate"].model_dtype, stages["regenerate"].max_retries) == ("float32", 1)
     assert stages["train"].model_dtype == "fp32" and stages["export"].weights_dtype == "bfloat16"
     cfg = RegenConfig(out=tmp_path / "r", model_dtype="float32")
-    opts = {k: v for k, v in dataclasses.asdict(cfg).items()
-            if k not in ("concurrency", "max_retries", "request_timeout")}
-    want = hashlib.sha256(json.dumps({"stage": "regenerate", "options": _jsonable(opts), "input": None},
-                                     sort_keys=True).encode()).hexdigest()
+    opts = {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("concurrency", "max_retries", "request_timeout")
+    }
+    want = hashlib.sha256(
+        json.dumps({"stage": "regenerate", "options": _jsonable(opts), "input": None}, sort_keys=True).encode()
+    ).hexdigest()
     assert fingerprint("regenerate", cfg, None) == want
 
 
@@ -250,7 +321,8 @@ def test_field_metadata_other_than_flag_and_parse_is_refused(tmp_path, monkeypat
 
     (tmp_path / "eyas_meta_probe.py").write_text(
         "from dataclasses import dataclass, field\n\n@dataclass(kw_only=True)\nclass C:\n"
-        "    x: int = field(default=1, metadata={'aliases': ['--y']})\n    \"\"\"X.\"\"\"\n")
+        '    x: int = field(default=1, metadata={\'aliases\': [\'--y\']})\n    """X."""\n'
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delitem(sys.modules, "eyas_meta_probe", raising=False)
     with pytest.raises(TypeError, match=r"eyas_meta_probe:C.x: field metadata \['aliases'\] not understood"):

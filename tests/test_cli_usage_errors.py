@@ -19,12 +19,15 @@ def _main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
     return exit_.value.code, out, err
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("train", "--steps", "abc", "--out", "x"), "eyas train: Invalid value for '--steps'"),
-    (("prepare", "--bogus", "1"), "eyas prepare: No such option: --bogus"),
-    (("frobnicate",), "eyas: No such command 'frobnicate'"),
-    (("train", "--store", "x"), "eyas train: Missing option '--out'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("train", "--steps", "abc", "--out", "x"), "eyas train: Invalid value for '--steps'"),
+        (("prepare", "--bogus", "1"), "eyas prepare: No such option: --bogus"),
+        (("frobnicate",), "eyas: No such command 'frobnicate'"),
+        (("train", "--store", "x"), "eyas train: Missing option '--out'"),
+    ],
+)
 def test_usage_errors_are_one_line_exit_2(monkeypatch, capsys, args, needle):
     code, out, err = _main(monkeypatch, capsys, *args)
     assert code == 2 and out == "", (code, out)
@@ -47,11 +50,13 @@ def test_a_ctrl_c_at_shutdown_is_no_traceback(tmp_path):
     KeyboardInterrupt traceback."""
     import subprocess
 
-    script = ("import atexit, os, signal, sys, time\n"
-              "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))  # runs last, as torch's\n"
-              "sys.argv = ['eyas', 'verify', '--help']\n"
-              "from eyas.cli import main\n"
-              "main()\n")
+    script = (
+        "import atexit, os, signal, sys, time\n"
+        "atexit.register(lambda: (os.kill(os.getpid(), signal.SIGINT), time.sleep(2)))  # runs last, as torch's\n"
+        "sys.argv = ['eyas', 'verify', '--help']\n"
+        "from eyas.cli import main\n"
+        "main()\n"
+    )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and "--store" in r.stdout, r.stderr
     assert "Traceback" not in r.stderr and "KeyboardInterrupt" not in r.stderr, r.stderr

@@ -15,8 +15,11 @@ def test_check_out_dir_refuses_what_is_not_ours_before_saying_it_exists(tmp_path
     ours.mkdir()
     write_marker(ours, kind="export")
     (ours / "config.json").write_text("{}")
-    with pytest.raises(EyasError, match=r"^--out .*ours already exists: pass --overwrite to replace it, or choose "
-                                        r"another --out$"):
+    with pytest.raises(
+        EyasError,
+        match=r"^--out .*ours already exists: pass --overwrite to replace it, or choose "
+        r"another --out$",
+    ):
         check_out_dir(ours, kind="export", overwrite=False)
     check_out_dir(ours, kind="export", overwrite=True)
     with pytest.raises(EyasError, match=r"^--overwrite: .*ours is an eyas `export` output, not a `prepare` output"):
@@ -87,8 +90,16 @@ def test_outputs_get_the_mode_the_umask_gives(tmp_path, tiny_target_dir, umask):
         lin = torch.nn.Linear(2, 2)
         opt = torch.optim.AdamW(lin.parameters())
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-        ckpt = save_checkpoint(tmp_path / "ck" / "step-000001.safetensors", model=lin, optimizer=opt, scheduler=sched,
-                               step=1, identity={}, extra={}, is_main=True)
+        ckpt = save_checkpoint(
+            tmp_path / "ck" / "step-000001.safetensors",
+            model=lin,
+            optimizer=opt,
+            scheduler=sched,
+            step=1,
+            identity={},
+            extra={},
+            is_main=True,
+        )
         export = Path(export_drafter(tmp_path / "drafter", "sglang", tmp_path / "export")["out"])
         with atomic_directory(tmp_path / "eval", kind="eval") as tmp:
             atomic_write_json(tmp / "report.json", {"ok": True})

@@ -21,7 +21,10 @@ def write_jsonl(path, rows):
 def conv(i, answer="hello there", n_turns=1):
     msgs = []
     for k in range(n_turns):
-        msgs += [{"role": "user", "content": f"question {i}.{k}"}, {"role": "assistant", "content": f"{answer} {i}.{k}"}]
+        msgs += [
+            {"role": "user", "content": f"question {i}.{k}"},
+            {"role": "assistant", "content": f"{answer} {i}.{k}"},
+        ]
     return {"id": f"c{i}", "messages": msgs}
 
 
@@ -54,9 +57,20 @@ def test_prepare_writes_dataset_with_masks_and_counts(tmp_path, tiny_target_dir)
 def test_length_policies(tmp_path, tiny_target_dir):
     rows = [conv(0, answer="word " * 200), conv(1)]
     src = write_jsonl(tmp_path / "c.jsonl", rows)
-    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "d", max_length=64, length_policy="drop", eval_fraction=0))
+    s = prepare(
+        PrepareConfig(
+            source=str(src),
+            target=str(tiny_target_dir),
+            out=tmp_path / "d",
+            max_length=64,
+            length_policy="drop",
+            eval_fraction=0,
+        )
+    )
     assert s["samples_kept"] == 1 and s["skipped"] == {"too_long": 1}
-    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "t", max_length=64, eval_fraction=0))
+    s = prepare(
+        PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "t", max_length=64, eval_fraction=0)
+    )
     assert s["samples_kept"] == 2 and s["samples_truncated_to_max_length"] == 1
     assert int(PreparedDataset(tmp_path / "t").split("train").lengths.max()) == 64
 
@@ -65,7 +79,11 @@ def test_truncated_answer_drop_policy(tmp_path, tiny_target_dir):
     row = conv(0)
     row["messages"][1]["truncated"] = True
     src = write_jsonl(tmp_path / "c.jsonl", [row, conv(1)])
-    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "p", truncated_answers="drop", eval_fraction=0))
+    s = prepare(
+        PrepareConfig(
+            source=str(src), target=str(tiny_target_dir), out=tmp_path / "p", truncated_answers="drop", eval_fraction=0
+        )
+    )
     assert s["skipped"] == {"truncated_answer": 1}
 
 
@@ -120,17 +138,57 @@ def test_existing_output_is_not_overwritten_and_failed_run_leaves_nothing(tmp_pa
 
 def test_cli_prints_json_summary_last_and_errors_cleanly(tmp_path, tiny_target_dir):
     src = write_jsonl(tmp_path / "c.jsonl", [conv(i) for i in range(3)])
-    r = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--source", str(src), "--target", str(tiny_target_dir),
-                        "--out", str(tmp_path / "p")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eyas",
+            "prepare",
+            "--source",
+            str(src),
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(tmp_path / "p"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 0, r.stderr
     summary = json.loads(r.stdout.strip().splitlines()[-1])
     assert summary["samples_kept"] == 3
-    r = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--source", str(tmp_path / "missing.jsonl"),
-                        "--target", str(tiny_target_dir), "--out", str(tmp_path / "q")], capture_output=True, text=True)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eyas",
+            "prepare",
+            "--source",
+            str(tmp_path / "missing.jsonl"),
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(tmp_path / "q"),
+        ],
+        capture_output=True,
+        text=True,
+    )
     assert r.returncode == 2 and "missing.jsonl" in r.stderr and "does not exist" in r.stderr
     h = subprocess.run([sys.executable, "-m", "eyas", "prepare", "--help"], capture_output=True, text=True)
-    for opt in ("--out", "--source", "--target", "--max-length", "--length-policy", "--eval-fraction", "--seed",
-                "--limit", "--truncated-answers", "--hf-split", "--aux-layer-count", "--overwrite"):
+    for opt in (
+        "--out",
+        "--source",
+        "--target",
+        "--max-length",
+        "--length-policy",
+        "--eval-fraction",
+        "--seed",
+        "--limit",
+        "--truncated-answers",
+        "--hf-split",
+        "--aux-layer-count",
+        "--overwrite",
+    ):
         assert opt in h.stdout
 
 
@@ -143,7 +201,9 @@ def test_repeated_ids_and_the_limit(tmp_path, tiny_target_dir, capfd):
     s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "p", eval_fraction=0))
     ids = PreparedDataset(tmp_path / "p").split("train").ids
     assert ids[:3] == ["a", "a#1", "a#1#1"] and len(set(ids)) == 10
-    s = prepare(PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "l", eval_fraction=0, limit=5))
+    s = prepare(
+        PrepareConfig(source=str(src), target=str(tiny_target_dir), out=tmp_path / "l", eval_fraction=0, limit=5)
+    )
     assert s["source_records"] == 5 and s["samples_kept"] == 5
     assert "kept 5 of 5 records" in capfd.readouterr().err
 
@@ -152,8 +212,11 @@ def test_write_prepared_names_repeated_ids(tmp_path):
     from eyas.data.prepared import write_prepared
 
     with pytest.raises(EyasError, match=r"^2 sample id\(s\) appear more than once \(split eval; first: a, b\)"):
-        write_prepared(tmp_path / "p", {"train": [("a", [1, 2], [0, 1])],
-                                        "eval": [("a", [1], [1]), ("b", [1], [1]), ("b", [2], [1])]}, {})
+        write_prepared(
+            tmp_path / "p",
+            {"train": [("a", [1, 2], [0, 1])], "eval": [("a", [1], [1]), ("b", [1], [1]), ("b", [2], [1])]},
+            {},
+        )
     assert not (tmp_path / "p").exists()
 
 
@@ -187,12 +250,17 @@ def test_a_prepared_split_changed_after_prepare_is_refused(tmp_path, tiny_target
     b = write_prepared(tmp_path / "b", {"train": [("x", [1, 2, 9], [0, 1, 1])], "eval": [("y", [4, 5], [0, 1])]}, {})
     PreparedDataset(a).split("train")
     shutil.copy(b / "train.safetensors", a / "train.safetensors")
-    with pytest.raises(EyasError, match=r"split `train` \(train.safetensors, train.ids.json\) does not match its "
-                                        r"fingerprint in meta.json .*run `eyas prepare` again"):
+    with pytest.raises(
+        EyasError,
+        match=r"split `train` \(train.safetensors, train.ids.json\) does not match its "
+        r"fingerprint in meta.json .*run `eyas prepare` again",
+    ):
         PreparedDataset(a).split("train")
     for name in ("train", "eval"):
         for ext in (".safetensors", ".ids.json"):
-            shutil.copy(tmp_path / "b" / f"{'eval' if name == 'train' else 'train'}{ext}", tmp_path / "b" / f"x{name}{ext}")
+            shutil.copy(
+                tmp_path / "b" / f"{'eval' if name == 'train' else 'train'}{ext}", tmp_path / "b" / f"x{name}{ext}"
+            )
     for name in ("train", "eval"):
         for ext in (".safetensors", ".ids.json"):
             (tmp_path / "b" / f"x{name}{ext}").replace(tmp_path / "b" / f"{name}{ext}")

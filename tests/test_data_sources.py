@@ -37,7 +37,10 @@ def test_embedded_sharegpt_is_recovered_whole():
 
 
 def test_truncated_file_recovery_counts_whole_records(tmp_path):
-    recs = [{"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": f"a{i}"}]} for i in range(5)]
+    recs = [
+        {"id": str(i), "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": f"a{i}"}]}
+        for i in range(5)
+    ]
     text = json.dumps(recs, indent=1)
     cut = text[: text.index('"a4"') + 2]  # cut inside the last record
     p = tmp_path / "cut.json"
@@ -90,7 +93,9 @@ def test_openai_jsonl_and_hf_dataset(tmp_path):
     datasets.Dataset.from_list([{"messages": rows[0]["messages"]}] * 3).save_to_disk(str(tmp_path / "hf"))
     items = list(iter_conversations(tmp_path / "hf"))
     assert len(items) == 3 and items[0].messages[1]["content"] == "hello"
-    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"messages": rows[0]["messages"]}])}).save_to_disk(str(tmp_path / "hfd"))
+    datasets.DatasetDict({"test": datasets.Dataset.from_list([{"messages": rows[0]["messages"]}])}).save_to_disk(
+        str(tmp_path / "hfd")
+    )
     with pytest.raises(EyasError, match="--hf-split"):
         list(iter_conversations(tmp_path / "hfd"))
     assert len(list(iter_conversations(tmp_path / "hfd", hf_split="test"))) == 1
@@ -101,8 +106,12 @@ def test_hf_split_is_refused_where_it_would_be_ignored(tmp_path):
     import datasets
 
     p = tmp_path / "chats.jsonl"
-    p.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n")
-    with pytest.raises(EyasError, match=r"^--hf-split validation: --source .*chats\.jsonl is a file, not a DatasetDict"):
+    p.write_text(
+        json.dumps({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]}) + "\n"
+    )
+    with pytest.raises(
+        EyasError, match=r"^--hf-split validation: --source .*chats\.jsonl is a file, not a DatasetDict"
+    ):
         list(iter_conversations(p, hf_split="validation"))
     with pytest.raises(EyasError, match=r"^--hf-split train: --source sharegpt is the embedded ShareGPT file"):
         list(iter_conversations("sharegpt", hf_split="train"))
@@ -119,8 +128,14 @@ def test_hf_split_is_refused_where_it_would_be_ignored(tmp_path):
 @pytest.mark.parametrize(
     "raw,expected",
     [
-        ("human", "user"), ("user", "user"), ("gpt", "assistant"), ("chatgpt", "assistant"),
-        ("bing", "assistant"), ("bard", "assistant"), ("GPT", "assistant"), ("model", "assistant"),
+        ("human", "user"),
+        ("user", "user"),
+        ("gpt", "assistant"),
+        ("chatgpt", "assistant"),
+        ("bing", "assistant"),
+        ("bard", "assistant"),
+        ("GPT", "assistant"),
+        ("model", "assistant"),
     ],
 )
 def test_roles_are_normalised(raw, expected):
@@ -132,9 +147,17 @@ def test_roles_are_normalised(raw, expected):
 
 
 def test_system_turn_kept_and_leading_assistant_dropped():
-    c = normalise({"conversations": [
-        {"from": "system", "value": "s"}, {"from": "gpt", "value": "hello first"},
-        {"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}, "id")
+    c = normalise(
+        {
+            "conversations": [
+                {"from": "system", "value": "s"},
+                {"from": "gpt", "value": "hello first"},
+                {"from": "human", "value": "q"},
+                {"from": "gpt", "value": "a"},
+            ]
+        },
+        "id",
+    )
     assert [m["role"] for m in c.messages] == ["system", "user", "assistant"]
 
 
@@ -145,7 +168,10 @@ def test_system_turn_kept_and_leading_assistant_dropped():
         ([{"from": "human", "value": "q"}], NO_ASSISTANT),
         ([{"from": "human", "value": "q"}, {"from": "robot", "value": "a"}], UNKNOWN_ROLE),
         ([{"from": "human", "value": "q"}, {"from": "gpt", "value": {"image": 1}}], NON_TEXT),
-        ([{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a"}], NOT_ALTERNATING),
+        (
+            [{"from": "human", "value": "q"}, {"from": "human", "value": "q2"}, {"from": "gpt", "value": "a"}],
+            NOT_ALTERNATING,
+        ),
     ],
 )
 def test_skip_reasons(turns, reason):

@@ -24,7 +24,9 @@ GEMMA_TEMPLATE = (
 @pytest.fixture(scope="module")
 def llama3_tokenizer(smol_tokenizer):
     tok = copy.deepcopy(smol_tokenizer)
-    tok.add_special_tokens({"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.add_special_tokens(
+        {"additional_special_tokens": ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
+    )
     tok.chat_template = LLAMA3_TEMPLATE
     return tok
 
@@ -91,7 +93,11 @@ def test_truncated_answer_policies(smol_tokenizer):
     assert not any(mask.loss_mask)
 
 
-words = st.text(alphabet=st.sampled_from(list("abcdefghij XYZ0123,.!?\n")), min_size=1, max_size=40).map(str.strip).filter(bool)
+words = (
+    st.text(alphabet=st.sampled_from(list("abcdefghij XYZ0123,.!?\n")), min_size=1, max_size=40)
+    .map(str.strip)
+    .filter(bool)
+)
 
 
 @st.composite
@@ -111,7 +117,9 @@ def conversations(draw):
 def test_property_masked_tokens_are_exactly_assistant_turns(smol_tokenizer, llama3_tokenizer, conv):
     for tok, eot, strip in ((smol_tokenizer, "<|im_end|>", False), (llama3_tokenizer, "<|eot_id|>", True)):
         r = render(tok, conv)
-        expected = "".join((m["content"].strip() if strip else m["content"]) + eot for m in conv if m["role"] == "assistant")
+        expected = "".join(
+            (m["content"].strip() if strip else m["content"]) + eot for m in conv if m["role"] == "assistant"
+        )
         assert masked_text(tok, r) == expected
         # the rendered ids are the template's own tokenisation
         assert r.input_ids == tok.apply_chat_template(conv, tokenize=True, return_dict=True)["input_ids"]
@@ -125,8 +133,12 @@ def test_content_holding_special_token_text_is_located(smol_tokenizer):
 
 def test_long_text_prefix_tokenisation_matches_full(smol_tokenizer):
     long = " ".join(f"word{i}" for i in range(3000))
-    conv = [{"role": "user", "content": "go"}, {"role": "assistant", "content": long},
-            {"role": "user", "content": "more"}, {"role": "assistant", "content": "ok"}]
+    conv = [
+        {"role": "user", "content": "go"},
+        {"role": "assistant", "content": long},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "ok"},
+    ]
     full = render(smol_tokenizer, conv)
     cut = render(smol_tokenizer, conv, max_tokens=256)
     assert len(full.input_ids) > len(cut.input_ids) > 256

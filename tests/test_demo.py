@@ -10,8 +10,23 @@ from eyas.cli import app
 
 
 def test_demo_runs_the_whole_pipeline_and_resumes(tmp_path):
-    args = ["demo", "--out", str(tmp_path / "demo"), "--chats", "24", "--max-length", "160", "--train-steps", "4",
-            "--draft-vocab", "1024", "--eval-questions", "1", "--max-new-tokens", "12"]
+    args = [
+        "demo",
+        "--out",
+        str(tmp_path / "demo"),
+        "--chats",
+        "24",
+        "--max-length",
+        "160",
+        "--train-steps",
+        "4",
+        "--draft-vocab",
+        "1024",
+        "--eval-questions",
+        "1",
+        "--max-new-tokens",
+        "12",
+    ]
     res = CliRunner().invoke(app, args)
     assert res.exit_code == 0, res.output
     s = json.loads(res.stdout.strip().splitlines()[-1])
@@ -49,8 +64,13 @@ def test_the_demo_ends_with_what_to_do_next():
 
     from eyas.demo import next_steps
 
-    s = {"out": "runs/demo", "eval": {"tau_tree": 1.3, "tau_chain": 1.1}, "drafter": "runs/demo/train/drafter",
-         "export": {"sglang": "runs/demo/export/sglang", "vllm": "runs/demo/export/vllm"}, "data": {"train_samples": 154}}
+    s = {
+        "out": "runs/demo",
+        "eval": {"tau_tree": 1.3, "tau_chain": 1.1},
+        "drafter": "runs/demo/train/drafter",
+        "export": {"sglang": "runs/demo/export/sglang", "vllm": "runs/demo/export/vllm"},
+        "data": {"train_samples": 154},
+    }
     text = "\n".join(next_steps(s, target=Path("/cache/smollm2")))
     assert "Drafter: runs/demo/train/drafter" in text and "tree 1.3, chain 1.1" in text and "154 chats" in text
     assert "eyas eval --drafter runs/demo/train/drafter --limit" in text

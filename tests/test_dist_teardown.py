@@ -15,7 +15,7 @@ import subprocess
 import sys
 import textwrap
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import os, sys, time, weakref
     import torch.distributed as tdist
     from eyas.train import dist as dd
@@ -47,10 +47,15 @@ SCRIPT = textwrap.dedent('''
         time.sleep(0.01)
     assert not gloo_threads(), gloo_threads()
     print("freed")
-''')
+""")
 
 
 def test_teardown_frees_the_group_and_joins_its_threads(tmp_path):
-    res = subprocess.run([sys.executable, "-c", SCRIPT, str(tmp_path / "rendezvous")], capture_output=True, text=True,
-                         timeout=120, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)})
+    res = subprocess.run(
+        [sys.executable, "-c", SCRIPT, str(tmp_path / "rendezvous")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin", "PYTHONPATH": ":".join(sys.path)},
+    )
     assert res.returncode == 0 and res.stdout.strip() == "freed", res.stderr[-3000:]

@@ -19,12 +19,21 @@ def _weights(with_embed=True):
     g = torch.Generator().manual_seed(0)
     r = lambda *s: torch.randn(*s, generator=g) * 0.1  # noqa: E731
     w = {
-        "fc.weight": r(H, 3 * H), "midlayer.input_layernorm.weight": torch.ones(H), "midlayer.hidden_norm.weight": torch.ones(H),
-        "midlayer.self_attn.q_proj.weight": r(4 * 8, 2 * H), "midlayer.self_attn.k_proj.weight": r(2 * 8, 2 * H),
-        "midlayer.self_attn.v_proj.weight": r(2 * 8, 2 * H), "midlayer.self_attn.o_proj.weight": r(H, 4 * 8),
-        "midlayer.post_attention_layernorm.weight": torch.ones(H), "midlayer.mlp.gate_proj.weight": r(64, H),
-        "midlayer.mlp.up_proj.weight": r(64, H), "midlayer.mlp.down_proj.weight": r(H, 64), "norm.weight": torch.ones(H),
-        "lm_head.weight": r(VD, H), "d2t": torch.arange(VD) * 3, "t2d": torch.zeros(V, dtype=torch.bool),
+        "fc.weight": r(H, 3 * H),
+        "midlayer.input_layernorm.weight": torch.ones(H),
+        "midlayer.hidden_norm.weight": torch.ones(H),
+        "midlayer.self_attn.q_proj.weight": r(4 * 8, 2 * H),
+        "midlayer.self_attn.k_proj.weight": r(2 * 8, 2 * H),
+        "midlayer.self_attn.v_proj.weight": r(2 * 8, 2 * H),
+        "midlayer.self_attn.o_proj.weight": r(H, 4 * 8),
+        "midlayer.post_attention_layernorm.weight": torch.ones(H),
+        "midlayer.mlp.gate_proj.weight": r(64, H),
+        "midlayer.mlp.up_proj.weight": r(64, H),
+        "midlayer.mlp.down_proj.weight": r(H, 64),
+        "norm.weight": torch.ones(H),
+        "lm_head.weight": r(VD, H),
+        "d2t": torch.arange(VD) * 3,
+        "t2d": torch.zeros(V, dtype=torch.bool),
     }
     w["t2d"][torch.arange(VD) * 4] = True
     if with_embed:
@@ -33,9 +42,21 @@ def _weights(with_embed=True):
 
 
 def _sglang_config(**extra):
-    return {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": H, "num_attention_heads": 4,
-            "num_key_value_heads": 2, "head_dim": 8, "intermediate_size": 64, "num_hidden_layers": 1, "vocab_size": V,
-            "draft_vocab_size": VD, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, **extra}
+    return {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "vocab_size": V,
+        "draft_vocab_size": VD,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        **extra,
+    }
 
 
 def _write(d, config, weights, *, bin=False):
@@ -51,7 +72,12 @@ def _write(d, config, weights, *, bin=False):
 
 
 def test_sglang_ids_are_shifted_and_bin_weights_read(tmp_path):
-    d = _write(tmp_path / "s", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}), _weights(), bin=True)
+    d = _write(
+        tmp_path / "s",
+        _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}),
+        _weights(),
+        bin=True,
+    )
     ck = load_draft_checkpoint(d)
     assert ck.config.aux_layer_ids == [2, 15, 27] and ck.provenance.layer_ids == [1, 14, 26]
     assert ck.provenance.format == "sglang" and ck.config.norm_before_residual is False
@@ -68,21 +94,32 @@ def test_inconsistent_vocab_maps_and_shapes_are_refused(tmp_path):
     w = _weights()
     w["t2d"] = torch.ones(V, dtype=torch.bool)
     with pytest.raises(EyasError, match="t2d disagrees with d2t"):
-        load_draft_checkpoint(_write(tmp_path / "a", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), w))
+        load_draft_checkpoint(
+            _write(tmp_path / "a", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), w)
+        )
     w = _weights()
     w["midlayer.mlp.up_proj.weight"] = torch.zeros(65, H)
     with pytest.raises(EyasError, match="up_proj.weight has shape"):
-        load_draft_checkpoint(_write(tmp_path / "b", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), w))
+        load_draft_checkpoint(
+            _write(tmp_path / "b", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), w)
+        )
     del w["norm.weight"]
     with pytest.raises(EyasError, match="missing weights"):
-        load_draft_checkpoint(_write(tmp_path / "c", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), w))
+        load_draft_checkpoint(
+            _write(tmp_path / "c", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}), w)
+        )
 
 
 def test_speculators_layout_and_norm_before_residual_default(tmp_path):
     layer = {k: v for k, v in _sglang_config().items() if k not in ("architectures", "draft_vocab_size")}
     w = {k.replace("midlayer.", "layers.0."): v for k, v in _weights().items()}
-    base = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"], "transformer_layer_config": layer,
-            "draft_vocab_size": VD, "eagle_aux_hidden_state_layer_ids": [2, 5, 9]}
+    base = {
+        "speculators_model_type": "eagle3",
+        "architectures": ["Eagle3Speculator"],
+        "transformer_layer_config": layer,
+        "draft_vocab_size": VD,
+        "eagle_aux_hidden_state_layer_ids": [2, 5, 9],
+    }
     ck = load_draft_checkpoint(_write(tmp_path / "a", base, w))
     assert ck.config.aux_layer_ids == [2, 5, 9] and ck.config.norm_before_residual is True  # vLLM's default when absent
     ck2 = load_draft_checkpoint(_write(tmp_path / "b", {**base, "norm_before_residual": False}, w))
@@ -103,8 +140,17 @@ def test_llama3_rope_old_and_new_keys_read_the_same():
     old = rope_parameters_of({"rope_theta": 5e5, "rope_scaling": {"type": "llama3", **rp}})
     new = rope_parameters_of({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **rp}})
     assert old == new == {"rope_type": "llama3", "rope_theta": 5e5, **rp}
-    dims = dict(hidden_size=H, num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64,
-                vocab_size=V, draft_vocab_size=VD, target_hidden_size=H, aux_layer_ids=[1, 2, 3])
+    dims = dict(
+        hidden_size=H,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=V,
+        draft_vocab_size=VD,
+        target_hidden_size=H,
+        aux_layer_ids=[1, 2, 3],
+    )
     cfg = DrafterConfig(**dims, rope_parameters=old)
     legacy = DrafterConfig(**dims, rope_theta=5e5, rope_parameters={"rope_type": "llama3", **rp})  # pre-merge form
     assert cfg == legacy
@@ -150,8 +196,11 @@ def test_an_eyas_drafter_config_is_read_once(tmp_path, monkeypatch):
     from eyas.drafter.reader import check_drafter_dir
     from eyas.drafter.writer import write_eyas
 
-    ck = load_draft_checkpoint(_write(tmp_path / "s", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids":
-                                                                                  [1, 14, 26]}), _weights()))
+    ck = load_draft_checkpoint(
+        _write(
+            tmp_path / "s", _sglang_config(eagle_config={"eagle_aux_hidden_state_layer_ids": [1, 14, 26]}), _weights()
+        )
+    )
     d = write_eyas(tmp_path / "e", ck.config, ck.weights)
     reads, read_text = [], Path.read_text
     monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: reads.append(self.name) or read_text(self, *a, **k))
@@ -187,5 +236,8 @@ def test_check_drafter_dir_refuses_what_read_drafter_would_naming_the_path(tmp_p
         check_drafter_dir(tmp_path / "noweights")
     layer = {k: v for k, v in sgl.items() if k not in ("architectures", "intermediate_size")}
     with pytest.raises(EyasError, match=r"--drafter .*spec/config\.json: config lacks 'intermediate_size'"):
-        check_drafter_dir(_write(tmp_path / "spec", {"speculators_model_type": "eagle3", "transformer_layer_config": layer},
-                                 _weights()))
+        check_drafter_dir(
+            _write(
+                tmp_path / "spec", {"speculators_model_type": "eagle3", "transformer_layer_config": layer}, _weights()
+            )
+        )

@@ -16,18 +16,39 @@ from eyas.drafter.model import (
 from eyas.errors import EyasError
 
 SGLANG_KEYS = {
-    "embed_tokens.weight", "fc.weight", "midlayer.input_layernorm.weight", "midlayer.hidden_norm.weight",
-    "midlayer.self_attn.q_proj.weight", "midlayer.self_attn.k_proj.weight", "midlayer.self_attn.v_proj.weight",
-    "midlayer.self_attn.o_proj.weight", "midlayer.post_attention_layernorm.weight",
-    "midlayer.mlp.gate_proj.weight", "midlayer.mlp.up_proj.weight", "midlayer.mlp.down_proj.weight",
-    "norm.weight", "lm_head.weight", "d2t", "t2d",
+    "embed_tokens.weight",
+    "fc.weight",
+    "midlayer.input_layernorm.weight",
+    "midlayer.hidden_norm.weight",
+    "midlayer.self_attn.q_proj.weight",
+    "midlayer.self_attn.k_proj.weight",
+    "midlayer.self_attn.v_proj.weight",
+    "midlayer.self_attn.o_proj.weight",
+    "midlayer.post_attention_layernorm.weight",
+    "midlayer.mlp.gate_proj.weight",
+    "midlayer.mlp.up_proj.weight",
+    "midlayer.mlp.down_proj.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
 }
 
 
 def tiny_cfg(**kw) -> DrafterConfig:
-    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                vocab_size=100, draft_vocab_size=40, target_hidden_size=32, aux_layer_ids=[1, 3, 4],
-                target_num_layers=6, rope_theta=10000.0)
+    base = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=100,
+        draft_vocab_size=40,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 3, 4],
+        target_num_layers=6,
+        rope_theta=10000.0,
+    )
     base.update(kw)
     return DrafterConfig(**base)
 
@@ -62,19 +83,46 @@ def test_llama3_rope_matches_transformers():
 
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    params = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-              "original_max_position_embeddings": 8192, "rope_theta": 500000.0}
-    cfg = tiny_cfg(hidden_size=128, num_attention_heads=1, num_key_value_heads=1, head_dim=128,
-                   target_hidden_size=128, rope_theta=500000.0, rope_parameters=params,
-                   max_position_embeddings=131072)
-    hf_cfg = SimpleNamespace(rope_parameters=params, head_dim=128, hidden_size=128, num_attention_heads=1,
-                             max_position_embeddings=131072, partial_rotary_factor=1.0)
+    params = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_theta": 500000.0,
+    }
+    cfg = tiny_cfg(
+        hidden_size=128,
+        num_attention_heads=1,
+        num_key_value_heads=1,
+        head_dim=128,
+        target_hidden_size=128,
+        rope_theta=500000.0,
+        rope_parameters=params,
+        max_position_embeddings=131072,
+    )
+    hf_cfg = SimpleNamespace(
+        rope_parameters=params,
+        head_dim=128,
+        hidden_size=128,
+        num_attention_heads=1,
+        max_position_embeddings=131072,
+        partial_rotary_factor=1.0,
+    )
     hf_cfg.standardize_rope_params = lambda: None
     ref, scaling = ROPE_INIT_FUNCTIONS["llama3"](hf_cfg, "cpu")
     assert scaling == 1.0
     torch.testing.assert_close(rope_inv_freq(cfg), ref.float(), rtol=1e-5, atol=0)
-    plain = rope_inv_freq(tiny_cfg(hidden_size=128, head_dim=128, num_attention_heads=1, num_key_value_heads=1,
-                                   target_hidden_size=128, rope_theta=500000.0))
+    plain = rope_inv_freq(
+        tiny_cfg(
+            hidden_size=128,
+            head_dim=128,
+            num_attention_heads=1,
+            num_key_value_heads=1,
+            target_hidden_size=128,
+            rope_theta=500000.0,
+        )
+    )
     assert not torch.allclose(plain, ref.float())  # the scaling changes the low frequencies
 
 
@@ -83,8 +131,12 @@ def test_rope_table_rows_equal_rope_at_every_position_and_grow_past_it():
     at an offset, in the dtype asked, and past the table's end (it is made again, larger)."""
     m = Eagle3Drafter(tiny_cfg())
     pos = torch.tensor([0, 5, 1, 0, 1023, 7])
-    for offset, dtype, size in ((0, torch.float32, 1024), (3, torch.float32, 1027), (2, torch.bfloat16, 1026),
-                                (0, torch.float32, 3000)):
+    for offset, dtype, size in (
+        (0, torch.float32, 1024),
+        (3, torch.float32, 1027),
+        (2, torch.bfloat16, 1026),
+        (0, torch.float32, 3000),
+    ):
         p = pos if size < 3000 else pos + 1900
         cos, sin = m.rope_at(p, offset, dtype, size)
         ref_cos, ref_sin = m.rope((p + offset)[None], dtype)
@@ -152,7 +204,7 @@ def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="num_key_value_heads"):
         tiny_cfg(num_key_value_heads=3)
     mrope = tiny_cfg(rope_parameters={"rope_type": "mrope"})  # a foreign drafter's config may say so (evaluated
-    with pytest.raises(EyasError, match="rope_type"):          # through transformers), the training model may not
+    with pytest.raises(EyasError, match="rope_type"):  # through transformers), the training model may not
         Eagle3Drafter(mrope)
     d = tiny_cfg().to_dict()
     assert DrafterConfig.from_dict(json.loads(json.dumps(d))) == tiny_cfg()

@@ -22,9 +22,18 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def tiny_drafter(seed=0, **kw) -> Eagle3Drafter:
-    base = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                vocab_size=60, draft_vocab_size=60, target_hidden_size=32, aux_layer_ids=[1, 2, 3],
-                target_num_layers=6)
+    base = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=60,
+        draft_vocab_size=60,
+        target_hidden_size=32,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=6,
+    )
     base.update(kw)
     m = Eagle3Drafter(DrafterConfig(**base))
     m.reset_parameters(seed=seed)
@@ -83,11 +92,11 @@ def test_unroll_equals_chain_drafting_with_a_cache():
         for t in (0, 3, 6):
             cache = DrafterCache()
             pos = torch.arange(t + 1)[None].expand(2, t + 1)
-            h, _ = m.forward_step(ids[:, 1:t + 2], feat0[:, :t + 1], pos, cache=cache)
+            h, _ = m.forward_step(ids[:, 1 : t + 2], feat0[:, : t + 1], pos, cache=cache)
             torch.testing.assert_close(hs[0][:, t], h[:, t], atol=1e-5, rtol=1e-5)
-            prev = h[:, t:t + 1]
+            prev = h[:, t : t + 1]
             for k in range(1, K):
-                h, _ = m.forward_step(ids[:, t + 1 + k:t + 2 + k], prev, torch.full((2, 1), t + k), cache=cache)
+                h, _ = m.forward_step(ids[:, t + 1 + k : t + 2 + k], prev, torch.full((2, 1), t + k), cache=cache)
                 torch.testing.assert_close(hs[k][:, t], h[:, 0], atol=1e-5, rtol=1e-5)
                 prev = h
 
@@ -106,8 +115,14 @@ def test_fast_and_reference_loss_and_grads_agree():
     res = {}
     for attn in ("reference", "fast"):
         m = tiny_drafter(seed=1)
-        out = ttt_loss(m, input_ids_BT=ids, loss_mask_BT=mask, aux_BTAD=aux, teacher=teacher,
-                       cfg=TTTConfig(steps=5, attention=attn))
+        out = ttt_loss(
+            m,
+            input_ids_BT=ids,
+            loss_mask_BT=mask,
+            aux_BTAD=aux,
+            teacher=teacher,
+            cfg=TTTConfig(steps=5, attention=attn),
+        )
         out.loss.backward()
         res[attn] = (out, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
     (o1, g1), (o2, g2) = res["reference"], res["fast"]
@@ -127,8 +142,14 @@ def test_first_assistant_position_is_supervised():
     mask[0, s] = True
     teacher = _teacher(1, T)
     m = tiny_drafter()
-    out = ttt_loss(m, input_ids_BT=ids, loss_mask_BT=mask, aux_BTAD=aux, teacher=teacher,
-                   cfg=TTTConfig(steps=K, attention="reference"))
+    out = ttt_loss(
+        m,
+        input_ids_BT=ids,
+        loss_mask_BT=mask,
+        aux_BTAD=aux,
+        teacher=teacher,
+        cfg=TTTConfig(steps=K, attention="reference"),
+    )
     assert out.valid.tolist() == [1, 1, 1, 1, 0, 0, 0]  # t = 3, 2, 1, 0, then none
     assert step_mask(mask, 0)[0].nonzero().flatten().tolist() == [s - 2]
     with torch.no_grad():

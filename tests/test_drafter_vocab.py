@@ -10,8 +10,10 @@ from eyas.drafter.vocab import build_draft_vocab, count_assistant_tokens
 
 
 def test_counts_only_loss_masked_tokens():
-    s = [Sample("a", torch.tensor([5, 5, 7, 9, 9, 9]), torch.tensor([0, 0, 1, 1, 1, 0], dtype=torch.bool)),
-         {"input_ids": torch.tensor([3, 7]), "loss_mask": torch.tensor([True, True])}]
+    s = [
+        Sample("a", torch.tensor([5, 5, 7, 9, 9, 9]), torch.tensor([0, 0, 1, 1, 1, 0], dtype=torch.bool)),
+        {"input_ids": torch.tensor([3, 7]), "loss_mask": torch.tensor([True, True])},
+    ]
     c = count_assistant_tokens(s, 12)
     assert c.tolist() == [0, 0, 0, 1, 0, 0, 0, 2, 0, 2, 0, 0]
     with pytest.raises(ValueError):

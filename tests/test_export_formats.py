@@ -26,14 +26,37 @@ from eyas.drafter.reader import read_drafter as load_draft_checkpoint
 from eyas.specdec.functional import FunctionalDrafter
 
 LAYERS = [1, 3, 4]
-STACKED = [(".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-           (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)]
-LAYER_PARAMS = ["self_attn.qkv_proj.weight", "self_attn.o_proj.weight", "mlp.gate_up_proj.weight",
-                "mlp.down_proj.weight", "input_layernorm.weight", "post_attention_layernorm.weight", "hidden_norm.weight"]
-SGLANG_PARAMS = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
-                 *(f"model.midlayer.{p}" for p in LAYER_PARAMS)}
-VLLM_PARAMS = {"model.embed_tokens.weight", "model.fc.weight", "model.norm.weight", "lm_head.weight",
-               "draft_id_to_target_id", *(f"model.layers.0.{p}" for p in LAYER_PARAMS)}
+STACKED = [
+    (".qkv_proj", ".q_proj", "q"),
+    (".qkv_proj", ".k_proj", "k"),
+    (".qkv_proj", ".v_proj", "v"),
+    (".gate_up_proj", ".gate_proj", 0),
+    (".gate_up_proj", ".up_proj", 1),
+]
+LAYER_PARAMS = [
+    "self_attn.qkv_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_up_proj.weight",
+    "mlp.down_proj.weight",
+    "input_layernorm.weight",
+    "post_attention_layernorm.weight",
+    "hidden_norm.weight",
+]
+SGLANG_PARAMS = {
+    "model.embed_tokens.weight",
+    "model.fc.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    *(f"model.midlayer.{p}" for p in LAYER_PARAMS),
+}
+VLLM_PARAMS = {
+    "model.embed_tokens.weight",
+    "model.fc.weight",
+    "model.norm.weight",
+    "lm_head.weight",
+    "draft_id_to_target_id",
+    *(f"model.layers.0.{p}" for p in LAYER_PARAMS),
+}
 
 
 def sglang_load(names):
@@ -151,12 +174,19 @@ def test_export_is_loadable_equivalent_and_captures_the_trained_layers(eyas_draf
 
     llama = LlamaConfig.from_dict(config if fmt == "sglang" else config["transformer_layer_config"])
     assert (llama.hidden_size, llama.num_attention_heads, llama.num_key_value_heads, llama.intermediate_size) == (
-        model.config.hidden_size, model.config.num_attention_heads, model.config.num_key_value_heads,
-        model.config.intermediate_size)
+        model.config.hidden_size,
+        model.config.num_attention_heads,
+        model.config.num_key_value_heads,
+        model.config.intermediate_size,
+    )
     assert llama.rope_parameters["rope_theta"] == pytest.approx(model.config.rope_parameters["rope_theta"])
 
     # 3. the ids written select the very tensors the drafter was trained on
-    written = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if fmt == "sglang" else config["eagle_aux_hidden_state_layer_ids"]
+    written = (
+        config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+        if fmt == "sglang"
+        else config["eagle_aux_hidden_state_layer_ids"]
+    )
     assert summary["aux_layer_ids_written"] == written
     captured_before = [k + 1 for k in written] if fmt == "sglang" else list(written)  # the engine's capture rule
     ids = torch.randint(0, 49152, (1, 12), generator=torch.Generator().manual_seed(3))
@@ -233,7 +263,9 @@ def test_bad_format_and_unknown_keys(eyas_drafter, tmp_path):
     w = load_file(str(tmp_path / "sgl" / "model.safetensors"))
     w["midlayers.0.mlp.down_proj.weight"] = w.pop("midlayer.mlp.down_proj.weight")
     save_file(w, str(tmp_path / "sgl" / "model.safetensors"))
-    res = CliRunner().invoke(app, ["export", "--drafter", str(tmp_path / "sgl"), "--format", "vllm", "--out", str(tmp_path / "v")])
+    res = CliRunner().invoke(
+        app, ["export", "--drafter", str(tmp_path / "sgl"), "--format", "vllm", "--out", str(tmp_path / "v")]
+    )
     assert res.exit_code == 2 and "midlayers.0.mlp.down_proj.weight" in res.output
 
 
@@ -245,7 +277,9 @@ def test_export_refuses_a_drafter_the_engines_cannot_size(tiny_target_dir, tmp_p
     target = load_target(tiny_target_dir)
     model = Eagle3Drafter(DrafterConfig.from_target_config(target.config, draft_vocab_size=100, aux_layer_ids=[2, 4]))
     model.save(tmp_path / "d")
-    res = CliRunner().invoke(app, ["export", "--drafter", str(tmp_path / "d"), "--format", "vllm", "--out", str(tmp_path / "o")])
+    res = CliRunner().invoke(
+        app, ["export", "--drafter", str(tmp_path / "d"), "--format", "vllm", "--out", str(tmp_path / "o")]
+    )
     assert res.exit_code == 2 and "exactly 3" in res.output
     assert not (tmp_path / "o").exists()
 
@@ -282,20 +316,39 @@ def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_
     # a local target directory: the id comes from its config's _name_or_path, the path is kept beside it
     target = tmp_path / "target"
     target.mkdir()
-    (target / "config.json").write_text(json.dumps({"_name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]}))
+    (target / "config.json").write_text(
+        json.dumps({"_name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]})
+    )
     _export(src, "vllm", tmp_path / "b", "--verifier", str(target))
     cfg = json.loads((tmp_path / "b" / "config.json").read_text())
-    assert cfg["speculators_config"]["verifier"] == {"name_or_path": "org/model-1.5B", "architectures": ["Qwen2ForCausalLM"]}
+    assert cfg["speculators_config"]["verifier"] == {
+        "name_or_path": "org/model-1.5B",
+        "architectures": ["Qwen2ForCausalLM"],
+    }
     assert cfg["eyas_verifier_path"] == str(target.resolve()) != recorded
-    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--out", str(tmp_path / "c"),
-                                   "--verifier", "not a/valid id"])
+    res = CliRunner().invoke(
+        app,
+        [
+            "export",
+            "--drafter",
+            str(src),
+            "--format",
+            "vllm",
+            "--out",
+            str(tmp_path / "c"),
+            "--verifier",
+            "not a/valid id",
+        ],
+    )
     assert res.exit_code == 2 and "--verifier" in res.output
 
     # an existing directory without config.json is no verifier: refused before the drafter is read
     empty = tmp_path / "empty"
     empty.mkdir()
-    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--out", str(tmp_path / "d"),
-                                   "--verifier", str(empty)])
+    res = CliRunner().invoke(
+        app,
+        ["export", "--drafter", str(src), "--format", "vllm", "--out", str(tmp_path / "d"), "--verifier", str(empty)],
+    )
     assert res.exit_code == 2 and "a directory without config.json" in res.output and "OWNER/NAME" in res.output
     assert not (tmp_path / "d").exists()
     from eyas.errors import EyasError
@@ -305,22 +358,27 @@ def test_vllm_verifier_is_a_hub_id_and_the_local_path_is_kept(eyas_drafter, tmp_
         export_drafter(src, "vllm", tmp_path / "d", verifier=str(empty))
 
 
-@pytest.mark.parametrize("option, value, field", [("--verifier", "foo/bar", "verifier"),
-                                                  ("--speculative-tokens", "3", "speculative_tokens")])
+@pytest.mark.parametrize(
+    "option, value, field", [("--verifier", "foo/bar", "verifier"), ("--speculative-tokens", "3", "speculative_tokens")]
+)
 def test_vllm_only_options_are_refused_with_another_format(eyas_drafter, tmp_path, option, value, field):
     """Only the vllm format reads them: given with sglang they are refused (CLI and [export]), not dropped."""
     from eyas.errors import EyasError
     from eyas.pipeline import ExportOptions
 
     src, _, _ = eyas_drafter
-    res = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "sglang", "--out", str(tmp_path / "o"),
-                                   option, value])
+    res = CliRunner().invoke(
+        app, ["export", "--drafter", str(src), "--format", "sglang", "--out", str(tmp_path / "o"), option, value]
+    )
     assert res.exit_code == 2 and f"{option} only applies to --format vllm" in res.output
     assert "--format sglang" in res.output and len(res.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
     typed = int(value) if field == "speculative_tokens" else value
-    with pytest.raises(EyasError, match=rf"^{field} {typed!r}: only applies to the vllm format, and formats = "
-                                        rf"\['sglang'\]; add \"vllm\" to formats or drop {field}$"):
+    with pytest.raises(
+        EyasError,
+        match=rf"^{field} {typed!r}: only applies to the vllm format, and formats = "
+        rf"\['sglang'\]; add \"vllm\" to formats or drop {field}$",
+    ):
         ExportOptions(formats=["sglang"], **{field: typed})
     assert getattr(ExportOptions(formats=["sglang", "vllm"], **{field: typed}), field) == typed
 
@@ -348,8 +406,10 @@ def test_export_refuses_a_training_runs_drafter_folder(eyas_drafter, tmp_path):
     write_marker(run, kind="train")
     before = {p.name: p.read_bytes() for p in (run / "drafter").iterdir()}
     for extra in ([], ["--overwrite"]):
-        res = CliRunner().invoke(app, ["export", "--drafter", str(run / "drafter"), "--format", "sglang",
-                                       "--out", str(run / "drafter"), *extra])
+        res = CliRunner().invoke(
+            app,
+            ["export", "--drafter", str(run / "drafter"), "--format", "sglang", "--out", str(run / "drafter"), *extra],
+        )
         assert res.exit_code == 2, res.output
         assert "is the `drafter` folder of the eyas `train` output" in res.output
         assert "did not create" not in res.output and len(res.output.strip().splitlines()) == 1

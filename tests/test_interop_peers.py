@@ -104,8 +104,9 @@ def _file_keys(directory):
 def test_specforge_loads_the_sglang_export_with_every_key_and_equal_logits(exported):
     root, model, ids, aux, want = exported
     mod = _import_or_skip("specforge.modeling.draft.llama3_eagle")
-    peer, info = mod.LlamaForCausalLMEagle3.from_pretrained(str(root / "sglang"), output_loading_info=True,
-                                                           torch_dtype=torch.float32)
+    peer, info = mod.LlamaForCausalLMEagle3.from_pretrained(
+        str(root / "sglang"), output_loading_info=True, torch_dtype=torch.float32
+    )
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"], info
     state = peer.state_dict()
     for key, tensor in _file_keys(root / "sglang").items():  # every key written is a parameter, loaded as is
@@ -118,8 +119,13 @@ def test_specforge_loads_the_sglang_export_with_every_key_and_equal_logits(expor
         emb = peer.embed_input_ids(ids)
         feature = peer.project_hidden_states(aux)
         mask = mod.prepare_decoder_attention_mask(torch.ones(2, T, dtype=torch.bool), (2, T), feature, 0)
-        hidden = peer.midlayer(input_emb=emb, hidden_states=feature, cache_hidden=None, attention_mask=mask,
-                               position_ids=torch.arange(T).expand(2, T))
+        hidden = peer.midlayer(
+            input_emb=emb,
+            hidden_states=feature,
+            cache_hidden=None,
+            attention_mask=mask,
+            position_ids=torch.arange(T).expand(2, T),
+        )
         got = peer.compute_logits(hidden)  # lm_head(norm(.)) over the draft vocabulary
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
     assert torch.equal(got.argmax(-1), want.argmax(-1))

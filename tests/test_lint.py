@@ -20,11 +20,15 @@ def _ruff(*args: str) -> subprocess.CompletedProcess:
 
 def test_ruff_check_finds_nothing():
     res = _ruff("check", "--no-cache", "--output-format", "concise", ".")
-    assert res.returncode == 0, ("ruff check found problems (fix them; `ruff check --fix` for the safe ones):\n"
-                                 f"{res.stdout[-6000:]}{res.stderr[-2000:]}")
+    assert res.returncode == 0, (
+        "ruff check found problems (fix them; `ruff check --fix` for the safe ones):\n"
+        f"{res.stdout[-6000:]}{res.stderr[-2000:]}"
+    )
 
 
 def test_ruff_format_would_change_nothing():
     res = _ruff("format", "--check", "--no-cache", ".")
-    assert res.returncode == 0, ("ruff format would reformat files (run `ruff format .`, then `ruff check .`: a "
-                                 f"`# noqa` on a wrapped line may have to move):\n{res.stdout[-6000:]}{res.stderr[-2000:]}")
+    assert res.returncode == 0, (
+        "ruff format would reformat files (run `ruff format .`, then `ruff check .`: a "
+        f"`# noqa` on a wrapped line may have to move):\n{res.stdout[-6000:]}{res.stderr[-2000:]}"
+    )

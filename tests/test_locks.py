@@ -54,11 +54,20 @@ def test_a_second_writer_is_refused_and_a_killed_holder_leaves_no_stale_lock(tmp
     with held_elsewhere(out) as proc:
         info = holder(out)
         assert info is not None and info["pid"] == proc.pid
-        with command_scope(), pytest.raises(EyasError, match=rf"--out .*run is being written by another eyas process "
-                                                             rf"\(pid {proc.pid}: eyas "):
+        with (
+            command_scope(),
+            pytest.raises(
+                EyasError,
+                match=rf"--out .*run is being written by another eyas process "
+                rf"\(pid {proc.pid}: eyas ",
+            ),
+        ):
             hold(out)
-        with pytest.raises(EyasError, match=rf"store .*run is incomplete: another eyas process is writing it now "
-                                            rf"\(pid {proc.pid}"):
+        with pytest.raises(
+            EyasError,
+            match=rf"store .*run is incomplete: another eyas process is writing it now "
+            rf"\(pid {proc.pid}",
+        ):
             require_idle(out, what="store")
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
@@ -109,23 +118,36 @@ def inputs(tmp_path_factory, tiny_target_dir, smol_tokenizer):
 
     root = tmp_path_factory.mktemp("lock_inputs")
     g = torch.Generator().manual_seed(0)
-    samples = [(f"s{i}", torch.randint(0, 300, (16,), generator=g).tolist(), [False] * 4 + [True] * 12)
-               for i in range(4)]
-    prep = write_prepared(root / "prep", {"train": samples, "eval": [(f"e{i}", *s[1:]) for i, s in enumerate(samples[:2])]},
-                          {"tokenizer_hash": tokenizer_hash(smol_tokenizer)})
-    dcfg = DrafterConfig.from_target_config(AutoConfig.from_pretrained(tiny_target_dir), draft_vocab_size=64,
-                                            aux_layer_ids=[1, 2, 3])
+    samples = [
+        (f"s{i}", torch.randint(0, 300, (16,), generator=g).tolist(), [False] * 4 + [True] * 12) for i in range(4)
+    ]
+    prep = write_prepared(
+        root / "prep",
+        {"train": samples, "eval": [(f"e{i}", *s[1:]) for i, s in enumerate(samples[:2])]},
+        {"tokenizer_hash": tokenizer_hash(smol_tokenizer)},
+    )
+    dcfg = DrafterConfig.from_target_config(
+        AutoConfig.from_pretrained(tiny_target_dir), draft_vocab_size=64, aux_layer_ids=[1, 2, 3]
+    )
     drafter = Eagle3Drafter(dcfg)
     drafter.reset_parameters(seed=0)
     drafter.set_vocab(torch.arange(64))
     drafter.save(root / "drafter")
     chats = root / "chats.jsonl"
-    chats.write_text(json.dumps({"id": "c0", "conversations": [{"from": "human", "value": "hi"},
-                                                               {"from": "gpt", "value": "hello"}]}) + "\n")
+    chats.write_text(
+        json.dumps({"id": "c0", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "hello"}]})
+        + "\n"
+    )
     prompts = root / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "What is 2+2?"}) + "\n")
-    return {"target": tiny_target_dir, "prep": prep, "drafter": root / "drafter", "chats": chats,
-            "prompts": prompts, "root": root}
+    return {
+        "target": tiny_target_dir,
+        "prep": prep,
+        "drafter": root / "drafter",
+        "chats": chats,
+        "prompts": prompts,
+        "root": root,
+    }
 
 
 CASES = {
@@ -133,11 +155,33 @@ CASES = {
     "regenerate": ["regenerate", "--target", "{target}", "--source", "{chats}", "--out", "{out}", "--device", "cpu"],
     "prepare": ["prepare", "--target", "{target}", "--source", "{chats}", "--out", "{out}", "--overwrite"],
     "capture": ["capture", "--target", "{target}", "--data", "{prep}", "--out", "{out}", "--device", "cpu"],
-    "eval": ["eval", "--target", "{target}", "--drafter", "{drafter}", "--prompts", "{prompts}", "--out", "{out}",
-             "--device", "cpu"],
+    "eval": [
+        "eval",
+        "--target",
+        "{target}",
+        "--drafter",
+        "{drafter}",
+        "--prompts",
+        "{prompts}",
+        "--out",
+        "{out}",
+        "--device",
+        "cpu",
+    ],
     "export": ["export", "--drafter", "{drafter}", "--format", "sglang", "--out", "{out}"],
-    "generate": ["generate", "--target", "{target}", "--drafter", "{drafter}", "--prompts", "{prompts}", "--out",
-                 "{out}", "--device", "cpu"],
+    "generate": [
+        "generate",
+        "--target",
+        "{target}",
+        "--drafter",
+        "{drafter}",
+        "--prompts",
+        "{prompts}",
+        "--out",
+        "{out}",
+        "--device",
+        "cpu",
+    ],
 }
 
 
@@ -161,33 +205,61 @@ def test_verify_and_train_call_a_store_being_written_incomplete(inputs, tmp_path
     store = tmp_path / "store"
     store.mkdir()  # (a capture's first shard is not committed yet)
     with held_elsewhere(store) as proc:
-        for args in (["verify", "--store", store],
-                     ["train", "--target", inputs["target"], "--store", store, "--out", tmp_path / "run",
-                      "--device", "cpu"]):
+        for args in (
+            ["verify", "--store", store],
+            ["train", "--target", inputs["target"], "--store", store, "--out", tmp_path / "run", "--device", "cpu"],
+        ):
             r = _run(args)
-            assert r.exit_code == 2 and f"store {store} is incomplete: another eyas process is writing it now " \
-                                       f"(pid {proc.pid}" in r.stderr, r.stderr
+            assert (
+                r.exit_code == 2
+                and f"store {store} is incomplete: another eyas process is writing it now (pid {proc.pid}" in r.stderr
+            ), r.stderr
 
 
 def test_pipeline_refuses_a_workdir_another_pipeline_runs_in(tmp_path, inputs):
     recipe = tmp_path / "r.toml"
     wd = tmp_path / "wd"
-    recipe.write_text(f'workdir = "{wd}"\ntarget = "{inputs["target"]}"\ndevice = "cpu"\n\n[prepare]\n'
-                      f'source = "{inputs["chats"]}"\n')
+    recipe.write_text(
+        f'workdir = "{wd}"\ntarget = "{inputs["target"]}"\ndevice = "cpu"\n\n[prepare]\nsource = "{inputs["chats"]}"\n'
+    )
     with held_elsewhere(wd) as proc:
         r = _run(["pipeline", recipe])
-    assert r.exit_code == 2 and f"workdir {wd} is being written by another eyas process (pid {proc.pid}" in r.stderr, \
+    assert r.exit_code == 2 and f"workdir {wd} is being written by another eyas process (pid {proc.pid}" in r.stderr, (
         r.stderr
+    )
 
 
 def test_two_train_processes_on_one_out(inputs, tmp_path):
     """Two real `eyas train` on one --out: the second (a new run, or --resume auto) is refused while the first runs."""
     out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    base = [sys.executable, "-m", "eyas", "train", "--target", str(inputs["target"]), "--data", str(inputs["prep"]),
-            "--out", str(out), "--device", "cpu", "--batch-size", "1", "--draft-vocab", "64", "--ttt-steps", "1"]
-    first = subprocess.Popen([*base, "--steps", "100000", "--save-every", "1"], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.PIPE, text=True, env=env)
+    base = [
+        sys.executable,
+        "-m",
+        "eyas",
+        "train",
+        "--target",
+        str(inputs["target"]),
+        "--data",
+        str(inputs["prep"]),
+        "--out",
+        str(out),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "1",
+        "--draft-vocab",
+        "64",
+        "--ttt-steps",
+        "1",
+    ]
+    first = subprocess.Popen(
+        [*base, "--steps", "100000", "--save-every", "1"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     try:
         deadline = time.monotonic() + 120
         while holder(out) is None:
@@ -195,11 +267,13 @@ def test_two_train_processes_on_one_out(inputs, tmp_path):
             assert time.monotonic() < deadline, "the first run never took its lock"
             time.sleep(0.2)
         for extra in ([], ["--resume", "auto"], ["--overwrite"]):
-            second = subprocess.run([*base, "--steps", "2", *extra], capture_output=True, text=True, env=env,
-                                    timeout=120)
+            second = subprocess.run(
+                [*base, "--steps", "2", *extra], capture_output=True, text=True, env=env, timeout=120
+            )
             assert second.returncode == 2, second.stderr
-            assert f"--out {out} is being written by another eyas process (pid {first.pid}: eyas train" \
-                   in second.stderr, second.stderr
+            assert (
+                f"--out {out} is being written by another eyas process (pid {first.pid}: eyas train" in second.stderr
+            ), second.stderr
         assert first.poll() is None  # the first run went on
     finally:
         first.kill()

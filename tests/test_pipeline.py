@@ -26,9 +26,21 @@ def _statuses(summary) -> dict[str, str]:
 
 def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, tiny_target_dir, one_torch_thread):
     work = tmp_path / "work"
-    base = [str(SMOKE), "--workdir", str(work), "--set", f"target={json.dumps(str(tiny_target_dir))}",
-            "--set", "regenerate.limit=6", "--set", "regenerate.max_new_tokens=12", "--set", "train.steps=2",
-            "--set", "train.draft_vocab=256"]
+    base = [
+        str(SMOKE),
+        "--workdir",
+        str(work),
+        "--set",
+        f"target={json.dumps(str(tiny_target_dir))}",
+        "--set",
+        "regenerate.limit=6",
+        "--set",
+        "regenerate.max_new_tokens=12",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.draft_vocab=256",
+    ]
     res, s = _run(*base)
     assert res.exit_code == 0, res.output
     assert _statuses(s) == dict.fromkeys(("regenerate", "prepare", "train", "eval", "export"), "ran")
@@ -56,28 +68,42 @@ def test_smoke_recipe_runs_then_skips_then_reruns_only_what_changed(tmp_path, ti
     assert [n.read_text() for n in notes] == ["mine"] * 3
     from eyas.common import marker_kind
 
-    assert [marker_kind(work / d) for d in ("prepared", "train", "eval", "export")] == ["prepare", "train", "eval",
-                                                                                          "exports"]
-    assert _statuses(s3) == {"regenerate": "skipped", "prepare": "skipped", "train": "rerun", "eval": "rerun",
-                             "export": "rerun"}
+    assert [marker_kind(work / d) for d in ("prepared", "train", "eval", "export")] == [
+        "prepare",
+        "train",
+        "eval",
+        "exports",
+    ]
+    assert _statuses(s3) == {
+        "regenerate": "skipped",
+        "prepare": "skipped",
+        "train": "rerun",
+        "eval": "rerun",
+        "export": "rerun",
+    }
     assert (work / "prepared" / "meta.json").stat().st_mtime_ns == mtime
     assert json.loads((work / "train" / "stage.json").read_text())["options"]["lr"] == 2e-3
     # the old run's checkpoints were cleared, not resumed from (a resume would have skipped every step)
     assert len(list((work / "train" / "checkpoints").glob("*.safetensors"))) == 1
 
 
-@pytest.mark.parametrize("extra, needle", [
-    (["--set", "train.lrr=1e-3"], "[train] unknown key `lrr`"),
-    (["--set", "evaluate.limit=1"], "unknown section [evaluate]"),
-    (["--set", "train.out=x"], "[train] `out` is filled in by the pipeline"),
-    (["--set", "eval.target=x"], "[eval] `target` is filled in by the pipeline"),
-    (["--set", 'train.steps="ten"'], "[train] `steps` = 'ten': expected"),
-    (["--set", "train.batch_size=0"], "[train] --batch-size must be >= 1"),
-    (["--set", "colour=1"], "unknown top-level key `colour`"),
-    (["--set", 'export.formats=["sglang"]', "--set", "export.speculative_tokens=3"],
-     "[export] speculative_tokens 3: only applies to the vllm format"),
-    (["--set", "export.speculative_tokens=0"], "[export] --speculative-tokens must be >= 1"),  # not after training
-])
+@pytest.mark.parametrize(
+    "extra, needle",
+    [
+        (["--set", "train.lrr=1e-3"], "[train] unknown key `lrr`"),
+        (["--set", "evaluate.limit=1"], "unknown section [evaluate]"),
+        (["--set", "train.out=x"], "[train] `out` is filled in by the pipeline"),
+        (["--set", "eval.target=x"], "[eval] `target` is filled in by the pipeline"),
+        (["--set", 'train.steps="ten"'], "[train] `steps` = 'ten': expected"),
+        (["--set", "train.batch_size=0"], "[train] --batch-size must be >= 1"),
+        (["--set", "colour=1"], "unknown top-level key `colour`"),
+        (
+            ["--set", 'export.formats=["sglang"]', "--set", "export.speculative_tokens=3"],
+            "[export] speculative_tokens 3: only applies to the vllm format",
+        ),
+        (["--set", "export.speculative_tokens=0"], "[export] --speculative-tokens must be >= 1"),  # not after training
+    ],
+)
 def test_bad_keys_exit_2_naming_key_and_file_before_any_work(tmp_path, extra, needle):
     work = tmp_path / "work"
     res, _ = _run(str(SMOKE), "--workdir", str(work), *extra)
@@ -157,11 +183,15 @@ def test_shipped_recipes_name_only_real_options(tmp_path):
     from eyas.pipeline import load_config
 
     # device=cpu: CI has no GPU, and `cuda` is refused where CUDA is missing (checked elsewhere)
-    gpu = load_config(RECIPES / "smollm2-gpu.toml", workdir=tmp_path / "g", overrides=["device=\"cpu\""])
+    gpu = load_config(RECIPES / "smollm2-gpu.toml", workdir=tmp_path / "g", overrides=['device="cpu"'])
     st = gpu["stages"]
     assert list(st) == ["regenerate", "prepare", "train", "eval", "export"]
     assert (st["regenerate"].max_turns, st["regenerate"].max_new_tokens) == (2, 512)
-    assert (st["train"].ttt_steps, st["train"].draft_vocab, str(st["train"].data)) == (7, 32000, str(tmp_path / "g" / "prepared"))
+    assert (st["train"].ttt_steps, st["train"].draft_vocab, str(st["train"].data)) == (
+        7,
+        32000,
+        str(tmp_path / "g" / "prepared"),
+    )
     assert st["train"].tokens_per_batch == 65536 and st["train"].draft_intermediate_size == 6144
     assert st["regenerate"].limit == 17671 and st["train"].steps == 2400
     assert st["prepare"].source == str(tmp_path / "g" / "regenerate" / "chats.jsonl")
@@ -171,10 +201,13 @@ def test_shipped_recipes_name_only_real_options(tmp_path):
     assert not (tmp_path / "g").exists()
 
 
-@pytest.mark.parametrize("until, needle", [
-    ("trian", "--until 'trian': not a stage; expected one of regenerate, prepare, train, eval, export"),
-    ("regenerate", "has no [regenerate] stage; its stages are prepare"),
-])
+@pytest.mark.parametrize(
+    "until, needle",
+    [
+        ("trian", "--until 'trian': not a stage; expected one of regenerate, prepare, train, eval, export"),
+        ("regenerate", "has no [regenerate] stage; its stages are prepare"),
+    ],
+)
 def test_until_a_bad_stage_exits_2_before_any_work(tmp_path, until, needle):
     cfg = tmp_path / "p.toml"
     work = tmp_path / "work"
@@ -186,15 +219,25 @@ def test_until_a_bad_stage_exits_2_before_any_work(tmp_path, until, needle):
 
 
 def test_until_stops_after_the_stage_and_a_covering_shared_regeneration_is_only_read(
-        tmp_path, tiny_target_dir, one_torch_thread):
+    tmp_path, tiny_target_dir, one_torch_thread
+):
     """--until regenerate runs that stage alone; a second pipeline whose limit the shared regeneration
     already covers reads it without rewriting a byte (concurrent readers are safe); a larger limit
     or other settings are not covered (that pipeline regenerates, as before)."""
     from eyas.pipeline import load_config, shared_coverage
 
     shared = tmp_path / "regen"
-    base = [str(SMOKE), "--set", f"target={json.dumps(str(tiny_target_dir))}", "--set", "regenerate.max_new_tokens=8",
-            "--set", f"regenerate.out={json.dumps(str(shared))}", "--until", "regenerate"]
+    base = [
+        str(SMOKE),
+        "--set",
+        f"target={json.dumps(str(tiny_target_dir))}",
+        "--set",
+        "regenerate.max_new_tokens=8",
+        "--set",
+        f"regenerate.out={json.dumps(str(shared))}",
+        "--until",
+        "regenerate",
+    ]
     res, s = _run(*base, "--workdir", str(tmp_path / "a"), "--set", "regenerate.limit=5")
     assert res.exit_code == 0, res.output
     assert _statuses(s) == {"regenerate": "ran"}
@@ -211,8 +254,12 @@ def test_until_stops_after_the_stage_and_a_covering_shared_regeneration_is_only_
     assert (tmp_path / "b" / "regenerate" / "chats.jsonl").read_text().count("\n") == 3
 
     def cov(*extra):
-        over = [f"target={json.dumps(str(tiny_target_dir))}", "regenerate.max_new_tokens=8",
-                f"regenerate.out={json.dumps(str(shared))}", *extra]
+        over = [
+            f"target={json.dumps(str(tiny_target_dir))}",
+            "regenerate.max_new_tokens=8",
+            f"regenerate.out={json.dumps(str(shared))}",
+            *extra,
+        ]
         return shared_coverage(load_config(SMOKE, overrides=over, workdir=tmp_path / "c")["stages"]["regenerate"])
 
     assert cov("regenerate.limit=5") is not None

@@ -102,8 +102,17 @@ def check_engine(tiny_target_dir: str) -> None:
     tok = AutoTokenizer.from_pretrained(tiny_target_dir)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     ref = _generate_ids(model, tok, PROMPTS, 10, [tok.eos_token_id])
-    eng = StaticEngine(model, tok, sampling=Sampling(), max_len=128, batch=2, max_new_tokens=10, attention="triton",
-                       sync_every=3, refill_min=1)
+    eng = StaticEngine(
+        model,
+        tok,
+        sampling=Sampling(),
+        max_len=128,
+        batch=2,
+        max_new_tokens=10,
+        attention="triton",
+        sync_every=3,
+        refill_min=1,
+    )
     assert eng.per_row and eng.spans == [128] and eng.describe()["decode_attention"] == "triton"
     res = _run(eng, _requests(PROMPTS, 10))
     assert [res[(i, 0)].token_ids for i in range(len(PROMPTS))] == ref

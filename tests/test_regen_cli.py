@@ -14,10 +14,21 @@ from eyas.regen.run import RegenConfig, regenerate
 
 @pytest.fixture
 def chats(tmp_path):
-    recs = [{"id": f"c{i}", "conversations": [{"from": "human", "value": f"Question {i}?"}, {"from": "gpt", "value": "old"},
-                                              {"from": "human", "value": "And then?"}, {"from": "gpt", "value": "old"}]}
-            for i in range(5)]
-    recs.append({"id": "long", "conversations": [{"from": "human", "value": "word " * 400}, {"from": "gpt", "value": "x"}]})
+    recs = [
+        {
+            "id": f"c{i}",
+            "conversations": [
+                {"from": "human", "value": f"Question {i}?"},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "And then?"},
+                {"from": "gpt", "value": "old"},
+            ],
+        }
+        for i in range(5)
+    ]
+    recs.append(
+        {"id": "long", "conversations": [{"from": "human", "value": "word " * 400}, {"from": "gpt", "value": "x"}]}
+    )
     path = tmp_path / "chats.json"
     path.write_text(json.dumps(recs))
     return path
@@ -30,8 +41,23 @@ def _last_json(output: str) -> dict:
 def test_cli_regenerate_then_prepare(chats, tiny_target_dir, tmp_path):
     out = tmp_path / "regen"
     runner = CliRunner()
-    args = ["regenerate", "--source", str(chats), "--target", str(tiny_target_dir), "--out", str(out),
-            "--max-new-tokens", "5", "--max-length", "200", "--batch-size", "3", "--device", "cpu"]
+    args = [
+        "regenerate",
+        "--source",
+        str(chats),
+        "--target",
+        str(tiny_target_dir),
+        "--out",
+        str(out),
+        "--max-new-tokens",
+        "5",
+        "--max-length",
+        "200",
+        "--batch-size",
+        "3",
+        "--device",
+        "cpu",
+    ]
     r = runner.invoke(app, args)
     assert r.exit_code == 0, r.output
     summary = _last_json(r.stdout)
@@ -59,14 +85,35 @@ def test_cli_regenerate_then_prepare(chats, tiny_target_dir, tmp_path):
     r = runner.invoke(app, args[:-2] + ["--device", "cpu", "--temperature", "0.5"])
     assert r.exit_code == 2 and "different settings" in r.stderr
 
-    prep = runner.invoke(app, ["prepare", "--source", str(out), "--target", str(tiny_target_dir),
-                               "--out", str(tmp_path / "prep"), "--eval-fraction", "0"])
+    prep = runner.invoke(
+        app,
+        [
+            "prepare",
+            "--source",
+            str(out),
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(tmp_path / "prep"),
+            "--eval-fraction",
+            "0",
+        ],
+    )
     assert prep.exit_code == 0, prep.output
 
 
 def test_sampled_run_is_reproducible(chats, tiny_target_dir, tmp_path):
-    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=6, max_length=200, device="cpu",
-              temperature=0.8, top_p=0.9, seed=3, continue_after_truncated=True)
+    kw = dict(
+        source=str(chats),
+        target=str(tiny_target_dir),
+        max_new_tokens=6,
+        max_length=200,
+        device="cpu",
+        temperature=0.8,
+        top_p=0.9,
+        seed=3,
+        continue_after_truncated=True,
+    )
     a = regenerate(RegenConfig(out=tmp_path / "a", batch_size=2, **kw))
     b = regenerate(RegenConfig(out=tmp_path / "b", batch_size=4, **kw))
     assert a["assistant_turns"] == b["assistant_turns"] == 10
@@ -79,18 +126,46 @@ def test_empty_and_bad_inputs(tmp_path, tiny_target_dir):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     runner = CliRunner()
-    r = runner.invoke(app, ["regenerate", "--source", str(empty), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o")])
+    r = runner.invoke(
+        app, ["regenerate", "--source", str(empty), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o")]
+    )
     assert r.exit_code == 2 and "empty" in r.stderr
     assert not (tmp_path / "o").exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": []}\n{not json\n')
-    r = runner.invoke(app, ["regenerate", "--source", str(bad), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o")])
+    r = runner.invoke(
+        app, ["regenerate", "--source", str(bad), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o")]
+    )
     assert r.exit_code == 2 and "line 2" in r.stderr
-    r = runner.invoke(app, ["regenerate", "--source", str(bad), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o"),
-                            "--top-p", "0"])
+    r = runner.invoke(
+        app,
+        [
+            "regenerate",
+            "--source",
+            str(bad),
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(tmp_path / "o"),
+            "--top-p",
+            "0",
+        ],
+    )
     assert r.exit_code == 2 and "--top-p" in r.stderr
-    r = runner.invoke(app, ["regenerate", "--source", str(bad), "--target", str(tiny_target_dir), "--out", str(tmp_path / "o"),
-                            "--attention", "flex"])
+    r = runner.invoke(
+        app,
+        [
+            "regenerate",
+            "--source",
+            str(bad),
+            "--target",
+            str(tiny_target_dir),
+            "--out",
+            str(tmp_path / "o"),
+            "--attention",
+            "flex",
+        ],
+    )
     assert r.exit_code == 2 and "--attention" in r.stderr and "flex" in r.stderr
     assert not (tmp_path / "o").exists()
 
@@ -101,7 +176,9 @@ def test_sigterm_commits_finished_conversations_then_resume(chats, tiny_target_d
 
     from eyas.regen.driver import Regenerator
 
-    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=4, max_length=200, device="cpu", batch_size=1)
+    kw = dict(
+        source=str(chats), target=str(tiny_target_dir), max_new_tokens=4, max_length=200, device="cpu", batch_size=1
+    )
     ref = regenerate(RegenConfig(out=tmp_path / "ref", **kw))
     real_deliver, seen = Regenerator.deliver, []
 
@@ -128,8 +205,9 @@ def test_refusals_that_need_no_model_come_before_it_loads(chats, tiny_target_dir
     import eyas.target
     from eyas.errors import EyasError
 
-    kw = dict(source=str(chats), target=str(tiny_target_dir), max_new_tokens=3, max_length=200, device="cpu",
-              batch_size=2)
+    kw = dict(
+        source=str(chats), target=str(tiny_target_dir), max_new_tokens=3, max_length=200, device="cpu", batch_size=2
+    )
     regenerate(RegenConfig(out=tmp_path / "r", **kw))
 
     def boom(*a, **k):
@@ -144,7 +222,9 @@ def test_refusals_that_need_no_model_come_before_it_loads(chats, tiny_target_dir
     with pytest.raises(EyasError, match=r"--out .*mine exists and is not a regenerate output"):
         regenerate(RegenConfig(out=mine, **kw))
     monkeypatch.setattr(eyas.regen.attention, "triton_unavailable", lambda device: "triton is not importable (test)")
-    with pytest.raises(EyasError, match=r"^--attention triton: triton is not importable \(test\); use --attention sdpa"):
+    with pytest.raises(
+        EyasError, match=r"^--attention triton: triton is not importable \(test\); use --attention sdpa"
+    ):
         regenerate(RegenConfig(out=tmp_path / "t", attention="triton", **kw))
     assert not (tmp_path / "t").exists()
 

@@ -98,17 +98,22 @@ def test_turn_by_turn_records_and_counts(source, tmp_path):
     recs = {r["id"]: r["messages"] for r in read_chats(out)}
     assert recs["c0"] == [
         {"role": "system", "content": "be brief"},
-        {"role": "user", "content": "hi"}, {"role": "assistant", "content": "A0(hi)"},
-        {"role": "user", "content": "more"}, {"role": "assistant", "content": "A1(more)"},
-        {"role": "user", "content": "again"}, {"role": "assistant", "content": "A2(again)"},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "A0(hi)"},
+        {"role": "user", "content": "more"},
+        {"role": "assistant", "content": "A1(more)"},
+        {"role": "user", "content": "again"},
+        {"role": "assistant", "content": "A2(again)"},
     ]
     assert recs["c1"][-1] == {"role": "assistant", "content": "A0(one)"}
     assert "c2" not in recs and "c4" not in recs and "c6" not in recs
     # a later overflow keeps the answered turns and drops the unanswered user turn
     assert [m["content"] for m in recs["c3"]] == ["fine", "A0(fine)"]
     # a truncated answer is marked and ends the conversation
-    assert recs["c5"] == [{"role": "user", "content": "TRUNC me"},
-                          {"role": "assistant", "content": "A0(TRUNC me)", "truncated": True}]
+    assert recs["c5"] == [
+        {"role": "user", "content": "TRUNC me"},
+        {"role": "assistant", "content": "A0(TRUNC me)", "truncated": True},
+    ]
     meta = json.loads((out / META).read_text())
     assert meta["complete"] is True and meta["schema"] == "eyas.chats/1"
     c = meta["counts"]
@@ -197,8 +202,9 @@ def test_bounded_in_flight(source, tmp_path):
 
     eng = Watch(batch=50)
     writer = ChatsWriter(tmp_path / "o", settings=SETTINGS, extra_meta={})
-    drv = Regenerator(enumerate(iter_conversations(source)), writer, sampling=Sampling(),
-                      options=RegenOptions(max_in_flight=4))
+    drv = Regenerator(
+        enumerate(iter_conversations(source)), writer, sampling=Sampling(), options=RegenOptions(max_in_flight=4)
+    )
     drv.run(eng)
     assert eng.max_open <= 4
     assert Counter(r.key[0] for r in eng.prompts)[0] == 3  # c0's three turns
@@ -221,8 +227,9 @@ def test_multi_turn_refill_keeps_batch_full(tiny_target_dir, smol_tokenizer, tmp
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_target_dir).eval()
     src = _two_turn_source(tmp_path / "src.jsonl", 24)
-    eng = StaticEngine(model, smol_tokenizer, sampling=Sampling(), max_len=256, batch=4, max_new_tokens=16,
-                       sync_every=4, refill_min=1)
+    eng = StaticEngine(
+        model, smol_tokenizer, sampling=Sampling(), max_len=256, batch=4, max_new_tokens=16, sync_every=4, refill_min=1
+    )
     writer = ChatsWriter(tmp_path / "o", settings=SETTINGS, extra_meta={})
     opts = RegenOptions(max_new_tokens=16, max_turns=2, continue_after_truncated=True, max_in_flight=4)
     drv = Regenerator(enumerate(iter_conversations(src)), writer, sampling=Sampling(), options=opts, total=24)

@@ -50,8 +50,13 @@ def tiny(tiny_target_dir):
 def family_models(tmp_path_factory, smol_tokenizer):
     out = {}
     for fam in ("qwen2", "qwen3"):
-        d = make_tiny_target(tmp_path_factory.mktemp(fam), smol_tokenizer, family=fam, seed=3,
-                             **({"attention_bias": True} if fam == "qwen3" else {}))
+        d = make_tiny_target(
+            tmp_path_factory.mktemp(fam),
+            smol_tokenizer,
+            family=fam,
+            seed=3,
+            **({"attention_bias": True} if fam == "qwen3" else {}),
+        )
         out[fam] = AutoModelForCausalLM.from_pretrained(d).eval()
     return out
 
@@ -61,9 +66,15 @@ def _generate_ids(model, tok, prompts, max_new, stop):
     outs = []
     for p in prompts:
         ids = render_prompt(tok, [{"role": "user", "content": p}])
-        gen = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=max_new, do_sample=False, eos_token_id=stop, pad_token_id=stop[0])
-        row = gen[0, len(ids):].tolist()
+        gen = model.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=stop[0],
+        )
+        row = gen[0, len(ids) :].tolist()
         if row and row[-1] in stop:
             row = row[:-1]
         outs.append(row)
@@ -158,8 +169,10 @@ def test_qwen_families_equal_generate(family_models, smol_tokenizer, family):
     assert unsupported_reason(model, 128) is None
     stop = [smol_tokenizer.eos_token_id]
     ref = _generate_ids(model, smol_tokenizer, PROMPTS[:3], 8, stop)
-    res = _run(StaticEngine(model, smol_tokenizer, sampling=Sampling(), max_len=128, batch=2, max_new_tokens=8),
-               _requests(PROMPTS[:3], 8))
+    res = _run(
+        StaticEngine(model, smol_tokenizer, sampling=Sampling(), max_len=128, batch=2, max_new_tokens=8),
+        _requests(PROMPTS[:3], 8),
+    )
     assert [res[(i, 0)].token_ids for i in range(3)] == ref
 
 
@@ -172,9 +185,12 @@ def test_unsupported_architecture_falls_back_to_generate(tmp_path, smol_tokenize
     assert isinstance(eng, GenerateEngine)
     res = _run(eng, _requests(PROMPTS[:3], 6))
     assert _generate_ids(model, smol_tokenizer, PROMPTS[:3], 6, [smol_tokenizer.eos_token_id]) == [
-        res[(i, 0)].token_ids for i in range(3)]
+        res[(i, 0)].token_ids for i in range(3)
+    ]
     with pytest.raises(ValueError, match="--engine generate"):
-        make_local_engine(model, smol_tokenizer, sampling=Sampling(), max_len=128, batch=2, max_new_tokens=6, engine="static")
+        make_local_engine(
+            model, smol_tokenizer, sampling=Sampling(), max_len=128, batch=2, max_new_tokens=6, engine="static"
+        )
 
 
 def test_generate_engine_batched_equals_unbatched(tiny):
@@ -199,8 +215,9 @@ def test_real_smollm2_greedy_equals_generate(smol_dir):
     prompts = ["What is the capital of France?", "Say hello.", "2+2=?"]
     stop = [tok.eos_token_id]
     ref = _generate_ids(model, tok, prompts, 16, stop)
-    res = _run(StaticEngine(model, tok, sampling=Sampling(), max_len=256, batch=2, max_new_tokens=16),
-               _requests(prompts, 16))
+    res = _run(
+        StaticEngine(model, tok, sampling=Sampling(), max_len=256, batch=2, max_new_tokens=16), _requests(prompts, 16)
+    )
     assert [res[(i, 0)].token_ids for i in range(3)] == ref
     assert "Paris" in res[(0, 0)].text
     assert not res[(0, 0)].truncated  # SmolLM2 closes this answer with <|im_end|>
@@ -212,8 +229,17 @@ def test_span_covers_every_row(tiny):
     import types
 
     model, tok = tiny
-    eng = StaticEngine(model, tok, sampling=Sampling(), max_len=256, batch=8, max_new_tokens=64, min_span=32,
-                       sync_every=4, attention="sdpa")
+    eng = StaticEngine(
+        model,
+        tok,
+        sampling=Sampling(),
+        max_len=256,
+        batch=8,
+        max_new_tokens=64,
+        min_span=32,
+        sync_every=4,
+        attention="sdpa",
+    )
     assert eng.spans == [32, 64, 128, 256] and not eng.per_row
     rng = random.Random(0)
     chosen = set()
@@ -225,8 +251,9 @@ def test_span_covers_every_row(tiny):
             eng._ngen[r] = rng.randint(1, host[r].limit)
         span = eng._span_for(host)
         chosen.add(span)
-        last = max(min(len(p.ids) + eng._ngen[r] - 1 + eng.sync_every, len(p.ids) + p.limit) - 1
-                   for r, p in host.items())
+        last = max(
+            min(len(p.ids) + eng._ngen[r] - 1 + eng.sync_every, len(p.ids) + p.limit) - 1 for r, p in host.items()
+        )
         assert last < span and (span == 32 or last >= span // 2 or span == eng.spans[0]), (last, span)
     assert len(chosen) >= 3
 
@@ -260,8 +287,11 @@ def test_next_turn_takes_the_next_free_row(tiny):
         results[res.key] = res
         i, turn = res.key
         if turn == 0:  # a second turn: the first exchange plus a follow-up
-            msgs = [{"role": "user", "content": PROMPTS[i]}, {"role": "assistant", "content": res.text},
-                    {"role": "user", "content": "More."}]
+            msgs = [
+                {"role": "user", "content": PROMPTS[i]},
+                {"role": "assistant", "content": res.text},
+                {"role": "user", "content": "More."},
+            ]
             ready.append(Request((i, 1), msgs, 5, 2000 + i))
 
     eng.run(pull, deliver)
@@ -269,7 +299,13 @@ def test_next_turn_takes_the_next_free_row(tiny):
     # 0 and 1 start, 2, 3 and 4 are rendered ahead; 2 and 3 take the rows 0 and 1 free (their
     # answers are delivered while 2 and 3 decode); then every second turn goes before 4
     assert started == [(0, 0), (1, 0), (2, 0), (3, 0), (0, 1), (1, 1), (2, 1), (3, 1), (4, 0), (4, 1)], started
-    ids = render_prompt(tok, [{"role": "user", "content": PROMPTS[0]}, {"role": "assistant", "content": results[(0, 0)].text},
-                              {"role": "user", "content": "More."}])
+    ids = render_prompt(
+        tok,
+        [
+            {"role": "user", "content": PROMPTS[0]},
+            {"role": "assistant", "content": results[(0, 0)].text},
+            {"role": "user", "content": "More."},
+        ],
+    )
     ref = reference_generate(model, ids, sampling=Sampling(), seed=0, limit=5, stop=[tok.eos_token_id])
     assert results[(0, 1)].token_ids == [t for t in ref if t != tok.eos_token_id]

@@ -84,15 +84,19 @@ def test_a_rows_draw_does_not_depend_on_its_batch():
     vk = vocab_keys(V, "cpu")
     seed, pos = torch.arange(8) * 13 + 5, torch.arange(8) + 40
     batched = choose(logits, sampling=s, seed_B=seed, pos_B=pos, vkeys_V=vk)
-    alone = [choose(logits[i : i + 1], sampling=s, seed_B=seed[i : i + 1], pos_B=pos[i : i + 1], vkeys_V=vk).item() for i in range(8)]
+    alone = [
+        choose(logits[i : i + 1], sampling=s, seed_B=seed[i : i + 1], pos_B=pos[i : i + 1], vkeys_V=vk).item()
+        for i in range(8)
+    ]
     assert batched.tolist() == alone
     # and it does depend on the seed
     other = choose(logits, sampling=s, seed_B=seed + 1, pos_B=pos, vkeys_V=vk)
     assert other.tolist() != batched.tolist()
 
 
-@pytest.mark.parametrize("kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1),
-                                dict(temperature=math.nan)])
+@pytest.mark.parametrize(
+    "kw", [dict(temperature=-1.0), dict(top_p=0.0), dict(top_p=1.5), dict(seed=-1), dict(temperature=math.nan)]
+)
 def test_bad_sampling_options_name_the_flag(kw):
     with pytest.raises(ValueError, match="--"):
         Sampling(**kw)

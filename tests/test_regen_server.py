@@ -57,16 +57,31 @@ class FakeServer:
                     return
                 text = body["messages"][-1]["content"]
                 if "LONG" in text:
-                    return self._send(400, {"object": "error", "message": "This model's maximum context length is 2048 tokens. However, you requested 5000 tokens."})
+                    return self._send(
+                        400,
+                        {
+                            "object": "error",
+                            "message": "This model's maximum context length is 2048 tokens. However, you requested 5000 tokens.",
+                        },
+                    )
                 if "FAIL" in text:
                     return self._send(500, {"error": "internal"})
                 if "FLAKY" in text and text not in outer.flaky_seen:
                     outer.flaky_seen.add(text)
                     return self._send(503, {"error": "busy"})
                 content = "" if "EMPTY" in text else f"echo({text})"
-                self._send(200, {"choices": [{"message": {"role": "assistant", "content": content},
-                                              "finish_reason": "length" if "TRUNC" in text else "stop"}],
-                                 "usage": {"prompt_tokens": 10, "completion_tokens": len(content.split()) + 1}})
+                self._send(
+                    200,
+                    {
+                        "choices": [
+                            {
+                                "message": {"role": "assistant", "content": content},
+                                "finish_reason": "length" if "TRUNC" in text else "stop",
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 10, "completion_tokens": len(content.split()) + 1},
+                    },
+                )
 
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
@@ -126,9 +141,18 @@ def test_one_dead_url_of_two_is_skipped(server):
 
 
 def _source(tmp_path, n=40):
-    recs = [{"id": f"c{i}", "messages": [{"role": "user", "content": f"q{i}"}, {"role": "assistant", "content": "old"},
-                                         {"role": "user", "content": f"r{i}"}, {"role": "assistant", "content": "old"}]}
-            for i in range(n)]
+    recs = [
+        {
+            "id": f"c{i}",
+            "messages": [
+                {"role": "user", "content": f"q{i}"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": f"r{i}"},
+                {"role": "assistant", "content": "old"},
+            ],
+        }
+        for i in range(n)
+    ]
     recs[3]["messages"][0]["content"] = "LONG q3"
     recs[5]["messages"][2]["content"] = "FAIL r5"
     recs[7]["messages"][0]["content"] = "EMPTY q7"
@@ -139,8 +163,12 @@ def _source(tmp_path, n=40):
 
 def _drive(src, out, eng):
     writer = ChatsWriter(out, settings={"s": 1}, extra_meta={"engine": eng.describe()})
-    drv = Regenerator(enumerate(iter_conversations(src)), writer, sampling=Sampling(),
-                      options=RegenOptions(max_new_tokens=16, commit_every=3, max_in_flight=8))
+    drv = Regenerator(
+        enumerate(iter_conversations(src)),
+        writer,
+        sampling=Sampling(),
+        options=RegenOptions(max_new_tokens=16, commit_every=3, max_in_flight=8),
+    )
     drv.run(eng)
     return writer
 
@@ -188,8 +216,17 @@ def test_regenerate_command_with_server_urls(server, tmp_path, tiny_target_dir):
     from eyas.regen.run import RegenConfig, regenerate
 
     src = _source(tmp_path, n=8)
-    s = regenerate(RegenConfig(out=tmp_path / "o", source=str(src), target=str(tiny_target_dir),
-                               server_urls=[server.url], concurrency=3, max_retries=1, max_turns=1))
+    s = regenerate(
+        RegenConfig(
+            out=tmp_path / "o",
+            source=str(src),
+            target=str(tiny_target_dir),
+            server_urls=[server.url],
+            concurrency=3,
+            max_retries=1,
+            max_turns=1,
+        )
+    )
     assert s["engine"] == "server" and s["written"] == 6 and s["assistant_turns"] == 6  # c3, c7 skipped
     meta = json.loads((tmp_path / "o" / META).read_text())
     assert meta["engine"]["served_model"] == "fake-model" and meta["settings"]["max_len"] is None

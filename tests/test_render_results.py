@@ -25,8 +25,15 @@ def test_a_new_ledger_row_makes_both_files_stale_until_rendered(tmp_path):
     for rel in ("benchmarks/results.jsonl", "docs/performance.md", "README.md"):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(REPO / rel, tmp_path / rel)
-    row = {"metric": "train_smol_supervised_tok_s", "value": 123456.0, "unit": "tokens/s", "date": "2999-01-01",
-           "commit": "abc1234", "device": "a test GPU", "command": "train_bench.py --suite smol"}
+    row = {
+        "metric": "train_smol_supervised_tok_s",
+        "value": 123456.0,
+        "unit": "tokens/s",
+        "date": "2999-01-01",
+        "commit": "abc1234",
+        "device": "a test GPU",
+        "command": "train_bench.py --suite smol",
+    }
     with open(tmp_path / "benchmarks" / "results.jsonl", "a") as f:
         f.write(json.dumps(row) + "\n")
     p = _run("--check", "--root", str(tmp_path))
@@ -35,6 +42,8 @@ def test_a_new_ledger_row_makes_both_files_stale_until_rendered(tmp_path):
     assert _run("--check", "--root", str(tmp_path)).returncode == 0
     readme = (tmp_path / "README.md").read_text()
     assert "123,456 tokens/s | abc1234 (2999-01-01)" in readme
-    assert "| train_smol_supervised_tok_s | 123,456 | tokens/s | 2999-01-01 | abc1234 |" in (
-        tmp_path / "docs" / "performance.md").read_text()
+    assert (
+        "| train_smol_supervised_tok_s | 123,456 | tokens/s | 2999-01-01 | abc1234 |"
+        in (tmp_path / "docs" / "performance.md").read_text()
+    )
     assert readme.replace("123,456", "") != (REPO / "README.md").read_text().replace("123,456", "")

@@ -59,9 +59,26 @@ def test_draft_against_baseline_on_eval_prompts(tiny_target_dir, prompts, tmp_pa
     base = standin(tiny_target_dir, tmp_path, "base")
     out = tmp_path / "out"
     try:
-        code, s, err = bench("--url", draft.url, "--baseline-url", base.url, "--target", str(tiny_target_dir),
-                             "--prompts", str(prompts), "--max-new-tokens", "6", "--concurrency", "1,2",
-                             "--label", "tiny", "--eval-report", str(eval_dir), "--out", str(out))
+        code, s, err = bench(
+            "--url",
+            draft.url,
+            "--baseline-url",
+            base.url,
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "6",
+            "--concurrency",
+            "1,2",
+            "--label",
+            "tiny",
+            "--eval-report",
+            str(eval_dir),
+            "--out",
+            str(out),
+        )
         assert code == 0, err
         cumulative = draft.spec_totals[0] / draft.spec_totals[1]  # every answer the draft server gave
     finally:
@@ -87,16 +104,18 @@ def test_draft_against_baseline_on_eval_prompts(tiny_target_dir, prompts, tmp_pa
 
     # the same token ids as `eyas eval`: its prompts, rendering and greedy answers, turn 2 after turn 1's answer
     tok = load_tokenizer(tiny_target_dir)
-    seqs = generate_conversations(load_target(tiny_target_dir), tok, load_prompts(str(prompts)), max_new_tokens=6,
-                                  batch_size=4)
+    seqs = generate_conversations(
+        load_target(tiny_target_dir), tok, load_prompts(str(prompts)), max_new_tokens=6, batch_size=4
+    )
     want = {(q.id, q.turn): (q.prompt_ids, q.generated_ids) for q in seqs}
     for t in turns:
         assert (t["prompt_ids"], t["output_ids"]) == want[(t["id"], t["turn"])]
 
     ledger = read_jsonl(out / "results.jsonl")
     assert all(set(line) == LEDGER_KEYS for line in ledger)
-    assert {line["metric"] for line in ledger} == {f"tiny_serve_{m}_c{c}" for c in (1, 2) for m in
-                                                  ("tok_s", "baseline_tok_s", "speedup", "accept_len")}
+    assert {line["metric"] for line in ledger} == {
+        f"tiny_serve_{m}_c{c}" for c in (1, 2) for m in ("tok_s", "baseline_tok_s", "speedup", "accept_len")
+    }
     assert next(x for x in ledger if x["metric"] == "tiny_serve_speedup_c2")["value"] == s["runs"]["c2"]["speedup"]
     assert "--baseline-url" in ledger[0]["command"]
     report = (out / "report.md").read_text()
@@ -131,15 +150,22 @@ class FakeVLLM:
         self.httpd.server_close()
 
     def metrics(self) -> str:
-        lines = ['# HELP vllm:num_requests_running Number of requests.', '# TYPE vllm:num_requests_running gauge',
-                 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0']
+        lines = [
+            "# HELP vllm:num_requests_running Number of requests.",
+            "# TYPE vllm:num_requests_running gauge",
+            'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0',
+        ]
         if self.draft:
             lab = 'engine="0",model_name="tiny"'
-            lines += ["# TYPE vllm:spec_decode_num_drafts_total counter",
-                      f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(self.drafts)}",
-                      f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(sum(self.per_pos))}"]
-            lines += [f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{j}"}} {float(v)}'
-                      for j, v in enumerate(self.per_pos)]
+            lines += [
+                "# TYPE vllm:spec_decode_num_drafts_total counter",
+                f"vllm:spec_decode_num_drafts_total{{{lab}}} {float(self.drafts)}",
+                f"vllm:spec_decode_num_accepted_tokens_total{{{lab}}} {float(sum(self.per_pos))}",
+            ]
+            lines += [
+                f'vllm:spec_decode_num_accepted_tokens_per_pos_total{{{lab},position="{j}"}} {float(v)}'
+                for j, v in enumerate(self.per_pos)
+            ]
         return "\n".join(lines) + "\n"
 
     def _handler(self):
@@ -177,8 +203,13 @@ class FakeVLLM:
                     with fake.lock:
                         fake.drafts += 4
                         fake.per_pos = [a + b for a, b in zip(fake.per_pos, FakeVLLM.PER_POS)]
-                self._send(200, {"choices": [{"text": fake.tok.decode(out), "token_ids": out, "finish_reason": "length"}],
-                                 "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out)}})
+                self._send(
+                    200,
+                    {
+                        "choices": [{"text": fake.tok.decode(out), "token_ids": out, "finish_reason": "length"}],
+                        "usage": {"prompt_tokens": len(ids), "completion_tokens": len(out)},
+                    },
+                )
 
         return Handler
 
@@ -186,9 +217,24 @@ class FakeVLLM:
 def test_vllm_counters_give_the_accept_length_and_per_position_rates(tiny_target_dir, prompts, tmp_path):
     draft, base = FakeVLLM(tiny_target_dir, draft=True), FakeVLLM(tiny_target_dir, draft=False)
     try:
-        code, s, err = bench("--url", draft.url, "--baseline-url", base.url, "--engine", "vllm", "--target",
-                             str(tiny_target_dir), "--prompts", str(prompts), "--max-new-tokens", "5",
-                             "--concurrency", "1,3", "--out", str(tmp_path / "out"))
+        code, s, err = bench(
+            "--url",
+            draft.url,
+            "--baseline-url",
+            base.url,
+            "--engine",
+            "vllm",
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "5",
+            "--concurrency",
+            "1,3",
+            "--out",
+            str(tmp_path / "out"),
+        )
     finally:
         draft.close(), base.close()
     assert code == 0, err
@@ -204,8 +250,10 @@ def test_vllm_counters_give_the_accept_length_and_per_position_rates(tiny_target
 
 
 def test_prometheus_text_is_parsed_with_labels_and_comments():
-    got = parse_prometheus('# HELP x a counter\nx_total{a="1",b="q\\"uote"} 3.5\nx_total{a="2"} 1e2 1700000000\n'
-                           'no_labels 7\nbroken line here\n')
+    got = parse_prometheus(
+        '# HELP x a counter\nx_total{a="1",b="q\\"uote"} 3.5\nx_total{a="2"} 1e2 1700000000\n'
+        "no_labels 7\nbroken line here\n"
+    )
     assert got["x_total"] == [({"a": "1", "b": 'q"uote'}, 3.5), ({"a": "2"}, 100.0)]
     assert got["no_labels"] == [({}, 7.0)]
 
@@ -233,11 +281,13 @@ def servers(tiny_target_dir, tmp_path_factory, smol_tokenizer):
     other_tok = tmp / "words"
     PreTrainedTokenizerFast(tokenizer_object=words, unk_token="[UNK]").save_pretrained(other_tok)
     other_model = make_tiny_target(tmp / "other_model", smol_tokenizer, seed=1)
-    srv = {"draft": standin(tiny_target_dir, tmp, "d", draft_accept_length=2.0),
-           "draft2": standin(tiny_target_dir, tmp, "d2", draft_accept_length=3.0),
-           "base": standin(tiny_target_dir, tmp, "b"),
-           "other_model": standin(other_model, tmp, "o"),
-           "other_tok": standin(tiny_target_dir, tmp, "t", tokenizer=other_tok, draft_accept_length=2.0)}
+    srv = {
+        "draft": standin(tiny_target_dir, tmp, "d", draft_accept_length=2.0),
+        "draft2": standin(tiny_target_dir, tmp, "d2", draft_accept_length=3.0),
+        "base": standin(tiny_target_dir, tmp, "b"),
+        "other_model": standin(other_model, tmp, "o"),
+        "other_tok": standin(tiny_target_dir, tmp, "t", tokenizer=other_tok, draft_accept_length=2.0),
+    }
     yield srv
     for s in srv.values():
         s.close()
@@ -252,8 +302,9 @@ class NotAServer(BaseHTTPRequestHandler):
         self.end_headers()
 
 
-@pytest.mark.parametrize("case", ["no_draft", "baseline_with_draft", "unreachable", "not_a_server", "other_model",
-                                  "other_tokenizer"])
+@pytest.mark.parametrize(
+    "case", ["no_draft", "baseline_with_draft", "unreachable", "not_a_server", "other_model", "other_tokenizer"]
+)
 def test_bad_servers_are_refused_in_one_line_before_any_run(case, servers, tiny_target_dir, prompts, tmp_path):
     url, base = servers["draft"].url, None
     if case == "no_draft":
@@ -274,15 +325,32 @@ def test_bad_servers_are_refused_in_one_line_before_any_run(case, servers, tiny_
     calls = {k: s.generate_calls for k, s in servers.items()}
     out = tmp_path / "out"
     try:
-        code, _, err = bench("--url", url, *(["--baseline-url", base] if base else []), "--target", str(tiny_target_dir),
-                             "--prompts", str(prompts), "--max-new-tokens", "4", "--concurrency", "1", "--out", str(out))
+        code, _, err = bench(
+            "--url",
+            url,
+            *(["--baseline-url", base] if base else []),
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "4",
+            "--concurrency",
+            "1",
+            "--out",
+            str(out),
+        )
     finally:
         if httpd is not None:
             httpd.shutdown(), httpd.server_close()
-    expected = {"no_draft": ("--url", "runs no draft model"), "baseline_with_draft": ("--baseline-url", "runs a draft model"),
-                "unreachable": ("--url", "no answer"), "not_a_server": ("--url", "nor a vLLM server"),
-                "other_model": ("--baseline-url", "the speed-up needs the same target"),
-                "other_tokenizer": ("--url", "splits a probe text")}[case]
+    expected = {
+        "no_draft": ("--url", "runs no draft model"),
+        "baseline_with_draft": ("--baseline-url", "runs a draft model"),
+        "unreachable": ("--url", "no answer"),
+        "not_a_server": ("--url", "nor a vLLM server"),
+        "other_model": ("--baseline-url", "the speed-up needs the same target"),
+        "other_tokenizer": ("--url", "splits a probe text"),
+    }[case]
     assert code == 2
     assert len(err) == 1 and err[0].startswith(f"error: {expected[0]} ") and expected[1] in err[0], err
     assert (base or url) in err[0] if case in ("baseline_with_draft", "other_model") else url in err[0]
@@ -291,11 +359,27 @@ def test_bad_servers_are_refused_in_one_line_before_any_run(case, servers, tiny_
     assert all(servers[k].generate_calls - calls[k] <= 1 for k in servers)
 
 
-def test_allow_no_draft_measures_a_server_without_one_and_overwrite_keeps_the_users_files(servers, tiny_target_dir,
-                                                                                          prompts, tmp_path):
+def test_allow_no_draft_measures_a_server_without_one_and_overwrite_keeps_the_users_files(
+    servers, tiny_target_dir, prompts, tmp_path
+):
     out = tmp_path / "out"
-    args = ("--url", servers["base"].url, "--allow-no-draft", "--target", str(tiny_target_dir), "--prompts",
-            str(prompts), "--limit", "1", "--max-new-tokens", "3", "--concurrency", "1", "--out", str(out))
+    args = (
+        "--url",
+        servers["base"].url,
+        "--allow-no-draft",
+        "--target",
+        str(tiny_target_dir),
+        "--prompts",
+        str(prompts),
+        "--limit",
+        "1",
+        "--max-new-tokens",
+        "3",
+        "--concurrency",
+        "1",
+        "--out",
+        str(out),
+    )
     code, s, err = bench(*args)
     assert code == 0, err
     r = s["runs"]["c1"]
@@ -316,14 +400,30 @@ def test_eval_tau_over_the_conversations_sent(tiny_target_dir, prompts, tmp_path
     eval_dir = tmp_path / "eval"
     eval_dir.mkdir()
     (eval_dir / "report.json").write_text(json.dumps({"modes": {"chain": {"acceptance_length": 9.0}}}))
-    seqs = [{"id": "q0", "turn": 1, "accepted_chain": [1, 0, 2]}, {"id": "q0", "turn": 2, "accepted_chain": [3]},
-            {"id": "q1", "turn": 1, "accepted_chain": [0, 0]}, {"id": "q1", "turn": 2, "accepted_chain": [1, 1]},
-            {"id": "q7", "turn": 1, "accepted_chain": [7, 7, 7]}]  # not sent: left out
+    seqs = [
+        {"id": "q0", "turn": 1, "accepted_chain": [1, 0, 2]},
+        {"id": "q0", "turn": 2, "accepted_chain": [3]},
+        {"id": "q1", "turn": 1, "accepted_chain": [0, 0]},
+        {"id": "q1", "turn": 2, "accepted_chain": [1, 1]},
+        {"id": "q7", "turn": 1, "accepted_chain": [7, 7, 7]},
+    ]  # not sent: left out
     (eval_dir / "sequences.jsonl").write_text("".join(json.dumps(x) + "\n" for x in seqs))
     draft = standin(tiny_target_dir, tmp_path, "draft", draft_accept_length=2.0)
     try:
-        args = ["--url", draft.url, "--target", str(tiny_target_dir), "--prompts", str(prompts),
-                "--max-new-tokens", "4", "--concurrency", "1", "--eval-report", str(eval_dir)]
+        args = [
+            "--url",
+            draft.url,
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts),
+            "--max-new-tokens",
+            "4",
+            "--concurrency",
+            "1",
+            "--eval-report",
+            str(eval_dir),
+        ]
         code, s, err = bench(*args, "--out", str(tmp_path / "out"))
         assert code == 0, err
         assert s["eval_chain_tau"] == round(1 + 8 / 8, 4) and "2 conversations sent" in s["eval_chain_tau_from"]

@@ -70,8 +70,9 @@ def check_store_against_reference(store, prepared, model, n=None):
 
 def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, tiny_model, prepared, tmp_path):
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=8, max_forward_tokens=24, tp_size=2) as srv:
-        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
-                                  concurrency=4)
+        out = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, concurrency=4
+        )
         forwards = srv.forwards
     assert out["captured"] == len(LENGTHS) and out["rejected_count"] == 0 and out["store_complete"]
     assert out["tokens"] == sum(LENGTHS) and out["cache_bypass"] == ["none"]
@@ -129,8 +130,15 @@ def test_wait_for_dump_never_pauses_long_between_looks(tmp_path):
     from eyas.sglang.core import CaptureCore, ForwardInfo, make_rid, write_dump
 
     rid = make_rid(3, "late")
-    sample = CaptureCore().observe(ForwardInfo(rids=[rid], extend_prefix_lens=[0], extend_seq_lens=[3],
-                                               aux=torch.zeros(3, 3, 4), final_TD=torch.zeros(3, 4)))[0]
+    sample = CaptureCore().observe(
+        ForwardInfo(
+            rids=[rid],
+            extend_prefix_lens=[0],
+            extend_seq_lens=[3],
+            aux=torch.zeros(3, 3, 4),
+            final_TD=torch.zeros(3, 4),
+        )
+    )[0]
     pauses = []
 
     def sleep(s):
@@ -158,12 +166,15 @@ def test_capture_records_the_engine_numerics_that_verify_holds_the_store_to(tiny
     from eyas.store.verify import verify_store
 
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
-        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
-                                  calibrate=3)
-        again = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
-                                    calibrate=3)
-        plain = capture_from_sglang([srv.url], prepared, "train", tmp_path / "plain", LAYERS, target=tiny_target_dir,
-                                    calibrate=0)
+        out = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, calibrate=3
+        )
+        again = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, calibrate=3
+        )
+        plain = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "plain", LAYERS, target=tiny_target_dir, calibrate=0
+        )
     rec = StoreReader(tmp_path / "store").manifest["engine_numerics"]
     assert out["engine_numerics"]["n_samples"] == rec["n_samples"] == 3 and rec["engine"]["backend"] == "sglang"
     assert list(rec["per_layer"]) == ["2", "3", "4", "final"]
@@ -172,7 +183,10 @@ def test_capture_records_the_engine_numerics_that_verify_holds_the_store_to(tiny
     assert "engine_numerics" not in StoreReader(tmp_path / "plain").manifest and "skipped" in plain["engine_numerics"]
     s = verify_store(tmp_path / "store", numbers=3, invariants=False)
     assert s["ok"] and s["numbers"]["engine_limits"]["source"] == "calibration"
-    assert verify_store(tmp_path / "plain", numbers=3, invariants=False)["numbers"]["engine_limits"]["source"] == "fallback"
+    assert (
+        verify_store(tmp_path / "plain", numbers=3, invariants=False)["numbers"]["engine_limits"]["source"]
+        == "fallback"
+    )
 
 
 def test_capture_fails_when_the_engine_disagrees_with_the_reference(tiny_target_dir, prepared, tmp_path, monkeypatch):
@@ -181,12 +195,18 @@ def test_capture_fails_when_the_engine_disagrees_with_the_reference(tiny_target_
     from eyas.store.verify import verify_store
 
     real = eyas.target.forward_capture
-    monkeypatch.setattr(eyas.target, "forward_capture",
-                        lambda model, ids, mask=None, *, layer_ids: real(model, ids, mask, layer_ids=[i + 1 for i in layer_ids]))
-    with (serve(tiny_target_dir, tmp_path) as srv,
-          pytest.raises(CheckFailed, match="disagree with the reference") as info):
-        capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir,
-                            calibrate=2)
+    monkeypatch.setattr(
+        eyas.target,
+        "forward_capture",
+        lambda model, ids, mask=None, *, layer_ids: real(model, ids, mask, layer_ids=[i + 1 for i in layer_ids]),
+    )
+    with (
+        serve(tiny_target_dir, tmp_path) as srv,
+        pytest.raises(CheckFailed, match="disagree with the reference") as info,
+    ):
+        capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, calibrate=2
+        )
     summary = info.value.summary
     assert summary["store_complete"] and "at layer 2" in summary["engine_numerics"]["problem"]
     with pytest.raises(CheckFailed, match="engine_numerics is refused"):
@@ -198,14 +218,17 @@ def test_radix_cache_needs_a_bypass_and_salt_or_logprob_work(tiny_target_dir, ti
         with pytest.raises(EyasError, match="--disable-radix-cache"):
             capture_from_sglang([srv.url], prepared, "train", tmp_path / "s0", LAYERS, cache_bypass="none")
         for bypass in ("auto", "logprob"):
-            out = capture_from_sglang([srv.url], prepared, "train", tmp_path / f"s-{bypass}", LAYERS,
-                                      cache_bypass=bypass, concurrency=1)
+            out = capture_from_sglang(
+                [srv.url], prepared, "train", tmp_path / f"s-{bypass}", LAYERS, cache_bypass=bypass, concurrency=1
+            )
             assert out["rejected_count"] == 0, out["rejected"]
             assert out["cache_bypass"] == ["salt" if bypass == "auto" else "logprob"]
     check_store_against_reference(tmp_path / "s-auto", prepared, tiny_model)
 
 
-def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(tiny_target_dir, tiny_model, prepared, tmp_path):
+def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(
+    tiny_target_dir, tiny_model, prepared, tmp_path
+):
     # The server caches prefixes but reports the cache as off: samples 5 and 7 (sharing 20 tokens
     # with sample 3, sent before them one at a time) come back with cached_tokens > 0.
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
@@ -247,20 +270,32 @@ def test_plugin_rejection_reaches_the_client(tiny_target_dir, prepared, tmp_path
 
 
 def test_preflight_refusals(tiny_target_dir, tmp_path):
-    with serve(tiny_target_dir, tmp_path, plugin=False) as srv, pytest.raises(EyasError, match="plugin is not loaded.*EYAS_CAPTURE=1"):
+    with (
+        serve(tiny_target_dir, tmp_path, plugin=False) as srv,
+        pytest.raises(EyasError, match="plugin is not loaded.*EYAS_CAPTURE=1"),
+    ):
         preflight(srv.url, LAYERS)
     with serve(tiny_target_dir, tmp_path) as srv:
         with pytest.raises(EyasError, match="EYAS_CAPTURE_LAYERS=1,3,5"):
             preflight(srv.url, [1, 3, 5])
         with pytest.raises(EyasError, match="not visible here"):
             preflight(srv.url, LAYERS, dump_dir=tmp_path / "nowhere")
-    with serve(tiny_target_dir, tmp_path, speculative_algorithm="EAGLE3") as srv, pytest.raises(EyasError, match="speculative"):
+    with (
+        serve(tiny_target_dir, tmp_path, speculative_algorithm="EAGLE3") as srv,
+        pytest.raises(EyasError, match="speculative"),
+    ):
         preflight(srv.url, LAYERS)
     with pytest.raises(EyasError, match="cannot read the server's info"):
         preflight("http://127.0.0.1:9", LAYERS)
-    with serve(tiny_target_dir, tmp_path, enable_dp_attention=True) as srv, pytest.raises(EyasError, match="DP attention.*--enable-dp-attention"):
+    with (
+        serve(tiny_target_dir, tmp_path, enable_dp_attention=True) as srv,
+        pytest.raises(EyasError, match="DP attention.*--enable-dp-attention"),
+    ):
         preflight(srv.url, LAYERS)
-    with serve(tiny_target_dir, tmp_path, enable_two_batch_overlap=True) as srv, pytest.raises(EyasError, match="--enable-two-batch-overlap"):
+    with (
+        serve(tiny_target_dir, tmp_path, enable_two_batch_overlap=True) as srv,
+        pytest.raises(EyasError, match="--enable-two-batch-overlap"),
+    ):
         preflight(srv.url, LAYERS)
 
 
@@ -288,8 +323,11 @@ def test_preflight_and_verify_server_refuse_prefill_cp_and_a_piecewise_prefill_g
     with serve(tiny_target_dir, tmp_path) as srv:
         info = srv.server_info
         srv.server_info = lambda: {**info(), "enable_prefill_cp": True}
-        with pytest.raises(EyasError, match=r"^--url \S+: the server has enable_prefill_cp on: [^\n]*"
-                                            r"Restart it without --enable-prefill-cp$"):
+        with pytest.raises(
+            EyasError,
+            match=r"^--url \S+: the server has enable_prefill_cp on: [^\n]*"
+            r"Restart it without --enable-prefill-cp$",
+        ):
             preflight(srv.url, LAYERS)
         with pytest.raises(EyasError, match="--enable-prefill-cp"):
             _verify(srv)
@@ -299,8 +337,11 @@ def test_preflight_and_verify_server_refuse_prefill_cp_and_a_piecewise_prefill_g
             preflight(srv.url, LAYERS)
         with pytest.raises(EyasError, match="tc_piecewise"):
             _verify(srv)
-        srv.server_info = lambda: {**info(), "enable_prefill_cp": False,
-                                   "cuda_graph_config": {"prefill": {"backend": "breakable"}}}
+        srv.server_info = lambda: {
+            **info(),
+            "enable_prefill_cp": False,
+            "cuda_graph_config": {"prefill": {"backend": "breakable"}},
+        }
         assert preflight(srv.url, LAYERS).status["enabled"]
 
 
@@ -333,10 +374,13 @@ def test_the_prefill_graph_is_on_when_the_resolved_config_says_so_not_by_cuda_de
 
 
 def test_legacy_info_path_retries_and_data_parallel(tiny_target_dir, prepared, tmp_path):
-    with serve(tiny_target_dir, tmp_path, legacy_info_path=True, fail_first=3) as a, \
-         serve(tiny_target_dir, tmp_path) as b:
-        out = capture_from_sglang([a.url, b.url], prepared, "train", tmp_path / "store", None, backoff_s=0.01,
-                                  concurrency=2)
+    with (
+        serve(tiny_target_dir, tmp_path, legacy_info_path=True, fail_first=3) as a,
+        serve(tiny_target_dir, tmp_path) as b,
+    ):
+        out = capture_from_sglang(
+            [a.url, b.url], prepared, "train", tmp_path / "store", None, backoff_s=0.01, concurrency=2
+        )
         assert a.generate_calls > 3 and b.generate_calls > 0  # both servers got work
     assert out["layer_ids"] == LAYERS and out["captured"] == len(LENGTHS) and out["retries"] == 3
 
@@ -345,16 +389,18 @@ def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, tiny_model, prepa
     from eyas.sglang.client import _job_tag
 
     with serve(tiny_target_dir, tmp_path) as srv:
-        first = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3,
-                                    target=tiny_target_dir)
+        first = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, limit=3, target=tiny_target_dir
+        )
         assert first["captured"] == 3
         # a crashed run left a dump of this job behind; the next run removes it
         stale = tmp_path / "dumps" / f"eyas.9.{_job_tag(tmp_path / 'store', 'train')}-4-0"
         stale.mkdir()
         (stale / "meta.json").write_text("{}")
         with pytest.raises(EyasError, match="different dtype"):
-            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, dtype="fp32",
-                                target=tiny_target_dir)
+            capture_from_sglang(
+                [srv.url], prepared, "train", tmp_path / "store", LAYERS, dtype="fp32", target=tiny_target_dir
+            )
         assert not stale.exists()
         second = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir)
     assert second["already_committed"] == 3 and second["captured"] == 5 and second["store_complete"]
@@ -387,8 +433,18 @@ def _verify(srv, **kw) -> dict:
     """`eyas verify-server` against `srv`; a typer command, so every option is passed (these defaults, then `kw`)."""
     from eyas.commands.verify_server import verify_server
 
-    args = dict(url=srv.url, layers=None, dump_dir=None, cache_bypass="auto", target=None, prompt_tokens=24,
-                tolerance=None, device="cpu", seed=0, dump_wait_s=10.0)
+    args = dict(
+        url=srv.url,
+        layers=None,
+        dump_dir=None,
+        cache_bypass="auto",
+        target=None,
+        prompt_tokens=24,
+        tolerance=None,
+        device="cpu",
+        seed=0,
+        dump_wait_s=10.0,
+    )
     return verify_server(**{**args, **kw})
 
 
@@ -474,8 +530,9 @@ def run_model_runner_forward_elsewhere(monkeypatch, *, old_plugin: bool) -> None
 
 
 @pytest.mark.parametrize("old_plugin", [False, True])
-def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batch(tiny_target_dir, tmp_path,
-                                                                                  monkeypatch, old_plugin):
+def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batch(
+    tiny_target_dir, tmp_path, monkeypatch, old_plugin
+):
     # no dump at all (not even a rejected one): the counters must name the flag, not the dump directory
     run_model_runner_forward_elsewhere(monkeypatch, old_plugin=old_plugin)
     with serve(tiny_target_dir, tmp_path) as srv, pytest.raises(CheckFailed) as exc:
@@ -489,8 +546,9 @@ def test_verify_server_names_the_flag_when_replay_batches_find_no_scheduler_batc
     assert counters["rid_less_forwards"] == (0 if old_plugin else counters["live_batches"])
 
 
-def test_verify_server_passes_an_older_plugin_whose_replay_batches_keep_their_rids(tiny_target_dir, tmp_path,
-                                                                                     monkeypatch):
+def test_verify_server_passes_an_older_plugin_whose_replay_batches_keep_their_rids(
+    tiny_target_dir, tmp_path, monkeypatch
+):
     # a graph backend that copies rids (no ids taken from the scheduler's batches) and a status without
     # rid_less_forwards: with every dump present, the counters must not be read as lost request ids
     from eyas.sglang import plugin, standin
@@ -546,9 +604,17 @@ def test_check_sample_names_every_fault(tmp_path):
     def dump(pieces=((0, 6),), ids_=ids, aux_=aux):
         rid, cc = make_rid(L, f"t{len(list(tmp_path.iterdir()))}"), CaptureCore()
         for a, n in pieces:
-            out = cc.observe(ForwardInfo(rids=[rid], extend_prefix_lens=[a], extend_seq_lens=[n], aux=aux_[a:a + n],
-                                         final_TD=final[a:a + n], positions_T=torch.arange(a, a + n),
-                                         input_ids_T=ids_[a:a + n]))
+            out = cc.observe(
+                ForwardInfo(
+                    rids=[rid],
+                    extend_prefix_lens=[a],
+                    extend_seq_lens=[n],
+                    aux=aux_[a : a + n],
+                    final_TD=final[a : a + n],
+                    positions_T=torch.arange(a, a + n),
+                    input_ids_T=ids_[a : a + n],
+                )
+            )
         return read_dump(write_dump(tmp_path, out[0], layer_ids=LAYERS))
 
     ok_meta = {"prompt_tokens": L, "cached_tokens": 0}
@@ -583,18 +649,52 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
     from eyas.cli import app
 
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=16) as srv:
-        res = CliRunner().invoke(app, [
-            "capture", "--backend", "sglang", "--url", srv.url, "--data", str(prepared), "--out", str(tmp_path / "store"),
-            "--aux-layers", ",".join(map(str, LAYERS)), "--target", str(tiny_target_dir), "--sglang-concurrency", "3",
-            "--sglang-calibrate", "2"])
+        res = CliRunner().invoke(
+            app,
+            [
+                "capture",
+                "--backend",
+                "sglang",
+                "--url",
+                srv.url,
+                "--data",
+                str(prepared),
+                "--out",
+                str(tmp_path / "store"),
+                "--aux-layers",
+                ",".join(map(str, LAYERS)),
+                "--target",
+                str(tiny_target_dir),
+                "--sglang-concurrency",
+                "3",
+                "--sglang-calibrate",
+                "2",
+            ],
+        )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["captured"] == len(LENGTHS) and summary["rejected_count"] == 0
     assert summary["engine_numerics"]["n_samples"] == 2
-    bad = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")])
+    bad = CliRunner().invoke(
+        app, ["capture", "--backend", "sglang", "--data", str(prepared), "--out", str(tmp_path / "s2")]
+    )
     assert bad.exit_code == 2 and "--url" in bad.output
-    neg = CliRunner().invoke(app, ["capture", "--backend", "sglang", "--url", "http://127.0.0.1:9", "--data", str(prepared),
-                                   "--out", str(tmp_path / "s3"), "--sglang-calibrate", "-1"])
+    neg = CliRunner().invoke(
+        app,
+        [
+            "capture",
+            "--backend",
+            "sglang",
+            "--url",
+            "http://127.0.0.1:9",
+            "--data",
+            str(prepared),
+            "--out",
+            str(tmp_path / "s3"),
+            "--sglang-calibrate",
+            "-1",
+        ],
+    )
     assert neg.exit_code == 2 and "--sglang-calibrate" in neg.output and not (tmp_path / "s3").exists()
 
 
@@ -613,8 +713,9 @@ def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, t
 
 
 @pytest.mark.parametrize("old_plugin", [False, True])
-def test_probe_names_the_flag_when_replay_batches_find_no_scheduler_batch(tiny_target_dir, tmp_path, monkeypatch,
-                                                                          old_plugin):
+def test_probe_names_the_flag_when_replay_batches_find_no_scheduler_batch(
+    tiny_target_dir, tmp_path, monkeypatch, old_plugin
+):
     # the plugin saw scheduler batches but took no request ids from them: the flag, not the dump directory
     from eyas.sglang.client import probe
 

@@ -38,18 +38,37 @@ from eyas.sglang.standin import ForwardBatch, ForwardMode, replay_batch
 
 # Only these mean the index could not be reached. "No matching distribution" alone is not one of them: pip
 # says it when the index answered without the version (a claimed release was yanked or deleted), which fails.
-NETWORK_ERRORS = ("NewConnectionError", "ConnectionError", "Temporary failure in name resolution", "Max retries",
-                  "timed out", "Network is unreachable", "ProxyError", "Connection refused")
+NETWORK_ERRORS = (
+    "NewConnectionError",
+    "ConnectionError",
+    "Temporary failure in name resolution",
+    "Max retries",
+    "timed out",
+    "Network is unreachable",
+    "ProxyError",
+    "Connection refused",
+)
 # the files read below, relative to the wheel root (prefixes: a package's whole folder)
-NEEDED = ("sglang/srt/plugins/", "sglang/srt/model_executor/model_runner.py", "sglang/srt/layers/logits_processor.py",
-          "sglang/srt/managers/scheduler_components/internal_state", "sglang/srt/managers/scheduler.py",
-          "sglang/srt/model_executor/forward_batch_info.py", "sglang/srt/runtime_context",
-          "sglang/srt/models/llama.py", "sglang/srt/models/deepseek_v2.py", "sglang/srt/models/kimi_k25.py",
-          "sglang/srt/managers/io_struct.py", "sglang/srt/managers/schedule_batch.py",
-          "sglang/srt/mem_cache/radix_cache.py", "sglang/srt/entrypoints/http_server.py",
-          "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py",
-          "sglang/srt/model_executor/cuda_graph_config.py", "sglang/srt/server_args.py",
-          "sglang/srt/arg_groups/")
+NEEDED = (
+    "sglang/srt/plugins/",
+    "sglang/srt/model_executor/model_runner.py",
+    "sglang/srt/layers/logits_processor.py",
+    "sglang/srt/managers/scheduler_components/internal_state",
+    "sglang/srt/managers/scheduler.py",
+    "sglang/srt/model_executor/forward_batch_info.py",
+    "sglang/srt/runtime_context",
+    "sglang/srt/models/llama.py",
+    "sglang/srt/models/deepseek_v2.py",
+    "sglang/srt/models/kimi_k25.py",
+    "sglang/srt/managers/io_struct.py",
+    "sglang/srt/managers/schedule_batch.py",
+    "sglang/srt/mem_cache/radix_cache.py",
+    "sglang/srt/entrypoints/http_server.py",
+    "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py",
+    "sglang/srt/model_executor/cuda_graph_config.py",
+    "sglang/srt/server_args.py",
+    "sglang/srt/arg_groups/",
+)
 
 
 def cache_dir() -> Path:
@@ -77,8 +96,10 @@ def download_failure(version: str, output: str) -> tuple[bool, str]:
     if any(e in output for e in NETWORK_ERRORS):
         return True, f"cannot download sglang=={version} (package index unreachable): {tail}"
     if "No matching distribution" in output:
-        return False, (f"sglang=={version} is claimed in plugin.SUPPORTED_VERSIONS but the package index has no "
-                       f"cp311 manylinux wheel of it (yanked or deleted?): {tail}")
+        return False, (
+            f"sglang=={version} is claimed in plugin.SUPPORTED_VERSIONS but the package index has no "
+            f"cp311 manylinux wheel of it (yanked or deleted?): {tail}"
+        )
     return False, f"pip download sglang=={version} failed:\n{output[-2000:]}"
 
 
@@ -91,8 +112,23 @@ def sglang_source(version: str) -> Path:
         return src
     wheels = [w for w in cache.glob(f"sglang-{version}-*.whl")]
     if not wheels:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-               "--platform", "manylinux_2_34_x86_64", f"sglang=={version}", "-d", str(cache), "-q", "--no-cache-dir"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            f"sglang=={version}",
+            "-d",
+            str(cache),
+            "-q",
+            "--no-cache-dir",
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             skip, why = download_failure(version, res.stderr + res.stdout)
@@ -170,7 +206,9 @@ def test_contract_check_would_catch_a_missing_field(tmp_path):
     fbi.write_text(text.replace("    rids: Optional[List[str]] = None", "    request_ids: Optional[List[str]] = None"))
     lp = copy / "sglang/srt/layers/logits_processor.py"
     tree = ast.parse(lp.read_text())
-    fn = next(n for n in class_def(lp, "LogitsProcessor").body if isinstance(n, ast.FunctionDef) and n.name == "forward")
+    fn = next(
+        n for n in class_def(lp, "LogitsProcessor").body if isinstance(n, ast.FunctionDef) and n.name == "forward"
+    )
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef) and node.name == "forward" and node.lineno == fn.lineno:
             for a in node.args.args + node.args.kwonlyargs:
@@ -196,8 +234,15 @@ def test_the_replay_batch_copies_the_lengths_the_plugin_matches_on(sglang_src):
     assert kw["extend_seq_lens_cpu"] == "forward_batch.extend_seq_lens_cpu"
     assert kw["extend_prefix_lens_cpu"] == "forward_batch.extend_prefix_lens_cpu"
     # the stand-in builds its replay batch the same way: the lengths, no rids unless SGLang copies them
-    live = ForwardBatch(forward_mode=ForwardMode.MIXED, batch_size=1, input_ids=torch.arange(3), positions=torch.arange(3),
-                        extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[3], rids=["r"])
+    live = ForwardBatch(
+        forward_mode=ForwardMode.MIXED,
+        batch_size=1,
+        input_ids=torch.arange(3),
+        positions=torch.arange(3),
+        extend_prefix_lens_cpu=[0],
+        extend_seq_lens_cpu=[3],
+        rids=["r"],
+    )
     rb = replay_batch(live, bucket=8)
     assert rb.extend_seq_lens_cpu is live.extend_seq_lens_cpu and rb.forward_mode == ForwardMode.EXTEND
     assert (rb.rids is None) == ("rids" not in kw)
@@ -213,8 +258,9 @@ def _parents(tree) -> dict:
 
 def _is_model_forward_call(node, batch: str | None = None) -> bool:
     """`self.model_runner.model.forward(B.input_ids, B.positions, B, ...)`: the whole model, tail included."""
-    if not (isinstance(node, ast.Call) and code(node.func) == "self.model_runner.model.forward"
-            and len(node.args) >= 3):
+    if not (
+        isinstance(node, ast.Call) and code(node.func) == "self.model_runner.model.forward" and len(node.args) >= 3
+    ):
         return False
     b = code(node.args[2])
     return (batch in (None, b)) and [code(a) for a in node.args[:2]] == [f"{b}.input_ids", f"{b}.positions"]
@@ -233,26 +279,42 @@ def assert_breakable_replay_runs_the_tail_eagerly_on_the_static_batch(sglang_src
     cls = class_def(runner, "PrefillCudaGraphRunner")
     fns = {n.name: n for n in cls.body if isinstance(n, ast.FunctionDef)}
     # the default prefill backend on CUDA is the breakable one
-    cfg = next(n for n in parse(sglang_src / "sglang/srt/model_executor/cuda_graph_config.py").body
-               if isinstance(n, ast.FunctionDef) and n.name == "default_prefill_backend")
+    cfg = next(
+        n
+        for n in parse(sglang_src / "sglang/srt/model_executor/cuda_graph_config.py").body
+        if isinstance(n, ast.FunctionDef) and n.name == "default_prefill_backend"
+    )
     assert code(cfg.body[-1]).startswith("return Backend.BREAKABLE if is_cuda() else"), code(cfg)
     assert "self._is_full_backend = isinstance(self.backend, FullCudaGraphBackend)" in code(fns["__init__"])
     # the scheduler's replay goes through execute, whose static batch is load_batch's rebuilt one
     mr = code(class_def(sglang_src / "sglang/srt/model_executor/model_runner.py", "ModelRunner"))
     assert "self.prefill_cuda_graph_runner.execute(" in mr
     load = fns["load_batch"]
-    built = [n for n in ast.walk(load) if isinstance(n, ast.Assign) and isinstance(n.value, ast.Call)
-             and getattr(n.value.func, "id", None) == "ForwardBatch"]
+    built = [
+        n
+        for n in ast.walk(load)
+        if isinstance(n, ast.Assign)
+        and isinstance(n.value, ast.Call)
+        and getattr(n.value.func, "id", None) == "ForwardBatch"
+    ]
     assert [code(t) for n in built for t in n.targets] == ["static_forward_batch"]
     assert code(load.body[-1]) in ("return static_forward_batch", "return (static_forward_batch, shared_read_ends)")
     execute = fns["execute"]
-    assert any(code(n).startswith(("static_forward_batch = self.load_batch(forward_batch",
-                                   "static_forward_batch, shared_read_ends = self.load_batch(forward_batch"))
-               for n in ast.walk(execute) if isinstance(n, ast.Assign)), code(execute)
+    assert any(
+        code(n).startswith(
+            (
+                "static_forward_batch = self.load_batch(forward_batch",
+                "static_forward_batch, shared_read_ends = self.load_batch(forward_batch",
+            )
+        )
+        for n in ast.walk(execute)
+        if isinstance(n, ast.Assign)
+    ), code(execute)
     if version < (0, 5, 16):
         tail_fn = execute
-        guard = next(n for n in ast.walk(execute)
-                     if isinstance(n, ast.If) and code(n.test) == "self.layer_model is not None")
+        guard = next(
+            n for n in ast.walk(execute) if isinstance(n, ast.If) and code(n.test) == "self.layer_model is not None"
+        )
         assert any(_is_model_forward_call(n) for n in ast.walk(guard))
         init = code(fns["__init__"])
         sets = init.index("self.layer_model = language_model.model")
@@ -260,8 +322,9 @@ def assert_breakable_replay_runs_the_tail_eagerly_on_the_static_batch(sglang_src
     else:
         tail_fn = fns["_execute_body_capture"]
         assert "Backend.BREAKABLE" in code(fns["_uses_eager_prefill_tail"])
-        guard = next(n for n in ast.walk(execute) if isinstance(n, ast.If)
-                     and code(n.test) == "self._uses_eager_prefill_tail()")
+        guard = next(
+            n for n in ast.walk(execute) if isinstance(n, ast.If) and code(n.test) == "self._uses_eager_prefill_tail()"
+        )
         calls = [code(n) for n in ast.walk(ast.Module(guard.body, [])) if isinstance(n, ast.Call)]
         assert any(c.startswith("self._execute_body_capture(forward_batch, static_forward_batch") for c in calls), calls
     # the tail: the model's forward on `tail_batch`, which is the static batch unless the backend is full
@@ -269,9 +332,11 @@ def assert_breakable_replay_runs_the_tail_eagerly_on_the_static_batch(sglang_src
     assert len(tail_calls) == 1, code(tail_fn)
     body = code(tail_fn)
     assert "full_path = self._is_full_backend" in body
-    assert ("tail_batch = forward_batch if full_path else static_forward_batch" in body
-            or any(code(n.test) == "full_path" and [code(x) for x in n.orelse] == ["tail_batch = static_forward_batch"]
-                   for n in ast.walk(tail_fn) if isinstance(n, ast.If))), body
+    assert "tail_batch = forward_batch if full_path else static_forward_batch" in body or any(
+        code(n.test) == "full_path" and [code(x) for x in n.orelse] == ["tail_batch = static_forward_batch"]
+        for n in ast.walk(tail_fn)
+        if isinstance(n, ast.If)
+    ), body
     # ... run while the body's forward is swapped for the graph replay, so only the body replays
     assert "self.layer_model.forward = replay_layer_forward" in body
     swap = body.index("self.layer_model.forward = replay_layer_forward")
@@ -298,13 +363,24 @@ def test_layer_id_rules_run_from_sglangs_own_code(sglang_src):
 
     def build(path, cls):
         fns = load_methods(path, cls, ["set_eagle3_layers_to_capture"])
-        return type(cls, (), {"__init__": lambda self: self.__dict__.update(
-            pp_group=types.SimpleNamespace(is_last_rank=True), config=cfg,
-            model=types.SimpleNamespace(layers_to_capture=[])), **fns})
+        return type(
+            cls,
+            (),
+            {
+                "__init__": lambda self: self.__dict__.update(
+                    pp_group=types.SimpleNamespace(is_last_rank=True),
+                    config=cfg,
+                    model=types.SimpleNamespace(layers_to_capture=[]),
+                ),
+                **fns,
+            },
+        )
 
     Llama = build(models / "llama.py", "LlamaForCausalLM")
     Deepseek = build(models / "deepseek_v2.py", "DeepseekV2ForCausalLM")
-    kimi_fns = load_methods(models / "kimi_k25.py", "KimiK25ForConditionalGeneration", ["model", "set_eagle3_layers_to_capture"])
+    kimi_fns = load_methods(
+        models / "kimi_k25.py", "KimiK25ForConditionalGeneration", ["model", "set_eagle3_layers_to_capture"]
+    )
     assert isinstance(kimi_fns["model"], property), "Kimi-K2.5's .model is no longer a property"
     Kimi = type("Kimi", (), {"__init__": lambda self: setattr(self, "language_model", Deepseek()), **kimi_fns})
 
@@ -347,7 +423,9 @@ def test_semantics_the_plugin_relies_on(sglang_src):
     body = code(method(srt / "managers/scheduler.py", "Scheduler", "init_model_worker"))
     assert body.index("self.init_all_attention_backends()") < body.index("self.init_all_cuda_graphs()")
     # a prefix match is capped by logprob_start_len (the `logprob` bypass)
-    assert "max_prefix_len = min(max_prefix_len, self.logprob_start_len)" in codes(srt / "managers/schedule_batch.py", ast.Assign)
+    assert "max_prefix_len = min(max_prefix_len, self.logprob_start_len)" in codes(
+        srt / "managers/schedule_batch.py", ast.Assign
+    )
     # /server_info carries the schedulers' internal states (where the plugin reports itself)
     assert any("'internal_states': internal_states" in c for c in codes(srt / "entrypoints/http_server.py", ast.Dict))
     if release(sglang_src) >= (0, 5, 22):
@@ -371,24 +449,32 @@ PLUGIN_INFO_KEYS = {"eyas_capture"}  # the plugin's status (plugin._on_internal_
 RESOLUTION_BOOKKEEPING = {"_raw_input", "_resolved_overrides"}
 
 
-def names_read(fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef], _seen=None,
-               _bound: dict[str, list] | None = None) -> dict[str, bool]:
+def names_read(
+    fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef], _seen=None, _bound: dict[str, list] | None = None
+) -> dict[str, bool]:
     """Names read off `var` in `fn`, each with whether every read has a default: getattr(var, "x"[, d]),
     var.x, var.get("x"[, d]) (always a default: None), var["x"]; a name looped over string constants
     (for flag in ("a", "b"): getattr(var, flag)) stands for each; same-module helpers called with `var`
     are followed, a parameter of theirs standing for the string constants (or the loop's) passed to it
     (server_arg(args, "x") reads x)."""
     _seen = {fn.name} if _seen is None else _seen | {fn.name}
-    loops = {n.target.id: [e.value for e in n.iter.elts if isinstance(e, ast.Constant)]
-             for n in ast.walk(fn) if isinstance(n, ast.For) and isinstance(n.target, ast.Name)
-             and isinstance(n.iter, (ast.Tuple, ast.List))}
+    loops = {
+        n.target.id: [e.value for e in n.iter.elts if isinstance(e, ast.Constant)]
+        for n in ast.walk(fn)
+        if isinstance(n, ast.For) and isinstance(n.target, ast.Name) and isinstance(n.iter, (ast.Tuple, ast.List))
+    }
     loops = {**(_bound or {}), **loops}
     parents = _parents(fn)
     out: dict[str, bool] = {}
 
     def add(key, defaulted: bool) -> None:
-        keys = [key] if isinstance(key, str) else [key.value] if isinstance(key, ast.Constant) \
+        keys = (
+            [key]
+            if isinstance(key, str)
+            else [key.value]
+            if isinstance(key, ast.Constant)
             else loops.get(getattr(key, "id", None), [])
+        )
         assert keys, f"{fn.name}: cannot tell which name `{code(key)}` reads off {var}"
         for k in keys:
             out[k] = out.get(k, True) and defaulted
@@ -411,8 +497,11 @@ def names_read(fn: ast.FunctionDef, var: str, module: dict[str, ast.FunctionDef]
             callee = module[n.func.id]
             params = [a.arg for a in callee.args.posonlyargs + callee.args.args]
             passed = list(zip(params, n.args)) + [(k.arg, k.value) for k in n.keywords]
-            bound = {p: [a.value] if isinstance(a, ast.Constant) else loops[a.id] for p, a in passed
-                     if (isinstance(a, ast.Constant) and isinstance(a.value, str)) or getattr(a, "id", None) in loops}
+            bound = {
+                p: [a.value] if isinstance(a, ast.Constant) else loops[a.id]
+                for p, a in passed
+                if (isinstance(a, ast.Constant) and isinstance(a.value, str)) or getattr(a, "id", None) in loops
+            }
             for i, a in enumerate(n.args):
                 if is_var(a):
                     for k, d in names_read(callee, params[i], module, _seen, bound).items():
@@ -428,12 +517,16 @@ def server_args_fields(srt: Path) -> set[str]:
     """ServerArgs's fields, read from the wheel: a dataclass in server_args.py up to 0.5.19; from 0.5.20 a
     msgspec struct assembled from the namespaces `_INPUT_NAMESPACES` lists (classes in arg_groups/fields/)."""
     tree = parse(srt / "server_args.py")
-    imports = {a.asname or a.name: n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module
-               for a in n.names}
+    imports = {
+        a.asname or a.name: n.module for n in tree.body if isinstance(n, ast.ImportFrom) and n.module for a in n.names
+    }
 
     def annotated(cls: ast.ClassDef) -> set[str]:
-        return {n.target.id for n in cls.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)
-                and "ClassVar" not in code(n.annotation)}
+        return {
+            n.target.id
+            for n in cls.body
+            if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name) and "ClassVar" not in code(n.annotation)
+        }
 
     fields = annotated(class_def(srt / "server_args.py", "ServerArgs"))
     for node in tree.body:
@@ -459,16 +552,25 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     # the client's preflight, on /server_info: ServerArgs's fields plus what the handler adds itself
     client_fns = module_functions(client)
     client_reads = names_read(client_fns["preflight"], "info", client_fns)
-    handler = next(n for n in parse(srt / "entrypoints/http_server.py").body
-                   if isinstance(n, ast.AsyncFunctionDef) and n.name == "server_info")
+    handler = next(
+        n
+        for n in parse(srt / "entrypoints/http_server.py").body
+        if isinstance(n, ast.AsyncFunctionDef) and n.name == "server_info"
+    )
     dicts = [n for n in ast.walk(handler) if isinstance(n, ast.Dict)]
-    assert any(any(s in code(d) for s in ("dataclasses.asdict(server_args)", "server_args.resolved_dict()",
-                                         "build_server_info(server_args")) for d in dicts), code(handler)
+    assert any(
+        any(
+            s in code(d)
+            for s in ("dataclasses.asdict(server_args)", "server_args.resolved_dict()", "build_server_info(server_args")
+        )
+        for d in dicts
+    ), code(handler)
     handler_keys = {k.value for d in dicts for k in d.keys if isinstance(k, ast.Constant)}
     assert {"internal_states", "version"} <= handler_keys
     client_fields = {k: d for k, d in client_reads.items() if k not in handler_keys | PLUGIN_INFO_KEYS}
-    assert {"speculative_algorithm", "enable_dp_attention", "enable_prefill_cp", "cuda_graph_config"} \
-        <= set(plugin_reads) & set(client_fields)
+    assert {"speculative_algorithm", "enable_dp_attention", "enable_prefill_cp", "cuda_graph_config"} <= set(
+        plugin_reads
+    ) & set(client_fields)
     for who, reads in (("plugin.check_server_args", plugin_reads), ("client.preflight", client_fields)):
         for name, defaulted in sorted(reads.items()):
             if name in NEWER_FIELDS:
@@ -478,14 +580,21 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
             else:
                 assert name in fields, f"{who} reads ServerArgs.{name}, which this release does not have"
     # the prefill-graph backend the plugin refuses, read through cuda_graph_config.prefill.backend
-    refused = [c.comparators[0].value for c in ast.walk(plugin_fns["check_server_args"])
-               if isinstance(c, ast.Compare) and code(c.left) == "_prefill_graph_backend(args)"]
+    refused = [
+        c.comparators[0].value
+        for c in ast.walk(plugin_fns["check_server_args"])
+        if isinstance(c, ast.Compare) and code(c.left) == "_prefill_graph_backend(args)"
+    ]
     cgc = sglang_src / "sglang/srt/model_executor/cuda_graph_config.py"
-    backends = {n.targets[0].id: n.value.value for n in class_def(cgc, "Backend").body
-                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)}
+    backends = {
+        n.targets[0].id: n.value.value
+        for n in class_def(cgc, "Backend").body
+        if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant)
+    }
     assert refused == ["tc_piecewise"] and backends["TC_PIECEWISE"] == "tc_piecewise"
-    assert {"prefill", "decode"} <= {n.target.id for n in class_def(cgc, "CudaGraphConfig").body
-                                     if isinstance(n, ast.AnnAssign)}
+    assert {"prefill", "decode"} <= {
+        n.target.id for n in class_def(cgc, "CudaGraphConfig").body if isinstance(n, ast.AnnAssign)
+    }
     assert "backend" in {n.target.id for n in class_def(cgc, "PhaseConfig").body if isinstance(n, ast.AnnAssign)}
 
 
@@ -516,11 +625,18 @@ def test_the_plugin_reads_server_args_as_sglang_resolves_them(sglang_src):
     exec(compile(ast.Module([top_function(overrides, "resolution_result")], []), str(overrides), "exec"), ns)
     resolution_result = ns["resolution_result"]
     rec = types.SimpleNamespace(
-        enable_prefill_cp=False, attn_cp_size=1, cuda_graph_config=None, pp_size=1,
+        enable_prefill_cp=False,
+        attn_cp_size=1,
+        cuda_graph_config=None,
+        pp_size=1,
         _raw_input={"enable_prefill_cp": False, "attn_cp_size": 1, "cuda_graph_config": None, "pp_size": 1},
-        _resolved_overrides=[("_handle_legacy_cp_arguments", {"enable_prefill_cp": True}),
-                             ("a", {"attn_cp_size": 2}), ("b", {"attn_cp_size": 4}),
-                             ("_parse_cuda_graph_config", {"cuda_graph_config": "resolved"})])
+        _resolved_overrides=[
+            ("_handle_legacy_cp_arguments", {"enable_prefill_cp": True}),
+            ("a", {"attn_cp_size": 2}),
+            ("b", {"attn_cp_size": 4}),
+            ("_parse_cuda_graph_config", {"cuda_graph_config": "resolved"}),
+        ],
+    )
     for name in ("enable_prefill_cp", "attn_cp_size", "cuda_graph_config", "pp_size", "tp_size"):
         assert plugin.server_arg(rec, name, 8) == resolution_result(rec, name, 8), name
     # what the fields alone would have let through
@@ -549,8 +665,10 @@ def test_prefill_cp_and_its_older_spellings_end_in_enable_prefill_cp(sglang_src)
 def load_cuda_graph_config(sglang_src: Path, monkeypatch, *, cuda: bool) -> types.ModuleType:
     """The release's cuda_graph_config module, on a platform that is CUDA or not (its is_cuda patched)."""
     name = "sglang.srt.model_executor.cuda_graph_config"
-    fakes = {n: types.ModuleType(n) for n in ("sglang", "sglang.srt", "sglang.srt.model_executor",
-                                               "sglang.srt.utils", "sglang.srt.runtime_context")}
+    fakes = {
+        n: types.ModuleType(n)
+        for n in ("sglang", "sglang.srt", "sglang.srt.model_executor", "sglang.srt.utils", "sglang.srt.runtime_context")
+    }
     fakes["sglang.srt.utils"].is_cuda = lambda: cuda
     fakes["sglang.srt.runtime_context"].get_exec = lambda: None
     for n, m in fakes.items():
@@ -583,9 +701,12 @@ def test_the_prefill_graph_default_is_read_per_platform(sglang_src, monkeypatch,
     else:
         parse_fn = code(top_function(srt / "arg_groups/cuda_graph_hook.py", "parse_cuda_graph_config"))
         assert "cuda_graph_config=config" in parse_fn and "declare_resolution(" in parse_fn
-        rec = types.SimpleNamespace(cuda_graph_config=None, cuda_graph_backend_prefill=None,
-                                    _raw_input={"cuda_graph_config": None, "cuda_graph_backend_prefill": None},
-                                    _resolved_overrides=[("_parse_cuda_graph_config", {"cuda_graph_config": cfg})])
+        rec = types.SimpleNamespace(
+            cuda_graph_config=None,
+            cuda_graph_backend_prefill=None,
+            _raw_input={"cuda_graph_config": None, "cuda_graph_backend_prefill": None},
+            _resolved_overrides=[("_parse_cuda_graph_config", {"cuda_graph_config": cfg})],
+        )
     bare = types.SimpleNamespace()  # no config, no flag: the plugin asks SGLang's default_prefill_backend
     for args in (rec, bare):
         assert plugin._prefill_graph_backend(args) == want
@@ -598,8 +719,9 @@ def test_the_prefill_graph_default_is_read_per_platform(sglang_src, monkeypatch,
         # the compatibility cascade (an explicit backend skips it) turns the default off on HIP/NPU/CPU/
         # MPS/XPU: a server there runs without the prefill graph unless tc_piecewise is asked for
         hook = srt / ("server_args.py" if version < (0, 5, 19) else "arg_groups/cuda_graph_hook.py")
-        assert "non-CUDA hardware (HIP/NPU/CPU/MPS/XPU)" in {c.value for c in ast.walk(parse(hook))
-                                                            if isinstance(c, ast.Constant)}
+        assert "non-CUDA hardware (HIP/NPU/CPU/MPS/XPU)" in {
+            c.value for c in ast.walk(parse(hook)) if isinstance(c, ast.Constant)
+        }
         # SGLang's runner builds tc_piecewise for any backend but breakable and full
         assert mod.Backend.TC_PIECEWISE in mod.Backend.ALL
 
@@ -626,20 +748,34 @@ def read(x, name, default=None):
     return getattr(x, "_book", None) or getattr(x, name, default)
 """
     fns = {n.name: n for n in ast.parse(src).body}
-    want = {"a": True, "b": False, "c": True, "d": True, "g": False, "h": False, "_book": True, "i": True,
-            "j": True, "k": True}
+    want = {
+        "a": True,
+        "b": False,
+        "c": True,
+        "d": True,
+        "g": False,
+        "h": False,
+        "_book": True,
+        "i": True,
+        "j": True,
+        "k": True,
+    }
     assert names_read(fns["check"], "args", fns) == want
     assert names_read(fns["check"], "info", fns) == {"e": True, "f": False}
 
 
 def test_a_claimed_version_missing_from_the_index_fails_and_an_unreachable_index_skips():
-    missing = ("ERROR: Could not find a version that satisfies the requirement sglang==0.5.99 (from versions: "
-               "0.5.22, 0.5.23)\nERROR: No matching distribution found for sglang==0.5.99")
-    offline = ("WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after "
-               "connection broken by 'NewConnectionError('<HTTPConnection object>: Failed to establish a new "
-               "connection: [Errno 111] Connection refused')': /simple/sglang/\nERROR: Could not find a version that "
-               "satisfies the requirement sglang==0.5.23 (from versions: none)\nERROR: No matching distribution "
-               "found for sglang==0.5.23")
+    missing = (
+        "ERROR: Could not find a version that satisfies the requirement sglang==0.5.99 (from versions: "
+        "0.5.22, 0.5.23)\nERROR: No matching distribution found for sglang==0.5.99"
+    )
+    offline = (
+        "WARNING: Retrying (Retry(total=0, connect=None, read=None, redirect=None, status=None)) after "
+        "connection broken by 'NewConnectionError('<HTTPConnection object>: Failed to establish a new "
+        "connection: [Errno 111] Connection refused')': /simple/sglang/\nERROR: Could not find a version that "
+        "satisfies the requirement sglang==0.5.23 (from versions: none)\nERROR: No matching distribution "
+        "found for sglang==0.5.23"
+    )
     skip, why = download_failure("0.5.99", missing)
     assert not skip and "claimed in plugin.SUPPORTED_VERSIONS" in why
     assert download_failure("0.5.23", offline)[0]
@@ -653,7 +789,9 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
     """register_hooks on SGLang's HookRegistry, targets at the real dotted paths (fake modules
     there); then the order a server runs them in: init, forward through a graph-replay batch
     without rids, status. Breaks if a hook is missing, disabled, or blind to the request ids."""
-    spec = importlib.util.spec_from_file_location("eyas_test_hook_registry", sglang_src / "sglang/srt/plugins/hook_registry.py")
+    spec = importlib.util.spec_from_file_location(
+        "eyas_test_hook_registry", sglang_src / "sglang/srt/plugins/hook_registry.py"
+    )
     hr = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hr)
     A, H = 3, 8
@@ -697,8 +835,14 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
             return types.SimpleNamespace(internal_state={"tp_size": 1})
 
     mods = {}
-    for name in ("sglang", "sglang.srt", "sglang.srt.model_executor", "sglang.srt.layers", "sglang.srt.managers",
-                 "sglang.srt.managers.scheduler_components"):
+    for name in (
+        "sglang",
+        "sglang.srt",
+        "sglang.srt.model_executor",
+        "sglang.srt.layers",
+        "sglang.srt.managers",
+        "sglang.srt.managers.scheduler_components",
+    ):
         mods[name] = types.ModuleType(name)
     for key, obj in (("live_batch", ModelRunner), ("logits", LogitsProcessor)):
         mod = plugin.CONTRACT["hooks"][key][0]
@@ -728,9 +872,15 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
         assert runner.init_attention_backends() == "backends"  # BEFORE hook ran, original still runs
         assert st.enabled and runner.model.model.layers_to_capture == [2, 4, 5]
         rid = make_rid(5, "hr")
-        live = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=torch.arange(100, 108),
-                            positions=torch.cat([torch.arange(5), torch.arange(3)]), rids=[rid, "other"],
-                            extend_prefix_lens_cpu=[0, 0], extend_seq_lens_cpu=[5, 3])
+        live = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=2,
+            input_ids=torch.arange(100, 108),
+            positions=torch.cat([torch.arange(5), torch.arange(3)]),
+            rids=[rid, "other"],
+            extend_prefix_lens_cpu=[0, 0],
+            extend_seq_lens_cpu=[5, 3],
+        )
         assert runner.forward(live) == ("logits", 8)  # BEFORE hooks leave the arguments alone
         st.writer.flush()
         d = read_dump(tmp_path / rid)
@@ -750,23 +900,29 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
 def test_the_newest_release_on_the_index_passes_the_contract():
     """A release newer than SUPPORTED_VERSIONS is checked too: a failure names what it lacks; a pass
     says to add it to the list (after reading its graph-replay path)."""
-    res = subprocess.run([sys.executable, "-m", "pip", "index", "versions", "sglang"], capture_output=True, text=True,
-                         timeout=120)
+    res = subprocess.run(
+        [sys.executable, "-m", "pip", "index", "versions", "sglang"], capture_output=True, text=True, timeout=120
+    )
     if res.returncode != 0:
         if any(e in res.stderr + res.stdout for e in NETWORK_ERRORS):
             pytest.skip(f"package index unreachable: {res.stderr.strip()[-200:]}")
         pytest.skip(f"`pip index versions` is not available: {res.stderr.strip()[-200:]}")
     line = next((ln for ln in res.stdout.splitlines() if ln.startswith("Available versions:")), "")
     versions = [v.strip() for v in line.split(":", 1)[-1].split(",") if v.strip()]
-    newest = max((v for v in versions if v.startswith("0.5.") and v.replace(".post", ".").replace(".", "").isdigit()),
-                 key=_vkey, default=None)
+    newest = max(
+        (v for v in versions if v.startswith("0.5.") and v.replace(".post", ".").replace(".", "").isdigit()),
+        key=_vkey,
+        default=None,
+    )
     assert newest is not None, f"no 0.5.x release in `pip index versions sglang`: {res.stdout[:300]}"
     if newest in plugin.SUPPORTED_VERSIONS:
         return
     problems = plugin.check_contract_in_source(sglang_source(newest))
     assert problems == [], f"sglang {newest} breaks the plugin's contract: {problems}"
-    pytest.fail(f"sglang {newest} passes the contract check but is not in plugin.SUPPORTED_VERSIONS: read its "
-                "prefill CUDA-graph path, then add it")
+    pytest.fail(
+        f"sglang {newest} passes the contract check but is not in plugin.SUPPORTED_VERSIONS: read its "
+        "prefill CUDA-graph path, then add it"
+    )
 
 
 def test_the_wheels_are_cached_under_the_eyas_cache(tmp_path, monkeypatch):

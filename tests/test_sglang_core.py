@@ -31,17 +31,21 @@ def pack(pieces, *, pad: int = 0, aux_as_list: bool = False, **ranks) -> Forward
     """pieces: (rid, state dict, prefix, length); returns the packed forward."""
     aux, final, pos, ids = [], [], [], []
     for _, st, p, n in pieces:
-        aux.append(st["aux"][p:p + n]), final.append(st["final"][p:p + n])
-        pos.append(torch.arange(p, p + n)), ids.append(st["ids"][p:p + n])
+        aux.append(st["aux"][p : p + n]), final.append(st["final"][p : p + n])
+        pos.append(torch.arange(p, p + n)), ids.append(st["ids"][p : p + n])
     if pad:
         aux.append(torch.full((pad, A, H), float("nan"))), final.append(torch.full((pad, H), float("nan")))
         pos.append(torch.zeros(pad, dtype=torch.long)), ids.append(torch.zeros(pad, dtype=torch.long))
     aux_TAD = torch.cat(aux)
     return ForwardInfo(
-        rids=[r for r, *_ in pieces], extend_prefix_lens=[p for _, _, p, _ in pieces],
+        rids=[r for r, *_ in pieces],
+        extend_prefix_lens=[p for _, _, p, _ in pieces],
         extend_seq_lens=[n for *_, n in pieces],
         aux=[aux_TAD[:, a] for a in range(A)] if aux_as_list else aux_TAD,
-        final_TD=torch.cat(final), positions_T=torch.cat(pos), input_ids_T=torch.cat(ids), **ranks,
+        final_TD=torch.cat(final),
+        positions_T=torch.cat(pos),
+        input_ids_T=torch.cat(ids),
+        **ranks,
     )
 
 
@@ -163,7 +167,9 @@ def test_write_and_read_dump_round_trip_bf16(tmp_path):
     meta = json.loads((path / "meta.json").read_text())
     assert meta["num_tokens"] == 7 and meta["layer_ids"] == [2, 4, 5] and meta["sglang_layer_ids"] == [1, 3, 4]
     assert meta["convention"] == "hf-input" and meta["dtype"] == "bfloat16" and meta["shapes"]["aux"] == [7, A, H]
-    assert d.aux_LAD.dtype == torch.bfloat16 and torch.equal(d.aux_LAD, a["aux"]) and torch.equal(d.final_LD, a["final"])
+    assert (
+        d.aux_LAD.dtype == torch.bfloat16 and torch.equal(d.aux_LAD, a["aux"]) and torch.equal(d.final_LD, a["final"])
+    )
     assert torch.equal(d.input_ids_L, a["ids"])
     assert [p.name for p in tmp_path.iterdir()] == [s.rid]  # no temporary left behind
 

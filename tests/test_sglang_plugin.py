@@ -27,8 +27,9 @@ ForwardBatch = standin.ForwardBatch  # SGLang's field names; the stand-in server
 
 
 class LogitsProcessor:
-    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
-                hidden_states_before_norm=None):
+    def forward(
+        self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None, hidden_states_before_norm=None
+    ):
         return "logits"
 
 
@@ -66,9 +67,15 @@ def batch(mode, pieces, pad=0):
     for _, _, p, n in pieces:
         pos.append(torch.arange(p, p + n)), ids.append(torch.arange(100 + p, 100 + p + n))
     pos.append(torch.zeros(pad, dtype=torch.long)), ids.append(torch.zeros(pad, dtype=torch.long))
-    fb = ForwardBatch(forward_mode=mode, batch_size=len(pieces), input_ids=torch.cat(ids)[:T - pad], rids=[r for r, *_ in pieces],
-                      positions=torch.cat(pos)[:T - pad], extend_prefix_lens_cpu=[p for *_, p, _ in pieces],
-                      extend_seq_lens_cpu=[n for *_, n in pieces])
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=len(pieces),
+        input_ids=torch.cat(ids)[: T - pad],
+        rids=[r for r, *_ in pieces],
+        positions=torch.cat(pos)[: T - pad],
+        extend_prefix_lens_cpu=[p for *_, p, _ in pieces],
+        extend_seq_lens_cpu=[n for *_, n in pieces],
+    )
     return fb, hidden, aux
 
 
@@ -88,9 +95,15 @@ def test_logits_hook_writes_packed_aux_per_request(state, tmp_path):
 def test_logits_hook_keyword_call_list_aux_and_mixed_mode(state, tmp_path):
     ra = make_rid(3, "kw")
     fb, hidden, aux = batch(ForwardMode.MIXED, [(ra, 3, 0, 3), ("decoding", 50, 49, 1)])
-    aux_list = [aux[:, a * H:(a + 1) * H] for a in range(A)]
-    plugin._on_logits(LogitsProcessor(), input_ids=fb.input_ids, hidden_states=hidden, lm_head=None,
-                      logits_metadata=fb, aux_hidden_states=aux_list)
+    aux_list = [aux[:, a * H : (a + 1) * H] for a in range(A)]
+    plugin._on_logits(
+        LogitsProcessor(),
+        input_ids=fb.input_ids,
+        hidden_states=hidden,
+        lm_head=None,
+        logits_metadata=fb,
+        aux_hidden_states=aux_list,
+    )
     torch.testing.assert_close(read_dump(tmp_path / ra).aux_LAD, aux[:3].view(3, A, H), rtol=0, atol=0)
 
 
@@ -154,8 +167,9 @@ def test_enable_sets_layers_in_eyas_convention(tmp_path, monkeypatch, fake_sglan
     st = plugin._State(plugin.PluginConfig(layer_ids=layers, dump_dir=str(tmp_path)))
     monkeypatch.setattr(plugin, "_STATE", st)
     fake_sglang.attn_tp_rank = 1
-    runner = types.SimpleNamespace(model=cls(), is_draft_worker=False,
-                                   server_args=types.SimpleNamespace(speculative_algorithm=None))
+    runner = types.SimpleNamespace(
+        model=cls(), is_draft_worker=False, server_args=types.SimpleNamespace(speculative_algorithm=None)
+    )
     plugin._on_init_attention_backends(runner)
     want = layers or [2, 6, 9]  # default for 12 layers: 2, N//2, N-3
     # read back from the module the decoder loop uses (for Kimi: under the wrapper's language model)
@@ -188,13 +202,17 @@ def test_the_writer_rank_creates_the_dump_dir_before_any_dump(tmp_path, monkeypa
     other = tmp_path / "rank1"
     st = plugin._State(plugin.PluginConfig(layer_ids=None, dump_dir=str(other)))
     monkeypatch.setattr(plugin, "_STATE", st)
-    plugin._on_init_attention_backends(types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None))
+    plugin._on_init_attention_backends(
+        types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None)
+    )
     assert not other.exists()
     fake_sglang.attn_tp_rank = 0
     (tmp_path / "a-file").write_text("x")
     st = plugin._State(plugin.PluginConfig(layer_ids=None, dump_dir=str(tmp_path / "a-file" / "dumps")))
     monkeypatch.setattr(plugin, "_STATE", st)
-    plugin._on_init_attention_backends(types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None))
+    plugin._on_init_attention_backends(
+        types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=None)
+    )
     assert st.enabled and st.status()["write_errors"] == 1 and "a-file" in st.writer.errors[0]
 
 
@@ -224,9 +242,12 @@ def test_a_model_without_readable_layers_is_refused(tmp_path, monkeypatch, fake_
 
 def test_enable_refuses_bad_setups(tmp_path, monkeypatch, fake_sglang):
     def run(layers, **args):
-        monkeypatch.setattr(plugin, "_STATE", plugin._State(plugin.PluginConfig(layer_ids=layers, dump_dir=str(tmp_path))))
-        runner = types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False,
-                                       server_args=types.SimpleNamespace(**args))
+        monkeypatch.setattr(
+            plugin, "_STATE", plugin._State(plugin.PluginConfig(layer_ids=layers, dump_dir=str(tmp_path)))
+        )
+        runner = types.SimpleNamespace(
+            model=LlamaLike(), is_draft_worker=False, server_args=types.SimpleNamespace(**args)
+        )
         plugin._on_init_attention_backends(runner)
 
     with pytest.raises(plugin.PluginConfigError, match="EAGLE3"):
@@ -256,15 +277,17 @@ def test_enable_refuses_bad_setups(tmp_path, monkeypatch, fake_sglang):
 def resolved_record(raw: dict, *declarations: dict) -> types.SimpleNamespace:
     """ServerArgs as SGLang 0.5.19+ hands it to the model runner: the fields keep the raw input, every
     decision of its resolution is a declaration (test_sglang_contract.py checks the shape per release)."""
-    return types.SimpleNamespace(**raw, _raw_input=dict(raw),
-                                 _resolved_overrides=[(f"handler{i}", d) for i, d in enumerate(declarations)])
+    return types.SimpleNamespace(
+        **raw, _raw_input=dict(raw), _resolved_overrides=[(f"handler{i}", d) for i, d in enumerate(declarations)]
+    )
 
 
 def start(tmp_path, monkeypatch, server_args):
     cfg = plugin.PluginConfig(layer_ids=[2, 3, 4], dump_dir=str(tmp_path))
     monkeypatch.setattr(plugin, "_STATE", plugin._State(cfg))
-    plugin._on_init_attention_backends(types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False,
-                                                             server_args=server_args))
+    plugin._on_init_attention_backends(
+        types.SimpleNamespace(model=LlamaLike(), is_draft_worker=False, server_args=server_args)
+    )
     return plugin._STATE.enabled
 
 
@@ -274,8 +297,13 @@ def test_prefill_context_parallelism_is_refused(tmp_path, monkeypatch, fake_sgla
         start(tmp_path, monkeypatch, types.SimpleNamespace(enable_prefill_cp=True))
     # 0.5.19: the older --enable-prefill-context-parallel leaves the field False and declares it True
     with pytest.raises(plugin.PluginConfigError, match="--enable-prefill-cp"):
-        start(tmp_path, monkeypatch, resolved_record(
-            {"enable_prefill_cp": False, "enable_prefill_context_parallel": True}, {"enable_prefill_cp": True}))
+        start(
+            tmp_path,
+            monkeypatch,
+            resolved_record(
+                {"enable_prefill_cp": False, "enable_prefill_context_parallel": True}, {"enable_prefill_cp": True}
+            ),
+        )
     assert start(tmp_path, monkeypatch, types.SimpleNamespace(enable_prefill_cp=False))
     assert start(tmp_path, monkeypatch, types.SimpleNamespace())  # a release without the field
 
@@ -294,27 +322,39 @@ def test_a_resolved_setting_wins_over_the_raw_field(tmp_path, monkeypatch, fake_
 
 def graph_config(backend: str) -> types.SimpleNamespace:
     """A resolved CudaGraphConfig (the plugin reads .prefill.backend)."""
-    return types.SimpleNamespace(prefill=types.SimpleNamespace(backend=backend),
-                                 decode=types.SimpleNamespace(backend="full"))
+    return types.SimpleNamespace(
+        prefill=types.SimpleNamespace(backend=backend), decode=types.SimpleNamespace(backend="full")
+    )
 
 
 def test_the_prefill_graph_backend_is_the_resolved_one_not_the_cuda_default(tmp_path, monkeypatch, fake_sglang):
     # Off CUDA, SGLang 0.5.15-0.5.21 default the prefill graph to tc_piecewise (0.5.19+: as a declaration,
     # the raw cuda_graph_config staying None); the flag is unset, so nothing but the resolved value says it
-    piecewise = resolved_record({"cuda_graph_config": None, "cuda_graph_backend_prefill": None},
-                                {"cuda_graph_config": graph_config("tc_piecewise")})
+    piecewise = resolved_record(
+        {"cuda_graph_config": None, "cuda_graph_backend_prefill": None},
+        {"cuda_graph_config": graph_config("tc_piecewise")},
+    )
     with pytest.raises(plugin.PluginConfigError, match=r"tc_piecewise[^\n]*--disable-prefill-cuda-graph[^\n]*$"):
         start(tmp_path, monkeypatch, piecewise)
     # ... which SGLang's cascade turns off on HIP/NPU/XPU/CPU unless asked for: then the server runs no prefill graph
-    piecewise._resolved_overrides.append(("_disable_tc_piecewise_cudagraph_if_incompatible",
-                                          {"cuda_graph_config": graph_config("disabled")}))
+    piecewise._resolved_overrides.append(
+        ("_disable_tc_piecewise_cudagraph_if_incompatible", {"cuda_graph_config": graph_config("disabled")})
+    )
     assert start(tmp_path, monkeypatch, piecewise)
     # the JSON config wins over --cuda-graph-backend-prefill in SGLang, and so in what the plugin reads
     with pytest.raises(plugin.PluginConfigError, match="tc_piecewise"):
-        start(tmp_path, monkeypatch, types.SimpleNamespace(cuda_graph_backend_prefill="breakable",
-                                                           cuda_graph_config=graph_config("tc_piecewise")))
-    assert start(tmp_path, monkeypatch, types.SimpleNamespace(cuda_graph_backend_prefill="tc_piecewise",
-                                                              cuda_graph_config=graph_config("breakable")))
+        start(
+            tmp_path,
+            monkeypatch,
+            types.SimpleNamespace(
+                cuda_graph_backend_prefill="breakable", cuda_graph_config=graph_config("tc_piecewise")
+            ),
+        )
+    assert start(
+        tmp_path,
+        monkeypatch,
+        types.SimpleNamespace(cuda_graph_backend_prefill="tc_piecewise", cuda_graph_config=graph_config("breakable")),
+    )
 
 
 @pytest.mark.parametrize("default, refused", [("tc_piecewise", True), ("breakable", False), ("disabled", False)])
@@ -465,24 +505,31 @@ def test_the_source_contract_reads_code_not_comments_or_docstrings(tmp_path):
         rc.write_text(source)
         return [p for p in plugin.check_contract_in_source(tmp_path) if "parallel rank" in p]
 
-    prose = ('def get_parallel():\n'
-             '    """Answers "attn_tp_rank", "pp_rank" and f"pp_size"."""\n'
-             '    # ranks: "attn_tp_rank", "pp_rank", "pp_size"\n'
-             '    "pp_size"\n'
-             '    return f"{None}pp_size"\n')
-    assert rank_problems(prose) == [f"sglang.srt.runtime_context: parallel rank {n!r} not declared"
-                                    for n in ("attn_tp_rank", "pp_rank", "pp_size")]
-    code = ('class ParallelContext:\n'
-            '    @property\n'
-            '    def attn_tp_rank(self):\n'
-            '        return self._read("pp_rank")\n'
-            '_WIDTHS = ("pp_size",)\n'
-            'def get_parallel():\n'
-            '    return ParallelContext()\n')
+    prose = (
+        "def get_parallel():\n"
+        '    """Answers "attn_tp_rank", "pp_rank" and f"pp_size"."""\n'
+        '    # ranks: "attn_tp_rank", "pp_rank", "pp_size"\n'
+        '    "pp_size"\n'
+        '    return f"{None}pp_size"\n'
+    )
+    assert rank_problems(prose) == [
+        f"sglang.srt.runtime_context: parallel rank {n!r} not declared" for n in ("attn_tp_rank", "pp_rank", "pp_size")
+    ]
+    code = (
+        "class ParallelContext:\n"
+        "    @property\n"
+        "    def attn_tp_rank(self):\n"
+        '        return self._read("pp_rank")\n'
+        '_WIDTHS = ("pp_size",)\n'
+        "def get_parallel():\n"
+        "    return ParallelContext()\n"
+    )
     assert rank_problems(code) == []
 
 
-@pytest.mark.parametrize("ranks", [dict(attn_tp_rank=1, pp_rank=0, pp_size=1), dict(attn_tp_rank=0, pp_rank=0, pp_size=2)])
+@pytest.mark.parametrize(
+    "ranks", [dict(attn_tp_rank=1, pp_rank=0, pp_size=1), dict(attn_tp_rank=0, pp_rank=0, pp_size=2)]
+)
 def test_only_the_writer_rank_submits_anything(state, tmp_path, ranks):
     state.ranks = ranks
     ra = make_rid(3, "tp")
@@ -500,11 +547,14 @@ def test_only_the_writer_rank_submits_anything(state, tmp_path, ranks):
 def test_standin_builds_the_replay_batch_without_rids(tiny_target_dir, tmp_path):
     # the stand-in's forwards go through the replay batch by default, so CI exercises the path above
     seen = []
-    with standin.StandinServer(standin.StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[2, 3, 4])) as srv:
+    with standin.StandinServer(
+        standin.StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[2, 3, 4])
+    ) as srv:
         orig = srv.logits.forward
         srv.logits.forward = lambda *a, **k: (seen.append(a[3]), orig(*a, **k))[1]
-        code, out = srv.generate({"input_ids": list(range(100, 113)), "rid": make_rid(13, "sb"),
-                                  "sampling_params": {"max_new_tokens": 1}})
+        code, out = srv.generate(
+            {"input_ids": list(range(100, 113)), "rid": make_rid(13, "sb"), "sampling_params": {"max_new_tokens": 1}}
+        )
     assert code == 200 and len(seen) == 1 and seen[0].rids is None and seen[0].input_ids.shape[0] == 16
     d = read_dump(tmp_path / make_rid(13, "sb"))
     assert d.status == "complete" and d.input_ids_L.tolist() == list(range(100, 113))

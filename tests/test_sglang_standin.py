@@ -29,8 +29,9 @@ def test_ranks_are_set_up_by_plugin_enable_and_hooks_come_from_register_hooks(ti
 
 def test_the_standin_does_not_start_when_the_plugin_refuses(tiny_target_dir, tmp_path):
     with pytest.raises(plugin.PluginConfigError, match="--pp-size"):
-        StandinServer(StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[2, 3, 4],
-                                    server_args={"pp_size": 2}))
+        StandinServer(
+            StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[2, 3, 4], server_args={"pp_size": 2})
+        )
     with pytest.raises(plugin.PluginConfigError, match="EYAS_CAPTURE_LAYERS"):
         StandinServer(StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[3, 3, 4]))
 
@@ -51,8 +52,9 @@ def test_each_forward_runs_the_registered_hooks_with_each_ranks_state(tiny_targe
     monkeypatch.setattr(plugin, "_on_logits", on_logits)
     rid = make_rid(13, "hooks")
     with StandinServer(StandinConfig(target=tiny_target_dir, dump_dir=tmp_path, layer_ids=[2, 3, 4], tp_size=2)) as srv:
-        code, _ = srv.generate({"input_ids": list(range(100, 113)), "rid": rid,
-                                "sampling_params": {"max_new_tokens": 1}})
+        code, _ = srv.generate(
+            {"input_ids": list(range(100, 113)), "rid": rid, "sampling_params": {"max_new_tokens": 1}}
+        )
     assert code == 200 and plugin._STATE is None  # each rank's state is set for its call only
     s0, s1 = srv.states
     # ModelRunner.forward gets the scheduler's batch (rids); the logits step the graph-replay batch (none)

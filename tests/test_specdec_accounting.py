@@ -46,8 +46,12 @@ def _run(agree, *, prompt_len, generated, tree, rows=1):
     L = prompt_len + generated
     ids = torch.randint(0, V, (rows, L), generator=g)
     return replay_batch(
-        OracleProposer(agree), ids, torch.zeros(rows, L, 3), lengths_B=torch.full((rows,), L),
-        prompt_lengths_B=torch.full((rows,), prompt_len), tree=tree,
+        OracleProposer(agree),
+        ids,
+        torch.zeros(rows, L, 3),
+        lengths_B=torch.full((rows,), L),
+        prompt_lengths_B=torch.full((rows,), prompt_len),
+        tree=tree,
     )
 
 
@@ -99,11 +103,14 @@ def test_summary_rejects_impossible_counts():
         summarize([[8]], depth=7, drafted_per_round=7)
 
 
-@pytest.mark.parametrize("kwargs, flag", [
-    (dict(topk=0, depth=3, tokens=3), "--tree-topk"),
-    (dict(topk=2, depth=0, tokens=1), "--tree-depth"),
-    (dict(topk=2, depth=2, tokens=7), "--tree-tokens"),
-])
+@pytest.mark.parametrize(
+    "kwargs, flag",
+    [
+        (dict(topk=0, depth=3, tokens=3), "--tree-topk"),
+        (dict(topk=2, depth=0, tokens=1), "--tree-depth"),
+        (dict(topk=2, depth=2, tokens=7), "--tree-tokens"),
+    ],
+)
 def test_tree_config_names_the_bad_option(kwargs, flag):
     with pytest.raises(ValueError, match=flag):
         TreeConfig(**kwargs)

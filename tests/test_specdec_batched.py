@@ -49,7 +49,7 @@ def setup(tiny_target_dir, tmp_path_factory):
     drafter = FunctionalDrafter(d.config, d.weights)
     # an EOS id the last-but-one prompt's continuation reaches mid-way (and no other row before its
     # end): that row stops rounds before the others
-    eos = next(t for t in gen[3][MAX_NEW // 2:] if counts[t] == 1)
+    eos = next(t for t in gen[3][MAX_NEW // 2 :] if counts[t] == 1)
     return target, drafter, prompts, gen, eos, out
 
 
@@ -58,8 +58,9 @@ def _cut(toks, eos):
 
 
 def _batched(target, drafter, tree, eos, batch, **kw):
-    return BatchedSpeculativeDecoder(target, drafter, tree=tree, layer_ids=LAYERS, max_len=128, eos_ids={eos},
-                                     batch=batch, **kw)
+    return BatchedSpeculativeDecoder(
+        target, drafter, tree=tree, layer_ids=LAYERS, max_len=128, eos_ids={eos}, batch=batch, **kw
+    )
 
 
 @pytest.mark.parametrize("tree", TREES, ids=TREE_IDS)
@@ -136,10 +137,14 @@ def test_batched_caches_hold_each_rows_committed_tokens(setup, tree):
         ref_d.reset()
         with torch.no_grad():
             _, aux = ref_t.forward(torch.tensor(seq[:n]), torch.arange(n), None)
-            ref_d.extend(torch.tensor(seq[1:n + 1]), aux)
+            ref_d.extend(torch.tensor(seq[1 : n + 1]), aux)
         for layer in range(len(ref_t.lm.cache_k)):
-            torch.testing.assert_close(dec.cache_k[layer, r, :, :n], ref_t.lm.cache_k[layer][0, :, :n], rtol=1e-4, atol=1e-4)
-            torch.testing.assert_close(dec.cache_v[layer, r, :, :n], ref_t.lm.cache_v[layer][0, :, :n], rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(
+                dec.cache_k[layer, r, :, :n], ref_t.lm.cache_k[layer][0, :, :n], rtol=1e-4, atol=1e-4
+            )
+            torch.testing.assert_close(
+                dec.cache_v[layer, r, :, :n], ref_t.lm.cache_v[layer][0, :, :n], rtol=1e-4, atol=1e-4
+            )
         torch.testing.assert_close(dec.proposer.k[r, :, :n], ref_d.k[0, :, :n], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(dec.proposer.v[r, :, :n], ref_d.v[0, :, :n], rtol=1e-4, atol=1e-4)
     # target-only: one token a round, so a row that stopped after k tokens committed exactly k - 1 of
@@ -182,8 +187,13 @@ def test_batched_steps_never_read_the_device(setup):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     target, drafter, prompts, _, eos, _ = setup
-    banned = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-              torch.ops.aten.masked_select.default, torch.ops.aten.item.default, torch.ops.aten.lift_fresh.default}
+    banned = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.item.default,
+        torch.ops.aten.lift_fresh.default,
+    }
 
     class NoHostReads(TorchDispatchMode):
         def __init__(self):
@@ -220,9 +230,14 @@ def _cli(*args):
 def three_prompts(tmp_path_factory):
     """Three conversations (two of two turns): turn 1 decodes 3 prompts (a batch of 2 and one of 1), turn 2 two."""
     p = tmp_path_factory.mktemp("prompts3") / "p.jsonl"
-    p.write_text(json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]}) + "\n"
-                 + json.dumps({"prompt": "What is 2+2?"}) + "\n"
-                 + json.dumps({"id": "c", "turns": ["Name three colours.", "And three more?"]}) + "\n")
+    p.write_text(
+        json.dumps({"id": "a", "turns": ["Tell me a story.", "Shorter, please."]})
+        + "\n"
+        + json.dumps({"prompt": "What is 2+2?"})
+        + "\n"
+        + json.dumps({"id": "c", "turns": ["Name three colours.", "And three more?"]})
+        + "\n"
+    )
     return p
 
 
@@ -230,8 +245,26 @@ def test_generate_command_batch_size(setup, tiny_target_dir, three_prompts, tmp_
     """`eyas generate --batch-size 2`: the same tokens and accepted counts as --batch-size 1, the batch
     size in the report, tokens/s over every row's tokens."""
     *_, drafter_dir = setup
-    common = ["--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", three_prompts, "--max-new-tokens", 12,
-              "--mode", "tree", "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8, "--device", "cpu"]
+    common = [
+        "--drafter",
+        drafter_dir,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        three_prompts,
+        "--max-new-tokens",
+        12,
+        "--mode",
+        "tree",
+        "--tree-topk",
+        3,
+        "--tree-depth",
+        3,
+        "--tree-tokens",
+        8,
+        "--device",
+        "cpu",
+    ]
     res1, s1 = _cli(*common, "--out", tmp_path / "b1.jsonl")
     res2, s2 = _cli(*common, "--batch-size", 2, "--out", tmp_path / "b2.jsonl")
     assert res1.exit_code == 0 and res2.exit_code == 0, res1.output + res2.output
@@ -249,10 +282,14 @@ def test_generate_command_batch_size(setup, tiny_target_dir, three_prompts, tmp_
     assert r2[0]["seconds"] == r2[1]["seconds"]
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--batch-size", 0], "--batch-size"),
-    (["--batch-size", 4, "--temperature", 0.5], "--batch-size 1"),
-], ids=["zero", "sampling"])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--batch-size", 0], "--batch-size"),
+        (["--batch-size", 4, "--temperature", 0.5], "--batch-size 1"),
+    ],
+    ids=["zero", "sampling"],
+)
 def test_generate_batch_size_bad_input_exits_2(setup, tiny_target_dir, args, needle):
     *_, drafter_dir = setup
     res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, *args)

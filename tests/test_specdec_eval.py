@@ -21,8 +21,11 @@ def _make_drafter(target_dir, out, *, seed=0, **overrides):
     model = Eagle3Drafter(cfg)
     model.reset_parameters(seed=seed)
     if cfg.vocab_size == target.config.vocab_size and cfg.hidden_size == target.config.hidden_size:
-        model.init_from_target(target.get_input_embeddings().weight.detach(),
-                               target.get_output_embeddings().weight.detach(), target.model.norm.weight.detach())
+        model.init_from_target(
+            target.get_input_embeddings().weight.detach(),
+            target.get_output_embeddings().weight.detach(),
+            target.model.norm.weight.detach(),
+        )
     model.save(out)
     return out
 
@@ -37,8 +40,22 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 def test_eval_report_and_all_three_layouts(tiny_target_dir, tmp_path, prompts_file):
     src = _make_drafter(tiny_target_dir, tmp_path / "eyas")
-    common = ["--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 10,
-              "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8]
+    common = [
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        10,
+        "--chain-k",
+        3,
+        "--tree-topk",
+        3,
+        "--tree-depth",
+        3,
+        "--tree-tokens",
+        8,
+    ]
     res, summary = _run("--drafter", src, "--out", tmp_path / "r_eyas", *common)
     assert res.exit_code == 0, res.output
     out = tmp_path / "r_eyas"
@@ -64,7 +81,12 @@ def test_eval_report_and_all_three_layouts(tiny_target_dir, tmp_path, prompts_fi
 
     # the same drafter in SGLang and vLLM/speculators layout: same layers, same replay
     for fmt, layout in (("sglang", "sglang"), ("vllm", "speculators")):
-        assert CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", fmt, "--out", str(tmp_path / fmt)]).exit_code == 0
+        assert (
+            CliRunner()
+            .invoke(app, ["export", "--drafter", str(src), "--format", fmt, "--out", str(tmp_path / fmt)])
+            .exit_code
+            == 0
+        )
         res, _ = _run("--drafter", tmp_path / fmt, "--out", tmp_path / f"r_{fmt}", *common)
         assert res.exit_code == 0, res.output
         other = json.loads((tmp_path / f"r_{fmt}" / "report.json").read_text())
@@ -79,15 +101,20 @@ def test_eval_report_and_all_three_layouts(tiny_target_dir, tmp_path, prompts_fi
 
 def test_eval_rejects_a_drafter_for_another_target(tiny_target_dir, tmp_path, prompts_file):
     wrong_vocab = _make_drafter(tiny_target_dir, tmp_path / "v", vocab_size=32000)
-    res, _ = _run("--drafter", wrong_vocab, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o1")
+    res, _ = _run(
+        "--drafter", wrong_vocab, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o1"
+    )
     assert res.exit_code == 2 and "vocabulary of 32000" in res.output and "49152" in res.output
     wrong_hidden = _make_drafter(tiny_target_dir, tmp_path / "h", target_hidden_size=48)
-    res, _ = _run("--drafter", wrong_hidden, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o2")
+    res, _ = _run(
+        "--drafter", wrong_hidden, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o2"
+    )
     assert res.exit_code == 2 and "width 48" in res.output and "hidden size is 64" in res.output
 
 
-def test_a_drafter_is_used_only_with_the_target_it_was_trained_for(tiny_target_dir, tmp_path, prompts_file,
-                                                                   smol_tokenizer, monkeypatch):
+def test_a_drafter_is_used_only_with_the_target_it_was_trained_for(
+    tiny_target_dir, tmp_path, prompts_file, smol_tokenizer, monkeypatch
+):
     """A drafter recording its target (as `eyas train` writes it) against another target of the same shape (same
     config, other weights): eval, generate and export (a local --verifier) exit 2 before any model loads;
     --allow-other-target goes on."""
@@ -99,24 +126,52 @@ def test_a_drafter_is_used_only_with_the_target_it_was_trained_for(tiny_target_d
     other = make_tiny_target(tmp_path / "other", smol_tokenizer, seed=1)
     assert (other / "config.json").read_bytes() == (tiny_target_dir / "config.json").read_bytes()
     src = _make_drafter(tiny_target_dir, tmp_path / "d")
-    Eagle3Drafter.load(src).save(src, target={**model_identity(tiny_target_dir),
-                                              "tokenizer_hash": tokenizer_hash(smol_tokenizer)})
+    Eagle3Drafter.load(src).save(
+        src, target={**model_identity(tiny_target_dir), "tokenizer_hash": tokenizer_hash(smol_tokenizer)}
+    )
     common = ["--drafter", src, "--target", other, "--prompts", prompts_file, "--max-new-tokens", 4, "--limit", 1]
     said = f"--drafter {src} was trained for target {tiny_target_dir.resolve()}, not --target {other} (their weights differ)"
     res, _ = _run(*common, "--out", tmp_path / "e1")
     assert res.exit_code == 2 and said in res.stderr and "--allow-other-target" in res.stderr, res.stderr
     gen = CliRunner().invoke(app, ["generate", *map(str, common), "--device", "cpu", "--no-baseline", "--warmup", "0"])
     assert gen.exit_code == 2 and said in gen.stderr, gen.stderr
-    exp = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--verifier", str(other),
-                                   "--out", str(tmp_path / "x1")])
+    exp = CliRunner().invoke(
+        app,
+        ["export", "--drafter", str(src), "--format", "vllm", "--verifier", str(other), "--out", str(tmp_path / "x1")],
+    )
     assert exp.exit_code == 2 and "not --verifier" in exp.stderr and "(their weights differ)" in exp.stderr, exp.stderr
     res, summary = _run(*common, "--out", tmp_path / "e2", "--allow-other-target")
     assert res.exit_code == 0 and "going on (--allow-other-target)" in res.stderr, res.stderr
-    exp = CliRunner().invoke(app, ["export", "--drafter", str(src), "--format", "vllm", "--verifier", str(other),
-                                   "--out", str(tmp_path / "x2"), "--allow-other-target"])
+    exp = CliRunner().invoke(
+        app,
+        [
+            "export",
+            "--drafter",
+            str(src),
+            "--format",
+            "vllm",
+            "--verifier",
+            str(other),
+            "--out",
+            str(tmp_path / "x2"),
+            "--allow-other-target",
+        ],
+    )
     assert exp.exit_code == 0, exp.stderr
-    res, _ = _run("--drafter", src, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
-                  "--limit", 1, "--out", tmp_path / "e3")
+    res, _ = _run(
+        "--drafter",
+        src,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        4,
+        "--limit",
+        1,
+        "--out",
+        tmp_path / "e3",
+    )
     assert res.exit_code == 0 and "warning" not in res.stderr, res.stderr
 
 
@@ -124,23 +179,52 @@ def test_eval_rejects_prompts_longer_than_the_context(tiny_target_dir, tmp_path)
     src = _make_drafter(tiny_target_dir, tmp_path / "d")
     long = tmp_path / "long.jsonl"
     long.write_text(json.dumps({"id": "big", "prompt": "word " * 2100}) + "\n")
-    res, _ = _run("--drafter", src, "--target", tiny_target_dir, "--prompts", long, "--out", tmp_path / "o",
-                  "--max-new-tokens", 8)
+    res, _ = _run(
+        "--drafter", src, "--target", tiny_target_dir, "--prompts", long, "--out", tmp_path / "o", "--max-new-tokens", 8
+    )
     assert res.exit_code == 2 and "prompt big turn 1" in res.output and "context of 2048" in res.output
 
 
 def test_eval_rejects_bad_tree_options(tiny_target_dir, tmp_path, prompts_file):
     src = _make_drafter(tiny_target_dir, tmp_path / "d")
-    res, _ = _run("--drafter", src, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "o",
-                  "--tree-topk", 2, "--tree-depth", 2, "--tree-tokens", 100)
+    res, _ = _run(
+        "--drafter",
+        src,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--out",
+        tmp_path / "o",
+        "--tree-topk",
+        2,
+        "--tree-depth",
+        2,
+        "--tree-tokens",
+        100,
+    )
     assert res.exit_code == 2 and "--tree-tokens" in res.output
 
 
 def test_eval_mtbench_two_turns_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
     """The real default target: MT-bench's first question, turn 2 rendered after the target's own answer."""
     src = _make_drafter(smol_dir, tmp_path / "d")
-    res, summary = _run("--drafter", src, "--limit", 1, "--max-new-tokens", 6, "--out", tmp_path / "o",
-                        "--tree-topk", 4, "--tree-depth", 3, "--tree-tokens", 10)
+    res, summary = _run(
+        "--drafter",
+        src,
+        "--limit",
+        1,
+        "--max-new-tokens",
+        6,
+        "--out",
+        tmp_path / "o",
+        "--tree-topk",
+        4,
+        "--tree-depth",
+        3,
+        "--tree-tokens",
+        10,
+    )
     assert res.exit_code == 0, res.output
     records = [json.loads(line) for line in (tmp_path / "o" / "sequences.jsonl").read_text().splitlines()]
     assert [r["turn"] for r in records] == [1, 2] and records[0]["id"] == records[1]["id"] == "81"
@@ -150,9 +234,14 @@ def test_eval_mtbench_two_turns_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
     from eyas.specdec.generate import render
 
     answer = smol_tokenizer.decode(records[0]["generated_ids"], skip_special_tokens=True)
-    turn2 = render(smol_tokenizer, [{"role": "user", "content": question["turns"][0]},
-                                    {"role": "assistant", "content": answer},
-                                    {"role": "user", "content": question["turns"][1]}])
+    turn2 = render(
+        smol_tokenizer,
+        [
+            {"role": "user", "content": question["turns"][0]},
+            {"role": "assistant", "content": answer},
+            {"role": "user", "content": question["turns"][1]},
+        ],
+    )
     assert records[1]["prompt_tokens"] == len(turn2)
     assert summary["sequences"] == 2 and summary["generated_tokens"] == 12
     report = json.loads((tmp_path / "o" / "report.json").read_text())

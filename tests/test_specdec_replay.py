@@ -23,8 +23,8 @@ MAX_NEW = 20
 LAYERS = [1, 3, 4]
 
 
-
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 
 @pytest.fixture(scope="module")
 def setup(tiny_target_dir, tmp_path_factory):
@@ -49,13 +49,20 @@ def _replay(target, drafter, prompts, gen, tree):
         ids[i, : len(s)] = torch.tensor(s)
     aux, _ = forward_capture(target, ids, None, layer_ids=LAYERS)
     return replay_batch(
-        DrafterProposer(drafter), ids, aux.flatten(2), lengths_B=torch.tensor([len(s) for s in seqs]),
-        prompt_lengths_B=torch.tensor([len(p) for p in prompts]), tree=tree,
+        DrafterProposer(drafter),
+        ids,
+        aux.flatten(2),
+        lengths_B=torch.tensor([len(s) for s in seqs]),
+        prompt_lengths_B=torch.tensor([len(p) for p in prompts]),
+        tree=tree,
     )
 
 
-@pytest.mark.parametrize("tree", [TreeConfig.chain(4), TreeConfig(topk=3, depth=4, tokens=12), TreeConfig(topk=4, depth=3, tokens=6)],
-                         ids=["chain4", "tree3x4x12", "tree4x3x6"])
+@pytest.mark.parametrize(
+    "tree",
+    [TreeConfig.chain(4), TreeConfig(topk=3, depth=4, tokens=12), TreeConfig(topk=4, depth=3, tokens=6)],
+    ids=["chain4", "tree3x4x12", "tree4x3x6"],
+)
 def test_replay_equals_real_decoding_loop(setup, tree):
     target, drafter, prompts, gen, _ = setup
     replayed = _replay(target, drafter, prompts, gen, tree)
@@ -111,7 +118,7 @@ def test_tree_step_equals_causal_recompute(setup):
     tok2 = torch.tensor([[2, 2]])
     _, out2 = p.expand(rows, tt, 2, tok2, out1, 2, anc2)
     # recompute node (1 -> 2) plainly: step-0 entries 0..t, then the path
-    ids = torch.cat([seq[0, 1:t + 2], drafter.to_target(torch.tensor([1, 2]))])
+    ids = torch.cat([seq[0, 1 : t + 2], drafter.to_target(torch.tensor([1, 2]))])
     feats = torch.cat([drafter.fuse(aux[0, : t + 1]), root_out, out1[0, 1:2]])
     ref, _, _ = drafter.causal_forward(ids[None], feats[None], torch.arange(len(ids))[None])
     torch.testing.assert_close(out2[0, 1], ref[0, -1], rtol=1e-5, atol=1e-5)

@@ -49,7 +49,7 @@ def setup(tiny_target_dir, tmp_path_factory):
     drafter = _tilted_drafter(target, prompts[0] + gen[0], gen, out, layers=LAYERS)
     # an EOS id the greedy continuation of the last prompt reaches mid-way (not a looping token, which
     # would end the looping continuations at once): stop handling gets exercised
-    eos = next(t for t in gen[3][MAX_NEW // 2:] if counts[t] == 1)
+    eos = next(t for t in gen[3][MAX_NEW // 2 :] if counts[t] == 1)
     return target, drafter, prompts, gen, eos, out
 
 
@@ -89,8 +89,14 @@ def test_greedy_equals_target_greedy_and_replay(setup, tree):
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
     aux, _ = forward_capture(target, ids, None, layer_ids=LAYERS)
-    replayed = replay_batch(DrafterProposer(drafter), ids, aux.flatten(2), lengths_B=torch.tensor([len(s) for s in seqs]),
-                            prompt_lengths_B=torch.tensor([len(p) for p in prompts]), tree=tree)
+    replayed = replay_batch(
+        DrafterProposer(drafter),
+        ids,
+        aux.flatten(2),
+        lengths_B=torch.tensor([len(s) for s in seqs]),
+        prompt_lengths_B=torch.tensor([len(p) for p in prompts]),
+        tree=tree,
+    )
     assert replayed == rounds_all
 
 
@@ -110,9 +116,32 @@ def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode, 
     import json
 
     *_, drafter_dir = setup
-    res, s = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 12,
-                  "--mode", mode, "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8,
-                  "--device", "cpu", "--engine", engine, "--out", tmp_path / "out.jsonl")
+    res, s = _cli(
+        "--drafter",
+        drafter_dir,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        12,
+        "--mode",
+        mode,
+        "--chain-k",
+        3,
+        "--tree-topk",
+        3,
+        "--tree-depth",
+        3,
+        "--tree-tokens",
+        8,
+        "--device",
+        "cpu",
+        "--engine",
+        engine,
+        "--out",
+        tmp_path / "out.jsonl",
+    )
     assert res.exit_code == 0, res.output
     assert s["engine"] == engine and (engine == "plain" or s["cuda_graphs"] == [])
     records = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
@@ -120,11 +149,15 @@ def test_generate_command(setup, tiny_target_dir, prompts_file, tmp_path, mode, 
     rounds = [a for r in records for a in r["accepted"]]
     assert s["greedy_mismatches"] == 0 and s["sequences"] == 3 and s["mode"] == mode
     assert s["generated_tokens"] == sum(len(r["generated_ids"]) for r in records) == s["baseline_generated_tokens"]
-    assert s["rounds"] == len(rounds) and s["acceptance_length"] == pytest.approx(1 + sum(rounds) / len(rounds), abs=1e-4)
+    assert s["rounds"] == len(rounds) and s["acceptance_length"] == pytest.approx(
+        1 + sum(rounds) / len(rounds), abs=1e-4
+    )
     assert len(s["per_position_acceptance"]) == 3
     assert s["speedup"] == pytest.approx(s["tokens_per_s"] / s["baseline_tokens_per_s"], rel=1e-3)
     split = s["time_s"]
-    assert split["total_s"] == pytest.approx(split["prefill_s"] + split["draft_s"] + split["verify_s"] + split["overhead_s"], abs=1e-3)
+    assert split["total_s"] == pytest.approx(
+        split["prefill_s"] + split["draft_s"] + split["verify_s"] + split["overhead_s"], abs=1e-3
+    )
     assert split["draft_s"] > 0 and split["verify_s"] > 0
 
 
@@ -134,25 +167,52 @@ def test_generate_engine_auto_is_static_on_cuda_plain_elsewhere(setup, tiny_targ
     from eyas.specdec.generate_run import GenerateConfig, resolve_engine
 
     assert GenerateConfig(drafter=tmp_path).engine == "auto"
-    assert [resolve_engine("auto", d) for d in ("cuda", torch.device("cuda:1"), "cpu", torch.device("cpu"))] == \
-        ["static", "static", "plain", "plain"]
+    assert [resolve_engine("auto", d) for d in ("cuda", torch.device("cuda:1"), "cpu", torch.device("cpu"))] == [
+        "static",
+        "static",
+        "plain",
+        "plain",
+    ]
     assert resolve_engine("plain", "cuda") == "plain" and resolve_engine("static", "cpu") == "static"
     *_, drafter_dir = setup
-    res, s = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
-                  "--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 4, "--device", "cpu", "--limit", 1,
-                  "--out", tmp_path / "out.jsonl")
+    res, s = _cli(
+        "--drafter",
+        drafter_dir,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        4,
+        "--tree-topk",
+        3,
+        "--tree-depth",
+        2,
+        "--tree-tokens",
+        4,
+        "--device",
+        "cpu",
+        "--limit",
+        1,
+        "--out",
+        tmp_path / "out.jsonl",
+    )
     assert res.exit_code == 0, res.output
     assert s["engine"] == "plain"
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--mode", "beam"], "--mode"),
-    (["--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 50], "--tree-tokens"),
-    (["--temperature", -1], "--temperature"),
-    (["--max-new-tokens", 0], "--max-new-tokens"),
-    (["--prompts", "/nonexistent.jsonl"], "--prompts"),
-    (["--engine", "fast"], "--engine"),
-], ids=["mode", "tree-tokens", "temperature", "max-new", "prompts", "engine"])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--mode", "beam"], "--mode"),
+        (["--tree-topk", 3, "--tree-depth", 2, "--tree-tokens", 50], "--tree-tokens"),
+        (["--temperature", -1], "--temperature"),
+        (["--max-new-tokens", 0], "--max-new-tokens"),
+        (["--prompts", "/nonexistent.jsonl"], "--prompts"),
+        (["--engine", "fast"], "--engine"),
+    ],
+    ids=["mode", "tree-tokens", "temperature", "max-new", "prompts", "engine"],
+)
 def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
     *_, drafter_dir = setup
     res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, *args)
@@ -162,9 +222,29 @@ def test_generate_bad_input_exits_2(setup, tiny_target_dir, args, needle):
 def test_generate_out_replaces_only_its_own_records(setup, tiny_target_dir, prompts_file, tmp_path):
     *_, drafter_dir = setup
     out = tmp_path / "out.jsonl"
-    args = ["--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 2,
-            "--tree-topk", 2, "--tree-depth", 2, "--tree-tokens", 3, "--device", "cpu", "--limit", 1, "--no-baseline",
-            "--warmup", 0]
+    args = [
+        "--drafter",
+        drafter_dir,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        2,
+        "--tree-topk",
+        2,
+        "--tree-depth",
+        2,
+        "--tree-tokens",
+        3,
+        "--device",
+        "cpu",
+        "--limit",
+        1,
+        "--no-baseline",
+        "--warmup",
+        0,
+    ]
     res, _ = _cli(*args, "--out", out)
     assert res.exit_code == 0, res.output
     first = out.read_text()
@@ -281,9 +361,30 @@ def test_eval_reports_predicted_speedup(setup, tiny_target_dir, prompts_file, tm
     from eyas.cli import app
 
     *_, drafter_dir = setup
-    res = CliRunner().invoke(app, ["eval", "--drafter", str(drafter_dir), "--target", str(tiny_target_dir), "--prompts",
-                                   str(prompts_file), "--max-new-tokens", "8", "--chain-k", "3", "--tree-topk", "3",
-                                   "--tree-depth", "3", "--tree-tokens", "8", "--out", str(tmp_path / "r")])
+    res = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--drafter",
+            str(drafter_dir),
+            "--target",
+            str(tiny_target_dir),
+            "--prompts",
+            str(prompts_file),
+            "--max-new-tokens",
+            "8",
+            "--chain-k",
+            "3",
+            "--tree-topk",
+            "3",
+            "--tree-depth",
+            "3",
+            "--tree-tokens",
+            "8",
+            "--out",
+            str(tmp_path / "r"),
+        ],
+    )
     assert res.exit_code == 0, res.output
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     report = json.loads((tmp_path / "r" / "report.json").read_text())
@@ -384,8 +485,9 @@ def test_static_step_costs_run_real_rounds_inside_the_cache(setup, monkeypatch, 
 
     monkeypatch.setattr(speculative_static, "StaticSpeculativeDecoder", Spy)
     tree = TREES[1]
-    c = speculative_static.measure_static_step_costs(target, drafter, tree=tree, layer_ids=LAYERS, context=context,
-                                                     repeats=2)
+    c = speculative_static.measure_static_step_costs(
+        target, drafter, tree=tree, layer_ids=LAYERS, context=context, repeats=2
+    )
     assert c["engine"] == "static" and c["cuda_graphs"] == [] and c["graph_note"] is None  # CPU: eager steps
     parts = ("draft_s", "verify_s", "walk_s", "commit_s")
     assert all(c[k] > 0 for k in parts + ("target_step_s",))
@@ -409,8 +511,9 @@ def test_prediction_uses_the_static_engine_on_cuda(setup, monkeypatch):
     assert prediction_engine(torch.device("cuda", 0)) == "static" and prediction_engine(torch.device("cpu")) == "plain"
     # the CUDA choice on this CPU: the device the engine is chosen for is the drafter's
     seen = []
-    monkeypatch.setattr(speculative, "prediction_engine",
-                        lambda dev: seen.append(dev) or prediction_engine(torch.device("cuda")))
+    monkeypatch.setattr(
+        speculative, "prediction_engine", lambda dev: seen.append(dev) or prediction_engine(torch.device("cuda"))
+    )
     real_plain = speculative.measure_step_costs
 
     def no_plain(*a, **kw):
@@ -444,10 +547,27 @@ def test_generate_fails_when_speculative_output_differs(setup, tiny_target_dir, 
 
     *_, drafter_dir = setup
     real = SpeculativeDecoder._first
-    monkeypatch.setattr(SpeculativeDecoder, "_first",
-                        lambda self, logits: real(self, logits) + (1 if self.drafter is not None else 0))
-    res, _ = _cli("--drafter", drafter_dir, "--target", tiny_target_dir, "--prompts", prompts_file, "--max-new-tokens", 4,
-                  "--mode", "chain", "--chain-k", 2, "--device", "cpu", "--limit", 1)
+    monkeypatch.setattr(
+        SpeculativeDecoder, "_first", lambda self, logits: real(self, logits) + (1 if self.drafter is not None else 0)
+    )
+    res, _ = _cli(
+        "--drafter",
+        drafter_dir,
+        "--target",
+        tiny_target_dir,
+        "--prompts",
+        prompts_file,
+        "--max-new-tokens",
+        4,
+        "--mode",
+        "chain",
+        "--chain-k",
+        2,
+        "--device",
+        "cpu",
+        "--limit",
+        1,
+    )
     assert res.exit_code == 1 and "greedy outputs differ" in res.output, res.output
     import json
 
@@ -523,7 +643,8 @@ def test_static_engine_draft_bookkeeping_matches_the_host_walk(setup):
         first = fast.last_tok.item()
         ref.proposer.extend(torch.tensor(prompt[1:] + [first]), aux)
     drafted = __import__("eyas.specdec.replay", fromlist=["build_tree"]).build_tree(
-        ref.proposer, torch.zeros(1, dtype=torch.long), torch.tensor([P - 1]), tree)
+        ref.proposer, torch.zeros(1, dtype=torch.long), torch.tensor([P - 1]), tree
+    )
     tok, par, depth = _submitted(drafted)
     assert fast.tok_T.tolist() == tok and fast.par_T.tolist() == par and fast.depth_T.tolist() == depth
     want = _tree_mask(par, P, "cpu")  # [1+T, P+1+T]
@@ -557,8 +678,13 @@ def test_static_engine_steps_never_read_the_device(setup):
     from torch.utils._python_dispatch import TorchDispatchMode
 
     target, drafter, prompts, _, eos, _ = setup
-    banned = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-              torch.ops.aten.masked_select.default, torch.ops.aten.item.default, torch.ops.aten.lift_fresh.default}
+    banned = {
+        torch.ops.aten._local_scalar_dense.default,
+        torch.ops.aten.nonzero.default,
+        torch.ops.aten.masked_select.default,
+        torch.ops.aten.item.default,
+        torch.ops.aten.lift_fresh.default,
+    }
 
     class NoHostReads(TorchDispatchMode):
         seen: list = []
@@ -620,7 +746,7 @@ def test_static_engine_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
     prompt = render(smol_tokenizer, [{"role": "user", "content": "List the days of the week, one per line."}])
     with torch.no_grad():
         full = target.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0].tolist()
-    greedy = full[len(prompt):]
+    greedy = full[len(prompt) :]
     layers = [2, 14, 27]
     drafter = _tilted_drafter(target, full, [greedy], tmp_path / "d", layers=layers)
     for tree in (TreeConfig(topk=3, depth=3, tokens=8), TreeConfig.chain(3)):
@@ -628,4 +754,6 @@ def test_static_engine_on_smollm2(smol_dir, smol_tokenizer, tmp_path):
         out, st = StaticSpeculativeDecoder(target, drafter, **kw).generate(prompt, max_new_tokens=20)
         want, wst = SpeculativeDecoder(target, drafter, **kw).generate(prompt, max_new_tokens=20)
         assert out == want == greedy
-        assert st.accepted_per_round == wst.accepted_per_round and sum(st.accepted_per_round) > 0, wst.accepted_per_round
+        assert st.accepted_per_round == wst.accepted_per_round and sum(st.accepted_per_round) > 0, (
+            wst.accepted_per_round
+        )

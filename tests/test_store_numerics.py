@@ -34,6 +34,8 @@ HIGH = 2  # slot of the highest aux layer
 SLOT_NOISE = [0.35, 0.7, 1.0]  # relative size of the noise per aux slot
 WORST = 0.104  # the worst token's error at the highest aux layer, as on the live store
 SGLANG = {"backend": "sglang", "sglang_version": "0.5.17", "server_dtype": "bfloat16"}
+
+
 def write_store(src, dst, mutate=lambda sid, h, everything: h, **kw):
     """test_verify_faults.rewrite with this file's shard size."""
     return rewrite(src, dst, mutate, shard_bytes=20_000, **kw)
@@ -57,8 +59,16 @@ def stores(tmp_path_factory, tiny_target_dir):
 
     root = tmp_path_factory.mktemp("numerics")
     data = make_prepared(root / "p", tokenizer_hash(load_tokenizer(tiny_target_dir)), n=12, seed=1, max_len=40)
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "clean", aux_layers=LAYERS,
-                                token_budget=64, shard_bytes=20_000))
+    run_capture(
+        CaptureSettings(
+            target=str(tiny_target_dir),
+            data=data,
+            out=root / "clean",
+            aux_layers=LAYERS,
+            token_budget=64,
+            shard_bytes=20_000,
+        )
+    )
     split = PreparedDataset(data).split("train")
     model = load_target(tiny_target_dir)
     ref_model = load_target(tiny_target_dir, dtype=torch.bfloat16)  # what verify recomputes a bf16 store with
@@ -68,8 +78,10 @@ def stores(tmp_path_factory, tiny_target_dir):
     draws = {}
     for sid in clean.sample_ids:
         t = clean.record(sid)["tokens"]
-        draws[sid] = (torch.exp(0.4 * torch.randn(t, len(LAYERS), generator=g)),
-                      torch.nn.functional.normalize(torch.randn(t, len(LAYERS), 64, generator=g), dim=-1))
+        draws[sid] = (
+            torch.exp(0.4 * torch.randn(t, len(LAYERS), generator=g)),
+            torch.nn.functional.normalize(torch.randn(t, len(LAYERS), 64, generator=g), dim=-1),
+        )
 
     def noisy(sid, h, sigma):
         mag, unit = draws[sid]
@@ -94,12 +106,24 @@ def stores(tmp_path_factory, tiny_target_dir):
     sigma = 0.03
     sigma *= WORST / max(worst_high(sigma).values())  # the noise dominates: the error is about linear in sigma
     with torch.no_grad():
-        write_store(root / "clean", root / "uncalibrated", lambda sid, h, _: noisy(sid, h, sigma),
-                    model_dtype="bf16", producer=dict(SGLANG))
+        write_store(
+            root / "clean",
+            root / "uncalibrated",
+            lambda sid, h, _: noisy(sid, h, sigma),
+            model_dtype="bf16",
+            producer=dict(SGLANG),
+        )
     record = calibrate_store(root / "uncalibrated", split, str(tiny_target_dir), device="cpu", samples=4, engine=SGLANG)
     write_store(root / "uncalibrated", root / "engine", extra={"engine_numerics": record})
-    return {"clean": root / "clean", "engine": root / "engine", "uncalibrated": root / "uncalibrated", "split": split,
-            "record": record, "worst": worst_high(sigma), "root": root}
+    return {
+        "clean": root / "clean",
+        "engine": root / "engine",
+        "uncalibrated": root / "uncalibrated",
+        "split": split,
+        "record": record,
+        "worst": worst_high(sigma),
+        "root": root,
+    }
 
 
 def test_the_engine_store_looks_like_the_live_one(stores):
@@ -164,6 +188,7 @@ def _fault(kind, stores, tiny_target_dir):
         def wrong(h, _):
             h[:, 1] = aux[:, 0]
             return h
+
         return only(wrong), [a]
     if kind == "no_context":  # the suffix computed as if it started the sequence (a radix-cache gap)
         aux, final = reference_hidden_states(model, ids[4:], layer_ids=LAYERS)
@@ -171,14 +196,19 @@ def _fault(kind, stores, tiny_target_dir):
         def lost(h, _):
             h[4:] = torch.cat([aux, final[:, None]], dim=1)
             return h
+
         return only(lost), [a]
     if kind == "swapped":  # two samples' rows exchanged, trimmed or padded to each other's length
+
         def swap(sid, h, everything):
             if sid not in (a, b):
                 return h
             other = everything[b if sid == a else a]
             t = h.shape[0]
-            return (other[:t] if other.shape[0] >= t else torch.cat([other, other[-1:].expand(t - other.shape[0], -1, -1)])).clone()
+            return (
+                other[:t] if other.shape[0] >= t else torch.cat([other, other[-1:].expand(t - other.shape[0], -1, -1)])
+            ).clone()
+
         return swap, [a, b]
     raise ValueError(kind)
 

@@ -19,8 +19,16 @@ D, A = 32, 3
 
 
 def spec(dtype="bf16", **kw):
-    return StoreSpec(aux_layer_ids=[1, 2, 4], hidden_size=D, dtype=dtype, target={"path": "/x", "config_sha256": "c"},
-                     tokenizer_hash="t", prepared={"path": "/p", "split": "train", "fingerprint": "f"}, model_dtype="fp32", **kw)
+    return StoreSpec(
+        aux_layer_ids=[1, 2, 4],
+        hidden_size=D,
+        dtype=dtype,
+        target={"path": "/x", "config_sha256": "c"},
+        tokenizer_hash="t",
+        prepared={"path": "/p", "split": "train", "fingerprint": "f"},
+        model_dtype="fp32",
+        **kw,
+    )
 
 
 def samples(n, seed=0):
@@ -54,7 +62,9 @@ def test_round_trip_and_safetensors_compat(tmp_path, dtype):
     rec = r.manifest["samples"][0]
     tensors = load_file(str(tmp_path / "s" / r.manifest["shards"][rec["shard"]]["name"]))
     hidden, scale = r.raw(rec["id"])
-    assert torch.equal(tensors["hidden"][rec["start"]:rec["start"] + rec["tokens"]].view(torch.uint8), hidden.view(torch.uint8))
+    assert torch.equal(
+        tensors["hidden"][rec["start"] : rec["start"] + rec["tokens"]].view(torch.uint8), hidden.view(torch.uint8)
+    )
     assert ("scale" in tensors) == (dtype == "fp8")
 
 
@@ -159,7 +169,10 @@ def test_resume_refuses_other_settings_and_duplicates(tmp_path):
         StoreWriter(path, spec("fp8"))
     moved = spec()
     moved.prepared = {"path": "/moved", "split": "train", "fingerprint": "f"}
-    with StoreWriter(path, moved) as w, pytest.raises(ValueError, match="already added"):  # same data, new path: resumable
+    with (
+        StoreWriter(path, moved) as w,
+        pytest.raises(ValueError, match="already added"),
+    ):  # same data, new path: resumable
         w.add(sid, aux, fin)
     (tmp_path / "junk").mkdir()
     (tmp_path / "junk" / "x.bin").write_bytes(b"1")

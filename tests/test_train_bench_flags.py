@@ -51,14 +51,22 @@ def test_rounds_report_the_hosts_wait_per_step_where_a_step_counts_it():
         def step():
             waited[0] += 0.0015
             return torch.tensor(1.0)
+
         step.waited = waited
         return step
 
     wrapped = tb.with_kernel(make(), "gqa_flash", "off")
     assert wrapped.waited is not None
     runs = {}
-    tb.measure_rounds([("eyas", make), ("peer", lambda: (lambda: torch.tensor(1.0))), ("wrapped", lambda: wrapped)],
-                      runs, rounds=3, warmup=1, steps=2, device=torch.device("cpu"), tokens_per_step=10)
+    tb.measure_rounds(
+        [("eyas", make), ("peer", lambda: lambda: torch.tensor(1.0)), ("wrapped", lambda: wrapped)],
+        runs,
+        rounds=3,
+        warmup=1,
+        steps=2,
+        device=torch.device("cpu"),
+        tokens_per_step=10,
+    )
     assert runs["eyas"]["wait_ms"] == pytest.approx(1.5) and runs["wrapped"]["wait_ms"] == pytest.approx(1.5)
     assert "wait_ms" not in runs["peer"] and runs["peer"]["tokens_per_s"] > 0
 
@@ -69,10 +77,12 @@ def test_the_smol_suites_steady_rate_and_wait_come_from_the_records_after_skip(t
     import json
 
     tb = load_benchmark("train_bench")
-    recs = [dict(step=1, tokens=999, supervised_tokens=999, padded_tokens=999, step_s=9.0, host_wait_s=5.0, loss=3.0),
-            dict(step=2, tokens=100, supervised_tokens=60, padded_tokens=125, step_s=0.5, host_wait_s=0.002, loss=2.0),
-            dict(step=3, tokens=300, supervised_tokens=140, padded_tokens=375, step_s=0.5, host_wait_s=0.010, loss=1.0),
-            dict(step=4, tokens=200, supervised_tokens=100, padded_tokens=200, step_s=1.0, loss=0.5)]
+    recs = [
+        dict(step=1, tokens=999, supervised_tokens=999, padded_tokens=999, step_s=9.0, host_wait_s=5.0, loss=3.0),
+        dict(step=2, tokens=100, supervised_tokens=60, padded_tokens=125, step_s=0.5, host_wait_s=0.002, loss=2.0),
+        dict(step=3, tokens=300, supervised_tokens=140, padded_tokens=375, step_s=0.5, host_wait_s=0.010, loss=1.0),
+        dict(step=4, tokens=200, supervised_tokens=100, padded_tokens=200, step_s=1.0, loss=0.5),
+    ]
     f = tmp_path / "metrics.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in recs) + json.dumps({"eval": True, "loss": 9}) + "\n")
     r = tb._steady(f, skip=1)
@@ -92,8 +102,9 @@ def test_the_muon_variant_steps_with_muon_and_moves_other_weights_than_adamw(mon
 
     tb = load_benchmark("train_bench")
     built = []
-    monkeypatch.setattr(optim.MuonAdamW, "step", lambda self, *a, _s=optim.MuonAdamW.step: built.append(1) or
-                        _s(self, *a))
+    monkeypatch.setattr(
+        optim.MuonAdamW, "step", lambda self, *a, _s=optim.MuonAdamW.step: built.append(1) or _s(self, *a)
+    )
     c = tb.shapes(True)
     weights = {}
     for kind in ("adamw", "muon"):

@@ -16,9 +16,30 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _args(world, out, *extra):  # noqa: F811
-    return ["train", "--target", str(world["target"]), "--data", str(world["prep"]), "--out", str(out),
-            "--draft-vocab", str(VOCAB_CAP), "--aux-layers", ",".join(map(str, AUX)), "--device", "cpu",
-            "--lr", "3e-3", "--warmup-steps", "1", "--max-length", "64", "--eval-samples", "4", *extra]
+    return [
+        "train",
+        "--target",
+        str(world["target"]),
+        "--data",
+        str(world["prep"]),
+        "--out",
+        str(out),
+        "--draft-vocab",
+        str(VOCAB_CAP),
+        "--aux-layers",
+        ",".join(map(str, AUX)),
+        "--device",
+        "cpu",
+        "--lr",
+        "3e-3",
+        "--warmup-steps",
+        "1",
+        "--max-length",
+        "64",
+        "--eval-samples",
+        "4",
+        *extra,
+    ]
 
 
 def _run(cmd):
@@ -29,8 +50,9 @@ def _run(cmd):
 
 
 def _torchrun(*args):
-    return _run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                 "-m", "eyas", *args])
+    return _run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "eyas", *args]
+    )
 
 
 def _weights(out):
@@ -48,8 +70,9 @@ def test_two_processes_equal_one(world, tmp_path):  # noqa: F811
     one = tmp_path / "one"
     s_one = run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2, optimizer="adamw"))  # global batch 2
     ddp = tmp_path / "ddp"
-    s_ddp = _torchrun(*_args(world, ddp, "--steps", "3", "--batch-size", "1", "--save-every", "2",
-                             "--optimizer", "adamw"))
+    s_ddp = _torchrun(
+        *_args(world, ddp, "--steps", "3", "--batch-size", "1", "--save-every", "2", "--optimizer", "adamw")
+    )
     fsdp = tmp_path / "fsdp"
     s_fsdp = _torchrun(*_args(world, fsdp, "--steps", "3", "--batch-size", "1", "--fsdp"))
     assert s_ddp["world"] == 2 and s_fsdp["world"] == 2
@@ -87,14 +110,27 @@ def test_token_batches_across_an_epoch_end_and_a_one_process_checkpoint_on_two(w
     from eyas.train.plans import TokenPlan
 
     lengths = [int(x) for x in PreparedDataset(world["prep"]).split("train").lengths]
-    budget = next(b for b in range(64, 200) if len(TokenPlan(lengths=lengths, tokens_per_batch=b, accum=1, world=1,
-                                                              seed=0).micro_batches(0)) % 2)
+    budget = next(
+        b
+        for b in range(64, 200)
+        if len(TokenPlan(lengths=lengths, tokens_per_batch=b, accum=1, world=1, seed=0).micro_batches(0)) % 2
+    )
     plan = TokenPlan(lengths=lengths, tokens_per_batch=budget, accum=2, world=1, seed=0)
     steps = plan.steps_per_epoch + 1  # the epoch's last step has an empty slot, then the next epoch
     assert [] in plan.micro_indices(plan.steps_per_epoch - 1, 0)
     one = tmp_path / "one"
-    run(_cfg(world, one, data=world["prep"], steps=steps, tokens_per_batch=budget, batch_size=None, grad_accum=2,
-             save_every=1))
+    run(
+        _cfg(
+            world,
+            one,
+            data=world["prep"],
+            steps=steps,
+            tokens_per_batch=budget,
+            batch_size=None,
+            grad_accum=2,
+            save_every=1,
+        )
+    )
     two = tmp_path / "two"
     _torchrun(*_args(world, two, "--steps", str(steps), "--tokens-per-batch", str(budget)))
     ref, got = _train_records(one), _train_records(two)
@@ -109,8 +145,9 @@ def test_token_batches_across_an_epoch_end_and_a_one_process_checkpoint_on_two(w
             f.unlink()
     lines = (one / "metrics.jsonl").read_text().splitlines()
     (one / "metrics.jsonl").write_text("\n".join(x for x in lines if json.loads(x)["step"] <= k) + "\n")
-    _torchrun(*_args(world, one, "--steps", str(steps), "--tokens-per-batch", str(budget), "--resume", "auto",
-                     "--overwrite"))
+    _torchrun(
+        *_args(world, one, "--steps", str(steps), "--tokens-per-batch", str(budget), "--resume", "auto", "--overwrite")
+    )
     resumed = _train_records(one)
     assert [r["step"] for r in resumed] == list(range(1, steps + 1))
     assert [r["loss"] for r in resumed[k:]] == pytest.approx([r["loss"] for r in ref[k:]], rel=1e-5)
@@ -127,8 +164,9 @@ def test_bf16_gradient_reduce_trains_like_fp32_within_bf16_rounding(world, tmp_p
     run(_cfg(world, one, data=world["prep"], steps=3, batch_size=2, optimizer="adamw"))
     fp32, bf16 = tmp_path / "fp32", tmp_path / "bf16"
     _torchrun(*_args(world, fp32, "--steps", "3", "--batch-size", "1", "--optimizer", "adamw"))
-    s = _torchrun(*_args(world, bf16, "--steps", "3", "--batch-size", "1", "--grad-reduce", "bf16",
-                         "--optimizer", "adamw"))
+    s = _torchrun(
+        *_args(world, bf16, "--steps", "3", "--batch-size", "1", "--grad-reduce", "bf16", "--optimizer", "adamw")
+    )
     assert s["world"] == 2
     ref, got = _train_records(one), _train_records(bf16)
     assert [r["loss"] for r in got] == pytest.approx([r["loss"] for r in ref], rel=2e-2)
@@ -142,7 +180,7 @@ def test_bf16_gradient_reduce_trains_like_fp32_within_bf16_rounding(world, tmp_p
         assert (d > lr / 10).float().mean() < 0.01, (k, (d > lr / 10).float().mean())
 
 
-RANK1_SIGTERM = '''
+RANK1_SIGTERM = """
 import os, signal, sys
 from eyas.train import loop
 
@@ -161,7 +199,7 @@ from eyas.cli import main
 
 sys.argv = ["eyas", *sys.argv[1:]]
 main()
-'''
+"""
 
 
 def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_checkpoint(world, tmp_path):  # noqa: F811
@@ -179,10 +217,23 @@ def test_a_signal_to_one_rank_stops_every_rank_after_the_same_step_with_one_chec
     script = tmp_path / "rank1_sigterm.py"
     script.write_text(RANK1_SIGTERM)
     two = tmp_path / "two"
-    res = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                          str(script), *_args(world, two, "--steps", "4", "--batch-size", "1")],
-                         check=False, capture_output=True, text=True, timeout=180,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            str(script),
+            *_args(world, two, "--steps", "4", "--batch-size", "1"),
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode != 0
     assert res.stderr.count(f"interrupted: stopped after step {last} of 4, saved in ") == 2, res.stderr[-3000:]
     assert sorted(p.name for p in (two / "checkpoints").iterdir()) == [f"step-{last:06d}.safetensors"]

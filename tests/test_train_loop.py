@@ -38,9 +38,15 @@ def write_store(path: Path, target_dir: Path, prep_dir: Path, split_name: str, *
 
     model = load_target(target_dir)
     split = PreparedDataset(prep_dir).split(split_name)
-    spec = StoreSpec(aux_layer_ids=aux, hidden_size=hidden or model.config.hidden_size, dtype="fp32",
-                     target=model_identity(target_dir), tokenizer_hash=tok_hash, model_dtype="fp32",
-                     prepared={"path": str(prep_dir), "split": split_name, "fingerprint": split.fingerprint})
+    spec = StoreSpec(
+        aux_layer_ids=aux,
+        hidden_size=hidden or model.config.hidden_size,
+        dtype="fp32",
+        target=model_identity(target_dir),
+        tokenizer_hash=tok_hash,
+        model_dtype="fp32",
+        prepared={"path": str(prep_dir), "split": split_name, "fingerprint": split.fingerprint},
+    )
     with StoreWriter(path, spec) as w:
         for s in split:
             aux_BTAD, final = forward_capture(model, s.input_ids[None], layer_ids=aux)
@@ -68,8 +74,9 @@ def world(tmp_path_factory, smol_tokenizer):
     sd["lm_head.weight"][:VOCAB_CAP] *= 40  # a confident teacher (random init gives near-uniform logits)
     save_file(sd, str(wf), metadata={"format": "pt"})
     th = tokenizer_hash(smol_tokenizer)
-    prep = write_prepared(root / "prep", {"train": _samples(16, "t", 0), "eval": _samples(4, "e", 1)},
-                          {"tokenizer_hash": th})
+    prep = write_prepared(
+        root / "prep", {"train": _samples(16, "t", 0), "eval": _samples(4, "e", 1)}, {"tokenizer_hash": th}
+    )
     store = write_store(root / "store", target, prep, "train", tok_hash=th)
     eval_store = write_store(root / "eval_store", target, prep, "eval", tok_hash=th)
     return {"root": root, "target": target, "prep": prep, "store": store, "eval_store": eval_store, "tok_hash": th}
@@ -78,8 +85,19 @@ def world(tmp_path_factory, smol_tokenizer):
 def _cfg(world, out, **kw):
     from eyas.train.loop import TrainConfig
 
-    base = dict(target=str(world["target"]), out=out, steps=3, batch_size=2, draft_vocab=VOCAB_CAP, lr=3e-3,
-                warmup_steps=1, max_length=64, eval_samples=4, device="cpu", aux_layers=AUX)
+    base = dict(
+        target=str(world["target"]),
+        out=out,
+        steps=3,
+        batch_size=2,
+        draft_vocab=VOCAB_CAP,
+        lr=3e-3,
+        warmup_steps=1,
+        max_length=64,
+        eval_samples=4,
+        device="cpu",
+        aux_layers=AUX,
+    )
     base.update(kw)
     return TrainConfig(**base)
 
@@ -140,7 +158,10 @@ def test_resume_reproduces_the_uninterrupted_run(world, tmp_path):
     assert a[-1]["loss_per_step"][0] < a[0]["loss_per_step"][0]
     from safetensors.torch import load_file
 
-    wa, wb = load_file(str(full / "drafter" / "model.safetensors")), load_file(str(part / "drafter" / "model.safetensors"))
+    wa, wb = (
+        load_file(str(full / "drafter" / "model.safetensors")),
+        load_file(str(part / "drafter" / "model.safetensors")),
+    )
     for k in wa:
         torch.testing.assert_close(wa[k], wb[k], atol=1e-6, rtol=1e-6)
 
@@ -180,8 +201,11 @@ def test_a_new_run_never_replaces_a_killed_runs_checkpoints(world, tmp_path):
     run(_cfg(world, out, data=world["prep"], steps=2, save_every=1))
     shutil.rmtree(out / "drafter")
     before = {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()}
-    with pytest.raises(EyasError, match=r"holds another run's checkpoints \(step-000002.safetensors\); a new run would "
-                                        r"replace them: pass --resume auto to continue that run, --overwrite"):
+    with pytest.raises(
+        EyasError,
+        match=r"holds another run's checkpoints \(step-000002.safetensors\); a new run would "
+        r"replace them: pass --resume auto to continue that run, --overwrite",
+    ):
         run(_cfg(world, out, data=world["prep"], steps=2, lr=1e-2))
     assert {p.name: p.read_bytes() for p in (out / "checkpoints").iterdir()} == before
 
@@ -205,12 +229,15 @@ def test_resume_refuses_a_checkpoint_changed_after_it_was_written(world, tmp_pat
     if damage == "low_bits":
         words = np.frombuffer(data, dtype=np.uint8, count=4096, offset=start).copy().view(np.uint32)
         words ^= 1
-        data[start:start + 4096] = words.view(np.uint8).tobytes()
+        data[start : start + 4096] = words.view(np.uint8).tobytes()
     else:
-        data[start:start + 65536] = np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes()
+        data[start : start + 65536] = np.random.default_rng(0).integers(0, 256, 65536, dtype=np.uint8).tobytes()
     ck2.write_bytes(bytes(data))
-    with pytest.raises(EyasError, match=rf"checkpoint {re.escape(str(ck2))} is damaged: its tensors do not match the "
-                                        r"checksum") as err:
+    with pytest.raises(
+        EyasError,
+        match=rf"checkpoint {re.escape(str(ck2))} is damaged: its tensors do not match the "
+        r"checksum",
+    ) as err:
         run(_cfg(world, out, data=world["prep"], steps=3, resume="auto"))
     assert "store" not in str(err.value)
 
@@ -235,8 +262,11 @@ def test_train_refuses_a_store_whose_manifest_names_other_layers(world, tmp_path
         man["fields_sha256"] = manifest_fields_sha256(man)
     (store / "manifest.json").write_text(json.dumps(man))
     cfg = _cfg(world, tmp_path / "r", store=store, aux_layers=None, steps=1)
-    pattern = ("do not match their checksum fields_sha256: the manifest was edited" if checksum == "stale" else
-               r"aux slot 0 is listed as layer 2 in manifest.json, but its states are layer 1's")
+    pattern = (
+        "do not match their checksum fields_sha256: the manifest was edited"
+        if checksum == "stale"
+        else r"aux slot 0 is listed as layer 2 in manifest.json, but its states are layer 1's"
+    )
     with pytest.raises(EyasError, match=pattern):
         run(cfg)
     assert not (tmp_path / "r" / "drafter").exists()
@@ -313,8 +343,11 @@ def test_interrupt_saves_the_step_and_resume_equals_the_uninterrupted_run(world,
     part = tmp_path / "part"
     _interrupt_at_step(monkeypatch, 2)
     before = signal.getsignal(signal.SIGINT)
-    with pytest.raises(Interrupted, match=r"stopped after step 2 of 5, saved in .*step-000002\.safetensors; rerun the "
-                                          r"same command with --resume auto to continue from there"):
+    with pytest.raises(
+        Interrupted,
+        match=r"stopped after step 2 of 5, saved in .*step-000002\.safetensors; rerun the "
+        r"same command with --resume auto to continue from there",
+    ):
         run(_cfg(world, part, **kw))
     assert signal.getsignal(signal.SIGINT) is before  # the handlers are restored
     assert sorted(p.name for p in (part / "checkpoints").iterdir()) == ["step-000002.safetensors"]
@@ -445,7 +478,12 @@ def test_compile_workers_start_with_the_stop_signals_ignored(monkeypatch):
     try:
         assert {s: signal.getsignal(s) for s in before} == before
         time.sleep(0.5)  # (the child's interpreter has started)
-        ignored = int(next(x for x in Path(f"/proc/{child.pid}/status").read_text().splitlines() if x.startswith("SigIgn:")).split()[1], 16)
+        ignored = int(
+            next(
+                x for x in Path(f"/proc/{child.pid}/status").read_text().splitlines() if x.startswith("SigIgn:")
+            ).split()[1],
+            16,
+        )
         assert ignored >> (signal.SIGTERM - 1) & 1 and ignored >> (signal.SIGINT - 1) & 1
         child.send_signal(signal.SIGTERM)
         time.sleep(0.3)
@@ -490,10 +528,18 @@ def test_a_compile_after_a_process_group_sigterm_finishes(tmp_path):
 
     script = tmp_path / "group_sigterm.py"
     script.write_text(GROUP_SIGTERM)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"),
-                                                       os.environ.get("PYTHONPATH", "")])}
-    p = subprocess.run([sys.executable, str(script), "shielded"], start_new_session=True, capture_output=True,
-                       text=True, timeout=300, env=env)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1] / "src"), os.environ.get("PYTHONPATH", "")]),
+    }
+    p = subprocess.run(
+        [sys.executable, str(script), "shielded"],
+        start_new_session=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == "finished 1"
 
@@ -540,8 +586,11 @@ def test_interrupt_before_the_first_step_does_not_claim_a_resume(world, tmp_path
     monkeypatch.undo()
     run(_cfg(world, tmp_path / "r", data=world["prep"], steps=1))
     monkeypatch.setattr(eyas.drafter.vocab, "build_draft_vocab", ctrl_c)
-    with pytest.raises(Interrupted, match=r"the latest checkpoint is .*step-000001\.safetensors \(step 1\); rerun the "
-                                          r"same command to continue from it"):
+    with pytest.raises(
+        Interrupted,
+        match=r"the latest checkpoint is .*step-000001\.safetensors \(step 1\); rerun the "
+        r"same command to continue from it",
+    ):
         run(_cfg(world, tmp_path / "r", data=world["prep"], steps=2, resume="auto"))
 
 
@@ -551,9 +600,30 @@ def test_interrupt_through_the_cli_says_how_to_continue(world, tmp_path, monkeyp
     from eyas.cli import app
 
     _interrupt_at_step(monkeypatch, 1)
-    r = CliRunner().invoke(app, ["train", "--target", str(world["target"]), "--data", str(world["prep"]), "--out",
-                                 str(tmp_path / "cli"), "--steps", "50", "--draft-vocab", str(VOCAB_CAP), "--aux-layers",
-                                 "1,3,4", "--device", "cpu", "--ttt-steps", "2", "--max-length", "64"])
+    r = CliRunner().invoke(
+        app,
+        [
+            "train",
+            "--target",
+            str(world["target"]),
+            "--data",
+            str(world["prep"]),
+            "--out",
+            str(tmp_path / "cli"),
+            "--steps",
+            "50",
+            "--draft-vocab",
+            str(VOCAB_CAP),
+            "--aux-layers",
+            "1,3,4",
+            "--device",
+            "cpu",
+            "--ttt-steps",
+            "2",
+            "--max-length",
+            "64",
+        ],
+    )
     assert r.exit_code == 130, r.output
     assert "interrupted: stopped after step 1 of 50, saved in " in r.stderr and "--resume auto" in r.stderr
 
@@ -566,12 +636,18 @@ def test_options_that_do_not_fit_the_target_fail_before_it_loads(world, tmp_path
         raise AssertionError("the target was loaded before the bad option was refused")
 
     monkeypatch.setattr(eyas.target, "load_target", boom)
-    with pytest.raises(EyasError, match=r"^--aux-layers \(target .*\): ids \[1, 3, 9\] include \[9\], expected inputs "
-                                        r"to decoder layers 1\.\.5 of a 6-layer target"):
+    with pytest.raises(
+        EyasError,
+        match=r"^--aux-layers \(target .*\): ids \[1, 3, 9\] include \[9\], expected inputs "
+        r"to decoder layers 1\.\.5 of a 6-layer target",
+    ):
         run(_cfg(world, tmp_path / "a", data=world["prep"], aux_layers=[1, 3, 9]))
     vocab = json.loads((world["target"] / "config.json").read_text())["vocab_size"]
-    with pytest.raises(EyasError, match=rf"^--draft-vocab {vocab + 1} exceeds the vocabulary of target .* "
-                                        rf"\({vocab} tokens\)"):
+    with pytest.raises(
+        EyasError,
+        match=rf"^--draft-vocab {vocab + 1} exceeds the vocabulary of target .* "
+        rf"\({vocab} tokens\)",
+    ):
         run(_cfg(world, tmp_path / "b", data=world["prep"], draft_vocab=vocab + 1))
 
 
@@ -580,7 +656,9 @@ def test_options_fit_target_reads_only_the_config(world):
     from eyas.train.loop import check_options_fit_target
 
     check_options_fit_target(world["target"], aux_layers=[1, 5], draft_vocab=VOCAB_CAP)
-    with pytest.raises(EyasError, match=r"^--draft-vocab 100000 exceeds the vocabulary of target .*target \(\d+ tokens\)"):
+    with pytest.raises(
+        EyasError, match=r"^--draft-vocab 100000 exceeds the vocabulary of target .*target \(\d+ tokens\)"
+    ):
         check_options_fit_target(world["target"], draft_vocab=100000)
     with pytest.raises(EyasError, match=r"^--aux-layers \(target .*\): ids \[6\] include \[6\]"):
         check_options_fit_target(world["target"], aux_layers=[6])
@@ -601,8 +679,11 @@ def test_a_max_length_that_cuts_off_every_answer_is_named(world, tmp_path):
     from eyas.train.loop import run
 
     # every sample masks at least its first 2 tokens (the prompt)
-    with pytest.raises(EyasError, match=r"^--max-length 2 leaves no loss-masked \(assistant\) tokens .* "
-                                        r"raise --max-length"):
+    with pytest.raises(
+        EyasError,
+        match=r"^--max-length 2 leaves no loss-masked \(assistant\) tokens .* "
+        r"raise --max-length",
+    ):
         run(_cfg(world, tmp_path / "m", store=world["store"], aux_layers=None, max_length=2))
 
 
@@ -611,7 +692,9 @@ def test_bad_inputs_fail_before_training(world, tmp_path):
     from eyas.train.loop import run
 
     # store with another hidden size than the target
-    bad = write_store(tmp_path / "narrow", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], hidden=32)
+    bad = write_store(
+        tmp_path / "narrow", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], hidden=32
+    )
     with pytest.raises(EyasError, match="hidden size"):
         run(_cfg(world, tmp_path / "a", store=bad, aux_layers=None))
     # store captured with another tokenizer
@@ -619,7 +702,9 @@ def test_bad_inputs_fail_before_training(world, tmp_path):
     with pytest.raises(EyasError, match="tokenizer"):
         run(_cfg(world, tmp_path / "b", store=wrong_tok, aux_layers=None))
     # store whose layer ids do not fit the target
-    deep = write_store(tmp_path / "deep", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], aux=[1, 2, 5])
+    deep = write_store(
+        tmp_path / "deep", world["target"], world["prep"], "eval", tok_hash=world["tok_hash"], aux=[1, 2, 5]
+    )
     man = json.loads((deep / "manifest.json").read_text())
     man["aux_layer_ids"] = [1, 2, 40]
     from eyas.store.format import manifest_fields_sha256
@@ -629,7 +714,9 @@ def test_bad_inputs_fail_before_training(world, tmp_path):
     with pytest.raises(EyasError, match="layers"):
         run(_cfg(world, tmp_path / "c", store=deep, aux_layers=None))
     # empty training split
-    empty = write_prepared(tmp_path / "empty", {"train": [], "eval": _samples(2, "e", 3)}, {"tokenizer_hash": world["tok_hash"]})
+    empty = write_prepared(
+        tmp_path / "empty", {"train": [], "eval": _samples(2, "e", 3)}, {"tokenizer_hash": world["tok_hash"]}
+    )
     with pytest.raises(EyasError, match="empty"):
         run(_cfg(world, tmp_path / "d", data=empty))
     # neither or both sources
@@ -644,16 +731,48 @@ def test_cli_progress_line_and_summary(world, tmp_path):
 
     out = tmp_path / "cli"
     res = subprocess.run(
-        [sys.executable, "-m", "eyas", "train", "--target", str(world["target"]), "--data", str(world["prep"]),
-         "--out", str(out), "--steps", "2", "--batch-size", "4", "--draft-vocab", str(VOCAB_CAP), "--aux-layers",
-         "1,3,4", "--device", "cpu", "--ttt-steps", "3"],
-        check=False, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        [
+            sys.executable,
+            "-m",
+            "eyas",
+            "train",
+            "--target",
+            str(world["target"]),
+            "--data",
+            str(world["prep"]),
+            "--out",
+            str(out),
+            "--steps",
+            "2",
+            "--batch-size",
+            "4",
+            "--draft-vocab",
+            str(VOCAB_CAP),
+            "--aux-layers",
+            "1,3,4",
+            "--device",
+            "cpu",
+            "--ttt-steps",
+            "3",
+        ],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert res.returncode == 0, res.stderr
     summary = json.loads(res.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 2 and len(summary["acc_per_step"]) == 3
     assert "step 00002/00002 | loss " in res.stderr and "supervised) | useful " in res.stderr and "| eta" in res.stderr
-    bad = subprocess.run([sys.executable, "-m", "eyas", "train", "--out", str(tmp_path / "x"), "--device", "cpu"],
-                         check=False, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    bad = subprocess.run(
+        [sys.executable, "-m", "eyas", "train", "--out", str(tmp_path / "x"), "--device", "cpu"],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     assert bad.returncode == 2 and "exactly one of --store" in bad.stderr
 
 
@@ -693,8 +812,11 @@ def test_token_plan_covers_every_sample_once_within_budget():
                     seen += idx
         assert sorted(seen) == list(range(57)), (world_size, accum)
         # the epoch after is a new order of all samples, and step numbers keep counting through it
-        e1 = [i for s in range(plan.steps_per_epoch, plan.steps_per_epoch + plan._epoch_steps(1))
-              for i in plan.step_indices(s)]
+        e1 = [
+            i
+            for s in range(plan.steps_per_epoch, plan.steps_per_epoch + plan._epoch_steps(1))
+            for i in plan.step_indices(s)
+        ]
         assert sorted(e1) == list(range(57)) and e1 != seen
     with pytest.raises(EyasError, match="tokens-per-batch"):
         TokenPlan(lengths=[10, 80], tokens_per_batch=64, accum=1, world=1, seed=0)
@@ -769,7 +891,11 @@ def test_bf16_training_casts_the_weights_once_or_per_step_alike(world, tmp_path,
 
     first = {}
     for once in (True, False):
-        run(_cfg(world, tmp_path / f"once-{once}", store=world["store"], model_dtype="bf16", ttt_cast_once=once, steps=2))
+        run(
+            _cfg(
+                world, tmp_path / f"once-{once}", store=world["store"], model_dtype="bf16", ttt_cast_once=once, steps=2
+            )
+        )
         err = capsys.readouterr().err
         assert ("cast to bf16 once a forward" in err) == once and ("cast by each step" in err) != once, err[-2000:]
         first[once] = _train_records(tmp_path / f"once-{once}")[0]["loss"]
@@ -851,7 +977,9 @@ def test_teacher_temperature_sharpens_the_targets_not_the_top_token(world, tmp_p
     r1, r05 = _train_records(tmp_path / "t1")[0], _train_records(tmp_path / "t05")[0]
     assert r1["acc_per_step"] == r05["acc_per_step"]
     assert abs(r1["loss"] - r05["loss"]) > 1e-3
-    assert json.loads((tmp_path / "t05" / "drafter" / "config.json").read_text())["training"]["teacher_temperature"] == 0.5
+    assert (
+        json.loads((tmp_path / "t05" / "drafter" / "config.json").read_text())["training"]["teacher_temperature"] == 0.5
+    )
     ckpt = sorted((tmp_path / "t05" / "checkpoints").glob("step-*.safetensors"))[0]
     with pytest.raises(EyasError, match="teacher_temperature"):
         run(_cfg(world, tmp_path / "t05b", data=world["prep"], steps=2, resume=str(ckpt)))
@@ -896,8 +1024,12 @@ def test_a_profile_with_stacks_places_the_fills_at_their_lines(capsys):
 
     tb = load_benchmark("train_bench")
     x = torch.randn(16, 16, requires_grad=True)
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=True,
-                 experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True)) as prof:
+    with profile(
+        activities=[ProfilerActivity.CPU],
+        record_shapes=True,
+        with_stack=True,
+        experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True),
+    ) as prof:
         x[:, 1:].sum().backward()  # the slice's backward fills a [16, 16] gradient with zeros first
     tb.print_profile(prof, torch.device("cpu"), 8)
     out = capsys.readouterr().out
@@ -958,11 +1090,17 @@ def test_only_the_latest_checkpoints_are_kept(world, tmp_path):
 
     out = tmp_path / "r"
     run(_cfg(world, out, data=world["prep"], steps=3, save_every=1))
-    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == ["step-000002.safetensors", "step-000003.safetensors"]
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-000002.safetensors",
+        "step-000003.safetensors",
+    ]
     (out / "checkpoints" / "notes.txt").write_text("mine")
     run(_cfg(world, out, data=world["prep"], steps=4, save_every=1, resume="auto"))
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
-        "notes.txt", "step-000003.safetensors", "step-000004.safetensors"]
+        "notes.txt",
+        "step-000003.safetensors",
+        "step-000004.safetensors",
+    ]
     assert [r["step"] for r in _train_records(out)] == [1, 2, 3, 4]  # continued from step 3
     d = tmp_path / "ck"
     d.mkdir()

@@ -64,15 +64,26 @@ def test_muon_group_step_is_the_orthogonalized_nesterov_momentum():
 def test_muon_takes_the_hidden_matrices_and_adamw_the_head_and_norms():
     from eyas.drafter.model import DrafterConfig, Eagle3Drafter
 
-    cfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                        vocab_size=100, draft_vocab_size=50, target_hidden_size=32, aux_layer_ids=[0, 1, 2])
+    cfg = DrafterConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=100,
+        draft_vocab_size=50,
+        target_hidden_size=32,
+        aux_layer_ids=[0, 1, 2],
+    )
     d = Eagle3Drafter(cfg)
     opt = make_optimizer(d, "muon", lr=1e-3, weight_decay=0.0, fused=False)
     muon, rest = (list(g["params"]) for g in opt.param_groups)
     names = {id(p): n for n, p in d.named_parameters()}
     assert sorted(names[id(p)] for p in muon) == sorted(
-        ["fc.weight"] + [f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"]
-        + [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down")])
+        ["fc.weight"]
+        + [f"midlayer.self_attn.{x}_proj.weight" for x in "qkvo"]
+        + [f"midlayer.mlp.{x}_proj.weight" for x in ("gate", "up", "down")]
+    )
     assert "lm_head.weight" in {names[id(p)] for p in rest}
     assert all(p.requires_grad for p in muon + rest)  # the frozen embedding in neither
     assert not any(names[id(p)] == "embed_tokens.weight" for p in muon + rest)

@@ -115,8 +115,9 @@ def test_attention_on_some_query_rows_equals_the_full_attention_there(kernel):
         base = torch.randn(1, x.shape[1], 19, 8, generator=g)
         return base.index_copy(2, rows, x)
 
-    ref = reference_attention(full(q), [k0] + [full(k) for k in kd], [v0] + [full(v) for v in vd],
-                              seg=seg).index_select(2, rows)
+    ref = reference_attention(
+        full(q), [k0] + [full(k) for k in kd], [v0] + [full(v) for v in vd], seg=seg
+    ).index_select(2, rows)
     if kernel == "reference":
         out = reference_attention(q, [k0, *kd], [v0, *vd], seg=seg, rows=rows)
     else:
@@ -137,8 +138,11 @@ def test_live_positions_are_the_rows_of_any_step_and_travel_with_the_batch():
     seg = Segments.from_lengths([4, 3, 4])
     rows = supervised_rows(mask, seg.ends_N, 3)
     assert live_positions(rows, 11).tolist() == [0, 1, 4, 7, 8]
-    items = [Item("a", torch.arange(4), mask[:4]), Item("b", torch.arange(3), mask[4:7]),
-             Item("c", torch.arange(4), mask[7:])]
+    items = [
+        Item("a", torch.arange(4), mask[:4]),
+        Item("b", torch.arange(3), mask[4:7]),
+        Item("c", torch.arange(4), mask[7:]),
+    ]
     ids, m, seg2, rows2 = pack_tokens(items, steps=3, pad_to=None)
     b = PackedBatch(ids, seg2, rows2, torch.zeros(11, 3, D), torch.zeros(11, D), 11, 11, int(m.sum()))
     assert b.live.tolist() == [0, 1, 4, 7, 8]
@@ -150,7 +154,7 @@ def test_chunked_head_loss_and_grads_equal_plain_reference():
     x = torch.randn(37, D, generator=g, requires_grad=True)
     w = torch.randn(V, D, generator=g, requires_grad=True)
     f, wt = torch.randn(37, D, generator=g), torch.randn(V, D, generator=g)
-    weight = (torch.rand(37, generator=g) > 0.2)
+    weight = torch.rand(37, generator=g) > 0.2
     top = (f @ wt.T).argmax(-1)
     ref = reference_head_soft_ce(x, w, f, wt, weight)
     gx, gw = torch.autograd.grad(ref * 0.37, [x, w])
@@ -182,6 +186,7 @@ def test_head_weight_gradient_sums_into_fp32_without_losing_the_fallback(monkeyp
 
     def wrong(acc, a, b, *, out_dtype, out):  # a kernel that overwrites instead of summing
         return out.copy_(a.float() @ b.float())
+
     monkeypatch.setattr(torch, "addmm", wrong)
     assert "sums differently" in ttt.check_addmm_fp32(torch.device("cpu"), torch.bfloat16)
 
@@ -201,7 +206,7 @@ def test_head_loss_over_ranges_equals_one_call_per_range():
     gx, gw = torch.autograd.grad(total * 0.5, [x, w])
     sums, all_hits, a = [], [], 0
     for m in lengths:
-        t, h = head_soft_ce(x[a:a + m], w, f[a:a + m], wt, weight[a:a + m], top[a:a + m], chunk_rows=8)
+        t, h = head_soft_ce(x[a : a + m], w, f[a : a + m], wt, weight[a : a + m], top[a : a + m], chunk_rows=8)
         sums.append(t)
         all_hits.append(h)
         a += m
@@ -253,8 +258,9 @@ def test_teacher_computed_once_per_row_group_gives_the_per_step_result(chunk, mo
     total, per, hits = head_soft_ce_ranges(x, w, f, wt, weight, top, lengths, chunk_rows=chunk, teacher_rows=tr)
     got = (total, *torch.autograd.grad(total * 0.5, [x, w]))
     ends = [sum(lengths[:i]) for i in range(K + 1)]
-    ref_per = torch.stack([reference_head_soft_ce(x[a:b], w, f[tr[a:b]], wt, weight[a:b]) for a, b in
-                           zip(ends[:-1], ends[1:])])
+    ref_per = torch.stack(
+        [reference_head_soft_ce(x[a:b], w, f[tr[a:b]], wt, weight[a:b]) for a, b in zip(ends[:-1], ends[1:])]
+    )
     ref_total = ref_per.sum()
     want = (ref_total, *torch.autograd.grad(ref_total * 0.5, [x, w]))
     torch.testing.assert_close(got[0], want[0], atol=1e-4, rtol=1e-5)
@@ -289,8 +295,9 @@ def test_packed_loss_runs_the_head_once_for_all_steps(monkeypatch):
     head = _head()
     pt = packed_teacher(final_N, head, head[used], used, t2d)
     den = torch.tensor([float(len(r)) for r in rows])
-    out = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
-                          cfg=TTTConfig(steps=K), denominators=den)
+    out = ttt_loss_packed(
+        m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt, cfg=TTTConfig(steps=K), denominators=den
+    )
     out.loss.backward()
     assert calls == [K] and sum(1 for r in rows if r.numel()) >= 3  # one call, one row range per step
     assert m.lm_head.weight.grad is not None and m.lm_head.weight.grad.abs().sum() > 0
@@ -432,8 +439,15 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes):
     restricted = logits[..., used]
     teacher = Teacher(torch.softmax(restricted, -1), restricted.argmax(-1), t2d[logits.argmax(-1)])
     den = step_denominators(mask, K)
-    ref = ttt_loss(ref_m, input_ids_BT=ids, loss_mask_BT=mask, aux_BTAD=aux, teacher=teacher,
-                   cfg=TTTConfig(steps=K, attention="reference"), denominators=den)
+    ref = ttt_loss(
+        ref_m,
+        input_ids_BT=ids,
+        loss_mask_BT=mask,
+        aux_BTAD=aux,
+        teacher=teacher,
+        cfg=TTTConfig(steps=K, attention="reference"),
+        denominators=den,
+    )
     ref.loss.backward()
     # fast: one packed row with a padding tail
     lengths = pad_lengths([s[0].shape[0] for s in samples], 30)
@@ -450,13 +464,24 @@ def test_packed_loss_and_grads_equal_padded_reference(attention, cache_bytes):
     live = live_positions(rows, seg.total)
     # the prompts' positions, the samples' last ones and the padding tail drop out
     assert 0 < live.numel() < seg.total - pad and live.tolist() == sorted(set(torch.cat(rows).tolist()))
-    out = ttt_loss_packed(fast_m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
-                          cfg=TTTConfig(steps=K, attention=attention), denominators=den, chunk_rows=5, live=live)
+    out = ttt_loss_packed(
+        fast_m,
+        input_ids_N=ids_N,
+        seg=seg,
+        rows=rows,
+        aux_NAD=aux_N,
+        teacher=pt,
+        cfg=TTTConfig(steps=K, attention=attention),
+        denominators=den,
+        chunk_rows=5,
+        live=live,
+    )
     out.loss.backward()
     torch.testing.assert_close(out.loss, ref.loss, atol=1e-5, rtol=1e-5)
     for name in ("ce_sum", "correct", "valid", "accepted", "rounds"):
-        torch.testing.assert_close(getattr(out, name).double(), getattr(ref, name).double(), atol=1e-4, rtol=1e-5,
-                                   msg=name)
+        torch.testing.assert_close(
+            getattr(out, name).double(), getattr(ref, name).double(), atol=1e-4, rtol=1e-5, msg=name
+        )
     assert float(ref.valid[0]) > 0
     grads_r = {n: p.grad for n, p in ref_m.named_parameters() if p.grad is not None}
     grads_f = {n: p.grad for n, p in fast_m.named_parameters() if p.grad is not None}
@@ -533,8 +558,12 @@ def test_cast_once_casts_each_weight_once_and_trains_alike():
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             kwargs = kwargs or {}
-            if func is torch.ops.aten._to_copy.default and tuple(args[0].shape) == shape \
-                    and args[0].dtype == torch.float32 and kwargs.get("dtype") == torch.bfloat16:
+            if (
+                func is torch.ops.aten._to_copy.default
+                and tuple(args[0].shape) == shape
+                and args[0].dtype == torch.float32
+                and kwargs.get("dtype") == torch.bfloat16
+            ):
                 CountCasts.n += 1
             return func(*args, **kwargs)
 
@@ -545,13 +574,26 @@ def test_cast_once_casts_each_weight_once_and_trains_alike():
         shape = tuple(m.midlayer.mlp.gate_proj.weight.shape)
         CountCasts.n = 0
         with torch.autocast("cpu", dtype=torch.bfloat16), CountCasts():
-            o = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
-                                cfg=TTTConfig(steps=K, cast_once=once), denominators=den)
+            o = ttt_loss_packed(
+                m,
+                input_ids_N=ids_N,
+                seg=seg,
+                rows=rows,
+                aux_NAD=aux_N,
+                teacher=pt,
+                cfg=TTTConfig(steps=K, cast_once=once),
+                denominators=den,
+            )
         o.loss.backward()
-        out[once] = (o.loss.detach(), CountCasts.n, {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        out[once] = (
+            o.loss.detach(),
+            CountCasts.n,
+            {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
+        )
     loss, casts, grads = out[True]
-    same_shape = sum(tuple(mod.weight.shape) == shape for mod in m.midlayer.modules()
-                     if isinstance(mod, torch.nn.Linear))  # gate, up (each cast once, then concatenated)
+    same_shape = sum(
+        tuple(mod.weight.shape) == shape for mod in m.midlayer.modules() if isinstance(mod, torch.nn.Linear)
+    )  # gate, up (each cast once, then concatenated)
     assert casts == same_shape and out[False][1] >= same_shape, (casts, out[False][1])
     ref_loss, _, ref_grads = out[False]
     torch.testing.assert_close(loss, ref_loss, rtol=2e-2, atol=1e-3)
@@ -605,8 +647,13 @@ def test_offline_prefetcher_uploads_the_next_batch_ahead_unchanged():
                 assert prefetch._uploader.started
             want = store_packed(src, part, steps=2, pad_to=None)
             torch.cuda.synchronize()
-            for a, b in ((got.input_ids_N, want.input_ids_N), (got.aux_NAD, want.aux_NAD),
-                         (got.final_ND, want.final_ND), *zip(got.rows, want.rows), (got.live, want.live)):
+            for a, b in (
+                (got.input_ids_N, want.input_ids_N),
+                (got.aux_NAD, want.aux_NAD),
+                (got.final_ND, want.final_ND),
+                *zip(got.rows, want.rows),
+                (got.live, want.live),
+            ):
                 assert a.is_cuda and torch.equal(a.cpu(), b)
             assert got.tokens == want.tokens == sum(len(x.input_ids) for x in part)
     finally:
@@ -642,8 +689,21 @@ def test_host_copies_wait_for_the_work_before_them_and_not_after():
     torch.cuda.synchronize()
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=(pytest.mark.gpu, pytest.mark.skipif(
-    not torch.cuda.is_available(), reason="the CUDA head loss (the fused kernel where it runs)")))])
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=(
+                pytest.mark.gpu,
+                pytest.mark.skipif(
+                    not torch.cuda.is_available(), reason="the CUDA head loss (the fused kernel where it runs)"
+                ),
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("path", ["table", "recomputed"])
 def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, device):
     """The reachability mask (TTTConfig.align_topk) in the chunked head loss equals a plain reference: step k's
@@ -684,15 +744,15 @@ def test_align_topk_drops_the_rows_past_a_miss_as_the_reference_does(path, devic
     else:
         kw = dict(teacher_rows=tr)
         args = (f, wt)
-    total, per_step, hits = ttt.head_soft_ce_ranges(x, W, *args, w, top, lengths, chunk_rows=5,
-                                                    compute_dtype=torch.float32, align=(pos, N, topk), **kw)
+    total, per_step, hits = ttt.head_soft_ce_ranges(
+        x, W, *args, w, top, lengths, chunk_rows=5, compute_dtype=torch.float32, align=(pos, N, topk), **kw
+    )
     torch.testing.assert_close(total, want, atol=1e-4, rtol=1e-5)
     gx, gw = torch.autograd.grad(total, [x, W])
     torch.testing.assert_close(gx, gx_want, atol=1e-5, rtol=1e-4)
     torch.testing.assert_close(gw, gw_want, atol=1e-5, rtol=1e-4)
     assert torch.equal(hits, S.argmax(-1) == top)  # the statistics still count every row
-    plain, _, _ = ttt.head_soft_ce_ranges(x, W, *args, w, top, lengths, chunk_rows=5, compute_dtype=torch.float32,
-                                          **kw)
+    plain, _, _ = ttt.head_soft_ce_ranges(x, W, *args, w, top, lengths, chunk_rows=5, compute_dtype=torch.float32, **kw)
     assert float(plain.detach()) > float(total.detach()) + 1e-3
 
 
@@ -718,8 +778,17 @@ def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows():
         m = tiny_drafter(seed=2, vocab_size=80, draft_vocab_size=V)
         m.set_vocab(used)
         pt = packed_teacher(final_N, head, head[used], used, t2d)
-        out = ttt_loss_packed(m, input_ids_N=ids_N, seg=seg, rows=rows, aux_NAD=aux_N, teacher=pt,
-                              cfg=TTTConfig(steps=K, feature_loss=weight), denominators=den, chunk_rows=6)
+        out = ttt_loss_packed(
+            m,
+            input_ids_N=ids_N,
+            seg=seg,
+            rows=rows,
+            aux_NAD=aux_N,
+            teacher=pt,
+            cfg=TTTConfig(steps=K, feature_loss=weight),
+            denominators=den,
+            chunk_rows=6,
+        )
         out.loss.backward()
         res[weight] = (out, m.midlayer.mlp.down_proj.weight.grad.clone())
     with torch.no_grad():
@@ -728,7 +797,7 @@ def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows():
         for k in range(K):
             x = m.norm(unroll.step(k)[0])[rows[k]]
             reg = torch.nn.functional.smooth_l1_loss(x, final_N[rows[k] + 1 + k], reduction="none").mean(-1)
-            term += float(reg.sum()) * 0.8 ** k / float(den[k])
+            term += float(reg.sum()) * 0.8**k / float(den[k])
     (a, ga), (b, gb) = res[c], res[0.0]
     assert term > 0
     assert float(a.loss.detach()) - float(b.loss.detach()) == pytest.approx(c * term, rel=1e-4)
@@ -738,8 +807,9 @@ def test_feature_loss_adds_the_weighted_regression_onto_the_teacher_rows():
     with pytest.raises(ValueError, match="feature-loss"):
         TTTConfig(feature_loss=-0.1)
     with pytest.raises(ValueError, match="packed path"):
-        ttt_loss(None, input_ids_BT=None, loss_mask_BT=None, aux_BTAD=None, teacher=None,
-                 cfg=TTTConfig(feature_loss=0.5))
+        ttt_loss(
+            None, input_ids_BT=None, loss_mask_BT=None, aux_BTAD=None, teacher=None, cfg=TTTConfig(feature_loss=0.5)
+        )
 
 
 def test_align_topk_is_refused_by_the_padded_reference_and_below_zero():
@@ -804,8 +874,17 @@ def test_pruned_positions_give_the_same_step_on_cuda():
         m.set_vocab(used.cpu())
         with torch.autocast("cuda", dtype=torch.bfloat16):
             pt = packed_teacher(final, head, head[used], used, t2d)
-            out = ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=pt,
-                                  cfg=TTTConfig(steps=K), denominators=den, live=live if prune else None)
+            out = ttt_loss_packed(
+                m,
+                input_ids_N=ids,
+                seg=seg,
+                rows=rows,
+                aux_NAD=aux,
+                teacher=pt,
+                cfg=TTTConfig(steps=K),
+                denominators=den,
+                live=live if prune else None,
+            )
         out.loss.backward()
         res[prune] = (out, {n: p.grad.float() for n, p in m.named_parameters() if p.grad is not None})
     (a, ga), (b, gb) = res[True], res[False]
@@ -850,8 +929,15 @@ def test_gqa_flash_target_forward_equals_repeated_keys_on_cuda(monkeypatch):
     from eyas import packing
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048)
+    config = transformers.LlamaConfig(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+    )
     model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     assert packing.check_varlen_kernel("cuda", torch.bfloat16) < 0.05
     g = torch.Generator().manual_seed(3)

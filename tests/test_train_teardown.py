@@ -104,7 +104,10 @@ def test_a_failing_teardown_warns_and_the_error_still_propagates(world, tmp_path
     monkeypatch.setattr(tdist, "destroy_process_group", broken)
     with pytest.raises(EyasError, match="^bad batch t0$"):
         run(_cfg(world, tmp_path / "out", data=world["prep"], steps=3, batch_size=1))
-    assert "warning: tearing the process group down after the error failed (RuntimeError: destroy broke)" in capfd.readouterr().err
+    assert (
+        "warning: tearing the process group down after the error failed (RuntimeError: destroy broke)"
+        in capfd.readouterr().err
+    )
     assert tdist.is_initialized()  # (the fixture destroys it)
 
 
@@ -164,7 +167,9 @@ def _spies(monkeypatch, *, nccl: bool, have_abort_all: bool):
     destroy = tdist.destroy_process_group
     monkeypatch.setattr(tdist, "destroy_process_group", lambda *a, **k: (calls.append("destroy"), destroy(*a, **k))[1])
     if have_abort_all:
-        monkeypatch.setattr(c10d, "_abort_process_group", lambda *a, **k: (calls.append("_abort_process_group"), destroy())[1])
+        monkeypatch.setattr(
+            c10d, "_abort_process_group", lambda *a, **k: (calls.append("_abort_process_group"), destroy())[1]
+        )
     else:
         monkeypatch.delattr(c10d, "_abort_process_group", raising=False)
     monkeypatch.setattr(tdist.ProcessGroup, "abort", lambda self: calls.append("ProcessGroup.abort"))
@@ -173,11 +178,15 @@ def _spies(monkeypatch, *, nccl: bool, have_abort_all: bool):
     return calls
 
 
-@pytest.mark.parametrize(("nccl", "have_abort_all", "expected"), [
-    (True, True, ["_abort_process_group"]),
-    (True, False, ["ProcessGroup.abort", "destroy"]),
-    (False, True, ["destroy"]),
-], ids=["nccl", "nccl-older-torch", "gloo"])
+@pytest.mark.parametrize(
+    ("nccl", "have_abort_all", "expected"),
+    [
+        (True, True, ["_abort_process_group"]),
+        (True, False, ["ProcessGroup.abort", "destroy"]),
+        (False, True, ["destroy"]),
+    ],
+    ids=["nccl", "nccl-older-torch", "gloo"],
+)
 def test_abort_aborts_nccl_and_destroys_gloo(group, monkeypatch, nccl, have_abort_all, expected):
     from eyas.train import dist as dd
 
@@ -204,7 +213,7 @@ def test_abort_leaves_a_one_process_run_alone_and_never_raises(group, monkeypatc
 
 # -- two ranks -------------------------------------------------------------------------------------
 
-RANK_SCRIPT = '''
+RANK_SCRIPT = """
 import os, sys, weakref
 import torch.distributed as tdist
 from eyas.errors import EyasError
@@ -243,7 +252,7 @@ finally:
     state = "alive" if tdist.is_initialized() else "destroyed"
     held = "never made" if not refs else "held" if refs[0]() is not None else "freed"
     print(f"rank {rank}: group {state}, {held}", file=sys.stderr, flush=True)
-'''
+"""
 
 
 def _free_port() -> int:
@@ -254,11 +263,26 @@ def _free_port() -> int:
 
 def _two_ranks(script, args, *, timeout=60):
     """Both ranks as torchrun starts them; [(exit status, stderr)] per rank and the seconds they took."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path), "WORLD_SIZE": "2",
-           "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join(sys.path),
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+    }
     t0 = time.monotonic()
-    procs = [subprocess.Popen([sys.executable, str(script), *args], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), *args],
+            env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
     out = []
     try:
         for p in procs:
@@ -280,7 +304,9 @@ def test_two_ranks_exit_promptly_with_the_error_and_no_group_left(world, tmp_pat
     destroyed and freed its group before its interpreter exits."""
     script = tmp_path / "rank.py"
     script.write_text(RANK_SCRIPT)
-    ranks, took = _two_ranks(script, [what, where, *_args(world, tmp_path / "out", "--steps", "3", "--batch-size", "1")])
+    ranks, took = _two_ranks(
+        script, [what, where, *_args(world, tmp_path / "out", "--steps", "3", "--batch-size", "1")]
+    )
     for r, (code, err) in enumerate(ranks):
         tail = err[-3000:]
         assert f"rank {r}: group destroyed, freed" in err, tail

@@ -29,13 +29,30 @@ def good(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("verify")
     data = make_prepared(root / "p", tokenizer_hash(load_tokenizer(tiny_target_dir)), n=8, max_len=30)
     # Two samples of equal length, batched together: the "swapped within a batch" fault needs them.
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS,
-                                token_budget=64, shard_bytes=10_000))
+    run_capture(
+        CaptureSettings(
+            target=str(tiny_target_dir),
+            data=data,
+            out=root / "good",
+            aux_layers=LAYERS,
+            token_budget=64,
+            shard_bytes=10_000,
+        )
+    )
     return root / "good"
 
 
-FIELDS = ("aux_layer_ids", "hidden_size", "dtype", "convention", "target", "tokenizer_hash", "prepared", "model_dtype",
-          "producer")
+FIELDS = (
+    "aux_layer_ids",
+    "hidden_size",
+    "dtype",
+    "convention",
+    "target",
+    "tokenizer_hash",
+    "prepared",
+    "model_dtype",
+    "producer",
+)
 
 
 def rewrite(src, dst, mutate=lambda sid, h, everything: h, *, shard_bytes=10_000, extra=None, **fields):
@@ -80,7 +97,12 @@ def expect_failure(store, *, kind=None, samples=None):
 
 def test_good_store_passes(good):
     s = verify_store(good, numbers=100)
-    assert s["ok"] and s["numbers"]["checked"] == 8 and s["invariants"]["checked"] == 8 and s["numbers"]["worst_rel_err"] < 0.01
+    assert (
+        s["ok"]
+        and s["numbers"]["checked"] == 8
+        and s["invariants"]["checked"] == 8
+        and s["numbers"]["worst_rel_err"] < 0.01
+    )
 
 
 def test_prefix_missing_rows_dropped(good, tmp_path):
@@ -152,7 +174,9 @@ def test_two_samples_rows_swapped_within_a_batch(good, tmp_path):
         if sid in (a, b):
             other = everything[b if sid == a else a]
             t = h.shape[0]
-            src = other[:t] if other.shape[0] >= t else torch.cat([other, other[-1:].expand(t - other.shape[0], -1, -1)])
+            src = (
+                other[:t] if other.shape[0] >= t else torch.cat([other, other[-1:].expand(t - other.shape[0], -1, -1)])
+            )
             return src.clone()
         return h
 

@@ -42,7 +42,9 @@ def chat_store(tmp_path_factory, tiny_target_dir):
     """(store, prepared split) of N_SAMPLES chat-shaped samples in many shards, captured in batches."""
     root = tmp_path_factory.mktemp("verify_inv")
     tok = load_tokenizer(tiny_target_dir)
-    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][:24]
+    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][
+        :24
+    ]
     g = torch.Generator().manual_seed(0)
     rows = []
     for i in range(N_SAMPLES):
@@ -50,8 +52,16 @@ def chat_store(tmp_path_factory, tiny_target_dir):
         ids = prefix + torch.randint(3, len(tok), (n,), generator=g).tolist()
         rows.append((f"c{i:03d}", ids, [k >= 24 for k in range(len(ids))]))
     data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS,
-                                token_budget=512, shard_bytes=60_000))
+    run_capture(
+        CaptureSettings(
+            target=str(tiny_target_dir),
+            data=data,
+            out=root / "good",
+            aux_layers=LAYERS,
+            token_budget=512,
+            shard_bytes=60_000,
+        )
+    )
     return root / "good", PreparedDataset(data).split("train")
 
 
@@ -60,8 +70,25 @@ def rewrite(src, dst, mutate, **fields):
     `fields` replace manifest fields."""
     r = StoreReader(src)
     m = r.manifest
-    spec = StoreSpec(**{**{k: m[k] for k in ("aux_layer_ids", "hidden_size", "dtype", "convention", "target",
-                                             "tokenizer_hash", "prepared", "model_dtype", "producer")}, **fields})
+    spec = StoreSpec(
+        **{
+            **{
+                k: m[k]
+                for k in (
+                    "aux_layer_ids",
+                    "hidden_size",
+                    "dtype",
+                    "convention",
+                    "target",
+                    "tokenizer_hash",
+                    "prepared",
+                    "model_dtype",
+                    "producer",
+                )
+            },
+            **fields,
+        }
+    )
     with StoreWriter(dst, spec, shard_bytes=60_000) as w:
         for sid in r.sample_ids:
             h = mutate(sid, r.get_hidden(sid, torch.float32), r)
@@ -77,7 +104,9 @@ def victims(store):
     assert len(shards) >= 4, "the fixture must span several shards"
     in_mid = [r for r in m["samples"] if r["shard"] == shards[len(shards) // 2]]
     victim = in_mid[len(in_mid) // 2]
-    other = min((r for r in m["samples"] if r["shard"] != victim["shard"]), key=lambda r: abs(r["tokens"] - victim["tokens"]))
+    other = min(
+        (r for r in m["samples"] if r["shard"] != victim["shard"]), key=lambda r: abs(r["tokens"] - victim["tokens"])
+    )
     return victim["id"], other["id"]
 
 
@@ -178,8 +207,11 @@ def test_a_serving_engines_store_gets_the_numbers_budget_for_its_tail(chat_store
             h[:, -1] = torch.roll(h[:, -1], 1, dims=0)
         return h
 
-    expect_caught(rewrite(store, tmp_path / "rolled", rolled, model_dtype="bf16", producer=sglang), victim,
-                  words=["tail", "next", "align", "final"])
+    expect_caught(
+        rewrite(store, tmp_path / "rolled", rolled, model_dtype="bf16", producer=sglang),
+        victim,
+        words=["tail", "next", "align", "final"],
+    )
 
 
 def test_final_slot_pre_norm(chat_store, tmp_path, tiny_target_dir):
@@ -260,8 +292,10 @@ def test_seed_printed_and_repeatable(chat_store):
     from eyas.cli import app
 
     store, _ = chat_store
-    runs = [CliRunner().invoke(app, ["verify", "--store", str(store), "--numbers", "3", "--no-invariants"] + extra)
-            for extra in ([], ["--seed", "7"], ["--seed", "7"])]
+    runs = [
+        CliRunner().invoke(app, ["verify", "--store", str(store), "--numbers", "3", "--no-invariants"] + extra)
+        for extra in ([], ["--seed", "7"], ["--seed", "7"])
+    ]
     for res in runs:
         assert res.exit_code == 0, res.output
     nums = [json.loads(res.stdout.strip().splitlines()[-1])["numbers"] for res in runs]
@@ -352,7 +386,9 @@ def run_store(tmp_path_factory, tiny_target_dir):
     between random tokens, the way a small target's greedy answer can end."""
     root = tmp_path_factory.mktemp("verify_run")
     tok = load_tokenizer(tiny_target_dir)
-    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][:24]
+    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][
+        :24
+    ]
     g = torch.Generator().manual_seed(3)
     rows = []
     for i in range(40):
@@ -362,8 +398,9 @@ def run_store(tmp_path_factory, tiny_target_dir):
     ids = prefix + rand[:20] + [int(rand[0])] * 150 + rand[20:]
     rows.append(("run", ids, [k >= 24 for k in range(len(ids))]))
     data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS,
-                                token_budget=512))
+    run_capture(
+        CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS, token_budget=512)
+    )
     return root / "good", PreparedDataset(data).split("train")
 
 
@@ -379,8 +416,15 @@ def test_a_run_of_one_repeated_token_is_no_fault(run_store, tiny_target_dir):
     parts = target_parts(load_target(tiny_target_dir), reader.aux_layer_ids)
     x = split[split.index_of("run")]
     names = [f"layer {i}" for i in LAYERS] + ["final"]
-    rates = sample_rates(parts, x.input_ids, reader.get_hidden("run", torch.float32), slot_names=names,
-                         sample_key="run", start=24, answer_T=x.loss_mask)
+    rates = sample_rates(
+        parts,
+        x.input_ids,
+        reader.get_hidden("run", torch.float32),
+        slot_names=names,
+        sample_key="run",
+        start=24,
+        answer_T=x.loss_mask,
+    )
     align = rates["align layer 1 -> layer 3"]
     assert align[1] == 40 - 1  # the 150 run positions (and the position entering the run) are left out
     assert align[0] >= 0.9 * align[1]

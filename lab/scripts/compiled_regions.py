@@ -37,11 +37,20 @@ def main() -> None:
     from torch.profiler import ProfilerActivity, profile
 
     c = tb.shapes(False)  # the 8B drafter's head counts, everything else tiny
-    c.update(hidden_size=64, head_dim=2, intermediate_size=128, vocab_size=1024, draft_vocab_size=256,
-             target_hidden_size=64)
+    c.update(
+        hidden_size=64, head_dim=2, intermediate_size=128, vocab_size=1024, draft_vocab_size=256, target_hidden_size=64
+    )
     # the CUDA path's settings on the CPU: compiled pieces, bf16 autocast
-    step = tb.make_fast_step(c, B=1, T=32, K=args.ttt_steps, device=torch.device("cpu"), compile_parts=True,
-                             cast_once=args.cast != "steps", bf16=True)
+    step = tb.make_fast_step(
+        c,
+        B=1,
+        T=32,
+        K=args.ttt_steps,
+        device=torch.device("cpu"),
+        compile_parts=True,
+        cast_once=args.cast != "steps",
+        bf16=True,
+    )
 
     for _ in range(3):  # compiled, then steady
         step()
@@ -50,8 +59,10 @@ def main() -> None:
     ev = prof.key_averages()
     fwd = sum(e.count for e in ev if e.key.startswith("Torch-Compiled Region"))
     bwd = sum(e.count for e in ev if e.key == "CompiledFunctionBackward")
-    print(f"cast {args.cast}, TTT {args.ttt_steps}: {fwd} compiled-region calls forward, {bwd} backward per step; "
-          f"{counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks")
+    print(
+        f"cast {args.cast}, TTT {args.ttt_steps}: {fwd} compiled-region calls forward, {bwd} backward per step; "
+        f"{counters['stats']['unique_graphs']} graphs, {sum(counters['graph_break'].values())} graph breaks"
+    )
     for reason, n in counters["graph_break"].items():
         print(f"  break x{n}: {reason.splitlines()[0][:160]}")
 

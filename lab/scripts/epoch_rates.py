@@ -22,9 +22,12 @@ def rates(records: list[dict], first: int, last: int) -> dict:
     if not r:
         return {}
     secs = sum(x["step_s"] for x in r)
-    return {"steps": len(r), "tokens_per_s": round(sum(x["tokens"] for x in r) / secs, 1),
-            "supervised_tokens_per_s": round(sum(x["supervised_tokens"] for x in r) / secs, 1),
-            "seconds_per_step": round(secs / len(r), 4)}
+    return {
+        "steps": len(r),
+        "tokens_per_s": round(sum(x["tokens"] for x in r) / secs, 1),
+        "supervised_tokens_per_s": round(sum(x["supervised_tokens"] for x in r) / secs, 1),
+        "seconds_per_step": round(secs / len(r), 4),
+    }
 
 
 def main() -> None:

@@ -87,21 +87,27 @@ def main() -> None:
             if T < 3:
                 continue
             # step 0 at position t: feature_t, token x_{t+1}, position t; teacher p_{t+1}; valid where m_{t+2}
-            teacher = F.log_softmax(final[0, 1:T - 1] @ head.T, dim=-1)  # [T-2, V]
+            teacher = F.log_softmax(final[0, 1 : T - 1] @ head.T, dim=-1)  # [T-2, V]
             mask = s.loss_mask[2:].bool()
             if not mask.any():
                 continue
             top = teacher.argmax(-1)
             for name, d in starts.items():
-                _, logits = d.forward_step(ids[:, 1:T - 1], d.project_aux(aux[:, :T - 2]), torch.arange(T - 2)[None])
+                _, logits = d.forward_step(ids[:, 1 : T - 1], d.project_aux(aux[:, : T - 2]), torch.arange(T - 2)[None])
                 logq = F.log_softmax(logits[0].float(), dim=-1)
                 hits[name] += int((logq.argmax(-1) == top)[mask].sum())
                 ce[name] += float(-(teacher.exp() * logq).sum(-1)[mask].sum())
             tokens += int(mask.sum())
-    res = {"target": str(target_dir), "aux_layers": layers, "samples": n, "supervised_tokens": tokens,
-           "seconds": round(time.time() - t0, 1),
-           "starts": {k: {"top1": round(hits[k] / max(tokens, 1), 4), "soft_ce": round(ce[k] / max(tokens, 1), 4)}
-                      for k in starts}}
+    res = {
+        "target": str(target_dir),
+        "aux_layers": layers,
+        "samples": n,
+        "supervised_tokens": tokens,
+        "seconds": round(time.time() - t0, 1),
+        "starts": {
+            k: {"top1": round(hits[k] / max(tokens, 1), 4), "soft_ce": round(ce[k] / max(tokens, 1), 4)} for k in starts
+        },
+    }
     print(f"{'start':14s} {'top-1 vs target':>16s} {'soft CE (nats)':>15s}")
     for k, v in res["starts"].items():
         print(f"{k:14s} {v['top1']:16.4f} {v['soft_ce']:15.4f}")

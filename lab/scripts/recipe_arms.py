@@ -115,7 +115,9 @@ def common_sets(a) -> list[str]:
     return out + list(a.set or [])
 
 
-def pipeline_command(runner: str, recipe: Path, workdir: Path, sets: list[str], *, until: str | None = None) -> list[str]:
+def pipeline_command(
+    runner: str, recipe: Path, workdir: Path, sets: list[str], *, until: str | None = None
+) -> list[str]:
     head = [sys.executable, str(VARIANT)] if runner == "eagle31" else [sys.executable, "-m", "eyas"]
     cmd = [*head, "pipeline", str(recipe), "--workdir", str(workdir)]
     if until:
@@ -144,8 +146,9 @@ def seed_workdir(base: Path, run: Path) -> None:
             raise SystemExit(f"{src}: no stage.json; run the base pipeline (--until prepare) first")
         if (dst / "stage.json").is_file():
             continue
-        shutil.copytree(src, dst, ignore=shutil.ignore_patterns("run") if stage == "regenerate" else None,
-                        dirs_exist_ok=True)
+        shutil.copytree(
+            src, dst, ignore=shutil.ignore_patterns("run") if stage == "regenerate" else None, dirs_exist_ok=True
+        )
 
 
 # ----------------------------------------------------------------------------- the driver (detached)
@@ -154,8 +157,9 @@ def seed_workdir(base: Path, run: Path) -> None:
 def run_logged(cmd: list[str], log_file: Path) -> int:
     log(f"$ {' '.join(cmd)}  (log {log_file})")
     with open(log_file, "w") as f:
-        return subprocess.run(cmd, env=env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, check=False).returncode
+        return subprocess.run(
+            cmd, env=env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False
+        ).returncode
 
 
 def one_run(a, arm: str, seed: int, base: Path, w: Path) -> dict[str, Any]:
@@ -198,8 +202,11 @@ def variant_check(run: Path) -> str | None:
         export = json.loads((run / "export" / "sglang" / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = (drafter.get("lab_variant") or {}).get("name") == "eagle31" and export.get("fc_norm") is True \
+    ok = (
+        (drafter.get("lab_variant") or {}).get("name") == "eagle31"
+        and export.get("fc_norm") is True
         and export.get("norm_output") is True
+    )
     return "ok" if ok else "MISSING"
 
 
@@ -229,10 +236,16 @@ def gather(w: Path) -> list[dict[str, Any]]:
         if pj.is_file() and rec.get("rc") == 0:
             p = json.loads(pj.read_text())
             tr, ev = p["stages"].get("train", {}), p["stages"].get("eval", {})
-            row.update(tau_chain=p.get("tau_chain"), tau_tree=p.get("tau_tree"), train_s=tr.get("seconds"),
-                       steps=tr.get("steps"), tokens_per_s=tr.get("tokens_per_s"),
-                       heldout_tau=tr.get("heldout_tau_simulated"), eval_s=ev.get("seconds"),
-                       skipped=[s for s, r in p["stages"].items() if r.get("status") == "skipped"])
+            row.update(
+                tau_chain=p.get("tau_chain"),
+                tau_tree=p.get("tau_tree"),
+                train_s=tr.get("seconds"),
+                steps=tr.get("steps"),
+                tokens_per_s=tr.get("tokens_per_s"),
+                heldout_tau=tr.get("heldout_tau_simulated"),
+                eval_s=ev.get("seconds"),
+                skipped=[s for s, r in p["stages"].items() if r.get("status") == "skipped"],
+            )
             if rec["arm"] == "eagle31":
                 row["variant"] = variant_check(run)
         else:
@@ -253,28 +266,36 @@ def arm_stats(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
         st: dict[str, Any] = {"n": len(done)}
         for key in ("tau_chain", "tau_tree"):
             xs = [float(r[key]) for r in done]
-            st[key] = {"mean": statistics.fmean(xs) if xs else None,
-                       "sd": statistics.stdev(xs) if len(xs) > 1 else None,
-                       "min": min(xs) if xs else None, "max": max(xs) if xs else None}
+            st[key] = {
+                "mean": statistics.fmean(xs) if xs else None,
+                "sd": statistics.stdev(xs) if len(xs) > 1 else None,
+                "min": min(xs) if xs else None,
+                "max": max(xs) if xs else None,
+            }
         out[arm] = st
     return out
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
-    lines = [f"{'run':<16} {'tau chain':>9} {'tau tree':>9} {'steps':>6} {'train s':>8} {'tok/s':>9} "
-             f"{'held-out':>8}  note"]
+    lines = [
+        f"{'run':<16} {'tau chain':>9} {'tau tree':>9} {'steps':>6} {'train s':>8} {'tok/s':>9} {'held-out':>8}  note"
+    ]
     for r in runs:
         note = r.get("progress") or ("variant " + r["variant"] if r.get("variant") else "")
         if r.get("skipped") and set(r["skipped"]) != {"regenerate", "prepare"}:
             note += f" skipped {r['skipped']}"
-        lines.append(f"{r['name']:<16} {_num(r.get('tau_chain')):>9} {_num(r.get('tau_tree')):>9} "
-                     f"{r.get('steps') or '-':>6} {_num(r.get('train_s'), 0):>8} {_num(r.get('tokens_per_s'), 0):>9} "
-                     f"{_num(r.get('heldout_tau'), 3):>8}  {note}")
+        lines.append(
+            f"{r['name']:<16} {_num(r.get('tau_chain')):>9} {_num(r.get('tau_tree')):>9} "
+            f"{r.get('steps') or '-':>6} {_num(r.get('train_s'), 0):>8} {_num(r.get('tokens_per_s'), 0):>9} "
+            f"{_num(r.get('heldout_tau'), 3):>8}  {note}"
+        )
     stats = arm_stats(runs)
     ref = stats.get("default", {})
     lines.append("")
-    lines.append(f"{'arm':<10} {'n':>2}  {'chain mean':>10} {'sd':>7} {'range':>15}  {'tree mean':>10} {'sd':>7} "
-                 f"{'range':>15}  vs default (chain / tree)")
+    lines.append(
+        f"{'arm':<10} {'n':>2}  {'chain mean':>10} {'sd':>7} {'range':>15}  {'tree mean':>10} {'sd':>7} "
+        f"{'range':>15}  vs default (chain / tree)"
+    )
     for arm, st in stats.items():
         cells = []
         for key in ("tau_chain", "tau_tree"):
@@ -303,21 +324,40 @@ def start(a) -> None:
         except ProcessLookupError:
             pass
     rc_file.unlink(missing_ok=True)
-    cmd = [sys.executable, __file__, "drive", "--root", str(a.root), "--recipe", str(a.recipe),
-           "--arms", ",".join(a.arms), "--seeds", ",".join(map(str, a.seeds)), "--parallel", str(a.parallel),
-           "--more-steps", str(a.more_steps)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "drive",
+        "--root",
+        str(a.root),
+        "--recipe",
+        str(a.recipe),
+        "--arms",
+        ",".join(a.arms),
+        "--seeds",
+        ",".join(map(str, a.seeds)),
+        "--parallel",
+        str(a.parallel),
+        "--more-steps",
+        str(a.more_steps),
+    ]
     for opt in ("target", "source", "prompts"):
         cmd += [f"--{opt}", str(getattr(a, opt) or "")]
     for s in a.set or []:
         cmd += ["--set", s]
     line = " ".join(f"'{c}'" for c in cmd)
-    proc = subprocess.Popen(["bash", "-c", f"{line} > {q}/arms.log 2>&1; echo $? > {rc_file}"], env=env(),
-                            cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)  # setsid: outlives this call
+    proc = subprocess.Popen(
+        ["bash", "-c", f"{line} > {q}/arms.log 2>&1; echo $? > {rc_file}"],
+        env=env(),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )  # setsid: outlives this call
     pid_file.write_text(str(proc.pid))
     log(f"driver started detached (process group {proc.pid}): {line}")
-    print(json.dumps({"phase": "start", "runs": [run_name(x, s) for x, s in plan(a.arms, a.seeds)],
-                      "pgid": proc.pid}))
+    print(json.dumps({"phase": "start", "runs": [run_name(x, s) for x, s in plan(a.arms, a.seeds)], "pgid": proc.pid}))
 
 
 def wait(a) -> None:
@@ -326,14 +366,23 @@ def wait(a) -> None:
     while time.time() - t0 < a.timeout and not rc_file.exists():
         time.sleep(10)
     log_file = p["q"] / "arms.log"
-    print(log_file.read_text()[-a.tail:] if log_file.exists() else "(no driver log)")
+    print(log_file.read_text()[-a.tail :] if log_file.exists() else "(no driver log)")
     runs = gather(p["w"])
     table = format_table(runs)
     print(table)
     done = rc_file.exists()
-    print(json.dumps({"phase": "wait", "done": done, "rc": rc_file.read_text().strip() if done else None,
-                      "waited_s": round(time.time() - t0), "finished": sum(r.get("tau_chain") is not None for r in runs),
-                      "runs": len(runs)}))
+    print(
+        json.dumps(
+            {
+                "phase": "wait",
+                "done": done,
+                "rc": rc_file.read_text().strip() if done else None,
+                "waited_s": round(time.time() - t0),
+                "finished": sum(r.get("tau_chain") is not None for r in runs),
+                "runs": len(runs),
+            }
+        )
+    )
     if a.collect:
         collect(p, runs, table)
 
@@ -342,22 +391,38 @@ def collect(p: dict[str, Path], runs: list[dict[str, Any]], table: str) -> None:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
     try:  # (the device's copy of the tree may have no .git)
-        commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True,
-                                timeout=30).stdout.strip()
+        commit = subprocess.run(
+            ["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         commit = ""
-    doc = {"schema": "lab.recipe_arms/1", "commit": commit or None, "device": gpu_name(), "runs": runs,
-           "arms": arm_stats(runs)}
+    doc = {
+        "schema": "lab.recipe_arms/1",
+        "commit": commit or None,
+        "device": gpu_name(),
+        "runs": runs,
+        "arms": arm_stats(runs),
+    }
     (out / "arms.json").write_text(json.dumps(doc, indent=1) + "\n")
     (out / "arms.txt").write_text(table + "\n")
     w = p["w"]
-    keep = ("pipeline.json", "arm.json", "stage.json", "report.json", "metrics.jsonl", "config.json",
-            "eyas_export.json")
+    keep = (
+        "pipeline.json",
+        "arm.json",
+        "stage.json",
+        "report.json",
+        "metrics.jsonl",
+        "config.json",
+        "eyas_export.json",
+    )
     with tarfile.open(out / "arms.tgz", "w:gz") as tar:
         for f in sorted(w.rglob("*")):
             rel = f.relative_to(w)
-            if f.is_file() and (f.suffix == ".log" or f.name in keep) and not set(rel.parts) & {
-                    "regenerate", "prepared", "checkpoints"}:
+            if (
+                f.is_file()
+                and (f.suffix == ".log" or f.name in keep)
+                and not set(rel.parts) & {"regenerate", "prepared", "checkpoints"}
+            ):
                 tar.add(f, arcname=str(rel))
         if (p["q"] / "arms.log").is_file():
             tar.add(p["q"] / "arms.log", arcname="arms.log")
@@ -366,8 +431,9 @@ def collect(p: dict[str, Path], runs: list[dict[str, Any]], table: str) -> None:
 
 def gpu_name() -> str | None:
     try:
-        res = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                             text=True, timeout=30)
+        res = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True, text=True, timeout=30
+        )
     except (OSError, subprocess.TimeoutExpired):
         return None
     return res.stdout.strip() or None
@@ -418,12 +484,20 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--set", action="append", default=[], help="section.key=value for every run (repeatable)")
         s.add_argument("--recipe", default=str(RECIPE))
         s.add_argument("--root", default=str(DEFAULT_ROOT))
-        s.add_argument("--target", default=None, help="default: serve_live's converted target (ROOT/smol); '' = the "
-                       "recipe's own")
-        s.add_argument("--source", default=None, help="regenerate.source; default: serve_live's staged chats "
-                       "(ROOT/s/chats_all.jsonl); '' = the recipe's own")
-        s.add_argument("--prompts", default=None, help="eval.prompts; default: serve_live's staged MT-bench "
-                       "(ROOT/s/question.jsonl); '' = the recipe's own")
+        s.add_argument(
+            "--target", default=None, help="default: serve_live's converted target (ROOT/smol); '' = the recipe's own"
+        )
+        s.add_argument(
+            "--source",
+            default=None,
+            help="regenerate.source; default: serve_live's staged chats "
+            "(ROOT/s/chats_all.jsonl); '' = the recipe's own",
+        )
+        s.add_argument(
+            "--prompts",
+            default=None,
+            help="eval.prompts; default: serve_live's staged MT-bench (ROOT/s/question.jsonl); '' = the recipe's own",
+        )
     w = sub.add_parser("wait")
     w.add_argument("--timeout", type=float, default=540)
     w.add_argument("--tail", type=int, default=2000)

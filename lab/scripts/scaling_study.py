@@ -112,12 +112,15 @@ class Child:
         self._log.write(f"\n=== {time.strftime('%Y-%m-%d %H:%M:%S')} {pin}{' '.join(cmd)}\n".encode())
         log(f"[{name}] start: {pin}{' '.join(cmd)}\n[{name}] log: {log_path}")
         self.t0 = time.time()
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, start_new_session=True
+        )
         self._stdout: list[bytes] = []
         self._tail: deque[str] = deque(maxlen=40)
-        self._threads = [threading.Thread(target=self._pump_stderr, daemon=True),
-                         threading.Thread(target=lambda: self._stdout.append(self.proc.stdout.read()), daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._pump_stderr, daemon=True),
+            threading.Thread(target=lambda: self._stdout.append(self.proc.stdout.read()), daemon=True),
+        ]
         for t in self._threads:
             t.start()
 
@@ -187,10 +190,19 @@ class Outcome:
     failed: int = 0
 
 
-def schedule(items: list[Any], slots: list[str | None], launch: Callable[[Any, str | None], Running],
-             on_exit: Callable[[Any, Running, int], bool], *, deadline: float, clock: Callable[[], float] = time.time,
-             sleep: Callable[[float], None] = time.sleep, poll_s: float = 2.0, start_margin_s: float = START_MARGIN_S,
-             grace_s: float = GRACE_S) -> Outcome:
+def schedule(
+    items: list[Any],
+    slots: list[str | None],
+    launch: Callable[[Any, str | None], Running],
+    on_exit: Callable[[Any, Running, int], bool],
+    *,
+    deadline: float,
+    clock: Callable[[], float] = time.time,
+    sleep: Callable[[float], None] = time.sleep,
+    poll_s: float = 2.0,
+    start_margin_s: float = START_MARGIN_S,
+    grace_s: float = GRACE_S,
+) -> Outcome:
     """Run `items` in order, at most one per slot at a time (a slot: a GPU id, or None for no pinning).
 
     `launch(item, slot)` starts one; `on_exit(item, child, rc)` runs in this process for each child
@@ -247,8 +259,20 @@ def schedule(items: list[Any], slots: list[str | None], launch: Callable[[Any, s
 
 
 def pipeline_cmd(args, workdir: Path, n: int, extra: list[str]) -> list[str]:
-    cmd = [sys.executable, "-m", "eyas", "pipeline", str(args.recipe), "--workdir", str(workdir),
-           "--set", f"regenerate.out={json.dumps(str(args.root / 'regen'))}", "--set", f"regenerate.limit={n}", *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "eyas",
+        "pipeline",
+        str(args.recipe),
+        "--workdir",
+        str(workdir),
+        "--set",
+        f"regenerate.out={json.dumps(str(args.root / 'regen'))}",
+        "--set",
+        f"regenerate.limit={n}",
+        *extra,
+    ]
     for item in args.set or []:
         cmd += ["--set", item]
     return cmd
@@ -261,8 +285,12 @@ def regen_phase(args, n_max: int, deadline: float) -> tuple[str, dict[str, Any] 
     result: dict[str, Any] = {}
 
     def launch(_, gpu):
-        return Child(f"regen-n{n_max}", pipeline_cmd(args, work, n_max, ["--until", "regenerate"]),
-                     log_path=work / "pipeline.log", gpu=gpu)
+        return Child(
+            f"regen-n{n_max}",
+            pipeline_cmd(args, work, n_max, ["--until", "regenerate"]),
+            log_path=work / "pipeline.log",
+            gpu=gpu,
+        )
 
     def on_exit(_, child: Child, rc: int) -> bool:
         summary = child.summary()
@@ -276,10 +304,12 @@ def regen_phase(args, n_max: int, deadline: float) -> tuple[str, dict[str, Any] 
     if outcome.stopped or outcome.failed:
         return ("failed" if outcome.failed else "stopped"), None
     r = result["stages"]["regenerate"]
-    log(f"phase 1 done: {r.get('selected')} regenerated chats of the first {n_max} source records "
+    log(
+        f"phase 1 done: {r.get('selected')} regenerated chats of the first {n_max} source records "
         f"({r.get('selected_answer_tokens')} answer tokens)\n"
         f"  shared regeneration (read by every point): {args.root / 'regen' / 'chats.jsonl'}\n"
-        f"  the first {n_max} records' chats alone:    {work / 'regenerate' / 'chats.jsonl'}")
+        f"  the first {n_max} records' chats alone:    {work / 'regenerate' / 'chats.jsonl'}"
+    )
     return "done", result
 
 
@@ -315,14 +345,21 @@ def point_record(work: Path, n: int, steps: int, summary: dict, *, wall_s: float
     per_step, taus = train_log(work / "train" / "metrics.jsonl")
     acc = st["train"].get("heldout_acc_per_step") or [None]
     return {
-        "conversations": n, "steps": steps, "tokens_seen": sum(per_step.values()), "steps_logged": len(per_step),
+        "conversations": n,
+        "steps": steps,
+        "tokens_seen": sum(per_step.values()),
+        "steps_logged": len(per_step),
         "regenerated": st.get("regenerate", {}).get("selected"),
         "answer_tokens": st.get("regenerate", {}).get("selected_answer_tokens"),
-        "train_samples": st["prepare"].get("train_samples"), "train_tokens_per_epoch": st["prepare"].get("tokens"),
-        "tau_chain": summary.get("tau_chain"), "tau_tree": summary.get("tau_tree"),
-        "heldout_top1_step0": acc[0], "heldout_tau": heldout_curve(per_step, taus),
+        "train_samples": st["prepare"].get("train_samples"),
+        "train_tokens_per_epoch": st["prepare"].get("tokens"),
+        "tau_chain": summary.get("tau_chain"),
+        "tau_tree": summary.get("tau_tree"),
+        "heldout_top1_step0": acc[0],
+        "heldout_tau": heldout_curve(per_step, taus),
         "train_tokens_per_s": st["train"].get("tokens_per_s"),
-        "stage_seconds": {k: v.get("seconds") for k, v in st.items()}, "wall_s": round(wall_s, 1),
+        "stage_seconds": {k: v.get("seconds") for k, v in st.items()},
+        "wall_s": round(wall_s, 1),
         "workdir": str(work),
     }
 
@@ -347,7 +384,9 @@ def trend(points: list[dict]) -> dict:
                 continue
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             den = sum((x - mx) ** 2 for x in xs)
-            out[f"{mode}_per_doubling_s{steps}"] = round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den, 4) if den else None
+            out[f"{mode}_per_doubling_s{steps}"] = (
+                round(sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / den, 4) if den else None
+            )
     return out
 
 
@@ -383,15 +422,22 @@ def merge_points(own: list[dict], added: list[dict]) -> list[dict]:
 
 def write_outputs(root: Path, points: list[dict], tr: dict) -> None:
     points = sorted(points, key=lambda p: (p["conversations"], p["steps"]))
-    lines = ["| conversations | steps | tokens seen | train samples | held-out top-1 | tau chain | tau tree | from |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| conversations | steps | tokens seen | train samples | held-out top-1 | tau chain | tau tree | from |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for p in points:
         top1 = f"{p['heldout_top1_step0']:.3f}" if p.get("heldout_top1_step0") is not None else "-"
         samples = f"{p['train_samples']:,}" if p.get("train_samples") is not None else "-"
-        lines.append(f"| {p['conversations']:,} | {p['steps']:,} | {p['tokens_seen'] / 1e6:.1f}M | {samples} | "
-                     f"{top1} | {p['tau_chain']} | {p['tau_tree']} | {p.get('source', 'this root')} |")
-    lines += ["", "Trend (least squares, tau per doubling of conversations at a fixed step budget): "
-              + (", ".join(f"{k} = {v}" for k, v in tr.items()) or "needs two sizes at one budget")]
+        lines.append(
+            f"| {p['conversations']:,} | {p['steps']:,} | {p['tokens_seen'] / 1e6:.1f}M | {samples} | "
+            f"{top1} | {p['tau_chain']} | {p['tau_tree']} | {p.get('source', 'this root')} |"
+        )
+    lines += [
+        "",
+        "Trend (least squares, tau per doubling of conversations at a fixed step budget): "
+        + (", ".join(f"{k} = {v}" for k, v in tr.items()) or "needs two sizes at one budget"),
+    ]
     (root / "scaling.md").write_text("\n".join(lines) + "\n")
     log("\n".join(lines))
     try:
@@ -406,16 +452,24 @@ def write_outputs(root: Path, points: list[dict], tr: dict) -> None:
     for steps in sorted({p["steps"] for p in points}):
         pts = [p for p in points if p["steps"] == steps]
         for mode, style in (("tau_tree", "o-"), ("tau_chain", "s--")):
-            axes[0].plot([p["conversations"] for p in pts], [p[mode] for p in pts], style, label=f"{mode[4:]}, {steps} steps")
+            axes[0].plot(
+                [p["conversations"] for p in pts], [p[mode] for p in pts], style, label=f"{mode[4:]}, {steps} steps"
+            )
     for n in sorted({p["conversations"] for p in points}):
         pts = sorted((p for p in points if p["conversations"] == n), key=lambda p: p["tokens_seen"])
         for mode, style in (("tau_tree", "o-"), ("tau_chain", "s--")):
-            axes[1].plot([p["tokens_seen"] for p in pts], [p[mode] for p in pts], style, label=f"{mode[4:]}, {n:,} conv.")
+            axes[1].plot(
+                [p["tokens_seen"] for p in pts], [p[mode] for p in pts], style, label=f"{mode[4:]}, {n:,} conv."
+            )
     for p in points:  # held-out tau along each run (every step budget's batch is the same: steps measure compute)
         curve = p.get("heldout_tau") or []
         if curve:
-            axes[2].plot([c[0] for c in curve], [c[-1] for c in curve], ".-",
-                         label=f"{p['conversations']:,} conv., {p['steps']} steps")
+            axes[2].plot(
+                [c[0] for c in curve],
+                [c[-1] for c in curve],
+                ".-",
+                label=f"{p['conversations']:,} conv., {p['steps']} steps",
+            )
     axes[0].set_xscale("log")
     axes[0].set_xlabel("regenerated conversations")
     axes[1].set_xscale("log")
@@ -439,14 +493,24 @@ def main() -> None:
     ap.add_argument("--conversations", default="2000,6000,17671", help="comma-separated source records to regenerate")
     ap.add_argument("--steps", default="600,1800", help="comma-separated optimizer-step budgets")
     ap.add_argument("--max-minutes", type=float, default=8.0, help="stop (resumably) after this long")
-    ap.add_argument("--gpus", default=None, help="comma-separated GPU ids, e.g. 0,1: regenerate once on the first, "
-                    "then run one point per GPU at once (default: one point at a time, no pinning)")
+    ap.add_argument(
+        "--gpus",
+        default=None,
+        help="comma-separated GPU ids, e.g. 0,1: regenerate once on the first, "
+        "then run one point per GPU at once (default: one point at a time, no pinning)",
+    )
     ap.add_argument("--regen-only", action="store_true", help="only regenerate the largest --conversations (phase 1)")
     ap.add_argument("--set", action="append", help="section.key=value passed to every point's pipeline")
-    ap.add_argument("--add-points", action="append", type=Path, default=[], metavar="FILE",
-                    help="point records measured elsewhere (JSON lines, e.g. another root's points.jsonl or "
-                         "lab/scripts/scaling_points.jsonl): counted as done, shown in the table, trend and plot; this "
-                         "root's points.jsonl stays its own")
+    ap.add_argument(
+        "--add-points",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="FILE",
+        help="point records measured elsewhere (JSON lines, e.g. another root's points.jsonl or "
+        "lab/scripts/scaling_points.jsonl): counted as done, shown in the table, trend and plot; this "
+        "root's points.jsonl stays its own",
+    )
     args = ap.parse_args()
     added: list[dict] = []
     for f in args.add_points:
@@ -465,8 +529,11 @@ def main() -> None:
             ap.error(f"--gpus {','.join(args.gpus)}: expected comma-separated GPU ids such as 0,1")
     args.root.mkdir(parents=True, exist_ok=True)
     deadline = time.time() + 60 * args.max_minutes
-    grid = [(n, s) for n in sorted(int(x) for x in args.conversations.split(","))
-            for s in sorted(int(x) for x in args.steps.split(","))]
+    grid = [
+        (n, s)
+        for n in sorted(int(x) for x in args.conversations.split(","))
+        for s in sorted(int(x) for x in args.steps.split(","))
+    ]
     done_file = args.root / "points.jsonl"
     own = [json.loads(line) for line in done_file.read_text().splitlines()] if done_file.exists() else []
     done = merge_points(own, added)
@@ -479,11 +546,21 @@ def main() -> None:
         n_max = max(n for n, _ in (grid if args.regen_only else todo))
         regen_status, regen = regen_phase(args, n_max, deadline)
         if args.regen_only:
-            print(json.dumps({"benchmark": "scaling_study", "phase": "regenerate", "done": regen_status == "done",
-                              "status": regen_status, "conversations": n_max,
-                              "chats": str(args.root / "regen" / "chats.jsonl"),
-                              "selected_chats": str(args.root / REGEN_WORKDIR / "regenerate" / "chats.jsonl"),
-                              "regenerate": (regen or {}).get("stages", {}).get("regenerate")}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "benchmark": "scaling_study",
+                        "phase": "regenerate",
+                        "done": regen_status == "done",
+                        "status": regen_status,
+                        "conversations": n_max,
+                        "chats": str(args.root / "regen" / "chats.jsonl"),
+                        "selected_chats": str(args.root / REGEN_WORKDIR / "regenerate" / "chats.jsonl"),
+                        "regenerate": (regen or {}).get("stages", {}).get("regenerate"),
+                    }
+                ),
+                flush=True,
+            )
             sys.exit(1 if regen_status == "failed" else 0)
 
     # -- phase 2: the points, one per slot at a time; this process alone writes the outputs
@@ -492,14 +569,21 @@ def main() -> None:
     def launch(point, gpu):
         n, s = point
         work = point_dir(args.root, n, s)
-        return Child(work.name, pipeline_cmd(args, work, n, ["--set", f"train.steps={s}"]),
-                     log_path=work / "pipeline.log", gpu=gpu, side_by_side=len(args.gpus or [None]))
+        return Child(
+            work.name,
+            pipeline_cmd(args, work, n, ["--set", f"train.steps={s}"]),
+            log_path=work / "pipeline.log",
+            gpu=gpu,
+            side_by_side=len(args.gpus or [None]),
+        )
 
     def on_exit(point, child: Child, rc: int) -> bool:
         n, s = point
         summary = child.summary()
         if rc != 0 or summary is None:
-            log(f"[{child.name}] FAILED (exit {rc}); the other points go on. The end of {child.log_path}:\n{child.tail()}")
+            log(
+                f"[{child.name}] FAILED (exit {rc}); the other points go on. The end of {child.log_path}:\n{child.tail()}"
+            )
             failures.append({"conversations": n, "steps": s, "exit": rc, "log": str(child.log_path)})
             return False
         work = point_dir(args.root, n, s)
@@ -519,11 +603,29 @@ def main() -> None:
     tr = trend(done)
     if done:
         write_outputs(args.root, done, tr)
-    left = [{"conversations": n, "steps": s} for n, s in grid if (n, s) not in {(p["conversations"], p["steps"]) for p in done}]
-    print(json.dumps({"benchmark": "scaling_study", "done": not left, "stopped_at_deadline": stopped,
-                      "regeneration": regen_status, "points_done": len(done), "points_left": left, "failed": failures,
-                      "trend": tr, "root": str(args.root), "table": str(args.root / "scaling.md"),
-                      "plot": str(args.root / "scaling.png")}), flush=True)
+    left = [
+        {"conversations": n, "steps": s}
+        for n, s in grid
+        if (n, s) not in {(p["conversations"], p["steps"]) for p in done}
+    ]
+    print(
+        json.dumps(
+            {
+                "benchmark": "scaling_study",
+                "done": not left,
+                "stopped_at_deadline": stopped,
+                "regeneration": regen_status,
+                "points_done": len(done),
+                "points_left": left,
+                "failed": failures,
+                "trend": tr,
+                "root": str(args.root),
+                "table": str(args.root / "scaling.md"),
+                "plot": str(args.root / "scaling.png"),
+            }
+        ),
+        flush=True,
+    )
     sys.exit(1 if failures or regen_status == "failed" else 0)
 
 

@@ -72,17 +72,24 @@ def log(msg: str) -> None:
 
 
 def eyas_env() -> dict:
-    return {**os.environ, "PYTHONPATH": f"{REPO}/src:{ROOT}/site", "EYAS_CACHE": str(ROOT / "cache"),
-            "PYTHONUNBUFFERED": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": f"{REPO}/src:{ROOT}/site",
+        "EYAS_CACHE": str(ROOT / "cache"),
+        "PYTHONUNBUFFERED": "1",
+    }
 
 
 def sh(cmd, *, env=None, check=True, timeout=None, capture=False) -> subprocess.CompletedProcess:
     log("$ " + " ".join(map(str, cmd)))
-    res = subprocess.run([str(c) for c in cmd], env=env, check=False, timeout=timeout, text=True,
-                         capture_output=capture)
+    res = subprocess.run(
+        [str(c) for c in cmd], env=env, check=False, timeout=timeout, text=True, capture_output=capture
+    )
     if check and res.returncode != 0:
-        raise SystemExit(f"exit {res.returncode}: {' '.join(map(str, cmd))}\n{(res.stdout or '')[-2000:]}"
-                         f"{(res.stderr or '')[-2000:]}")
+        raise SystemExit(
+            f"exit {res.returncode}: {' '.join(map(str, cmd))}\n{(res.stdout or '')[-2000:]}"
+            f"{(res.stderr or '')[-2000:]}"
+        )
     return res
 
 
@@ -91,9 +98,15 @@ def detached(name: str, cmd: list) -> None:
     Q.mkdir(parents=True, exist_ok=True)
     (Q / f"{name}.rc").unlink(missing_ok=True)
     line = " ".join(f"'{c}'" for c in map(str, cmd))
-    subprocess.Popen(["setsid", "nohup", "bash", "-c", f"{line} > {Q}/{name}.log 2>&1; echo $? > {Q}/{name}.rc"],
-                     env=eyas_env(), cwd=REPO, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                     stderr=subprocess.DEVNULL, start_new_session=True)
+    subprocess.Popen(
+        ["setsid", "nohup", "bash", "-c", f"{line} > {Q}/{name}.log 2>&1; echo $? > {Q}/{name}.rc"],
+        env=eyas_env(),
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     log(f"started {name} detached: {line}")
 
 
@@ -116,8 +129,24 @@ def stage(a) -> None:
     shutil.move("/tmp/smol.gguf.aa", STAGE_A / "smol.gguf.aa")
     shutil.move("/tmp/smol.gguf.ab", STAGE_B / "smol.gguf.ab")
     shutil.copy(mtbench_path(), STAGE_A / "question.jsonl")
-    sh([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:", "--python-version", "3.12",
-        "--platform", "manylinux2014_x86_64", "-d", STAGE_A, "gguf==0.19.0"])
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "-q",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.12",
+            "--platform",
+            "manylinux2014_x86_64",
+            "-d",
+            STAGE_A,
+            "gguf==0.19.0",
+        ]
+    )
     if a.spare:
         (STAGE_C / "spare").mkdir()
         for w in Path(a.spare).glob("*.whl"):
@@ -140,8 +169,20 @@ def stage(a) -> None:
 def phase_a(a) -> None:
     S.mkdir(parents=True, exist_ok=True)
     shutil.copytree(STAGE_A, S, dirs_exist_ok=True)
-    sh([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--target", ROOT / "site",
-        *S.glob("gguf-*.whl")])
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-index",
+            "--no-deps",
+            "--target",
+            ROOT / "site",
+            *S.glob("gguf-*.whl"),
+        ]
+    )
     sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"], check=False)
     print(json.dumps({"phase": "a", "staged": sorted(p.name for p in S.iterdir())}))
 
@@ -153,21 +194,58 @@ def phase_b(a) -> None:
         with open(S / "smol.gguf", "wb") as g:
             for part in ("smol.gguf.aa", "smol.gguf.ab"):
                 g.write((S / part).read_bytes())
-        sh([sys.executable, "-c", "from pathlib import Path; from eyas.defaults import convert_gguf; "
-            f"convert_gguf(Path('{S}/smol.gguf'), Path('{SMOL}'))"], env=eyas_env())
+        sh(
+            [
+                sys.executable,
+                "-c",
+                "from pathlib import Path; from eyas.defaults import convert_gguf; "
+                f"convert_gguf(Path('{S}/smol.gguf'), Path('{SMOL}'))",
+            ],
+            env=eyas_env(),
+        )
     if not (S / "chats_all.jsonl").exists():
         sh(["bash", "-c", f"xz -dc {S}/chats_all.jsonl.xz > {S}/chats_all.jsonl"])
     if a.prepare_only:  # issue 41: the recipe's first N records regenerated and prepared, no training
-        detached("recipe", [sys.executable, "-m", "eyas", "pipeline", REPO / "recipes" / "smollm2-gpu.toml",
-                            "--workdir", W, "--until", "prepare", "--set", f'target="{SMOL}"',
-                            "--set", f'regenerate.source="{S}/chats_all.jsonl"',
-                            "--set", f"regenerate.limit={a.prepare_only}"])
+        detached(
+            "recipe",
+            [
+                sys.executable,
+                "-m",
+                "eyas",
+                "pipeline",
+                REPO / "recipes" / "smollm2-gpu.toml",
+                "--workdir",
+                W,
+                "--until",
+                "prepare",
+                "--set",
+                f'target="{SMOL}"',
+                "--set",
+                f'regenerate.source="{S}/chats_all.jsonl"',
+                "--set",
+                f"regenerate.limit={a.prepare_only}",
+            ],
+        )
     elif not a.no_recipe:
-        detached("recipe", [sys.executable, "-m", "eyas", "pipeline", REPO / "recipes" / "smollm2-gpu.toml",
-                            "--workdir", W, "--set", f'target="{SMOL}"',
-                            "--set", f'regenerate.source="{S}/chats_all.jsonl"',
-                            "--set", f'eval.prompts="{S}/question.jsonl"',
-                            *[x for kv in a.recipe_set for x in ("--set", kv)]])
+        detached(
+            "recipe",
+            [
+                sys.executable,
+                "-m",
+                "eyas",
+                "pipeline",
+                REPO / "recipes" / "smollm2-gpu.toml",
+                "--workdir",
+                W,
+                "--set",
+                f'target="{SMOL}"',
+                "--set",
+                f'regenerate.source="{S}/chats_all.jsonl"',
+                "--set",
+                f'eval.prompts="{S}/question.jsonl"',
+                *[x for kv in a.recipe_set for x in ("--set", kv)],
+            ],
+        )
     print(json.dumps({"phase": "b", "target": str(SMOL), "recipe_started": not a.no_recipe}))
 
 
@@ -175,16 +253,47 @@ def phase_b(a) -> None:
 
 
 class Server:
-    def __init__(self, port: int, label: str, *, draft: Path | None = None, setting: str | None = None,
-                 mem: float = 0.3, capture: bool = False, timeout: float = 600.0):
+    def __init__(
+        self,
+        port: int,
+        label: str,
+        *,
+        draft: Path | None = None,
+        setting: str | None = None,
+        mem: float = 0.3,
+        capture: bool = False,
+        timeout: float = 600.0,
+    ):
         self.port, self.label, self.url = port, label, f"http://127.0.0.1:{port}"
-        cmd = [VPY, "-m", "sglang.launch_server", "--model-path", SMOL, "--host", "127.0.0.1", "--port", str(port),
-               "--dtype", "bfloat16", "--mem-fraction-static", str(mem)]
+        cmd = [
+            VPY,
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            SMOL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "bfloat16",
+            "--mem-fraction-static",
+            str(mem),
+        ]
         if draft is not None:
             steps, topk, tokens = setting.split("/")
-            cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", draft,
-                    "--speculative-num-steps", steps, "--speculative-eagle-topk", topk,
-                    "--speculative-num-draft-tokens", tokens]
+            cmd += [
+                "--speculative-algorithm",
+                "EAGLE3",
+                "--speculative-draft-model-path",
+                draft,
+                "--speculative-num-steps",
+                steps,
+                "--speculative-eagle-topk",
+                topk,
+                "--speculative-num-draft-tokens",
+                tokens,
+            ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         if capture:
             env.update(EYAS_CAPTURE="1", EYAS_CAPTURE_LAYERS="2,15,27", EYAS_DUMP_DIR="/dev/shm/eyas-dumps")
@@ -197,12 +306,18 @@ class Server:
         Q.mkdir(parents=True, exist_ok=True)
         log("$ " + " ".join(self.cmd))
         t0 = time.time()
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=open(self.log, "w"), stderr=subprocess.STDOUT,  # noqa: SIM115 (the server's log, open while it runs)
-                                     start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            env=self.env,
+            stdout=open(self.log, "w"),  # noqa: SIM115 (the server's log, open while it runs)
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         while time.time() - t0 < self.timeout:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server {self.label} exited ({self.proc.returncode}):\n"
-                                   + self.log.read_text()[-3000:])
+                raise RuntimeError(
+                    f"server {self.label} exited ({self.proc.returncode}):\n" + self.log.read_text()[-3000:]
+                )
             try:
                 with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
                     if r.status == 200:
@@ -233,8 +348,11 @@ def missing_module(text: str) -> str | None:
 
 def install_spare(name: str) -> bool:
     key = name.replace("-", "_").lower()
-    wheels = [w for w in (S / "spare").glob("*.whl") if w.name.lower().startswith(key)
-              or (key == "flash_attn" and w.name.startswith("flash_attn_4"))]
+    wheels = [
+        w
+        for w in (S / "spare").glob("*.whl")
+        if w.name.lower().startswith(key) or (key == "flash_attn" and w.name.startswith("flash_attn_4"))
+    ]
     if not wheels:
         return False
     sh([VPY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", *wheels], check=False)
@@ -262,8 +380,12 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 
 def install(a) -> None:
     if a.detach:  # beside the regeneration; `store` waits for the venv's marker
-        detached("install", [sys.executable, __file__, "install", "--no-smoke"] if a.no_smoke else
-                 [sys.executable, __file__, "install"])
+        detached(
+            "install",
+            [sys.executable, __file__, "install", "--no-smoke"]
+            if a.no_smoke
+            else [sys.executable, __file__, "install"],
+        )
         return
     if STAGE_C.exists():  # carried with the last part: the smoke server's tiny drafter and the spare wheels
         shutil.copytree(STAGE_C, S, dirs_exist_ok=True)
@@ -273,8 +395,10 @@ def install(a) -> None:
         srv = Server(SPEC_PORT, "smoke", draft=S / "tiny", setting="3/1/4", mem=0.15)
         try:
             out["start_s"] = round(start_with_spares(srv), 1)
-            ans = post(f"{srv.url}/generate", {"text": "The capital of France is",
-                                               "sampling_params": {"temperature": 0, "max_new_tokens": 32}})
+            ans = post(
+                f"{srv.url}/generate",
+                {"text": "The capital of France is", "sampling_params": {"temperature": 0, "max_new_tokens": 32}},
+            )
             out["smoke_meta"] = {k: ans["meta_info"].get(k) for k in ("completion_tokens", "spec_verify_ct")}
         except Exception as exc:  # reported, not raised: the log tail says why
             out["smoke_error"] = str(exc)[-3000:]
@@ -288,11 +412,19 @@ def wait(a) -> None:
     rc = Q / f"{a.name}.rc"
     while time.time() - t0 < a.timeout and not rc.exists():
         time.sleep(10)
-    tail = (Q / f"{a.name}.log").read_text()[-a.tail:] if (Q / f"{a.name}.log").exists() else ""
+    tail = (Q / f"{a.name}.log").read_text()[-a.tail :] if (Q / f"{a.name}.log").exists() else ""
     print(tail)
     done = rc.exists()
-    print(json.dumps({"name": a.name, "done": done, "rc": rc.read_text().strip() if done else None,
-                      "waited_s": round(time.time() - t0)}))
+    print(
+        json.dumps(
+            {
+                "name": a.name,
+                "done": done,
+                "rc": rc.read_text().strip() if done else None,
+                "waited_s": round(time.time() - t0),
+            }
+        )
+    )
     if a.collect:
         collect()
 
@@ -300,9 +432,16 @@ def wait(a) -> None:
 def collect() -> None:
     out = Path(os.environ.get("OUT", "/tmp/out"))
     out.mkdir(parents=True, exist_ok=True)
-    sh(["bash", "-c", f"cd {ROOT} && tar czf {out}/serve_live.tgz --exclude='*.safetensors' --exclude='*.pt' "
-        "--exclude='checkpoints' --exclude='state_cache' q recipe/eval recipe/export/sglang/config.json "
-        "recipe/train/metrics.jsonl recipe/pipeline.json 2>/dev/null; ls -la " + str(out)], check=False)
+    sh(
+        [
+            "bash",
+            "-c",
+            f"cd {ROOT} && tar czf {out}/serve_live.tgz --exclude='*.safetensors' --exclude='*.pt' "
+            "--exclude='checkpoints' --exclude='state_cache' q recipe/eval recipe/export/sglang/config.json "
+            "recipe/train/metrics.jsonl recipe/pipeline.json 2>/dev/null; ls -la " + str(out),
+        ],
+        check=False,
+    )
 
 
 # ----------------------------------------------------------------------------- device: the sweep
@@ -322,7 +461,7 @@ def snapshot(results: dict, env: dict) -> Path:
     ckpt = sorted((W / "train" / "checkpoints").glob("step-*.safetensors"))[-1]
     prefix = "s.model.drafter."
     with safe_open(str(ckpt), "pt") as f:
-        weights = {k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118 (safe_open has keys(), no iteration)
+        weights = {k[len(prefix) :]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)}  # noqa: SIM118 (safe_open has keys(), no iteration)
     cfg = json.loads((S / "tiny-config.json").read_text())
     d = cfg["drafter"]
     d["draft_vocab_size"] = int(weights["lm_head.weight"].shape[0])
@@ -334,15 +473,42 @@ def snapshot(results: dict, env: dict) -> Path:
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(cfg, indent=1))
     exp = W / "snap" / "export-sglang"
-    sh([sys.executable, "-m", "eyas", "export", "--drafter", out, "--format", "sglang", "--out", exp,
-        "--weights-dtype", "bfloat16", "--overwrite"], env=env)
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "eyas",
+            "export",
+            "--drafter",
+            out,
+            "--format",
+            "sglang",
+            "--out",
+            exp,
+            "--weights-dtype",
+            "bfloat16",
+            "--overwrite",
+        ],
+        env=env,
+    )
     results["snapshot"] = {"checkpoint": ckpt.name, "export": str(exp)}
     log(f"snapshot of {ckpt.name} exported to {exp}")
     return exp
 
 
-def serve_settings(base: Server, export: Path, settings: list[str], results: dict, *, limit: int, concurrency: str,
-                   evdir: Path | None, env: dict, record: Path, prefix: str = "sglang") -> None:
+def serve_settings(
+    base: Server,
+    export: Path,
+    settings: list[str],
+    results: dict,
+    *,
+    limit: int,
+    concurrency: str,
+    evdir: Path | None,
+    env: dict,
+    record: Path,
+    prefix: str = "sglang",
+) -> None:
     """Each setting: a speculative server with `export`, `eyas bench-serve` against the plain `base`, stopped."""
     results.setdefault("settings", {})
     for setting in settings:
@@ -354,25 +520,61 @@ def serve_settings(base: Server, export: Path, settings: list[str], results: dic
             results["settings"][setting] = {"error": str(exc)[-2000:]}
             log(f"{setting}: the server did not start")
             continue
-        cmd = [sys.executable, "-m", "eyas", "bench-serve", "--url", spec.url, "--baseline-url", base.url,
-               "--target", SMOL, "--prompts", S / "question.jsonl", "--limit", str(limit),
-               "--max-new-tokens", "256", "--concurrency", concurrency, "--out", Q / f"bench-{prefix}-{name}",
-               "--label", f"{prefix}_{name.replace('-', '_')}", "--overwrite"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "eyas",
+            "bench-serve",
+            "--url",
+            spec.url,
+            "--baseline-url",
+            base.url,
+            "--target",
+            SMOL,
+            "--prompts",
+            S / "question.jsonl",
+            "--limit",
+            str(limit),
+            "--max-new-tokens",
+            "256",
+            "--concurrency",
+            concurrency,
+            "--out",
+            Q / f"bench-{prefix}-{name}",
+            "--label",
+            f"{prefix}_{name.replace('-', '_')}",
+            "--overwrite",
+        ]
         if setting == "7/1/8" and evdir is not None:
             cmd += ["--eval-report", evdir]
         res = sh(cmd, env=env, check=False, capture=True)
         sys.stderr.write(res.stderr[-4000:])
         last = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else ""
-        results["settings"][setting] = {"start_s": round(start_s, 1), "exit": res.returncode,
-                                        "summary": last[-6000:], "stderr_tail": res.stderr[-800:]}
+        results["settings"][setting] = {
+            "start_s": round(start_s, 1),
+            "exit": res.returncode,
+            "summary": last[-6000:],
+            "stderr_tail": res.stderr[-800:],
+        }
         spec.stop()
         record.write_text(json.dumps(results, indent=1))
 
 
 def sweep(a) -> None:
     if a.detach:
-        args = [sys.executable, __file__, "sweep", "--limit", str(a.limit), "--settings", a.settings,
-                "--regen-limit", str(a.regen_limit), "--concurrency", a.concurrency] + (["--snapshot"] if a.snapshot else [])
+        args = [
+            sys.executable,
+            __file__,
+            "sweep",
+            "--limit",
+            str(a.limit),
+            "--settings",
+            a.settings,
+            "--regen-limit",
+            str(a.regen_limit),
+            "--concurrency",
+            a.concurrency,
+        ] + (["--snapshot"] if a.snapshot else [])
         detached("sweep", args)
         return
     env = eyas_env()
@@ -384,27 +586,89 @@ def sweep(a) -> None:
         while not (Q / "recipe.rc").exists() and (Q / "recipe.log").exists():  # started with the recipe running
             time.sleep(5)
     evdir = Q / "eval-export"
-    res = sh([sys.executable, "-m", "eyas", "eval", "--drafter", export, "--target", SMOL, "--prompts",
-              S / "question.jsonl", "--limit", str(a.limit), "--chain-k", "7", "--tree-depth", "0", "--out", evdir,
-              "--overwrite"], env=env, check=False, capture=True)
+    res = sh(
+        [
+            sys.executable,
+            "-m",
+            "eyas",
+            "eval",
+            "--drafter",
+            export,
+            "--target",
+            SMOL,
+            "--prompts",
+            S / "question.jsonl",
+            "--limit",
+            str(a.limit),
+            "--chain-k",
+            "7",
+            "--tree-depth",
+            "0",
+            "--out",
+            evdir,
+            "--overwrite",
+        ],
+        env=env,
+        check=False,
+        capture=True,
+    )
     sys.stderr.write(res.stderr[-3000:])
     results["eval_export"] = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-1500:]
     base = Server(BASE_PORT, "plain", mem=0.35)
     results["plain_start_s"] = round(start_with_spares(base), 1)
     try:
-        serve_settings(base, export, a.settings.split(","), results, limit=a.limit, concurrency=a.concurrency,
-                       evdir=evdir, env=env, record=Q / "sweep.json")
+        serve_settings(
+            base,
+            export,
+            a.settings.split(","),
+            results,
+            limit=a.limit,
+            concurrency=a.concurrency,
+            evdir=evdir,
+            env=env,
+            record=Q / "sweep.json",
+        )
         if a.regen_limit:
-            for name, extra in (("regen-server", ["--server-url", base.url, "--concurrency", "256"]),
-                                ("regen-inprocess", ["--device", "cuda"])):
+            for name, extra in (
+                ("regen-server", ["--server-url", base.url, "--concurrency", "256"]),
+                ("regen-inprocess", ["--device", "cuda"]),
+            ):
                 t0 = time.time()
-                res = sh([sys.executable, "-m", "eyas", "regenerate", "--source", S / "chats_all.jsonl", "--target",
-                          SMOL, "--limit", str(a.regen_limit), "--max-turns", "2", "--max-new-tokens", "512",
-                          "--max-length", "2048", "--temperature", "0", "--out", Q / name, "--overwrite", *extra],
-                         env=env, check=False, capture=True)
-                results[name] = {"exit": res.returncode, "wall_s": round(time.time() - t0, 1),
-                                 "summary": (res.stdout.strip().splitlines() or [""])[-1][-3000:],
-                                 "stderr_tail": res.stderr[-800:]}
+                res = sh(
+                    [
+                        sys.executable,
+                        "-m",
+                        "eyas",
+                        "regenerate",
+                        "--source",
+                        S / "chats_all.jsonl",
+                        "--target",
+                        SMOL,
+                        "--limit",
+                        str(a.regen_limit),
+                        "--max-turns",
+                        "2",
+                        "--max-new-tokens",
+                        "512",
+                        "--max-length",
+                        "2048",
+                        "--temperature",
+                        "0",
+                        "--out",
+                        Q / name,
+                        "--overwrite",
+                        *extra,
+                    ],
+                    env=env,
+                    check=False,
+                    capture=True,
+                )
+                results[name] = {
+                    "exit": res.returncode,
+                    "wall_s": round(time.time() - t0, 1),
+                    "summary": (res.stdout.strip().splitlines() or [""])[-1][-3000:],
+                    "stderr_tail": res.stderr[-800:],
+                }
                 (Q / "sweep.json").write_text(json.dumps(results, indent=1))
                 if name == "regen-server":
                     base.stop()  # the in-process engine gets the GPU alone
@@ -420,11 +684,42 @@ def sweep(a) -> None:
 CAPTURE_PORT = 30002
 STORE, TRAIN41 = ROOT / "store41", ROOT / "train41"
 # recipes/smollm2-gpu.toml's [train] at the scaling study's settings (its 6,000-record point: align_topk 0)
-RECIPE_TRAIN = ["--ttt-steps", "7", "--draft-vocab", "32000", "--draft-intermediate-size", "6144",
-                "--tokens-per-batch", "65536", "--lr", "3e-4", "--optimizer", "adamw", "--max-length", "2048",
-                "--align-topk", "0", "--eval-every", "200", "--eval-samples", "64", "--save-every", "200"]
-RECIPE_EVAL = ["--max-new-tokens", "256", "--chain-k", "7", "--tree-topk", "10", "--tree-depth", "6",
-               "--tree-tokens", "60"]
+RECIPE_TRAIN = [
+    "--ttt-steps",
+    "7",
+    "--draft-vocab",
+    "32000",
+    "--draft-intermediate-size",
+    "6144",
+    "--tokens-per-batch",
+    "65536",
+    "--lr",
+    "3e-4",
+    "--optimizer",
+    "adamw",
+    "--max-length",
+    "2048",
+    "--align-topk",
+    "0",
+    "--eval-every",
+    "200",
+    "--eval-samples",
+    "64",
+    "--save-every",
+    "200",
+]
+RECIPE_EVAL = [
+    "--max-new-tokens",
+    "256",
+    "--chain-k",
+    "7",
+    "--tree-topk",
+    "10",
+    "--tree-depth",
+    "6",
+    "--tree-tokens",
+    "60",
+]
 
 
 def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: int = 16) -> dict:
@@ -448,16 +743,39 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
     with cf.ThreadPoolExecutor(concurrency) as pool:
         tokens = sum(pool.map(one, range(n)))
     secs = time.time() - t0
-    return {"samples": n, "tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 1),
-            "bypass": bypass, "concurrency": concurrency}
+    return {
+        "samples": n,
+        "tokens": tokens,
+        "seconds": round(secs, 2),
+        "tokens_per_s": round(tokens / secs, 1),
+        "bypass": bypass,
+        "concurrency": concurrency,
+    }
 
 
 def store_run(a) -> None:
     """Issue 41: the recipe's first records captured from SGLang, verified, trained offline, evaluated, served."""
     if a.detach:
-        detached("store", [sys.executable, __file__, "store", "--samples", str(a.samples), "--steps", str(a.steps),
-                           "--serve", a.serve, "--limit", str(a.limit), "--prefill-samples", str(a.prefill_samples),
-                           "--inprocess-samples", str(a.inprocess_samples)])
+        detached(
+            "store",
+            [
+                sys.executable,
+                __file__,
+                "store",
+                "--samples",
+                str(a.samples),
+                "--steps",
+                str(a.steps),
+                "--serve",
+                a.serve,
+                "--limit",
+                str(a.limit),
+                "--prefill-samples",
+                str(a.prefill_samples),
+                "--inprocess-samples",
+                str(a.inprocess_samples),
+            ],
+        )
         return
     env = eyas_env()
     res_path = Q / "store.json"
@@ -517,22 +835,47 @@ def store_run(a) -> None:
         bypass = choose_bypass(get_server_info(srv.url), "auto")  # what `eyas capture` will choose
         R["bypass"] = bypass
         step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64))
-        R["prefill_same_bypass"] = step("prefill, no dumps (capture's bypass)",
-                                        lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples))
-        R["prefill_plain"] = step("prefill, no dumps, no bypass",
-                                  lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples))
+        R["prefill_same_bypass"] = step(
+            "prefill, no dumps (capture's bypass)",
+            lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples),
+        )
+        R["prefill_plain"] = step(
+            "prefill, no dumps, no bypass", lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples)
+        )
 
         def capture():
             t0 = time.time()
-            out = eyas(["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train",
-                        "--out", STORE, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda",
-                        "--limit", str(a.samples)], "capture")
+            out = eyas(
+                [
+                    "capture",
+                    "--backend",
+                    "sglang",
+                    "--url",
+                    srv.url,
+                    "--data",
+                    prepared,
+                    "--split",
+                    "train",
+                    "--out",
+                    STORE,
+                    "--aux-layers",
+                    "2,15,27",
+                    "--target",
+                    SMOL,
+                    "--device",
+                    "cuda",
+                    "--limit",
+                    str(a.samples),
+                ],
+                "capture",
+            )
             R["capture_wall_s"] = round(time.time() - t0, 1)
             return out
 
         step("eyas capture --backend sglang", capture)
-        R["prefill_same_bypass_after"] = step("prefill again", lambda: prefill_rate(
-            srv.url, prepared, bypass=bypass, n=a.prefill_samples))
+        R["prefill_same_bypass_after"] = step(
+            "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples)
+        )
     finally:
         srv.stop()
     cap = R.get("capture") or {}
@@ -559,16 +902,50 @@ def store_run(a) -> None:
     vt.start()
 
     def train():
-        out = eyas(["train", "--store", STORE, "--target", SMOL, "--out", TRAIN41, "--device", "cuda",
-                    "--steps", str(a.steps), *RECIPE_TRAIN, "--overwrite"], "train", 3600)
+        out = eyas(
+            [
+                "train",
+                "--store",
+                STORE,
+                "--target",
+                SMOL,
+                "--out",
+                TRAIN41,
+                "--device",
+                "cuda",
+                "--steps",
+                str(a.steps),
+                *RECIPE_TRAIN,
+                "--overwrite",
+            ],
+            "train",
+            3600,
+        )
         shutil.copy(TRAIN41 / "metrics.jsonl", Q / "train41-metrics.jsonl")
         return out
 
     step("eyas train --store (offline)", train)
 
     def evaluate():
-        out = eyas(["eval", "--drafter", TRAIN41 / "drafter", "--target", SMOL, "--prompts", S / "question.jsonl",
-                    *RECIPE_EVAL, "--device", "cuda", "--out", Q / "eval41", "--overwrite"], "eval", 1200)
+        out = eyas(
+            [
+                "eval",
+                "--drafter",
+                TRAIN41 / "drafter",
+                "--target",
+                SMOL,
+                "--prompts",
+                S / "question.jsonl",
+                *RECIPE_EVAL,
+                "--device",
+                "cuda",
+                "--out",
+                Q / "eval41",
+                "--overwrite",
+            ],
+            "eval",
+            1200,
+        )
         R["sglang_store_tau_chain"], R["sglang_store_tau_tree"] = out.get("tau_chain"), out.get("tau_tree")
         return out
 
@@ -576,30 +953,88 @@ def store_run(a) -> None:
     vt.join()
 
     def inprocess():
-        out = eyas(["capture", "--backend", "transformers", "--data", prepared, "--split", "train", "--out",
-                    ROOT / "store-ip", "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda",
-                    "--limit", str(a.inprocess_samples)], "capture_inprocess", 1200)
+        out = eyas(
+            [
+                "capture",
+                "--backend",
+                "transformers",
+                "--data",
+                prepared,
+                "--split",
+                "train",
+                "--out",
+                ROOT / "store-ip",
+                "--aux-layers",
+                "2,15,27",
+                "--target",
+                SMOL,
+                "--device",
+                "cuda",
+                "--limit",
+                str(a.inprocess_samples),
+            ],
+            "capture_inprocess",
+            1200,
+        )
         shutil.rmtree(ROOT / "store-ip", ignore_errors=True)
         return out
 
     step("eyas capture --backend transformers", inprocess)
     if a.serve:
         export = ROOT / "export41"
-        step("eyas export sglang", lambda: eyas(["export", "--drafter", TRAIN41 / "drafter", "--format", "sglang",
-                                                 "--out", export, "--weights-dtype", "bfloat16", "--overwrite"],
-                                                "export"))
+        step(
+            "eyas export sglang",
+            lambda: eyas(
+                [
+                    "export",
+                    "--drafter",
+                    TRAIN41 / "drafter",
+                    "--format",
+                    "sglang",
+                    "--out",
+                    export,
+                    "--weights-dtype",
+                    "bfloat16",
+                    "--overwrite",
+                ],
+                "export",
+            ),
+        )
         base = Server(BASE_PORT, "plain", mem=0.35)
         try:
             R["plain_start_s"] = step("plain server start", lambda: round(start_with_spares(base), 1))
-            step("serve", lambda: serve_settings(base, export, a.serve.split(","), R, limit=a.limit,
-                                                 concurrency="1,16", evdir=Q / "eval41", env=env, record=res_path,
-                                                 prefix="store41"))
+            step(
+                "serve",
+                lambda: serve_settings(
+                    base,
+                    export,
+                    a.serve.split(","),
+                    R,
+                    limit=a.limit,
+                    concurrency="1,16",
+                    evdir=Q / "eval41",
+                    env=env,
+                    record=res_path,
+                    prefix="store41",
+                ),
+            )
         finally:
             base.stop()
     R["done"] = True
     keep()
-    print(json.dumps({k: R.get(k) for k in ("sglang_capture_vs_prefill", "sglang_verify_false_alarms",
-                                            "sglang_store_tau_chain", "sglang_store_tau_tree")}))
+    print(
+        json.dumps(
+            {
+                k: R.get(k)
+                for k in (
+                    "sglang_capture_vs_prefill",
+                    "sglang_verify_false_alarms",
+                    "sglang_store_tau_chain",
+                    "sglang_store_tau_tree",
+                )
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -612,8 +1047,13 @@ def main() -> None:
     b = sub.add_parser("b")
     b.add_argument("--no-recipe", action="store_true")
     b.add_argument("--recipe-set", action="append", default=[], help="section.key=value for the recipe (repeatable)")
-    b.add_argument("--prepare-only", type=int, default=0, metavar="N",
-                   help="only regenerate and prepare the recipe's first N records (for `store`)")
+    b.add_argument(
+        "--prepare-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="only regenerate and prepare the recipe's first N records (for `store`)",
+    )
     i = sub.add_parser("install")
     i.add_argument("--no-smoke", action="store_true")
     i.add_argument("--detach", action="store_true")
@@ -638,7 +1078,9 @@ def main() -> None:
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
     st.add_argument("--limit", type=int, default=20, help="MT-bench conversations bench-serve sends")
     a = ap.parse_args()
-    {"store": store_run, "stage": stage, "a": phase_a, "b": phase_b, "install": install, "wait": wait, "sweep": sweep}[a.phase](a)
+    {"store": store_run, "stage": stage, "a": phase_a, "b": phase_b, "install": install, "wait": wait, "sweep": sweep}[
+        a.phase
+    ](a)
 
 
 if __name__ == "__main__":

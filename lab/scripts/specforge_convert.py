@@ -45,8 +45,9 @@ def sample_file(out: Path, index: int) -> Path:
     return out / f"data_{index:08d}.ckpt"  # zero-padded: SpecForge sorts names, so file order = store order
 
 
-def convert(store: Path, out: Path, *, limit: int | None = None, max_length: int | None = None,
-            drafter: Path | None = None) -> dict:
+def convert(
+    store: Path, out: Path, *, limit: int | None = None, max_length: int | None = None, drafter: Path | None = None
+) -> dict:
     """Write one SpecForge sample file per store sample (the store's order); returns the manifest."""
     from eyas.common import log, progress
     from eyas.errors import EyasError
@@ -60,8 +61,10 @@ def convert(store: Path, out: Path, *, limit: int | None = None, max_length: int
     if existing.exists():
         old = json.loads(existing.read_text())
         if old.get("store") != str(Path(store).resolve()) or old.get("max_length") != max_length:
-            raise EyasError(f"--out {out} holds a conversion of {old.get('store')} (max_length {old.get('max_length')}); "
-                            "choose another --out")
+            raise EyasError(
+                f"--out {out} holds a conversion of {old.get('store')} (max_length {old.get('max_length')}); "
+                "choose another --out"
+            )
     order = store_order(reader, split)[: limit or None]
     tokens = 0
     bar = progress(len(order), "convert", "sample")

@@ -87,7 +87,9 @@ def log(msg: str) -> None:
 
 
 def step(name: str, done: bool) -> bool:
-    log(f"\n== side by side: {name}: {'SKIPPED (output present)' if done else 'running'} ({time.strftime('%H:%M:%S')}) ==")
+    log(
+        f"\n== side by side: {name}: {'SKIPPED (output present)' if done else 'running'} ({time.strftime('%H:%M:%S')}) =="
+    )
     return not done
 
 
@@ -144,8 +146,10 @@ def run_logged(cmd: list[str], env: dict, log_path: Path) -> None:
     log("    " + " ".join(cmd))
     log_path.parent.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    with open(log_path, "a") as fh, subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                                    text=True, bufsize=1) as proc:
+    with (
+        open(log_path, "a") as fh,
+        subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1) as proc,
+    ):
         for line in proc.stdout:
             sys.stderr.write(f"[{time.perf_counter() - t0:7.1f}s] {line}")
             fh.write(line)
@@ -159,21 +163,34 @@ def specforge_cmd(args, *cli_args: str) -> list[str]:
     return [sys.executable, "-c", "import sys; from specforge.cli import main; sys.exit(main())", *cli_args]
 
 
-def specforge_config(args, *, features: Path, vocab_mapping: Path, draft_config: Path, target: Path, head_key: str,
-                     out: Path) -> dict:
+def specforge_config(
+    args, *, features: Path, vocab_mapping: Path, draft_config: Path, target: Path, head_key: str, out: Path
+) -> dict:
     """SpecForge 0.2.0's `specforge train` config (config/schema.py: unknown keys are refused)."""
     cfg = {
         "run_id": SF_RUN_ID,
         "output_dir": str(out),
-        "model": {"target_model_path": str(target), "draft_model_config": str(draft_config),
-                  "vocab_mapping_path": str(vocab_mapping), "lm_head_key": head_key,
-                  "embedding_key": "model.embed_tokens.weight", "torch_dtype": "bfloat16"},
-        "data": {"hidden_states_path": str(features), "max_length": args.max_length,
-                 "cache_dir": str(out / "cache")},
-        "training": {"max_steps": args.steps, "num_epochs": 1000, "batch_size": args.batch_size,
-                     "learning_rate": args.lr, "warmup_ratio": args.warmup_ratio, "max_grad_norm": 0.5,
-                     "ttt_length": args.ttt_steps, "save_interval": 200, "log_interval": max(1, min(20, args.steps)),
-                     "seed": args.seed},
+        "model": {
+            "target_model_path": str(target),
+            "draft_model_config": str(draft_config),
+            "vocab_mapping_path": str(vocab_mapping),
+            "lm_head_key": head_key,
+            "embedding_key": "model.embed_tokens.weight",
+            "torch_dtype": "bfloat16",
+        },
+        "data": {"hidden_states_path": str(features), "max_length": args.max_length, "cache_dir": str(out / "cache")},
+        "training": {
+            "max_steps": args.steps,
+            "num_epochs": 1000,
+            "batch_size": args.batch_size,
+            "learning_rate": args.lr,
+            "warmup_ratio": args.warmup_ratio,
+            "max_grad_norm": 0.5,
+            "ttt_length": args.ttt_steps,
+            "save_interval": 200,
+            "log_interval": max(1, min(20, args.steps)),
+            "seed": args.seed,
+        },
     }
     if args.device == "cpu":
         # FSDP needs an accelerator: NO_SHARD wraps in DDP instead (the same math in one process), and
@@ -207,8 +224,22 @@ def specforge_last_log(log_path: Path) -> dict:
     return {k: last[k] for k in ("step", "loss", "acc", "grad_norm", "lr") if k in last}
 
 
-VARIANT_FIELDS = frozenset({"lr", "min_lr_ratio", "warmup_steps", "weight_decay", "grad_clip", "ttt_decay", "init_head",
-                            "model_dtype", "teacher_temperature", "align_topk", "feature_loss", "optimizer"})
+VARIANT_FIELDS = frozenset(
+    {
+        "lr",
+        "min_lr_ratio",
+        "warmup_steps",
+        "weight_decay",
+        "grad_clip",
+        "ttt_decay",
+        "init_head",
+        "model_dtype",
+        "teacher_temperature",
+        "align_topk",
+        "feature_loss",
+        "optimizer",
+    }
+)
 
 
 def parse_variants(specs: list[str]) -> dict[str, dict]:
@@ -223,8 +254,10 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
     for spec in specs:
         name, sep, body = spec.partition(":")
         if not sep or not name or not name.replace("-", "").replace("_", "").isalnum() or name in out:
-            raise SystemExit(f"--eyas-variant {spec!r}: expected a new NAME (letters, digits, - and _), a colon, then "
-                             "KEY=VALUE pairs separated by commas")
+            raise SystemExit(
+                f"--eyas-variant {spec!r}: expected a new NAME (letters, digits, - and _), a colon, then "
+                "KEY=VALUE pairs separated by commas"
+            )
         sets = {}
         for pair in body.split(","):
             key, eq, value = pair.partition("=")
@@ -237,8 +270,10 @@ def parse_variants(specs: list[str]) -> dict[str, dict]:
                 sets[key] = value
                 continue
             if not eq or key not in fields:
-                raise SystemExit(f"--eyas-variant {spec!r}: {key!r} is not a TrainConfig setting a variant may "
-                                 f"change ({', '.join(sorted(fields))}) nor a kernels.NAME setting")
+                raise SystemExit(
+                    f"--eyas-variant {spec!r}: {key!r} is not a TrainConfig setting a variant may "
+                    f"change ({', '.join(sorted(fields))}) nor a kernels.NAME setting"
+                )
             sets[key] = parse_value(value.strip())
         out[name] = sets
     return out
@@ -250,8 +285,10 @@ def module_flag(name: str) -> str:
 
     prefix, _, kernel = name.partition(".")
     if prefix != "kernels" or kernel not in kernels.names():
-        raise SystemExit(f"{name!r}: expected kernels.NAME, NAME one of {', '.join(kernels.names())} (eyas has no "
-                         "module settings: lab/LOG.md)")
+        raise SystemExit(
+            f"{name!r}: expected kernels.NAME, NAME one of {', '.join(kernels.names())} (eyas has no "
+            "module settings: lab/LOG.md)"
+        )
     return kernel
 
 
@@ -268,7 +305,9 @@ def module_flags(sets: dict):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--prepared", type=Path, required=True, help="prepared dataset (`eyas prepare` / a pipeline's prepared/)")
+    ap.add_argument(
+        "--prepared", type=Path, required=True, help="prepared dataset (`eyas prepare` / a pipeline's prepared/)"
+    )
     ap.add_argument("--target", default="default")
     ap.add_argument("--root", type=Path, default=Path("runs/sbs"))
     ap.add_argument("--samples", type=int, default=3000, help="train-split conversations captured and used by both")
@@ -281,7 +320,9 @@ def main() -> None:
     ap.add_argument("--max-length", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--eval-prompts", default="mtbench", help="eval prompts: mtbench (the embedded copy) or a question.jsonl")
+    ap.add_argument(
+        "--eval-prompts", default="mtbench", help="eval prompts: mtbench (the embedded copy) or a question.jsonl"
+    )
     ap.add_argument("--eval-limit", type=int, default=None, help="MT-bench questions (default all 80)")
     ap.add_argument("--eval-max-new-tokens", type=int, default=256)
     ap.add_argument("--eval-chain-k", type=int, default=7, help="eval chain: draft tokens per round")
@@ -289,10 +330,15 @@ def main() -> None:
     ap.add_argument("--eval-tree-depth", type=int, default=6, help="eval tree: draft steps per round")
     ap.add_argument("--eval-tree-tokens", type=int, default=60, help="eval tree: draft tokens per round")
     ap.add_argument("--specforge-path", type=Path, default=None, help="directory holding an unpacked specforge package")
-    ap.add_argument("--eyas-variant", action="append", default=[], metavar="NAME:KEY=VALUE[,KEY=VALUE]",
-                    help="also train and evaluate an eyas drafter with these TrainConfig settings changed (same data, "
-                         "steps and samples per step), compared with the same SpecForge drafter: a method ablation "
-                         "against one SpecForge run, e.g. decay1:ttt_decay=1.0 (repeatable)")
+    ap.add_argument(
+        "--eyas-variant",
+        action="append",
+        default=[],
+        metavar="NAME:KEY=VALUE[,KEY=VALUE]",
+        help="also train and evaluate an eyas drafter with these TrainConfig settings changed (same data, "
+        "steps and samples per step), compared with the same SpecForge drafter: a method ablation "
+        "against one SpecForge run, e.g. decay1:ttt_decay=1.0 (repeatable)",
+    )
     args = ap.parse_args()
     variants = parse_variants(args.eyas_variant)
 
@@ -308,21 +354,45 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     store, eyas_run, features = root / "store", root / "eyas-train", root / "specforge-features"
     seconds: dict[str, float] = {}
-    result: dict = {"benchmark": "specforge_side_by_side", "settings": {k: str(v) if isinstance(v, Path) else v
-                                                                       for k, v in vars(args).items()}}
+    result: dict = {
+        "benchmark": "specforge_side_by_side",
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+    }
 
     # -- 1. capture ------------------------------------------------------------------------------
     t0 = time.perf_counter()
-    cap = run_capture(CaptureSettings(target=args.target, data=args.prepared, split="train", out=store,
-                                      device=args.device, store_dtype="bf16", limit=args.samples))
+    cap = run_capture(
+        CaptureSettings(
+            target=args.target,
+            data=args.prepared,
+            split="train",
+            out=store,
+            device=args.device,
+            store_dtype="bf16",
+            limit=args.samples,
+        )
+    )
     seconds["capture"] = round(time.perf_counter() - t0, 1)
     result["data"] = {"samples": cap.get("samples"), "tokens": cap.get("tokens")}
 
     # -- 2. eyas, offline ------------------------------------------------------------------------
     drafter = eyas_run / "drafter"
-    base_train = dict(target=args.target, store=store, eval_store=store, eval_samples=16, steps=args.steps,
-                      batch_size=args.batch_size, lr=args.lr, ttt_steps=args.ttt_steps, draft_vocab=args.draft_vocab,
-                      max_length=args.max_length, save_every=200, resume="auto", device=args.device, seed=args.seed)
+    base_train = dict(
+        target=args.target,
+        store=store,
+        eval_store=store,
+        eval_samples=16,
+        steps=args.steps,
+        batch_size=args.batch_size,
+        lr=args.lr,
+        ttt_steps=args.ttt_steps,
+        draft_vocab=args.draft_vocab,
+        max_length=args.max_length,
+        save_every=200,
+        resume="auto",
+        device=args.device,
+        seed=args.seed,
+    )
     if step("eyas train", (drafter / "config.json").is_file()):
         t0 = time.perf_counter()
         s = train(TrainConfig(**base_train, out=eyas_run))
@@ -341,8 +411,10 @@ def main() -> None:
     sf_run, sf_sglang = root / "specforge-run", root / "specforge-sglang"
     env = specforge_env(args)
     if env is None:
-        log("specforge is not importable (pip install --no-deps specforge==0.2.0 pydantic pyyaml, or --specforge-path): "
-            "SpecForge side skipped")
+        log(
+            "specforge is not importable (pip install --no-deps specforge==0.2.0 pydantic pyyaml, or --specforge-path): "
+            "SpecForge side skipped"
+        )
         result["specforge_error"] = "specforge not installed"
     else:
         draft_config = root / "specforge-draft-config.json"
@@ -351,15 +423,36 @@ def main() -> None:
             if step("specforge train", (sf_final / "training_state.pt").is_file()):
                 draft_config.write_text(json.dumps(json.loads((eyas_sglang / "config.json").read_text()), indent=1))
                 target_dir, head_key = shadow_target(Path(resolve_target(args.target)), root / "specforge-target")
-                sf_cfg = specforge_config(args, features=features, vocab_mapping=features / "vocab_mapping.pt",
-                                          draft_config=draft_config, target=target_dir, head_key=head_key, out=sf_run)
+                sf_cfg = specforge_config(
+                    args,
+                    features=features,
+                    vocab_mapping=features / "vocab_mapping.pt",
+                    draft_config=draft_config,
+                    target=target_dir,
+                    head_key=head_key,
+                    out=sf_run,
+                )
                 seconds["specforge_train"] = run_specforge(args, sf_cfg, sf_run, env)
             result["specforge_train"] = specforge_last_log(sf_run / "train.log")
             if step("specforge export", (sf_sglang / "config.json").is_file()):
-                run_logged(specforge_cmd(args, "export", "--to", "sglang", "--checkpoint", str(sf_final),
-                                         "--draft-config", str(draft_config), "--output-dir", str(sf_sglang),
-                                         "--vocab-mapping", str(features / "vocab_mapping.pt")),
-                           env, sf_run / "export.log")
+                run_logged(
+                    specforge_cmd(
+                        args,
+                        "export",
+                        "--to",
+                        "sglang",
+                        "--checkpoint",
+                        str(sf_final),
+                        "--draft-config",
+                        str(draft_config),
+                        "--output-dir",
+                        str(sf_sglang),
+                        "--vocab-mapping",
+                        str(features / "vocab_mapping.pt"),
+                    ),
+                    env,
+                    sf_run / "export.log",
+                )
         except subprocess.CalledProcessError as exc:
             log(f"SpecForge failed ({exc}); the eyas side is still evaluated")
             result["specforge_error"] = str(exc)
@@ -370,17 +463,27 @@ def main() -> None:
 
     def evaluate(name: str, d: Path) -> None:
         out = root / f"eval-{name}"
-        ecfg = EvalConfig(drafter=d, target=args.target, prompts=args.eval_prompts, limit=args.eval_limit,
-                          max_new_tokens=args.eval_max_new_tokens, chain_k=args.eval_chain_k,
-                          tree_topk=args.eval_tree_topk, tree_depth=args.eval_tree_depth,
-                          tree_tokens=args.eval_tree_tokens, device=args.device)
+        ecfg = EvalConfig(
+            drafter=d,
+            target=args.target,
+            prompts=args.eval_prompts,
+            limit=args.eval_limit,
+            max_new_tokens=args.eval_max_new_tokens,
+            chain_k=args.eval_chain_k,
+            tree_topk=args.eval_tree_topk,
+            tree_depth=args.eval_tree_depth,
+            tree_tokens=args.eval_tree_tokens,
+            device=args.device,
+        )
         if step(f"eval {name}", same_eval(out / "report.json", ecfg)):
             t0 = time.perf_counter()
             evaluate_to(out, ecfg, overwrite=True)
             seconds[f"eval_{name}"] = round(time.perf_counter() - t0, 1)
         rep = json.loads((out / "report.json").read_text())
-        evals[name] = {f"tau_{m}": round(v["acceptance_length"], 4) if v["acceptance_length"] is not None else None
-                       for m, v in rep["modes"].items()}
+        evals[name] = {
+            f"tau_{m}": round(v["acceptance_length"], 4) if v["acceptance_length"] is not None else None
+            for m, v in rep["modes"].items()
+        }
         eval_settings[name] = {k: v for k, v in rep["settings"].items() if k != "drafter"}
         log(f"eval {name}: " + ", ".join(f"{k} {v}" for k, v in evals[name].items()))
 
@@ -392,8 +495,9 @@ def main() -> None:
         if step(f"eyas train, variant {name} {sets}", (run_dir / "drafter" / "config.json").is_file()):
             t0 = time.perf_counter()
             with module_flags(sets):
-                s = train(TrainConfig(**{**base_train, **{k: v for k, v in sets.items() if "." not in k},
-                                         "out": run_dir}))
+                s = train(
+                    TrainConfig(**{**base_train, **{k: v for k, v in sets.items() if "." not in k}, "out": run_dir})
+                )
             seconds[f"eyas_{name}_train"] = round(time.perf_counter() - t0, 1)
             result.setdefault("variants", {})[name] = {"settings": sets, "tokens_per_s": s.get("tokens_per_s")}
         if not (out / "config.json").is_file():
@@ -410,8 +514,9 @@ def main() -> None:
             result[f"{m}_vs_specforge"] = round(a / b, 4) if a and b else None
             for name in variants:
                 a = evals.get(f"eyas-{name}", {}).get(m)
-                result.setdefault("variants", {}).setdefault(name, {"settings": variants[name]})[f"{m}_vs_specforge"] = \
-                    round(a / b, 4) if a and b else None
+                result.setdefault("variants", {}).setdefault(name, {"settings": variants[name]})[
+                    f"{m}_vs_specforge"
+                ] = round(a / b, 4) if a and b else None
     result["seconds"] = seconds
     log("\n| drafter | tau chain | tau tree |\n|---|---|---|")
     for name, e in evals.items():

@@ -76,8 +76,9 @@ def log(msg: str) -> None:
 # -- running children ------------------------------------------------------------------------------
 
 
-def launch(label: str, argv: list[str], *, procs: int, env: dict[str, str], logdir: Path, timeout: float,
-           module: bool) -> tuple[str, str]:
+def launch(
+    label: str, argv: list[str], *, procs: int, env: dict[str, str], logdir: Path, timeout: float, module: bool
+) -> tuple[str, str]:
     """Run `python [-m] argv` as 1 process or under torchrun with `procs` processes; stream its stderr
     (prefixed) to ours and to logdir/label.log; return (stdout, stderr). Raises on a non-zero exit."""
     py = [sys.executable]
@@ -92,8 +93,9 @@ def launch(label: str, argv: list[str], *, procs: int, env: dict[str, str], logd
         raise TimeoutError(f"{label}: not started, {timeout:.0f}s left of --budget-s")
     with open(out_f, "w") as so, open(logdir / f"{label}.log", "w") as lf:
         # own process group: on timeout torchrun AND its workers are killed, nothing is left on a GPU
-        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=so, stderr=subprocess.PIPE, text=True, bufsize=1,
-                             start_new_session=True)
+        p = subprocess.Popen(
+            cmd, cwd=REPO, env=env, stdout=so, stderr=subprocess.PIPE, text=True, bufsize=1, start_new_session=True
+        )
         timer = threading.Timer(timeout, lambda: os.killpg(p.pid, signal.SIGKILL) if p.poll() is None else None)
         timer.start()
         try:
@@ -142,10 +144,19 @@ def smoke_inputs(work: Path) -> tuple[Path, Path]:
 
         tok = load_tokenizer(default_target_dir())
         torch.manual_seed(0)
-        config = transformers.LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                                          tie_word_embeddings=False, bos_token_id=tok.bos_token_id,
-                                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        config = transformers.LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=6,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         model = transformers.AutoModelForCausalLM.from_config(config)
         with torch.no_grad():  # a confident teacher whose top-1 lies in the 512-id draft vocab (else no loss)
             model.lm_head.weight[512:] = 0
@@ -160,9 +171,28 @@ def smoke_store(work: Path, target: Path, data: Path) -> Path:
     """`eyas capture` of the smoke data (layers 1,3,4 of the tiny target), for the offline part."""
     store = work / "smoke_store"
     if not (store / "manifest.json").is_file():
-        launch("smoke-capture", ["eyas", "capture", "--target", str(target), "--data", str(data), "--out", str(store),
-                                 "--device", "cpu", "--aux-layers", "1,3,4"], procs=1, env=child_env("cpu"),
-               logdir=work / "logs", timeout=300, module=True)
+        launch(
+            "smoke-capture",
+            [
+                "eyas",
+                "capture",
+                "--target",
+                str(target),
+                "--data",
+                str(data),
+                "--out",
+                str(store),
+                "--device",
+                "cpu",
+                "--aux-layers",
+                "1,3,4",
+            ],
+            procs=1,
+            env=child_env("cpu"),
+            logdir=work / "logs",
+            timeout=300,
+            module=True,
+        )
     return store
 
 
@@ -193,8 +223,12 @@ class Bench:
         common += ["--no-specforge", "--no-reference", "--no-compile"]
         bench = str(HERE / "train_bench.py")
         rates = {}
-        variants = ([("1proc", 1, [])] + ([("2proc-ddp-bf16", 2, ["--grad-reduce", "bf16"])] if a.bf16_reduce else [])
-                    + [("2proc-ddp", 2, [])] + ([("2proc-fsdp2", 2, ["--fsdp"])] if a.fsdp else []))
+        variants = (
+            [("1proc", 1, [])]
+            + ([("2proc-ddp-bf16", 2, ["--grad-reduce", "bf16"])] if a.bf16_reduce else [])
+            + [("2proc-ddp", 2, [])]
+            + ([("2proc-fsdp2", 2, ["--fsdp"])] if a.fsdp else [])
+        )
         for name, procs, extra in variants:
             try:
                 res = last_json(self.run(f"8b-{name}", [bench, *common, *extra], procs=procs, module=False)[0])
@@ -203,23 +237,51 @@ class Bench:
                     raise RuntimeError(r.get("error", "no tokens_per_s"))
                 if res.get("world") != procs:
                     raise RuntimeError(f"train_bench reported world {res.get('world')}, expected {procs}")
-                rates[name] = {"tokens_per_s": r["tokens_per_s"], "s_per_step": r["s_per_step"],
-                               "peak_mem_gb": r.get("peak_mem_gb"), "world": procs}
+                rates[name] = {
+                    "tokens_per_s": r["tokens_per_s"],
+                    "s_per_step": r["s_per_step"],
+                    "peak_mem_gb": r.get("peak_mem_gb"),
+                    "world": procs,
+                }
             except Exception as exc:  # noqa: BLE001  (recorded; the other variants still run)
                 self.fail(f"8b-{name}", exc)
         self.result["8b"] = rates
         one = rates.get("1proc", {}).get("tokens_per_s")
-        for name, key in (("2proc-ddp", "train_2gpu_scaling_8b"), ("2proc-ddp-bf16", "train_2gpu_scaling_8b_bf16_reduce"),
-                          ("2proc-fsdp2", "train_2gpu_scaling_8b_fsdp2")):
+        for name, key in (
+            ("2proc-ddp", "train_2gpu_scaling_8b"),
+            ("2proc-ddp-bf16", "train_2gpu_scaling_8b_bf16_reduce"),
+            ("2proc-fsdp2", "train_2gpu_scaling_8b_fsdp2"),
+        ):
             if one and name in rates:
                 self.result[key] = rates[name]["tokens_per_s"] / one
 
     # SmolLM2 drafter, real `eyas train` -------------------------------------------------------------
     def train_argv(self, out: Path, *, steps: int, tokens: int, source: list[str], extra: list[str] = ()) -> list[str]:
         a = self.a
-        argv = ["eyas", "train", "--target", str(a.target), *source, "--out", str(out), "--device", a.device,
-                "--steps", str(steps), "--tokens-per-batch", str(tokens), "--max-length", str(min(a.max_length, tokens)),
-                "--eval-samples", str(a.eval_samples), "--lr", "1e-4", "--seed", "0", "--overwrite"]
+        argv = [
+            "eyas",
+            "train",
+            "--target",
+            str(a.target),
+            *source,
+            "--out",
+            str(out),
+            "--device",
+            a.device,
+            "--steps",
+            str(steps),
+            "--tokens-per-batch",
+            str(tokens),
+            "--max-length",
+            str(min(a.max_length, tokens)),
+            "--eval-samples",
+            str(a.eval_samples),
+            "--lr",
+            "1e-4",
+            "--seed",
+            "0",
+            "--overwrite",
+        ]
         if a.draft_vocab:
             argv += ["--draft-vocab", str(a.draft_vocab)]
         if a.aux_layers:
@@ -243,7 +305,9 @@ class Bench:
             label = f"{name}-{procs}proc"
             try:
                 out = a.work / label
-                self.run(label, self.train_argv(out, steps=a.steps, tokens=a.tokens_per_batch, source=source), procs=procs)
+                self.run(
+                    label, self.train_argv(out, steps=a.steps, tokens=a.tokens_per_batch, source=source), procs=procs
+                )
                 r = _steady(out / "metrics.jsonl", a.skip)
                 r["world"] = procs
                 rates[f"{procs}proc"] = r
@@ -274,9 +338,16 @@ class Bench:
         for procs, accum in ((1, 2), (2, 1)):
             label = f"loss-{procs}proc"
             out = a.work / label
-            extra = ["--grad-accum", str(accum), "--save-every", str(a.ckpt_at)] + ([] if a.compile else ["--no-compile"])
-            self.run(label, self.train_argv(out, steps=a.loss_steps, tokens=a.loss_tokens, source=["--data", str(a.data)],
-                                            extra=extra), procs=procs)
+            extra = ["--grad-accum", str(accum), "--save-every", str(a.ckpt_at)] + (
+                [] if a.compile else ["--no-compile"]
+            )
+            self.run(
+                label,
+                self.train_argv(
+                    out, steps=a.loss_steps, tokens=a.loss_tokens, source=["--data", str(a.data)], extra=extra
+                ),
+                procs=procs,
+            )
             recs = train_records(out)
             if [r["step"] for r in recs] != list(range(1, a.loss_steps + 1)):
                 raise RuntimeError(f"{label}: recorded steps {[r['step'] for r in recs]}")
@@ -291,18 +362,32 @@ class Bench:
             d = abs(r1["loss"] - r2["loss"])
             abs_d.append(d)
             rel_d.append(d / max(abs(r1["loss"]), 1e-12))
-            rows.append({"step": r1["step"], "loss_1proc": r1["loss"], "loss_2proc": r2["loss"], "abs_diff": d,
-                         "tokens_1proc": r1["tokens"], "tokens_2proc": r2["tokens"]})
+            rows.append(
+                {
+                    "step": r1["step"],
+                    "loss_1proc": r1["loss"],
+                    "loss_2proc": r2["loss"],
+                    "abs_diff": d,
+                    "tokens_1proc": r1["tokens"],
+                    "tokens_2proc": r2["tokens"],
+                }
+            )
         same_tokens = all(r["tokens_1proc"] == r["tokens_2proc"] for r in rows)
         csv_path = self.a.work / "loss_curves.csv"
         with open(csv_path, "w", newline="") as f:
             w = csv.DictWriter(f, fieldnames=list(rows[0]))
             w.writeheader()
             w.writerows(rows)
-        self.result["loss"] = {"steps": len(rows), "csv": str(csv_path), "same_tokens_every_step": same_tokens,
-                               "max_abs_diff": max(abs_d), "max_rel_diff": max(rel_d),
-                               "first_step_rel_diff": rel_d[0], "tokens_per_micro_batch": self.a.loss_tokens,
-                               "plot": self.plot(rows)}
+        self.result["loss"] = {
+            "steps": len(rows),
+            "csv": str(csv_path),
+            "same_tokens_every_step": same_tokens,
+            "max_abs_diff": max(abs_d),
+            "max_rel_diff": max(rel_d),
+            "first_step_rel_diff": rel_d[0],
+            "tokens_per_micro_batch": self.a.loss_tokens,
+            "plot": self.plot(rows),
+        }
         self.result["loss_curve_max_abs_diff"] = max(abs_d)
         self.result["loss_curve_max_rel_diff"] = max(rel_d)
         self.result["loss_curve_ok"] = same_tokens and max(rel_d) <= self.a.loss_rtol
@@ -361,20 +446,38 @@ class Bench:
         (out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in kept))
         accum = 2 // dst
         extra = ["--grad-accum", str(accum), "--resume", "auto"] + ([] if a.compile else ["--no-compile"])
-        _, err = self.run(label, self.train_argv(out, steps=N, tokens=a.loss_tokens, source=["--data", str(a.data)],
-                                                 extra=extra), procs=dst)
+        _, err = self.run(
+            label,
+            self.train_argv(out, steps=N, tokens=a.loss_tokens, source=["--data", str(a.data)], extra=extra),
+            procs=dst,
+        )
         m = re.search(r"resumed from \S+ at step (\d+)", err)
         resumed_at = int(m.group(1)) if m else None
         new = [r for r in train_records(out) if r["step"] > K]
         steps_seen = [r["step"] for r in new]
         uninterrupted = {r["step"]: r["loss"] for r in refs[dst]["records"]}
-        rel = max((abs(r["loss"] - uninterrupted[r["step"]]) / max(abs(uninterrupted[r["step"]]), 1e-12)
-                   for r in new if r["step"] in uninterrupted), default=float("inf"))
+        rel = max(
+            (
+                abs(r["loss"] - uninterrupted[r["step"]]) / max(abs(uninterrupted[r["step"]]), 1e-12)
+                for r in new
+                if r["step"] in uninterrupted
+            ),
+            default=float("inf"),
+        )
         ok = resumed_at == K and steps_seen == list(range(K + 1, N + 1)) and rel <= a.loss_rtol
-        log(f"[{label}] {src} -> {dst} processes: resumed at step {resumed_at}, ran steps {steps_seen}, "
-            f"max rel loss diff vs the uninterrupted {dst}-process run {rel:.2e}: {'ok' if ok else 'FAILED'}")
-        return {"written_by_processes": src, "resumed_on_processes": dst, "checkpoint_step": K, "resumed_at": resumed_at,
-                "steps_seen": steps_seen, "max_rel_loss_diff_vs_uninterrupted": rel, "ok": ok}
+        log(
+            f"[{label}] {src} -> {dst} processes: resumed at step {resumed_at}, ran steps {steps_seen}, "
+            f"max rel loss diff vs the uninterrupted {dst}-process run {rel:.2e}: {'ok' if ok else 'FAILED'}"
+        )
+        return {
+            "written_by_processes": src,
+            "resumed_on_processes": dst,
+            "checkpoint_step": K,
+            "resumed_at": resumed_at,
+            "steps_seen": steps_seen,
+            "max_rel_loss_diff_vs_uninterrupted": rel,
+            "ok": ok,
+        }
 
     def fail(self, part: str, exc: Exception) -> None:
         msg = f"{type(exc).__name__}: {str(exc)[-800:]}"
@@ -387,21 +490,34 @@ def table(res: dict) -> None:
         return fmt.format(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else str(x)
 
     print(f"{'run':26s} {'1 proc tok/s':>13s} {'2 proc tok/s':>13s} {'scaling':>8s}")
-    for name, metric in (("8b (ddp)", "train_2gpu_scaling_8b"), ("8b (ddp, bf16 reduce)", "train_2gpu_scaling_8b_bf16_reduce"),
-                         ("8b (fsdp2)", "train_2gpu_scaling_8b_fsdp2"),
-                         ("smol online", "train_2gpu_scaling_smol"), ("smol offline", "train_2gpu_scaling_smol_offline")):
+    for name, metric in (
+        ("8b (ddp)", "train_2gpu_scaling_8b"),
+        ("8b (ddp, bf16 reduce)", "train_2gpu_scaling_8b_bf16_reduce"),
+        ("8b (fsdp2)", "train_2gpu_scaling_8b_fsdp2"),
+        ("smol online", "train_2gpu_scaling_smol"),
+        ("smol offline", "train_2gpu_scaling_smol_offline"),
+    ):
         part = res.get("8b" if name.startswith("8b") else ("smol" if "online" in name else "smol-offline"))
         if not isinstance(part, dict):
             print(f"{name:26s} {'-':>13s} {'-':>13s} {'-':>8s}  ({part or 'not run'})")
             continue
-        k2 = ("2proc-fsdp2" if "fsdp2" in name else "2proc-ddp-bf16" if "bf16" in name
-              else "2proc-ddp" if name.startswith("8b") else "2proc")
+        k2 = (
+            "2proc-fsdp2"
+            if "fsdp2" in name
+            else "2proc-ddp-bf16"
+            if "bf16" in name
+            else "2proc-ddp"
+            if name.startswith("8b")
+            else "2proc"
+        )
         if k2 not in part and k2 != "2proc-ddp" and name.startswith("8b"):
             continue
         r1, r2 = part.get("1proc", {}).get("tokens_per_s"), part.get(k2, {}).get("tokens_per_s")
         print(f"{name:26s} {f(r1, '{:.0f}'):>13s} {f(r2, '{:.0f}'):>13s} {f(res.get(metric)):>8s}")
-    print(f"loss curve 1 vs 2 proc: max |diff| {f(res.get('loss_curve_max_abs_diff'), '{:.2e}')}, "
-          f"max rel {f(res.get('loss_curve_max_rel_diff'), '{:.2e}')}, ok {res.get('loss_curve_ok')}")
+    print(
+        f"loss curve 1 vs 2 proc: max |diff| {f(res.get('loss_curve_max_abs_diff'), '{:.2e}')}, "
+        f"max rel {f(res.get('loss_curve_max_rel_diff'), '{:.2e}')}, ok {res.get('loss_curve_ok')}"
+    )
     for key in ("ckpt_2to1", "ckpt_1to2"):
         r = res.get(key) or {}
         print(f"{key}: ok {res.get(key + '_ok')}, resumed at {r.get('resumed_at')}, steps {r.get('steps_seen')}")
@@ -413,33 +529,58 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu = gloo smoke run, tiny settings")
-    ap.add_argument("--target", type=Path, default=None, help="SmolLM2 target directory (cpu: default a tiny random one)")
+    ap.add_argument(
+        "--target", type=Path, default=None, help="SmolLM2 target directory (cpu: default a tiny random one)"
+    )
     ap.add_argument("--data", type=Path, default=None, help="prepared dataset (cpu: default random chats)")
-    ap.add_argument("--store", type=Path, default=None, help="offline store of --target's states (smol offline scaling)")
+    ap.add_argument(
+        "--store", type=Path, default=None, help="offline store of --target's states (smol offline scaling)"
+    )
     ap.add_argument("--work", type=Path, required=True, help="run directories, logs, loss_curves.csv/.png")
     ap.add_argument("--steps", type=int, default=None, help="smol: optimizer steps per run (default 16; cpu 6)")
     ap.add_argument("--skip", type=int, default=None, help="smol: first steps left out of the rate (default 5; cpu 2)")
-    ap.add_argument("--tokens-per-batch", type=int, default=None, help="smol: tokens per micro-batch per process "
-                                                                       "(default 131072, eyas train's H200 default; cpu 128)")
+    ap.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=None,
+        help="smol: tokens per micro-batch per process (default 131072, eyas train's H200 default; cpu 128)",
+    )
     ap.add_argument("--steps-8b", type=int, default=10, help="8b: timed steps after 3 warmup steps")
     ap.add_argument("--fsdp", action="store_true", help="8b: also 2 processes with FSDP2")
     ap.add_argument("--bf16-reduce", action="store_true", help="8b: also 2 processes with DDP's all-reduce in bf16")
-    ap.add_argument("--tiny", action="store_true", help="smol/loss/ckpt on a tiny random target and random prepared "
-                                                        "data built under --work, on any device (the cpu default)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="smol/loss/ckpt on a tiny random target and random prepared "
+        "data built under --work, on any device (the cpu default)",
+    )
     ap.add_argument("--loss-steps", type=int, default=None, help="loss/ckpt: steps N (default 20; cpu 4)")
     ap.add_argument("--ckpt-at", type=int, default=None, help="ckpt: checkpoint step K resumed (default N // 2)")
-    ap.add_argument("--loss-tokens", type=int, default=None, help="loss/ckpt: tokens per micro-batch (default 16384; cpu 128)")
-    ap.add_argument("--loss-rtol", type=float, default=None, help="loss/ckpt: tolerated relative loss difference "
-                                                                  "(default 0.02 on CUDA, bf16; 1e-4 on the CPU, fp32)")
-    ap.add_argument("--compile", action="store_true", help="loss/ckpt: compile the drafter (default --no-compile: shorter)")
+    ap.add_argument(
+        "--loss-tokens", type=int, default=None, help="loss/ckpt: tokens per micro-batch (default 16384; cpu 128)"
+    )
+    ap.add_argument(
+        "--loss-rtol",
+        type=float,
+        default=None,
+        help="loss/ckpt: tolerated relative loss difference (default 0.02 on CUDA, bf16; 1e-4 on the CPU, fp32)",
+    )
+    ap.add_argument(
+        "--compile", action="store_true", help="loss/ckpt: compile the drafter (default --no-compile: shorter)"
+    )
     ap.add_argument("--max-length", type=int, default=None, help="sample truncation (default 2048; cpu 64)")
     ap.add_argument("--eval-samples", type=int, default=8)
     ap.add_argument("--draft-vocab", type=int, default=None, help="default: eyas train's (cpu smoke: 512)")
     ap.add_argument("--aux-layers", default=None, help="default: eyas train's (cpu smoke: 1,3,4)")
     ap.add_argument("--timeout", type=float, default=420, help="seconds per child run")
-    ap.add_argument("--budget-s", type=float, default=570, help="seconds for the whole command: a run still going "
-                                                               "then is killed, later ones are not started (recorded), "
-                                                               "and the JSON line is still printed")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=570,
+        help="seconds for the whole command: a run still going "
+        "then is killed, later ones are not started (recorded), "
+        "and the JSON line is still printed",
+    )
     a = ap.parse_args()
     cpu = a.device == "cpu"
     tiny = cpu or a.tiny

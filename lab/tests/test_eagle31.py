@@ -56,8 +56,12 @@ class SGLangDraft:
     `forward` extends a key/value cache: each new token attends to every cached key and the new ones up to itself.
     """
 
-    LEGACY = {"midlayer": "layers.0", "aux_norm_low": "fc_norm.0", "aux_norm_mid": "fc_norm.1",
-              "aux_norm_high": "fc_norm.2"}
+    LEGACY = {
+        "midlayer": "layers.0",
+        "aux_norm_low": "fc_norm.0",
+        "aux_norm_mid": "fc_norm.1",
+        "aux_norm_high": "fc_norm.2",
+    }
 
     def __init__(self, export_dir: Path, **flags):
         cfg = json.loads((export_dir / "config.json").read_text())
@@ -109,11 +113,14 @@ class SGLangDraft:
             if self.norm_before_fc:
                 hidden = self.rms(hidden, p["input_norm.weight"])
             if self.fc_norm:
-                hidden = torch.cat([self.rms(c, p[f"fc_norm.{i}.weight"])
-                                    for i, c in enumerate(hidden.chunk(self.A, dim=-1))], -1)
+                hidden = torch.cat(
+                    [self.rms(c, p[f"fc_norm.{i}.weight"]) for i, c in enumerate(hidden.chunk(self.A, dim=-1))], -1
+                )
             hidden = hidden @ p["fc.weight"].T
         residual = hidden
-        x = torch.cat([self.rms(embeds, p[L + "input_layernorm.weight"]), self.rms(hidden, p[L + "hidden_norm.weight"])], -1)
+        x = torch.cat(
+            [self.rms(embeds, p[L + "input_layernorm.weight"]), self.rms(hidden, p[L + "hidden_norm.weight"])], -1
+        )
         q = (x @ p[L + "self_attn.q_proj.weight"].T).view(n, self.H, self.d)
         k = (x @ p[L + "self_attn.k_proj.weight"].T).view(n, self.KV, self.d)
         v = (x @ p[L + "self_attn.v_proj.weight"].T).view(n, self.KV, self.d)
@@ -128,7 +135,9 @@ class SGLangDraft:
         o = torch.einsum("hns,shd->nhd", scores.softmax(-1), vs).reshape(n, self.H * self.d)
         residual = o @ p[L + "self_attn.o_proj.weight"].T + residual
         x = self.rms(residual, p[L + "post_attention_layernorm.weight"])
-        mlp = (F.silu(x @ p[L + "mlp.gate_proj.weight"].T) * (x @ p[L + "mlp.up_proj.weight"].T)) @ p[L + "mlp.down_proj.weight"].T
+        mlp = (F.silu(x @ p[L + "mlp.gate_proj.weight"].T) * (x @ p[L + "mlp.up_proj.weight"].T)) @ p[
+            L + "mlp.down_proj.weight"
+        ].T
         residual = mlp + residual
         to_logits = self.rms(residual, p["norm.weight"])
         return to_logits @ p["lm_head.weight"].T, (to_logits if self.norm_output else residual)
@@ -137,10 +146,10 @@ class SGLangDraft:
         """[steps, V] logits of drafting after position t: the draft extend over positions 0..t (tokens x_1..x_{t+1}
         with the target's states), then one token a step (x_{t+1+k} at position t+k) fed the state it returned."""
         self.keys, self.values = [], []
-        logits, state = self.forward(ids[1:t + 2], torch.arange(t + 1), aux_TF[:t + 1].double())
-        out, state = [logits[t]], state[t:t + 1]
+        logits, state = self.forward(ids[1 : t + 2], torch.arange(t + 1), aux_TF[: t + 1].double())
+        out, state = [logits[t]], state[t : t + 1]
         for k in range(1, steps):
-            logits, state = self.forward(ids[t + 1 + k:t + 2 + k], torch.tensor([t + k]), state)
+            logits, state = self.forward(ids[t + 1 + k : t + 2 + k], torch.tensor([t + k]), state)
             out.append(logits[0])
         return torch.stack(out)
 
@@ -150,9 +159,19 @@ class SGLangDraft:
 
 def make_drafter(seed: int = 0) -> Eagle3Drafter:
     """A small drafter (target width 24 != draft width 32, 40 of 60 ids) with every weight random, norms included."""
-    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48,
-                        vocab_size=60, draft_vocab_size=40, target_hidden_size=24, aux_layer_ids=[1, 2, 3],
-                        target_num_layers=6, rms_norm_eps=1e-5)
+    cfg = DrafterConfig(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=48,
+        vocab_size=60,
+        draft_vocab_size=40,
+        target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+        target_num_layers=6,
+        rms_norm_eps=1e-5,
+    )
     m = Eagle3Drafter(cfg)
     m.reset_parameters(seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
@@ -177,8 +196,9 @@ def ttt_logits(m, ids, aux) -> torch.Tensor:
     """[K, T, V] the padded training unroll's logits."""
     from eyas.drafter.ttt import ttt_unroll
 
-    return torch.stack([m.compute_logits(h)[0] for _, h in ttt_unroll(m, ids[None], aux[None], steps=K,
-                                                                       attention="reference")])
+    return torch.stack(
+        [m.compute_logits(h)[0] for _, h in ttt_unroll(m, ids[None], aux[None], steps=K, attention="reference")]
+    )
 
 
 def packed_logits(m, ids, aux) -> torch.Tensor:
@@ -193,21 +213,22 @@ def packed_logits(m, ids, aux) -> torch.Tensor:
 def model_chain(m, ids, aux, t) -> torch.Tensor:
     """[K, V] Eagle3Drafter.forward_step with a cache, fed its own returned state."""
     cache = DrafterCache()
-    h, logits = m.forward_step(ids[None, 1:t + 2], m.project_aux(aux[None, :t + 1]), torch.arange(t + 1)[None],
-                               cache=cache)
-    out, h = [logits[0, t]], h[:, t:t + 1]
+    h, logits = m.forward_step(
+        ids[None, 1 : t + 2], m.project_aux(aux[None, : t + 1]), torch.arange(t + 1)[None], cache=cache
+    )
+    out, h = [logits[0, t]], h[:, t : t + 1]
     for k in range(1, K):
-        h, logits = m.forward_step(ids[None, t + 1 + k:t + 2 + k], h, torch.tensor([[t + k]]), cache=cache)
+        h, logits = m.forward_step(ids[None, t + 1 + k : t + 2 + k], h, torch.tensor([[t + k]]), cache=cache)
         out.append(logits[0, 0])
     return torch.stack(out)
 
 
 def functional_chain(fd, ids, aux_TF, t) -> torch.Tensor:
     """[K, V] eval's FunctionalDrafter: step 0 over the prefix, then one draft token a step."""
-    out0, keys, values = fd.step0(ids[None, :t + 2], aux_TF[None, :t + 2])
-    out, feat = [fd.logits(out0[0, t])], out0[:, t:t + 1]
+    out0, keys, values = fd.step0(ids[None, : t + 2], aux_TF[None, : t + 2])
+    out, feat = [fd.logits(out0[0, t])], out0[:, t : t + 1]
     for k in range(1, K):
-        q, kk, vv, res = fd.qkv(ids[None, t + 1 + k:t + 2 + k], feat, torch.tensor([[t + k]]))
+        q, kk, vv, res = fd.qkv(ids[None, t + 1 + k : t + 2 + k], feat, torch.tensor([[t + k]]))
         keys, values = torch.cat([keys, kk], 2), torch.cat([values, vv], 2)
         feat = fd.finish(fd.attend(q, keys, values), res)
         out.append(fd.logits(feat[0, 0]))
@@ -227,8 +248,13 @@ def _close(got, want):
     torch.testing.assert_close(got.double(), want, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("variant", [None, *VARIANTS], ids=lambda v: "eagle3" if v is None else
-                         f"{v.fc_norm or 'no-fc-norm'}-{'norm-output' if v.norm_output else 'prenorm'}")
+@pytest.mark.parametrize(
+    "variant",
+    [None, *VARIANTS],
+    ids=lambda v: (
+        "eagle3" if v is None else f"{v.fc_norm or 'no-fc-norm'}-{'norm-output' if v.norm_output else 'prenorm'}"
+    ),
+)
 def test_every_eyas_path_computes_what_sglang_serves_from_the_export(variant, tmp_path):
     """Training (padded and packed unroll), the model's drafting steps and eval's decoding drafter read from the
     SGLang export give, step by step, the logits of SGLang's forward on that export (unpatched eyas: plain EAGLE-3,
@@ -247,8 +273,10 @@ def test_every_eyas_path_computes_what_sglang_serves_from_the_export(variant, tm
         ours = {t: (model_chain(m, ids, aux, t), functional_chain(fd, ids, aux_TF, t)) for t in (0, 4, 8)}
     ref = SGLangDraft(sgl)
     assert (ref.fc_norm, ref.norm_before_fc, ref.norm_output) == (
-        (False, False, False) if variant is None else
-        (variant.fc_norm == "per-aux", variant.fc_norm == "concat", variant.norm_output))
+        (False, False, False)
+        if variant is None
+        else (variant.fc_norm == "per-aux", variant.fc_norm == "concat", variant.norm_output)
+    )
     for t, (chain, functional) in ours.items():
         want = ref.chain(ids, aux_TF, t, K)
         for k in range(K):
@@ -301,11 +329,22 @@ def test_compiled_training_step_equals_the_eager_one():
             if compiled:
                 compile_drafter(m)
             teacher = packed_teacher(final, head, head[used], used, t2d)
-            o = ttt_loss_packed(m, input_ids_N=ids, seg=seg, rows=rows, aux_NAD=aux, teacher=teacher,
-                                cfg=TTTConfig(steps=K), denominators=torch.tensor([float(len(r)) for r in rows]),
-                                live=live_positions(rows, N))
+            o = ttt_loss_packed(
+                m,
+                input_ids_N=ids,
+                seg=seg,
+                rows=rows,
+                aux_NAD=aux,
+                teacher=teacher,
+                cfg=TTTConfig(steps=K),
+                denominators=torch.tensor([float(len(r)) for r in rows]),
+                live=live_positions(rows, N),
+            )
             o.loss.backward()
-            out[compiled] = (o.loss.detach(), {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+            out[compiled] = (
+                o.loss.detach(),
+                {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None},
+            )
     (l0, g0), (l1, g1) = out[False], out[True]
     torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
     assert set(g0) == set(g1) and {f"fc_norm.{i}.weight" for i in range(3)} | {"norm.weight"} <= set(g0)
@@ -342,13 +381,24 @@ def _patch_targets():
     from eyas.drafter.ttt import unroll
     from eyas.specdec.functional import FunctionalDrafter
 
-    owners = {"Eagle3Drafter": Eagle3Drafter, "MidLayer": MidLayer, "FunctionalDrafter": FunctionalDrafter,
-              "reader": reader, "writer": writer, "unroll": unroll, "pipeline": pipeline}
-    names = {"Eagle3Drafter": ("__init__", "project_aux", "compute_logits"), "MidLayer": ("finish",),
-             "FunctionalDrafter": ("fuse", "finish", "logits"), "unroll": ("normed_rows",),
-             "pipeline": ("fingerprint",),
-             "reader": ("canonical_weights", "check_shapes", "_eyas_config", "_config_from_sglang", "_speculators_layer"),
-             "writer": ("write_eyas", "sglang_config", "vllm_config")}
+    owners = {
+        "Eagle3Drafter": Eagle3Drafter,
+        "MidLayer": MidLayer,
+        "FunctionalDrafter": FunctionalDrafter,
+        "reader": reader,
+        "writer": writer,
+        "unroll": unroll,
+        "pipeline": pipeline,
+    }
+    names = {
+        "Eagle3Drafter": ("__init__", "project_aux", "compute_logits"),
+        "MidLayer": ("finish",),
+        "FunctionalDrafter": ("fuse", "finish", "logits"),
+        "unroll": ("normed_rows",),
+        "pipeline": ("fingerprint",),
+        "reader": ("canonical_weights", "check_shapes", "_eyas_config", "_config_from_sglang", "_speculators_layer"),
+        "writer": ("write_eyas", "sglang_config", "vllm_config"),
+    }
     return {(o, n): owners[o].__dict__[n] for o, ns in names.items() for n in ns}
 
 
@@ -368,7 +418,8 @@ def test_the_patch_is_undone_and_each_eyas_refuses_the_others_drafters(tmp_path)
         assert pipeline.fingerprint("train", pipeline.ExportOptions(), "in") != fp
         original = before[("pipeline", "fingerprint")]
         assert pipeline.fingerprint("eval", pipeline.ExportOptions(), "in") == original(
-            "eval", pipeline.ExportOptions(), "in")  # (eval and export follow the train stage's fingerprint)
+            "eval", pipeline.ExportOptions(), "in"
+        )  # (eval and export follow the train stage's fingerprint)
         with pytest.raises(RuntimeError, match="already patched"), patched():
             pass
         m = make_drafter()
@@ -405,22 +456,52 @@ def test_the_entry_point_trains_evaluates_and_exports_on_copied_stages(tmp_path,
     from eyas.cli import app
     from eyas.drafter.reader import read_drafter
 
-    sets = ["--set", f"target={json.dumps(str(tiny_target_dir))}", "--set", "regenerate.limit=6",
-            "--set", "regenerate.max_new_tokens=12", "--set", "train.steps=2", "--set", "train.draft_vocab=256"]
-    res = CliRunner().invoke(app, ["pipeline", str(SMOKE), "--workdir", str(tmp_path / "base"), "--until", "prepare",
-                                   *sets])
+    sets = [
+        "--set",
+        f"target={json.dumps(str(tiny_target_dir))}",
+        "--set",
+        "regenerate.limit=6",
+        "--set",
+        "regenerate.max_new_tokens=12",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.draft_vocab=256",
+    ]
+    res = CliRunner().invoke(
+        app, ["pipeline", str(SMOKE), "--workdir", str(tmp_path / "base"), "--until", "prepare", *sets]
+    )
     assert res.exit_code == 0, res.output
     run = tmp_path / "run"
     for stage in ("regenerate", "prepared"):  # the stage folders, without the regeneration itself
         shutil.copytree(tmp_path / "base" / stage, run / stage, ignore=shutil.ignore_patterns("run"))
-    proc = subprocess.run([sys.executable, str(REPO / "lab" / "variants" / "eagle31.py"), "pipeline", str(SMOKE),
-                           "--workdir", str(run), *sets, "--set", "train.seed=3"],
-                          capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "lab" / "variants" / "eagle31.py"),
+            "pipeline",
+            str(SMOKE),
+            "--workdir",
+            str(run),
+            *sets,
+            "--set",
+            "train.seed=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "lab variant eagle31 (fc_norm=per-aux, norm_output=True)" in proc.stderr
     s = json.loads(proc.stdout.strip().splitlines()[-1])
     assert {k: r["status"] for k, r in s["stages"].items()} == {
-        "regenerate": "skipped", "prepare": "skipped", "train": "ran", "eval": "ran", "export": "ran"}
+        "regenerate": "skipped",
+        "prepare": "skipped",
+        "train": "ran",
+        "eval": "ran",
+        "export": "ran",
+    }
     assert s["stages"]["train"]["steps"] == 2 and math.isfinite(s["stages"]["train"]["final_loss"])
     assert s["tau_chain"] >= 1.0 and s["tau_tree"] >= 1.0
     drafter = run / "train" / "drafter"
@@ -440,7 +521,9 @@ def test_the_entry_point_trains_evaluates_and_exports_on_copied_stages(tmp_path,
 def test_entry_point_options():
     assert eagle31.parse_args(["pipeline", "x.toml"]) == (Variant(), ["pipeline", "x.toml"])
     assert eagle31.parse_args(["--fc-norm", "concat", "--no-norm-output", "eval", "--help"]) == (
-        Variant(fc_norm="concat", norm_output=False), ["eval", "--help"])
+        Variant(fc_norm="concat", norm_output=False),
+        ["eval", "--help"],
+    )
     assert eagle31.parse_args(["--fc-norm=none", "train"])[0] == Variant(fc_norm=None)
     with pytest.raises(SystemExit):
         eagle31.parse_args(["--fc-norm", "both", "train"])

@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "lab" / "scripts" / "quality_session.sh"
 
-STUB_PYTHON = r'''#!{python}
+STUB_PYTHON = r"""#!{python}
 import json, os, pathlib, sys
 args = sys.argv[1:]
 with open(os.environ["STUB_LOG"], "a") as f:
@@ -43,7 +43,7 @@ elif args[:3] == ["-m", "eyas", "pipeline"] and "--until" in args:  # stages up 
     work = pathlib.Path(args[args.index("--workdir") + 1])
     (work / "prepared").mkdir(parents=True, exist_ok=True)
     (work / "prepared" / "meta.json").write_text("{{}}")
-'''
+"""
 
 
 @pytest.fixture(params=[2, 1], ids=["2gpu", "1gpu"])
@@ -71,17 +71,33 @@ def _session(tmp_path, ngpus, **extra_env):
     with lzma.open(stage / "a2" / "chats_all.jsonl.xz", "wt") as f:
         f.write('{"conversations": []}\n' * 3)
     root, log = tmp_path / "root", tmp_path / "calls.jsonl"
-    env = {**os.environ, "PATH": f"{bin_}:{os.environ['PATH']}", "SESSION_ROOT": str(root), "STAGE_DIR": str(stage),
-           "OUT": str(tmp_path / "out"), "STUB_LOG": str(log), "POLL_S": "0.2", "SETTLE_S": "0", "CALL_S": "60",
-           "WAIT_S": "60", **extra_env}
+    env = {
+        **os.environ,
+        "PATH": f"{bin_}:{os.environ['PATH']}",
+        "SESSION_ROOT": str(root),
+        "STAGE_DIR": str(stage),
+        "OUT": str(tmp_path / "out"),
+        "STUB_LOG": str(log),
+        "POLL_S": "0.2",
+        "SETTLE_S": "0",
+        "CALL_S": "60",
+        "WAIT_S": "60",
+        **extra_env,
+    }
     env.pop("CUDA_VISIBLE_DEVICES", None)
 
     def run(part: int) -> tuple[float, str]:
         shutil.rmtree(tmp_path / "out", ignore_errors=True)
         t0 = time.monotonic()
         # piped into tail, as a device call runs it: the call ends only when every writer of the pipe has
-        out = subprocess.run(["bash", "-c", f"bash {SCRIPT} {part} 2>&1 | tail -n 200"], cwd=REPO, env=env,
-                             capture_output=True, text=True, timeout=60).stdout
+        out = subprocess.run(
+            ["bash", "-c", f"bash {SCRIPT} {part} 2>&1 | tail -n 200"],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout
         return time.monotonic() - t0, out
 
     def calls() -> list[dict]:
@@ -113,8 +129,11 @@ def test_session_runs_every_job_with_its_arguments(session):
     assert "chains still running: 0" in out, out
 
     c = calls()
-    bench = [x for x in c if x["args"][0].endswith("train_bench.py") and "--no-reference" in x["args"]
-             and "--small" not in x["args"]]
+    bench = [
+        x
+        for x in c
+        if x["args"][0].endswith("train_bench.py") and "--no-reference" in x["args"] and "--small" not in x["args"]
+    ]
     assert len(bench) == 1 and bench[0]["gpu"] == side and "--no-specforge" not in bench[0]["args"]
     rates = [x for x in c if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
     runs = [(x["args"][x["args"].index("--cache") + 1], "--cast-once" in x["args"]) for x in rates]
@@ -129,19 +148,24 @@ def test_session_runs_every_job_with_its_arguments(session):
     assert {s.split("=")[0] for s in sets} == {"target", "regenerate.source", "eval.prompts"}, sets
     assert recipe["cwd"] == str(root / "run")  # the chains run from a copy of the repository
     spec = _one(c, "specdec_bench.py")
-    assert spec["gpu"] == "0" and spec["args"][spec["args"].index("--drafter") + 1] == \
-        str(root / "scaling" / "n17293-s2400" / "train" / "drafter")
+    assert spec["gpu"] == "0" and spec["args"][spec["args"].index("--drafter") + 1] == str(
+        root / "scaling" / "n17293-s2400" / "train" / "drafter"
+    )
     a = spec["args"]
     assert a[a.index("--batch-sizes") + 1] == "1,4,16" and a[a.index("--limit") + 1] == "16"  # 16 rows at batch 16
     sbs = _one(c, "specforge_side_by_side.py")
-    assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == \
-        str(root / "scaling" / "n17293-s2400" / "prepared")
+    assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == str(
+        root / "scaling" / "n17293-s2400" / "prepared"
+    )
     profiles = [x for x in c if "--profile" in x["args"]]
     assert len(profiles) == 2 and {x["gpu"] for x in profiles} == {side} and "--small" in profiles[1]["args"]
     assert (root / "smol" / "config.json").exists()
     if ngpus == 1:  # call 1 checks the step's kernels; then one job at a time, the open figures first
-        check = [x for x in c if x["args"][0].endswith("train_bench.py") and "--small" in x["args"]
-                 and "--profile" not in x["args"]]
+        check = [
+            x
+            for x in c
+            if x["args"][0].endswith("train_bench.py") and "--small" in x["args"] and "--profile" not in x["args"]
+        ]
         assert len(check) == 1 and check[0]["gpu"] is None and "--no-specforge" in check[0]["args"]
         order = [c.index(x) for x in (check[0], recipe, spec, sbs, rates[0], bench[0], profiles[0])]
         assert order == sorted(order), order
@@ -153,8 +177,11 @@ def test_chains_run_the_jobs_named_in_JOBS(tmp_path, ngpus):
     settings, no training), then the side by side on that data (two GPUs: on GPU 1, beside the study's smaller
     points on GPU 0); a name that is no job stops the call before its chain starts."""
     side = str(ngpus - 1)
-    jobs = {"JOBS": "prepare_only side_by_side"} if ngpus == 1 else \
-        {"JOBS": "points", "SIDE_JOBS": "train_8b wait_target prepare_only side_by_side"}
+    jobs = (
+        {"JOBS": "prepare_only side_by_side"}
+        if ngpus == 1
+        else {"JOBS": "points", "SIDE_JOBS": "train_8b wait_target prepare_only side_by_side"}
+    )
     run, calls, root, _ = _session(tmp_path, ngpus, **jobs)
     run(1)
     took, out = run(2)
@@ -179,7 +206,9 @@ def test_chains_run_the_jobs_named_in_JOBS(tmp_path, ngpus):
     work = root / "scaling" / "n17293-s2400"
     assert a[a.index("--workdir") + 1] == str(work) and a[a.index("--until") + 1] == "prepare"
     sets = dict(x.split("=", 1) for x in (a[i + 1] for i, y in enumerate(a) if y == "--set"))
-    assert sets["regenerate.limit"] == "17293" and sets["train.steps"] == "2400" and sets["target"] == str(root / "smol")
+    assert (
+        sets["regenerate.limit"] == "17293" and sets["train.steps"] == "2400" and sets["target"] == str(root / "smol")
+    )
     sbs = _one(c, "specforge_side_by_side.py")
     assert sbs["gpu"] == side and sbs["args"][sbs["args"].index("--prepared") + 1] == str(work / "prepared")
     assert c.index(prep[0]) < c.index(sbs)
@@ -194,8 +223,12 @@ def test_chains_run_the_jobs_named_in_JOBS(tmp_path, ngpus):
 def test_one_gpu_chain_from_call_1_and_a_call_2_that_only_stages(tmp_path):
     """One GPU, SIDE_JOBS set: call 1 starts that chain (the 8B rate needs no target) instead of the kernel check,
     its target-waiting job runs once call 2 (JOBS=none: no second chain on the same GPU) has staged the target."""
-    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="train_8b wait_target prepare_only side_by_side "
-                                   "side_by_side_lr sbs_ablations", JOBS="none")
+    run, calls, root, _ = _session(
+        tmp_path,
+        1,
+        SIDE_JOBS="train_8b wait_target prepare_only side_by_side side_by_side_lr sbs_ablations",
+        JOBS="none",
+    )
     took, out = run(1)
     assert "chain side started on GPU 0" in out and took < 30, (took, out)
     took, out = run(2)
@@ -220,9 +253,14 @@ def test_smol_next_and_sbs_variants_from_the_environment(tmp_path):
     """smol_next runs the SmolLM2 rate with and without SMOL_FLAGS's module settings, the target on every batch
     and the state cache; SBS_VARIANTS replaces sbs_ablations' default variants."""
     flags = ["ttt.GROUPED_DIAGONALS", "packing.COMPILED_LAYERS=0"]
-    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only smol_next sbs_ablations",
-                                   JOBS="none", SBS_VARIANTS="a:lr=1e-3 b:init_head=true,lr=3e-4",
-                                   SMOL_FLAGS=" ".join(flags))
+    run, calls, root, _ = _session(
+        tmp_path,
+        1,
+        SIDE_JOBS="wait_target prepare_only smol_next sbs_ablations",
+        JOBS="none",
+        SBS_VARIANTS="a:lr=1e-3 b:init_head=true,lr=3e-4",
+        SMOL_FLAGS=" ".join(flags),
+    )
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
@@ -231,9 +269,13 @@ def test_smol_next_and_sbs_variants_from_the_environment(tmp_path):
     runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y == "--flag"]) for a in rates]
     assert runs == [("off", []), ("on", []), ("off", flags), ("on", flags)], runs
     ablations = _one(c, "specforge_side_by_side.py", "--eyas-variant")["args"]
-    assert [a for i, a in enumerate(ablations) if ablations[i - 1] == "--eyas-variant"] == \
-        ["a:lr=1e-3", "b:init_head=true,lr=3e-4"]
-    assert ablations[ablations.index("--lr") + 1] == "1e-4" and ablations[ablations.index("--root") + 1] == str(root / "sbs")
+    assert [a for i, a in enumerate(ablations) if ablations[i - 1] == "--eyas-variant"] == [
+        "a:lr=1e-3",
+        "b:init_head=true,lr=3e-4",
+    ]
+    assert ablations[ablations.index("--lr") + 1] == "1e-4" and ablations[ablations.index("--root") + 1] == str(
+        root / "sbs"
+    )
 
 
 def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
@@ -244,25 +286,43 @@ def test_sbs_ablations_at_lr_3e_4_for_both_trainers(tmp_path):
     assert "chains still running: 0" in run(3)[1]
     a = _one(calls(), "specforge_side_by_side.py", "--eyas-variant")["args"]
     assert a[a.index("--lr") + 1] == "3e-4" and a[a.index("--root") + 1] == str(root / "sbs-lr3e-4")
-    assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == \
-        ["noalign:align_topk=0", "a4:align_topk=4", "a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true"]
+    assert [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"] == [
+        "noalign:align_topk=0",
+        "a4:align_topk=4",
+        "a4prune:align_topk=4,ttt.PRUNE_UNREACHED=true",
+    ]
 
 
 def test_sbs_at_lr_runs_both_trainers_at_its_lr_with_its_own_variants(tmp_path):
     """sbs_at_lr: both trainers at SBS_LR (default 1e-3) in a root named by it, with SBS_LR_VARIANTS (default lr 2e-3
     for eyas, and Muon), not SBS_VARIANTS, which a job before it in the same chain reads."""
-    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only sbs_ablations_lr sbs_at_lr",
-                                   JOBS="none", SBS_VARIANTS="f1:feature_loss=1.0")
+    run, calls, root, _ = _session(
+        tmp_path,
+        1,
+        SIDE_JOBS="wait_target prepare_only sbs_ablations_lr sbs_at_lr",
+        JOBS="none",
+        SBS_VARIANTS="f1:feature_loss=1.0",
+    )
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
     sides = [x["args"] for x in calls() if x["args"][0].endswith("specforge_side_by_side.py")]
-    got = [(a[a.index("--lr") + 1], a[a.index("--root") + 1], [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"])
-           for a in sides]
-    assert got == [("3e-4", str(root / "sbs-lr3e-4"), ["f1:feature_loss=1.0"]),
-                   ("1e-3", str(root / "sbs-lr1e-3"), ["lr2e-3:lr=2e-3", "muon:optimizer=muon"])], got
-    run, calls, root, _ = _session(tmp_path / "again", 1, SIDE_JOBS="wait_target prepare_only sbs_at_lr", JOBS="none",
-                                   SBS_LR="2e-3", SBS_LR_VARIANTS="a:lr=3e-3 b:lr=1e-3")
+    got = [
+        (a[a.index("--lr") + 1], a[a.index("--root") + 1], [x for i, x in enumerate(a) if a[i - 1] == "--eyas-variant"])
+        for a in sides
+    ]
+    assert got == [
+        ("3e-4", str(root / "sbs-lr3e-4"), ["f1:feature_loss=1.0"]),
+        ("1e-3", str(root / "sbs-lr1e-3"), ["lr2e-3:lr=2e-3", "muon:optimizer=muon"]),
+    ], got
+    run, calls, root, _ = _session(
+        tmp_path / "again",
+        1,
+        SIDE_JOBS="wait_target prepare_only sbs_at_lr",
+        JOBS="none",
+        SBS_LR="2e-3",
+        SBS_LR_VARIANTS="a:lr=3e-3 b:lr=1e-3",
+    )
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
@@ -275,21 +335,38 @@ def test_smol_runs_with_one_setting_each(tmp_path):
     """SMOL_RUNS "flag:MODULE.NAME" and "opt:NAME": the run with the target on every batch and that one setting (or
     optimizer), one run per setting after the default's, each in its own log; a run named again (a second pair in the
     same chain) writes a log of its own instead of replacing the first one's."""
-    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target smol_next", JOBS="none",
-                                   SMOL_RUNS="off flag:ttt.FUSED_TOP_RANK=0 flag:ttt.SPLIT_TEACHER_HEAD=0 opt:adamw "
-                                             "flag:ttt.FUSED_TOP_RANK=0 off")
+    run, calls, root, _ = _session(
+        tmp_path,
+        1,
+        SIDE_JOBS="wait_target smol_next",
+        JOBS="none",
+        SMOL_RUNS="off flag:ttt.FUSED_TOP_RANK=0 flag:ttt.SPLIT_TEACHER_HEAD=0 opt:adamw flag:ttt.FUSED_TOP_RANK=0 off",
+    )
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
     rates = [x["args"] for x in calls() if x["args"][0].endswith("train_bench.py") and "smol" in x["args"]]
-    runs = [(a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y in ("--flag", "--optimizer")])
-            for a in rates]
-    assert runs == [("off", []), ("off", ["ttt.FUSED_TOP_RANK=0"]), ("off", ["ttt.SPLIT_TEACHER_HEAD=0"]),
-                    ("off", ["adamw"]), ("off", ["ttt.FUSED_TOP_RANK=0"]), ("off", [])], runs
+    runs = [
+        (a[a.index("--cache") + 1], [a[i + 1] for i, y in enumerate(a) if y in ("--flag", "--optimizer")])
+        for a in rates
+    ]
+    assert runs == [
+        ("off", []),
+        ("off", ["ttt.FUSED_TOP_RANK=0"]),
+        ("off", ["ttt.SPLIT_TEACHER_HEAD=0"]),
+        ("off", ["adamw"]),
+        ("off", ["ttt.FUSED_TOP_RANK=0"]),
+        ("off", []),
+    ], runs
     logs = sorted(p.name for p in (root / "q").glob("train_smol_*.log"))
-    assert logs == ["train_smol_cache_off.2.log", "train_smol_cache_off.log", "train_smol_opt_adamw.log",
-                    "train_smol_ttt.FUSED_TOP_RANK=0.2.log", "train_smol_ttt.FUSED_TOP_RANK=0.log",
-                    "train_smol_ttt.SPLIT_TEACHER_HEAD=0.log"], logs
+    assert logs == [
+        "train_smol_cache_off.2.log",
+        "train_smol_cache_off.log",
+        "train_smol_opt_adamw.log",
+        "train_smol_ttt.FUSED_TOP_RANK=0.2.log",
+        "train_smol_ttt.FUSED_TOP_RANK=0.log",
+        "train_smol_ttt.SPLIT_TEACHER_HEAD=0.log",
+    ], logs
 
 
 def test_profile_smol_online_profiles_past_the_skipped_steps(tmp_path):
@@ -309,23 +386,27 @@ def test_smol_rate_on_the_regenerated_chats_made_before_it(tmp_path):
     """SMOL_RUNS="off regen-off": the target-on-every-batch run on the 500 staged chats, then the same on the recipe's
     regenerated chats that prepare_only made before it; without them the run is skipped with a line saying why (a
     wait would hang the chain: its jobs run one after another)."""
-    run, calls, root, _ = _session(tmp_path / "none", 1, SIDE_JOBS="wait_target smol_next", JOBS="none",
-                                   SMOL_RUNS="regen-off")
+    run, calls, root, _ = _session(
+        tmp_path / "none", 1, SIDE_JOBS="wait_target smol_next", JOBS="none", SMOL_RUNS="regen-off"
+    )
     run(1)
     run(2)
     assert "chains still running: 0" in run(3)[1]
     assert not [x for x in calls() if x["args"][0].endswith("train_bench.py")]
     assert "prepare_only" in (root / "q" / "train_smol_regen_cache_off.log").read_text()
-    run, calls, root, _ = _session(tmp_path, 1, SIDE_JOBS="wait_target prepare_only smol_next", JOBS="none",
-                                   SMOL_RUNS="off regen-off")
+    run, calls, root, _ = _session(
+        tmp_path, 1, SIDE_JOBS="wait_target prepare_only smol_next", JOBS="none", SMOL_RUNS="off regen-off"
+    )
     run(1)
     run(2)
     out = run(3)[1]
     assert "chains still running: 0" in out, out
     c = calls()
     rates = [x["args"] for x in c if x["args"][0].endswith("train_bench.py")]
-    assert [a[a.index("--data") + 1] for a in rates] == [str(root / "prep500"),
-                                                        str(root / "scaling" / "n17293-s2400" / "prepared")]
+    assert [a[a.index("--data") + 1] for a in rates] == [
+        str(root / "prep500"),
+        str(root / "scaling" / "n17293-s2400" / "prepared"),
+    ]
     assert all(a.count("--data") == 1 and a[a.index("--cache") + 1] == "off" for a in rates)
 
 
@@ -341,7 +422,12 @@ def test_gpu_tests_run_the_gpu_only_tests_from_the_copy(tmp_path):
     (a,) = hits
     assert a["args"][a["args"].index("-m", 2) + 1] == "gpu" and a["args"][-1] == "tests"
     assert (Path(a["cwd"]) / "tests" / "test_train_packed.py").is_file() and a["gpu"] == "0"
-    unmarked = [(f.name, name) for f in sorted((REPO / "tests").glob("test_*.py")) for name in re.findall(
-        r"(?<!@pytest\.mark\.gpu\n)@pytest\.mark\.skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)",
-        f.read_text())]
+    unmarked = [
+        (f.name, name)
+        for f in sorted((REPO / "tests").glob("test_*.py"))
+        for name in re.findall(
+            r"(?<!@pytest\.mark\.gpu\n)@pytest\.mark\.skipif\(not torch\.cuda\.is_available\(\)[^\n]*\n(?:@[^\n]*\n)*def (\w+)",
+            f.read_text(),
+        )
+    ]
     assert not unmarked, unmarked

@@ -24,8 +24,19 @@ def test_runs_are_seed_major_and_each_arm_changes_only_training():
     with pytest.raises(SystemExit, match="arm 'fast'"):
         ra.arm_sets("fast")
     eyas = ra.pipeline_command("eyas", SMOKE, Path("w"), ["train.seed=2"], until="prepare")
-    assert eyas == [sys.executable, "-m", "eyas", "pipeline", str(SMOKE), "--workdir", "w", "--until", "prepare",
-                    "--set", "train.seed=2"]
+    assert eyas == [
+        sys.executable,
+        "-m",
+        "eyas",
+        "pipeline",
+        str(SMOKE),
+        "--workdir",
+        "w",
+        "--until",
+        "prepare",
+        "--set",
+        "train.seed=2",
+    ]
     variant = ra.pipeline_command("eagle31", SMOKE, Path("w"), [])
     assert variant[:3] == [sys.executable, str(REPO / "lab" / "variants" / "eagle31.py"), "pipeline"]
     a = ra.main.__globals__["argparse"].Namespace(target="/t", source="", prompts="/p.jsonl", set=["train.steps=5"])
@@ -62,16 +73,27 @@ def _fake_run(w: Path, arm: str, seed: int, *, rc=0, chain=None, tree=None, vari
     run.mkdir(parents=True)
     (run / "arm.json").write_text(json.dumps({"name": run.name, "arm": arm, "seed": seed, "rc": rc, "seconds": 9.0}))
     if chain is not None:
-        stages = {"regenerate": {"status": "skipped"}, "prepare": {"status": "skipped"},
-                  "train": {"status": "ran", "seconds": 600.0, "steps": 2400, "tokens_per_s": 250000.0,
-                            "heldout_tau_simulated": 2.4},
-                  "eval": {"status": "ran", "seconds": 60.0}, "export": {"status": "ran"}}
+        stages = {
+            "regenerate": {"status": "skipped"},
+            "prepare": {"status": "skipped"},
+            "train": {
+                "status": "ran",
+                "seconds": 600.0,
+                "steps": 2400,
+                "tokens_per_s": 250000.0,
+                "heldout_tau_simulated": 2.4,
+            },
+            "eval": {"status": "ran", "seconds": 60.0},
+            "export": {"status": "ran"},
+        }
         (run / "pipeline.json").write_text(json.dumps({"tau_chain": chain, "tau_tree": tree, "stages": stages}))
         if arm == "eagle31":
             (run / "train" / "drafter").mkdir(parents=True)
             (run / "export" / "sglang").mkdir(parents=True)
             (run / "train" / "drafter" / "config.json").write_text(json.dumps({"lab_variant": {"name": "eagle31"}}))
-            (run / "export" / "sglang" / "config.json").write_text(json.dumps({"fc_norm": variant, "norm_output": True}))
+            (run / "export" / "sglang" / "config.json").write_text(
+                json.dumps({"fc_norm": variant, "norm_output": True})
+            )
     elif rc is None:
         (run / "train").mkdir()
         (run / "train" / "metrics.jsonl").write_text(json.dumps({"step": 120, "loss": 3.0}) + "\n")
@@ -110,9 +132,26 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
     """start (detached) -> wait --collect: the base pipeline regenerates and prepares once; the default and eagle31
     runs skip both, train, evaluate and export; the collected table and files are in $OUT."""
     monkeypatch.setenv("OUT", str(tmp_path / "out"))
-    common = ["--root", str(tmp_path / "root"), "--recipe", str(SMOKE), "--target", str(tiny_target_dir),
-              "--source", "", "--prompts", "", "--set", "regenerate.limit=6", "--set", "regenerate.max_new_tokens=12",
-              "--set", "train.steps=2", "--set", "train.draft_vocab=256"]
+    common = [
+        "--root",
+        str(tmp_path / "root"),
+        "--recipe",
+        str(SMOKE),
+        "--target",
+        str(tiny_target_dir),
+        "--source",
+        "",
+        "--prompts",
+        "",
+        "--set",
+        "regenerate.limit=6",
+        "--set",
+        "regenerate.max_new_tokens=12",
+        "--set",
+        "train.steps=2",
+        "--set",
+        "train.draft_vocab=256",
+    ]
     ra.main(["start", "--arms", "default,eagle31", "--seeds", "4", *common])
     with pytest.raises(SystemExit, match="a driver is running"):
         ra.main(["start", "--arms", "default", *common])
@@ -123,7 +162,12 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
     runs = {r["name"]: r for r in doc["runs"]}
     assert set(runs) == {"default-s4", "eagle31-s4"}
     for r in runs.values():
-        assert r["rc"] == 0 and r["tau_chain"] >= 1.0 and r["steps"] == 2 and sorted(r["skipped"]) == ["prepare", "regenerate"]
+        assert (
+            r["rc"] == 0
+            and r["tau_chain"] >= 1.0
+            and r["steps"] == 2
+            and sorted(r["skipped"]) == ["prepare", "regenerate"]
+        )
     assert runs["eagle31-s4"]["variant"] == "ok" and "variant" not in runs["default-s4"]
     assert "eagle31-s4" in (tmp_path / "out" / "arms.txt").read_text()
     with tarfile.open(tmp_path / "out" / "arms.tgz") as tar:

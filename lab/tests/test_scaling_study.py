@@ -61,8 +61,18 @@ def _run(mod, items, slots, durations, *, deadline=1e9, rcs=None, **kw):
         exits.append((item, rc, clock()))
         return rc == 0
 
-    out = mod.schedule(items, slots, launch, on_exit, deadline=deadline, clock=clock, sleep=clock.sleep,
-                       poll_s=1.0, start_margin_s=30.0, grace_s=60.0)
+    out = mod.schedule(
+        items,
+        slots,
+        launch,
+        on_exit,
+        deadline=deadline,
+        clock=clock,
+        sleep=clock.sleep,
+        poll_s=1.0,
+        start_margin_s=30.0,
+        grace_s=60.0,
+    )
     return out, launched, exits
 
 
@@ -79,7 +89,7 @@ def test_at_most_one_child_per_slot_and_every_slot_used():
     assert sorted(e[0] for e in exits) == items
     for slot in ("0", "1"):
         mine = [c for c in launched if c.slot == slot]
-        assert all(not _overlap(x, y) for i, x in enumerate(mine) for y in mine[i + 1:])
+        assert all(not _overlap(x, y) for i, x in enumerate(mine) for y in mine[i + 1 :])
     # b, c, d ran on slot 1 while a held slot 0: concurrency, not a queue
     assert {c.slot for c in launched if c.item in "bcd"} == {"1"} and launched[0].slot == "0"
     assert max(c.exited for c in launched) < 100 + 10  # not 175 s, the sequential sum
@@ -100,8 +110,9 @@ def test_a_failed_child_is_reported_and_the_others_finish():
 
 def test_deadline_stops_every_running_child_and_starts_no_new_one():
     mod = _study()
-    out, launched, exits = _run(mod, ["a", "b", "c", "d"], ["0", "1"], {"a": 500, "b": 60, "c": 500, "d": 5},
-                                deadline=200)
+    out, launched, exits = _run(
+        mod, ["a", "b", "c", "d"], ["0", "1"], {"a": 500, "b": 60, "c": 500, "d": 5}, deadline=200
+    )
     assert out.stopped and out.failed == 0
     assert [e[0] for e in exits] == ["b"]  # only the one that finished by itself reached on_exit
     assert [c.item for c in launched] == ["a", "b", "c"]  # d never started
@@ -141,15 +152,28 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _point(n, steps, chain, tree, **kw):
-    return {"conversations": n, "steps": steps, "tokens_seen": steps * 65536, "tau_chain": chain, "tau_tree": tree, **kw}
+    return {
+        "conversations": n,
+        "steps": steps,
+        "tokens_seen": steps * 65536,
+        "tau_chain": chain,
+        "tau_tree": tree,
+        **kw,
+    }
 
 
 def test_heldout_curve_sums_the_tokens_up_to_each_eval_and_keeps_a_resumed_steps_last_record(tmp_path):
     mod = _study()
-    recs = [{"step": 1, "tokens": 100}, {"step": 2, "tokens": 110}, {"eval": True, "step": 2, "acceptance_length": 1.5},
-            {"step": 3, "tokens": 120},
-            # a crash after step 3, resumed from step 2's checkpoint: step 3 logged again, with other tokens
-            {"step": 3, "tokens": 130}, {"step": 4, "tokens": 90}, {"eval": True, "step": 4, "acceptance_length": 2.25}]
+    recs = [
+        {"step": 1, "tokens": 100},
+        {"step": 2, "tokens": 110},
+        {"eval": True, "step": 2, "acceptance_length": 1.5},
+        {"step": 3, "tokens": 120},
+        # a crash after step 3, resumed from step 2's checkpoint: step 3 logged again, with other tokens
+        {"step": 3, "tokens": 130},
+        {"step": 4, "tokens": 90},
+        {"eval": True, "step": 4, "acceptance_length": 2.25},
+    ]
     m = tmp_path / "metrics.jsonl"
     m.write_text("\n".join(json.dumps(r) for r in recs) + "\n")
     per_step, taus = mod.train_log(m)
@@ -179,19 +203,39 @@ def test_a_point_measured_in_the_root_wins_over_an_added_one():
 
 
 def _study_cli(*args, cwd):
-    return subprocess.run([sys.executable, str(REPO / "lab" / "scripts" / "scaling_study.py"), *args], cwd=cwd,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(REPO / "lab" / "scripts" / "scaling_study.py"), *args],
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_added_points_count_as_done_and_enter_the_table_and_trend(tmp_path):
     """--add-points: a grid whose points were all measured elsewhere runs nothing (no pipeline, so no model or
     data is needed) and writes the table and the trend from them; the root's own points.jsonl is not written."""
     f = tmp_path / "earlier.jsonl"
-    f.write_text(json.dumps(_point(2000, 2400, 2.0, 2.5, source="session A")) + "\n"
-                 + json.dumps(_point(8000, 2400, 2.4, 3.3, source="session B")) + "\n")
+    f.write_text(
+        json.dumps(_point(2000, 2400, 2.0, 2.5, source="session A"))
+        + "\n"
+        + json.dumps(_point(8000, 2400, 2.4, 3.3, source="session B"))
+        + "\n"
+    )
     root = tmp_path / "study"
-    r = _study_cli("--root", str(root), "--conversations", "2000,8000", "--steps", "2400", "--add-points", str(f),
-                   "--max-minutes", "1", cwd=tmp_path)
+    r = _study_cli(
+        "--root",
+        str(root),
+        "--conversations",
+        "2000,8000",
+        "--steps",
+        "2400",
+        "--add-points",
+        str(f),
+        "--max-minutes",
+        "1",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["done"] and out["points_done"] == 2 and out["points_left"] == []

@@ -30,8 +30,16 @@ def _module():
 def tiny_store(tmp_path_factory, tiny_target_dir):
     root = tmp_path_factory.mktemp("sfstore")
     prepared = make_prepared(root / "prepared", tokenizer_hash(load_tokenizer(tiny_target_dir)), n=5)
-    run_capture(CaptureSettings(target=str(tiny_target_dir), data=prepared, out=root / "store", token_budget=64,
-                                shard_bytes=20_000, store_dtype="bf16"))
+    run_capture(
+        CaptureSettings(
+            target=str(tiny_target_dir),
+            data=prepared,
+            out=root / "store",
+            token_budget=64,
+            shard_bytes=20_000,
+            store_dtype="bf16",
+        )
+    )
     return root / "store"
 
 
@@ -60,7 +68,7 @@ def test_store_converts_to_specforge_offline_files(tmp_path, tiny_store, tiny_ta
         aux, final = reader.get(s.id, dtype=torch.bfloat16)
         # low | mid | high concatenated along the width, in the store's aux order
         for a in range(3):
-            torch.testing.assert_close(rec["aux_hidden_state"][0, :, a * H:(a + 1) * H], aux[:T, a], rtol=0, atol=0)
+            torch.testing.assert_close(rec["aux_hidden_state"][0, :, a * H : (a + 1) * H], aux[:T, a], rtol=0, atol=0)
         torch.testing.assert_close(rec["hidden_state"][0], final[:T], rtol=0, atol=0)
     assert man["tokens"] == total
     assert json.loads((out / "eyas_convert.json").read_text())["sample_ids"] == [split[i].id for i in order]

@@ -25,7 +25,8 @@ from tests.conftest import make_tiny_target
 SCRIPT = Path(__file__).resolve().parents[2] / "lab" / "scripts" / "specforge_side_by_side.py"
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("specforge", "yaml", "pydantic")),
-    reason="SpecForge 0.2.0 (with pyyaml, pydantic) is not importable")
+    reason="SpecForge 0.2.0 (with pyyaml, pydantic) is not importable",
+)
 
 STEPS, BATCH, SAMPLES, VOCAB = 4, 2, 8, 32
 
@@ -43,23 +44,57 @@ def sbs_inputs(tmp_path_factory, smol_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(target).eval()
     rows = []
     for i in range(SAMPLES):
-        prompt = smol_tokenizer.apply_chat_template([{"role": "user", "content": f"Question {i}: what is {i} x 7?"}],
-                                                    add_generation_prompt=True, tokenize=True)
+        prompt = smol_tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"Question {i}: what is {i} x 7?"}], add_generation_prompt=True, tokenize=True
+        )
         prompt = list(prompt["input_ids"] if hasattr(prompt, "keys") else prompt)
         with torch.no_grad():
-            ids = model.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False,
-                                 pad_token_id=smol_tokenizer.pad_token_id)[0].tolist()
+            ids = model.generate(
+                torch.tensor([prompt]), max_new_tokens=24, do_sample=False, pad_token_id=smol_tokenizer.pad_token_id
+            )[0].tolist()
         rows.append((f"s{i:03d}", ids, [k >= len(prompt) for k in range(len(ids))]))
-    prepared = write_prepared(root / "prepared", {"train": rows, "eval": [("e0", *rows[0][1:])]},
-                              {"tokenizer_hash": tokenizer_hash(load_tokenizer(target))})
+    prepared = write_prepared(
+        root / "prepared",
+        {"train": rows, "eval": [("e0", *rows[0][1:])]},
+        {"tokenizer_hash": tokenizer_hash(load_tokenizer(target))},
+    )
     return target, prepared
 
 
 def _run(target: Path, prepared: Path, out: Path, *extra: str) -> tuple[dict, str]:
-    cmd = [sys.executable, str(SCRIPT), "--prepared", str(prepared), "--target", str(target), "--root", str(out),
-           "--samples", str(SAMPLES), "--steps", str(STEPS), "--batch-size", str(BATCH), "--max-length", "128",
-           "--draft-vocab", str(VOCAB), "--device", "cpu", "--eval-limit", "1", "--eval-max-new-tokens", "12",
-           "--eval-tree-topk", "4", "--eval-tree-depth", "3", "--eval-tree-tokens", "8", *extra]
+    cmd = [
+        sys.executable,
+        str(SCRIPT),
+        "--prepared",
+        str(prepared),
+        "--target",
+        str(target),
+        "--root",
+        str(out),
+        "--samples",
+        str(SAMPLES),
+        "--steps",
+        str(STEPS),
+        "--batch-size",
+        str(BATCH),
+        "--max-length",
+        "128",
+        "--draft-vocab",
+        str(VOCAB),
+        "--device",
+        "cpu",
+        "--eval-limit",
+        "1",
+        "--eval-max-new-tokens",
+        "12",
+        "--eval-tree-topk",
+        "4",
+        "--eval-tree-depth",
+        "3",
+        "--eval-tree-tokens",
+        "8",
+        *extra,
+    ]
     res = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert res.returncode == 0, res.stderr[-4000:]
     lines = res.stdout.splitlines()
@@ -88,8 +123,14 @@ def test_side_by_side_runs_end_to_end_on_cpu(tmp_path, sbs_inputs):
     settings = {n: {k: v for k, v in r["settings"].items() if k != "drafter"} for n, r in reports.items()}
     assert settings["eyas"] == settings["specforge"] == result["eval_settings"]
     s = result["eval_settings"]
-    assert (s["limit"], s["max_new_tokens"], s["chain_k"], s["tree_topk"], s["tree_depth"], s["tree_tokens"]) == \
-        (1, 12, 7, 4, 3, 8)
+    assert (s["limit"], s["max_new_tokens"], s["chain_k"], s["tree_topk"], s["tree_depth"], s["tree_tokens"]) == (
+        1,
+        12,
+        7,
+        4,
+        3,
+        8,
+    )
     assert reports["eyas"]["drafter"]["path"] == str(root / "eyas-sglang")
     assert reports["specforge"]["drafter"]["path"] == str(root / "specforge-sglang")
     # taus present, finite, and the ratios are their quotients
@@ -109,8 +150,7 @@ def test_side_by_side_runs_end_to_end_on_cpu(tmp_path, sbs_inputs):
     assert cfg["data"]["max_length"] == 128
     assert (t["fsdp_sharding"], t["attention_backend"]) == ("NO_SHARD", "sdpa")  # the CPU-only settings
     assert cfg["model"]["lm_head_key"] == "model.embed_tokens.weight"  # tied target: the embedding is the head
-    state = torch.load(root / "specforge-run" / f"sbs-step{STEPS}" / "training_state.pt", weights_only=False,
-                       mmap=True)
+    state = torch.load(root / "specforge-run" / f"sbs-step{STEPS}" / "training_state.pt", weights_only=False, mmap=True)
     assert state["global_step"] == STEPS and state["batch_size"] == BATCH and state["eagle3_ttt_length"] == 7
     assert state["dataset_size"] == SAMPLES == result["data"]["samples"] == result["data"]["specforge_files"]
     assert result["specforge_train"]["step"] == STEPS and math.isfinite(result["specforge_train"]["loss"])
@@ -122,15 +162,25 @@ def test_side_by_side_runs_end_to_end_on_cpu(tmp_path, sbs_inputs):
     eyas_w = _safetensors(root / "eyas-sglang" / "model.safetensors")
     sf_w = _safetensors(root / "specforge-sglang" / "model.safetensors")
     vm = torch.load(root / "specforge-features" / "vocab_mapping.pt")
-    for d2t, t2d in ((sf_w["d2t"], sf_w["t2d"]), (vm["d2t"], vm["t2d"]),
-                     (state["draft_state_dict"]["d2t"], state["draft_state_dict"]["t2d"])):
+    for d2t, t2d in (
+        (sf_w["d2t"], sf_w["t2d"]),
+        (vm["d2t"], vm["t2d"]),
+        (state["draft_state_dict"]["d2t"], state["draft_state_dict"]["t2d"]),
+    ):
         assert torch.equal(d2t.long(), eyas_w["d2t"].long()) and torch.equal(t2d.bool(), eyas_w["t2d"].bool())
     assert eyas_w["d2t"].numel() == VOCAB
     # SpecForge trained the drafter eyas exported (same shape), and its weights moved
     assert {k: v.shape for k, v in sf_w.items()} == {k: v.shape for k, v in eyas_w.items() if "embed" not in k}
     eyas_cfg, sf_cfg = (json.loads((root / d / "config.json").read_text()) for d in ("eyas-sglang", "specforge-sglang"))
-    for key in ("hidden_size", "num_attention_heads", "num_key_value_heads", "draft_vocab_size", "vocab_size",
-                "eagle_config", "target_hidden_size"):
+    for key in (
+        "hidden_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "draft_vocab_size",
+        "vocab_size",
+        "eagle_config",
+        "target_hidden_size",
+    ):
         assert sf_cfg[key] == eyas_cfg[key], key
 
     # a repeated call (as after a device call that ended early) redoes nothing and reports the same

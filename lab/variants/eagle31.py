@@ -78,8 +78,11 @@ class Variant:
 
     def engine_fields(self) -> dict[str, bool]:
         """The top-level keys of the SGLang and speculators configs that SGLang's (and vLLM's) loader reads."""
-        return {"fc_norm": self.fc_norm == "per-aux", "norm_before_fc": self.fc_norm == "concat",
-                "norm_output": self.norm_output}
+        return {
+            "fc_norm": self.fc_norm == "per-aux",
+            "norm_before_fc": self.fc_norm == "concat",
+            "norm_output": self.norm_output,
+        }
 
     def weight_shapes(self, config) -> dict[str, tuple[int, ...]]:
         """The norms' weights this variant adds (SGLang names) and their shapes, for a DrafterConfig."""
@@ -97,9 +100,11 @@ class Variant:
 def engine_flags(cfg: dict[str, Any], fmt: str) -> dict[str, bool]:
     """The three flags as the engine reads them from an exported config.json (`fmt` sglang or speculators)."""
     eagle = (cfg.get("eagle_config") or {}) if fmt == "sglang" else {}
-    return {"fc_norm": bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)),
-            "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
-            "norm_output": bool(cfg.get("norm_output", False))}
+    return {
+        "fc_norm": bool(cfg.get("fc_norm") or cfg.get("use_aux_norm", False)),
+        "norm_before_fc": bool(eagle.get("norm_before_fc", cfg.get("norm_before_fc", False))),
+        "norm_output": bool(cfg.get("norm_output", False)),
+    }
 
 
 def normed_aux(aux, weights: list, eps: float):
@@ -160,8 +165,10 @@ def _patches(v: Variant):
     orig = {name: getattr(Eagle3Drafter, name) for name in ("__init__", "project_aux")}
     f_orig = {name: getattr(FunctionalDrafter, name) for name in ("fuse", "finish")}
     mid_finish = MidLayer.finish
-    owner = {name: reader for name in ("canonical_weights", "check_shapes", "_eyas_config", "_config_from_sglang",
-                                       "_speculators_layer")}
+    owner = {
+        name: reader
+        for name in ("canonical_weights", "check_shapes", "_eyas_config", "_config_from_sglang", "_speculators_layer")
+    }
     owner.update({name: writer for name in ("write_eyas", "sglang_config", "vllm_config")})
     lay = {name: getattr(mod, name) for name, mod in owner.items()}
     fingerprint = pipeline.fingerprint
@@ -231,17 +238,23 @@ def _patches(v: Variant):
         want = v.weight_shapes(config)
         have = {k for k in weights if _NORM_KEY.match(k)}
         if have != set(want):
-            raise EyasError(f"--drafter {where}: norm weights {sorted(have) or 'none'}, but {v.describe()} needs "
-                            f"{sorted(want) or 'none'}: a drafter trained without this variant (or with another)")
+            raise EyasError(
+                f"--drafter {where}: norm weights {sorted(have) or 'none'}, but {v.describe()} needs "
+                f"{sorted(want) or 'none'}: a drafter trained without this variant (or with another)"
+            )
         for k, shape in want.items():
             if tuple(weights[k].shape) != shape:
-                raise EyasError(f"--drafter {where}: {k} has shape {tuple(weights[k].shape)}, the config implies {shape}")
+                raise EyasError(
+                    f"--drafter {where}: {k} has shape {tuple(weights[k].shape)}, the config implies {shape}"
+                )
 
     def _eyas_config(meta, directory):
         got = meta.get("lab_variant") if isinstance(meta, dict) else None
         if got != mine:
-            raise EyasError(f"{Path(directory) / 'config.json'}: lab_variant {got!r}, but eyas is patched with "
-                            f"{v.describe()}: evaluate it with the eyas that trained it")
+            raise EyasError(
+                f"{Path(directory) / 'config.json'}: lab_variant {got!r}, but eyas is patched with "
+                f"{v.describe()}: evaluate it with the eyas that trained it"
+            )
         return lay["_eyas_config"](meta, directory)
 
     def write_eyas(out_dir, config, weights, *, target=None, extra=None):
@@ -250,13 +263,13 @@ def _patches(v: Variant):
     def check_flags(cfg, fmt, where):
         got, want = engine_flags(cfg, fmt), v.engine_fields()
         if got != want:
-            raise EyasError(f"--drafter {where}: config flags {got}, but eyas is patched with {v.describe()} "
-                            f"({want})")
+            raise EyasError(f"--drafter {where}: config flags {got}, but eyas is patched with {v.describe()} ({want})")
 
     def _config_from_sglang(cfg, *, where, target_layers, target_model_type):
         check_flags(cfg, "sglang", where)
-        return lay["_config_from_sglang"](cfg, where=where, target_layers=target_layers,
-                                          target_model_type=target_model_type)
+        return lay["_config_from_sglang"](
+            cfg, where=where, target_layers=target_layers, target_model_type=target_model_type
+        )
 
     def _speculators_layer(cfg, *, where):
         check_flags(cfg, "speculators", where)
@@ -277,13 +290,26 @@ def _patches(v: Variant):
     out = [(Eagle3Drafter, "__init__", __init__), (Eagle3Drafter, "project_aux", project_aux)]
     out += [(FunctionalDrafter, "fuse", fuse)]
     if v.norm_output:
-        out += [(MidLayer, "finish", finish), (Eagle3Drafter, "compute_logits", compute_logits),
-                (unroll, "normed_rows", rows), (FunctionalDrafter, "finish", f_finish),
-                (FunctionalDrafter, "logits", logits)]
-    out += [(owner[name], name, fn) for name, fn in (
-        ("canonical_weights", canonical_weights), ("check_shapes", check_shapes), ("_eyas_config", _eyas_config),
-        ("write_eyas", write_eyas), ("_config_from_sglang", _config_from_sglang),
-        ("_speculators_layer", _speculators_layer), ("sglang_config", sglang_config), ("vllm_config", vllm_config))]
+        out += [
+            (MidLayer, "finish", finish),
+            (Eagle3Drafter, "compute_logits", compute_logits),
+            (unroll, "normed_rows", rows),
+            (FunctionalDrafter, "finish", f_finish),
+            (FunctionalDrafter, "logits", logits),
+        ]
+    out += [
+        (owner[name], name, fn)
+        for name, fn in (
+            ("canonical_weights", canonical_weights),
+            ("check_shapes", check_shapes),
+            ("_eyas_config", _eyas_config),
+            ("write_eyas", write_eyas),
+            ("_config_from_sglang", _config_from_sglang),
+            ("_speculators_layer", _speculators_layer),
+            ("sglang_config", sglang_config),
+            ("vllm_config", vllm_config),
+        )
+    ]
     out += [(pipeline, "fingerprint", stage_fingerprint)]
     return out
 

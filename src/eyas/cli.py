@@ -97,23 +97,34 @@ def _contract(fn, name: str):
             print("interrupted; rerun the same command to resume where it stopped", file=sys.stderr, flush=True)
             raise typer.Exit(130) from None
         except MemoryError:
-            print("error: out of memory; lower the batch size / --max-length or use a larger machine",
-                  file=sys.stderr, flush=True)
+            print(
+                "error: out of memory; lower the batch size / --max-length or use a larger machine",
+                file=sys.stderr,
+                flush=True,
+            )
             raise typer.Exit(INTERNAL_ERROR) from None
         except OSError as exc:  # disk full, read-only filesystem, permissions: the environment, not a bug
             if _debug():
                 raise
             where = f" ({exc.filename})" if getattr(exc, "filename", None) else ""
-            print(f"error: {exc.strerror or exc}{where}; check free space and permissions, then rerun "
-                  "(the command resumes where it stopped)", file=sys.stderr, flush=True)
+            print(
+                f"error: {exc.strerror or exc}{where}; check free space and permissions, then rerun "
+                "(the command resumes where it stopped)",
+                file=sys.stderr,
+                flush=True,
+            )
             raise typer.Exit(2) from None
         except Exception as exc:
             if _debug():
                 raise
             msg = " ".join(str(exc).split())[:300]
-            print(f"internal error: {type(exc).__name__}: {msg} (in `eyas {name}`). This is a bug or an input "
-                  "eyas does not check yet; rerun with EYAS_DEBUG=1 (or `eyas --debug ...`) for the traceback and "
-                  "report it", file=sys.stderr, flush=True)
+            print(
+                f"internal error: {type(exc).__name__}: {msg} (in `eyas {name}`). This is a bug or an input "
+                "eyas does not check yet; rerun with EYAS_DEBUG=1 (or `eyas --debug ...`) for the traceback and "
+                "report it",
+                file=sys.stderr,
+                flush=True,
+            )
             raise typer.Exit(INTERNAL_ERROR) from None
         emit(summary if summary is not None else {})
 

@@ -50,8 +50,7 @@ from eyas.errors import EyasError
 
 REQUIRED = ...
 METADATA_KEYS = ("flag", "parse")
-_TYPES = {"Path": Path, "list": list, "int": int, "float": float, "str": str, "bool": bool, "Any": Any,
-          "None": None}
+_TYPES = {"Path": Path, "list": list, "int": int, "float": float, "str": str, "bool": bool, "Any": Any, "None": None}
 
 
 @dataclass
@@ -85,8 +84,9 @@ def _literal(node: ast.expr, where: str) -> Any:
     # constant arithmetic such as `1 << 30`: only numbers and operators, so evaluating it runs no code
     if all(isinstance(n, (ast.BinOp, ast.UnaryOp, ast.Constant, ast.operator, ast.unaryop)) for n in ast.walk(node)):
         return eval(compile(ast.Expression(node), where, "eval"), {"__builtins__": {}})  # noqa: S307
-    raise TypeError(f"{where}: the default must be a literal for the CLI to read it from the source "
-                    f"(got `{ast.unparse(node)}`)")
+    raise TypeError(
+        f"{where}: the default must be a literal for the CLI to read it from the source (got `{ast.unparse(node)}`)"
+    )
 
 
 def _default_of(node: ast.expr | None, where: str) -> tuple[Any, dict]:
@@ -106,8 +106,13 @@ def _default_of(node: ast.expr | None, where: str) -> tuple[Any, dict]:
         if isinstance(factory, ast.Lambda):
             return _literal(factory.body, where), meta
         raise TypeError(f"{where}: default_factory `{ast.unparse(factory)}` is not readable from the source")
-    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "Path"
-            and len(node.args) == 1 and not node.keywords):
+    if (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Name)
+        and node.func.id == "Path"
+        and len(node.args) == 1
+        and not node.keywords
+    ):
         return Path(_literal(node.args[0], where)), {}
     return _literal(node, where), {}
 
@@ -138,8 +143,16 @@ def read_fields(target: str) -> list[FieldSpec]:
         if unknown:
             raise TypeError(f"{where}: field metadata {unknown} not understood (expected {', '.join(METADATA_KEYS)})")
         hint = eval(ast.unparse(stmt.annotation), {"__builtins__": {}}, dict(_TYPES))  # noqa: S307 (our own source)
-        out.append(FieldSpec(name=name, hint=hint, default=default, doc=doc,
-                             flag=meta.get("flag", option_name(name)), parse=meta.get("parse")))
+        out.append(
+            FieldSpec(
+                name=name,
+                hint=hint,
+                default=default,
+                doc=doc,
+                flag=meta.get("flag", option_name(name)),
+                parse=meta.get("parse"),
+            )
+        )
     return out
 
 
@@ -160,8 +173,9 @@ def _typer_param(spec: FieldSpec) -> tuple[Any, Any]:
             text = None if default in (None, REQUIRED) else ",".join(map(str, default))
             return str | None, typer.Option(REQUIRED if default is REQUIRED else text, spec.flag, help=spec.doc)
         if inner is str:  # a repeated option
-            return list[str] | None, typer.Option(None if default in (None, []) else default, spec.flag,
-                                                  help=spec.doc + " Repeatable.")
+            return list[str] | None, typer.Option(
+                None if default in (None, []) else default, spec.flag, help=spec.doc + " Repeatable."
+            )
         raise TypeError(f"{spec.name}: list[{inner}] options are not supported")
     if base not in (int, float, str, Path):
         raise TypeError(f"{spec.name}: options of type {base} are not supported")
@@ -195,8 +209,9 @@ def options_from(target: str, *, exclude: tuple[str, ...] = ()) -> Callable[[Cal
         params = []
         for s in specs:
             annotation, option = _typer_param(s)
-            params.append(inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option,
-                                            annotation=annotation))
+            params.append(
+                inspect.Parameter(s.name, inspect.Parameter.KEYWORD_ONLY, default=option, annotation=annotation)
+            )
         # the command's own options first: they are usually the required paths (--drafter, --out)
         params = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY) for p in extra] + params
 

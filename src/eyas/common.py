@@ -130,11 +130,16 @@ def warn_gpu_sized(cfg: Any, device: Any, *, command: str, shorter: dict[str, An
     if str(device).split(":")[0] != "cpu":
         return []
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
-    left = [f"--{name.replace('_', '-')} {value}" for name, value in shorter.items()
-            if getattr(cfg, name) == defaults.get(name)]
+    left = [
+        f"--{name.replace('_', '-')} {value}"
+        for name, value in shorter.items()
+        if getattr(cfg, name) == defaults.get(name)
+    ]
     if left:
-        log(f"{command}: warning: its defaults are sized for a GPU and this runs on the CPU, where they take a long "
-            f"time; a CPU-sized run: {' '.join(left)}")
+        log(
+            f"{command}: warning: its defaults are sized for a GPU and this runs on the CPU, where they take a long "
+            f"time; a CPU-sized run: {' '.join(left)}"
+        )
     return left
 
 
@@ -234,8 +239,9 @@ class HTTPFailure(Exception):
 
     def __init__(self, url: str, *, code: int | None = None, detail: str = "", reason: str = ""):
         self.url, self.code, self.detail, self.reason = url, code, detail, reason
-        super().__init__(f"HTTP {code} from {url}" + (f": {detail}" if detail else "") if code is not None
-                         else f"{url}: {reason}")
+        super().__init__(
+            f"HTTP {code} from {url}" + (f": {detail}" if detail else "") if code is not None else f"{url}: {reason}"
+        )
 
 
 def http_request(method: str, url: str, body: Any = None, *, timeout: float) -> bytes:
@@ -274,7 +280,7 @@ def http_body_excerpt(body: bytes | str, *, limit: int = 120) -> str:
         text = re.sub(r"(?is)<(script|style|title)\b.*?</\1>", " ", text)
         text = re.sub(r"<[^>]*>", " ", text)
     text = " ".join(text.split())
-    return text if len(text) <= limit else text[:limit - 3].rstrip() + "..."
+    return text if len(text) <= limit else text[: limit - 3].rstrip() + "..."
 
 
 def sha256_bytes(data: bytes) -> str:
@@ -419,8 +425,10 @@ def _carry_over(old: Path, new: Path, kind: str | None) -> None:
 
 def _log_kept(kept: list[str], where: Path) -> None:
     if kept:
-        log(f"eyas: kept {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} in {where}: eyas did not write "
-            f"{'it' if len(kept) == 1 else 'them'}")
+        log(
+            f"eyas: kept {', '.join(kept[:5])}{' ...' if len(kept) > 5 else ''} in {where}: eyas did not write "
+            f"{'it' if len(kept) == 1 else 'them'}"
+        )
 
 
 def is_owned(directory: Path) -> bool:
@@ -446,15 +454,20 @@ def require_owned(directory: Path, *, option: str = "--out", kind: str | None = 
         raise EyasError(f"{option} {d} is an existing file, not a directory: choose another path")
     act = "replace it" if option == "--overwrite" else "write into it"
     if d.is_dir() and not is_owned(d) and (host := _output_holding(d)) is not None:
-        raise EyasError(f"{option}: {d} is the `{d.name}` folder of the eyas `{host[1]}` output {host[0]}, not an "
-                        f"output of its own; refusing to {act}: choose another --out")
+        raise EyasError(
+            f"{option}: {d} is the `{d.name}` folder of the eyas `{host[1]}` output {host[0]}, not an "
+            f"output of its own; refusing to {act}: choose another --out"
+        )
     if d.is_dir() and not is_owned(d):
-        raise EyasError(f"{option}: {d} holds files eyas did not create (no {MARKER} marker); eyas never deletes or "
-                        "overwrites those: choose another --out, or move the directory away yourself")
+        raise EyasError(
+            f"{option}: {d} holds files eyas did not create (no {MARKER} marker); eyas never deletes or "
+            "overwrites those: choose another --out, or move the directory away yourself"
+        )
     found = output_kind(d) if d.is_dir() else None
     if kind is not None and found is not None and found != kind:
-        raise EyasError(f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to {act}: "
-                        "choose another --out")
+        raise EyasError(
+            f"{option}: {d} is an eyas `{found}` output, not a `{kind}` output; refusing to {act}: choose another --out"
+        )
 
 
 def check_out_dir(path: Path, *, kind: str, overwrite: bool, empty_ok: bool = False) -> None:
@@ -469,8 +482,10 @@ def check_out_dir(path: Path, *, kind: str, overwrite: bool, empty_ok: bool = Fa
     require_owned(p, option="--overwrite" if overwrite else "--out", kind=kind)
     hold(p)  # one writer at a time, from here to the end of the command
     if p.exists() and not overwrite and not (empty_ok and not any(p.iterdir())):
-        raise EyasError(f"--out {p} already exists{' and is not empty' if empty_ok else ''}: pass --overwrite to "
-                        "replace it, or choose another --out")
+        raise EyasError(
+            f"--out {p} already exists{' and is not empty' if empty_ok else ''}: pass --overwrite to "
+            "replace it, or choose another --out"
+        )
 
 
 def check_out_path(path: Path | None, *, option: str = "--out") -> None:
@@ -568,11 +583,15 @@ def read_text_file(path: Path, *, what: str, expected: str = "UTF-8 JSON/JSONL")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise EyasError(f"{what} {p} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset {exc.start}); "
-                        f"convert it to {expected}") from None
+        raise EyasError(
+            f"{what} {p} is not UTF-8 text (invalid byte 0x{data[exc.start]:02x} at offset {exc.start}); "
+            f"convert it to {expected}"
+        ) from None
     if "\x00" in text:
-        raise EyasError(f"{what} {p} contains NUL bytes at offset {text.index(chr(0))}: it looks like a binary file, "
-                        f"expected {expected} text")
+        raise EyasError(
+            f"{what} {p} contains NUL bytes at offset {text.index(chr(0))}: it looks like a binary file, "
+            f"expected {expected} text"
+        )
     return text.removeprefix("\ufeff")
 
 
@@ -589,11 +608,14 @@ def iter_text_lines(path: Path, *, what: str) -> Iterator[str]:
             try:
                 line = raw.decode("utf-8")
             except UnicodeDecodeError as exc:
-                raise EyasError(f"{what} {p}: line {lineno} is not UTF-8 text (invalid byte 0x{raw[exc.start]:02x}); "
-                                "convert the file to UTF-8 JSONL") from None
+                raise EyasError(
+                    f"{what} {p}: line {lineno} is not UTF-8 text (invalid byte 0x{raw[exc.start]:02x}); "
+                    "convert the file to UTF-8 JSONL"
+                ) from None
             if "\x00" in line:
-                raise EyasError(f"{what} {p}: line {lineno} holds NUL bytes: it looks like a binary file, "
-                                "expected UTF-8 JSONL text")
+                raise EyasError(
+                    f"{what} {p}: line {lineno} holds NUL bytes: it looks like a binary file, expected UTF-8 JSONL text"
+                )
             yield line.removeprefix("\ufeff") if lineno == 1 else line
 
 
@@ -624,19 +646,26 @@ def check_safetensors_dir(directory: Path, *, what: str) -> None:
             if 8 + n + end > size:
                 raise ValueError(f"tensors need {8 + n + end} bytes, the file has {size} (truncated)")
         except (ValueError, KeyError, TypeError, IndexError, UnicodeDecodeError) as exc:
-            raise EyasError(f"{what} {f} is not a valid safetensors file ({exc}); it is damaged or not a weights "
-                            "file: write it again (train/export)") from None
+            raise EyasError(
+                f"{what} {f} is not a valid safetensors file ({exc}); it is damaged or not a weights "
+                "file: write it again (train/export)"
+            ) from None
 
 
 def require_finite(tensors: dict[str, Any], *, what: str, hint: str | None = None) -> None:
     """Raise EyasError naming the first tensors holding NaN/Inf (floating tensors only)."""
     import torch
 
-    bad = [k for k, t in tensors.items()
-           if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())]
+    bad = [
+        k
+        for k, t in tensors.items()
+        if isinstance(t, torch.Tensor) and t.is_floating_point() and not bool(torch.isfinite(t).all())
+    ]
     if bad:
-        hint = hint or ("nothing was saved. Training diverged or its input is corrupt: run `eyas verify` on the "
-                        "store, lower --lr, or resume from an earlier checkpoint")
+        hint = hint or (
+            "nothing was saved. Training diverged or its input is corrupt: run `eyas verify` on the "
+            "store, lower --lr, or resume from an earlier checkpoint"
+        )
         raise EyasError(f"{what}: {len(bad)} tensor(s) hold NaN/Inf ({', '.join(bad[:4])}); {hint}")
 
 

@@ -44,16 +44,32 @@ def option_name(field: str) -> str:
     return "--" + field.replace("_", "-")
 
 
-def check_number(obj: Any, field: str, *, ge: float | None = None, gt: float | None = None,
-                 le: float | None = None, lt: float | None = None, optional: bool = False,
-                 option: str | None = None) -> None:
+def check_number(
+    obj: Any,
+    field: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    optional: bool = False,
+    option: str | None = None,
+) -> None:
     """`getattr(obj, field)` must be a finite number within the given bounds (None allowed if optional)."""
     value = getattr(obj, field)
     check_value(value, option or option_name(field), ge=ge, gt=gt, le=le, lt=lt, optional=optional)
 
 
-def check_value(value: Any, option: str, *, ge: float | None = None, gt: float | None = None,
-                le: float | None = None, lt: float | None = None, optional: bool = False) -> None:
+def check_value(
+    value: Any,
+    option: str,
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+    optional: bool = False,
+) -> None:
     if value is None:
         if optional:
             return
@@ -62,8 +78,12 @@ def check_value(value: Any, option: str, *, ge: float | None = None, gt: float |
         raise EyasError(f"{option} must be a number, got {value!r}")
     if not math.isfinite(value):
         raise EyasError(f"{option} must be a finite number, got {value}")
-    bounds = [(ge, lambda v, b: v >= b, ">="), (gt, lambda v, b: v > b, ">"),
-              (le, lambda v, b: v <= b, "<="), (lt, lambda v, b: v < b, "<")]
+    bounds = [
+        (ge, lambda v, b: v >= b, ">="),
+        (gt, lambda v, b: v > b, ">"),
+        (le, lambda v, b: v <= b, "<="),
+        (lt, lambda v, b: v < b, "<"),
+    ]
     for bound, ok, _sym in bounds:
         if bound is not None and not ok(value, bound):
             allowed = " and ".join(f"{s} {b:g}" for b, _, s in bounds if b is not None)

@@ -125,6 +125,8 @@ def check_target_config(path: Path) -> dict:
         if model_type not in CONFIG_MAPPING:
             import transformers
 
-            raise EyasError(f"target config {cfg_path}: model_type {model_type!r} is unknown to transformers "
-                            f"{transformers.__version__}; fix the config or upgrade transformers")
+            raise EyasError(
+                f"target config {cfg_path}: model_type {model_type!r} is unknown to transformers "
+                f"{transformers.__version__}; fix the config or upgrade transformers"
+            )
     return cfg

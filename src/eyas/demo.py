@@ -50,7 +50,15 @@ class DemoConfig:
     """Start over: delete what an earlier demo wrote in --out (other files there are kept)."""
 
     def __post_init__(self):
-        for name in ("chats", "max_length", "train_steps", "eval_questions", "max_new_tokens", "ttt_steps", "draft_vocab"):
+        for name in (
+            "chats",
+            "max_length",
+            "train_steps",
+            "eval_questions",
+            "max_new_tokens",
+            "ttt_steps",
+            "draft_vocab",
+        ):
             if getattr(self, name) < 1:
                 raise EyasError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
         from eyas.common import check_out_path, require_owned
@@ -92,12 +100,28 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
 
         stage("prepare", lambda: json.loads((prepared / "meta.json").read_text())["summary"])
     else:
-        stage("prepare", lambda: prepare(PrepareConfig(
-            source="sharegpt", target="default", out=prepared, limit=cfg.chats, max_length=cfg.max_length,
-            eval_fraction=0.05)))
+        stage(
+            "prepare",
+            lambda: prepare(
+                PrepareConfig(
+                    source="sharegpt",
+                    target="default",
+                    out=prepared,
+                    limit=cfg.chats,
+                    max_length=cfg.max_length,
+                    eval_fraction=0.05,
+                )
+            ),
+        )
     store = out / "store"
-    stage("capture", lambda: run_capture(CaptureSettings(
-        target="default", data=prepared, split="train", out=store, device=cfg.device, store_dtype="bf16")))
+    stage(
+        "capture",
+        lambda: run_capture(
+            CaptureSettings(
+                target="default", data=prepared, split="train", out=store, device=cfg.device, store_dtype="bf16"
+            )
+        ),
+    )
 
     def verify():
         try:
@@ -106,21 +130,52 @@ def run_demo(cfg: DemoConfig) -> dict[str, Any]:
             raise EyasError(f"verification of {store} failed: {exc}") from None
 
     stage("verify", verify)
-    stage("train", lambda: train(TrainConfig(
-        target="default", out=out / "train", store=store, steps=cfg.train_steps, lr=cfg.lr,
-        ttt_steps=cfg.ttt_steps, draft_vocab=cfg.draft_vocab, max_length=cfg.max_length, eval_every=max(cfg.train_steps // 4, 1),
-        eval_samples=16, save_every=max(cfg.train_steps // 4, 1), resume="auto", device=cfg.device,
-        seed=0)))
+    stage(
+        "train",
+        lambda: train(
+            TrainConfig(
+                target="default",
+                out=out / "train",
+                store=store,
+                steps=cfg.train_steps,
+                lr=cfg.lr,
+                ttt_steps=cfg.ttt_steps,
+                draft_vocab=cfg.draft_vocab,
+                max_length=cfg.max_length,
+                eval_every=max(cfg.train_steps // 4, 1),
+                eval_samples=16,
+                save_every=max(cfg.train_steps // 4, 1),
+                resume="auto",
+                device=cfg.device,
+                seed=0,
+            )
+        ),
+    )
     drafter = out / "train" / "drafter"
-    stage("eval", lambda: evaluate_to(out / "eval", EvalConfig(
-        drafter=drafter, target="default", prompts="mtbench", max_new_tokens=cfg.max_new_tokens,
-        limit=cfg.eval_questions, device=cfg.device), overwrite=True))
+    stage(
+        "eval",
+        lambda: evaluate_to(
+            out / "eval",
+            EvalConfig(
+                drafter=drafter,
+                target="default",
+                prompts="mtbench",
+                max_new_tokens=cfg.max_new_tokens,
+                limit=cfg.eval_questions,
+                device=cfg.device,
+            ),
+            overwrite=True,
+        ),
+    )
     # the serving copies in bf16, the dtype the engines run a drafter in: the fp32 weights stay in one place,
     # train/drafter (what eval read and `eyas export` reads again)
-    stage("export", lambda: {
-        fmt: export_drafter(drafter, fmt, out / "export" / fmt, overwrite=True, dtype="bfloat16")
-        for fmt in ("sglang", "vllm")
-    })
+    stage(
+        "export",
+        lambda: {
+            fmt: export_drafter(drafter, fmt, out / "export" / fmt, overwrite=True, dtype="bfloat16")
+            for fmt in ("sglang", "vllm")
+        },
+    )
     summary = _summarise(results, times, out)
     _print_table(summary)
     from eyas.defaults import resolve_target
@@ -146,11 +201,10 @@ def next_steps(s: dict[str, Any], *, target: Path) -> list[str]:
         f"  eyas export --drafter {drafter} --format sglang --weights-dtype bfloat16 --out {out / 'export-mine'}",
         "Serve (docs/serving.md):",
         f"  python -m sglang.launch_server --model-path {target} \\",
-        "    --speculative-algorithm EAGLE3 --speculative-draft-model-path "
-        f"{sglang} \\",
+        f"    --speculative-algorithm EAGLE3 --speculative-draft-model-path {sglang} \\",
         "    --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4",
         f"  vllm serve {target} --speculative-config \\",
-        f"    '{{\"method\": \"eagle3\", \"model\": \"{vllm}\", \"num_speculative_tokens\": 3}}'",
+        f'    \'{{"method": "eagle3", "model": "{vllm}", "num_speculative_tokens": 3}}\'',
         f"Disk: `du -sh {out}`; the checkpoints in {out / 'train' / 'checkpoints'} only serve a resume.",
     ]
 
@@ -161,7 +215,10 @@ def _summarise(results: dict[str, Any], times: dict[str, float], out: Path) -> d
         "stage": "demo",
         "out": str(out),
         "seconds": times,
-        "data": {k: p.get(k) for k in ("samples_kept", "train_samples", "eval_samples", "tokens", "assistant_tokens", "skipped")},
+        "data": {
+            k: p.get(k)
+            for k in ("samples_kept", "train_samples", "eval_samples", "tokens", "assistant_tokens", "skipped")
+        },
         "capture": c,
         "verify": v,
         "train": t,
@@ -181,24 +238,42 @@ def _print_table(s: dict[str, Any]) -> None:
     table.add_column("result")
     table.add_column("seconds", justify="right")
     d = s["data"]
-    table.add_row("prepare", f"{d['samples_kept']} chats ({d['train_samples']} train / {d['eval_samples']} eval), "
-                  f"{d['tokens']:,} tokens, {d['assistant_tokens']:,} supervised", str(s["seconds"]["prepare"]))
+    table.add_row(
+        "prepare",
+        f"{d['samples_kept']} chats ({d['train_samples']} train / {d['eval_samples']} eval), "
+        f"{d['tokens']:,} tokens, {d['assistant_tokens']:,} supervised",
+        str(s["seconds"]["prepare"]),
+    )
     c = s["capture"]
-    table.add_row("capture", f"{c.get('samples')} samples, {c.get('tokens')} tokens, {c.get('dtype')} -> {c.get('store')}",
-                  str(s["seconds"]["capture"]))
+    table.add_row(
+        "capture",
+        f"{c.get('samples')} samples, {c.get('tokens')} tokens, {c.get('dtype')} -> {c.get('store')}",
+        str(s["seconds"]["capture"]),
+    )
     v = s["verify"]
     worst = (v.get("numbers") or {}).get("worst_rel_err")
-    table.add_row("verify", f"ok={v.get('ok')}: {v.get('samples')} samples covered, {(v.get('numbers') or {}).get('checked', 0)} "
-                  f"recomputed, worst rel. error {worst:.2g}" if worst is not None else f"ok={v.get('ok')}",
-                  str(s["seconds"]["verify"]))
+    table.add_row(
+        "verify",
+        f"ok={v.get('ok')}: {v.get('samples')} samples covered, {(v.get('numbers') or {}).get('checked', 0)} "
+        f"recomputed, worst rel. error {worst:.2g}"
+        if worst is not None
+        else f"ok={v.get('ok')}",
+        str(s["seconds"]["verify"]),
+    )
     t = s["train"]
     loss, rate = t.get("final_loss"), t.get("tokens_per_s")
-    table.add_row("train", f"{t.get('steps')} steps"
-                  + (f", final loss {loss:.3f}" if loss is not None else "")
-                  + (f", {rate:.0f} tokens/s" if rate else "")
-                  + f", held-out tau {(t.get('eval') or {}).get('acceptance_length', float('nan')):.2f}",
-                  str(s["seconds"]["train"]))
-    table.add_row("eval", f"MT-bench {e.get('sequences')} turns: tau chain {e.get('tau_chain')}, tau tree {e.get('tau_tree')}",
-                  str(s["seconds"]["eval"]))
+    table.add_row(
+        "train",
+        f"{t.get('steps')} steps"
+        + (f", final loss {loss:.3f}" if loss is not None else "")
+        + (f", {rate:.0f} tokens/s" if rate else "")
+        + f", held-out tau {(t.get('eval') or {}).get('acceptance_length', float('nan')):.2f}",
+        str(s["seconds"]["train"]),
+    )
+    table.add_row(
+        "eval",
+        f"MT-bench {e.get('sequences')} turns: tau chain {e.get('tau_chain')}, tau tree {e.get('tau_tree')}",
+        str(s["seconds"]["eval"]),
+    )
     table.add_row("export", ", ".join(f"{k}: {p}" for k, p in s["export"].items()), str(s["seconds"]["export"]))
     Console(stderr=True).print(table)

@@ -18,22 +18,39 @@ import torch
 from eyas.errors import EyasError
 
 DTYPES: dict[str, torch.dtype] = {
-    "fp32": torch.float32, "float32": torch.float32,
-    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
-    "fp16": torch.float16, "float16": torch.float16,
-    "fp8": torch.float8_e4m3fn, "float8_e4m3fn": torch.float8_e4m3fn,
+    "fp32": torch.float32,
+    "float32": torch.float32,
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "fp8": torch.float8_e4m3fn,
+    "float8_e4m3fn": torch.float8_e4m3fn,
 }
-SHORT: dict[torch.dtype, str] = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16",
-                                 torch.float8_e4m3fn: "fp8"}
+SHORT: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float8_e4m3fn: "fp8",
+}
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # what a model can run in
 
 
-LONG: dict[torch.dtype, str] = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                                torch.float8_e4m3fn: "float8_e4m3fn"}
+LONG: dict[torch.dtype, str] = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float8_e4m3fn: "float8_e4m3fn",
+}
 
 
-def to_dtype(name: str | torch.dtype, *, what: str = "dtype", allowed: Iterable[torch.dtype] | None = None,
-             also: Iterable[str] = ()) -> torch.dtype | None:
+def to_dtype(
+    name: str | torch.dtype,
+    *,
+    what: str = "dtype",
+    allowed: Iterable[torch.dtype] | None = None,
+    also: Iterable[str] = (),
+) -> torch.dtype | None:
     """A dtype name (either vocabulary) -> torch dtype; `allowed` limits it; the error names `what` and
     lists what it takes. `also`: the option's words besides dtypes (auto, keep), accepted as None for
     the caller to resolve, so an option taking `auto` is checked with one call."""
@@ -72,9 +89,15 @@ def resolve_device(device: str, *, what: str = "--device") -> torch.device:
     return dev
 
 
-def resolve_device_dtype(device: str, dtype: str | torch.dtype, *, what_device: str = "--device",
-                         what_dtype: str = "--model-dtype", auto_dtype: torch.dtype | None = None,
-                         allowed: Iterable[torch.dtype] = MODEL_DTYPES) -> tuple[torch.device, torch.dtype]:
+def resolve_device_dtype(
+    device: str,
+    dtype: str | torch.dtype,
+    *,
+    what_device: str = "--device",
+    what_dtype: str = "--model-dtype",
+    auto_dtype: torch.dtype | None = None,
+    allowed: Iterable[torch.dtype] = MODEL_DTYPES,
+) -> tuple[torch.device, torch.dtype]:
     """(device, dtype) with `auto` resolved: the dtype is `auto_dtype` when given (a model's own),
     else bf16 on cuda; always fp32 on cpu (CPU bf16 matmuls are slow and this is where tests run)."""
     dev = resolve_device(device, what=what_device)

@@ -41,21 +41,46 @@ class Kernel:
     """module:function, check(device, *key) -> None where the fast path equals the fallback here, else why not."""
 
 
-_TABLE = {k.name: k for k in (
-    Kernel("ce", "the head loss's cross-entropy (one Triton kernel, two passes a row)",
-           "eyas.drafter.ce_kernel:fused_chunk_ce", "eyas.drafter.ttt.head_loss:_chunk_ce",
-           "eyas.drafter.ttt.head_loss:check_fused_chunk_ce"),
-    Kernel("teacher_stats", "the teacher's row maximum and log-sum-exp (one Triton pass)",
-           "eyas.drafter.ce_kernel:row_max_lse", "eyas.drafter.ttt.teacher:_teacher_max_lse",
-           "eyas.drafter.ttt.teacher:check_row_max_lse"),
-    Kernel("varlen_flash", "packed causal attention (the varlen flash kernel)",
-           "eyas.packing:cuda_fwd", "eyas.packing:segments_fwd", "eyas.packing:check_varlen_flash"),
-    Kernel("gqa_flash", "grouped keys read by the flash kernel (no repeated copy)",
-           "eyas.packing:cuda_fwd", "eyas.drafter.model:repeat_kv", "eyas.packing:check_gqa_flash"),
-    Kernel("addmm_fp32", "the head's fp32 weight gradient summed inside the matmul",
-           "eyas.drafter.ttt.head_loss:_addmm_in_fp32", "eyas.drafter.ttt.head_loss:_addmm_by_copy",
-           "eyas.drafter.ttt.head_loss:check_addmm_fp32"),
-)}
+_TABLE = {
+    k.name: k
+    for k in (
+        Kernel(
+            "ce",
+            "the head loss's cross-entropy (one Triton kernel, two passes a row)",
+            "eyas.drafter.ce_kernel:fused_chunk_ce",
+            "eyas.drafter.ttt.head_loss:_chunk_ce",
+            "eyas.drafter.ttt.head_loss:check_fused_chunk_ce",
+        ),
+        Kernel(
+            "teacher_stats",
+            "the teacher's row maximum and log-sum-exp (one Triton pass)",
+            "eyas.drafter.ce_kernel:row_max_lse",
+            "eyas.drafter.ttt.teacher:_teacher_max_lse",
+            "eyas.drafter.ttt.teacher:check_row_max_lse",
+        ),
+        Kernel(
+            "varlen_flash",
+            "packed causal attention (the varlen flash kernel)",
+            "eyas.packing:cuda_fwd",
+            "eyas.packing:segments_fwd",
+            "eyas.packing:check_varlen_flash",
+        ),
+        Kernel(
+            "gqa_flash",
+            "grouped keys read by the flash kernel (no repeated copy)",
+            "eyas.packing:cuda_fwd",
+            "eyas.drafter.model:repeat_kv",
+            "eyas.packing:check_gqa_flash",
+        ),
+        Kernel(
+            "addmm_fp32",
+            "the head's fp32 weight gradient summed inside the matmul",
+            "eyas.drafter.ttt.head_loss:_addmm_in_fp32",
+            "eyas.drafter.ttt.head_loss:_addmm_by_copy",
+            "eyas.drafter.ttt.head_loss:check_addmm_fp32",
+        ),
+    )
+}
 
 _checked: dict[tuple, str | None] = {}
 """(kernel, device type, key...) -> None (the fast path passed its check) or why not."""
@@ -91,8 +116,10 @@ def setting(name: str) -> str:
         kname, sep, value = part.partition(":")
         kname, value = kname.strip(), value.strip().lower()
         if kname not in _TABLE or not sep or value not in ("auto", "on", "off"):
-            raise EyasError(f"{ENV}={os.environ[ENV]!r}: expected NAME:on|off|auto, comma separated, NAME one of "
-                            f"{', '.join(_TABLE)}")
+            raise EyasError(
+                f"{ENV}={os.environ[ENV]!r}: expected NAME:on|off|auto, comma separated, NAME one of "
+                f"{', '.join(_TABLE)}"
+            )
         if kname == name:
             found = value
     return found

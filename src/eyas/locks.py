@@ -110,8 +110,10 @@ def hold(path: str | Path, *, option: str = "--out") -> None:
                 tries -= 1
                 time.sleep(0.05)
                 continue
-            raise EyasError(f"{option} {path} is being written by another eyas process ({_describe(info)}); wait for "
-                            f"it to finish (or stop it), or choose another {option}") from None
+            raise EyasError(
+                f"{option} {path} is being written by another eyas process ({_describe(info)}); wait for "
+                f"it to finish (or stop it), or choose another {option}"
+            ) from None
         try:
             same = os.stat(lf).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
@@ -158,5 +160,7 @@ def require_idle(path: str | Path, *, what: str) -> None:
     """Refuse to read `what` at `path` while another eyas process writes it: it is incomplete."""
     info = holder(path)
     if info is not None:
-        raise EyasError(f"{what} {path} is incomplete: another eyas process is writing it now ({_describe(info)}); "
-                        "wait for it to finish, then rerun")
+        raise EyasError(
+            f"{what} {path} is incomplete: another eyas process is writing it now ({_describe(info)}); "
+            "wait for it to finish, then rerun"
+        )

@@ -74,18 +74,32 @@ class Segments:
         starts = torch.tensor(bounds[:-1], dtype=torch.int64)
         ends = torch.tensor(bounds[1:], dtype=torch.int64)
         positions = torch.arange(bounds[-1], dtype=torch.int64) - starts.repeat_interleave(lens_t)
-        return cls(bounds=bounds, cu_seqlens=torch.tensor(bounds, dtype=torch.int32).to(device),
-                   max_len=max(lengths), positions_N=positions.to(device),
-                   ends_N=ends.repeat_interleave(lens_t).to(device))
+        return cls(
+            bounds=bounds,
+            cu_seqlens=torch.tensor(bounds, dtype=torch.int32).to(device),
+            max_len=max(lengths),
+            positions_N=positions.to(device),
+            ends_N=ends.repeat_interleave(lens_t).to(device),
+        )
 
     def to(self, device) -> Segments:
         nb = torch.device(device).type == "cuda"
-        return Segments(self.bounds, self.cu_seqlens.to(device, non_blocking=nb), self.max_len,
-                        self.positions_N.to(device, non_blocking=nb), self.ends_N.to(device, non_blocking=nb))
+        return Segments(
+            self.bounds,
+            self.cu_seqlens.to(device, non_blocking=nb),
+            self.max_len,
+            self.positions_N.to(device, non_blocking=nb),
+            self.ends_N.to(device, non_blocking=nb),
+        )
 
     def pin_memory(self) -> Segments:
-        return Segments(self.bounds, self.cu_seqlens.pin_memory(), self.max_len, self.positions_N.pin_memory(),
-                        self.ends_N.pin_memory())
+        return Segments(
+            self.bounds,
+            self.cu_seqlens.pin_memory(),
+            self.max_len,
+            self.positions_N.pin_memory(),
+            self.ends_N.pin_memory(),
+        )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -122,7 +136,8 @@ def cpu_fwd(q, k, v, scale, seg: Segments):
     outs, lses = [], []
     for a, b in zip(seg.bounds[:-1], seg.bounds[1:]):
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, scale=scale)
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], 0.0, True, scale=scale
+        )
         outs.append(o)
         lses.append(lse[..., : b - a])
     return torch.cat(outs, 2), torch.cat(lses, -1), None
@@ -132,9 +147,19 @@ def cpu_bwd(dout, q, k, v, out, lse, scale, seg: Segments, aux):
     grads = []
     for a, b in zip(seg.bounds[:-1], seg.bounds[1:]):
         sl = slice(a, b)
-        grads.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            dout[:, :, sl].contiguous(), q[:, :, sl].contiguous(), k[:, :, sl].contiguous(), v[:, :, sl].contiguous(),
-            out[:, :, sl].contiguous(), lse[..., sl].contiguous(), 0.0, True, scale=scale))
+        grads.append(
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                dout[:, :, sl].contiguous(),
+                q[:, :, sl].contiguous(),
+                k[:, :, sl].contiguous(),
+                v[:, :, sl].contiguous(),
+                out[:, :, sl].contiguous(),
+                lse[..., sl].contiguous(),
+                0.0,
+                True,
+                scale=scale,
+            )
+        )
     return tuple(torch.cat([g[i] for g in grads], 2) for i in range(3))
 
 
@@ -147,8 +172,9 @@ def cuda_fwd(q, k, v, scale, seg: Segments):
     """Varlen flash: q/k/v [1, H, N, d] -> out [1, H, N, d], lse [1, H, N] (fp32)."""
     cu = seg.cu_seqlens
     qt, kt, vt = (x[0].transpose(0, 1).contiguous() for x in (q, k, v))  # N, H, d
-    res = torch.ops.aten._flash_attention_forward(qt, kt, vt, cu, cu, seg.max_len, seg.max_len, 0.0, True, False,
-                                                  scale=scale)
+    res = torch.ops.aten._flash_attention_forward(
+        qt, kt, vt, cu, cu, seg.max_len, seg.max_len, 0.0, True, False, scale=scale
+    )
     out, lse, rng_state, unused = res[0], res[1], res[2], res[3]
     padded_shape = None
     if lse.dim() == 3:  # older flash builds: [segments, heads, longest] padded per segment
@@ -167,8 +193,22 @@ def cuda_bwd(dout, q, k, v, out, lse, scale, seg: Segments, aux):
         padded[_segment_ids(seg, lse.device), :, seg.positions_N] = lse.T
         lse = padded
     dq, dk, dv = torch.ops.aten._flash_attention_backward(
-        t(dout), t(q), t(k), t(v), t(out), lse, cu, cu, seg.max_len, seg.max_len, 0.0, True,
-        rng_state, unused, scale=scale)
+        t(dout),
+        t(q),
+        t(k),
+        t(v),
+        t(out),
+        lse,
+        cu,
+        cu,
+        seg.max_len,
+        seg.max_len,
+        0.0,
+        True,
+        rng_state,
+        unused,
+        scale=scale,
+    )
     return tuple(x.transpose(0, 1)[None] for x in (dq, dk, dv))
 
 
@@ -188,13 +228,20 @@ def segments_bwd(dout, q, k, v, out, lse, scale, seg: Segments, aux):
     for a, b in zip(seg.bounds[:-1], seg.bounds[1:]):
         one = Segments.from_lengths([b - a], q.device)
         sl = slice(a, b)
-        grads.append(math_bwd(dout[:, :, sl], q[:, :, sl], k[:, :, sl], v[:, :, sl], out[:, :, sl], lse[..., sl],
-                              scale, one, None))
+        grads.append(
+            math_bwd(
+                dout[:, :, sl], q[:, :, sl], k[:, :, sl], v[:, :, sl], out[:, :, sl], lse[..., sl], scale, one, None
+            )
+        )
     return tuple(torch.cat([g[i] for g in grads], 2) for i in range(3))
 
 
-VARLEN_KERNELS = {"math": (math_fwd, math_bwd), "segments": (segments_fwd, segments_bwd),
-                  "cpu-flash": (cpu_fwd, cpu_bwd), "cuda-flash": (cuda_fwd, cuda_bwd)}
+VARLEN_KERNELS = {
+    "math": (math_fwd, math_bwd),
+    "segments": (segments_fwd, segments_bwd),
+    "cpu-flash": (cpu_fwd, cpu_bwd),
+    "cuda-flash": (cuda_fwd, cuda_bwd),
+}
 
 
 def pick_varlen_kernel(q: torch.Tensor) -> str:
@@ -264,8 +311,15 @@ def check_varlen_kernel(device, dtype=torch.bfloat16, *, seed: int = 0) -> float
 
 
 @torch.no_grad()
-def causal_attention(q_1HNd: torch.Tensor, k_1HNd: torch.Tensor, v_1HNd: torch.Tensor, seg: Segments, *,
-                     scale: float, kernel: str | None = None) -> torch.Tensor:
+def causal_attention(
+    q_1HNd: torch.Tensor,
+    k_1HNd: torch.Tensor,
+    v_1HNd: torch.Tensor,
+    seg: Segments,
+    *,
+    scale: float,
+    kernel: str | None = None,
+) -> torch.Tensor:
     """Forward-only causal attention inside each segment (the target's forward)."""
     kernel = kernel or pick_varlen_kernel(q_1HNd)
     return VARLEN_KERNELS[kernel][0](q_1HNd, k_1HNd, v_1HNd, scale, seg)[0]
@@ -296,8 +350,9 @@ def packed_unsupported_reason(model) -> str | None:
 
 
 @torch.no_grad()
-def target_forward_packed(model, input_ids_N: torch.Tensor, seg: Segments, *, layer_ids: list[int],
-                           kernel: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def target_forward_packed(
+    model, input_ids_N: torch.Tensor, seg: Segments, *, layer_ids: list[int], kernel: str | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux_NAD, final_ND) for a packed row: aux[:, a] = input to decoder layer layer_ids[a]
     (pre-norm residual stream), final = the final norm's output; samples never see each other."""
     base = model.model
@@ -317,8 +372,9 @@ def target_forward_packed(model, input_ids_N: torch.Tensor, seg: Segments, *, la
 
 
 @torch.no_grad()
-def tail_forward_packed(model, start_ND: torch.Tensor, seg: Segments, *, first_layer: int,
-                        kernel: str | None = None) -> torch.Tensor:
+def tail_forward_packed(
+    model, start_ND: torch.Tensor, seg: Segments, *, first_layer: int, kernel: str | None = None
+) -> torch.Tensor:
     """final_ND = norm(layers[first_layer:](start)) for a packed row whose residual stream entering
     layer `first_layer` is given (`start_ND`, e.g. a stored aux layer): the last layers alone, with
     positions restarting in each segment, as `target_forward_packed` would run them."""
@@ -337,6 +393,7 @@ _COMPILE_ON = ("cuda",)
 """Device types whose packed target forward runs each decoder layer's pieces around the attention as two compiled
 functions shared by every layer (fewer elementwise kernels a layer); eager elsewhere (the CPU's compile is slow)."""
 _LAYER_FNS: dict[str, tuple] = {}
+
 
 def _attn_inputs(layer, x, cos, sin, repeat: bool = True):
     """q [1, H, N, d], k, v [1, K, N, d] (repeated to the H query heads when `repeat`) for the layer's attention
@@ -368,8 +425,10 @@ def _layer_fns(compiled: bool):
     if not compiled:
         return _attn_inputs, _attn_output_and_mlp
     if "compiled" not in _LAYER_FNS:
-        _LAYER_FNS["compiled"] = (torch.compile(_attn_inputs, dynamic=True),
-                                  torch.compile(_attn_output_and_mlp, dynamic=True))
+        _LAYER_FNS["compiled"] = (
+            torch.compile(_attn_inputs, dynamic=True),
+            torch.compile(_attn_output_and_mlp, dynamic=True),
+        )
     return _LAYER_FNS["compiled"]
 
 
@@ -398,5 +457,3 @@ def pad_lengths(lengths: Sequence[int], pad_to: int | None) -> list[int]:
     if pad_to is not None and pad_to > total:
         lengths.append(pad_to - total)
     return lengths
-
-

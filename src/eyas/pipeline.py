@@ -111,8 +111,10 @@ class ExportOptions:
             raise EyasError(f"formats {self.formats}: expected a non-empty list of {', '.join(FORMATS)}")
         for name in VLLM_ONLY:
             if getattr(self, name) is not None and "vllm" not in self.formats:
-                raise EyasError(f"{name} {getattr(self, name)!r}: only applies to the vllm format, and formats = "
-                                f"{self.formats}; add \"vllm\" to formats or drop {name}")
+                raise EyasError(
+                    f"{name} {getattr(self, name)!r}: only applies to the vllm format, and formats = "
+                    f'{self.formats}; add "vllm" to formats or drop {name}'
+                )
         check_verifier(self.verifier)
 
 
@@ -122,8 +124,13 @@ def _config_classes() -> dict[str, type]:
     from eyas.specdec.run import EvalConfig
     from eyas.train.loop import TrainConfig
 
-    return {"regenerate": RegenConfig, "prepare": PrepareConfig, "train": TrainConfig, "eval": EvalConfig,
-            "export": ExportOptions}
+    return {
+        "regenerate": RegenConfig,
+        "prepare": PrepareConfig,
+        "train": TrainConfig,
+        "eval": EvalConfig,
+        "export": ExportOptions,
+    }
 
 
 # keys the pipeline fills in (paths between stages, the one target, overwrite/resume policy)
@@ -173,8 +180,9 @@ def parse_value(text: str) -> Any:
         return text
 
 
-def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | Path | None = None,
-                until: str | None = None) -> dict[str, Any]:
+def load_config(
+    path: str | Path, *, overrides: list[str] = (), workdir: str | Path | None = None, until: str | None = None
+) -> dict[str, Any]:
     """Read and check a pipeline file; `overrides` are `section.key=value` (or `key=value` at the top);
     `until` names the last stage to run (a stage of the file)."""
     if until is not None and until not in STAGES:
@@ -197,8 +205,7 @@ def load_config(path: str | Path, *, overrides: list[str] = (), workdir: str | P
         raw["workdir"] = str(workdir)
     config = check_config(raw, where=str(path))
     if until is not None and until not in config["stages"]:
-        raise EyasError(f"--until {until}: {path} has no [{until}] stage; its stages are "
-                        f"{', '.join(config['stages'])}")
+        raise EyasError(f"--until {until}: {path} has no [{until}] stage; its stages are {', '.join(config['stages'])}")
     config["until"] = until
     return config
 
@@ -220,11 +227,13 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
     if not present:
         raise EyasError(f"{where}: no stage sections; expected some of {', '.join(f'[{s}]' for s in STAGES)}")
     first = present[0] if present[0] != "regenerate" else "prepare"
-    chain = list(STAGES[STAGES.index(first):STAGES.index(present[-1]) + 1])
+    chain = list(STAGES[STAGES.index(first) : STAGES.index(present[-1]) + 1])
     missing = [s for s in chain if s not in raw]
     if missing:
-        raise EyasError(f"{where}: [{missing[0]}] is missing: the stages from [{first}] to [{present[-1]}] must all "
-                        "be present (an empty section runs a stage with its defaults)")
+        raise EyasError(
+            f"{where}: [{missing[0]}] is missing: the stages from [{first}] to [{present[-1]}] must all "
+            "be present (an empty section runs a stage with its defaults)"
+        )
     if "regenerate" in raw and "prepare" not in raw:
         raise EyasError(f"{where}: [regenerate] without [prepare]: add [prepare] (its output is what training reads)")
 
@@ -246,11 +255,15 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
             if isinstance(value, dict):
                 raise EyasError(f"{where}: [{stage}.{key}] is not a stage option (nested tables are not supported)")
             if key not in fields:
-                raise EyasError(f"{where}: [{stage}] unknown key `{key}`; {cls.__name__} fields are: "
-                                f"{', '.join(sorted(set(fields) - filled))}")
+                raise EyasError(
+                    f"{where}: [{stage}] unknown key `{key}`; {cls.__name__} fields are: "
+                    f"{', '.join(sorted(set(fields) - filled))}"
+                )
             if key in filled:
-                raise EyasError(f"{where}: [{stage}] `{key}` is filled in by the pipeline; remove it"
-                                + (" (the target is the top-level `target`)" if key == "target" else ""))
+                raise EyasError(
+                    f"{where}: [{stage}] `{key}` is filled in by the pipeline; remove it"
+                    + (" (the target is the top-level `target`)" if key == "target" else "")
+                )
             if not _type_ok(value, hints[key]):
                 raise EyasError(f"{where}: [{stage}] `{key}` = {value!r}: expected {_hint_name(hints[key])}")
         kw = dict(section)
@@ -294,8 +307,13 @@ def check_config(raw: dict[str, Any], *, where: str) -> dict[str, Any]:
 
 
 def stage_paths(workdir: Path) -> dict[str, Path]:
-    return {"regenerate": workdir / "regenerate", "prepare": workdir / "prepared", "train": workdir / "train",
-            "eval": workdir / "eval", "export": workdir / "export"}
+    return {
+        "regenerate": workdir / "regenerate",
+        "prepare": workdir / "prepared",
+        "train": workdir / "train",
+        "eval": workdir / "eval",
+        "export": workdir / "export",
+    }
 
 
 # -- stage records ---------------------------------------------------------------------------------
@@ -353,15 +371,21 @@ def _eyas_made(stage: str, directory: Path) -> bool:
     if stage != "export":
         return output_kind(directory) == stage or files_kind(directory) == stage
     subdirs = [d for d in directory.iterdir() if d.is_dir()]
-    return bool(subdirs) and all(output_kind(d) == "export" or files_kind(d) == "export" or (
-        d.name.startswith(".") and d.name.endswith(".tmp") and is_owned(d)) for d in subdirs)
+    return bool(subdirs) and all(
+        output_kind(d) == "export"
+        or files_kind(d) == "export"
+        or (d.name.startswith(".") and d.name.endswith(".tmp") and is_owned(d))
+        for d in subdirs
+    )
 
 
 def claim(stage: str, directory: Path) -> None:
     """Refuse to write into a non-empty directory that eyas did not make (exit 2)."""
     if directory.exists() and any(directory.iterdir()) and not _eyas_made(stage, directory):
-        raise EyasError(f"{directory} exists and was not written by `eyas pipeline` ({stage} stage: no stage.json); "
-                        "move it away or choose another workdir")
+        raise EyasError(
+            f"{directory} exists and was not written by `eyas pipeline` ({stage} stage: no stage.json); "
+            "move it away or choose another workdir"
+        )
 
 
 def clear(stage: str, directory: Path) -> None:
@@ -393,8 +417,10 @@ def _select_chats(run_dir: Path, limit: int | None, out_file: Path) -> dict[str,
     records = meta.get("source_info", {}).get("records")
     expected = records if limit is None else min(limit, records or limit)
     if expected is not None and len(decided) < expected:
-        raise EyasError(f"{run_dir}: only {len(decided)} of the first {expected} source conversations are decided; "
-                        "the regeneration did not finish (run the pipeline again to resume it)")
+        raise EyasError(
+            f"{run_dir}: only {len(decided)} of the first {expected} source conversations are decided; "
+            "the regeneration did not finish (run the pipeline again to resume it)"
+        )
     data = (run_dir / "chats.jsonl").read_bytes()[: meta["committed"]["chats_bytes"]].decode("utf-8")
     lines = [line for line in data.split("\n") if line and json.loads(line)["id"] in wanted]
     blob = ("\n".join(lines) + "\n").encode("utf-8") if lines else b""
@@ -446,21 +472,43 @@ def _run_regenerate(cfg, directory: Path) -> tuple[dict[str, Any], str]:
         log(f"regen: {cfg.out} already holds {which} with these settings: reading it, nothing regenerated")
         sel = _select_chats(cfg.out, cfg.limit, directory / "chats.jsonl")
         counts = meta.get("counts", {})
-        return {"written": counts.get("written"), "conversations": counts.get("conversations"),
-                "answer_tokens": counts.get("answer_tokens"), "tokens_this_run": 0, "tokens_per_s": None,
-                "truncated_turns": counts.get("truncated_turns"), "skipped": counts.get("skipped"),
-                "selected": sel["conversations"], "selected_answer_tokens": sel["answer_tokens"], "out": str(cfg.out),
-                "shared": "read"}, sel["sha256"]
+        return {
+            "written": counts.get("written"),
+            "conversations": counts.get("conversations"),
+            "answer_tokens": counts.get("answer_tokens"),
+            "tokens_this_run": 0,
+            "tokens_per_s": None,
+            "truncated_turns": counts.get("truncated_turns"),
+            "skipped": counts.get("skipped"),
+            "selected": sel["conversations"],
+            "selected_answer_tokens": sel["answer_tokens"],
+            "out": str(cfg.out),
+            "shared": "read",
+        }, sel["sha256"]
     try:
         summary = regenerate(cfg)
     except EyasError as exc:
         if "different settings" in str(exc):
-            raise EyasError(f"{exc}. In a pipeline: move {cfg.out} away, or set [regenerate] out to a new directory") from None
+            raise EyasError(
+                f"{exc}. In a pipeline: move {cfg.out} away, or set [regenerate] out to a new directory"
+            ) from None
         raise
     sel = _select_chats(cfg.out, cfg.limit, directory / "chats.jsonl")
-    keep = ("written", "conversations", "answer_tokens", "tokens_this_run", "tokens_per_s", "truncated_turns", "skipped")
-    return {**{k: summary.get(k) for k in keep}, "selected": sel["conversations"], "selected_answer_tokens":
-            sel["answer_tokens"], "out": str(cfg.out)}, sel["sha256"]
+    keep = (
+        "written",
+        "conversations",
+        "answer_tokens",
+        "tokens_this_run",
+        "tokens_per_s",
+        "truncated_turns",
+        "skipped",
+    )
+    return {
+        **{k: summary.get(k) for k in keep},
+        "selected": sel["conversations"],
+        "selected_answer_tokens": sel["answer_tokens"],
+        "out": str(cfg.out),
+    }, sel["sha256"]
 
 
 def _run_prepare(cfg, directory: Path) -> tuple[dict[str, Any], str]:
@@ -470,7 +518,9 @@ def _run_prepare(cfg, directory: Path) -> tuple[dict[str, Any], str]:
     summary = prepare(cfg)
     meta = json.loads((directory / "meta.json").read_text())
     keep = ("samples_kept", "train_samples", "eval_samples", "tokens", "assistant_tokens", "skipped_total")
-    return {k: summary.get(k) for k in keep}, hashlib.sha256(json.dumps(meta["splits"], sort_keys=True).encode()).hexdigest()
+    return {k: summary.get(k) for k in keep}, hashlib.sha256(
+        json.dumps(meta["splits"], sort_keys=True).encode()
+    ).hexdigest()
 
 
 def _run_train(cfg, directory: Path) -> tuple[dict[str, Any], None]:
@@ -478,9 +528,14 @@ def _run_train(cfg, directory: Path) -> tuple[dict[str, Any], None]:
 
     s = run(cfg)
     ev = s.get("eval") or {}
-    return {"steps": s.get("steps"), "final_loss": s.get("final_loss"), "tokens_per_s": s.get("tokens_per_s"),
-            "heldout_acc_per_step": ev.get("acc_per_step"), "heldout_tau_simulated": ev.get("acceptance_length"),
-            "drafter": s.get("drafter")}, None
+    return {
+        "steps": s.get("steps"),
+        "final_loss": s.get("final_loss"),
+        "tokens_per_s": s.get("tokens_per_s"),
+        "heldout_acc_per_step": ev.get("acc_per_step"),
+        "heldout_tau_simulated": ev.get("acceptance_length"),
+        "drafter": s.get("drafter"),
+    }, None
 
 
 def _run_eval(cfg, directory: Path) -> tuple[dict[str, Any], None]:
@@ -488,7 +543,9 @@ def _run_eval(cfg, directory: Path) -> tuple[dict[str, Any], None]:
 
     s = evaluate_to(directory, cfg, overwrite=True)
     return {k: v for k, v in s.items() if k.startswith(("tau_", "accepted_per_drafted_"))} | {
-        "sequences": s.get("sequences"), "out": s.get("out")}, None
+        "sequences": s.get("sequences"),
+        "out": s.get("out"),
+    }, None
 
 
 def _run_export(cfg: ExportOptions, directory: Path, drafter: Path) -> tuple[dict[str, Any], None]:
@@ -496,8 +553,16 @@ def _run_export(cfg: ExportOptions, directory: Path, drafter: Path) -> tuple[dic
 
     out = {}
     for fmt in cfg.formats:
-        s = export_drafter(drafter, fmt, directory / fmt, overwrite=True, dtype=cfg.weights_dtype, verifier=cfg.verifier,
-                           speculative_tokens=cfg.speculative_tokens, target_layers=cfg.target_layers)
+        s = export_drafter(
+            drafter,
+            fmt,
+            directory / fmt,
+            overwrite=True,
+            dtype=cfg.weights_dtype,
+            verifier=cfg.verifier,
+            speculative_tokens=cfg.speculative_tokens,
+            target_layers=cfg.target_layers,
+        )
         out[fmt] = s["out"]
     return out, None
 
@@ -526,27 +591,40 @@ def run_pipeline(config: dict[str, Any]) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     for stage in cfgs:  # every directory in the way is checked before anything runs
         claim(stage, paths[stage])
-    runners: dict[str, Callable] = {"regenerate": _run_regenerate, "prepare": _run_prepare, "train": _run_train,
-                                    "eval": _run_eval,
-                                    "export": lambda c, d: _run_export(c, d, paths["train"] / "drafter")}
+    runners: dict[str, Callable] = {
+        "regenerate": _run_regenerate,
+        "prepare": _run_prepare,
+        "train": _run_train,
+        "eval": _run_eval,
+        "export": lambda c, d: _run_export(c, d, paths["train"] / "drafter"),
+    }
     results: dict[str, dict[str, Any]] = {}
     input_fp: str | None = None
     t_all = time.perf_counter()
     until = config.get("until")
-    not_run = list(cfgs)[list(cfgs).index(until) + 1:] if until else []
+    not_run = list(cfgs)[list(cfgs).index(until) + 1 :] if until else []
     for stage, cfg in cfgs.items():
         if stage in not_run:
             break
         directory = paths[stage]
         fp = fingerprint(stage, cfg, input_fp, auto=config["auto"].get(stage, set()))
         rec = read_record(directory)
-        if rec and rec.get("fingerprint") == fp and rec.get("status") == "complete" and _complete(stage, directory, cfg):
+        if (
+            rec
+            and rec.get("fingerprint") == fp
+            and rec.get("status") == "complete"
+            and _complete(stage, directory, cfg)
+        ):
             log(f"== eyas pipeline: {stage}: SKIPPED (complete, same fingerprint {fp[:12]}) ==")
             results[stage] = {"status": "skipped", "seconds": 0.0, **rec.get("summary", {})}
             input_fp = rec.get("output_fingerprint") or fp
             continue
         if rec is None:
-            status = "resumed" if stage in ("regenerate", "train") and directory.exists() and any(directory.iterdir()) else "ran"
+            status = (
+                "resumed"
+                if stage in ("regenerate", "train") and directory.exists() and any(directory.iterdir())
+                else "ran"
+            )
         elif rec.get("fingerprint") == fp:
             status = "resumed"
         else:
@@ -559,9 +637,17 @@ def run_pipeline(config: dict[str, Any]) -> dict[str, Any]:
         t0 = time.perf_counter()
         summary, out_fp = runners[stage](cfg, directory)
         seconds = round(time.perf_counter() - t0, 1)
-        write_record(directory, stage=stage, status="complete", fingerprint=fp, input_fingerprint=input_fp,
-                     output_fingerprint=out_fp or fp, seconds=seconds, summary=summary,
-                     options={k: v for k, v in dataclasses.asdict(cfg).items()})
+        write_record(
+            directory,
+            stage=stage,
+            status="complete",
+            fingerprint=fp,
+            input_fingerprint=input_fp,
+            output_fingerprint=out_fp or fp,
+            seconds=seconds,
+            summary=summary,
+            options={k: v for k, v in dataclasses.asdict(cfg).items()},
+        )
         results[stage] = {"status": status, "seconds": seconds, **summary}
         input_fp = out_fp or fp
     ev = results.get("eval", {})
@@ -599,9 +685,12 @@ def _print_table(s: dict[str, Any]) -> None:
     for stage, r in s["stages"].items():
         figures = {
             "regenerate": lambda r: f"{r.get('selected')} chats, {r.get('selected_answer_tokens')} answer tokens",
-            "prepare": lambda r: f"{r.get('train_samples')} train / {r.get('eval_samples')} eval, {r.get('tokens')} tokens",
-            "train": lambda r: f"{r.get('steps')} steps, loss {_num(r.get('final_loss'), 3)}, "
-                               f"{_num(r.get('tokens_per_s'), 0)} tok/s",
+            "prepare": lambda r: (
+                f"{r.get('train_samples')} train / {r.get('eval_samples')} eval, {r.get('tokens')} tokens"
+            ),
+            "train": lambda r: (
+                f"{r.get('steps')} steps, loss {_num(r.get('final_loss'), 3)}, {_num(r.get('tokens_per_s'), 0)} tok/s"
+            ),
             "eval": lambda r: f"tau chain {r.get('tau_chain')}, tree {r.get('tau_tree')}",
             "export": lambda r: ", ".join(f"{k}: {v}" for k, v in r.items() if k not in ("status", "seconds")),
         }[stage](r)

@@ -51,8 +51,10 @@ SCHEMA = "eyas.bench-serve/1"
 KIND = "bench-serve"
 ENGINES = ("auto", "sglang", "vllm")
 EVAL_RATIO_BAND = (0.95, 1.05)
-PROBE_TEXT = ("eyas tokenizer probe: naive cafe \u00e9t\u00e9, na\u00efve \u00fcber 12,345.678 and 0x1F; "
-              "`def f(x): return x ** 2`  {\"k\": [1, 2]} \u4f60\u597d \U0001f600 end.")
+PROBE_TEXT = (
+    "eyas tokenizer probe: naive cafe \u00e9t\u00e9, na\u00efve \u00fcber 12,345.678 and 0x1F; "
+    '`def f(x): return x ** 2`  {"k": [1, 2]} \u4f60\u597d \U0001f600 end.'
+)
 """Mixed text (accents, digits, code, CJK, emoji) that tokenizers of different models split differently."""
 WARMUP_TOKENS = 32
 VLLM_DRAFTS = "vllm:spec_decode_num_drafts_total"
@@ -102,8 +104,10 @@ class BenchServeConfig:
         if self.baseline_url is not None:
             self.baseline_url = check_url(self.baseline_url, option="--baseline-url")
             if self.baseline_url == self.url:
-                raise EyasError(f"--baseline-url {self.baseline_url} is --url itself: give the server that runs the "
-                                "same target without a draft")
+                raise EyasError(
+                    f"--baseline-url {self.baseline_url} is --url itself: give the server that runs the "
+                    "same target without a draft"
+                )
         check_in(self.engine, "--engine", ENGINES)
         check_number(self, "max_new_tokens", ge=1)
         check_number(self, "limit", ge=1, optional=True)
@@ -115,7 +119,9 @@ class BenchServeConfig:
             raise EyasError(f"--concurrency: values must be >= 1, got {','.join(map(str, self.concurrency))}")
         self.concurrency = list(dict.fromkeys(self.concurrency))
         if self.label is not None and not re.fullmatch(r"[A-Za-z0-9_.-]+", self.label):
-            raise EyasError(f"--label {self.label!r}: use letters, digits, `_`, `-` and `.` only (it prefixes metric names)")
+            raise EyasError(
+                f"--label {self.label!r}: use letters, digits, `_`, `-` and `.` only (it prefixes metric names)"
+            )
         if self.prompts != "mtbench" and not Path(self.prompts).is_file():
             raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
         if self.eval_report is not None:
@@ -135,10 +141,14 @@ def read_eval_chain_tau(path: Path) -> float:
         report = json.loads(read_text_file(p, what="--eval-report"))
     except json.JSONDecodeError as exc:
         raise EyasError(f"--eval-report {p}: malformed JSON ({exc.msg} at line {exc.lineno})") from None
-    tau = ((report.get("modes") or {}).get("chain") or {}).get("acceptance_length") if isinstance(report, dict) else None
+    tau = (
+        ((report.get("modes") or {}).get("chain") or {}).get("acceptance_length") if isinstance(report, dict) else None
+    )
     if not isinstance(tau, (int, float)) or not tau > 0:
-        raise EyasError(f"--eval-report {p}: no chain tau (modes.chain.acceptance_length) in it; was it written by "
-                        "`eyas eval` with --chain-k > 0?")
+        raise EyasError(
+            f"--eval-report {p}: no chain tau (modes.chain.acceptance_length) in it; was it written by "
+            "`eyas eval` with --chain-k > 0?"
+        )
     return float(tau)
 
 
@@ -165,16 +175,20 @@ def eval_chain_tau_on(path: Path, conv_ids: list[str]) -> tuple[float, str]:
             rec = json.loads(line)
             cid, chain = str(rec["id"]), rec["accepted_chain"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise EyasError(f"--eval-report {seq}: line {n} is not an `eyas eval` sequence (id, accepted_chain)") from None
+            raise EyasError(
+                f"--eval-report {seq}: line {n} is not an `eyas eval` sequence (id, accepted_chain)"
+            ) from None
         if cid in want:
             seen.add(cid)
             accepted += sum(chain)
             rounds += len(chain)
     missing = sorted(want - seen)
     if missing:
-        raise EyasError(f"--eval-report {seq}: no eval sequences for {len(missing)} of the {len(want)} conversations "
-                        f"bench-serve sends (e.g. {', '.join(missing[:3])}): run `eyas eval` on the same --prompts with "
-                        "a --limit at least bench-serve's")
+        raise EyasError(
+            f"--eval-report {seq}: no eval sequences for {len(missing)} of the {len(want)} conversations "
+            f"bench-serve sends (e.g. {', '.join(missing[:3])}): run `eyas eval` on the same --prompts with "
+            "a --limit at least bench-serve's"
+        )
     if not rounds:
         raise EyasError(f"--eval-report {seq}: the conversations bench-serve sends have no chain rounds")
     return 1 + accepted / rounds, f"eval's sequences of the {len(want)} conversations sent"
@@ -235,9 +249,11 @@ def vllm_counters(metrics: dict[str, list[tuple[dict[str, str], float]]]) -> dic
     for labels, v in metrics.get(VLLM_PER_POS, []):
         if str(labels.get("position", "")).isdigit():
             per_pos[int(labels["position"])] = per_pos.get(int(labels["position"]), 0.0) + v
-    return {"drafts": sum(v for _, v in metrics.get(VLLM_DRAFTS, [])),
-            "accepted": sum(v for _, v in metrics.get(VLLM_ACCEPTED, [])),
-            "per_pos": [per_pos[j] for j in sorted(per_pos)]}
+    return {
+        "drafts": sum(v for _, v in metrics.get(VLLM_DRAFTS, [])),
+        "accepted": sum(v for _, v in metrics.get(VLLM_ACCEPTED, [])),
+        "per_pos": [per_pos[j] for j in sorted(per_pos)],
+    }
 
 
 # ----------------------------------------------------------------------------------------------
@@ -275,31 +291,50 @@ class Server:
     def generate(self, ids: list[int], *, max_new_tokens: int, stop_ids: list[int]) -> Answer:
         t0 = time.perf_counter()
         if self.engine == "sglang":
-            body = {"input_ids": ids, "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens,
-                                                          "stop_token_ids": stop_ids}}
+            body = {
+                "input_ids": ids,
+                "sampling_params": {"temperature": 0.0, "max_new_tokens": max_new_tokens, "stop_token_ids": stop_ids},
+            }
             got = http("POST", f"{self.url}/generate", body, timeout=self.timeout)
             if isinstance(got, list):
                 got = got[0] if got else {}
             meta = got.get("meta_info") or {} if isinstance(got, dict) else {}
             out = got.get("output_ids") if isinstance(got, dict) else None
             if "completion_tokens" not in meta:
-                raise RequestFailed(f"{self.url}/generate answered without meta_info.completion_tokens: {str(got)[:120]}")
+                raise RequestFailed(
+                    f"{self.url}/generate answered without meta_info.completion_tokens: {str(got)[:120]}"
+                )
             verify = meta.get("spec_verify_ct")
-            return Answer(output_ids=[int(t) for t in out] if isinstance(out, list) else None, text=got.get("text"),
-                          completion_tokens=int(meta["completion_tokens"]),
-                          spec_verify_ct=None if verify is None else int(verify),
-                          latency_s=time.perf_counter() - t0, finish=meta.get("finish_reason"))
-        body = {"model": self.served_name, "prompt": ids, "max_tokens": max_new_tokens, "temperature": 0.0,
-                "stop_token_ids": stop_ids, "return_token_ids": True}
+            return Answer(
+                output_ids=[int(t) for t in out] if isinstance(out, list) else None,
+                text=got.get("text"),
+                completion_tokens=int(meta["completion_tokens"]),
+                spec_verify_ct=None if verify is None else int(verify),
+                latency_s=time.perf_counter() - t0,
+                finish=meta.get("finish_reason"),
+            )
+        body = {
+            "model": self.served_name,
+            "prompt": ids,
+            "max_tokens": max_new_tokens,
+            "temperature": 0.0,
+            "stop_token_ids": stop_ids,
+            "return_token_ids": True,
+        }
         got = http("POST", f"{self.url}/v1/completions", body, timeout=self.timeout)
         choice = ((got or {}).get("choices") or [{}])[0]
         usage = (got or {}).get("usage") or {}
         if "completion_tokens" not in usage:
             raise RequestFailed(f"{self.url}/v1/completions answered without usage.completion_tokens: {str(got)[:120]}")
         out = choice.get("token_ids")
-        return Answer(output_ids=[int(t) for t in out] if isinstance(out, list) else None, text=choice.get("text"),
-                      completion_tokens=int(usage["completion_tokens"]), spec_verify_ct=None,
-                      latency_s=time.perf_counter() - t0, finish=choice.get("finish_reason"))
+        return Answer(
+            output_ids=[int(t) for t in out] if isinstance(out, list) else None,
+            text=choice.get("text"),
+            completion_tokens=int(usage["completion_tokens"]),
+            spec_verify_ct=None,
+            latency_s=time.perf_counter() - t0,
+            finish=choice.get("finish_reason"),
+        )
 
     def spec_state(self) -> dict[str, Any]:
         """The server-wide acceptance counters now (SGLang: avg_spec_accept_length; vLLM: spec-decode counters)."""
@@ -326,10 +361,25 @@ def sglang_avg_accept_length(info: dict[str, Any]) -> float | None:
     return None
 
 
-SGLANG_SETTINGS = ("model_path", "tokenizer_path", "version", "speculative_algorithm", "speculative_draft_model_path",
-                   "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens", "tp_size",
-                   "dp_size", "dtype", "device", "context_length", "max_running_requests", "cuda_graph_max_bs",
-                   "disable_radix_cache", "attention_backend")
+SGLANG_SETTINGS = (
+    "model_path",
+    "tokenizer_path",
+    "version",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "tp_size",
+    "dp_size",
+    "dtype",
+    "device",
+    "context_length",
+    "max_running_requests",
+    "cuda_graph_max_bs",
+    "disable_radix_cache",
+    "attention_backend",
+)
 
 
 def probe(url: str, option: str, *, engine: str, timeout: float) -> Server:
@@ -349,9 +399,17 @@ def probe(url: str, option: str, *, engine: str, timeout: float) -> Server:
             alg = info.get("speculative_algorithm")
             has_draft = alg not in (None, "", "NONE", "None", "none")
             settings = {k: info.get(k) for k in SGLANG_SETTINGS if k in info}
-            return Server(url=url, option=option, engine="sglang", model=str(info.get("model_path") or ""),
-                          version=info.get("version"), settings=settings, has_draft=has_draft,
-                          context=info.get("context_length") or None, timeout=timeout)
+            return Server(
+                url=url,
+                option=option,
+                engine="sglang",
+                model=str(info.get("model_path") or ""),
+                version=info.get("version"),
+                settings=settings,
+                has_draft=has_draft,
+                context=info.get("context_length") or None,
+                timeout=timeout,
+            )
         if engine == "sglang":
             raise EyasError(f"{option} {url}: not an SGLang server (its server info has no model_path)")
     try:
@@ -364,20 +422,35 @@ def probe(url: str, option: str, *, engine: str, timeout: float) -> Server:
     metrics = parse_prometheus(metrics_text)
     data = (models or {}).get("data") if isinstance(models, dict) else None
     if not data or not any(name.startswith("vllm:") for name in metrics):
-        raise EyasError(f"{option} {url}: not an SGLang server (no /server_info) nor a vLLM server (no models in "
-                        "/v1/models or no vllm: metrics in /metrics)")
+        raise EyasError(
+            f"{option} {url}: not an SGLang server (no /server_info) nor a vLLM server (no models in "
+            "/v1/models or no vllm: metrics in /metrics)"
+        )
     card = data[0]
     try:
         version = http("GET", f"{url}/version", timeout=30.0).get("version")
     except (RequestFailed, AttributeError):
         version = None
     counters = vllm_counters(metrics)
-    settings = {"model": card.get("root") or card.get("id"), "served_model_name": card.get("id"),
-                "max_model_len": card.get("max_model_len"), "version": version,
-                "num_speculative_tokens": len(counters["per_pos"]) or None}
-    return Server(url=url, option=option, engine="vllm", model=str(card.get("root") or card.get("id")),
-                  version=version, settings=settings, has_draft=VLLM_DRAFTS in metrics,
-                  context=card.get("max_model_len") or None, served_name=card.get("id"), timeout=timeout)
+    settings = {
+        "model": card.get("root") or card.get("id"),
+        "served_model_name": card.get("id"),
+        "max_model_len": card.get("max_model_len"),
+        "version": version,
+        "num_speculative_tokens": len(counters["per_pos"]) or None,
+    }
+    return Server(
+        url=url,
+        option=option,
+        engine="vllm",
+        model=str(card.get("root") or card.get("id")),
+        version=version,
+        settings=settings,
+        has_draft=VLLM_DRAFTS in metrics,
+        context=card.get("max_model_len") or None,
+        served_name=card.get("id"),
+        timeout=timeout,
+    )
 
 
 def same_model(a: str, b: str) -> bool:
@@ -392,9 +465,12 @@ def check_tokenizer(server: Server, tokenizer) -> dict[str, Any]:
     ours = [tokenizer.encode(PROBE_TEXT, add_special_tokens=s) for s in (True, False)]
     if server.engine == "sglang":
         try:
-            got = http("POST", f"{server.url}/generate",
-                       {"text": PROBE_TEXT, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
-                       timeout=server.timeout)
+            got = http(
+                "POST",
+                f"{server.url}/generate",
+                {"text": PROBE_TEXT, "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}},
+                timeout=server.timeout,
+            )
         except RequestFailed as exc:  # e.g. --skip-tokenizer-init: no text prompts
             log(f"bench-serve: {server.option} {server.url}: tokenizer probe skipped (text prompt refused: {exc})")
             return {"checked": False}
@@ -403,8 +479,12 @@ def check_tokenizer(server: Server, tokenizer) -> dict[str, Any]:
         seen = f"{n} tokens"
     else:
         try:
-            got = http("POST", f"{server.url}/tokenize", {"model": server.served_name, "prompt": PROBE_TEXT},
-                       timeout=server.timeout)
+            got = http(
+                "POST",
+                f"{server.url}/tokenize",
+                {"model": server.served_name, "prompt": PROBE_TEXT},
+                timeout=server.timeout,
+            )
             theirs = [int(t) for t in (got or {}).get("tokens", [])]
         except RequestFailed as exc:
             log(f"bench-serve: {server.option} {server.url}: tokenizer probe skipped (/tokenize: {exc})")
@@ -412,9 +492,11 @@ def check_tokenizer(server: Server, tokenizer) -> dict[str, Any]:
         ok, n = theirs in ours, len(theirs)
         seen = f"{n} tokens" + (" (other ids)" if n in {len(x) for x in ours} else "")
     if not ok:
-        raise EyasError(f"{server.option} {server.url}: its tokenizer splits a probe text into {seen}, --target's into "
-                        f"{len(ours[0])}: the server serves another model or tokenizer than --target "
-                        f"({server.model}); give --target a local copy of the served model")
+        raise EyasError(
+            f"{server.option} {server.url}: its tokenizer splits a probe text into {seen}, --target's into "
+            f"{len(ours[0])}: the server serves another model or tokenizer than --target "
+            f"({server.model}); give --target a local copy of the served model"
+        )
     return {"checked": True, "probe_tokens": n}
 
 
@@ -461,8 +543,10 @@ class Progress:
             self.last = now
         el = max(now - self.t0, 1e-9)
         eta = (self.total - self.done) * el / self.done
-        log(f"bench-serve: {self.what}: {self.done}/{self.total} requests, {self.tokens / el:,.0f} tok/s, "
-            f"ETA {eta:.0f}s")
+        log(
+            f"bench-serve: {self.what}: {self.done}/{self.total} requests, {self.tokens / el:,.0f} tok/s, "
+            f"ETA {eta:.0f}s"
+        )
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -488,8 +572,17 @@ class Turn:
     answer: Answer
 
 
-def run_conversations(server: Server, convs, tokenizer, *, concurrency: int, max_new_tokens: int, stop_ids: list[int],
-                      context: int, what: str) -> tuple[list[Turn], float]:
+def run_conversations(
+    server: Server,
+    convs,
+    tokenizer,
+    *,
+    concurrency: int,
+    max_new_tokens: int,
+    stop_ids: list[int],
+    context: int,
+    what: str,
+) -> tuple[list[Turn], float]:
     """Every conversation's turn 1, then every turn 2, ... with at most `concurrency` requests in flight;
     returns the turns (conversation order, turn by turn) and the summed wall seconds of the turns."""
     from eyas.specdec.generate import Sequence, check_fits, render
@@ -504,22 +597,26 @@ def run_conversations(server: Server, convs, tokenizer, *, concurrency: int, max
         for i in live:
             history[i].append({"role": "user", "content": convs[i].turns[t]})
             ids = render(tokenizer, history[i])
-            check_fits(Sequence(id=convs[i].id, turn=t + 1, prompt_ids=ids), max_new_tokens=max_new_tokens,
-                       context=context)
+            check_fits(
+                Sequence(id=convs[i].id, turn=t + 1, prompt_ids=ids), max_new_tokens=max_new_tokens, context=context
+            )
             prompts.append(ids)
         answers: list[Answer | None] = [None] * len(live)
         t0 = time.perf_counter()
         with ThreadPoolExecutor(max_workers=concurrency) as pool:
-            futs = {pool.submit(server.generate, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids): k
-                    for k, ids in enumerate(prompts)}
+            futs = {
+                pool.submit(server.generate, ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids): k
+                for k, ids in enumerate(prompts)
+            }
             try:
                 for fut in as_completed(futs):
                     k = futs[fut]
                     try:
                         answers[k] = fut.result()
                     except RequestFailed as exc:
-                        raise EyasError(f"{server.option} {server.url}: conversation {convs[live[k]].id} turn {t + 1} "
-                                        f"failed: {exc}") from None
+                        raise EyasError(
+                            f"{server.option} {server.url}: conversation {convs[live[k]].id} turn {t + 1} failed: {exc}"
+                        ) from None
                     bar.add(answers[k].completion_tokens)
             except BaseException:
                 for f in futs:
@@ -528,7 +625,9 @@ def run_conversations(server: Server, convs, tokenizer, *, concurrency: int, max
         wall += time.perf_counter() - t0
         for k, i in enumerate(live):
             a = answers[k]
-            text = tokenizer.decode(a.output_ids, skip_special_tokens=True) if a.output_ids is not None else (a.text or "")
+            text = (
+                tokenizer.decode(a.output_ids, skip_special_tokens=True) if a.output_ids is not None else (a.text or "")
+            )
             history[i].append({"role": "assistant", "content": text})
             turns.append(Turn(conv=convs[i].id, turn=t + 1, prompt_ids=prompts[k], answer=a))
     return turns, wall
@@ -537,7 +636,9 @@ def run_conversations(server: Server, convs, tokenizer, *, concurrency: int, max
 def summarize_run(server: Server, turns: list[Turn], wall: float, before: dict, after: dict) -> dict[str, Any]:
     tokens = sum(t.answer.completion_tokens for t in turns)
     out: dict[str, Any] = {
-        "requests": len(turns), "completion_tokens": tokens, "wall_s": round(wall, 4),
+        "requests": len(turns),
+        "completion_tokens": tokens,
+        "wall_s": round(wall, 4),
         "tokens_per_s": round(tokens / wall, 3) if wall > 0 else None,
         "latency_s": latency_stats([t.answer.latency_s for t in turns]),
         "accept_length": None,
@@ -550,21 +651,25 @@ def summarize_run(server: Server, turns: list[Turn], wall: float, before: dict, 
         elif server.has_draft:
             log(f"bench-serve: {server.url}: answers carry no meta_info.spec_verify_ct; no per-run accept length")
         out["server_accept_length"] = {
-            "after": after.get("avg_spec_accept_length"), "before": before.get("avg_spec_accept_length"),
-            "note": "the server's avg_spec_accept_length, cumulative since it started (not this run alone)"}
+            "after": after.get("avg_spec_accept_length"),
+            "before": before.get("avg_spec_accept_length"),
+            "note": "the server's avg_spec_accept_length, cumulative since it started (not this run alone)",
+        }
     else:
         drafts = after.get("drafts", 0.0) - before.get("drafts", 0.0)
         accepted = after.get("accepted", 0.0) - before.get("accepted", 0.0)
         if drafts > 0:
             out["accept_length"] = round(1 + accepted / drafts, 4)
             b = before.get("per_pos", [])
-            out["per_position_acceptance"] = [round((v - (b[j] if j < len(b) else 0.0)) / drafts, 4)
-                                              for j, v in enumerate(after.get("per_pos", []))]
+            out["per_position_acceptance"] = [
+                round((v - (b[j] if j < len(b) else 0.0)) / drafts, 4) for j, v in enumerate(after.get("per_pos", []))
+            ]
             out["drafts"], out["accepted_tokens"] = drafts, accepted
         out["server_accept_length"] = {
             "after": round(1 + after["accepted"] / after["drafts"], 4) if after.get("drafts") else None,
             "before": round(1 + before["accepted"] / before["drafts"], 4) if before.get("drafts") else None,
-            "note": "1 + accepted / drafts of the server's counters, cumulative since it started"}
+            "note": "1 + accepted / drafts of the server's counters, cumulative since it started",
+        }
     return out
 
 
@@ -588,8 +693,9 @@ def identical_fraction(a: list[Turn], b: list[Turn]) -> float | None:
 # the command
 
 
-def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
-                on_run: Callable[[str, int, dict], None] | None = None) -> dict[str, Any]:
+def bench_serve(
+    cfg: BenchServeConfig, *, out: Path, overwrite: bool = False, on_run: Callable[[str, int, dict], None] | None = None
+) -> dict[str, Any]:
     """Check everything, run every concurrency against each server, write --out; returns the summary."""
     from eyas.common import check_out_dir
     from eyas.defaults import resolve_target
@@ -603,21 +709,32 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
 
     draft = probe(cfg.url, "--url", engine=cfg.engine, timeout=cfg.request_timeout)
     if not draft.has_draft and not cfg.allow_no_draft:
-        why = "speculative_algorithm is not set in its server info" if draft.engine == "sglang" else \
-            f"its /metrics has no {VLLM_DRAFTS} counter"
-        raise EyasError(f"--url {draft.url}: runs no draft model ({why}); start it with the draft "
-                        "(docs/serving.md), or pass --allow-no-draft to measure it anyway")
+        why = (
+            "speculative_algorithm is not set in its server info"
+            if draft.engine == "sglang"
+            else f"its /metrics has no {VLLM_DRAFTS} counter"
+        )
+        raise EyasError(
+            f"--url {draft.url}: runs no draft model ({why}); start it with the draft "
+            "(docs/serving.md), or pass --allow-no-draft to measure it anyway"
+        )
     servers = [("draft", draft)]
     if cfg.baseline_url is not None:
         base = probe(cfg.baseline_url, "--baseline-url", engine=cfg.engine, timeout=cfg.request_timeout)
         if base.has_draft:
-            raise EyasError(f"--baseline-url {base.url}: runs a draft model ({base.settings.get('speculative_algorithm') or 'spec-decode counters in /metrics'}); "
-                            "the baseline must serve the target alone")
+            raise EyasError(
+                f"--baseline-url {base.url}: runs a draft model ({base.settings.get('speculative_algorithm') or 'spec-decode counters in /metrics'}); "
+                "the baseline must serve the target alone"
+            )
         if not same_model(draft.model, base.model):
-            raise EyasError(f"--baseline-url {base.url} serves {base.model!r}, --url {draft.url} serves "
-                            f"{draft.model!r}: the speed-up needs the same target on both")
+            raise EyasError(
+                f"--baseline-url {base.url} serves {base.model!r}, --url {draft.url} serves "
+                f"{draft.model!r}: the speed-up needs the same target on both"
+            )
         if base.engine != draft.engine:
-            log(f"bench-serve: --url is {draft.engine}, --baseline-url is {base.engine}: the speed-up compares engines too")
+            log(
+                f"bench-serve: --url is {draft.engine}, --baseline-url is {base.engine}: the speed-up compares engines too"
+            )
         servers.append(("baseline", base))
     tokenizer = load_tokenizer(target_path)  # after the servers answered: a wrong URL is named at once
     if getattr(tokenizer, "chat_template", None) is None:
@@ -627,11 +744,14 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
     probes = {name: check_tokenizer(s, tokenizer) for name, s in servers}
     contexts = [c for c in [target_context, *(s.context for _, s in servers)] if isinstance(c, int) and c > 0]
     context = min(contexts)
-    eval_tau, eval_from = (eval_chain_tau_on(cfg.eval_report, [c.id for c in convs]) if cfg.eval_report is not None
-                           else (None, None))
-    log(f"bench-serve: {len(convs)} conversations ({sum(len(c.turns) for c in convs)} turns) from {cfg.prompts}, "
+    eval_tau, eval_from = (
+        eval_chain_tau_on(cfg.eval_report, [c.id for c in convs]) if cfg.eval_report is not None else (None, None)
+    )
+    log(
+        f"bench-serve: {len(convs)} conversations ({sum(len(c.turns) for c in convs)} turns) from {cfg.prompts}, "
         f"max {cfg.max_new_tokens} new tokens a turn, concurrency {','.join(map(str, cfg.concurrency))}; "
-        + "; ".join(f"{name}: {s.engine} {s.version or ''} at {s.url} ({s.model})" for name, s in servers))
+        + "; ".join(f"{name}: {s.engine} {s.version or ''} at {s.url} ({s.model})" for name, s in servers)
+    )
 
     runs: dict[str, dict[str, Any]] = {f"c{c}": {"concurrency": c} for c in cfg.concurrency}
     all_turns: dict[tuple[str, int], list[Turn]] = {}
@@ -639,12 +759,22 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
         _warm_up(server, convs, tokenizer, cfg, stop_ids)
         for c in cfg.concurrency:
             before = server.spec_state()
-            turns, wall = run_conversations(server, convs, tokenizer, concurrency=c, max_new_tokens=cfg.max_new_tokens,
-                                            stop_ids=stop_ids, context=context, what=f"{name} c={c}")
+            turns, wall = run_conversations(
+                server,
+                convs,
+                tokenizer,
+                concurrency=c,
+                max_new_tokens=cfg.max_new_tokens,
+                stop_ids=stop_ids,
+                context=context,
+                what=f"{name} c={c}",
+            )
             res = summarize_run(server, turns, wall, before, server.spec_state())
             all_turns[(name, c)] = turns
-            log(f"bench-serve: {name} c={c}: {res['tokens_per_s']:,.1f} tok/s, latency p50 "
-                f"{res['latency_s']['p50']:.3f}s, accept length {res['accept_length']}")
+            log(
+                f"bench-serve: {name} c={c}: {res['tokens_per_s']:,.1f} tok/s, latency p50 "
+                f"{res['latency_s']['p50']:.3f}s, accept length {res['accept_length']}"
+            )
             if name == "draft":
                 runs[f"c{c}"].update(res)
             else:
@@ -659,16 +789,28 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
             r["outputs_identical_fraction"] = identical_fraction(all_turns[("draft", c)], all_turns[("baseline", c)])
 
     summary: dict[str, Any] = {
-        "schema": SCHEMA, "url": draft.url, "baseline_url": cfg.baseline_url, "engine": draft.engine,
-        "target": str(target_path), "prompts": {"source": cfg.prompts, "conversations": len(convs),
-                                                 "turns": sum(len(c.turns) for c in convs), "limit": cfg.limit},
-        "max_new_tokens": cfg.max_new_tokens, "stop_token_ids": stop_ids, "concurrency": cfg.concurrency,
-        "server": draft.settings, "tokenizer_probe": probes, "runs": runs,
+        "schema": SCHEMA,
+        "url": draft.url,
+        "baseline_url": cfg.baseline_url,
+        "engine": draft.engine,
+        "target": str(target_path),
+        "prompts": {
+            "source": cfg.prompts,
+            "conversations": len(convs),
+            "turns": sum(len(c.turns) for c in convs),
+            "limit": cfg.limit,
+        },
+        "max_new_tokens": cfg.max_new_tokens,
+        "stop_token_ids": stop_ids,
+        "concurrency": cfg.concurrency,
+        "server": draft.settings,
+        "tokenizer_probe": probes,
+        "runs": runs,
         "definitions": {
             "tokens_per_s": "completion tokens of all turns / the summed wall seconds of the turns (turn 2 starts when "
-                            "every turn 1 has answered)",
+            "every turn 1 has answered)",
             "accept_length": "tokens per verify round, counting the bonus token: SGLang sum(completion_tokens) / "
-                             "sum(spec_verify_ct) over the run; vLLM 1 + accepted / drafts from /metrics around the run",
+            "sum(spec_verify_ct) over the run; vLLM 1 + accepted / drafts from /metrics around the run",
             "speedup": "tokens_per_s with the draft / tokens_per_s of the baseline at the same concurrency",
             "outputs_identical_fraction": "turns whose greedy output ids are identical on both servers",
         },
@@ -684,10 +826,12 @@ def bench_serve(cfg: BenchServeConfig, *, out: Path, overwrite: bool = False,
         summary["accept_len_vs_eval_chain"] = ratio
         summary["accept_len_vs_eval_concurrency"] = c0
         if ratio is not None and not EVAL_RATIO_BAND[0] <= ratio <= EVAL_RATIO_BAND[1]:
-            log(f"bench-serve: warning: the engine's accept length at concurrency {c0} ({engine_tau}) is {ratio}x eval's "
+            log(
+                f"bench-serve: warning: the engine's accept length at concurrency {c0} ({engine_tau}) is {ratio}x eval's "
                 f"chain tau ({eval_tau:.4f}), outside [{EVAL_RATIO_BAND[0]}, {EVAL_RATIO_BAND[1]}]; compare the draft settings "
                 f"(server: {draft.settings.get('speculative_num_steps')} steps, topk "
-                f"{draft.settings.get('speculative_eagle_topk')}) with eval's --chain-k")
+                f"{draft.settings.get('speculative_eagle_topk')}) with eval's --chain-k"
+            )
     summary["out"] = str(out)
     _write(out, summary, all_turns, cfg)
     return summary
@@ -710,8 +854,13 @@ def _warm_up(server: Server, convs, tokenizer, cfg: BenchServeConfig, stop_ids: 
 
 def _git_commit() -> str:
     try:
-        res = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
-                             capture_output=True, text=True, timeout=10)
+        res = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return "unknown"
     return res.stdout.strip() if res.returncode == 0 and res.stdout.strip() else "unknown"
@@ -745,16 +894,22 @@ def command_line(cfg: BenchServeConfig, out: Path) -> str:
 
 def ledger_lines(summary: dict[str, Any], cfg: BenchServeConfig, out: Path) -> list[dict[str, Any]]:
     """results.jsonl lines in benchmarks/results.jsonl's format."""
-    common = {"date": datetime.date.today().isoformat(), "commit": _git_commit(), "device": _device(summary["server"]),
-              "command": command_line(cfg, out)}
+    common = {
+        "date": datetime.date.today().isoformat(),
+        "commit": _git_commit(),
+        "device": _device(summary["server"]),
+        "command": command_line(cfg, out),
+    }
     prefix = f"{cfg.label}_" if cfg.label else ""
     lines = []
     for c in cfg.concurrency:
         r = summary["runs"][f"c{c}"]
-        for metric, value, unit in (("serve_tok_s", r.get("tokens_per_s"), "tokens/s"),
-                                    ("serve_baseline_tok_s", (r.get("baseline") or {}).get("tokens_per_s"), "tokens/s"),
-                                    ("serve_speedup", r.get("speedup"), "x"),
-                                    ("serve_accept_len", r.get("accept_length"), "tokens per verify round")):
+        for metric, value, unit in (
+            ("serve_tok_s", r.get("tokens_per_s"), "tokens/s"),
+            ("serve_baseline_tok_s", (r.get("baseline") or {}).get("tokens_per_s"), "tokens/s"),
+            ("serve_speedup", r.get("speedup"), "x"),
+            ("serve_accept_len", r.get("accept_length"), "tokens per verify round"),
+        ):
             if value is not None:
                 lines.append({"metric": f"{prefix}{metric}_c{c}", "value": value, "unit": unit, **common})
     return lines
@@ -763,28 +918,37 @@ def ledger_lines(summary: dict[str, Any], cfg: BenchServeConfig, out: Path) -> l
 def markdown(summary: dict[str, Any]) -> str:
     f = lambda v, d=1: "-" if v is None else f"{v:,.{d}f}"  # noqa: E731
     s = summary["server"]
-    lines = ["# eyas bench-serve", "",
-             f"- server: {summary['url']} ({summary['engine']} {s.get('version') or ''}, model `{s.get('model_path') or s.get('model')}`)",
-             f"- draft: {s.get('speculative_algorithm') or '-'}, draft model `{s.get('speculative_draft_model_path') or '-'}`, "
-             f"steps {s.get('speculative_num_steps', '-')}, topk {s.get('speculative_eagle_topk', '-')}, "
-             f"draft tokens {s.get('speculative_num_draft_tokens', s.get('num_speculative_tokens', '-'))}",
-             f"- baseline: {summary['baseline_url'] or '-'}",
-             f"- prompts: {summary['prompts']['source']}, {summary['prompts']['conversations']} conversations, "
-             f"{summary['prompts']['turns']} turns, max {summary['max_new_tokens']} new tokens a turn, greedy", "",
-             "| concurrency | tok/s draft | tok/s baseline | speed-up | accept length | server accept length (cumulative) "
-             "| latency mean / p50 / p90 (s) | outputs identical |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "# eyas bench-serve",
+        "",
+        f"- server: {summary['url']} ({summary['engine']} {s.get('version') or ''}, model `{s.get('model_path') or s.get('model')}`)",
+        f"- draft: {s.get('speculative_algorithm') or '-'}, draft model `{s.get('speculative_draft_model_path') or '-'}`, "
+        f"steps {s.get('speculative_num_steps', '-')}, topk {s.get('speculative_eagle_topk', '-')}, "
+        f"draft tokens {s.get('speculative_num_draft_tokens', s.get('num_speculative_tokens', '-'))}",
+        f"- baseline: {summary['baseline_url'] or '-'}",
+        f"- prompts: {summary['prompts']['source']}, {summary['prompts']['conversations']} conversations, "
+        f"{summary['prompts']['turns']} turns, max {summary['max_new_tokens']} new tokens a turn, greedy",
+        "",
+        "| concurrency | tok/s draft | tok/s baseline | speed-up | accept length | server accept length (cumulative) "
+        "| latency mean / p50 / p90 (s) | outputs identical |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for c in summary["concurrency"]:
         r = summary["runs"][f"c{c}"]
         lat = r["latency_s"]
-        lines.append(f"| {c} | {f(r['tokens_per_s'])} | {f((r.get('baseline') or {}).get('tokens_per_s'))} | "
-                     f"{f(r.get('speedup'), 3)} | {f(r.get('accept_length'), 3)} | "
-                     f"{f((r.get('server_accept_length') or {}).get('after'), 3)} | "
-                     f"{f(lat['mean'], 3)} / {f(lat['p50'], 3)} / {f(lat['p90'], 3)} | "
-                     f"{f(r.get('outputs_identical_fraction'), 3)} |")
+        lines.append(
+            f"| {c} | {f(r['tokens_per_s'])} | {f((r.get('baseline') or {}).get('tokens_per_s'))} | "
+            f"{f(r.get('speedup'), 3)} | {f(r.get('accept_length'), 3)} | "
+            f"{f((r.get('server_accept_length') or {}).get('after'), 3)} | "
+            f"{f(lat['mean'], 3)} / {f(lat['p50'], 3)} / {f(lat['p90'], 3)} | "
+            f"{f(r.get('outputs_identical_fraction'), 3)} |"
+        )
     if summary.get("accept_len_vs_eval_chain") is not None:
-        lines += ["", f"accept length at concurrency {summary['accept_len_vs_eval_concurrency']} / eval's chain tau "
-                      f"{summary['eval_chain_tau']}: {summary['accept_len_vs_eval_chain']}"]
+        lines += [
+            "",
+            f"accept length at concurrency {summary['accept_len_vs_eval_concurrency']} / eval's chain tau "
+            f"{summary['eval_chain_tau']}: {summary['accept_len_vs_eval_chain']}",
+        ]
     lines += ["", "## Definitions", ""] + [f"- **{k}**: {v}" for k, v in summary["definitions"].items()]
     return "\n".join(lines) + "\n"
 
@@ -819,19 +983,33 @@ def plot(summary: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def _write(out: Path, summary: dict[str, Any], all_turns: dict[tuple[str, int], list[Turn]],
-           cfg: BenchServeConfig) -> None:
+def _write(
+    out: Path, summary: dict[str, Any], all_turns: dict[tuple[str, int], list[Turn]], cfg: BenchServeConfig
+) -> None:
     from eyas.common import atomic_directory, atomic_write_bytes, atomic_write_json
 
     with atomic_directory(out, overwrite=True, kind=KIND) as tmp:  # --out was checked before the runs
         atomic_write_json(tmp / "summary.json", summary)
         atomic_write_bytes(tmp / "report.md", markdown(summary).encode())
         plot(summary, tmp / "throughput.png")
-        records = [{"server": name, "concurrency": c, "id": t.conv, "turn": t.turn, "prompt_ids": t.prompt_ids,
-                    "output_ids": t.answer.output_ids, "text": None if t.answer.output_ids is not None else t.answer.text,
-                    "completion_tokens": t.answer.completion_tokens, "spec_verify_ct": t.answer.spec_verify_ct,
-                    "latency_s": round(t.answer.latency_s, 4), "finish": t.answer.finish}
-                   for (name, c), turns in all_turns.items() for t in turns]
+        records = [
+            {
+                "server": name,
+                "concurrency": c,
+                "id": t.conv,
+                "turn": t.turn,
+                "prompt_ids": t.prompt_ids,
+                "output_ids": t.answer.output_ids,
+                "text": None if t.answer.output_ids is not None else t.answer.text,
+                "completion_tokens": t.answer.completion_tokens,
+                "spec_verify_ct": t.answer.spec_verify_ct,
+                "latency_s": round(t.answer.latency_s, 4),
+                "finish": t.answer.finish,
+            }
+            for (name, c), turns in all_turns.items()
+            for t in turns
+        ]
         atomic_write_bytes(tmp / "turns.jsonl", "".join(json.dumps(r) + "\n" for r in records).encode())
-        atomic_write_bytes(tmp / "results.jsonl",
-                           "".join(json.dumps(x) + "\n" for x in ledger_lines(summary, cfg, out)).encode())
+        atomic_write_bytes(
+            tmp / "results.jsonl", "".join(json.dumps(x) + "\n" for x in ledger_lines(summary, cfg, out)).encode()
+        )

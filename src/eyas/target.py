@@ -128,12 +128,22 @@ def model_identity(path: str | Path) -> dict[str, Any]:
     }
 
 
-IDENTITY_PARTS = (("config_sha256", "config.json"), ("weights_index_sha256", "weight files"),
-                  ("weights_sample_sha256", "weights"), ("tokenizer_hash", "tokenizer"))
+IDENTITY_PARTS = (
+    ("config_sha256", "config.json"),
+    ("weights_index_sha256", "weight files"),
+    ("weights_sample_sha256", "weights"),
+    ("tokenizer_hash", "tokenizer"),
+)
 
 
-def check_drafter_target(drafter: str | Path, target: str | Path, *, tok_hash: str | None = None, allow: bool = False,
-                         option: str = "--target") -> None:
+def check_drafter_target(
+    drafter: str | Path,
+    target: str | Path,
+    *,
+    tok_hash: str | None = None,
+    allow: bool = False,
+    option: str = "--target",
+) -> None:
     """Refuse `target` when it is not the target the eyas drafter at `drafter` was trained for (the identity its
     config.json records: config, weight files, sampled weight bytes, tokenizer), before any model loads; with
     `allow` (a deliberate transfer) say so and go on. Drafters of other layouts record no target: nothing to compare."""
@@ -152,13 +162,16 @@ def check_drafter_target(drafter: str | Path, target: str | Path, *, tok_hash: s
     differ = [what for key, what in IDENTITY_PARTS if recorded.get(key) and now.get(key) and recorded[key] != now[key]]
     if not differ:
         return
-    said = f"--drafter {drafter} was trained for target {recorded.get('path')}, not {option} {target} (their " \
-           f"{', '.join(differ)} differ)"
+    said = (
+        f"--drafter {drafter} was trained for target {recorded.get('path')}, not {option} {target} (their "
+        f"{', '.join(differ)} differ)"
+    )
     if allow:
         log(f"warning: {said}; going on (--allow-other-target)")
         return
-    raise EyasError(f"{said}: pass the target it was trained for, or --allow-other-target to use it with this one "
-                    "deliberately")
+    raise EyasError(
+        f"{said}: pass the target it was trained for, or --allow-other-target to use it with this one deliberately"
+    )
 
 
 def tokenizer_hash(tokenizer) -> str:
@@ -186,8 +199,9 @@ def _decoder_parts(model):
     return base, layers, norm
 
 
-def run_hooked(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, *, layer_ids: list[int],
-               put) -> None:
+def run_hooked(
+    model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tensor | None, *, layer_ids: list[int], put
+) -> None:
     """One base-model forward (no lm_head) calling `put(slot, hidden_BTD)` as states appear.
 
     Slot a < A receives the input to decoder layer layer_ids[a] (a forward pre-hook), slot A the
@@ -200,6 +214,7 @@ def run_hooked(model, input_ids_BT: torch.Tensor, attention_mask_BT: torch.Tenso
     def pre_hook(slot):
         def hook(module, args, kwargs):
             put(slot, args[0] if args else kwargs["hidden_states"])
+
         return hook
 
     def norm_hook(module, args, output):
@@ -232,7 +247,9 @@ def forward_capture(
 
 
 @torch.no_grad()
-def reference_hidden_states(model, input_ids_T: torch.Tensor, *, layer_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_hidden_states(
+    model, input_ids_T: torch.Tensor, *, layer_ids: list[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The independent slow path: one unbatched sample, `output_hidden_states`, eager.
 
     Returns (aux_TAD, final_TD). Hugging Face's last hidden_states entry is already post-norm.

@@ -50,7 +50,9 @@ class PipelineStats:
 class CapturePipeline:
     """Run batches through the target and into a StoreWriter, overlapping copies and writes."""
 
-    def __init__(self, model, *, layer_ids: list[int], dtype: str, hidden_size: int, max_rows: int, queue_depth: int = 3):
+    def __init__(
+        self, model, *, layer_ids: list[int], dtype: str, hidden_size: int, max_rows: int, queue_depth: int = 3
+    ):
         if queue_depth < 1:
             raise ValueError(f"queue_depth: {queue_depth} must be >= 1")
         self.model = model
@@ -74,7 +76,9 @@ class CapturePipeline:
         s = torch.empty((rows, self.slots), dtype=torch.float32, pin_memory=True) if self.sd.scaled else None
         return h, s
 
-    def run(self, batches: Iterable[Batch], writer: StoreWriter, *, on_batch: Callable[[Batch], None] | None = None) -> PipelineStats:
+    def run(
+        self, batches: Iterable[Batch], writer: StoreWriter, *, on_batch: Callable[[Batch], None] | None = None
+    ) -> PipelineStats:
         """Capture every batch into `writer` (not closed here). Raises the writer's error, if any."""
         stats = PipelineStats()
         work: queue.Queue = queue.Queue()

@@ -126,10 +126,21 @@ def parse_bytes(text: str | int) -> int:
     """'1GB', '512MiB', '4096' -> bytes."""
     if isinstance(text, int):
         return text
-    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    units = {
+        "": 1,
+        "b": 1,
+        "kb": 10**3,
+        "mb": 10**6,
+        "gb": 10**9,
+        "tb": 10**12,
+        "kib": 2**10,
+        "mib": 2**20,
+        "gib": 2**30,
+        "tib": 2**40,
+    }
     s = text.strip().lower().replace(" ", "")
     num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
-    unit = s[len(num):]
+    unit = s[len(num) :]
     try:
         value = float(num)
     except ValueError:
@@ -158,8 +169,11 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
     target_dir = resolve_target(settings.target or "default")
     config = AutoConfig.from_pretrained(target_dir)
     n_layers, d = num_layers_of(config), hidden_size_of(config)
-    layers = (check_layer_ids(settings.aux_layers, n_layers, what="--aux-layers") if settings.aux_layers is not None
-              else default_aux_layer_ids(n_layers))
+    layers = (
+        check_layer_ids(settings.aux_layers, n_layers, what="--aux-layers")
+        if settings.aux_layers is not None
+        else default_aux_layer_ids(n_layers)
+    )
     if len(set(layers)) != len(layers):
         log(f"eyas capture: aux layers {layers} repeat an id (a small target); each slot is stored as asked")
     tok = load_tokenizer(target_dir)
@@ -173,13 +187,26 @@ def store_spec_for(settings: CaptureSettings) -> tuple[StoreSpec, Any, dict[str,
     split = prepared.split(settings.split)
     n = len(split) if settings.limit is None else min(settings.limit, len(split))
     spec = StoreSpec(
-        aux_layer_ids=layers, hidden_size=d, dtype=settings.store_dtype, convention=CONVENTION,
-        target=model_identity(target_dir), tokenizer_hash=tok_hash,
-        prepared={"path": str(Path(settings.data).resolve()), "split": settings.split, "fingerprint": split.fingerprint,
-                  "limit": settings.limit, "samples": n},
+        aux_layer_ids=layers,
+        hidden_size=d,
+        dtype=settings.store_dtype,
+        convention=CONVENTION,
+        target=model_identity(target_dir),
+        tokenizer_hash=tok_hash,
+        prepared={
+            "path": str(Path(settings.data).resolve()),
+            "split": settings.split,
+            "fingerprint": split.fingerprint,
+            "limit": settings.limit,
+            "samples": n,
+        },
         model_dtype=settings.resolved_model_dtype,
-        producer={"backend": "transformers", "device": settings.device, "num_layers": n_layers,
-                  "torch": torch.__version__},
+        producer={
+            "backend": "transformers",
+            "device": settings.device,
+            "num_layers": n_layers,
+            "torch": torch.__version__,
+        },
     )
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     return spec, split, {"target_dir": target_dir, "num_layers": n_layers, "pad_token_id": pad, "n": n}
@@ -203,8 +230,12 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
         done = writer.committed_ids
         todo = [i for i in range(n) if split.ids[i] not in done]
         todo_tokens = sum(lengths[i] for i in todo)
-        need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (1 + todo_tokens * spec.bytes_per_token // settings.shard_bytes)
-        disk = check_free_space(Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)")
+        need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (
+            1 + todo_tokens * spec.bytes_per_token // settings.shard_bytes
+        )
+        disk = check_free_space(
+            Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)"
+        )
         log(
             f"eyas capture: {ctx['target_dir']} ({ctx['num_layers']} layers, D={spec.hidden_size}, {spec.model_dtype}) on "
             f"{settings.device}; aux layers {spec.aux_layer_ids} ({spec.convention}) + final; {settings.split}: {n} samples, "
@@ -224,40 +255,74 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
         raise
     totals = manifest["totals"]
     summary = {
-        "store": str(Path(settings.out)), "status": manifest["status"], "dtype": spec.dtype, "model_dtype": spec.model_dtype,
-        "aux_layer_ids": spec.aux_layer_ids, "convention": spec.convention, "hidden_size": spec.hidden_size,
-        "samples": totals["samples"], "tokens": totals["tokens"], "shards": totals["shards"], "bytes": totals["bytes"],
-        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2), "resumed_samples": n - len(todo),
-        "captured_samples": len(todo), "captured_tokens": todo_tokens,
+        "store": str(Path(settings.out)),
+        "status": manifest["status"],
+        "dtype": spec.dtype,
+        "model_dtype": spec.model_dtype,
+        "aux_layer_ids": spec.aux_layer_ids,
+        "convention": spec.convention,
+        "hidden_size": spec.hidden_size,
+        "samples": totals["samples"],
+        "tokens": totals["tokens"],
+        "shards": totals["shards"],
+        "bytes": totals["bytes"],
+        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2),
+        "resumed_samples": n - len(todo),
+        "captured_samples": len(todo),
+        "captured_tokens": todo_tokens,
     }
     if stats is not None:
-        summary.update({
-            "seconds": round(stats.seconds, 3), "tokens_per_s": round(stats.rows / max(stats.seconds, 1e-9), 1),
-            "batches": stats.batches, "padding_fraction": round(1 - stats.rows / max(stats.padded_tokens, 1), 4),
-            "writer_busy_s": round(stats.writer_busy_s, 3), "waited_for_disk_s": round(stats.main_wait_s, 3),
-        })
+        summary.update(
+            {
+                "seconds": round(stats.seconds, 3),
+                "tokens_per_s": round(stats.rows / max(stats.seconds, 1e-9), 1),
+                "batches": stats.batches,
+                "padding_fraction": round(1 - stats.rows / max(stats.padded_tokens, 1), 4),
+                "writer_busy_s": round(stats.writer_busy_s, 3),
+                "waited_for_disk_s": round(stats.main_wait_s, 3),
+            }
+        )
     log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token")}))
     return summary
 
 
-def _capture_samples(settings: CaptureSettings, spec: StoreSpec, split, ctx: dict[str, Any], todo: list[int],
-                     lengths: list[int], writer: StoreWriter):
+def _capture_samples(
+    settings: CaptureSettings,
+    spec: StoreSpec,
+    split,
+    ctx: dict[str, Any],
+    todo: list[int],
+    lengths: list[int],
+    writer: StoreWriter,
+):
     """Load the target and capture samples `todo` (indices into the split) into `writer`."""
     from eyas.target import load_target
 
-    model = load_target(ctx["target_dir"], device=settings.device, dtype=to_dtype(spec.model_dtype, what="--model-dtype"))
+    model = load_target(
+        ctx["target_dir"], device=settings.device, dtype=to_dtype(spec.model_dtype, what="--model-dtype")
+    )
     plan = plan_batches([lengths[i] for i in todo], settings.token_budget)
     over = [todo[j] for b in plan for j in b if lengths[todo[j]] > settings.token_budget]
     if over:
-        log(f"eyas capture: {len(over)} samples are longer than --token-budget {settings.token_budget}; each runs alone")
+        log(
+            f"eyas capture: {len(over)} samples are longer than --token-budget {settings.token_budget}; each runs alone"
+        )
     max_rows = max(sum(lengths[todo[j]] for j in b) for b in plan)
-    pipe = CapturePipeline(model, layer_ids=spec.aux_layer_ids, dtype=spec.dtype, hidden_size=spec.hidden_size,
-                           max_rows=max_rows, queue_depth=settings.queue_depth)
+    pipe = CapturePipeline(
+        model,
+        layer_ids=spec.aux_layer_ids,
+        dtype=spec.dtype,
+        hidden_size=spec.hidden_size,
+        max_rows=max_rows,
+        queue_depth=settings.queue_depth,
+    )
 
     def batches():
         for b in plan:
             idx = [todo[j] for j in b]
-            yield make_batch([split.ids[i] for i in idx], [split[i].input_ids for i in idx], pad_token_id=ctx["pad_token_id"])
+            yield make_batch(
+                [split.ids[i] for i in idx], [split[i].input_ids for i in idx], pad_token_id=ctx["pad_token_id"]
+            )
 
     bar = progress(sum(lengths[i] for i in todo), "capture", unit="tok")
     try:
@@ -296,7 +361,9 @@ def fold_rank_stores(writer: StoreWriter) -> int:
     for sub in sorted(p for p in root.iterdir() if p.is_dir() and p.name.startswith("rank-")):
         added += writer.absorb(sub)
     if added:
-        log(f"eyas capture: {writer.path}: kept {added} samples committed by the processes of an earlier data-parallel run")
+        log(
+            f"eyas capture: {writer.path}: kept {added} samples committed by the processes of an earlier data-parallel run"
+        )
     with contextlib.suppress(OSError):
         root.rmdir()  # only when empty
     return added
@@ -343,10 +410,18 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
                 todo = [i for i in range(n) if split.ids[i] not in done]
                 resumed = n - len(todo)
                 todo_tokens = sum(lengths[i] for i in todo)
-                need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (d.world + todo_tokens * spec.bytes_per_token // settings.shard_bytes)
-                check_free_space(Path(settings.out), need, what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)")
-                log(f"eyas capture: {ctx['target_dir']} on {d.world} processes; {settings.split}: {n} samples, {resumed} "
-                    f"already stored, {len(todo)} to capture ({todo_tokens} tokens, about {human_bytes(need)} as {spec.dtype})")
+                need = todo_tokens * spec.bytes_per_token + HEADER_BYTES * (
+                    d.world + todo_tokens * spec.bytes_per_token // settings.shard_bytes
+                )
+                check_free_space(
+                    Path(settings.out),
+                    need,
+                    what=f"{len(todo)} samples ({todo_tokens} tokens x {spec.bytes_per_token} bytes)",
+                )
+                log(
+                    f"eyas capture: {ctx['target_dir']} on {d.world} processes; {settings.split}: {n} samples, {resumed} "
+                    f"already stored, {len(todo)} to capture ({todo_tokens} tokens, about {human_bytes(need)} as {spec.dtype})"
+                )
             except BaseException as exc:
                 failure = exc
         box = [todo, resumed, None if failure is None else str(failure)]
@@ -364,8 +439,10 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
         try:
             sub = StoreWriter(rank_store_dir(settings.out, d.rank), spec, shard_bytes=settings.shard_bytes)
             try:
-                log(f"eyas capture: rank {d.rank}/{d.world} on {d.device}: {len(mine)} of {len(todo)} samples "
-                    f"({sum(lengths[i] for i in mine)} tokens) into {sub.path}")
+                log(
+                    f"eyas capture: rank {d.rank}/{d.world} on {d.device}: {len(mine)} of {len(todo)} samples "
+                    f"({sum(lengths[i] for i in mine)} tokens) into {sub.path}"
+                )
                 if mine:
                     stats = _capture_samples(local, spec, split, ctx, mine, lengths, sub)
                 sub.close(complete=False)
@@ -374,18 +451,25 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
                 raise
         except BaseException as exc:
             failure = exc
-        report = {"rank": d.rank, "error": None if failure is None else f"{type(failure).__name__}: {failure}",
-                  "samples": len(mine), "tokens": 0 if stats is None else stats.rows,
-                  "seconds": 0.0 if stats is None else round(stats.seconds, 3),
-                  "padded_tokens": 0 if stats is None else stats.padded_tokens, "batches": 0 if stats is None else stats.batches}
+        report = {
+            "rank": d.rank,
+            "error": None if failure is None else f"{type(failure).__name__}: {failure}",
+            "samples": len(mine),
+            "tokens": 0 if stats is None else stats.rows,
+            "seconds": 0.0 if stats is None else round(stats.seconds, 3),
+            "padded_tokens": 0 if stats is None else stats.padded_tokens,
+            "batches": 0 if stats is None else stats.batches,
+        }
         reports: list[Any] = [None] * d.world
         tdist.all_gather_object(reports, report)  # also the barrier before the merge
         if failure is not None:
             raise failure
         failed = [r for r in reports if r["error"]]
         if failed:
-            raise EyasError(f"capture failed on rank {failed[0]['rank']} ({failed[0]['error']}); the shards every rank "
-                            "committed are kept: rerun the same command to resume")
+            raise EyasError(
+                f"capture failed on rank {failed[0]['rank']} ({failed[0]['error']}); the shards every rank "
+                "committed are kept: rerun the same command to resume"
+            )
 
         # 3. rank 0 folds the rank stores into the store and marks it complete.
         manifest, failure = None, None
@@ -396,7 +480,9 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
                 stored = writer.committed_ids
                 missing = [split.ids[i] for i in range(n) if split.ids[i] not in stored]
                 if missing:
-                    raise EyasError(f"internal: {len(missing)} samples were not stored (e.g. {missing[:3]}); rerun to resume")
+                    raise EyasError(
+                        f"internal: {len(missing)} samples were not stored (e.g. {missing[:3]}); rerun to resume"
+                    )
                 writer.manifest["producer"]["processes"] = d.world
                 manifest = writer.close(complete=True)
             except BaseException as exc:
@@ -416,10 +502,12 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
             writer.abort()  # releases the store's lock (a no-op once closed); committed shards stay
         # the group is freed here, its gloo threads joined, not left to race the interpreter's exit
         teardown(d)
-    summary = _dp_summary(settings, spec, totals, reports, resumed=resumed, todo=todo, lengths=lengths,
-                          world=d.world)
+    summary = _dp_summary(settings, spec, totals, reports, resumed=resumed, todo=todo, lengths=lengths, world=d.world)
     if d.is_main:
-        log("eyas capture: " + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token", "processes")}))
+        log(
+            "eyas capture: "
+            + json.dumps({k: summary[k] for k in ("samples", "tokens", "shards", "bytes_per_token", "processes")})
+        )
     else:
         # under torchrun every rank runs the CLI; only rank 0's summary may reach stdout (two long JSON
         # lines written by two processes into one pipe can interleave)
@@ -430,25 +518,51 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
     return summary
 
 
-def _dp_summary(settings: CaptureSettings, spec: StoreSpec, totals: dict[str, Any], reports: list[dict[str, Any]], *,
-                resumed: int, todo: list[int], lengths: list[int], world: int) -> dict[str, Any]:
+def _dp_summary(
+    settings: CaptureSettings,
+    spec: StoreSpec,
+    totals: dict[str, Any],
+    reports: list[dict[str, Any]],
+    *,
+    resumed: int,
+    todo: list[int],
+    lengths: list[int],
+    world: int,
+) -> dict[str, Any]:
     """The summary of a data-parallel capture: the store's totals (rank 0's), what this run captured, and every
     rank's report."""
     rows = sum(r["tokens"] for r in reports)
     slowest = max(r["seconds"] for r in reports)
     summary = {
-        "store": str(Path(settings.out)), "status": "complete", "dtype": spec.dtype, "model_dtype": spec.model_dtype,
-        "aux_layer_ids": spec.aux_layer_ids, "convention": spec.convention, "hidden_size": spec.hidden_size,
-        "samples": totals["samples"], "tokens": totals["tokens"], "shards": totals["shards"], "bytes": totals["bytes"],
-        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2), "resumed_samples": resumed,
-        "captured_samples": len(todo), "captured_tokens": sum(lengths[i] for i in todo), "processes": world,
+        "store": str(Path(settings.out)),
+        "status": "complete",
+        "dtype": spec.dtype,
+        "model_dtype": spec.model_dtype,
+        "aux_layer_ids": spec.aux_layer_ids,
+        "convention": spec.convention,
+        "hidden_size": spec.hidden_size,
+        "samples": totals["samples"],
+        "tokens": totals["tokens"],
+        "shards": totals["shards"],
+        "bytes": totals["bytes"],
+        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2),
+        "resumed_samples": resumed,
+        "captured_samples": len(todo),
+        "captured_tokens": sum(lengths[i] for i in todo),
+        "processes": world,
         "per_rank": [{k: r[k] for k in ("rank", "samples", "tokens", "seconds")} for r in reports],
     }
     if rows:
         padded = sum(r["padded_tokens"] for r in reports)
         # the slowest process bounds the wall time of the capture: aggregate rate = all tokens / its seconds
-        summary.update({"seconds": round(slowest, 3), "tokens_per_s": round(rows / max(slowest, 1e-9), 1),
-                        "batches": sum(r["batches"] for r in reports), "padding_fraction": round(1 - rows / max(padded, 1), 4)})
+        summary.update(
+            {
+                "seconds": round(slowest, 3),
+                "tokens_per_s": round(rows / max(slowest, 1e-9), 1),
+                "batches": sum(r["batches"] for r in reports),
+                "padding_fraction": round(1 - rows / max(padded, 1), 4),
+            }
+        )
     return summary
 
 

@@ -19,14 +19,28 @@ from eyas.cli_options import options_from
 @options_from("eyas.capture.run:CaptureSettings")
 def capture(
     cfg,
-    backend: str = typer.Option("transformers", help="`transformers` (the target runs here) or `sglang` (SGLang servers with the eyas plugin, see --url)."),
-    url: list[str] | None = typer.Option(None, help="sglang: server base URL, e.g. http://127.0.0.1:30000; repeat for several servers (data parallel)."),
-    sglang_dump_dir: Path | None = typer.Option(None, help="sglang: the plugin's dump directory as seen from here (default: what the server reports)."),
+    backend: str = typer.Option(
+        "transformers",
+        help="`transformers` (the target runs here) or `sglang` (SGLang servers with the eyas plugin, see --url).",
+    ),
+    url: list[str] | None = typer.Option(
+        None, help="sglang: server base URL, e.g. http://127.0.0.1:30000; repeat for several servers (data parallel)."
+    ),
+    sglang_dump_dir: Path | None = typer.Option(
+        None, help="sglang: the plugin's dump directory as seen from here (default: what the server reports)."
+    ),
     sglang_concurrency: int = typer.Option(16, help="sglang: requests in flight over all servers."),
-    sglang_cache_bypass: str = typer.Option("auto", help="sglang: how a radix-cache prefix hit is prevented: auto (unique cache salt per request, or nothing when the cache is disabled), salt, logprob, none."),
-    sglang_max_retries: int = typer.Option(5, help="sglang: retries of a request on transient HTTP errors (exponential backoff)."),
+    sglang_cache_bypass: str = typer.Option(
+        "auto",
+        help="sglang: how a radix-cache prefix hit is prevented: auto (unique cache salt per request, or nothing when the cache is disabled), salt, logprob, none.",
+    ),
+    sglang_max_retries: int = typer.Option(
+        5, help="sglang: retries of a request on transient HTTP errors (exponential backoff)."
+    ),
     sglang_request_timeout: float = typer.Option(600.0, help="sglang: seconds to wait for one request."),
-    sglang_dump_wait: float = typer.Option(60.0, help="sglang: seconds to wait for a sample's dump to appear after its request returns."),
+    sglang_dump_wait: float = typer.Option(
+        60.0, help="sglang: seconds to wait for a sample's dump to appear after its request returns."
+    ),
 ) -> dict:
     """Capture the target's aux and final hidden states for every sample of a prepared split."""
     from eyas.capture.run import run_capture
@@ -37,17 +51,33 @@ def capture(
         if not url:
             raise EyasError("--backend sglang needs at least one --url of a running SGLang server (see docs/sglang.md)")
         url = [check_url(u, option="--url") for u in url]
-        for name, value in (("--sglang-concurrency", sglang_concurrency), ("--sglang-max-retries", sglang_max_retries),
-                            ("--sglang-request-timeout", sglang_request_timeout), ("--sglang-dump-wait", sglang_dump_wait)):
+        for name, value in (
+            ("--sglang-concurrency", sglang_concurrency),
+            ("--sglang-max-retries", sglang_max_retries),
+            ("--sglang-request-timeout", sglang_request_timeout),
+            ("--sglang-dump-wait", sglang_dump_wait),
+        ):
             if not value == value or value < (1 if name == "--sglang-concurrency" else 0):  # NaN or out of range
                 raise EyasError(f"{name} must be >= {1 if name == '--sglang-concurrency' else 0}, got {value}")
         from eyas.sglang.client import capture_from_sglang
 
         return capture_from_sglang(
-            url, cfg.data, cfg.split, cfg.out, cfg.aux_layers, target=cfg.target, dump_dir=sglang_dump_dir,
-            concurrency=sglang_concurrency, cache_bypass=sglang_cache_bypass, dtype=cfg.store_dtype, limit=cfg.limit,
-            max_retries=sglang_max_retries, request_timeout_s=sglang_request_timeout, dump_wait_s=sglang_dump_wait,
-            calibrate=cfg.sglang_calibrate, device=cfg.device,
+            url,
+            cfg.data,
+            cfg.split,
+            cfg.out,
+            cfg.aux_layers,
+            target=cfg.target,
+            dump_dir=sglang_dump_dir,
+            concurrency=sglang_concurrency,
+            cache_bypass=sglang_cache_bypass,
+            dtype=cfg.store_dtype,
+            limit=cfg.limit,
+            max_retries=sglang_max_retries,
+            request_timeout_s=sglang_request_timeout,
+            dump_wait_s=sglang_dump_wait,
+            calibrate=cfg.sglang_calibrate,
+            device=cfg.device,
         )
     if backend != "transformers":
         raise EyasError(f"--backend: `{backend}`; choose transformers or sglang")

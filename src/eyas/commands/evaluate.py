@@ -16,7 +16,9 @@ from eyas.cli_options import options_from
 @options_from("eyas.specdec.run:EvalConfig")
 def evaluate(
     cfg,
-    out: Path = typer.Option(..., "--out", help="Report directory: report.json, report.md, acceptance.png, sequences.jsonl."),
+    out: Path = typer.Option(
+        ..., "--out", help="Report directory: report.json, report.md, acceptance.png, sequences.jsonl."
+    ),
     overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out directory."),
 ) -> dict:
     """Replay greedy speculative decoding (chain and EAGLE-2 tree) against the target's own answers."""

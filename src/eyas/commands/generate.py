@@ -14,8 +14,12 @@ from eyas.cli_options import options_from
 @options_from("eyas.specdec.generate_run:GenerateConfig")
 def generate(
     cfg,
-    out: Path | None = typer.Option(None, "--out", help="Write one JSONL record per turn (ids, text, accepted per round, seconds) to this file."),
-    overwrite: bool = typer.Option(False, "--overwrite/--no-overwrite", help="Replace an existing --out file written by `eyas generate`."),
+    out: Path | None = typer.Option(
+        None, "--out", help="Write one JSONL record per turn (ids, text, accepted per round, seconds) to this file."
+    ),
+    overwrite: bool = typer.Option(
+        False, "--overwrite/--no-overwrite", help="Replace an existing --out file written by `eyas generate`."
+    ),
 ) -> dict:
     """Speculative decoding (batch 1, or --batch-size B) with a trained EAGLE-3 drafter: tokens/s vs target-only, tau, time split."""
     from eyas.specdec.generate_run import generate_to

@@ -22,7 +22,9 @@ def regenerate(cfg) -> dict:
     summary = run(cfg)
     if summary.get("conversations") and not summary.get("written"):  # nothing usable must not look like success
         reasons = ", ".join(f"{k}: {v}" for k, v in (summary.get("skipped") or {}).items()) or "none recorded"
-        raise EyasError(f"--source {cfg.source}: none of its {summary['conversations']} conversations could be "
-                        f"regenerated (skipped: {reasons}); it needs user turns followed by assistant turns. "
-                        f"{cfg.out} holds no chats")
+        raise EyasError(
+            f"--source {cfg.source}: none of its {summary['conversations']} conversations could be "
+            f"regenerated (skipped: {reasons}); it needs user turns followed by assistant turns. "
+            f"{cfg.out} holds no chats"
+        )
     return summary

@@ -27,12 +27,36 @@ import typer
 
 def verify_server(
     url: str = typer.Option(..., "--url", help="SGLang server URL, e.g. http://127.0.0.1:30000."),
-    layers: str | None = typer.Option(None, "--aux-layers", help="Aux layer ids the server must capture, comma-separated, eyas convention (hf-input: id i = input to decoder layer i); default: accept what the plugin reports."),
-    dump_dir: Path | None = typer.Option(None, "--sglang-dump-dir", help="Directory where the plugin's dumps appear on this machine; default: the one the plugin reports (EYAS_DUMP_DIR on the server)."),
-    cache_bypass: str = typer.Option("auto", "--sglang-cache-bypass", help="Per-request radix-cache bypass: auto, salt (unique cache_salt, SGLang >= 0.5.22), logprob (return_logprob from 0), none (needs --disable-radix-cache)."),
-    target: str | None = typer.Option(None, "--target", help="Local copy of the served model (Hugging Face directory): compare one sample's numbers with the transformers reference."),
-    prompt_tokens: int | None = typer.Option(None, "--prompt-tokens", help="Length L of the test prompts; default crosses a chunk boundary (1.5 x chunked_prefill_size + 3, within the context length) or 300."),
-    tolerance: float | None = typer.Option(None, "--tolerance", help="Largest mean relative L2 error per slot in the numbers check; default 0.05 for bf16/fp16 servers, 1e-3 for fp32."),
+    layers: str | None = typer.Option(
+        None,
+        "--aux-layers",
+        help="Aux layer ids the server must capture, comma-separated, eyas convention (hf-input: id i = input to decoder layer i); default: accept what the plugin reports.",
+    ),
+    dump_dir: Path | None = typer.Option(
+        None,
+        "--sglang-dump-dir",
+        help="Directory where the plugin's dumps appear on this machine; default: the one the plugin reports (EYAS_DUMP_DIR on the server).",
+    ),
+    cache_bypass: str = typer.Option(
+        "auto",
+        "--sglang-cache-bypass",
+        help="Per-request radix-cache bypass: auto, salt (unique cache_salt, SGLang >= 0.5.22), logprob (return_logprob from 0), none (needs --disable-radix-cache).",
+    ),
+    target: str | None = typer.Option(
+        None,
+        "--target",
+        help="Local copy of the served model (Hugging Face directory): compare one sample's numbers with the transformers reference.",
+    ),
+    prompt_tokens: int | None = typer.Option(
+        None,
+        "--prompt-tokens",
+        help="Length L of the test prompts; default crosses a chunk boundary (1.5 x chunked_prefill_size + 3, within the context length) or 300.",
+    ),
+    tolerance: float | None = typer.Option(
+        None,
+        "--tolerance",
+        help="Largest mean relative L2 error per slot in the numbers check; default 0.05 for bf16/fp16 servers, 1e-3 for fp32.",
+    ),
     device: str = typer.Option("auto", "--device", help="Device for the local reference forward: auto, cpu, cuda."),
     seed: int = typer.Option(0, "--seed", help="Seed of the test prompts (a random nonce keeps them unique per run)."),
     dump_wait_s: float = typer.Option(60.0, "--dump-wait", help="Seconds to wait for a dump after the server answers."),
@@ -61,8 +85,9 @@ def verify_server(
     chunk = int(plan.info.get("chunked_prefill_size") or -1)
     # --context-length as the server was started with, else the model's own limit (SGLang's default context
     # length; /server_info reports None for it when the flag was not given)
-    context = int(plan.info.get("context_length") or 0) or int(model_info.get("max_position_embeddings") or 0) \
-        or (1 << 30)
+    context = (
+        int(plan.info.get("context_length") or 0) or int(model_info.get("max_position_embeddings") or 0) or (1 << 30)
+    )
     L = prompt_tokens or min(chunk + chunk // 2 + 3 if chunk > 0 else 300, context - 8)
     if L < 8:
         raise EyasError(f"--prompt-tokens: {L}, expected >= 8")
@@ -77,8 +102,17 @@ def verify_server(
     checks: dict[str, dict] = {}
 
     def run(name: str, ids: torch.Tensor, k: int):
-        return capture_one(plan, name, ids, f"{tag}-{k}", layer_ids=layer_ids, max_retries=3, backoff_s=0.5,
-                           request_timeout_s=600.0, dump_wait_s=dump_wait_s)
+        return capture_one(
+            plan,
+            name,
+            ids,
+            f"{tag}-{k}",
+            layer_ids=layer_ids,
+            max_retries=3,
+            backoff_s=0.5,
+            request_timeout_s=600.0,
+            dump_wait_s=dump_wait_s,
+        )
 
     # 1. a unique prompt of known length
     unique = rand_ids(L)
@@ -90,8 +124,13 @@ def verify_server(
     a = torch.cat([shared, rand_ids(L - shared.shape[0])])
     b = torch.cat([shared, rand_ids(L - shared.shape[0])])
     ra, rb = run("shared_prefix_a", a, 1), run("shared_prefix_b", b, 2)
-    checks["shared_prefix"] = {"ok": ra.reason is None and rb.reason is None, "tokens": L,
-                               "shared_tokens": int(shared.shape[0]), "reason_a": ra.reason, "reason_b": rb.reason}
+    checks["shared_prefix"] = {
+        "ok": ra.reason is None and rb.reason is None,
+        "tokens": L,
+        "shared_tokens": int(shared.shape[0]),
+        "reason_a": ra.reason,
+        "reason_b": rb.reason,
+    }
 
     # 3. several prompts at once, packed into shared forwards
     import concurrent.futures as cf
@@ -100,20 +139,32 @@ def verify_server(
     with cf.ThreadPoolExecutor(len(lens)) as pool:
         futs = [pool.submit(run, f"batched_{k}", rand_ids(n), 10 + k) for k, n in enumerate(lens)]
         rs = [f.result() for f in futs]
-    checks["batched"] = {"ok": all(r.reason is None for r in rs), "tokens": lens,
-                         "reasons": [r.reason for r in rs if r.reason is not None]}
+    checks["batched"] = {
+        "ok": all(r.reason is None for r in rs),
+        "tokens": lens,
+        "reasons": [r.reason for r in rs if r.reason is not None],
+    }
 
     # 4. what the plugin counted while serving them
     checks["plugin_counters"] = _plugin_counters(plan, (r1, ra, rb, *rs))
 
     # 5. the numbers, against the transformers reference on a local copy of the model
     if target is not None:
-        checks["numbers"] = _compare_numbers(target, unique, r1, layer_ids, tolerance=tolerance, device=device,
-                                             server_dtype=r1.dump_dtype)
+        checks["numbers"] = _compare_numbers(
+            target, unique, r1, layer_ids, tolerance=tolerance, device=device, server_dtype=r1.dump_dtype
+        )
     ok = all(c["ok"] for c in checks.values())
-    summary = {"ok": ok, "url": plan.url, "sglang_version": plan.version, "cache_bypass": plan.bypass,
-               "layer_ids": layer_ids, "convention": "hf-input", "dump_dir": str(plan.dump_dir),
-               "model": model_info, "checks": checks}
+    summary = {
+        "ok": ok,
+        "url": plan.url,
+        "sglang_version": plan.version,
+        "cache_bypass": plan.bypass,
+        "layer_ids": layer_ids,
+        "convention": "hf-input",
+        "dump_dir": str(plan.dump_dir),
+        "model": model_info,
+        "checks": checks,
+    }
     if not ok:
         failed = [k for k, c in checks.items() if not c["ok"]]
         fix = checks["plugin_counters"]["fix"]  # the counters say why dumps are missing better than the dump checks
@@ -137,8 +188,10 @@ def _plugin_counters(plan, results) -> dict:
     missing = any((r.reason or "").startswith(NO_DUMP) for r in results)
     cause = missing_dump_cause(plan, stats) if missing else None
     if cause is None and any(k in bad for k in ids_lost):
-        cause = ("plugin could not find the request ids of prefill CUDA-graph replay batches; restart the server "
-                 f"with {REPLAY_FLAG}")
+        cause = (
+            "plugin could not find the request ids of prefill CUDA-graph replay batches; restart the server "
+            f"with {REPLAY_FLAG}"
+        )
     fix = f"the {cause}" if cause else "see the server log for `eyas capture`" if bad else ""
     return {"ok": not bad and cause is None, **counters, "last_error": after.get("last_error", ""), "fix": fix}
 
@@ -166,7 +219,9 @@ def _compare_numbers(target, ids, res, layer_ids, *, tolerance, device, server_d
     per_slot = rel.mean(dim=0).tolist()
     names = [f"aux{i}" for i in layer_ids] + ["final"]
     return {
-        "ok": bool(max(per_slot) <= tol), "tolerance": tol, "server_dtype": server_dtype,
+        "ok": bool(max(per_slot) <= tol),
+        "tolerance": tol,
+        "server_dtype": server_dtype,
         "mean_rel_l2": dict(zip(names, [round(x, 6) for x in per_slot])),
         "min_cosine": dict(zip(names, [round(x, 6) for x in cos.min(dim=0).values.tolist()])),
     }

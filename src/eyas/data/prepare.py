@@ -81,8 +81,10 @@ class PrepareConfig:
         from eyas.config_checks import input_must_exist
 
         if self.source != "sharegpt" and input_must_exist() and not Path(self.source).expanduser().exists():
-            raise EyasError(f"--source {self.source} does not exist (expected `sharegpt`, a .json/.jsonl file or a "
-                            "dataset directory)")
+            raise EyasError(
+                f"--source {self.source} does not exist (expected `sharegpt`, a .json/.jsonl file or a "
+                "dataset directory)"
+            )
 
 
 def is_eval(sample_id: str, fraction: float, seed: int) -> bool:
@@ -123,8 +125,13 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
         if cfg.truncated_answers == "drop" and any(m.get("truncated") for m in item.messages):
             skipped[TRUNCATED_ANSWER] += 1
             continue
-        r = render(tokenizer, item.messages, truncated_answers=cfg.truncated_answers, special_ids=specials,
-                   max_tokens=cfg.max_length)
+        r = render(
+            tokenizer,
+            item.messages,
+            truncated_answers=cfg.truncated_answers,
+            special_ids=specials,
+            max_tokens=cfg.max_length,
+        )
         ids, mask = r.input_ids, r.loss_mask
         if len(ids) > cfg.max_length:
             if cfg.length_policy == "drop":

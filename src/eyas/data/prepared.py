@@ -87,8 +87,10 @@ def write_prepared(
             counts = Counter(packed["names"])
             dup = sorted(seen.intersection(counts) | {k for k, c in counts.items() if c > 1})
             if dup:
-                raise EyasError(f"{len(dup)} sample id(s) appear more than once (split {name}; first: "
-                                f"{', '.join(dup[:5])}): every sample needs its own id; give them distinct ids")
+                raise EyasError(
+                    f"{len(dup)} sample id(s) appear more than once (split {name}; first: "
+                    f"{', '.join(dup[:5])}): every sample needs its own id; give them distinct ids"
+                )
             seen.update(packed["names"])
             save_file(
                 {k: packed[k] for k in ("input_ids", "loss_mask", "offsets")},
@@ -100,7 +102,9 @@ def write_prepared(
                 "samples": len(packed["names"]),
                 "tokens": int(packed["offsets"][-1]),
                 "assistant_tokens": int(packed["loss_mask"].sum()),
-                "fingerprint": _fingerprint(packed["input_ids"], packed["loss_mask"], packed["offsets"], packed["names"]),
+                "fingerprint": _fingerprint(
+                    packed["input_ids"], packed["loss_mask"], packed["offsets"], packed["names"]
+                ),
             }
         (tmp / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
     return out
@@ -123,12 +127,16 @@ class PreparedSplit:
         self._loss_mask = arrays["loss_mask"]
         self.offsets = arrays["offsets"]
         if len(self.offsets) != len(self.ids) + 1:
-            raise EyasError(f"prepared dataset {root}: split `{name}` has {len(self.ids)} ids but {len(self.offsets) - 1} samples")
+            raise EyasError(
+                f"prepared dataset {root}: split `{name}` has {len(self.ids)} ids but {len(self.offsets) - 1} samples"
+            )
         self._index = {sid: i for i, sid in enumerate(self.ids)}
         if check and (now := self.content_fingerprint()) != info.get("fingerprint"):
-            raise EyasError(f"prepared dataset {root}: split `{name}` ({path.name}, {name}.ids.json) does not match its "
-                            f"fingerprint in meta.json ({now[:12]} against {str(info.get('fingerprint'))[:12]}): its files "
-                            "were replaced, swapped or edited after `eyas prepare`; run `eyas prepare` again")
+            raise EyasError(
+                f"prepared dataset {root}: split `{name}` ({path.name}, {name}.ids.json) does not match its "
+                f"fingerprint in meta.json ({now[:12]} against {str(info.get('fingerprint'))[:12]}): its files "
+                "were replaced, swapped or edited after `eyas prepare`; run `eyas prepare` again"
+            )
 
     def content_fingerprint(self) -> str:
         """The fingerprint of the split's arrays and ids as they are on disk now."""
@@ -172,9 +180,7 @@ class PreparedDataset:
         self.check = check  # (verify passes False: it reports a changed split as a failed check of its own)
         meta_path = root / "meta.json"
         if not meta_path.is_file():
-            raise EyasError(
-                f"{root} is not a prepared dataset (no meta.json): run `eyas prepare --out {root}` first"
-            )
+            raise EyasError(f"{root} is not a prepared dataset (no meta.json): run `eyas prepare --out {root}` first")
         try:
             self.meta: dict[str, Any] = json.loads(meta_path.read_text())
         except json.JSONDecodeError as exc:

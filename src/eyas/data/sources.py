@@ -163,7 +163,9 @@ def read_eyas_chats(path: Path, info: SourceInfo) -> Iterator[Any]:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise EyasError(f"{path / 'chats.jsonl'}: not UTF-8 text (invalid byte at offset {exc.start}); the file is damaged") from None
+        raise EyasError(
+            f"{path / 'chats.jsonl'}: not UTF-8 text (invalid byte at offset {exc.start}); the file is damaged"
+        ) from None
     for _, record in parse_jsonl(text.split("\n"), path / "chats.jsonl"):
         info.records += 1
         yield record
@@ -194,8 +196,10 @@ def read_hf_records(path: Path, info: SourceInfo, hf_split: str | None) -> Itera
 def _no_split(hf_split: str | None, source: Any, kind: str) -> None:
     """--hf-split picks a split of a saved DatasetDict; any other source would ignore it silently."""
     if hf_split is not None:
-        raise EyasError(f"--hf-split {hf_split}: --source {source} is {kind}, not a DatasetDict saved with "
-                        "save_to_disk; drop --hf-split")
+        raise EyasError(
+            f"--hf-split {hf_split}: --source {source} is {kind}, not a DatasetDict saved with "
+            "save_to_disk; drop --hf-split"
+        )
 
 
 def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[Iterator[Any], SourceInfo]:
@@ -209,13 +213,19 @@ def open_records(source: str | Path, *, hf_split: str | None = None) -> tuple[It
         return read_json_records(path, info), info
     path = Path(source).expanduser()
     if not path.exists():
-        raise EyasError(f"chat source `{source}` does not exist (expected `sharegpt`, a .json/.jsonl file or a dataset directory)")
+        raise EyasError(
+            f"chat source `{source}` does not exist (expected `sharegpt`, a .json/.jsonl file or a dataset directory)"
+        )
     if path.is_dir():
         if (path / "chats.jsonl").is_file():
             _no_split(hf_split, path, "an `eyas regenerate` output")
             info = SourceInfo(path=str(path), format="eyas-chats")
             return read_eyas_chats(path, info), info
-        if (path / "dataset_info.json").is_file() or (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
+        if (
+            (path / "dataset_info.json").is_file()
+            or (path / "dataset_dict.json").is_file()
+            or (path / "state.json").is_file()
+        ):
             info = SourceInfo(path=str(path), format="hf-dataset")
             return read_hf_records(path, info, hf_split), info
         raise EyasError(
@@ -240,8 +250,10 @@ def _content_text(content: Any) -> str | None:
     """str content as is; OpenAI content parts if every part is text; else None (non-text)."""
     if isinstance(content, str):
         return content
-    if isinstance(content, list) and content and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    if (
+        isinstance(content, list)
+        and content
+        and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content)
     ):
         return "".join(p["text"] for p in content)
     return None

@@ -42,7 +42,9 @@ def check_template(tokenizer, where: str) -> None:
             "chat_template.jinja); eyas renders conversations with the target's own template"
         )
     if not getattr(tokenizer, "is_fast", False):
-        raise EyasError(f"{where}: a fast (Rust) tokenizer is needed for character offsets; found {type(tokenizer).__name__}")
+        raise EyasError(
+            f"{where}: a fast (Rust) tokenizer is needed for character offsets; found {type(tokenizer).__name__}"
+        )
 
 
 def _special_ids(tokenizer) -> set[int]:
@@ -146,7 +148,7 @@ def render(
             continue  # the answer was cut: its end-of-turn token is not what the model said
         # The end-of-turn token: the first special token after the content, across whitespace only.
         j = tok
-        while j < len(ids) and ids[j] not in specials and not text[offsets[j][0]:offsets[j][1]].strip():
+        while j < len(ids) and ids[j] not in specials and not text[offsets[j][0] : offsets[j][1]].strip():
             j += 1
         if j < len(ids) and ids[j] in specials:
             mask[j] = True

@@ -70,9 +70,28 @@ def _build(triton, tl):
     """The kernel, given the imported triton and triton.language."""
 
     @triton.jit
-    def _soft_ce_rows(S, T, T_ROWS, T_LSE, W, TOP, G, CE_W, HIT, BELOW, V, TOPK, s_row, t_row, g_row,
-                      BLOCK: tl.constexpr, INDEXED: tl.constexpr, ONE_BLOCK: tl.constexpr, RANK: tl.constexpr,
-                      TLSE: tl.constexpr):
+    def _soft_ce_rows(
+        S,
+        T,
+        T_ROWS,
+        T_LSE,
+        W,
+        TOP,
+        G,
+        CE_W,
+        HIT,
+        BELOW,
+        V,
+        TOPK,
+        s_row,
+        t_row,
+        g_row,
+        BLOCK: tl.constexpr,
+        INDEXED: tl.constexpr,
+        ONE_BLOCK: tl.constexpr,
+        RANK: tl.constexpr,
+        TLSE: tl.constexpr,
+    ):
         row = tl.program_id(0).to(tl.int64)  # int64: row * stride may pass 2**31 for big tables
         if INDEXED:  # noqa: SIM108 (a compile-time switch: the plain mode never touches T_ROWS)
             t_at = tl.load(T_ROWS + row).to(tl.int64)  # the teacher table's row for this chunk row
@@ -184,10 +203,18 @@ def kernel_unavailable(device: torch.device) -> str | None:
     return triton_kernel_unavailable(_kernel(), device, import_error=_STATE.get("error"))
 
 
-def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch.Tensor, *,
-                   t_rows: torch.Tensor | None = None, t_lse: torch.Tensor | None = None,
-                   rank_topk: int | None = None, block_v: int = BLOCK_V,
-                   num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, ...]:
+def fused_chunk_ce(
+    s: torch.Tensor,
+    t: torch.Tensor,
+    w: torch.Tensor,
+    top: torch.Tensor,
+    *,
+    t_rows: torch.Tensor | None = None,
+    t_lse: torch.Tensor | None = None,
+    rank_topk: int | None = None,
+    block_v: int = BLOCK_V,
+    num_warps: int = NUM_WARPS,
+) -> tuple[torch.Tensor, ...]:
     """(sum_n w_n CE_n fp32 scalar, hits [c] bool, g [c, V] in s's dtype): `_chunk_ce` in one launch.
     With `rank_topk` K, a fourth output: [c] bool, fewer than K logits of row n above the one of token top[n]
     (`eyas.drafter.ttt.head_loss.top_rank_below`, the head loss's reachability test), counted in the same pass over s
@@ -205,7 +232,11 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     c, V = s.shape
     t_shape = (t.shape[0] if t_rows is not None else c, V)
     assert t.dim() == 2 and t.shape == t_shape and w.shape == (c,) and top.shape == (c,), (
-        s.shape, t.shape, w.shape, top.shape)
+        s.shape,
+        t.shape,
+        w.shape,
+        top.shape,
+    )
     if t_rows is not None:
         assert t_rows.shape == (c,) and not t_rows.is_floating_point(), (t_rows.shape, t_rows.dtype)
         t_rows = t_rows.contiguous()
@@ -224,10 +255,29 @@ def fused_chunk_ce(s: torch.Tensor, t: torch.Tensor, w: torch.Tensor, top: torch
     if c > 0:
         # placeholder pointers the kernel never reads: T_ROWS without t_rows, T_LSE without t_lse, BELOW without
         # rank_topk
-        kernel[(c,)](s, t, top if t_rows is None else t_rows, ce_w if t_lse is None else t_lse, w, top, g, ce_w, hit,
-                     below, V, int(rank_topk or 0), s.stride(0), t.stride(0), g.stride(0), BLOCK=block_v,
-                     INDEXED=t_rows is not None, ONE_BLOCK=block_v >= V, RANK=rank_topk is not None,
-                     TLSE=t_lse is not None, num_warps=num_warps)
+        kernel[(c,)](
+            s,
+            t,
+            top if t_rows is None else t_rows,
+            ce_w if t_lse is None else t_lse,
+            w,
+            top,
+            g,
+            ce_w,
+            hit,
+            below,
+            V,
+            int(rank_topk or 0),
+            s.stride(0),
+            t.stride(0),
+            g.stride(0),
+            BLOCK=block_v,
+            INDEXED=t_rows is not None,
+            ONE_BLOCK=block_v >= V,
+            RANK=rank_topk is not None,
+            TLSE=t_lse is not None,
+            num_warps=num_warps,
+        )
     if rank_topk is not None:
         return ce_w.sum(), hit.view(torch.bool), g, below.view(torch.bool)
     return ce_w.sum(), hit.view(torch.bool), g
@@ -281,8 +331,9 @@ def stats_unavailable(device: torch.device) -> str | None:
     return triton_kernel_unavailable(_stats_kernel(), device, import_error=_STATS_STATE.get("error"))
 
 
-def row_max_lse(x: torch.Tensor, *, block_v: int = BLOCK_V,
-                num_warps: int = NUM_WARPS) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def row_max_lse(
+    x: torch.Tensor, *, block_v: int = BLOCK_V, num_warps: int = NUM_WARPS
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max [n] in x's dtype, first index of the max [n] int64, fp32 log-sum-exp [n]) of each row of x [n, V] in one
     read of it: `eyas.drafter.ttt.teacher._teacher_max_lse` (x.max(-1) and logsumexp(x.float(), -1)) as one launch.
     Rows may be strided, entries must be contiguous. No host syncs."""

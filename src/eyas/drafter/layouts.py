@@ -78,7 +78,8 @@ def check_layer_ids(layer_ids: Sequence[int], num_layers: int, *, what: str = "a
     if not ids or bad:
         raise EyasError(
             f"{what}: ids {ids} {'include ' + str(bad) + ', ' if bad else 'are empty, '}expected inputs to decoder "
-            f"layers 1..{num_layers - 1} of a {num_layers}-layer target (convention {CONVENTION})")
+            f"layers 1..{num_layers - 1} of a {num_layers}-layer target (convention {CONVENTION})"
+        )
     return ids
 
 
@@ -97,13 +98,17 @@ def engine_layer_ids(ours: Sequence[int], engine: str, *, model_type: str | None
         raise ValueError(f"engine {engine!r}: expected one of {ENGINES}")
     bad = [i for i in ours if i < 1]
     if bad:
-        raise EyasError(f"aux layer id(s) {bad} (input to layer 0 = the embeddings) cannot be written in SGLang's "
-                        "convention (id = output of a layer)")
+        raise EyasError(
+            f"aux layer id(s) {bad} (input to layer 0 = the embeddings) cannot be written in SGLang's "
+            "convention (id = output of a layer)"
+        )
     if model_type in DEEPSEEK_TYPES and ours and ours[0] != 2:
         if ours[0] == 1:
-            raise EyasError(f"aux layer ids {ours}: no SGLang id list makes its DeepSeek models capture the input of "
-                            "layer 1 first (a first id of 1 is shifted to 2, a first id of 0 is kept as 0); train "
-                            "with another low layer (the default is 2)")
+            raise EyasError(
+                f"aux layer ids {ours}: no SGLang id list makes its DeepSeek models capture the input of "
+                "layer 1 first (a first id of 1 is shifted to 2, a first id of 0 is kept as 0); train "
+                "with another low layer (the default is 2)"
+            )
         return ours
     return [i - 1 for i in ours]
 

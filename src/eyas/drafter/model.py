@@ -94,20 +94,32 @@ class DrafterConfig:
     """The target's HF model_type when known (SGLang converts DeepSeek ids differently)."""
 
     def __post_init__(self, rope_theta: float | None):
-        for name in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                     "intermediate_size", "vocab_size", "draft_vocab_size", "target_hidden_size"):
+        for name in (
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "intermediate_size",
+            "vocab_size",
+            "draft_vocab_size",
+            "target_hidden_size",
+        ):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
                 raise ValueError(f"DrafterConfig.{name} must be a positive int, got {v!r}")
-        if self.target_num_layers is not None and (not isinstance(self.target_num_layers, int) or self.target_num_layers <= 0):
+        if self.target_num_layers is not None and (
+            not isinstance(self.target_num_layers, int) or self.target_num_layers <= 0
+        ):
             raise ValueError(f"DrafterConfig.target_num_layers must be a positive int, got {self.target_num_layers!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 f"DrafterConfig.num_attention_heads={self.num_attention_heads} is not a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}")
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
         if self.draft_vocab_size > self.vocab_size:
             raise ValueError(
-                f"DrafterConfig.draft_vocab_size={self.draft_vocab_size} exceeds the target vocab {self.vocab_size}")
+                f"DrafterConfig.draft_vocab_size={self.draft_vocab_size} exceeds the target vocab {self.vocab_size}"
+            )
         if not self.aux_layer_ids:
             raise ValueError("DrafterConfig.aux_layer_ids is empty")
         if self.layer_convention != "hf-input":
@@ -125,8 +137,9 @@ class DrafterConfig:
         return len(self.aux_layer_ids) * self.target_hidden_size
 
     @classmethod
-    def from_target_config(cls, cfg, *, draft_vocab_size: int | None = None,
-                           aux_layer_ids: list[int] | None = None, **overrides) -> DrafterConfig:
+    def from_target_config(
+        cls, cfg, *, draft_vocab_size: int | None = None, aux_layer_ids: list[int] | None = None, **overrides
+    ) -> DrafterConfig:
         """Defaults from a target's HF config (object or dict): same width, heads, MLP and RoPE."""
         from eyas.drafter.layouts import check_layer_ids, default_aux_layer_ids
         from eyas.drafter.reader import llama_dims
@@ -135,8 +148,11 @@ class DrafterConfig:
             text = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
             cfg = text.to_dict()
         n_layers = int(cfg["num_hidden_layers"])
-        aux = (check_layer_ids(aux_layer_ids, n_layers, what="--aux-layers") if aux_layer_ids
-               else default_aux_layer_ids(n_layers))
+        aux = (
+            check_layer_ids(aux_layer_ids, n_layers, what="--aux-layers")
+            if aux_layer_ids
+            else default_aux_layer_ids(n_layers)
+        )
         dims = llama_dims(cfg, where="target", max_positions=2048)
         values = dict(
             **dims,
@@ -262,11 +278,14 @@ class MidLayer(nn.Module):
         def cast(*mods):
             return torch.cat([mod.weight.to(dtype) for mod in mods]) if len(mods) > 1 else mods[0].weight.to(dtype)
 
-        return {"qkv": cast(a.q_proj, a.k_proj, a.v_proj), "o_proj": cast(a.o_proj),
-                "gate_up": cast(m.gate_proj, m.up_proj), "down_proj": cast(m.down_proj)}
+        return {
+            "qkv": cast(a.q_proj, a.k_proj, a.v_proj),
+            "o_proj": cast(a.o_proj),
+            "gate_up": cast(m.gate_proj, m.up_proj),
+            "down_proj": cast(m.down_proj),
+        }
 
-    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin,
-                    w: dict[str, torch.Tensor] | None = None):
+    def project_qkv(self, embeds_BTD, feature_BTD, cos, sin, w: dict[str, torch.Tensor] | None = None):
         """-> q_BHTd, k_BKTd, v_BKTd (RoPE applied to q and k). `w`: `linear_weights` to use instead of
         the modules' own."""
         B, T, _ = embeds_BTD.shape
@@ -282,8 +301,9 @@ class MidLayer(nn.Module):
         v = v.view(B, T, K, d).transpose(1, 2)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
-    def finish(self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor,
-               w: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    def finish(
+        self, attn_BHTd: torch.Tensor, feature_BTD: torch.Tensor, w: dict[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
         """o_proj, residual from the (un-normalised) feature, then the MLP block -> hidden_prenorm_BTD."""
         B, H, T, d = attn_BHTd.shape
         o = attn_BHTd.transpose(1, 2).reshape(B, T, H * d)
@@ -383,20 +403,27 @@ class Eagle3Drafter(nn.Module):
 
         V, Vt = self.config.draft_vocab_size, self.config.vocab_size
         if used.shape != (V,) or (used[1:] <= used[:-1]).any() or used.min() < 0 or used.max() >= Vt:
-            raise ValueError(f"set_vocab: need {V} strictly ascending target ids in [0, {Vt}), got shape "
-                             f"{tuple(used.shape)}")
+            raise ValueError(
+                f"set_vocab: need {V} strictly ascending target ids in [0, {Vt}), got shape {tuple(used.shape)}"
+            )
         d2t, t2d = vocab_maps(used, Vt)  # CPU: callers may run under a `with torch.device("cuda")` context
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
 
     @torch.no_grad()
-    def init_from_target(self, embed_weight: torch.Tensor, lm_head_weight: torch.Tensor | None = None,
-                         final_norm_weight: torch.Tensor | None = None) -> None:
+    def init_from_target(
+        self,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor | None = None,
+        final_norm_weight: torch.Tensor | None = None,
+    ) -> None:
         """Copy the target's embedding (frozen); optionally start lm_head from the target's rows of the
         draft vocab and `norm` from its final norm (a better start than random; EAGLE-3 keeps both trainable)."""
         if tuple(embed_weight.shape) != tuple(self.embed_tokens.weight.shape):
-            raise EyasError(f"target embedding has shape {tuple(embed_weight.shape)}, the drafter expects "
-                            f"{tuple(self.embed_tokens.weight.shape)} (vocab x hidden)")
+            raise EyasError(
+                f"target embedding has shape {tuple(embed_weight.shape)}, the drafter expects "
+                f"{tuple(self.embed_tokens.weight.shape)} (vocab x hidden)"
+            )
         self.embed_tokens.weight.copy_(embed_weight)
         if lm_head_weight is not None:
             self.lm_head.weight.copy_(lm_head_weight[self.used_target_ids().to(lm_head_weight.device)])
@@ -420,8 +447,10 @@ class Eagle3Drafter(nn.Module):
         if aux.dim() == 4:
             aux = aux.flatten(-2)
         if aux.shape[-1] != self.config.fc_in_features:
-            raise ValueError(f"aux width {aux.shape[-1]} != {len(self.config.aux_layer_ids)} aux layers x "
-                             f"target hidden {self.config.target_hidden_size}")
+            raise ValueError(
+                f"aux width {aux.shape[-1]} != {len(self.config.aux_layer_ids)} aux layers x "
+                f"target hidden {self.config.target_hidden_size}"
+            )
         return self.fc(aux.to(self.fc.weight.dtype) if not torch.is_autocast_enabled(aux.device.type) else aux)
 
     def compute_logits(self, hidden_prenorm_BTD: torch.Tensor) -> torch.Tensor:
@@ -466,7 +495,9 @@ class Eagle3Drafter(nn.Module):
             cache plus the new tokens (query i sees all cached keys and new keys 0..i).
         """
         emb = self.embed_tokens(input_ids_BT)
-        dtype = emb.dtype if not torch.is_autocast_enabled(emb.device.type) else torch.get_autocast_dtype(emb.device.type)
+        dtype = (
+            emb.dtype if not torch.is_autocast_enabled(emb.device.type) else torch.get_autocast_dtype(emb.device.type)
+        )
         cos, sin = self.rope(position_ids_BT, dtype)
         q, k, v = self.midlayer.project_qkv(emb, feature_BTD, cos, sin)
         T = q.shape[2]
@@ -478,23 +509,26 @@ class Eagle3Drafter(nn.Module):
         if attention_mask.dim() == 3:
             attention_mask = attention_mask[:, None]
         g = self.config.num_attention_heads // self.config.num_key_value_heads
-        out = F.scaled_dot_product_attention(q, repeat_kv(k, g).to(q.dtype), repeat_kv(v, g).to(q.dtype),
-                                             attn_mask=attention_mask)
+        out = F.scaled_dot_product_attention(
+            q, repeat_kv(k, g).to(q.dtype), repeat_kv(v, g).to(q.dtype), attn_mask=attention_mask
+        )
         hidden = self.midlayer.finish(out, feature_BTD)
         return hidden, self.compute_logits(hidden)
 
     # -- files --------------------------------------------------------------------------------
 
-    def save(self, out_dir: str | Path, *, target: dict[str, Any] | None = None,
-             extra: dict[str, Any] | None = None) -> Path:
+    def save(
+        self, out_dir: str | Path, *, target: dict[str, Any] | None = None, extra: dict[str, Any] | None = None
+    ) -> Path:
         """Write the eyas layout: config.json (every DrafterConfig field + target identity), model.safetensors."""
         from eyas.drafter.writer import write_eyas
 
         return write_eyas(out_dir, self.config, self.state_dict(), target=target, extra=extra)
 
     @classmethod
-    def load(cls, path: str | Path, *, device: str | torch.device = "cpu",
-             dtype: torch.dtype = torch.float32) -> Eagle3Drafter:
+    def load(
+        cls, path: str | Path, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+    ) -> Eagle3Drafter:
         """Load a drafter saved by `save`; checks that every SGLang key is present with its shape."""
         from safetensors.torch import load_file
 
@@ -505,7 +539,9 @@ class Eagle3Drafter(nn.Module):
         w_file = path / WEIGHTS_FILE
         config, _meta = read_eyas_config(path)
         if not w_file.exists():
-            raise EyasError(f"{path} is not an eyas drafter directory (needs {WEIGHTS_FILE}); train one with `eyas train`")
+            raise EyasError(
+                f"{path} is not an eyas drafter directory (needs {WEIGHTS_FILE}); train one with `eyas train`"
+            )
         model = cls(config)
         sd = load_file(str(w_file))
         want = model.state_dict()
@@ -513,11 +549,12 @@ class Eagle3Drafter(nn.Module):
         unexpected = sorted(set(sd) - set(want))
         bad = [k for k in want if k in sd and tuple(sd[k].shape) != tuple(want[k].shape)]
         if missing or unexpected or bad:
-            raise EyasError(f"{w_file}: missing keys {missing[:5]}, unexpected {unexpected[:5]}, "
-                            f"wrong shapes {bad[:5]}; the file does not match its config.json")
+            raise EyasError(
+                f"{w_file}: missing keys {missing[:5]}, unexpected {unexpected[:5]}, "
+                f"wrong shapes {bad[:5]}; the file does not match its config.json"
+            )
         model.load_state_dict(sd)
         return model.to(device=device, dtype=dtype)  # d2t (int64) and t2d (bool) keep their dtypes
 
     def num_trainable_params(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
-

@@ -38,8 +38,10 @@ if TYPE_CHECKING:
 
 def _read_json(path: Path, *, what: str) -> dict[str, Any]:
     if not path.is_file():
-        raise EyasError(f"--drafter {path.parent}: no {path.name}; expected an eyas, SGLang or vLLM/speculators "
-                        f"drafter directory ({what})")
+        raise EyasError(
+            f"--drafter {path.parent}: no {path.name}; expected an eyas, SGLang or vLLM/speculators "
+            f"drafter directory ({what})"
+        )
     try:
         return json.loads(path.read_text())
     except json.JSONDecodeError as exc:
@@ -130,7 +132,9 @@ def _build(**values) -> DrafterConfig:
 
 def _default_ids(target_layers: int | None, *, where: str) -> list[int]:
     if target_layers is None:
-        raise EyasError(f"--drafter {where}: the config names no aux layer ids and no target was given to derive the default")
+        raise EyasError(
+            f"--drafter {where}: the config names no aux layer ids and no target was given to derive the default"
+        )
     return default_aux_layer_ids(target_layers)
 
 
@@ -138,8 +142,9 @@ def _default_ids(target_layers: int | None, *, where: str) -> list[int]:
 # per-layout config readers
 
 
-def _config_from_sglang(cfg: dict[str, Any], *, where: str, target_layers: int | None,
-                        target_model_type: str | None) -> tuple[DrafterConfig, Provenance]:
+def _config_from_sglang(
+    cfg: dict[str, Any], *, where: str, target_layers: int | None, target_model_type: str | None
+) -> tuple[DrafterConfig, Provenance]:
     _check_single_llama_layer(cfg, where=where)
     dims = llama_dims(cfg, where=f"--drafter {where}")
     sgl_ids = (cfg.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
@@ -165,7 +170,9 @@ def _config_from_sglang(cfg: dict[str, Any], *, where: str, target_layers: int |
 def _speculators_layer(cfg: dict[str, Any], *, where: str) -> dict[str, Any]:
     """The draft layer's Llama config of a speculators config, after refusing the variants eyas does not read."""
     if cfg.get("speculators_model_type", "eagle3") != "eagle3":
-        raise EyasError(f"--drafter {where}: speculators_model_type={cfg.get('speculators_model_type')!r}; only eagle3 is supported")
+        raise EyasError(
+            f"--drafter {where}: speculators_model_type={cfg.get('speculators_model_type')!r}; only eagle3 is supported"
+        )
     for flag in ("norm_before_fc", "fc_norm", "norm_output"):
         if cfg.get(flag):
             raise EyasError(f"--drafter {where}: {flag}=true is a speculators variant eyas does not evaluate")
@@ -176,8 +183,9 @@ def _speculators_layer(cfg: dict[str, Any], *, where: str) -> dict[str, Any]:
     return layer
 
 
-def _config_from_speculators(cfg: dict[str, Any], *, where: str, target_layers: int | None,
-                             target_model_type: str | None) -> tuple[DrafterConfig, Provenance]:
+def _config_from_speculators(
+    cfg: dict[str, Any], *, where: str, target_layers: int | None, target_model_type: str | None
+) -> tuple[DrafterConfig, Provenance]:
     layer = _speculators_layer(cfg, where=where)
     dims = llama_dims(layer, where=f"--drafter {where}")
     ids = cfg.get("eagle_aux_hidden_state_layer_ids")
@@ -206,8 +214,10 @@ def _eyas_config(meta: dict[str, Any], directory: Path) -> DrafterConfig:
     from eyas.drafter.model import DrafterConfig
 
     if meta.get("schema") != SCHEMA or not isinstance(meta.get("drafter"), dict):
-        raise EyasError(f"{directory / CONFIG_FILE}: schema {meta.get('schema')!r}, expected {SCHEMA!r} with a "
-                        "`drafter` object; train one with `eyas train`")
+        raise EyasError(
+            f"{directory / CONFIG_FILE}: schema {meta.get('schema')!r}, expected {SCHEMA!r} with a "
+            "`drafter` object; train one with `eyas train`"
+        )
     try:
         return DrafterConfig.from_dict(meta["drafter"])
     except (KeyError, TypeError, ValueError) as exc:
@@ -223,7 +233,7 @@ def canonical_weights(raw: dict[str, torch.Tensor], *, where: str) -> dict[str, 
     out: dict[str, torch.Tensor] = {}
     unknown = []
     for name, tensor in raw.items():
-        key = name[len("model."):] if name.startswith("model.") else name
+        key = name[len("model.") :] if name.startswith("model.") else name
         key = key.replace("layers.0.", "midlayer.", 1) if key.startswith("layers.0.") else key
         if key in IGNORED_KEYS:
             continue
@@ -248,7 +258,9 @@ def complete_vocab_maps(config: DrafterConfig, weights: dict[str, torch.Tensor],
 
     vd, v = config.draft_vocab_size, config.vocab_size
     if weights["lm_head.weight"].shape[0] != vd:
-        raise EyasError(f"--drafter {where}: lm_head has {weights['lm_head.weight'].shape[0]} rows but draft_vocab_size={vd}")
+        raise EyasError(
+            f"--drafter {where}: lm_head has {weights['lm_head.weight'].shape[0]} rows but draft_vocab_size={vd}"
+        )
     if "d2t" not in weights:
         if vd != v:
             raise EyasError(f"--drafter {where}: no d2t map but draft_vocab_size {vd} != vocab_size {v}")
@@ -263,7 +275,6 @@ def complete_vocab_maps(config: DrafterConfig, weights: dict[str, torch.Tensor],
     if "t2d" in weights and not torch.equal(weights["t2d"].to(torch.bool), t2d):
         raise EyasError(f"--drafter {where}: t2d disagrees with d2t (they must mark the same target ids)")
     weights["d2t"], weights["t2d"] = d2t, t2d
-
 
 
 def expected_shapes(config: DrafterConfig, *, with_embed: bool) -> dict[str, tuple[int, ...]]:
@@ -301,8 +312,9 @@ def check_shapes(config: DrafterConfig, weights: dict[str, torch.Tensor], *, whe
 # reading any layout
 
 
-def read_drafter(directory: str | Path, *, target_layers: int | None = None,
-                 target_model_type: str | None = None) -> DraftCheckpoint:
+def read_drafter(
+    directory: str | Path, *, target_layers: int | None = None, target_model_type: str | None = None
+) -> DraftCheckpoint:
     """Read any supported drafter directory; `target_layers` supplies default aux ids when needed,
     `target_model_type` the conversion rule of SGLang ids (DeepSeek differs)."""
     directory = Path(directory)
@@ -315,11 +327,13 @@ def read_drafter(directory: str | Path, *, target_layers: int | None = None,
         config = _eyas_config(cfg, directory)
         provenance = Provenance(format="eyas", layer_ids=list(config.aux_layer_ids))
     elif fmt == "sglang":
-        config, provenance = _config_from_sglang(cfg, where=where, target_layers=target_layers,
-                                                 target_model_type=target_model_type)
+        config, provenance = _config_from_sglang(
+            cfg, where=where, target_layers=target_layers, target_model_type=target_model_type
+        )
     else:
-        config, provenance = _config_from_speculators(cfg, where=where, target_layers=target_layers,
-                                                      target_model_type=target_model_type)
+        config, provenance = _config_from_speculators(
+            cfg, where=where, target_layers=target_layers, target_model_type=target_model_type
+        )
     if target_model_type and not config.target_model_type:
         config.target_model_type = target_model_type
     weights = canonical_weights(read_weights(directory), where=where)
@@ -333,8 +347,10 @@ def check_drafter_dir(directory: str | Path) -> str:
     reading config.json only (so eval and generate fail before the target loads); returns the layout."""
     directory = Path(directory)
     if not directory.is_dir():
-        raise EyasError(f"--drafter {directory}: not a directory (expected `eyas train`'s <out>/drafter or an "
-                        "`eyas export` directory)")
+        raise EyasError(
+            f"--drafter {directory}: not a directory (expected `eyas train`'s <out>/drafter or an "
+            "`eyas export` directory)"
+        )
     path = directory / CONFIG_FILE
     cfg = _read_json(path, what="config.json names the layout")
     if not isinstance(cfg, dict):

@@ -17,8 +17,14 @@ if TYPE_CHECKING:
     from eyas.drafter.model import DrafterConfig
 
 
-def write_eyas(out_dir: str | Path, config: DrafterConfig, weights: dict[str, torch.Tensor], *,
-               target: dict[str, Any] | None = None, extra: dict[str, Any] | None = None) -> Path:
+def write_eyas(
+    out_dir: str | Path,
+    config: DrafterConfig,
+    weights: dict[str, torch.Tensor],
+    *,
+    target: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """The eyas layout: config.json (every DrafterConfig field + target identity) and model.safetensors."""
     from safetensors.torch import save_file
 
@@ -35,7 +41,7 @@ def write_eyas(out_dir: str | Path, config: DrafterConfig, weights: dict[str, to
 
 
 def speculators_key(name: str) -> str:
-    return "layers.0." + name[len("midlayer."):] if name.startswith("midlayer.") else name
+    return "layers.0." + name[len("midlayer.") :] if name.startswith("midlayer.") else name
 
 
 def _rope_fields(config: DrafterConfig) -> dict[str, Any]:
@@ -77,15 +83,23 @@ def sglang_config(config: DrafterConfig, *, dtype: str) -> dict[str, Any]:
         "draft_vocab_size": config.draft_vocab_size,
         "target_hidden_size": config.target_hidden_size,
         "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(config.aux_layer_ids, "sglang",
-                                                                 model_type=config.target_model_type),
+            "eagle_aux_hidden_state_layer_ids": engine_layer_ids(
+                config.aux_layer_ids, "sglang", model_type=config.target_model_type
+            ),
             "use_aux_hidden_state": True,
         },
     }
 
 
-def vllm_config(config: DrafterConfig, *, dtype: str, verifier: str | None, speculative_tokens: int,
-                verifier_architectures: list[str] | None = None, verifier_path: str | None = None) -> dict[str, Any]:
+def vllm_config(
+    config: DrafterConfig,
+    *,
+    dtype: str,
+    verifier: str | None,
+    speculative_tokens: int,
+    verifier_architectures: list[str] | None = None,
+    verifier_path: str | None = None,
+) -> dict[str, Any]:
     """The speculators layout. `verifier` is what `vllm serve <dir>` serves as the target (a Hub id);
     `verifier_path` the local target directory, kept where vLLM does not look."""
     return {
@@ -112,8 +126,9 @@ def is_full_vocab(config: DrafterConfig, weights: dict[str, torch.Tensor]) -> bo
     return config.draft_vocab_size == config.vocab_size and not bool(weights["d2t"].any())
 
 
-def engine_weights(weights: dict[str, torch.Tensor], fmt: str, *, dtype: torch.dtype | None,
-                   full_vocab: bool = False) -> dict[str, torch.Tensor]:
+def engine_weights(
+    weights: dict[str, torch.Tensor], fmt: str, *, dtype: torch.dtype | None, full_vocab: bool = False
+) -> dict[str, torch.Tensor]:
     """Rename for `fmt` (sglang | vllm); float tensors cast to `dtype` (None keeps theirs); d2t int64,
     t2d bool, both left out for a full-vocabulary drafter (vLLM has no parameter to load d2t into then)."""
     out = {}
@@ -130,9 +145,17 @@ def engine_weights(weights: dict[str, torch.Tensor], fmt: str, *, dtype: torch.d
     return out
 
 
-def write_engine_layout(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype: torch.dtype | None = None,
-                        verifier: str | None = None, verifier_architectures: list[str] | None = None,
-                        verifier_path: str | None = None, speculative_tokens: int = 3) -> dict[str, Any]:
+def write_engine_layout(
+    ckpt: DraftCheckpoint,
+    fmt: str,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    verifier: str | None = None,
+    verifier_architectures: list[str] | None = None,
+    verifier_path: str | None = None,
+    speculative_tokens: int = 3,
+) -> dict[str, Any]:
     """Write config.json + model.safetensors for `fmt` into `out_dir`; returns what was written
     (config, weight keys, dtype name, full_vocab)."""
     from safetensors.torch import save_file
@@ -144,8 +167,10 @@ def write_engine_layout(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype
     config = ckpt.config
     if len(config.aux_layer_ids) != 3:
         # both engines size fc as 3 x target_hidden_size (SGLang LlamaModel, vLLM Eagle3 LlamaModel)
-        raise EyasError(f"the drafter reads {len(config.aux_layer_ids)} aux layers {config.aux_layer_ids}; SGLang and "
-                        "vLLM serve EAGLE-3 drafters with exactly 3 (low, mid, high)")
+        raise EyasError(
+            f"the drafter reads {len(config.aux_layer_ids)} aux layers {config.aux_layer_ids}; SGLang and "
+            "vLLM serve EAGLE-3 drafters with exactly 3 (low, mid, high)"
+        )
     full_vocab = is_full_vocab(config, ckpt.weights)
     weights = engine_weights(ckpt.weights, fmt, dtype=dtype, full_vocab=full_vocab)
     float_dtypes = {str(t.dtype).replace("torch.", "") for t in weights.values() if t.is_floating_point()}
@@ -153,8 +178,14 @@ def write_engine_layout(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype
     if fmt == "sglang":
         cfg = sglang_config(config, dtype=dtype_name)
     else:
-        cfg = vllm_config(config, dtype=dtype_name, verifier=verifier, speculative_tokens=speculative_tokens,
-                          verifier_architectures=verifier_architectures, verifier_path=verifier_path)
+        cfg = vllm_config(
+            config,
+            dtype=dtype_name,
+            verifier=verifier,
+            speculative_tokens=speculative_tokens,
+            verifier_architectures=verifier_architectures,
+            verifier_path=verifier_path,
+        )
     save_file(weights, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
     honour_umask(out_dir / WEIGHTS_FILE)
     (out_dir / CONFIG_FILE).write_text(json.dumps(cfg, indent=2) + "\n")

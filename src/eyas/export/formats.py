@@ -34,8 +34,10 @@ FORMATS = ENGINES
 SCHEMA = "eyas.export/1"
 SPECULATIVE_TOKENS = 5
 """num_speculative_tokens the vllm format writes unless --speculative-tokens is given."""
-VLLM_ONLY = {"verifier": "the speculators config names the verifier",
-             "speculative_tokens": "the speculators config's proposal method takes it"}
+VLLM_ONLY = {
+    "verifier": "the speculators config names the verifier",
+    "speculative_tokens": "the speculators config's proposal method takes it",
+}
 """`eyas export` options only the vllm format writes (ExportOptions fields): given with no vllm format, refused."""
 
 
@@ -49,14 +51,20 @@ def check_verifier(verifier: str | None, *, option: str = "--verifier") -> None:
         return
     if Path(verifier).is_dir():
         if not (Path(verifier) / "config.json").is_file():
-            raise EyasError(f"{option} {verifier}: a directory without config.json; expected a Hub repository id "
-                            "OWNER/NAME or a model directory with config.json")
+            raise EyasError(
+                f"{option} {verifier}: a directory without config.json; expected a Hub repository id "
+                "OWNER/NAME or a model directory with config.json"
+            )
     elif not HUB_ID.match(verifier) or ".." in verifier:
-        raise EyasError(f"{option} {verifier!r}: neither a local target directory nor a Hub repository id "
-                        "(owner/name); pass the id the target is published under")
+        raise EyasError(
+            f"{option} {verifier!r}: neither a local target directory nor a Hub repository id "
+            "(owner/name); pass the id the target is published under"
+        )
 
 
-def resolve_verifier(verifier: str | None, recorded_path: str | None) -> tuple[str | None, str | None, list[str] | None]:
+def resolve_verifier(
+    verifier: str | None, recorded_path: str | None
+) -> tuple[str | None, str | None, list[str] | None]:
     """(Hub repository id, local target path, architectures) for speculators_config.verifier.
 
     `verifier` is a Hub id or a local target directory; None = the target recorded in the drafter.
@@ -79,14 +87,31 @@ def resolve_verifier(verifier: str | None, recorded_path: str | None) -> tuple[s
     return hub, (str(Path(local).resolve()) if local else None), arch
 
 
-def write_export(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype: torch.dtype | None = None,
-                 verifier: str | None = None, verifier_architectures: list[str] | None = None,
-                 verifier_path: str | None = None, speculative_tokens: int = 3, source_meta: dict[str, Any] | None = None) -> dict[str, Any]:
+def write_export(
+    ckpt: DraftCheckpoint,
+    fmt: str,
+    out_dir: Path,
+    *,
+    dtype: torch.dtype | None = None,
+    verifier: str | None = None,
+    verifier_architectures: list[str] | None = None,
+    verifier_path: str | None = None,
+    speculative_tokens: int = 3,
+    source_meta: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """Write the layout into `out_dir` (an empty directory). Returns the provenance record."""
     from eyas.common import sha256_file
 
-    written = write_engine_layout(ckpt, fmt, out_dir, dtype=dtype, verifier=verifier, verifier_path=verifier_path,
-                                  verifier_architectures=verifier_architectures, speculative_tokens=speculative_tokens)
+    written = write_engine_layout(
+        ckpt,
+        fmt,
+        out_dir,
+        dtype=dtype,
+        verifier=verifier,
+        verifier_path=verifier_path,
+        verifier_architectures=verifier_architectures,
+        speculative_tokens=speculative_tokens,
+    )
     config, spec = written["config"], ckpt.config
     record = {
         "schema": SCHEMA,
@@ -94,24 +119,39 @@ def write_export(ckpt: DraftCheckpoint, fmt: str, out_dir: Path, *, dtype: torch
         "source": {"path": str(ckpt.path.resolve()), "format": ckpt.provenance.format, **(source_meta or {})},
         "aux_layer_ids": {
             CONVENTION: spec.aux_layer_ids,
-            "sglang (output of layer k)": engine_layer_ids(spec.aux_layer_ids, "sglang", model_type=spec.target_model_type),
+            "sglang (output of layer k)": engine_layer_ids(
+                spec.aux_layer_ids, "sglang", model_type=spec.target_model_type
+            ),
             "vllm (input of layer i)": engine_layer_ids(spec.aux_layer_ids, "vllm"),
-            "written": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] if fmt == "sglang"
+            "written": config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+            if fmt == "sglang"
             else config["eagle_aux_hidden_state_layer_ids"],
         },
         "dtype": written["dtype"],
         "full_vocab": written["full_vocab"],
         "verifier": {"name_or_path": verifier, "local_path": verifier_path} if fmt == "vllm" else None,
-        "weights": {"file": "model.safetensors", "sha256": sha256_file(out_dir / "model.safetensors"),
-                    "keys": written["keys"]},
+        "weights": {
+            "file": "model.safetensors",
+            "sha256": sha256_file(out_dir / "model.safetensors"),
+            "keys": written["keys"],
+        },
     }
     (out_dir / "eyas_export.json").write_text(json.dumps(record, indent=2) + "\n")
     return record
 
 
-def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite: bool = False, dtype: str = "keep",
-                   verifier: str | None = None, speculative_tokens: int | None = None,
-                   target_layers: int | None = None, allow_other_target: bool = False) -> dict[str, Any]:
+def export_drafter(
+    drafter: str | Path,
+    fmt: str,
+    out: str | Path,
+    *,
+    overwrite: bool = False,
+    dtype: str = "keep",
+    verifier: str | None = None,
+    speculative_tokens: int | None = None,
+    target_layers: int | None = None,
+    allow_other_target: bool = False,
+) -> dict[str, Any]:
     """Read any drafter directory and write it atomically in `fmt` layout; returns the CLI summary.
     `speculative_tokens`: the vllm format's num_speculative_tokens, SPECULATIVE_TOKENS when None. A local
     `verifier` must be the target an eyas drafter was trained for, unless `allow_other_target`."""
@@ -138,14 +178,22 @@ def export_drafter(drafter: str | Path, fmt: str, out: str | Path, *, overwrite:
 
         check_drafter_target(drafter, local, allow=allow_other_target, option="--verifier")
     if fmt == "vllm" and hub is None:
-        log(f"export: no Hub repository id for the target (--verifier, or `_name_or_path` in its config): "
+        log(
+            f"export: no Hub repository id for the target (--verifier, or `_name_or_path` in its config): "
             f"`vllm serve {out}` will refuse the local path; serve with `vllm serve <target> --speculative-config "
-            f"'{{\"method\": \"eagle3\", \"model\": \"{out}\"}}'` or export again with --verifier OWNER/NAME")
+            f'\'{{"method": "eagle3", "model": "{out}"}}\'` or export again with --verifier OWNER/NAME'
+        )
     with atomic_directory(out, overwrite=overwrite, kind="export") as tmp:
         record = write_export(
-            ckpt, fmt, tmp, dtype=weights_dtype,
-            verifier=hub or local, verifier_path=local, verifier_architectures=arch,
-            speculative_tokens=speculative_tokens, source_meta={"target": recorded} if recorded else None,
+            ckpt,
+            fmt,
+            tmp,
+            dtype=weights_dtype,
+            verifier=hub or local,
+            verifier_path=local,
+            verifier_architectures=arch,
+            speculative_tokens=speculative_tokens,
+            source_meta={"target": recorded} if recorded else None,
         )
     return {
         "out": str(out),

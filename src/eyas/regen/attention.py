@@ -49,12 +49,32 @@ def triton_unavailable(device: torch.device) -> str | None:
 if triton is not None:
 
     @triton.jit
-    def _decode_split(Q, Kc, Vc, LEN,
-                      O,  # noqa: E741 (the output, beside Q, M, L)
-                      M, L, scale,
-                      s_qb, s_qh, s_kb, s_kh, s_ks, s_ob, s_oh, s_op, s_mb, s_mh,
-                      G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, SPLIT_: tl.constexpr,
-                      BN: tl.constexpr, IEEE: tl.constexpr):
+    def _decode_split(
+        Q,
+        Kc,
+        Vc,
+        LEN,
+        O,  # noqa: E741 (the output, beside Q, M, L)
+        M,
+        L,
+        scale,
+        s_qb,
+        s_qh,
+        s_kb,
+        s_kh,
+        s_ks,
+        s_ob,
+        s_oh,
+        s_op,
+        s_mb,
+        s_mh,
+        G: tl.constexpr,
+        GP: tl.constexpr,
+        D: tl.constexpr,
+        SPLIT_: tl.constexpr,
+        BN: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
         b = tl.program_id(0)
         kh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -95,8 +115,9 @@ if triton is not None:
         tl.store(L + b * s_mb + heads * s_mh + sp, l_i, mask=gmask)
 
 
-def decode_triton(q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor, len_B: torch.Tensor,
-                  scale: float) -> torch.Tensor:
+def decode_triton(
+    q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor, len_B: torch.Tensor, scale: float
+) -> torch.Tensor:
     """softmax(q k^T * scale) v over keys [0, len_b) of each row; [B, H, d] in q's dtype.
 
     len_B must be >= 1 for every row (an empty row has no softmax). No host syncs."""
@@ -109,11 +130,31 @@ def decode_triton(q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tenso
     m_BHP = torch.empty(B, H, P, device=q_BHd.device, dtype=torch.float32)
     l_BHP = torch.empty_like(m_BHP)
     _decode_split[(B, K, P)](
-        q_BHd, k_BKSd, v_BKSd, len_B, o_BHPd, m_BHP, l_BHP, float(scale),
-        q_BHd.stride(0), q_BHd.stride(1), k_BKSd.stride(0), k_BKSd.stride(1), k_BKSd.stride(2),
-        o_BHPd.stride(0), o_BHPd.stride(1), o_BHPd.stride(2), m_BHP.stride(0), m_BHP.stride(1),
-        G=G, GP=max(16, triton.next_power_of_2(G)), D=D, SPLIT_=SPLIT, BN=BLOCK_N,
-        IEEE=q_BHd.dtype == torch.float32, num_warps=4,
+        q_BHd,
+        k_BKSd,
+        v_BKSd,
+        len_B,
+        o_BHPd,
+        m_BHP,
+        l_BHP,
+        float(scale),
+        q_BHd.stride(0),
+        q_BHd.stride(1),
+        k_BKSd.stride(0),
+        k_BKSd.stride(1),
+        k_BKSd.stride(2),
+        o_BHPd.stride(0),
+        o_BHPd.stride(1),
+        o_BHPd.stride(2),
+        m_BHP.stride(0),
+        m_BHP.stride(1),
+        G=G,
+        GP=max(16, triton.next_power_of_2(G)),
+        D=D,
+        SPLIT_=SPLIT,
+        BN=BLOCK_N,
+        IEEE=q_BHd.dtype == torch.float32,
+        num_warps=4,
     )
     # Merge the splits: split p's partial sum weighs exp(m_p - max_p m_p); empty splits have m = -inf.
     w_BHP = torch.exp(m_BHP - m_BHP.amax(-1, keepdim=True))
@@ -121,16 +162,18 @@ def decode_triton(q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tenso
     return out_BHd.to(q_BHd.dtype)
 
 
-def decode_reference(q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor, len_B: torch.Tensor,
-                     scale: float, span: int) -> torch.Tensor:
+def decode_reference(
+    q_BHd: torch.Tensor, k_BKSd: torch.Tensor, v_BKSd: torch.Tensor, len_B: torch.Tensor, scale: float, span: int
+) -> torch.Tensor:
     """The same attention with SDPA over keys [0, span) masked to each row's length (span >= max len).
 
     Grouped-query without copying the cache: the G query heads of a KV head are G query "positions"."""
     B, H, D = q_BHd.shape
     K = k_BKSd.shape[1]
     mask_B11S = (torch.arange(span, device=q_BHd.device)[None, :] < len_B[:, None])[:, None, None, :]
-    o = F.scaled_dot_product_attention(q_BHd.reshape(B, K, H // K, D), k_BKSd[:, :, :span], v_BKSd[:, :, :span],
-                                       attn_mask=mask_B11S, scale=scale)
+    o = F.scaled_dot_product_attention(
+        q_BHd.reshape(B, K, H // K, D), k_BKSd[:, :, :span], v_BKSd[:, :, :span], attn_mask=mask_B11S, scale=scale
+    )
     return o.reshape(B, H, D)
 
 
@@ -145,8 +188,9 @@ def flash_varlen_unavailable(device: torch.device, dtype: torch.dtype) -> str | 
     return None
 
 
-def prefill_flash(q_THd: torch.Tensor, k_TKd: torch.Tensor, v_TKd: torch.Tensor, cu_N1: torch.Tensor,
-                  max_len: int, scale: float) -> torch.Tensor:
+def prefill_flash(
+    q_THd: torch.Tensor, k_TKd: torch.Tensor, v_TKd: torch.Tensor, cu_N1: torch.Tensor, max_len: int, scale: float
+) -> torch.Tensor:
     """Causal attention within each packed prompt, one varlen flash call; [T, H, d].
 
     The KV heads are repeated to the query heads first (a prefill-sized copy, small next to the
@@ -154,13 +198,15 @@ def prefill_flash(q_THd: torch.Tensor, k_TKd: torch.Tensor, v_TKd: torch.Tensor,
     G = q_THd.shape[1] // k_TKd.shape[1]
     if G > 1:
         k_TKd, v_TKd = k_TKd.repeat_interleave(G, dim=1), v_TKd.repeat_interleave(G, dim=1)
-    out = torch.ops.aten._flash_attention_forward(q_THd, k_TKd.contiguous(), v_TKd.contiguous(), cu_N1, cu_N1,
-                                                  max_len, max_len, 0.0, True, False, scale=scale)
+    out = torch.ops.aten._flash_attention_forward(
+        q_THd, k_TKd.contiguous(), v_TKd.contiguous(), cu_N1, cu_N1, max_len, max_len, 0.0, True, False, scale=scale
+    )
     return out[0]
 
 
-def prefill_per_prompt(q_THd: torch.Tensor, k_TKd: torch.Tensor, v_TKd: torch.Tensor, lens: list[int],
-                       scale: float) -> torch.Tensor:
+def prefill_per_prompt(
+    q_THd: torch.Tensor, k_TKd: torch.Tensor, v_TKd: torch.Tensor, lens: list[int], scale: float
+) -> torch.Tensor:
     """The same with SDPA per prompt over its slice (CPU, fp32, and the reference); [T, H, d]."""
     G = q_THd.shape[1] // k_TKd.shape[1]
     out, start = [], 0
@@ -170,6 +216,8 @@ def prefill_per_prompt(q_THd: torch.Tensor, k_TKd: torch.Tensor, v_TKd: torch.Te
         v = v_TKd[start : start + n].transpose(0, 1)
         if G > 1:
             k, v = k.repeat_interleave(G, dim=0), v.repeat_interleave(G, dim=0)
-        out.append(F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0].transpose(0, 1))
+        out.append(
+            F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=scale)[0].transpose(0, 1)
+        )
         start += n
     return torch.cat(out, 0)

@@ -89,8 +89,15 @@ def plan(messages: list[dict[str, Any]], max_turns: int | None) -> tuple[list[di
 class Regenerator:
     """Owns the open conversations; the engine calls `pull` and `deliver` (same thread)."""
 
-    def __init__(self, items: Iterable[tuple[int, Any]], writer: ChatsWriter, *, sampling: Sampling,
-                 options: RegenOptions, total: int | None = None):
+    def __init__(
+        self,
+        items: Iterable[tuple[int, Any]],
+        writer: ChatsWriter,
+        *,
+        sampling: Sampling,
+        options: RegenOptions,
+        total: int | None = None,
+    ):
         self.items: Iterator[tuple[int, Any]] = iter(items)
         self.writer, self.sampling, self.opt = writer, sampling, options
         self.open: dict[int, _Open] = {}
@@ -185,8 +192,15 @@ class Regenerator:
         answered = sum(1 for m in conv.messages if m["role"] == "assistant")
         if answered:
             record = {"id": conv.id, "messages": conv.messages}
-            self.writer.add(conv.index, conv.id, record, failures=conv.failures, tokens=conv.tokens,
-                            turns=answered, truncated=conv.truncated)
+            self.writer.add(
+                conv.index,
+                conv.id,
+                record,
+                failures=conv.failures,
+                tokens=conv.tokens,
+                turns=answered,
+                truncated=conv.truncated,
+            )
         else:
             self.writer.add(conv.index, conv.id, None, reason=reason, failures=conv.failures, tokens=conv.tokens)
         self._decided()
@@ -195,7 +209,9 @@ class Regenerator:
         self.decided += 1
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s", refresh=False)
+            self.bar.set_postfix_str(
+                f"{self.tokens / max(time.perf_counter() - self.t0, 1e-9):,.0f} tok/s", refresh=False
+            )
         now = time.perf_counter()
         if self.writer.buffered >= self.opt.commit_every or now - self.last_commit >= self.opt.commit_seconds:
             self.commit()
@@ -228,8 +244,10 @@ class Regenerator:
         except BaseException:
             self.bar.close()
             self.commit()
-            log(f"regen: stopped; {self.writer.counts()['conversations']:,} conversations committed "
-                "(rerun the same command to resume)")
+            log(
+                f"regen: stopped; {self.writer.counts()['conversations']:,} conversations committed "
+                "(rerun the same command to resume)"
+            )
             raise
         self.bar.close()
         assert not self.open and not self.ready, (len(self.open), len(self.ready))

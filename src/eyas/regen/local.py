@@ -85,8 +85,14 @@ class _LocalBase:
             ids = render_prompt(self.tokenizer, req.messages)
             room = self.max_len - len(ids)
             if room < 1:
-                deliver(Result(req.key, prompt_tokens=len(ids), failure=CONTEXT_OVERFLOW,
-                               detail=f"prompt of {len(ids)} tokens leaves no room within max_len {self.max_len}"))
+                deliver(
+                    Result(
+                        req.key,
+                        prompt_tokens=len(ids),
+                        failure=CONTEXT_OVERFLOW,
+                        detail=f"prompt of {len(ids)} tokens leaves no room within max_len {self.max_len}",
+                    )
+                )
                 continue
             ready.append(_Prepared(req, ids, min(req.max_new_tokens, room)))
         self.pending = ready + self.pending if front else self.pending + ready
@@ -97,17 +103,32 @@ class _LocalBase:
         self.new_tokens += len(tokens)
         self.requests += 1
         text = self.tokenizer.decode(body, skip_special_tokens=True)
-        return Result(p.req.key, text=text, prompt_tokens=len(p.ids), new_tokens=len(tokens),
-                      truncated=not ended, token_ids=body)
+        return Result(
+            p.req.key, text=text, prompt_tokens=len(p.ids), new_tokens=len(tokens), truncated=not ended, token_ids=body
+        )
 
 
 class StaticEngine(_LocalBase):
     """Batched decode over a static KV cache with continuous refill; CUDA graphs on GPU."""
 
-    def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
-                 use_graphs: bool | None = None, sync_every: int | None = None, prefill_tokens: int | None = None,
-                 refill_min: int | None = None, min_span: int = 256, prefetch: int | None = None,
-                 attention: str = "auto", prefill: str = "auto"):
+    def __init__(
+        self,
+        model,
+        tokenizer,
+        *,
+        sampling: Sampling,
+        max_len: int,
+        batch: int,
+        max_new_tokens: int,
+        use_graphs: bool | None = None,
+        sync_every: int | None = None,
+        prefill_tokens: int | None = None,
+        refill_min: int | None = None,
+        min_span: int = 256,
+        prefetch: int | None = None,
+        attention: str = "auto",
+        prefill: str = "auto",
+    ):
         super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
         on_cuda = self.device.type == "cuda"
         # The cache length is rounded up to a multiple of 64 so every attention span keeps the key
@@ -212,8 +233,10 @@ class StaticEngine(_LocalBase):
         for c in (self.active_rows_1, self.needed_keys_1, self.read_keys_1):  # the warm-up steps are not work
             c.zero_()
         self.capture_s = time.perf_counter() - t0
-        log(f"regen: captured {len(self.graphs)} decode graph(s) ({self.lm.attention} attention, spans {self.spans}) "
-            f"in {self.capture_s:.1f} s")
+        log(
+            f"regen: captured {len(self.graphs)} decode graph(s) ({self.lm.attention} attention, spans {self.spans}) "
+            f"in {self.capture_s:.1f} s"
+        )
 
     # -- refill ----------------------------------------------------------------------------------
     def _prefill(self, rows: list[int], items: list[_Prepared], deliver: Deliver, host: dict) -> None:
@@ -234,8 +257,9 @@ class StaticEngine(_LocalBase):
         self.prefill_rows += len(items)
         self.prefill_tokens_seen += sum(lens)
         ids_T = torch.tensor([t for p in items for t in p.ids], dtype=torch.long).to(dev, non_blocking=True)
-        meta = torch.tensor([lens, rows, [p.req.seed for p in items], [p.limit for p in items]],
-                            dtype=torch.long).to(dev, non_blocking=True)
+        meta = torch.tensor([lens, rows, [p.req.seed for p in items], [p.limit for p in items]], dtype=torch.long).to(
+            dev, non_blocking=True
+        )
         lens_N, rows_N, seed_N, limit_N = meta
         logits_NV = self.lm.prefill(rows, ids_T, lens)
         first_N = choose(logits_NV, sampling=self.sampling, seed_B=seed_N, pos_B=lens_N - 1, vkeys_V=self.vkeys_V)
@@ -283,7 +307,7 @@ class StaticEngine(_LocalBase):
                 if len(self.pending) < len(free):  # the prefetch fell short: render now, device idle
                     deliver_finished()
                     self._admit(pull(len(free) - len(self.pending)), deliver)
-                take, self.pending = self.pending[: len(free)], self.pending[len(free):]
+                take, self.pending = self.pending[: len(free)], self.pending[len(free) :]
                 t1 = clock()
                 t["host"] += t1 - t0
                 if take:
@@ -336,8 +360,9 @@ class StaticEngine(_LocalBase):
         so the bound holds without a sync."""
         if self.per_row:
             return self.spans[0]
-        need = max(min(len(p.ids) + max(self._ngen[r], 1) - 1 + self.sync_every, len(p.ids) + p.limit)
-                   for r, p in host.items())
+        need = max(
+            min(len(p.ids) + max(self._ngen[r], 1) - 1 + self.sync_every, len(p.ids) + p.limit) for r, p in host.items()
+        )
         return next((s for s in self.spans if s >= need), self.spans[-1])
 
     def stats(self) -> dict[str, Any]:
@@ -372,13 +397,21 @@ class StaticEngine(_LocalBase):
             "decode_tok_s": round(self.decode_tokens / t["decode"], 1) if t["decode"] > 0 else None,
             "decode_ms_per_step": round(1e3 * t["decode"] / self.steps, 3) if self.steps else None,
             "host_us_per_token": round(1e6 * t["host"] / self.new_tokens, 2) if self.new_tokens else None,
-            "host_overlapped_us_per_token": round(1e6 * t["host_overlapped"] / self.new_tokens, 2) if self.new_tokens else None,
+            "host_overlapped_us_per_token": round(1e6 * t["host_overlapped"] / self.new_tokens, 2)
+            if self.new_tokens
+            else None,
         }
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "static", "cuda_graphs": self.use_graphs, "sync_every": self.sync_every,
-                "graph_capture_s": round(self.capture_s, 2), "capture_error": self.capture_error, "spans": self.spans,
-                **self.lm.describe()}
+        return {
+            "engine": "static",
+            "cuda_graphs": self.use_graphs,
+            "sync_every": self.sync_every,
+            "graph_capture_s": round(self.capture_s, 2),
+            "capture_error": self.capture_error,
+            "spans": self.spans,
+            **self.lm.describe(),
+        }
 
 
 class GenerateEngine(_LocalBase):
@@ -396,15 +429,18 @@ class GenerateEngine(_LocalBase):
         ids = torch.full((len(items), L), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(items), L), dtype=torch.long)
         for n, p in enumerate(items):
-            ids[n, L - len(p.ids):] = torch.tensor(p.ids)
-            mask[n, L - len(p.ids):] = 1
+            ids[n, L - len(p.ids) :] = torch.tensor(p.ids)
+            mask[n, L - len(p.ids) :] = 1
         kwargs: dict[str, Any] = dict(do_sample=False)
         if not self.sampling.greedy:
             kwargs = dict(do_sample=True, temperature=self.sampling.temperature, top_p=self.sampling.top_p, top_k=0)
             torch.manual_seed(items[0].req.seed)
         out = self.model.generate(
-            input_ids=ids.to(self.device), attention_mask=mask.to(self.device),
-            max_new_tokens=max(p.limit for p in items), eos_token_id=self.stop, pad_token_id=self.pad_id,
+            input_ids=ids.to(self.device),
+            attention_mask=mask.to(self.device),
+            max_new_tokens=max(p.limit for p in items),
+            eos_token_id=self.stop,
+            pad_token_id=self.pad_id,
             **kwargs,
         )[:, L:].tolist()
         results = []
@@ -428,7 +464,7 @@ class GenerateEngine(_LocalBase):
                 self._admit(more, deliver)
                 continue
             self.pending.sort(key=lambda p: len(p.ids))
-            take, self.pending = self.pending[: self.batch], self.pending[self.batch:]
+            take, self.pending = self.pending[: self.batch], self.pending[self.batch :]
             for p, toks in zip(take, self.generate_batch(take)):
                 deliver(self._result(p, toks))
 
@@ -437,7 +473,9 @@ class GenerateEngine(_LocalBase):
 
 
 @torch.no_grad()
-def reference_generate(model, ids: list[int], *, sampling: Sampling, seed: int, limit: int, stop: list[int]) -> list[int]:
+def reference_generate(
+    model, ids: list[int], *, sampling: Sampling, seed: int, limit: int, stop: list[int]
+) -> list[int]:
     """The slow reference: one sequence, no cache, the full forward of Hugging Face at every step,
     the same token choice. StaticEngine must produce exactly these ids (tests)."""
     device = next(model.parameters()).device
@@ -446,7 +484,9 @@ def reference_generate(model, ids: list[int], *, sampling: Sampling, seed: int, 
     while len(out) < limit:
         logits = model(input_ids=torch.tensor([seq], device=device), use_cache=False).logits[:, -1].float()
         pos = torch.tensor([len(seq) - 1], device=device)
-        tok = int(choose(logits, sampling=sampling, seed_B=torch.tensor([seed], device=device), pos_B=pos, vkeys_V=vkeys)[0])
+        tok = int(
+            choose(logits, sampling=sampling, seed_B=torch.tensor([seed], device=device), pos_B=pos, vkeys_V=vkeys)[0]
+        )
         out.append(tok)
         seq.append(tok)
         if tok in stop:
@@ -454,8 +494,17 @@ def reference_generate(model, ids: list[int], *, sampling: Sampling, seed: int, 
     return out
 
 
-def make_local_engine(model, tokenizer, *, sampling: Sampling, max_len: int, batch: int, max_new_tokens: int,
-                      engine: str = "auto", **static_kwargs):
+def make_local_engine(
+    model,
+    tokenizer,
+    *,
+    sampling: Sampling,
+    max_len: int,
+    batch: int,
+    max_new_tokens: int,
+    engine: str = "auto",
+    **static_kwargs,
+):
     """`engine`: 'static' (error if unsupported), 'generate', or 'auto' (static when supported)."""
     if engine not in ("auto", "static", "generate"):
         raise ValueError(f"--engine must be auto, static, generate or server, got {engine!r}")
@@ -466,5 +515,12 @@ def make_local_engine(model, tokenizer, *, sampling: Sampling, max_len: int, bat
         return GenerateEngine(model, tokenizer, sampling=sampling, max_len=max_len, batch=batch)
     if reason is not None:
         raise ValueError(f"--engine static: {reason}; use --engine generate")
-    return StaticEngine(model, tokenizer, sampling=sampling, max_len=max_len, batch=batch,
-                        max_new_tokens=max_new_tokens, **static_kwargs)
+    return StaticEngine(
+        model,
+        tokenizer,
+        sampling=sampling,
+        max_len=max_len,
+        batch=batch,
+        max_new_tokens=max_new_tokens,
+        **static_kwargs,
+    )

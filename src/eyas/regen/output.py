@@ -67,8 +67,9 @@ def _read_meta(out: Path) -> dict[str, Any]:
     try:
         meta = json.loads((out / META).read_text(encoding="utf-8"))
     except (ValueError, OSError) as exc:
-        raise EyasError(f"{out / META}: unreadable ({exc}); pass --overwrite to start over, "
-                        "or choose a new --out") from None
+        raise EyasError(
+            f"{out / META}: unreadable ({exc}); pass --overwrite to start over, or choose a new --out"
+        ) from None
     if not isinstance(meta, dict):
         raise EyasError(f"{out / META}: expected a JSON object; pass --overwrite to start over, or choose a new --out")
     return meta
@@ -89,12 +90,16 @@ def _check_meta(out: Path, meta: dict[str, Any], settings: dict[str, Any]) -> No
 def _cut(path: Path, size: int) -> None:
     if not path.exists():
         if size:
-            raise EyasError(f"{path} is missing but meta.json says {size} bytes were committed; start over with --overwrite")
+            raise EyasError(
+                f"{path} is missing but meta.json says {size} bytes were committed; start over with --overwrite"
+            )
         path.touch()
         return
     actual = path.stat().st_size
     if actual < size:
-        raise EyasError(f"{path} has {actual} bytes but {size} were committed (file damaged); start over with --overwrite")
+        raise EyasError(
+            f"{path} has {actual} bytes but {size} were committed (file damaged); start over with --overwrite"
+        )
     if actual > size:
         with open(path, "r+b") as f:
             f.truncate(size)
@@ -153,11 +158,29 @@ class ChatsWriter:
             )
         return True
 
-    def add(self, index: int, conv_id: str, record: dict[str, Any] | None, *, reason: str | None = None,
-            failures: list[str] = (), tokens: int = 0, turns: int = 0, truncated: int = 0) -> None:
+    def add(
+        self,
+        index: int,
+        conv_id: str,
+        record: dict[str, Any] | None,
+        *,
+        reason: str | None = None,
+        failures: list[str] = (),
+        tokens: int = 0,
+        turns: int = 0,
+        truncated: int = 0,
+    ) -> None:
         """Buffer one decided conversation: `record` to write, or None (skipped for `reason`)."""
-        decision = {"index": index, "id": conv_id, "status": "written" if record is not None else "skipped",
-                    "reason": reason, "failures": list(failures), "tokens": tokens, "turns": turns, "truncated": truncated}
+        decision = {
+            "index": index,
+            "id": conv_id,
+            "status": "written" if record is not None else "skipped",
+            "reason": reason,
+            "failures": list(failures),
+            "tokens": tokens,
+            "turns": turns,
+            "truncated": truncated,
+        }
         if record is not None:
             self._chats_buf.append(json.dumps(record, ensure_ascii=False) + "\n")
         self._done_buf.append(json.dumps(decision) + "\n")

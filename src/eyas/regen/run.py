@@ -108,11 +108,15 @@ class RegenConfig:
         if self.attention not in ATTENTIONS:
             raise EyasError(f"--attention must be one of {', '.join(ATTENTIONS)}, got {self.attention!r}")
         if self.attention != "auto" and self.engine in ("generate", "server"):
-            raise EyasError(f"--attention {self.attention} picks the static engine's decode attention; --engine "
-                            f"{self.engine} does not use it: drop --attention, or use --engine static")
+            raise EyasError(
+                f"--attention {self.attention} picks the static engine's decode attention; --engine "
+                f"{self.engine} does not use it: drop --attention, or use --engine static"
+            )
         if self.server_model is not None and not self.server_urls:
-            raise EyasError(f"--server-model {self.server_model} names the model of the servers given with "
-                            "--server-url; pass --server-url too, or drop --server-model")
+            raise EyasError(
+                f"--server-model {self.server_model} names the model of the servers given with "
+                "--server-url; pass --server-url too, or drop --server-model"
+            )
         if self.batch_size < 0:
             raise EyasError(f"--batch-size must be >= 0 (0 = auto), got {self.batch_size}")
         if self.limit is not None and self.limit < 1:
@@ -133,8 +137,10 @@ def auto_batch(model, *, max_len: int, device: str, dtype) -> int:
     free, _ = torch.cuda.mem_get_info(torch.device(device))
     rows = int(0.5 * free // per_row) // 8 * 8
     if rows < 8:
-        raise EyasError(f"a KV cache of --max-length {max_len} needs {per_row / 2**20:.0f} MiB a row; "
-                        f"{free / 2**30:.1f} GiB free is too little: lower --max-length or --batch-size")
+        raise EyasError(
+            f"a KV cache of --max-length {max_len} needs {per_row / 2**20:.0f} MiB a row; "
+            f"{free / 2**30:.1f} GiB free is too little: lower --max-length or --batch-size"
+        )
     return min(1024, rows)
 
 
@@ -162,13 +168,21 @@ def _build_local(config: RegenConfig, sampling):
     device = str(dev)
     tokenizer = load_tokenizer(config.target)
     if getattr(tokenizer, "chat_template", None) is None:
-        raise EyasError(f"target `{config.target}`: the tokenizer has no chat template; regenerate renders prompts with it")
+        raise EyasError(
+            f"target `{config.target}`: the tokenizer has no chat template; regenerate renders prompts with it"
+        )
     model = load_target(config.target, device=device, dtype=dtype)
     batch = config.batch_size or auto_batch(model, max_len=config.max_length, device=device, dtype=dtype)
-    engine = make_local_engine(model, tokenizer, sampling=sampling, max_len=config.max_length, batch=batch,
-                               max_new_tokens=config.max_new_tokens,
-                               engine="auto" if config.engine == "auto" else config.engine,
-                               **({"attention": config.attention} if config.attention != "auto" else {}))
+    engine = make_local_engine(
+        model,
+        tokenizer,
+        sampling=sampling,
+        max_len=config.max_length,
+        batch=batch,
+        max_new_tokens=config.max_new_tokens,
+        engine="auto" if config.engine == "auto" else config.engine,
+        **({"attention": config.attention} if config.attention != "auto" else {}),
+    )
     return engine, {"device": device, "dtype": str(dtype).removeprefix("torch.")}
 
 
@@ -219,8 +233,11 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
 
     try:
         sampling = Sampling(temperature=config.temperature, top_p=config.top_p, seed=config.seed)
-        options = RegenOptions(max_new_tokens=config.max_new_tokens, max_turns=config.max_turns,
-                               continue_after_truncated=config.continue_after_truncated)
+        options = RegenOptions(
+            max_new_tokens=config.max_new_tokens,
+            max_turns=config.max_turns,
+            continue_after_truncated=config.continue_after_truncated,
+        )
     except ValueError as exc:
         raise EyasError(str(exc)) from None
 
@@ -242,8 +259,13 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
         from eyas.regen.server import ServerEngine, ServerOptions
 
         try:
-            sopt = ServerOptions(urls=list(config.server_urls), model=config.server_model, concurrency=config.concurrency,
-                                 retries=config.max_retries, timeout_s=config.request_timeout)
+            sopt = ServerOptions(
+                urls=list(config.server_urls),
+                model=config.server_model,
+                concurrency=config.concurrency,
+                retries=config.max_retries,
+                timeout_s=config.request_timeout,
+            )
         except ValueError as exc:
             raise EyasError(str(exc)) from None
         engine, placement = ServerEngine(sopt, sampling=sampling), {}
@@ -258,20 +280,29 @@ def regenerate(config: RegenConfig) -> dict[str, Any]:
         options.max_in_flight = max(options.max_in_flight, 4 * getattr(engine, "batch", 1))
 
     info_out: list = []
-    writer = ChatsWriter(config.out, settings=settings, overwrite=config.overwrite, extra_meta={
-        "engine": {**engine.describe(), **placement}, "source_info": {"spec": str(config.source), "limit": config.limit,
-                                                                      "records": total}})
+    writer = ChatsWriter(
+        config.out,
+        settings=settings,
+        overwrite=config.overwrite,
+        extra_meta={
+            "engine": {**engine.describe(), **placement},
+            "source_info": {"spec": str(config.source), "limit": config.limit, "records": total},
+        },
+    )
     if writer.resumed:
         log(f"regen: resuming {config.out}: {len(writer.done):,} of {total:,} conversations already decided")
-    items = enumerate(iter_conversations(config.source, limit=config.limit, hf_split=config.hf_split, info_out=info_out))
+    items = enumerate(
+        iter_conversations(config.source, limit=config.limit, hf_split=config.hf_split, info_out=info_out)
+    )
     driver = Regenerator(items, writer, sampling=sampling, options=options, total=total)
     t0 = time.perf_counter()
     with _sigterm_as_interrupt():  # a preempted job commits what it finished before exiting
         driver.run(engine)
     elapsed = time.perf_counter() - t0
     if info_out:
-        writer.extra_meta["source_info"].update(path=info_out[0].path, format=info_out[0].format,
-                                                truncated=info_out[0].truncated, notes=info_out[0].notes)
+        writer.extra_meta["source_info"].update(
+            path=info_out[0].path, format=info_out[0].format, truncated=info_out[0].truncated, notes=info_out[0].notes
+        )
         driver.commit(complete=True)
     counts = writer.counts()
     return {

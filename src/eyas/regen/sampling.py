@@ -52,8 +52,13 @@ class Sampling:
         return self.temperature == 0
 
     def as_dict(self) -> dict:
-        return {"temperature": self.temperature, "top_p": self.top_p, "seed": self.seed, "greedy": self.greedy,
-                "rng": "eyas.lowbias32-gumbel/1"}
+        return {
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "seed": self.seed,
+            "greedy": self.greedy,
+            "rng": "eyas.lowbias32-gumbel/1",
+        }
 
 
 def hash32(x: torch.Tensor) -> torch.Tensor:
@@ -98,8 +103,14 @@ def uniforms(seed_B: torch.Tensor, pos_B: torch.Tensor, vkeys_V: torch.Tensor) -
     return ((h_BV >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
 
 
-def choose(logits_BV: torch.Tensor, *, sampling: Sampling, seed_B: torch.Tensor | None = None,
-           pos_B: torch.Tensor | None = None, vkeys_V: torch.Tensor | None = None) -> torch.Tensor:
+def choose(
+    logits_BV: torch.Tensor,
+    *,
+    sampling: Sampling,
+    seed_B: torch.Tensor | None = None,
+    pos_B: torch.Tensor | None = None,
+    vkeys_V: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Next token per row [B] (int64). Graph-safe: no host syncs, fixed shapes.
 
     `pos_B` is the position the chosen token will occupy minus one (the position of the token whose

@@ -34,8 +34,16 @@ from eyas.errors import EyasError
 from eyas.regen.requests import CONTEXT_OVERFLOW, SERVER_ERROR, Deliver, Pull, Request, Result
 from eyas.regen.sampling import Sampling
 
-_CONTEXT_WORDS = ("context length", "context_length", "maximum context", "max_model_len", "too long",
-                  "longer than", "context window", "exceeds the")
+_CONTEXT_WORDS = (
+    "context length",
+    "context_length",
+    "maximum context",
+    "max_model_len",
+    "too long",
+    "longer than",
+    "context window",
+    "exceeds the",
+)
 
 
 @dataclass(kw_only=True)
@@ -190,11 +198,16 @@ class ServerEngine:
             content = (choice.get("message") or {}).get("content") or ""
             usage = data.get("usage") or {}
         except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-            return Result(req.key, failure=SERVER_ERROR,
-                          detail=f"{url}: malformed answer: {http_body_excerpt(text, limit=300)}")
-        return Result(req.key, text=content, prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                      new_tokens=int(usage.get("completion_tokens") or 0),
-                      truncated=choice.get("finish_reason") == "length")
+            return Result(
+                req.key, failure=SERVER_ERROR, detail=f"{url}: malformed answer: {http_body_excerpt(text, limit=300)}"
+            )
+        return Result(
+            req.key,
+            text=content,
+            prompt_tokens=int(usage.get("prompt_tokens") or 0),
+            new_tokens=int(usage.get("completion_tokens") or 0),
+            truncated=choice.get("finish_reason") == "length",
+        )
 
     # -- the loop --------------------------------------------------------------------------------
     def run(self, pull: Pull, deliver: Deliver) -> None:
@@ -224,5 +237,10 @@ class ServerEngine:
             pool.shutdown(wait=True, cancel_futures=True)
 
     def describe(self) -> dict[str, Any]:
-        return {"engine": "server", "urls": self.opt.urls, "served_model": self.model, "concurrency": self.opt.concurrency,
-                "retries": self.opt.retries}
+        return {
+            "engine": "server",
+            "urls": self.opt.urls,
+            "served_model": self.model,
+            "concurrency": self.opt.concurrency,
+            "retries": self.opt.retries,
+        }

@@ -220,8 +220,9 @@ class StaticLM:
         return self._logits(x[0, last_N])
 
     # -- decode: one token per row (the function a CUDA graph captures) --------------------------
-    def decode(self, tok_B: torch.Tensor, pos_B: torch.Tensor, len_B: torch.Tensor | None = None,
-               span: int | None = None) -> torch.Tensor:
+    def decode(
+        self, tok_B: torch.Tensor, pos_B: torch.Tensor, len_B: torch.Tensor | None = None, span: int | None = None
+    ) -> torch.Tensor:
         """Feed tok_B at pos_B (writing the cache there), attend to each row's keys [0, len_B)
         (default pos_B + 1), return next-token logits [B, V] float32. Fixed shapes, no host syncs.
 
@@ -261,7 +262,16 @@ class StaticLM:
         return self._logits(x[:, 0])
 
     def describe(self) -> dict[str, Any]:
-        return {"batch": self.batch, "max_len": self.max_len, "heads": self.heads, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "cache_bytes": self.cache_bytes, "dtype": str(self.dtype).removeprefix("torch."),
-                "decode_attention": self.attention, "decode_attention_note": self.attention_note,
-                "prefill_attention": self.prefill_kind, "prefill_note": self.prefill_note}
+        return {
+            "batch": self.batch,
+            "max_len": self.max_len,
+            "heads": self.heads,
+            "kv_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "cache_bytes": self.cache_bytes,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "decode_attention": self.attention,
+            "decode_attention_note": self.attention_note,
+            "prefill_attention": self.prefill_kind,
+            "prefill_note": self.prefill_note,
+        }

@@ -57,9 +57,11 @@ from eyas.sglang.core import (
 
 CACHE_BYPASS = ("auto", "salt", "logprob", "none")
 REJECTED_LISTED = 1000  # rejected samples listed in the summary (all are counted and logged on stderr)
-PLUGIN_FLAGS = ("install eyas into the server's Python environment (`pip install eyas`: it registers the "
-                "`sglang.srt.plugins` entry point `eyas_capture`), start the server with EYAS_CAPTURE=1 "
-                "EYAS_CAPTURE_LAYERS=<ids> in its environment, and do not leave it out of SGLANG_PLUGINS")
+PLUGIN_FLAGS = (
+    "install eyas into the server's Python environment (`pip install eyas`: it registers the "
+    "`sglang.srt.plugins` entry point `eyas_capture`), start the server with EYAS_CAPTURE=1 "
+    "EYAS_CAPTURE_LAYERS=<ids> in its environment, and do not leave it out of SGLANG_PLUGINS"
+)
 
 
 class TransientHTTPError(Exception):
@@ -85,8 +87,9 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout: float
     try:
         return json.loads(raw or b"null")
     except ValueError:
-        raise PermanentHTTPError(f"{url} answered with something that is not JSON: {http_body_excerpt(raw)!r}",
-                                 code=200) from None
+        raise PermanentHTTPError(
+            f"{url} answered with something that is not JSON: {http_body_excerpt(raw)!r}", code=200
+        ) from None
 
 
 def get_server_info(url: str, *, timeout: float = 30.0) -> dict[str, Any]:
@@ -169,7 +172,8 @@ def choose_bypass(info: dict[str, Any], requested: str) -> str:
                 "the server's radix cache is on (disable_radix_cache = false) and --sglang-cache-bypass none was "
                 "given: a prompt sharing a prefix with an earlier one would be captured without that prefix. "
                 "Restart the server with --disable-radix-cache, or use --sglang-cache-bypass salt (SGLang >= 0.5.22) "
-                "or logprob")
+                "or logprob"
+            )
         return "none"
     if requested == "auto":
         if radix_off:
@@ -178,8 +182,14 @@ def choose_bypass(info: dict[str, Any], requested: str) -> str:
     return requested
 
 
-def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = "auto",
-              dump_dir: str | Path | None = None, timeout: float = 30.0) -> ServerPlan:
+def preflight(
+    url: str,
+    layer_ids: Sequence[int] | None,
+    *,
+    cache_bypass: str = "auto",
+    dump_dir: str | Path | None = None,
+    timeout: float = 30.0,
+) -> ServerPlan:
     """Read the server's info and refuse with the reason and the fix (see the module docstring)."""
     url = url.rstrip("/")
     try:
@@ -193,47 +203,66 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
     version = str(info.get("version", "?"))
     status = plugin_state(info)
     if status is None:
-        raise EyasError(f"--url {url}: the eyas capture plugin is not loaded in this server (SGLang {version}: no "
-                        f"`eyas_capture` in /server_info internal_states). To fix: {PLUGIN_FLAGS}")
+        raise EyasError(
+            f"--url {url}: the eyas capture plugin is not loaded in this server (SGLang {version}: no "
+            f"`eyas_capture` in /server_info internal_states). To fix: {PLUGIN_FLAGS}"
+        )
     if not status.get("enabled", False):
-        raise EyasError(f"--url {url}: the eyas plugin is loaded but capture is not active on the model "
-                        f"(last error: {status.get('last_error') or 'none'}); check the server log for `eyas capture`")
+        raise EyasError(
+            f"--url {url}: the eyas plugin is loaded but capture is not active on the model "
+            f"(last error: {status.get('last_error') or 'none'}); check the server log for `eyas capture`"
+        )
     if info.get("speculative_algorithm"):
-        raise EyasError(f"--url {url}: the server runs speculative decoding ({info['speculative_algorithm']}); "
-                        "start a capture server without --speculative-algorithm")
+        raise EyasError(
+            f"--url {url}: the server runs speculative decoding ({info['speculative_algorithm']}); "
+            "start a capture server without --speculative-algorithm"
+        )
     if info.get("enable_dp_attention") or int(info.get("attn_dp_size") or 1) > 1:
-        raise EyasError(f"--url {url}: the server runs DP attention (enable_dp_attention / attn_dp_size > 1): one "
-                        "batch's rows are spread over ranks. Restart it without --enable-dp-attention (plain TP, or "
-                        "--dp-size replicas)")
+        raise EyasError(
+            f"--url {url}: the server runs DP attention (enable_dp_attention / attn_dp_size > 1): one "
+            "batch's rows are spread over ranks. Restart it without --enable-dp-attention (plain TP, or "
+            "--dp-size replicas)"
+        )
     for flag in ("enable_two_batch_overlap", "enable_single_batch_overlap"):
         if info.get(flag):
-            raise EyasError(f"--url {url}: the server has {flag} on: DeepSeek-family models skip aux capture for "
-                            f"overlapped micro-batches. Restart it without --{flag.replace('_', '-')}")
+            raise EyasError(
+                f"--url {url}: the server has {flag} on: DeepSeek-family models skip aux capture for "
+                f"overlapped micro-batches. Restart it without --{flag.replace('_', '-')}"
+            )
     if info.get("enable_prefill_cp"):
-        raise EyasError(f"--url {url}: the server has enable_prefill_cp on: prefill context parallelism splits a "
-                        "prompt's tokens across ranks, so the writing rank would see only part of each sequence. "
-                        "Restart it without --enable-prefill-cp")
+        raise EyasError(
+            f"--url {url}: the server has enable_prefill_cp on: prefill context parallelism splits a "
+            "prompt's tokens across ranks, so the writing rank would see only part of each sequence. "
+            "Restart it without --enable-prefill-cp"
+        )
     if prefill_graph_backend(info) == "tc_piecewise":
-        raise EyasError(f"--url {url}: the server's prefill CUDA graph backend is tc_piecewise (SGLang's default off "
-                        "CUDA up to 0.5.21): it compiles the logits step the plugin hooks. Restart it with "
-                        f"{REPLAY_FLAG}, or --cuda-graph-backend-prefill breakable or full where the platform "
-                        "supports them")
+        raise EyasError(
+            f"--url {url}: the server's prefill CUDA graph backend is tc_piecewise (SGLang's default off "
+            "CUDA up to 0.5.21): it compiles the logits step the plugin hooks. Restart it with "
+            f"{REPLAY_FLAG}, or --cuda-graph-backend-prefill breakable or full where the platform "
+            "supports them"
+        )
     if int(status.get("plugin_version") or 0) < 2 and prefill_graph_on(info):
-        raise EyasError(f"--url {url}: the server's eyas plugin (version {status.get('plugin_version')}) cannot find "
-                        "request ids under the prefill CUDA graph, which this server runs (SGLang's default on "
-                        "CUDA). Install this eyas into the server's environment, or restart it with " + REPLAY_FLAG)
+        raise EyasError(
+            f"--url {url}: the server's eyas plugin (version {status.get('plugin_version')}) cannot find "
+            "request ids under the prefill CUDA graph, which this server runs (SGLang's default on "
+            "CUDA). Install this eyas into the server's environment, or restart it with " + REPLAY_FLAG
+        )
     have = [int(i) for i in status.get("layer_ids", [])]
     if layer_ids is not None and list(layer_ids) != have:
         raise EyasError(
             f"--url {url}: the server captures layers {have} ({CONVENTION}; SGLang ids {sglang_layer_ids(have)}) but "
             f"{list(layer_ids)} were asked for. Restart the server with EYAS_CAPTURE_LAYERS="
-            f"{','.join(map(str, layer_ids))}, or pass --aux-layers {','.join(map(str, have))}")
+            f"{','.join(map(str, layer_ids))}, or pass --aux-layers {','.join(map(str, have))}"
+        )
     bypass = choose_bypass(info, cache_bypass)
     ddir = Path(dump_dir) if dump_dir is not None else Path(status.get("dump_dir", ""))
     if not ddir.is_dir():
-        raise EyasError(f"--url {url}: the dump directory {ddir} (reported by the plugin: {status.get('dump_dir')}) is "
-                        "not visible here. Run the client on the server's host, or point EYAS_DUMP_DIR on the server "
-                        "and --sglang-dump-dir here at one shared directory")
+        raise EyasError(
+            f"--url {url}: the dump directory {ddir} (reported by the plugin: {status.get('dump_dir')}) is "
+            "not visible here. Run the client on the server's host, or point EYAS_DUMP_DIR on the server "
+            "and --sglang-dump-dir here at one shared directory"
+        )
     return ServerPlan(url=url, version=version, bypass=bypass, dump_dir=ddir, status=status, info=info)
 
 
@@ -241,8 +270,11 @@ def preflight(url: str, layer_ids: Sequence[int] | None, *, cache_bypass: str = 
 
 
 def build_request(input_ids: Sequence[int], rid: str, bypass: str) -> dict[str, Any]:
-    body: dict[str, Any] = {"input_ids": [int(t) for t in input_ids], "rid": rid,
-                            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}}
+    body: dict[str, Any] = {
+        "input_ids": [int(t) for t in input_ids],
+        "rid": rid,
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+    }
     if bypass == "salt":
         body["cache_salt"] = rid
     elif bypass == "logprob":
@@ -273,8 +305,14 @@ NO_DUMP = "no dump appeared"
 """How `check_sample`'s reason for a request without a dump begins (`missing_dump_cause` explains it)."""
 
 
-def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump | None, *,
-                 layer_ids: Sequence[int], hidden_size: int | None = None) -> str | None:
+def check_sample(
+    input_ids: torch.Tensor,
+    meta_info: dict[str, Any],
+    dump: Dump | None,
+    *,
+    layer_ids: Sequence[int],
+    hidden_size: int | None = None,
+) -> str | None:
     """Why this sample cannot be trusted, or None when every check passes."""
     L = int(input_ids.shape[0])
     cached = int(meta_info.get("cached_tokens", 0) or 0)
@@ -291,7 +329,9 @@ def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump 
     if int(m.get("num_tokens", -1)) != L:
         return f"dump holds {m.get('num_tokens')} tokens, expected {L}"
     if list(m.get("layer_ids", [])) != list(layer_ids) or m.get("convention") != CONVENTION:
-        return f"dump has layers {m.get('layer_ids')} ({m.get('convention')}), expected {list(layer_ids)} ({CONVENTION})"
+        return (
+            f"dump has layers {m.get('layer_ids')} ({m.get('convention')}), expected {list(layer_ids)} ({CONVENTION})"
+        )
     covered = sorted((int(a), int(b)) for a, b in m.get("positions_covered", []))
     end = 0
     for a, b in covered:
@@ -304,8 +344,10 @@ def check_sample(input_ids: torch.Tensor, meta_info: dict[str, Any], dump: Dump 
         return "dumped positions are not 0..L-1"
     A = len(layer_ids)
     if dump.aux_LAD is None or dump.aux_LAD.shape[:2] != (L, A) or dump.final_LD.shape[0] != L:
-        return f"dump shapes aux {tuple(dump.aux_LAD.shape) if dump.aux_LAD is not None else None}, final " \
-               f"{tuple(dump.final_LD.shape) if dump.final_LD is not None else None}, expected [{L}, {A}, H], [{L}, H]"
+        return (
+            f"dump shapes aux {tuple(dump.aux_LAD.shape) if dump.aux_LAD is not None else None}, final "
+            f"{tuple(dump.final_LD.shape) if dump.final_LD is not None else None}, expected [{L}, {A}, H], [{L}, H]"
+        )
     if hidden_size and dump.aux_LAD.shape[2] != hidden_size:
         return f"dump hidden size {dump.aux_LAD.shape[2]}, the server's model has {hidden_size}"
     if dump.input_ids_L is not None and not torch.equal(dump.input_ids_L.to(torch.int64), input_ids.to(torch.int64)):
@@ -335,9 +377,20 @@ def remove_dump(dump_dir: Path, rid: str) -> None:
     shutil.rmtree(dump_dir / rid, ignore_errors=True)
 
 
-def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: str, *, layer_ids: Sequence[int],
-                max_retries: int = 5, backoff_s: float = 1.0, request_timeout_s: float = 600.0,
-                dump_wait_s: float = 60.0, sleep=time.sleep, gate=None) -> Outcome:
+def capture_one(
+    plan: ServerPlan,
+    sample_id: str,
+    input_ids: torch.Tensor,
+    tag: str,
+    *,
+    layer_ids: Sequence[int],
+    max_retries: int = 5,
+    backoff_s: float = 1.0,
+    request_timeout_s: float = 600.0,
+    dump_wait_s: float = 60.0,
+    sleep=time.sleep,
+    gate=None,
+) -> Outcome:
     """Send one sample (retrying transient HTTP errors), then read, check and delete its dump.
 
     `gate` (a semaphore) is held only while the request is at the server: waiting for the dump,
@@ -352,16 +405,22 @@ def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: 
             with gate if gate is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 try:
-                    out = http_json("POST", f"{plan.url}/generate", build_request(input_ids.tolist(), rid, plan.bypass),
-                                    timeout=request_timeout_s)
+                    out = http_json(
+                        "POST",
+                        f"{plan.url}/generate",
+                        build_request(input_ids.tolist(), rid, plan.bypass),
+                        timeout=request_timeout_s,
+                    )
                 finally:
                     seconds["request"] += time.perf_counter() - t0
             break
         except TransientHTTPError as exc:
             remove_dump(plan.dump_dir, rid)
             if retries >= max_retries:
-                return Outcome(sample_id=sample_id, tokens=L, reason=f"HTTP failed {retries + 1} times: {exc}", retries=retries)
-            sleep(min(backoff_s * 2 ** retries, 30.0) * (0.5 + random.random() / 2))
+                return Outcome(
+                    sample_id=sample_id, tokens=L, reason=f"HTTP failed {retries + 1} times: {exc}", retries=retries
+                )
+            sleep(min(backoff_s * 2**retries, 30.0) * (0.5 + random.random() / 2))
             retries += 1
         except PermanentHTTPError as exc:
             remove_dump(plan.dump_dir, rid)
@@ -370,7 +429,9 @@ def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: 
         out = out[0] if out else {}
     if isinstance(out, dict) and out.get("error") and not out.get("meta_info"):
         remove_dump(plan.dump_dir, rid)
-        return Outcome(sample_id=sample_id, tokens=L, reason=f"server error: {str(out['error'])[:300]}", retries=retries)
+        return Outcome(
+            sample_id=sample_id, tokens=L, reason=f"server error: {str(out['error'])[:300]}", retries=retries
+        )
     meta_info = (out or {}).get("meta_info", {})
     dump = None
     t0 = time.perf_counter()
@@ -382,18 +443,30 @@ def capture_one(plan: ServerPlan, sample_id: str, input_ids: torch.Tensor, tag: 
     finally:
         remove_dump(plan.dump_dir, rid)
     # stacked here, on one of many request threads, so that the one thread that ingests only writes
-    hidden = None if reason is not None else torch.cat([dump.aux_LAD, dump.final_LD.unsqueeze(1).to(dump.aux_LAD.dtype)], dim=1)
+    hidden = (
+        None
+        if reason is not None
+        else torch.cat([dump.aux_LAD, dump.final_LD.unsqueeze(1).to(dump.aux_LAD.dtype)], dim=1)
+    )
     seconds.update(dump=t1 - t0, check=time.perf_counter() - t1)
     if reason is not None:
         return Outcome(sample_id=sample_id, tokens=L, reason=reason, retries=retries, seconds=seconds)
-    return Outcome(sample_id=sample_id, tokens=L, hidden_LSD=hidden, retries=retries, seconds=seconds,
-                   dump_dtype=dump.meta.get("dtype"), pieces=int(dump.meta.get("pieces", 0)))
+    return Outcome(
+        sample_id=sample_id,
+        tokens=L,
+        hidden_LSD=hidden,
+        retries=retries,
+        seconds=seconds,
+        dump_dtype=dump.meta.get("dtype"),
+        pieces=int(dump.meta.get("pieces", 0)),
+    )
 
 
 def request_ids_lost(before: dict[str, Any], after: dict[str, Any], info: dict[str, Any]) -> bool:
     """Whether the plugin dropped forwards between two readings of its stats because it found no request
     ids for them (`rid_less_forwards` grew). A plugin without that counter: it saw scheduler batches
     but took no ids from them, although the prefill CUDA graph is on."""
+
     def grew(key: str) -> int:
         return int(after.get(key, 0) or 0) - int(before.get(key, 0) or 0)
 
@@ -406,22 +479,44 @@ def missing_dump_cause(plan: ServerPlan, stats: dict[str, Any]) -> str | None:
     """Why dumps are missing, from the plugin's counters read after the requests (`stats`; {} when unread),
     as a sentence with its fix; None when the counters show nothing (then the dump directory is the suspect)."""
     if not int(stats.get("live_batches", 1) or 0):
-        return ("plugin saw no scheduler batch (its ModelRunner.forward hook is not active: look for 'Failed to "
-                f"apply hooks' in the server log); until that is fixed, restart the server with {REPLAY_FLAG}")
+        return (
+            "plugin saw no scheduler batch (its ModelRunner.forward hook is not active: look for 'Failed to "
+            f"apply hooks' in the server log); until that is fixed, restart the server with {REPLAY_FLAG}"
+        )
     if request_ids_lost(plan.status.get("stats") or {}, stats, plan.info):
         n = stats.get("rid_less_forwards")
-        return ("plugin dropped forwards whose request ids it could not find (prefill CUDA-graph replay batches "
-                "without rids, and no scheduler batch on the same thread to take them from"
-                + (f": rid_less_forwards = {n}" if n is not None else "") + f"); restart the server with {REPLAY_FLAG}")
+        return (
+            "plugin dropped forwards whose request ids it could not find (prefill CUDA-graph replay batches "
+            "without rids, and no scheduler batch on the same thread to take them from"
+            + (f": rid_less_forwards = {n}" if n is not None else "")
+            + f"); restart the server with {REPLAY_FLAG}"
+        )
     return None
 
 
-def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int], tag: str,
-          dump_wait_s: float = 60.0, request_timeout_s: float = 120.0, max_retries: int = 5,
-          backoff_s: float = 1.0) -> Outcome:
+def probe(
+    plan: ServerPlan,
+    input_ids: torch.Tensor,
+    *,
+    layer_ids: Sequence[int],
+    tag: str,
+    dump_wait_s: float = 60.0,
+    request_timeout_s: float = 120.0,
+    max_retries: int = 5,
+    backoff_s: float = 1.0,
+) -> Outcome:
     """One real request through the whole path; an EyasError explains what is wrong."""
-    res = capture_one(plan, "probe", input_ids, tag, layer_ids=layer_ids, max_retries=max_retries,
-                      backoff_s=backoff_s, request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s)
+    res = capture_one(
+        plan,
+        "probe",
+        input_ids,
+        tag,
+        layer_ids=layer_ids,
+        max_retries=max_retries,
+        backoff_s=backoff_s,
+        request_timeout_s=request_timeout_s,
+        dump_wait_s=dump_wait_s,
+    )
     if res.reason is not None:
         hint = ""
         if res.reason.startswith(NO_DUMP):
@@ -430,10 +525,13 @@ def probe(plan: ServerPlan, input_ids: torch.Tensor, *, layer_ids: Sequence[int]
             except (TransientHTTPError, PermanentHTTPError):
                 stats = {}
             cause = missing_dump_cause(plan, stats)
-            hint = (f" The {cause}" if cause else
-                    f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host "
-                    "where the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share "
-                    "EYAS_DUMP_DIR")
+            hint = (
+                f" The {cause}"
+                if cause
+                else f" The server answered but no dump appeared in {plan.dump_dir}: run the client on the host "
+                "where the writing rank runs (attention-TP rank 0 of the last pipeline stage), or share "
+                "EYAS_DUMP_DIR"
+            )
         raise EyasError(f"--url {plan.url}: the probe request failed: {res.reason}.{hint}")
     return res
 
@@ -463,8 +561,19 @@ def _model_dtype(name: str | None) -> str | None:
     return {"bfloat16": "bf16", "float16": "bf16", "float32": "fp32"}.get(name or "", name)
 
 
-def open_store(out_store: Path, *, prepared, split: str, layer_ids: Sequence[int], hidden_size: int, dtype: str,
-               target: str | Path | None, model_dtype: str | None, limit: int | None, producer: dict[str, Any]):
+def open_store(
+    out_store: Path,
+    *,
+    prepared,
+    split: str,
+    layer_ids: Sequence[int],
+    hidden_size: int,
+    dtype: str,
+    target: str | Path | None,
+    model_dtype: str | None,
+    limit: int | None,
+    producer: dict[str, Any],
+):
     from eyas.store.writer import StoreSpec, StoreWriter
 
     identity = None
@@ -474,18 +583,32 @@ def open_store(out_store: Path, *, prepared, split: str, layer_ids: Sequence[int
         identity = model_identity(target)
         tok_hash = tokenizer_hash(load_tokenizer(target))
         if prepared.tokenizer_hash is not None and prepared.tokenizer_hash != tok_hash:
-            raise EyasError(f"--data {prepared.root} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) "
-                            f"than the target {target} (hash {tok_hash[:12]}); prepare the data with this target's tokenizer")
+            raise EyasError(
+                f"--data {prepared.root} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) "
+                f"than the target {target} (hash {tok_hash[:12]}); prepare the data with this target's tokenizer"
+            )
     else:
-        log("eyas: no --target: the store will not record the model's identity, and `eyas verify` cannot check its "
-            "numbers; pass --target with the served model's directory (the server's model_path is used when it exists here)")
+        log(
+            "eyas: no --target: the store will not record the model's identity, and `eyas verify` cannot check its "
+            "numbers; pass --target with the served model's directory (the server's model_path is used when it exists here)"
+        )
     sp = prepared.split(split)
     spec = StoreSpec(
-        aux_layer_ids=list(layer_ids), hidden_size=hidden_size, dtype=dtype, convention=CONVENTION,
-        target=identity, tokenizer_hash=prepared.tokenizer_hash,
-        prepared={"path": str(Path(prepared.root).resolve()), "split": split, "fingerprint": sp.fingerprint,
-                  "limit": limit, "samples": len(sp) if limit is None else min(limit, len(sp))},
-        model_dtype=model_dtype, producer=producer,
+        aux_layer_ids=list(layer_ids),
+        hidden_size=hidden_size,
+        dtype=dtype,
+        convention=CONVENTION,
+        target=identity,
+        tokenizer_hash=prepared.tokenizer_hash,
+        prepared={
+            "path": str(Path(prepared.root).resolve()),
+            "split": split,
+            "fingerprint": sp.fingerprint,
+            "limit": limit,
+            "samples": len(sp) if limit is None else min(limit, len(sp)),
+        },
+        model_dtype=model_dtype,
+        producer=producer,
     )
     return StoreWriter(out_store, spec)
 
@@ -530,7 +653,9 @@ def capture_from_sglang(
     if max_retries < 0:
         raise EyasError(f"--sglang-max-retries: {max_retries}, expected >= 0")
     if dump_wait_s <= 0 or request_timeout_s <= 0:
-        raise EyasError(f"--sglang-dump-wait {dump_wait_s} / --sglang-request-timeout {request_timeout_s}: expected > 0")
+        raise EyasError(
+            f"--sglang-dump-wait {dump_wait_s} / --sglang-request-timeout {request_timeout_s}: expected > 0"
+        )
     t0 = time.time()
     ds = PreparedDataset(prepared)
     sp = ds.split(split)
@@ -540,23 +665,39 @@ def capture_from_sglang(
     layer_ids = [int(i) for i in plans[0].status["layer_ids"]] if layer_ids is None else list(layer_ids)
     for p in plans[1:]:
         if p.status["layer_ids"] != layer_ids or p.hidden_size != plans[0].hidden_size:
-            raise EyasError(f"--url {p.url} captures layers {p.status['layer_ids']} of a model with hidden size "
-                            f"{p.hidden_size}; {plans[0].url} captures {layer_ids} with {plans[0].hidden_size}: "
-                            "all servers must serve the same model with the same EYAS_CAPTURE_LAYERS")
+            raise EyasError(
+                f"--url {p.url} captures layers {p.status['layer_ids']} of a model with hidden size "
+                f"{p.hidden_size}; {plans[0].url} captures {layer_ids} with {plans[0].hidden_size}: "
+                "all servers must serve the same model with the same EYAS_CAPTURE_LAYERS"
+            )
     job = _job_tag(Path(out_store), split)
     run = os.urandom(3).hex()  # rids differ between runs: a rerun never meets a server's memory of an earlier one
     for p in {str(p.dump_dir): p for p in plans}.values():
-        if (n := remove_stale_dumps(p.dump_dir, job)):
+        if n := remove_stale_dumps(p.dump_dir, job):
             log(f"eyas: removed {n} dumps left in {p.dump_dir} by an interrupted run")
 
     # One probe per server: proves the dump path end to end and gives the hidden size and dtype.
     # Random ids within the range the data uses (valid for the vocabulary), so that the probe does not
     # leave a prefix of a real sample in a server's radix cache.
     first = sp[0].input_ids if n_total else torch.arange(100, 116)
-    probe_ids = torch.randint(int(first.min()), int(first.max()) + 1, (16,), generator=torch.Generator().manual_seed(
-        int.from_bytes(os.urandom(4), "little")))
-    probes = [probe(p, probe_ids, layer_ids=layer_ids, tag=f"{job}-probe{i}", dump_wait_s=dump_wait_s,
-                    max_retries=max_retries, backoff_s=backoff_s) for i, p in enumerate(plans)]
+    probe_ids = torch.randint(
+        int(first.min()),
+        int(first.max()) + 1,
+        (16,),
+        generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")),
+    )
+    probes = [
+        probe(
+            p,
+            probe_ids,
+            layer_ids=layer_ids,
+            tag=f"{job}-probe{i}",
+            dump_wait_s=dump_wait_s,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+        )
+        for i, p in enumerate(plans)
+    ]
     hidden = int(probes[0].hidden_LSD.shape[2])
     server_dtype = _model_dtype(probes[0].dump_dtype)
 
@@ -564,18 +705,34 @@ def capture_from_sglang(
         served = plans[0].info.get("model_path")
         if served and (Path(served) / "config.json").is_file():
             target = served  # the server loads its model from a directory this host can read
-    writer = open_store(Path(out_store), prepared=ds, split=split, layer_ids=layer_ids, hidden_size=hidden,
-                        dtype=dtype, target=target, model_dtype=server_dtype, limit=limit,
-                        producer={"backend": "sglang", "urls": [p.url for p in plans],
-                                  "sglang_version": plans[0].version, "cache_bypass": [p.bypass for p in plans],
-                                  "plugin": plans[0].status.get("plugin_version"), "server_dtype": probes[0].dump_dtype,
-                                  "num_layers": plans[0].status.get("model", {}).get("num_layers"),
-                                  "model_class": plans[0].status.get("model", {}).get("class")})
+    writer = open_store(
+        Path(out_store),
+        prepared=ds,
+        split=split,
+        layer_ids=layer_ids,
+        hidden_size=hidden,
+        dtype=dtype,
+        target=target,
+        model_dtype=server_dtype,
+        limit=limit,
+        producer={
+            "backend": "sglang",
+            "urls": [p.url for p in plans],
+            "sglang_version": plans[0].version,
+            "cache_bypass": [p.bypass for p in plans],
+            "plugin": plans[0].status.get("plugin_version"),
+            "server_dtype": probes[0].dump_dtype,
+            "num_layers": plans[0].status.get("model", {}).get("num_layers"),
+            "model_class": plans[0].status.get("model", {}).get("class"),
+        },
+    )
     done_ids = writer.committed_ids
     todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
-    log(f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
+    log(
+        f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
         f"({n_total - len(todo)} already in {out_store}); layers {layer_ids} ({CONVENTION}), "
-        f"bypass {[p.bypass for p in plans]}")
+        f"bypass {[p.bypass for p in plans]}"
+    )
 
     rejected: list[dict[str, Any]] = []
     captured = tokens = 0
@@ -600,10 +757,21 @@ def capture_from_sglang(
                     return False
                 k = min(range(len(plans)), key=load.__getitem__)
                 s = sp[i]
-                futures[pool.submit(capture_one, plans[k], s.id, s.input_ids, f"{job}-{run}-{i}",
-                                    layer_ids=layer_ids, max_retries=max_retries, backoff_s=backoff_s,
-                                    request_timeout_s=request_timeout_s, dump_wait_s=dump_wait_s,
-                                    gate=gates[k])] = k
+                futures[
+                    pool.submit(
+                        capture_one,
+                        plans[k],
+                        s.id,
+                        s.input_ids,
+                        f"{job}-{run}-{i}",
+                        layer_ids=layer_ids,
+                        max_retries=max_retries,
+                        backoff_s=backoff_s,
+                        request_timeout_s=request_timeout_s,
+                        dump_wait_s=dump_wait_s,
+                        gate=gates[k],
+                    )
+                ] = k
                 load[k] += 1
                 return True
 
@@ -637,9 +805,15 @@ def capture_from_sglang(
                 raise
         loop_s = time.time() - loop_t0
         ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
-        calibration = _calibrate(writer, Path(out_store), sp, target, calibrate=calibrate, device=device,
-                                 engine={"backend": "sglang", "sglang_version": plans[0].version,
-                                         "server_dtype": probes[0].dump_dtype})
+        calibration = _calibrate(
+            writer,
+            Path(out_store),
+            sp,
+            target,
+            calibrate=calibrate,
+            device=device,
+            engine={"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype},
+        )
         ok = True
     finally:
         bar.close()
@@ -649,26 +823,43 @@ def capture_from_sglang(
         manifest = writer.close(complete=complete)  # commits verified samples even after an error
     elapsed = time.time() - t0
     summary = {
-        "backend": "sglang", "store": str(out_store), "split": split, "urls": [p.url for p in plans],
-        "layer_ids": layer_ids, "convention": CONVENTION, "sglang_layer_ids": sglang_layer_ids(layer_ids),
-        "samples": n_total, "already_committed": n_total - len(todo), "captured": captured, "tokens": tokens,
-        "rejected_count": len(rejected), "rejected": rejected[:REJECTED_LISTED], "retries": retries,
-        "cache_bypass": [p.bypass for p in plans], "store_complete": manifest.get("status") == "complete",
-        "elapsed_s": round(elapsed, 3), "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
-        "loop_s": round(loop_s, 3), "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
+        "backend": "sglang",
+        "store": str(out_store),
+        "split": split,
+        "urls": [p.url for p in plans],
+        "layer_ids": layer_ids,
+        "convention": CONVENTION,
+        "sglang_layer_ids": sglang_layer_ids(layer_ids),
+        "samples": n_total,
+        "already_committed": n_total - len(todo),
+        "captured": captured,
+        "tokens": tokens,
+        "rejected_count": len(rejected),
+        "rejected": rejected[:REJECTED_LISTED],
+        "retries": retries,
+        "cache_bypass": [p.bypass for p in plans],
+        "store_complete": manifest.get("status") == "complete",
+        "elapsed_s": round(elapsed, 3),
+        "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
+        "loop_s": round(loop_s, 3),
+        "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
         "seconds_summed": {k: round(v, 3) for k, v in spent.items()},
         "engine_numerics": calibration,
     }
     if calibration.get("problem"):
         from eyas.errors import CheckFailed
 
-        raise CheckFailed(f"store {out_store}: the engine's numbers disagree with the reference: {calibration['problem']}; "
-                          f"check the server (`eyas verify-server --url {plans[0].url} --target ...`)", summary)
+        raise CheckFailed(
+            f"store {out_store}: the engine's numbers disagree with the reference: {calibration['problem']}; "
+            f"check the server (`eyas verify-server --url {plans[0].url} --target ...`)",
+            summary,
+        )
     return summary
 
 
-def _calibrate(writer, out_store: Path, split, target, *, calibrate: int, device: str,
-               engine: dict[str, Any]) -> dict[str, Any]:
+def _calibrate(
+    writer, out_store: Path, split, target, *, calibrate: int, device: str, engine: dict[str, Any]
+) -> dict[str, Any]:
     """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows."""
     from eyas.store.numerics import calibrate_store, calibration_problem
 
@@ -683,14 +874,22 @@ def _calibrate(writer, out_store: Path, split, target, *, calibrate: int, device
     writer.commit()  # the reference reads what the store holds, as verify will
     if not manifest["samples"]:
         return {"skipped": "no committed samples"}
-    log(f"eyas capture (sglang): calibrating the engine's numbers on {min(calibrate, len(manifest['samples']))} stored "
-        f"samples against the reference on {device} (--sglang-calibrate 0 skips it)")
+    log(
+        f"eyas capture (sglang): calibrating the engine's numbers on {min(calibrate, len(manifest['samples']))} stored "
+        f"samples against the reference on {device} (--sglang-calibrate 0 skips it)"
+    )
     rec = calibrate_store(out_store, split, str(target), device=device, samples=calibrate, engine=engine)
     writer.set_field("engine_numerics", rec)
     problem = calibration_problem(manifest, rec)
     high = rec["per_layer"][str(max(manifest["aux_layer_ids"]))]
-    log(f"eyas capture (sglang): engine numerics on {rec['n_samples']} samples ({rec['tokens']} tokens), highest aux "
+    log(
+        f"eyas capture (sglang): engine numerics on {rec['n_samples']} samples ({rec['tokens']} tokens), highest aux "
         f"layer: rms max {high['rms']['max']:.3g}, p99.9 max {high['p999']['max']:.3g}, worst token {high['max']['max']:.3g}"
-        + (f"; REFUSED: {problem}" if problem else ""))
-    return {"n_samples": rec["n_samples"], "tokens": rec["tokens"], "per_layer": rec["per_layer"],
-            **({"problem": problem} if problem else {})}
+        + (f"; REFUSED: {problem}" if problem else "")
+    )
+    return {
+        "n_samples": rec["n_samples"],
+        "tokens": rec["tokens"],
+        "per_layer": rec["per_layer"],
+        **({"problem": problem} if problem else {}),
+    }

@@ -258,8 +258,16 @@ class CaptureCore:
         rows = min(_num_rows(info.aux), int(info.final_TD.shape[0]))
         short = rows < total
         # one device-to-host copy each for the whole forward's positions and token ids
-        pos_all = info.positions_T[:total].to("cpu", torch.int64, copy=True) if info.positions_T is not None and not short else None
-        ids_all = info.input_ids_T[:total].to("cpu", torch.int64, copy=True) if info.input_ids_T is not None and not short else None
+        pos_all = (
+            info.positions_T[:total].to("cpu", torch.int64, copy=True)
+            if info.positions_T is not None and not short
+            else None
+        )
+        ids_all = (
+            info.input_ids_T[:total].to("cpu", torch.int64, copy=True)
+            if info.input_ids_T is not None and not short
+            else None
+        )
         for i in ours:
             rid, n, p, a = str(rids[i]), int(lens[i]), int(prefix[i]), starts[i]
             num_tokens = parse_rid(rid)
@@ -268,18 +276,31 @@ class CaptureCore:
                     continue  # a later piece of a prompt already rejected
                 del self._rejected[rid]  # the same rid sent again: a fresh prefill
             if short:
-                out.append(self._reject(rid, num_tokens, f"the forward holds {rows} rows for {total} tokens "
-                                                         "(rows scattered across ranks: sequence parallel or context parallel?)", now))
+                out.append(
+                    self._reject(
+                        rid,
+                        num_tokens,
+                        f"the forward holds {rows} rows for {total} tokens "
+                        "(rows scattered across ranks: sequence parallel or context parallel?)",
+                        now,
+                    )
+                )
                 continue
             pos = None
             if pos_all is not None and n > 0:
-                pos = pos_all[a:a + n]
+                pos = pos_all[a : a + n]
                 want = torch.arange(p, p + n, dtype=torch.int64)
                 if not torch.equal(pos, want):
-                    out.append(self._reject(rid, num_tokens, f"rows hold positions {pos[:4].tolist()}... but the "
-                                                             f"forward says prefix {p}, length {n}", now))
+                    out.append(
+                        self._reject(
+                            rid,
+                            num_tokens,
+                            f"rows hold positions {pos[:4].tolist()}... but the forward says prefix {p}, length {n}",
+                            now,
+                        )
+                    )
                     continue
-            ids = ids_all[a:a + n] if ids_all is not None else None
+            ids = ids_all[a : a + n] if ids_all is not None else None
             done = self._add_piece(rid, num_tokens, p, a, n, info, pos, ids, now)
             if done is not None:
                 out.append(done)
@@ -293,22 +314,35 @@ class CaptureCore:
             st = None  # the server restarted this prompt (e.g. retracted): start over
         if st is None:
             if p != 0:
-                return self._reject(rid, num_tokens, f"first forward started at prefix {p}: {p} prompt tokens "
-                                                     "were served from the prefix cache and never computed", now)
+                return self._reject(
+                    rid,
+                    num_tokens,
+                    f"first forward started at prefix {p}: {p} prompt tokens "
+                    "were served from the prefix cache and never computed",
+                    now,
+                )
             st = _Pending(num_tokens=num_tokens, first_seen=now)
             self._pending[rid] = st
         if p != st.covered:
             self._pending.pop(rid, None)
-            return self._reject(rid, num_tokens, f"piece at positions {p}..{p + n - 1} does not continue the "
-                                                 f"{st.covered} positions already present", now)
+            return self._reject(
+                rid,
+                num_tokens,
+                f"piece at positions {p}..{p + n - 1} does not continue the {st.covered} positions already present",
+                now,
+            )
         if p + n > num_tokens:
             self._pending.pop(rid, None)
-            return self._reject(rid, num_tokens, f"{p + n} positions for a request of {num_tokens} prompt tokens "
-                                                 "(a decode step or a wrong rid length)", now)
+            return self._reject(
+                rid,
+                num_tokens,
+                f"{p + n} positions for a request of {num_tokens} prompt tokens (a decode step or a wrong rid length)",
+                now,
+            )
         st.last_seen = now
         if n > 0:
             aux, aux_done = _host(_aux_rows(info.aux, a, a + n))
-            final, final_done = _host(info.final_TD[a:a + n])
+            final, final_done = _host(info.final_TD[a : a + n])
             ready = [ev for ev in (aux_done, final_done) if ev is not None]
             st.pieces.append(_Piece(p, aux, final, ids, pos, ready))
             st.covered += n
@@ -323,9 +357,14 @@ class CaptureCore:
         if all(pc.positions_L is not None for pc in st.pieces):
             pos = torch.cat([pc.positions_L for pc in st.pieces])
         return CompletedSample(
-            rid=rid, num_tokens=num_tokens, status="complete",
-            aux_pieces=[pc.aux_LAD for pc in st.pieces], final_pieces=[pc.final_LD for pc in st.pieces],
-            input_ids_L=ids, positions_L=pos, pieces=len(st.pieces),
+            rid=rid,
+            num_tokens=num_tokens,
+            status="complete",
+            aux_pieces=[pc.aux_LAD for pc in st.pieces],
+            final_pieces=[pc.final_LD for pc in st.pieces],
+            input_ids_L=ids,
+            positions_L=pos,
+            pieces=len(st.pieces),
             positions_covered=[[pc.start, pc.start + pc.final_LD.shape[0]] for pc in st.pieces],
             ready=[ev for pc in st.pieces for ev in pc.ready],
         )
@@ -343,8 +382,15 @@ class CaptureCore:
         out = []
         for rid, st in list(self._pending.items()):
             if now - st.last_seen > self.stale_after_s:
-                out.append(self._reject(rid, st.num_tokens, f"only {st.covered} of {st.num_tokens} positions arrived "
-                                                            f"within {self.stale_after_s:.0f} s (request aborted?)", now))
+                out.append(
+                    self._reject(
+                        rid,
+                        st.num_tokens,
+                        f"only {st.covered} of {st.num_tokens} positions arrived "
+                        f"within {self.stale_after_s:.0f} s (request aborted?)",
+                        now,
+                    )
+                )
         return out
 
 
@@ -365,8 +411,14 @@ def _dtype_name(t: torch.Tensor) -> str:
 
 
 _IOV_MAX = 512  # buffers per writev call, below every platform's IOV_MAX
-_SAFETENSORS_DTYPES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32", torch.float64: "F64",
-                       torch.int64: "I64", torch.int32: "I32"}
+_SAFETENSORS_DTYPES = {
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+    torch.float64: "F64",
+    torch.int64: "I64",
+    torch.int32: "I32",
+}
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -386,12 +438,18 @@ def _safetensors_file(tensors: list[tuple[str, list[torch.Tensor]]]) -> list[mem
         if first.dtype not in _SAFETENSORS_DTYPES:
             raise ValueError(f"dump tensor {name}: dtype {first.dtype} is not one the dump format stores")
         if any(t.dtype != first.dtype or t.shape[1:] != first.shape[1:] for t in pieces):
-            raise ValueError(f"dump tensor {name}: pieces of shapes {[tuple(t.shape) for t in pieces]} "
-                             f"and dtypes {sorted({str(t.dtype) for t in pieces})} do not stack")
+            raise ValueError(
+                f"dump tensor {name}: pieces of shapes {[tuple(t.shape) for t in pieces]} "
+                f"and dtypes {sorted({str(t.dtype) for t in pieces})} do not stack"
+            )
         views = [_byte_view(t) for t in pieces]
         size = sum(v.nbytes for v in views)
         shape = [sum(int(t.shape[0]) for t in pieces), *map(int, first.shape[1:])]
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[first.dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        header[name] = {
+            "dtype": _SAFETENSORS_DTYPES[first.dtype],
+            "shape": shape,
+            "data_offsets": [offset, offset + size],
+        }
         body += views
         offset += size
     text = json.dumps(header, separators=(",", ":")).encode()
@@ -418,8 +476,9 @@ def _write_buffers(path: Path, buffers: list[memoryview | bytes]) -> None:
         os.close(fd)
 
 
-def write_dump(dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequence[int],
-               writer: dict[str, Any] | None = None) -> Path:
+def write_dump(
+    dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequence[int], writer: dict[str, Any] | None = None
+) -> Path:
     """Write one sample atomically: a hidden temporary directory renamed to `<dump_dir>/<rid>`.
 
     tensors.safetensors is written here, not by the safetensors package: older releases of it hold the
@@ -432,10 +491,18 @@ def write_dump(dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequ
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     meta: dict[str, Any] = {
-        "schema": DUMP_SCHEMA, "rid": sample.rid, "status": sample.status, "reason": sample.reason,
-        "num_tokens": sample.num_tokens, "layer_ids": list(map(int, layer_ids)), "convention": CONVENTION,
-        "sglang_layer_ids": sglang_layer_ids(layer_ids), "pieces": sample.pieces,
-        "positions_covered": sample.positions_covered, "writer": writer or {}, "created": time.time(),
+        "schema": DUMP_SCHEMA,
+        "rid": sample.rid,
+        "status": sample.status,
+        "reason": sample.reason,
+        "num_tokens": sample.num_tokens,
+        "layer_ids": list(map(int, layer_ids)),
+        "convention": CONVENTION,
+        "sglang_layer_ids": sglang_layer_ids(layer_ids),
+        "pieces": sample.pieces,
+        "positions_covered": sample.positions_covered,
+        "writer": writer or {},
+        "created": time.time(),
     }
     try:
         if sample.status == "complete":
@@ -448,8 +515,13 @@ def write_dump(dump_dir: str | Path, sample: CompletedSample, *, layer_ids: Sequ
             tensors += [("aux", sample.aux_pieces), ("final", sample.final_pieces)]
             _write_buffers(tmp / TENSORS_FILE, _safetensors_file(tensors))
             first = sample.aux_pieces[0]
-            meta.update(dtype=_dtype_name(first), shapes={
-                name: [sum(int(t.shape[0]) for t in pieces), *map(int, pieces[0].shape[1:])] for name, pieces in tensors})
+            meta.update(
+                dtype=_dtype_name(first),
+                shapes={
+                    name: [sum(int(t.shape[0]) for t in pieces), *map(int, pieces[0].shape[1:])]
+                    for name, pieces in tensors
+                },
+            )
         (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
         if final.exists():  # a re-sent request: replace the old dump whole
             shutil.rmtree(final, ignore_errors=True)
@@ -497,8 +569,15 @@ class DumpWriter:
     disk. Write errors are counted and kept (`errors`), never raised into the server's forward.
     """
 
-    def __init__(self, dump_dir: str | Path, *, layer_ids: Sequence[int], writer: dict[str, Any] | None = None,
-                 threads: int = 0, max_queue: int = 64):
+    def __init__(
+        self,
+        dump_dir: str | Path,
+        *,
+        layer_ids: Sequence[int],
+        writer: dict[str, Any] | None = None,
+        threads: int = 0,
+        max_queue: int = 64,
+    ):
         if threads < 0:
             raise ValueError(f"threads: {threads}, expected >= 0")
         self.dump_dir = Path(dump_dir)
@@ -547,13 +626,24 @@ class DumpWriter:
                 self._q.task_done()
 
 
-def plugin_status(*, layer_ids: Sequence[int], dump_dir: str | Path, sglang_version: str | None,
-                  plugin_version: str, model: dict[str, Any] | None = None,
-                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
+def plugin_status(
+    *,
+    layer_ids: Sequence[int],
+    dump_dir: str | Path,
+    sglang_version: str | None,
+    plugin_version: str,
+    model: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """What the plugin reports in `/server_info` (internal_states[i]["eyas_capture"])."""
     return {
-        "schema": STATUS_SCHEMA, "plugin_version": plugin_version, "sglang_version": sglang_version,
-        "layer_ids": list(map(int, layer_ids)), "convention": CONVENTION,
-        "sglang_layer_ids": sglang_layer_ids(layer_ids), "dump_dir": str(dump_dir),
-        "model": model or {}, **(extra or {}),
+        "schema": STATUS_SCHEMA,
+        "plugin_version": plugin_version,
+        "sglang_version": sglang_version,
+        "layer_ids": list(map(int, layer_ids)),
+        "convention": CONVENTION,
+        "sglang_layer_ids": sglang_layer_ids(layer_ids),
+        "dump_dir": str(dump_dir),
+        "model": model or {},
+        **(extra or {}),
     }

@@ -81,8 +81,18 @@ logger = logging.getLogger("eyas.sglang")
 PINNED_SGLANG = "0.5.23"
 # Every release whose wheel was read and passes the contract check (tests/test_sglang_contract.py
 # checks each one). 0.5.15-0.5.17 pin torch 2.11; 0.5.18-0.5.21 torch 2.13; 0.5.22+ torch 2.14.
-SUPPORTED_VERSIONS = ("0.5.15", "0.5.15.post1", "0.5.16", "0.5.17", "0.5.18", "0.5.19", "0.5.20", "0.5.21",
-                      "0.5.22", "0.5.23")
+SUPPORTED_VERSIONS = (
+    "0.5.15",
+    "0.5.15.post1",
+    "0.5.16",
+    "0.5.17",
+    "0.5.18",
+    "0.5.19",
+    "0.5.20",
+    "0.5.21",
+    "0.5.22",
+    "0.5.23",
+)
 SUPPORTED_RANGE = ">=0.5.15,<0.6"
 PLUGIN_VERSION = "2"
 WRITER_THREADS = 4  # dump writers per writing rank (safetensors serialisation + tmpfs copy)
@@ -96,20 +106,39 @@ CONTRACT: dict[str, Any] = {
     "hooks": {
         "enable": ("sglang.srt.model_executor.model_runner", "ModelRunner.init_attention_backends", ("self",)),
         "live_batch": ("sglang.srt.model_executor.model_runner", "ModelRunner.forward", ("self", "forward_batch")),
-        "logits": ("sglang.srt.layers.logits_processor", "LogitsProcessor.forward",
-                   ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states")),
+        "logits": (
+            "sglang.srt.layers.logits_processor",
+            "LogitsProcessor.forward",
+            ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"),
+        ),
     },
     # The status hook moved in 0.5.22: the first of these that exists is used.
     "status_hooks": (
-        ("sglang.srt.managers.scheduler_components.internal_state",
-         "SchedulerInternalStateController.get_internal_state", ("self", "recv_req")),
+        (
+            "sglang.srt.managers.scheduler_components.internal_state",
+            "SchedulerInternalStateController.get_internal_state",
+            ("self", "recv_req"),
+        ),
         ("sglang.srt.managers.scheduler", "Scheduler.get_internal_state", ("self", "recv_req")),
     ),
-    "forward_batch": ("sglang.srt.model_executor.forward_batch_info", "ForwardBatch",
-                      ("forward_mode", "rids", "extend_prefix_lens_cpu", "extend_seq_lens_cpu", "positions",
-                       "input_ids", "batch_size")),
-    "forward_mode": ("sglang.srt.model_executor.forward_batch_info", "ForwardMode",
-                     ("EXTEND", "MIXED", "is_extend", "is_target_verify")),
+    "forward_batch": (
+        "sglang.srt.model_executor.forward_batch_info",
+        "ForwardBatch",
+        (
+            "forward_mode",
+            "rids",
+            "extend_prefix_lens_cpu",
+            "extend_seq_lens_cpu",
+            "positions",
+            "input_ids",
+            "batch_size",
+        ),
+    ),
+    "forward_mode": (
+        "sglang.srt.model_executor.forward_batch_info",
+        "ForwardMode",
+        ("EXTEND", "MIXED", "is_extend", "is_target_verify"),
+    ),
     "parallel": ("sglang.srt.runtime_context", "get_parallel", ("attn_tp_rank", "pp_rank", "pp_size")),
     "model_method": "set_eagle3_layers_to_capture",
 }
@@ -140,8 +169,10 @@ class PluginConfig:
             try:
                 layers = [int(x) for x in raw.split(",") if x.strip()]
             except ValueError:
-                raise PluginConfigError(f"EYAS_CAPTURE_LAYERS={raw!r}: expected comma-separated integers "
-                                        "(eyas convention: id i = input to decoder layer i)") from None
+                raise PluginConfigError(
+                    f"EYAS_CAPTURE_LAYERS={raw!r}: expected comma-separated integers "
+                    "(eyas convention: id i = input to decoder layer i)"
+                ) from None
             if not layers or min(layers) < 1 or len(set(layers)) != len(layers):
                 raise PluginConfigError(f"EYAS_CAPTURE_LAYERS={raw!r}: expected distinct ids >= 1")
         return cls(layer_ids=layers, dump_dir=env.get("EYAS_DUMP_DIR", DEFAULT_DUMP_DIR))
@@ -190,8 +221,9 @@ def check_runtime_contract() -> list[str]:
             if missing:
                 problems.append(f"{mod}.{qual} has parameters {have}, missing {missing}")
     if status_hook_target() is None:
-        problems.append("no get_internal_state hook point: tried "
-                        + ", ".join(f"{m}.{q}" for m, q, _ in CONTRACT["status_hooks"]))
+        problems.append(
+            "no get_internal_state hook point: tried " + ", ".join(f"{m}.{q}" for m, q, _ in CONTRACT["status_hooks"])
+        )
     mod, name, fields = CONTRACT["forward_batch"]
     if (fb := get(mod, name)) is not None:
         have = {f.name for f in dataclasses.fields(fb)} if dataclasses.is_dataclass(fb) else set(dir(fb))
@@ -273,6 +305,7 @@ def check_contract_in_source(root) -> list[str]:
     mod, name, members = CONTRACT["hook_types"]
     if (cls := top(mod, name)) is not None:
         problems += [f"{mod}.{name}.{m} not defined" for m in members if member(cls, m) is None]
+
     def method_problem(mod: str, qual: str, want_params) -> str | None:
         cls_name, meth = qual.split(".")
         if (cls := top(mod, cls_name)) is None:
@@ -362,7 +395,6 @@ def version_supported(v: str | None) -> bool:
 # ----------------------------------------------------------------------------- live state
 
 
-
 class _State:
     """Plugin state of one server process (one scheduler process per GPU rank).
 
@@ -391,13 +423,21 @@ class _State:
 
     def status(self) -> dict[str, Any]:
         return plugin_status(
-            layer_ids=self.layer_ids or [], dump_dir=self.cfg.dump_dir, sglang_version=sglang_version(),
-            plugin_version=PLUGIN_VERSION, model=self.model,
-            extra={"enabled": self.enabled, "ranks": self.ranks, "writer": self.is_writer(),
-                   "stats": {**self.core.stats, **self.counts},
-                   "write_errors": len(self.writer.errors) if self.writer else 0,
-                   "hook_errors": self.errors, "last_error": self.last_error,
-                   "pending": len(self.core.pending_rids())},
+            layer_ids=self.layer_ids or [],
+            dump_dir=self.cfg.dump_dir,
+            sglang_version=sglang_version(),
+            plugin_version=PLUGIN_VERSION,
+            model=self.model,
+            extra={
+                "enabled": self.enabled,
+                "ranks": self.ranks,
+                "writer": self.is_writer(),
+                "stats": {**self.core.stats, **self.counts},
+                "write_errors": len(self.writer.errors) if self.writer else 0,
+                "hook_errors": self.errors,
+                "last_error": self.last_error,
+                "pending": len(self.core.pending_rids()),
+            },
         )
 
     # --- hook bodies
@@ -445,21 +485,34 @@ class _State:
         if not live_rids:
             self.counts["rid_less_forwards"] += 1
             if self.counts["rid_less_forwards"] == 1:
-                logger.warning("eyas capture: a forward without request ids and no scheduler batch to take them from "
-                               "was dropped (prefill CUDA-graph replay?); restart the server with %s", REPLAY_FLAG)
+                logger.warning(
+                    "eyas capture: a forward without request ids and no scheduler batch to take them from "
+                    "was dropped (prefill CUDA-graph replay?); restart the server with %s",
+                    REPLAY_FLAG,
+                )
             return None
         if not any(parse_rid(r) is not None for r in live_rids):
             return None
-        same = (list(getattr(lb, "extend_seq_lens_cpu", None) or []) == list(fb.extend_seq_lens_cpu or [])
-                and list(getattr(lb, "extend_prefix_lens_cpu", None) or []) == list(fb.extend_prefix_lens_cpu or [])
-                and len(live_rids) == len(fb.extend_seq_lens_cpu or []))
+        same = (
+            list(getattr(lb, "extend_seq_lens_cpu", None) or []) == list(fb.extend_seq_lens_cpu or [])
+            and list(getattr(lb, "extend_prefix_lens_cpu", None) or []) == list(fb.extend_prefix_lens_cpu or [])
+            and len(live_rids) == len(fb.extend_seq_lens_cpu or [])
+        )
         if not same:
             self.counts["unmatched_forwards"] += 1
-            self.writer.submit([CompletedSample(
-                rid=str(r), num_tokens=parse_rid(r), status="rejected",
-                reason="the logits step got a batch without request ids whose lengths do not match the scheduler's "
-                       f"batch (prefill CUDA-graph replay?); restart the server with {REPLAY_FLAG}")
-                for r in live_rids if parse_rid(r) is not None])
+            self.writer.submit(
+                [
+                    CompletedSample(
+                        rid=str(r),
+                        num_tokens=parse_rid(r),
+                        status="rejected",
+                        reason="the logits step got a batch without request ids whose lengths do not match the scheduler's "
+                        f"batch (prefill CUDA-graph replay?); restart the server with {REPLAY_FLAG}",
+                    )
+                    for r in live_rids
+                    if parse_rid(r) is not None
+                ]
+            )
             return None
         self.counts["rids_from_live_batch"] += 1
         return live_rids
@@ -483,17 +536,30 @@ class _State:
         hidden = bound["hidden_states"]
         aux = bound.get("aux_hidden_states")
         if aux is None:
-            self.writer.submit([CompletedSample(rid=str(r), num_tokens=parse_rid(r), status="rejected",
-                                                reason="the forward carried no aux hidden states (capture is not "
-                                                       "active on this model path)")
-                                for r in rids if parse_rid(r) is not None])
+            self.writer.submit(
+                [
+                    CompletedSample(
+                        rid=str(r),
+                        num_tokens=parse_rid(r),
+                        status="rejected",
+                        reason="the forward carried no aux hidden states (capture is not active on this model path)",
+                    )
+                    for r in rids
+                    if parse_rid(r) is not None
+                ]
+            )
             return None
         if isinstance(aux, torch.Tensor) and aux.dim() == 2:  # packed [T, A*H]
             aux = aux.view(aux.shape[0], -1, hidden.shape[-1])
         return ForwardInfo(
-            rids=rids, extend_prefix_lens=[int(x) for x in fb.extend_prefix_lens_cpu],
-            extend_seq_lens=[int(x) for x in fb.extend_seq_lens_cpu], aux=aux, final_TD=hidden,
-            positions_T=fb.positions, input_ids_T=fb.input_ids, **self.ranks,
+            rids=rids,
+            extend_prefix_lens=[int(x) for x in fb.extend_prefix_lens_cpu],
+            extend_seq_lens=[int(x) for x in fb.extend_seq_lens_cpu],
+            aux=aux,
+            final_TD=hidden,
+            positions_T=fb.positions,
+            input_ids_T=fb.input_ids,
+            **self.ranks,
         )
 
 
@@ -551,8 +617,9 @@ def _prefill_graph_backend(args) -> str | None:
     backend = prefill.get("backend") if isinstance(prefill, dict) else getattr(prefill, "backend", None)
     if backend is None:
         backend = server_arg(args, "cuda_graph_backend_prefill")
-        if backend is None and (server_arg(args, "disable_prefill_cuda_graph", False)
-                                or server_arg(args, "disable_cuda_graph", False)):
+        if backend is None and (
+            server_arg(args, "disable_prefill_cuda_graph", False) or server_arg(args, "disable_cuda_graph", False)
+        ):
             backend = "disabled"
         if backend is None:
             backend = _default_prefill_backend()
@@ -566,33 +633,47 @@ def check_server_args(args) -> None:
         return
     spec = server_arg(args, "speculative_algorithm")
     if spec:
-        raise PluginConfigError(f"--speculative-algorithm {spec} is set: a capture server runs the target alone "
-                                "(drop the speculative flags)")
+        raise PluginConfigError(
+            f"--speculative-algorithm {spec} is set: a capture server runs the target alone "
+            "(drop the speculative flags)"
+        )
     if server_arg(args, "enable_return_aux_hidden_states", False):
-        raise PluginConfigError("--enable-return-aux-hidden-states is set: eyas turns aux capture on itself; "
-                                "drop that flag (and --return-aux-hidden-state-layer-ids), use EYAS_CAPTURE_LAYERS")
+        raise PluginConfigError(
+            "--enable-return-aux-hidden-states is set: eyas turns aux capture on itself; "
+            "drop that flag (and --return-aux-hidden-state-layer-ids), use EYAS_CAPTURE_LAYERS"
+        )
     if int(server_arg(args, "pp_size", 1) or 1) > 1:
-        raise PluginConfigError("--pp-size > 1: SGLang captures aux states only on the last pipeline stage, so aux "
-                                "layers of earlier stages would be missing; capture with --pp-size 1 (use TP/EP)")
+        raise PluginConfigError(
+            "--pp-size > 1: SGLang captures aux states only on the last pipeline stage, so aux "
+            "layers of earlier stages would be missing; capture with --pp-size 1 (use TP/EP)"
+        )
     if server_arg(args, "enable_prefill_cp", False):
-        raise PluginConfigError("--enable-prefill-cp is set: prefill context parallelism splits each prompt's tokens "
-                                "across ranks, so the writing rank's logits step would see only part of a sequence's "
-                                "states; start the capture server without it (plain TP)")
+        raise PluginConfigError(
+            "--enable-prefill-cp is set: prefill context parallelism splits each prompt's tokens "
+            "across ranks, so the writing rank's logits step would see only part of a sequence's "
+            "states; start the capture server without it (plain TP)"
+        )
     if int(server_arg(args, "attn_cp_size", 1) or 1) > 1:
         raise PluginConfigError("--attn-cp-size > 1 splits a prompt's rows across ranks; capture needs attn_cp_size 1")
     if server_arg(args, "enable_dp_attention", False) or int(server_arg(args, "attn_dp_size", 1) or 1) > 1:
-        raise PluginConfigError("DP attention is on (--enable-dp-attention / --attn-dp-size > 1): one batch's rows are "
-                                "spread over attention-DP ranks and the writing rank would see only its share; start "
-                                "the capture server without DP attention (plain TP, or --dp-size replicas)")
+        raise PluginConfigError(
+            "DP attention is on (--enable-dp-attention / --attn-dp-size > 1): one batch's rows are "
+            "spread over attention-DP ranks and the writing rank would see only its share; start "
+            "the capture server without DP attention (plain TP, or --dp-size replicas)"
+        )
     for flag in ("enable_two_batch_overlap", "enable_single_batch_overlap"):
         if server_arg(args, flag, False):
-            raise PluginConfigError(f"--{flag.replace('_', '-')} is set: DeepSeek-family models skip EAGLE-3 aux "
-                                    "capture for overlapped micro-batches, so their states would be missing; drop it")
+            raise PluginConfigError(
+                f"--{flag.replace('_', '-')} is set: DeepSeek-family models skip EAGLE-3 aux "
+                "capture for overlapped micro-batches, so their states would be missing; drop it"
+            )
     if _prefill_graph_backend(args) == "tc_piecewise":
-        raise PluginConfigError("the prefill CUDA graph backend is tc_piecewise (SGLang's default off CUDA up to "
-                                "0.5.21, and for some multimodal models): it compiles the logits step the plugin "
-                                f"hooks; start the server with {REPLAY_FLAG}, or --cuda-graph-backend-prefill "
-                                "breakable or full where the platform supports them")
+        raise PluginConfigError(
+            "the prefill CUDA graph backend is tc_piecewise (SGLang's default off CUDA up to "
+            "0.5.21, and for some multimodal models): it compiles the logits step the plugin "
+            f"hooks; start the server with {REPLAY_FLAG}, or --cuda-graph-backend-prefill "
+            "breakable or full where the platform supports them"
+        )
 
 
 def capture_owner(model) -> Any:
@@ -628,8 +709,10 @@ def apply_layer_ids(model, layer_ids: list[int]) -> tuple[list[int], str]:
     """
     owner = capture_owner(model)
     if owner is None:
-        raise PluginConfigError(f"{type(model).__name__}: no `layers_to_capture` under .model / .language_model, so "
-                                "the captured layers cannot be read back; this architecture is not supported")
+        raise PluginConfigError(
+            f"{type(model).__name__}: no `layers_to_capture` under .model / .language_model, so "
+            "the captured layers cannot be read back; this architecture is not supported"
+        )
     want = [int(i) for i in layer_ids]
     seen = []
     for rule, passed in (("plus-one", sglang_layer_ids(want)), ("plus-one-if-first-is-1", list(want))):
@@ -641,7 +724,8 @@ def apply_layer_ids(model, layer_ids: list[int]) -> tuple[list[int], str]:
     raise PluginConfigError(
         f"EYAS_CAPTURE_LAYERS={','.join(map(str, want))}: {type(model).__name__} cannot capture the inputs of layers "
         f"{want} ({'; '.join(seen)}). DeepSeek-family models add 1 only when the first id is 1, so a first eyas id "
-        "of 1 cannot be captured there: choose a first id >= 2")
+        "of 1 cannot be captured there: choose a first id >= 2"
+    )
 
 
 def _on_init_attention_backends(runner, *args, **kwargs):
@@ -662,24 +746,40 @@ def enable(st: _State, model, *, server_args, ranks: dict[str, int]) -> None:
     try:
         layer_ids = check_layer_ids(st.cfg.layer_ids, n) if st.cfg.layer_ids else default_aux_layer_ids(n)
     except EyasError as exc:
-        raise PluginConfigError(f"EYAS_CAPTURE_LAYERS={st.cfg.layer_ids}: {type(model).__name__} has {n} layers: {exc}") from exc
+        raise PluginConfigError(
+            f"EYAS_CAPTURE_LAYERS={st.cfg.layer_ids}: {type(model).__name__} has {n} layers: {exc}"
+        ) from exc
     if not hasattr(model, CONTRACT["model_method"]):
-        raise PluginConfigError(f"{type(model).__name__} has no {CONTRACT['model_method']}: SGLang {sglang_version()} "
-                                "cannot capture EAGLE-3 aux hidden states for this architecture")
+        raise PluginConfigError(
+            f"{type(model).__name__} has no {CONTRACT['model_method']}: SGLang {sglang_version()} "
+            "cannot capture EAGLE-3 aux hidden states for this architecture"
+        )
     passed, rule = apply_layer_ids(model, list(layer_ids))
     st.layer_ids = list(layer_ids)
     st.ranks = dict(ranks)
-    st.model = {"class": type(model).__name__, "num_layers": n, "hidden_size": int(getattr(text, "hidden_size", 0) or 0),
-                "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
-                "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 0),
-                "layers_to_capture": list(capture_owner(model).layers_to_capture),
-                "ids_passed": passed, "layer_id_rule": rule}
+    st.model = {
+        "class": type(model).__name__,
+        "num_layers": n,
+        "hidden_size": int(getattr(text, "hidden_size", 0) or 0),
+        "vocab_size": int(getattr(text, "vocab_size", 0) or 0),
+        "max_position_embeddings": int(getattr(text, "max_position_embeddings", 0) or 0),
+        "layers_to_capture": list(capture_owner(model).layers_to_capture),
+        "ids_passed": passed,
+        "layer_id_rule": rule,
+    }
     if st.is_writer():
         writer = {**st.ranks, "pid": os.getpid()}
         st.writer = DumpWriter(st.cfg.dump_dir, layer_ids=layer_ids, writer=writer, threads=WRITER_THREADS)
     st.enabled = True
-    logger.info("eyas capture: layers %s (hf-input; passed %s, rule %s), dump dir %s, ranks %s, writer=%s",
-                layer_ids, passed, rule, st.cfg.dump_dir, st.ranks, st.is_writer())
+    logger.info(
+        "eyas capture: layers %s (hf-input; passed %s, rule %s), dump dir %s, ranks %s, writer=%s",
+        layer_ids,
+        passed,
+        rule,
+        st.cfg.dump_dir,
+        st.ranks,
+        st.is_writer(),
+    )
 
 
 def _on_model_runner_forward(runner, forward_batch=None, *args, **kwargs):
@@ -715,9 +815,11 @@ def hook_target(key: str) -> str:
 def register_hooks(registry, hook_type, *, status_target: tuple[str, str] | None = None) -> list[str]:
     """Register the four hooks with SGLang's HookRegistry; returns the targets."""
     targets = []
-    for key, fn, kind in (("enable", _on_init_attention_backends, hook_type.BEFORE),
-                          ("live_batch", _on_model_runner_forward, hook_type.BEFORE),
-                          ("logits", _on_logits, hook_type.BEFORE)):
+    for key, fn, kind in (
+        ("enable", _on_init_attention_backends, hook_type.BEFORE),
+        ("live_batch", _on_model_runner_forward, hook_type.BEFORE),
+        ("logits", _on_logits, hook_type.BEFORE),
+    ):
         registry.register(hook_target(key), fn, kind)
         targets.append(hook_target(key))
     if status_target is not None:
@@ -736,10 +838,17 @@ def register() -> None:
     if problems:
         raise PluginConfigError(
             f"SGLang {v} lacks what the plugin needs (pinned {PINNED_SGLANG}, supported {SUPPORTED_RANGE}):\n  - "
-            + "\n  - ".join(problems) + f"\ninstall sglang=={PINNED_SGLANG} or unset EYAS_CAPTURE")
+            + "\n  - ".join(problems)
+            + f"\ninstall sglang=={PINNED_SGLANG} or unset EYAS_CAPTURE"
+        )
     if not version_supported(v):
-        logger.warning("eyas capture: SGLang %s is outside the supported range %s (pinned %s); every hook point "
-                       "was found, continuing", v, SUPPORTED_RANGE, PINNED_SGLANG)
+        logger.warning(
+            "eyas capture: SGLang %s is outside the supported range %s (pinned %s); every hook point "
+            "was found, continuing",
+            v,
+            SUPPORTED_RANGE,
+            PINNED_SGLANG,
+        )
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     _STATE = _State(PluginConfig.from_env())

@@ -151,9 +151,14 @@ def replay_batch(live: ForwardBatch, *, bucket: int) -> ForwardBatch:
     ids, pos = torch.zeros(padded, dtype=torch.long), torch.zeros(padded, dtype=torch.long)
     ids[:T], pos[:T] = live.input_ids, live.positions
     mode = ForwardMode.EXTEND if live.forward_mode == ForwardMode.MIXED else live.forward_mode
-    return ForwardBatch(forward_mode=mode, batch_size=live.batch_size, input_ids=ids, positions=pos,
-                        extend_prefix_lens_cpu=live.extend_prefix_lens_cpu,
-                        extend_seq_lens_cpu=live.extend_seq_lens_cpu)
+    return ForwardBatch(
+        forward_mode=mode,
+        batch_size=live.batch_size,
+        input_ids=ids,
+        positions=pos,
+        extend_prefix_lens_cpu=live.extend_prefix_lens_cpu,
+        extend_seq_lens_cpu=live.extend_seq_lens_cpu,
+    )
 
 
 class HookType(enum.Enum):
@@ -244,11 +249,20 @@ class LogitsProcessor:
     def __init__(self, states: list, hooks: HookTable):
         self.states, self.hooks = states, hooks
 
-    def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None,
-                hidden_states_before_norm=None):
+    def forward(
+        self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None, hidden_states_before_norm=None
+    ):
         for st in self.states:  # every TP rank runs the same tail on the same (replicated) rows
-            self.hooks.before(LOGITS_TARGET, st, self, input_ids, hidden_states, lm_head, logits_metadata,
-                              aux_hidden_states=aux_hidden_states)
+            self.hooks.before(
+                LOGITS_TARGET,
+                st,
+                self,
+                input_ids,
+                hidden_states,
+                lm_head,
+                logits_metadata,
+                aux_hidden_states=aux_hidden_states,
+            )
         return None
 
 
@@ -303,11 +317,20 @@ class StandinServer:
         """The ServerArgs the plugin's start-up check reads: the stand-in's settings and cfg.server_args
         (not the flags it only reports: see StandinConfig)."""
         cfg = self.cfg
-        return types.SimpleNamespace(**{
-            "tp_size": cfg.tp_size, "pp_size": 1, "dp_size": 1, "disable_radix_cache": cfg.disable_radix_cache,
-            "chunked_prefill_size": cfg.chunked_prefill_size, "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
-            "speculative_algorithm": None, "enable_dp_attention": False, "enable_two_batch_overlap": False,
-            **cfg.server_args})
+        return types.SimpleNamespace(
+            **{
+                "tp_size": cfg.tp_size,
+                "pp_size": 1,
+                "dp_size": 1,
+                "disable_radix_cache": cfg.disable_radix_cache,
+                "chunked_prefill_size": cfg.chunked_prefill_size,
+                "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
+                "speculative_algorithm": None,
+                "enable_dp_attention": False,
+                "enable_two_batch_overlap": False,
+                **cfg.server_args,
+            }
+        )
 
     def _enable_rank(self, rank: int) -> ModelRunner:
         """One TP rank, set up as in a server process: register() builds the state from the environment
@@ -321,8 +344,9 @@ class StandinServer:
         if rank == 0:
             eyas_plugin.register_hooks(self.hooks, HookType, status_target=STATUS_TARGET)
         runner = ModelRunner(model=CaptureModel(self.model.config), server_args=self.server_args(), state=st)
-        eyas_plugin.enable(st, runner.model, server_args=runner.server_args,
-                           ranks={"attn_tp_rank": rank, "pp_rank": 0, "pp_size": 1})
+        eyas_plugin.enable(
+            st, runner.model, server_args=runner.server_args, ranks={"attn_tp_rank": rank, "pp_rank": 0, "pp_size": 1}
+        )
         if st.writer is not None:
             st.writer.writer["standin"] = True
         return runner
@@ -362,13 +386,21 @@ class StandinServer:
             if isinstance(state.get("eyas_capture"), dict):
                 state["eyas_capture"].update(sglang_version=cfg.version, standin=True)
         return {
-            "model_path": str(cfg.target), "version": cfg.version, "disable_radix_cache": cfg.disable_radix_cache,
-            "chunked_prefill_size": cfg.chunked_prefill_size, "context_length": cfg.context_length,
-            "enable_mixed_chunk": False, "tp_size": cfg.tp_size,
-            "dp_size": 1, "pp_size": 1, "enable_dp_attention": cfg.enable_dp_attention,
-            "enable_two_batch_overlap": cfg.enable_two_batch_overlap, "page_size": 1,
+            "model_path": str(cfg.target),
+            "version": cfg.version,
+            "disable_radix_cache": cfg.disable_radix_cache,
+            "chunked_prefill_size": cfg.chunked_prefill_size,
+            "context_length": cfg.context_length,
+            "enable_mixed_chunk": False,
+            "tp_size": cfg.tp_size,
+            "dp_size": 1,
+            "pp_size": 1,
+            "enable_dp_attention": cfg.enable_dp_attention,
+            "enable_two_batch_overlap": cfg.enable_two_batch_overlap,
+            "page_size": 1,
             "disable_prefill_cuda_graph": not cfg.prefill_cuda_graph,
-            "speculative_algorithm": cfg.speculative_algorithm, "internal_states": [state],
+            "speculative_algorithm": cfg.speculative_algorithm,
+            "internal_states": [state],
         } | self._speculative_info(state)
 
     def _speculative_info(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -378,9 +410,13 @@ class StandinServer:
         with self._lock:
             tokens, rounds = self.spec_totals
         state["avg_spec_accept_length"] = tokens / rounds if rounds else 0.0
-        return {"speculative_algorithm": self.cfg.speculative_algorithm or "EAGLE3",
-                "speculative_draft_model_path": "standin-draft", "speculative_num_steps": 3,
-                "speculative_eagle_topk": 1, "speculative_num_draft_tokens": 4}
+        return {
+            "speculative_algorithm": self.cfg.speculative_algorithm or "EAGLE3",
+            "speculative_draft_model_path": "standin-draft",
+            "speculative_num_steps": 3,
+            "speculative_eagle_topk": 1,
+            "speculative_num_draft_tokens": 4,
+        }
 
     # -- HTTP
 
@@ -444,15 +480,23 @@ class StandinServer:
             return 400, {"error": f"input_ids out of range for vocab {vocab}"}
         limit = self.cfg.context_length or int(self.model.config.max_position_embeddings)
         if len(ids) > limit:
-            return 400, {"error": {"message": f"The input ({len(ids)} tokens) is longer than the model's context "
-                                              f"length ({limit} tokens)."}}
+            return 400, {
+                "error": {
+                    "message": f"The input ({len(ids)} tokens) is longer than the model's context "
+                    f"length ({limit} tokens)."
+                }
+            }
         sp = body.get("sampling_params") or {}
         max_new = int(sp.get("max_new_tokens", 1))
         if max_new < 1 or float(sp.get("temperature", 0.0)) != 0.0:
             return 400, {"error": "the stand-in serves greedy answers (temperature 0) of max_new_tokens >= 1 only"}
         logprob_start = int(body.get("logprob_start_len", -1)) if body.get("return_logprob") else None
-        req = _Req(rid=str(body.get("rid") or uuid.uuid4().hex), ids=ids, salt=body.get("cache_salt"),
-                   logprob_start=logprob_start if logprob_start is not None and logprob_start >= 0 else None)
+        req = _Req(
+            rid=str(body.get("rid") or uuid.uuid4().hex),
+            ids=ids,
+            salt=body.get("cache_salt"),
+            logprob_start=logprob_start if logprob_start is not None and logprob_start >= 0 else None,
+        )
         self.queue.put(req)
         req.done.wait()
         result = req.result
@@ -462,8 +506,9 @@ class StandinServer:
             out = self._decode(ids, result["output_ids"][0], max_new, stop)
             meta = result["meta_info"]
             meta["completion_tokens"] = len(out)
-            meta["finish_reason"] = ({"type": "stop", "matched": out[-1]} if out[-1] in stop
-                                     else {"type": "length", "length": len(out)})
+            meta["finish_reason"] = (
+                {"type": "stop", "matched": out[-1]} if out[-1] in stop else {"type": "length", "length": len(out)}
+            )
             if self.cfg.draft_accept_length is not None:
                 meta["spec_verify_ct"] = math.ceil(len(out) / self.cfg.draft_accept_length)
                 with self._lock:
@@ -489,11 +534,18 @@ class StandinServer:
 
         if max_new == 1 or first in stop:
             return [first]
-        config = GenerationConfig(max_new_tokens=max_new - 1, min_new_tokens=0, do_sample=False, num_beams=1,
-                                  eos_token_id=sorted(stop) or None, pad_token_id=min(stop) if stop else 0)
+        config = GenerationConfig(
+            max_new_tokens=max_new - 1,
+            min_new_tokens=0,
+            do_sample=False,
+            num_beams=1,
+            eos_token_id=sorted(stop) or None,
+            pad_token_id=min(stop) if stop else 0,
+        )
         seq = torch.tensor([ids + [first]])
-        more = self.model.generate(input_ids=seq, attention_mask=torch.ones_like(seq),
-                                   generation_config=config)[0, seq.shape[1]:].tolist()
+        more = self.model.generate(input_ids=seq, attention_mask=torch.ones_like(seq), generation_config=config)[
+            0, seq.shape[1] :
+        ].tolist()
         cut = next((j + 1 for j, t in enumerate(more) if t in stop), len(more))
         return [first] + more[:cut]
 
@@ -570,11 +622,22 @@ class StandinServer:
         T = sum(n for _, _, n in pieces)
         pad = (-T) % max(1, self.cfg.pad_rows_to)
         # the scheduler's batch: real rows only, with the request ids
-        live = ForwardBatch(forward_mode=ForwardMode.EXTEND, batch_size=len(pieces), input_ids=torch.cat(toks),
-                            positions=torch.cat(pos), rids=[r.rid for r, _, _ in pieces],
-                            extend_prefix_lens_cpu=[s for _, s, _ in pieces], extend_seq_lens_cpu=[n for _, _, n in pieces])
-        self.forwards.append({"rids": live.rids, "extend_prefix_lens": live.extend_prefix_lens_cpu,
-                              "extend_seq_lens": live.extend_seq_lens_cpu})
+        live = ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=len(pieces),
+            input_ids=torch.cat(toks),
+            positions=torch.cat(pos),
+            rids=[r.rid for r, _, _ in pieces],
+            extend_prefix_lens_cpu=[s for _, s, _ in pieces],
+            extend_seq_lens_cpu=[n for _, _, n in pieces],
+        )
+        self.forwards.append(
+            {
+                "rids": live.rids,
+                "extend_prefix_lens": live.extend_prefix_lens_cpu,
+                "extend_seq_lens": live.extend_seq_lens_cpu,
+            }
+        )
         if self.cfg.plugin:
             for runner in self.runners:  # ModelRunner.forward(live batch) on every rank
                 self.hooks.before(LIVE_BATCH_TARGET, runner.state, runner, live)
@@ -584,8 +647,9 @@ class StandinServer:
                 final.append(torch.full((pad, final[0].shape[1]), 1e4))
             hidden_TD, aux_TAD = torch.cat(final), torch.cat(aux)
             # the model's tail: logits_processor(input_ids, hidden, lm_head, batch, aux) with packed aux [T, A*H]
-            self.logits.forward(fb.input_ids, hidden_TD, self.model.lm_head, fb,
-                                aux_hidden_states=aux_TAD.reshape(aux_TAD.shape[0], -1))
+            self.logits.forward(
+                fb.input_ids, hidden_TD, self.model.lm_head, fb, aux_hidden_states=aux_TAD.reshape(aux_TAD.shape[0], -1)
+            )
             self.flush()  # as in SGLang, the dump may lag the forward; flushing keeps tests simple
         still = []
         for r in running:
@@ -596,9 +660,17 @@ class StandinServer:
             next_id = int(torch.argmax(self.model.lm_head(final_last)))
             if not self.cfg.disable_radix_cache:
                 self.radix.append((r.salt, list(r.ids)))
-            r.result = {"text": "", "output_ids": [next_id], "meta_info": {
-                "id": r.rid, "prompt_tokens": len(r.ids), "cached_tokens": r.prefix, "completion_tokens": 1,
-                "finish_reason": {"type": "length", "length": 1}}}
+            r.result = {
+                "text": "",
+                "output_ids": [next_id],
+                "meta_info": {
+                    "id": r.rid,
+                    "prompt_tokens": len(r.ids),
+                    "cached_tokens": r.prefix,
+                    "completion_tokens": 1,
+                    "finish_reason": {"type": "length", "length": 1},
+                },
+            }
             r.done.set()
         return still
 
@@ -613,9 +685,14 @@ def main() -> None:
     ap.add_argument("--radix", action="store_true", help="keep a radix cache (disable_radix_cache = false)")
     ap.add_argument("--no-prefill-graph", action="store_true", help="hand the logits step the live batch (with rids)")
     a = ap.parse_args()
-    cfg = StandinConfig(target=a.target, dump_dir=a.dump_dir, chunked_prefill_size=a.chunk,
-                        disable_radix_cache=not a.radix, prefill_cuda_graph=not a.no_prefill_graph,
-                        layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None)
+    cfg = StandinConfig(
+        target=a.target,
+        dump_dir=a.dump_dir,
+        chunked_prefill_size=a.chunk,
+        disable_radix_cache=not a.radix,
+        prefill_cuda_graph=not a.no_prefill_graph,
+        layer_ids=[int(x) for x in a.layers.split(",")] if a.layers else None,
+    )
     srv = StandinServer(cfg, port=a.port).start()
     print(f"stand-in SGLang server at {srv.url} (dumps in {srv.dump_dir})", flush=True)
     try:

@@ -43,8 +43,15 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 class FunctionalDrafter:
     """An EAGLE-3 draft layer bound to weights, a device and a dtype; no autograd."""
 
-    def __init__(self, config: DrafterConfig, weights: dict[str, torch.Tensor], *, device: str | torch.device = "cpu",
-                 dtype: torch.dtype = torch.float32, embed_tokens: torch.Tensor | None = None):
+    def __init__(
+        self,
+        config: DrafterConfig,
+        weights: dict[str, torch.Tensor],
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+        embed_tokens: torch.Tensor | None = None,
+    ):
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
@@ -78,8 +85,11 @@ class FunctionalDrafter:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
         cfg = LlamaConfig(
-            hidden_size=s.num_attention_heads * s.head_dim, num_attention_heads=s.num_attention_heads,
-            head_dim=s.head_dim, max_position_embeddings=s.max_position_embeddings, rope_parameters=rp,
+            hidden_size=s.num_attention_heads * s.head_dim,
+            num_attention_heads=s.num_attention_heads,
+            head_dim=s.head_dim,
+            max_position_embeddings=s.max_position_embeddings,
+            rope_parameters=rp,
         )
         inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, self.device)
         return inv.float().to(self.device), float(scaling)
@@ -119,13 +129,17 @@ class FunctionalDrafter:
         B, _, N, _ = attn.shape
         h = residual + F.linear(attn.transpose(1, 2).reshape(B, N, -1), w["midlayer.self_attn.o_proj.weight"])
         x = rms_norm(h, w["midlayer.post_attention_layernorm.weight"], self.eps)
-        mlp = F.linear(F.silu(F.linear(x, w["midlayer.mlp.gate_proj.weight"])) * F.linear(x, w["midlayer.mlp.up_proj.weight"]),
-                       w["midlayer.mlp.down_proj.weight"])
+        mlp = F.linear(
+            F.silu(F.linear(x, w["midlayer.mlp.gate_proj.weight"])) * F.linear(x, w["midlayer.mlp.up_proj.weight"]),
+            w["midlayer.mlp.down_proj.weight"],
+        )
         return h + mlp
 
     def attend(self, q, k, v, *, mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         gqa = self.config.num_attention_heads != self.config.num_key_value_heads
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=causal, scale=self.scale, enable_gqa=gqa
+        )
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
         """PRE-norm output [..., H] -> draft-vocabulary logits [..., Vd] in fp32."""

@@ -63,7 +63,7 @@ def load_prompts(source: str, *, limit: int | None = None) -> list[Conversation]
         if turns is None and isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
             turns = [rec["prompt"]]
         if not isinstance(turns, list) or not turns or not all(isinstance(t, str) and t for t in turns):
-            raise EyasError(f"--prompts {path}:{n}: needs \"turns\": [str, ...] or \"prompt\": str")
+            raise EyasError(f'--prompts {path}:{n}: needs "turns": [str, ...] or "prompt": str')
         cid = rec.get("question_id", rec.get("id", n))
         category = rec.get("category")
         convs.append(Conversation(id=str(cid), turns=list(turns), category=str(category) if category else None))
@@ -108,31 +108,40 @@ def check_fits(seq: Sequence, *, max_new_tokens: int, context: int) -> None:
 
 
 @torch.no_grad()
-def greedy_generate(model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int,
-                    batch_size: int) -> list[list[int]]:
+def greedy_generate(
+    model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int
+) -> list[list[int]]:
     """Greedy continuations (EOS kept, nothing after it) for each prompt, in input order."""
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
     # a fresh config: the model's own may carry sampling defaults (temperature, top_p) we must not inherit
-    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
-                              eos_token_id=sorted(eos_ids), pad_token_id=pad_id, use_cache=True)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        do_sample=False,
+        num_beams=1,
+        eos_token_id=sorted(eos_ids),
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[list[int]] = [[] for _ in prompts]
     # progress in decode steps x rows, so a batch that runs for minutes moves the bar every step; an upper
     # bound (a batch whose rows all ended early skips its remaining steps)
     bar = progress(len(prompts) * max_new_tokens, "generate", "tok")
     for start in range(0, len(order), batch_size):
-        idx = order[start:start + batch_size]
+        idx = order[start : start + batch_size]
         streamer = StepCounter(bar, rows=len(idx), steps=max_new_tokens)
         width = max(len(prompts[i]) for i in idx)
         ids = torch.full((len(idx), width), pad_id, dtype=torch.long)
         mask = torch.zeros((len(idx), width), dtype=torch.long)
         for row, i in enumerate(idx):  # left padding: every row's next token is at the same column
-            ids[row, width - len(prompts[i]):] = torch.tensor(prompts[i])
-            mask[row, width - len(prompts[i]):] = 1
-        gen = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config,
-                             streamer=streamer)[:, width:].tolist()
+            ids[row, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[row, width - len(prompts[i]) :] = 1
+        gen = model.generate(
+            input_ids=ids.to(device), attention_mask=mask.to(device), generation_config=config, streamer=streamer
+        )[:, width:].tolist()
         for row, i in enumerate(idx):
             toks = gen[row]
             cut = next((j + 1 for j, t in enumerate(toks) if t in eos_ids), len(toks))
@@ -165,8 +174,9 @@ class StepCounter:
         self.seen = self.steps
 
 
-def generate_conversations(model, tokenizer, convs: list[Conversation], *, max_new_tokens: int,
-                           batch_size: int) -> list[Sequence]:
+def generate_conversations(
+    model, tokenizer, convs: list[Conversation], *, max_new_tokens: int, batch_size: int
+) -> list[Sequence]:
     """All turns of all conversations; turn n+1 is rendered after the target's own answer to turn n."""
     eos = eos_ids_of(model, tokenizer)
     if not eos:
@@ -180,12 +190,20 @@ def generate_conversations(model, tokenizer, convs: list[Conversation], *, max_n
         batch = []
         for i in live:
             history[i].append({"role": "user", "content": convs[i].turns[turn]})
-            seq = Sequence(id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]), category=convs[i].category)
+            seq = Sequence(
+                id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]), category=convs[i].category
+            )
             check_fits(seq, max_new_tokens=max_new_tokens, context=context)
             batch.append(seq)
         log(f"eval: generating turn {turn + 1} for {len(batch)} prompts ({max_new_tokens} new tokens max)")
-        answers = greedy_generate(model, [s.prompt_ids for s in batch], max_new_tokens=max_new_tokens,
-                                  eos_ids=eos, pad_id=pad, batch_size=batch_size)
+        answers = greedy_generate(
+            model,
+            [s.prompt_ids for s in batch],
+            max_new_tokens=max_new_tokens,
+            eos_ids=eos,
+            pad_id=pad,
+            batch_size=batch_size,
+        )
         for i, seq, ans in zip(live, batch, answers):
             seq.generated_ids = ans
             history[i].append({"role": "assistant", "content": tokenizer.decode(ans, skip_special_tokens=True)})

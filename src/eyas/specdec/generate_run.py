@@ -108,8 +108,10 @@ class GenerateConfig:
         if self.prompts != "mtbench" and not Path(self.prompts).is_file():
             raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
         if not Path(self.drafter).is_dir():
-            raise EyasError(f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
-                            "`eyas export` directory)")
+            raise EyasError(
+                f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
+                "`eyas export` directory)"
+            )
         from eyas.common import check_safetensors_dir
 
         check_safetensors_dir(Path(self.drafter), what="--drafter")
@@ -170,7 +172,9 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     if tree.topk > ckpt.config.draft_vocab_size:
-        raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {ckpt.config.draft_vocab_size} tokens")
+        raise EyasError(
+            f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {ckpt.config.draft_vocab_size} tokens"
+        )
     load_s = time.perf_counter() - t0
     eos = eos_ids_of(target, tokenizer)
     if not eos:
@@ -194,8 +198,11 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         # the static and batched engines preallocate (and, on CUDA, capture their graphs for) this
         # capacity: a rebuild costs a capture, hence the doubling
         spec = _decoder(cfg, target, drafter, tree, layer_ids, engine=engine, rows=rows, capacity=capacity, eos=eos)
-        plain = _decoder(cfg, target, None, None, [], engine=engine, rows=rows, capacity=capacity,
-                         eos=eos) if cfg.baseline else None
+        plain = (
+            _decoder(cfg, target, None, None, [], engine=engine, rows=rows, capacity=capacity, eos=eos)
+            if cfg.baseline
+            else None
+        )
 
     def decode(dec, group: list[list[int]], max_new: int):
         """-> (outputs, stats of the group, accepted counts per output); batch 1 goes through the batch-1 engines."""
@@ -204,10 +211,12 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         out, st = dec.generate(group[0], max_new_tokens=max_new)
         return [out], st, [st.accepted_per_round]
 
-    log(f"generate: drafter {cfg.drafter} ({ckpt.provenance.format}), {cfg.mode} {asdict(tree)}, "
+    log(
+        f"generate: drafter {cfg.drafter} ({ckpt.provenance.format}), {cfg.mode} {asdict(tree)}, "
         f"{len(convs)} conversations, temperature {cfg.temperature}, "
         + (f"batched engine, batch size {cfg.batch_size} ({rows} rows)" if batched else f"engine {engine}")
-        + f", device {device} {str(dtype).replace('torch.', '')}")
+        + f", device {device} {str(dtype).replace('torch.', '')}"
+    )
 
     room = max_len - cfg.max_new_tokens - tree.tokens - 1
     answers: dict[tuple[int, int], str] = {}
@@ -220,11 +229,13 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
         prompts = _turn_prompts(tokenizer, convs, answers, turn)
         for i, ids in prompts:
             if len(ids) > room:
-                raise EyasError(f"prompt {convs[i].id} turn {turn + 1}: {len(ids)} prompt tokens + --max-new-tokens "
-                                f"{cfg.max_new_tokens} + a round's {tree.tokens} draft tokens exceed the target's context "
-                                f"of {max_len}; lower --max-new-tokens or drop the prompt")
+                raise EyasError(
+                    f"prompt {convs[i].id} turn {turn + 1}: {len(ids)} prompt tokens + --max-new-tokens "
+                    f"{cfg.max_new_tokens} + a round's {tree.tokens} draft tokens exceed the target's context "
+                    f"of {max_len}; lower --max-new-tokens or drop the prompt"
+                )
         for g in range(0, len(prompts), cfg.batch_size):
-            group = prompts[g:g + cfg.batch_size]
+            group = prompts[g : g + cfg.batch_size]
             group_ids = [ids for _, ids in group]
             ensure(max(map(len, group_ids)) + cfg.max_new_tokens + tree.tokens + 1)
             while warm > 0:  # first calls pay one-time costs (allocator, kernels): keep them out of the timings
@@ -240,8 +251,14 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
                 base_total.add(bst)
             for r, (i, ids) in enumerate(group):
                 out = outs[r]
-                rec = {"id": convs[i].id, "turn": turn + 1, "prompt_tokens": len(ids), "generated_ids": out,
-                       "accepted": acc[r], "seconds": round(st.total_s, 4)}
+                rec = {
+                    "id": convs[i].id,
+                    "turn": turn + 1,
+                    "prompt_tokens": len(ids),
+                    "generated_ids": out,
+                    "accepted": acc[r],
+                    "seconds": round(st.total_s, 4),
+                }
                 if plain is not None:
                     rec["baseline_seconds"] = round(bst.total_s, 4)
                     if cfg.temperature == 0 and bases[r] != out:
@@ -253,14 +270,36 @@ def run_generate(cfg: GenerateConfig) -> tuple[dict[str, Any], list[dict[str, An
                 bar.update(1)
     bar.close()
 
-    summary = _summary(cfg, tree=tree, engine=engine, batched=batched, batches=batches, records=records, spec=spec,
-                       spec_total=spec_total, base_total=base_total, mismatches=mismatches, load_s=load_s,
-                       device=device, dtype=dtype)
+    summary = _summary(
+        cfg,
+        tree=tree,
+        engine=engine,
+        batched=batched,
+        batches=batches,
+        records=records,
+        spec=spec,
+        spec_total=spec_total,
+        base_total=base_total,
+        mismatches=mismatches,
+        load_s=load_s,
+        device=device,
+        dtype=dtype,
+    )
     return summary, records
 
 
-def _decoder(cfg: GenerateConfig, target, drafter, tree: TreeConfig | None, layer_ids: list[int], *, engine: str,
-             rows: int, capacity: int, eos):
+def _decoder(
+    cfg: GenerateConfig,
+    target,
+    drafter,
+    tree: TreeConfig | None,
+    layer_ids: list[int],
+    *,
+    engine: str,
+    rows: int,
+    capacity: int,
+    eos,
+):
     """A decoder of the run's engine with caches of `capacity` tokens: batched (`rows` rows) when --batch-size > 1,
     else the batch-1 `engine`; the drafter None decodes target-only."""
     from eyas.specdec.speculative import SpeculativeDecoder
@@ -268,16 +307,38 @@ def _decoder(cfg: GenerateConfig, target, drafter, tree: TreeConfig | None, laye
     from eyas.specdec.speculative_static import StaticSpeculativeDecoder
 
     if cfg.batch_size > 1:
-        return BatchedSpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity,
-                                         eos_ids=eos, batch=rows)
+        return BatchedSpeculativeDecoder(
+            target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos, batch=rows
+        )
     cls = StaticSpeculativeDecoder if engine == "static" else SpeculativeDecoder
-    return cls(target, drafter, tree=tree, layer_ids=layer_ids, max_len=capacity, eos_ids=eos,
-               temperature=cfg.temperature, seed=cfg.seed)
+    return cls(
+        target,
+        drafter,
+        tree=tree,
+        layer_ids=layer_ids,
+        max_len=capacity,
+        eos_ids=eos,
+        temperature=cfg.temperature,
+        seed=cfg.seed,
+    )
 
 
-def _summary(cfg: GenerateConfig, *, tree: TreeConfig, engine: str, batched: bool, batches: int,
-             records: list[dict[str, Any]], spec, spec_total, base_total, mismatches: int, load_s: float, device,
-             dtype) -> dict[str, Any]:
+def _summary(
+    cfg: GenerateConfig,
+    *,
+    tree: TreeConfig,
+    engine: str,
+    batched: bool,
+    batches: int,
+    records: list[dict[str, Any]],
+    spec,
+    spec_total,
+    base_total,
+    mismatches: int,
+    load_s: float,
+    device,
+    dtype,
+) -> dict[str, Any]:
     """The run's summary from the decoders' summed stats (both runs' rates, tau, the speed-up), logged."""
     from eyas.specdec.speculative import stats_summary
 
@@ -311,13 +372,21 @@ def _summary(cfg: GenerateConfig, *, tree: TreeConfig, engine: str, batched: boo
         summary["baseline_tokens_per_s"] = b["tokens_per_s"]
         summary["baseline_time_s"] = b["time_s"]
         summary["baseline_generated_tokens"] = b["generated_tokens"]
-        summary["speedup"] = (s["tokens_per_s"] / b["tokens_per_s"]) if s["tokens_per_s"] and b["tokens_per_s"] else None
+        summary["speedup"] = (
+            (s["tokens_per_s"] / b["tokens_per_s"]) if s["tokens_per_s"] and b["tokens_per_s"] else None
+        )
         if cfg.temperature == 0:
             summary["greedy_mismatches"] = mismatches
     tau = summary["acceptance_length"]
-    log(f"generate: {summary['generated_tokens']} tokens, {summary['tokens_per_s'] or 0:.1f} tokens/s"
-        + (f" vs {summary['baseline_tokens_per_s'] or 0:.1f} target-only (x{summary['speedup'] or 0:.2f})" if cfg.baseline else "")
-        + (f", tau {tau:.3f}" if tau is not None else ", no drafting rounds"))
+    log(
+        f"generate: {summary['generated_tokens']} tokens, {summary['tokens_per_s'] or 0:.1f} tokens/s"
+        + (
+            f" vs {summary['baseline_tokens_per_s'] or 0:.1f} target-only (x{summary['speedup'] or 0:.2f})"
+            if cfg.baseline
+            else ""
+        )
+        + (f", tau {tau:.3f}" if tau is not None else ", no drafting rounds")
+    )
     return summary
 
 
@@ -352,8 +421,10 @@ def check_records_out(out: Path | None, *, overwrite: bool) -> None:
                 except ValueError:
                     rec = None
                 if not (isinstance(rec, dict) and all(k in rec for k in RECORD_KEYS)):
-                    raise EyasError(f"--overwrite: {out} is not an `eyas generate` records file (line {lineno} is not "
-                                    "a record); eyas never overwrites files it did not write: choose another --out")
+                    raise EyasError(
+                        f"--overwrite: {out} is not an `eyas generate` records file (line {lineno} is not "
+                        "a record); eyas never overwrites files it did not write: choose another --out"
+                    )
     except OSError as exc:
         raise EyasError(f"--out {out}: cannot read it ({exc.strerror or exc})") from None
 
@@ -372,7 +443,10 @@ def generate_to(cfg: GenerateConfig, *, out: Path | None = None, overwrite: bool
     # fp32: any difference is a bug. bf16/fp16: a 61-token verify forward and a 1-token step round
     # differently, and a near-tie can flip an argmax; the count is reported, not failed on
     if summary.get("greedy_mismatches") and summary["dtype"] == "float32":
-        raise CheckFailed(f"{summary['greedy_mismatches']} greedy outputs differ from target-only decoding "
-                          "(a bug in the speculative loop, or a low-precision dtype's ties)", summary)
+        raise CheckFailed(
+            f"{summary['greedy_mismatches']} greedy outputs differ from target-only decoding "
+            "(a bug in the speculative loop, or a low-precision dtype's ties)",
+            summary,
+        )
     summary = {k: (round(v, 4) if isinstance(v, float) else v) for k, v in summary.items()}
     return summary

@@ -33,7 +33,9 @@ class _Node:
     path: list[_Node]  # ancestors from depth 1, then this node
 
 
-def _node_output(drafter: FunctionalDrafter, base_ids: list[int], base_feat: torch.Tensor, path: list[_Node]) -> torch.Tensor:
+def _node_output(
+    drafter: FunctionalDrafter, base_ids: list[int], base_feat: torch.Tensor, path: list[_Node]
+) -> torch.Tensor:
     """Pre-norm output of the last entry of [step-0 entries, path] under plain causal attention."""
     ids = base_ids + [n.token for n in path]
     feats = torch.cat([base_feat] + [n.feature[None] for n in path], dim=0)
@@ -56,9 +58,13 @@ def reference_tree(drafter: FunctionalDrafter, seq: list[int], aux_TF: torch.Ten
         kids = []
         for score, draft_id in zip(lp.tolist(), ids.tolist()):
             node = _Node(
-                index=len(nodes) + len(kids), parent=-1 if parent is None else parent.index, draft_id=draft_id,
+                index=len(nodes) + len(kids),
+                parent=-1 if parent is None else parent.index,
+                draft_id=draft_id,
                 token=int(drafter.to_target(torch.tensor(draft_id, device=out.device))),
-                score=score + (0.0 if parent is None else parent.score), feature=out, path=[],
+                score=score + (0.0 if parent is None else parent.score),
+                feature=out,
+                path=[],
             )
             node.path = ([] if parent is None else parent.path) + [node]
             kids.append(node)
@@ -80,8 +86,14 @@ def reference_tree(drafter: FunctionalDrafter, seq: list[int], aux_TF: torch.Ten
 
 @torch.no_grad()
 def reference_decode(
-    target, drafter: FunctionalDrafter, prompt: list[int], *, layer_ids: list[int], max_new_tokens: int,
-    tree: TreeConfig, eos_ids: set[int],
+    target,
+    drafter: FunctionalDrafter,
+    prompt: list[int],
+    *,
+    layer_ids: list[int],
+    max_new_tokens: int,
+    tree: TreeConfig,
+    eos_ids: set[int],
 ) -> tuple[list[int], list[int]]:
     """Speculative decoding with real verification. Returns (generated tokens, accepted per round)."""
     from eyas.target import reference_hidden_states
@@ -115,4 +127,4 @@ def reference_decode(
         if new < max_new_tokens and not (path and path[-1] in eos_ids):
             seq.append(nxt)  # the bonus token the verification produced
             new += 1
-    return seq[len(prompt):], rounds
+    return seq[len(prompt) :], rounds

@@ -83,7 +83,9 @@ class Proposer(Protocol):
     def root(self, rows_R: torch.Tensor, t_R: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(log-probs [R, Vd], pre-norm output [R, H]) of step-0 position t."""
 
-    def expand(self, rows_R, t_R, depth: int, tokens_RF, feats_RFH, slot: int, tree_mask_RFE) -> tuple[torch.Tensor, torch.Tensor]:
+    def expand(
+        self, rows_R, t_R, depth: int, tokens_RF, feats_RFH, slot: int, tree_mask_RFE
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run draft step `depth` on F nodes per row: their own keys go to tree slots slot..slot+F-1.
 
         tokens are draft ids, feats the parents' pre-norm outputs; tree_mask_RFE marks each node's
@@ -121,8 +123,8 @@ class DrafterProposer:
         # the draft layer embeds TARGET ids: map the draft-vocabulary choices first
         q, k, v, residual = self.d.qkv(self.d.to_target(tokens_RF), feats_RFH, pos)
         lo = self.L0 + slot
-        self.k[rows_R, :, lo:lo + Fw] = k  # later depths of this round attend to these keys
-        self.v[rows_R, :, lo:lo + Fw] = v
+        self.k[rows_R, :, lo : lo + Fw] = k  # later depths of this round attend to these keys
+        self.v[rows_R, :, lo : lo + Fw] = v
         full = R == self.k.shape[0]  # rows are sorted and unique, so R == B means all rows
         kbuf = self.k if full else self.k[rows_R]
         vbuf = self.v if full else self.v[rows_R]
@@ -162,7 +164,7 @@ def build_tree(proposer: Proposer, rows_R: torch.Tensor, t_R: torch.Tensor, tree
     eye = torch.eye(k, dtype=torch.bool, device=tok.device)
     for depth in range(1, tree.depth):
         slot = (depth - 1) * k
-        anc[:, :, slot:slot + k] |= eye
+        anc[:, :, slot : slot + k] |= eye
         logp, out = proposer.expand(rows_R, t_R, depth, front_tok, front_feat, slot, anc)
         child_score, child_tok = logp.topk(k, dim=-1)  # [R, k parents, k children]
         cum = (front_score[:, :, None] + child_score).flatten(1)  # [R, k*k]
@@ -182,7 +184,10 @@ def build_tree(proposer: Proposer, rows_R: torch.Tensor, t_R: torch.Tensor, tree
     order = torch.sort(-score, dim=1, stable=True).indices[:, : tree.tokens]
     selected = torch.zeros_like(score, dtype=torch.bool).scatter_(1, order, True)
     return DraftTree(
-        tokens=proposer.to_target(torch.cat(toks, dim=1)), parent=torch.cat(parents, dim=1), score=score, selected=selected
+        tokens=proposer.to_target(torch.cat(toks, dim=1)),
+        parent=torch.cat(parents, dim=1),
+        score=score,
+        selected=selected,
     )
 
 

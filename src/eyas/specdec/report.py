@@ -26,8 +26,9 @@ def markdown(report: dict[str, Any]) -> str:
         f"{report['generation']['sequences']} sequences, {report['generation']['generated_tokens']} generated tokens "
         f"(max {report['settings']['max_new_tokens']} per turn, greedy)",
         "",
-        "| mode | settings | tau (acceptance length) | accepted / drafted | rounds | " + " | ".join(
-            f"pos {j}" for j in range(max(len(m["per_position_acceptance"]) for m in modes.values()))) + " |",
+        "| mode | settings | tau (acceptance length) | accepted / drafted | rounds | "
+        + " | ".join(f"pos {j}" for j in range(max(len(m["per_position_acceptance"]) for m in modes.values())))
+        + " |",
         "|---|---|---|---|---|" + "---|" * max(len(m["per_position_acceptance"]) for m in modes.values()),
     ]
     width = max(len(m["per_position_acceptance"]) for m in modes.values())
@@ -38,16 +39,29 @@ def markdown(report: dict[str, Any]) -> str:
             f"{m['rounds']} | " + " | ".join(pos) + " |"
         )
     if any(m.get("per_turn") for m in modes.values()):
-        lines += ["", "tau by turn: " + "; ".join(
-            f"{name} " + ", ".join(f"turn {t} {_fmt(v['acceptance_length'])}" for t, v in m["per_turn"].items())
-            for name, m in modes.items())]
+        lines += [
+            "",
+            "tau by turn: "
+            + "; ".join(
+                f"{name} " + ", ".join(f"turn {t} {_fmt(v['acceptance_length'])}" for t, v in m["per_turn"].items())
+                for name, m in modes.items()
+            ),
+        ]
     cats = {c for m in modes.values() for c in m.get("per_category", {})}
     if cats:
-        lines += ["", "| category | " + " | ".join(f"tau {name}" for name in modes) + " |",
-                  "|---|" + "---|" * len(modes)]
+        lines += [
+            "",
+            "| category | " + " | ".join(f"tau {name}" for name in modes) + " |",
+            "|---|" + "---|" * len(modes),
+        ]
         for c in sorted(cats):
-            lines.append(f"| {c} | " + " | ".join(_fmt(m.get("per_category", {}).get(c, {}).get("acceptance_length"))
-                                                   for m in modes.values()) + " |")
+            lines.append(
+                f"| {c} | "
+                + " | ".join(
+                    _fmt(m.get("per_category", {}).get(c, {}).get("acceptance_length")) for m in modes.values()
+                )
+                + " |"
+            )
     t = report["timings"]
     lines += ["", "timings (s): " + ", ".join(f"{k} {v:.1f}" for k, v in t.items()), "", "## Definitions", ""]
     lines += [f"- **{k}**: {v}" for k, v in DEFINITIONS.items()]
@@ -68,8 +82,18 @@ def plot(report: dict[str, Any], path: Path) -> None:
         axes[0].plot(xs, per_pos, marker="o", label=f"{name} (tau {_fmt(m['acceptance_length'], 2)})")
         cond = [float("nan") if v is None else v for v in m["conditional_acceptance"]]
         axes[1].plot(xs, cond, marker="o", label=name)
-    axes[0].set(title="rounds accepting draft position j", xlabel="draft position j", ylabel="fraction of rounds", ylim=(0, 1.02))
-    axes[1].set(title="accepted at j, given 0..j-1 accepted", xlabel="draft position j", ylabel="conditional rate", ylim=(0, 1.02))
+    axes[0].set(
+        title="rounds accepting draft position j",
+        xlabel="draft position j",
+        ylabel="fraction of rounds",
+        ylim=(0, 1.02),
+    )
+    axes[1].set(
+        title="accepted at j, given 0..j-1 accepted",
+        xlabel="draft position j",
+        ylabel="conditional rate",
+        ylim=(0, 1.02),
+    )
     width = max(len(m["per_position_acceptance"]) for m in report["modes"].values())
     for ax in axes:
         ax.set_xticks(range(width))

@@ -24,6 +24,7 @@ from eyas.specdec.replay import TreeConfig
 
 SCHEMA = "eyas.eval/1"
 
+
 def cpu_sized(conversations: int) -> dict[str, int]:
     """eval's and generate's options whose defaults are sized for a GPU, with the sizes `eyas demo` evaluates
     with on a CPU (--limit only where the prompts hold more conversations than that)."""
@@ -89,8 +90,10 @@ class EvalConfig:
         if not input_must_exist():  # `eyas pipeline`: the drafter is trained by an earlier stage
             return
         if not Path(self.drafter).is_dir():
-            raise EyasError(f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
-                            "`eyas export` directory)")
+            raise EyasError(
+                f"--drafter {self.drafter} is not a directory (expected `eyas train`'s <out>/drafter or an "
+                "`eyas export` directory)"
+            )
         from eyas.common import check_safetensors_dir
 
         check_safetensors_dir(Path(self.drafter), what="--drafter")
@@ -116,20 +119,31 @@ def load_drafter_for(target, drafter_dir: Path, *, device, dtype):
     from eyas.target import num_layers_of
 
     text = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    ckpt = read_drafter(drafter_dir, target_layers=num_layers_of(target.config),
-                                 target_model_type=getattr(text, "model_type", None))
+    ckpt = read_drafter(
+        drafter_dir, target_layers=num_layers_of(target.config), target_model_type=getattr(text, "model_type", None)
+    )
     check_against_target(ckpt.config, target.config, where=str(drafter_dir))
     embed = target.get_input_embeddings().weight.detach()
     if "embed_tokens.weight" in ckpt.weights and tuple(ckpt.weights["embed_tokens.weight"].shape) != tuple(embed.shape):
-        raise EyasError(f"--drafter {drafter_dir}: embed_tokens {tuple(ckpt.weights['embed_tokens.weight'].shape)} "
-                        f"does not match the target's embedding {tuple(embed.shape)}")
+        raise EyasError(
+            f"--drafter {drafter_dir}: embed_tokens {tuple(ckpt.weights['embed_tokens.weight'].shape)} "
+            f"does not match the target's embedding {tuple(embed.shape)}"
+        )
     drafter = FunctionalDrafter(ckpt.config, ckpt.weights, device=device, dtype=dtype, embed_tokens=embed)
     return ckpt, drafter
 
 
 @torch.no_grad()
-def replay_sequences(target, drafter, seqs, *, layer_ids: list[int], modes: dict[str, TreeConfig],
-                     replay_tokens: int, timings: dict[str, float]) -> dict[str, list[list[int]]]:
+def replay_sequences(
+    target,
+    drafter,
+    seqs,
+    *,
+    layer_ids: list[int],
+    modes: dict[str, TreeConfig],
+    replay_tokens: int,
+    timings: dict[str, float],
+) -> dict[str, list[list[int]]]:
     """Accepted counts per round, per sequence, per mode (sequences in input order)."""
     from eyas.common import progress
     from eyas.specdec.replay import DrafterProposer, replay_batch
@@ -174,9 +188,13 @@ def mode_summary(name: str, tree: TreeConfig, rounds: list[list[int]], seqs) -> 
     def by(key) -> dict[str, Any]:
         groups = sorted({key(q) for q in seqs}, key=str)
         return {
-            str(g): {k: v for k, v in summarize([r for r, q in zip(rounds, seqs) if key(q) == g], depth=tree.depth,
-                                                 drafted_per_round=tree.tokens).items()
-                     if k in ("acceptance_length", "rounds", "accepted")}
+            str(g): {
+                k: v
+                for k, v in summarize(
+                    [r for r, q in zip(rounds, seqs) if key(q) == g], depth=tree.depth, drafted_per_round=tree.tokens
+                ).items()
+                if k in ("acceptance_length", "rounds", "accepted")
+            }
             for g in groups
         }
 
@@ -214,26 +232,42 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     # NaN/Inf weights would draft garbage that is never accepted: tau 1.000 that looks like a result
-    require_finite(ckpt.weights, what=f"--drafter {cfg.drafter}",
-                   hint="its training diverged or the file is damaged; evaluate another drafter or retrain")
+    require_finite(
+        ckpt.weights,
+        what=f"--drafter {cfg.drafter}",
+        hint="its training diverged or the file is damaged; evaluate another drafter or retrain",
+    )
     spec = ckpt.config
     for tree in modes.values():
         if tree.topk > spec.draft_vocab_size:
-            raise EyasError(f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens")
+            raise EyasError(
+                f"--tree-topk {tree.topk} exceeds the drafter's vocabulary of {spec.draft_vocab_size} tokens"
+            )
     timings["load_s"] = time.perf_counter() - t0
-    log(f"eval: drafter {cfg.drafter} ({ckpt.provenance.format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
-        f"{len(convs)} conversations, device {device} {str(dtype).replace('torch.', '')}")
+    log(
+        f"eval: drafter {cfg.drafter} ({ckpt.provenance.format}, aux layers {spec.aux_layer_ids} {CONVENTION}), "
+        f"{len(convs)} conversations, device {device} {str(dtype).replace('torch.', '')}"
+    )
 
     t0 = time.perf_counter()
-    seqs = generate_conversations(target, tokenizer, convs, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size)
+    seqs = generate_conversations(
+        target, tokenizer, convs, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size
+    )
     _sync(device)
     timings["generation_s"] = time.perf_counter() - t0
     generated = sum(len(s.generated_ids) for s in seqs)
     log(f"eval: generated {generated} tokens for {len(seqs)} sequences in {timings['generation_s']:.1f}s")
 
     t0 = time.perf_counter()
-    rounds = replay_sequences(target, drafter, seqs, layer_ids=spec.aux_layer_ids, modes=modes,
-                              replay_tokens=cfg.replay_tokens, timings=timings)
+    rounds = replay_sequences(
+        target,
+        drafter,
+        seqs,
+        layer_ids=spec.aux_layer_ids,
+        modes=modes,
+        replay_tokens=cfg.replay_tokens,
+        timings=timings,
+    )
     timings["replay_total_s"] = time.perf_counter() - t0
 
     summaries = {name: mode_summary(name, tree, rounds[name], seqs) for name, tree in modes.items()}
@@ -241,15 +275,23 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         if not s["rounds"]:
             log(f"eval: {name}: no drafting rounds (every answer ended after its first token)")
             continue
-        log(f"eval: {name} ({s['settings']}): tau {s['acceptance_length']:.3f}, accepted/drafted "
-            f"{s['accepted_per_drafted']:.3f}, {s['rounds']} rounds")
+        log(
+            f"eval: {name} ({s['settings']}): tau {s['acceptance_length']:.3f}, accepted/drafted "
+            f"{s['accepted_per_drafted']:.3f}, {s['rounds']} rounds"
+        )
     from eyas.specdec.generate import eos_ids_of
     from eyas.specdec.speculative import predict_for_modes
 
     t0 = time.perf_counter()  # batch-1 speed-up predicted from step costs measured here, with this device's engine
     context = sorted(len(s.ids) for s in seqs)[len(seqs) // 2]
-    for name, p in predict_for_modes(target, drafter, modes, {n: s["acceptance_length"] for n, s in summaries.items()},
-                                     layer_ids=spec.aux_layer_ids, context=context).items():
+    for name, p in predict_for_modes(
+        target,
+        drafter,
+        modes,
+        {n: s["acceptance_length"] for n, s in summaries.items()},
+        layer_ids=spec.aux_layer_ids,
+        context=context,
+    ).items():
         summaries[name]["speed_prediction"] = p
     timings["step_costs_s"] = time.perf_counter() - t0
     eos = eos_ids_of(target, tokenizer)
@@ -279,8 +321,15 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
         "timings": {k: round(v, 3) for k, v in timings.items()},
     }
     records = [
-        {"id": s.id, "turn": s.turn, "category": s.category, "prompt_tokens": len(s.prompt_ids), "prompt_ids": s.prompt_ids, "generated_ids": s.generated_ids,
-         **{f"accepted_{name}": rounds[name][i] for name in modes}}
+        {
+            "id": s.id,
+            "turn": s.turn,
+            "category": s.category,
+            "prompt_tokens": len(s.prompt_ids),
+            "prompt_ids": s.prompt_ids,
+            "generated_ids": s.generated_ids,
+            **{f"accepted_{name}": rounds[name][i] for name in modes},
+        }
         for i, s in enumerate(seqs)
     ]
     return report, records
@@ -297,8 +346,12 @@ def evaluate_to(out: str | Path, cfg: EvalConfig, *, overwrite: bool = False) ->
     report, records = run_eval(cfg)
     with atomic_directory(out, overwrite=True, kind="eval") as tmp:  # never a half-written report
         write_report(tmp, report, records)
-    summary = {"out": str(out), "sequences": report["generation"]["sequences"],
-               "generated_tokens": report["generation"]["generated_tokens"], "timings": report["timings"]}
+    summary = {
+        "out": str(out),
+        "sequences": report["generation"]["sequences"],
+        "generated_tokens": report["generation"]["generated_tokens"],
+        "timings": report["timings"],
+    }
     for name, m in report["modes"].items():
         r4 = lambda x: None if x is None else round(x, 4)  # noqa: E731  (None: no rounds at all)
         summary[f"tau_{name}"] = r4(m["acceptance_length"])

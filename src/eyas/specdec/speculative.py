@@ -91,7 +91,9 @@ class TreeTarget:
         self.length = 0
 
     @torch.no_grad()
-    def forward(self, ids_N: torch.Tensor, pos_N: torch.Tensor, mask_NS: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, ids_N: torch.Tensor, pos_N: torch.Tensor, mask_NS: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Feed N tokens into cache slots length..length+N-1 -> (logits [N, V] fp32, aux [N, F]).
 
         mask_NS: bool [N, length+N] (True = may attend), or None for a causal block after the cache.
@@ -115,8 +117,9 @@ class TreeTarget:
         return logits[0], aux[0]
 
     @torch.no_grad()
-    def forward_static(self, ids_N: torch.Tensor, pos_N: torch.Tensor, write_N: torch.Tensor,
-                       mask_NS: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_static(
+        self, ids_N: torch.Tensor, pos_N: torch.Tensor, write_N: torch.Tensor, mask_NS: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same forward with every shape fixed (what a CUDA graph captures): the new keys go to
         cache slots write_N (a device tensor), attention runs over the WHOLE cache, mask_NS [N, max_len]
         marking the slots each token may see. `length` is not touched (the caller keeps it on the device)."""
@@ -139,8 +142,15 @@ class TreeTarget:
         return k, v
 
     @torch.no_grad()
-    def forward_rows(self, ids_BN: torch.Tensor, pos_BN: torch.Tensor, write_BN: torch.Tensor,
-                     mask_BNS: torch.Tensor, *, logits_at: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_rows(
+        self,
+        ids_BN: torch.Tensor,
+        pos_BN: torch.Tensor,
+        write_BN: torch.Tensor,
+        mask_BNS: torch.Tensor,
+        *,
+        logits_at: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """forward_static for every cache row at once: row b's N new keys go to its slots write_BN[b],
         mask_BNS [B, N, S] marks the slots 0..S-1 of its OWN cache row each token may see (S = max_len
         in a round, a fixed shape; the prefill's S = its longest prompt: no attention over empty slots).
@@ -180,8 +190,8 @@ class TreeTarget:
             k = lm._rope(k.view(B, N, lm.kv_heads, lm.head_dim), cos, sin)
             keys, values = store(i, k.transpose(1, 2), v.view(B, N, lm.kv_heads, lm.head_dim).transpose(1, 2))
             o = F.scaled_dot_product_attention(
-                q.transpose(1, 2), keys, values, attn_mask=mask,
-                scale=attn.scaling, enable_gqa=lm.groups > 1)  # B,H,N,d
+                q.transpose(1, 2), keys, values, attn_mask=mask, scale=attn.scaling, enable_gqa=lm.groups > 1
+            )  # B,H,N,d
             x = x + attn.o_proj(o.transpose(1, 2).reshape(B, N, lm.heads * lm.head_dim))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
         aux_BNF = torch.cat(aux, dim=-1) if aux else x.new_zeros(B, N, 0)
@@ -195,8 +205,8 @@ class TreeTarget:
         n = len(slots)
         if slots != list(range(start, start + n)):  # the accepted path is not already in place
             for ck, cv in zip(self.lm.cache_k, self.lm.cache_v):
-                ck[:, :, start:start + n] = ck[:, :, idx]  # advanced indexing copies first: overlap is safe
-                cv[:, :, start:start + n] = cv[:, :, idx]
+                ck[:, :, start : start + n] = ck[:, :, idx]  # advanced indexing copies first: overlap is safe
+                cv[:, :, start : start + n] = cv[:, :, idx]
         self.length = start + n
 
 
@@ -228,10 +238,10 @@ class LiveProposer:
         d, n, M = self.d, self.length, tokens_M.shape[0]
         pos = torch.arange(n, n + M, device=d.device)[None]
         q, k, v, residual = d.qkv(tokens_M[None], d.fuse(aux_MF)[None], pos)
-        self.k[:, :, n:n + M] = k
-        self.v[:, :, n:n + M] = v
+        self.k[:, :, n : n + M] = k
+        self.v[:, :, n : n + M] = v
         mask = torch.ones(M, n + M, dtype=torch.bool, device=d.device).tril(n)
-        out = d.finish(d.attend(q, self.k[:, :, :n + M], self.v[:, :, :n + M], mask=mask[None, None]), residual)
+        out = d.finish(d.attend(q, self.k[:, :, : n + M], self.v[:, :, : n + M], mask=mask[None, None]), residual)
         self.length = n + M
         self.last = out[0, -1]
 
@@ -248,9 +258,9 @@ class LiveProposer:
         R, Fw = tokens_RF.shape
         pos = (t_R + depth)[:, None].expand(R, Fw)
         q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
-        self.k[:, :, n + slot:n + slot + Fw] = k
-        self.v[:, :, n + slot:n + slot + Fw] = v
-        kbuf, vbuf = self.k[:, :, :n + self.slots], self.v[:, :, :n + self.slots]
+        self.k[:, :, n + slot : n + slot + Fw] = k
+        self.v[:, :, n + slot : n + slot + Fw] = v
+        kbuf, vbuf = self.k[:, :, : n + self.slots], self.v[:, :, : n + self.slots]
         mask = torch.cat([torch.ones(R, Fw, n, dtype=torch.bool, device=d.device), tree_mask_RFE], dim=-1)[:, None]
         out = d.finish(d.attend(q, kbuf, vbuf, mask=mask), residual)
         return d.log_probs(out), out
@@ -337,7 +347,7 @@ def _tree_mask(par: list[int], start: int, device) -> torch.Tensor:
     for j, p in enumerate(par):
         row = 1 + j
         if p >= 0:
-            m[row, start + 1:] = m[1 + p, start + 1:]
+            m[row, start + 1 :] = m[1 + p, start + 1 :]
         m[row, start + 1 + j] = True
     return m.to(device)
 
@@ -345,15 +355,27 @@ def _tree_mask(par: list[int], start: int, device) -> torch.Tensor:
 class SpeculativeDecoder:
     """Batch-1 speculative decoding (drafter given) or plain decoding (drafter None) with one code path."""
 
-    def __init__(self, target, drafter: FunctionalDrafter | None, *, tree: TreeConfig | None, layer_ids: list[int],
-                 max_len: int, eos_ids: set[int], temperature: float = 0.0, seed: int = 0):
+    def __init__(
+        self,
+        target,
+        drafter: FunctionalDrafter | None,
+        *,
+        tree: TreeConfig | None,
+        layer_ids: list[int],
+        max_len: int,
+        eos_ids: set[int],
+        temperature: float = 0.0,
+        seed: int = 0,
+    ):
         if drafter is not None and tree is None:
             raise ValueError("a drafter needs a TreeConfig")
         self.target = TreeTarget(target, max_len=max_len, layer_ids=layer_ids if drafter is not None else [])
         self.device = self.target.device
         self.drafter = drafter
         self.tree = tree
-        self.proposer = LiveProposer(drafter, max_len=max_len, tree_slots=tree.tree_slots) if drafter is not None else None
+        self.proposer = (
+            LiveProposer(drafter, max_len=max_len, tree_slots=tree.tree_slots) if drafter is not None else None
+        )
         self.eos_ids = set(eos_ids)
         self.temperature = float(temperature)
         self.max_len = max_len
@@ -366,7 +388,9 @@ class SpeculativeDecoder:
     def _draw(self, p: torch.Tensor) -> int:
         return int(torch.multinomial(p / p.sum(), 1, generator=self.gen))
 
-    def _walk(self, logits_NV: torch.Tensor, tok: list[int], par: list[int], budget: int) -> tuple[list[int], list[int], int | None]:
+    def _walk(
+        self, logits_NV: torch.Tensor, tok: list[int], par: list[int], budget: int
+    ) -> tuple[list[int], list[int], int | None]:
         """Accept along the tree -> (accepted node indices, their tokens, next token or None when the
         budget or an EOS ends the sequence inside the path)."""
         children: dict[int, list[int]] = {}
@@ -427,8 +451,9 @@ class SpeculativeDecoder:
             c = len(seq)
             t0 = clock()
             if prop is not None:
-                drafted = build_tree(prop, torch.zeros(1, dtype=torch.long, device=dev),
-                                     torch.tensor([c - 2], device=dev), self.tree)
+                drafted = build_tree(
+                    prop, torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([c - 2], device=dev), self.tree
+                )
                 tok, par, depth = _submitted(drafted)
             else:
                 tok, par, depth = [], [], []
@@ -453,13 +478,14 @@ class SpeculativeDecoder:
                 prop.extend(torch.tensor(path + [nxt], device=dev), aux[rows])
                 _sync(dev)
             st.draft_s += (t1 - t0) + (clock() - t3)
-        out = seq[len(prompt):]
+        out = seq[len(prompt) :]
         st.tokens = len(out)
         return out, st
 
 
-def decode_many(decoder: SpeculativeDecoder, prompts: list[list[int]], *, max_new_tokens: int,
-                on_done=None) -> tuple[list[list[int]], DecodeStats]:
+def decode_many(
+    decoder: SpeculativeDecoder, prompts: list[list[int]], *, max_new_tokens: int, on_done=None
+) -> tuple[list[list[int]], DecodeStats]:
     total = DecodeStats()
     outs = []
     for p in prompts:
@@ -483,8 +509,17 @@ def stats_summary(st: DecodeStats, *, depth: int | None, drafted_per_round: int 
     }
     if depth is not None:
         m = summarize([st.accepted_per_round], depth=depth, drafted_per_round=drafted_per_round)
-        out |= {k: m[k] for k in ("rounds", "accepted", "acceptance_length", "accepted_per_drafted",
-                                  "per_position_acceptance", "accepted_length_histogram")}
+        out |= {
+            k: m[k]
+            for k in (
+                "rounds",
+                "accepted",
+                "acceptance_length",
+                "accepted_per_drafted",
+                "per_position_acceptance",
+                "accepted_length_histogram",
+            )
+        }
     return out
 
 
@@ -515,10 +550,16 @@ def costs_from_samples(parts: dict[str, list[float]], step: list[float]) -> dict
     of round_s (the parts' quartiles summed) and of target_step_s: the spread the prediction carries."""
     q = {k: quartiles(v) for k, v in parts.items()}
     t = quartiles(step)
-    return {**{k: v[1] for k, v in q.items()}, "round_s": sum(v[1] for v in q.values()), "target_step_s": t[1],
-            "quartiles_s": {"round_s": [sum(v[0] for v in q.values()), sum(v[2] for v in q.values())],
-                            "target_step_s": [t[0], t[2]]},
-            "repeats": min(len(step), *(len(v) for v in parts.values()))}
+    return {
+        **{k: v[1] for k, v in q.items()},
+        "round_s": sum(v[1] for v in q.values()),
+        "target_step_s": t[1],
+        "quartiles_s": {
+            "round_s": [sum(v[0] for v in q.values()), sum(v[2] for v in q.values())],
+            "target_step_s": [t[0], t[2]],
+        },
+        "repeats": min(len(step), *(len(v) for v in parts.values())),
+    }
 
 
 def timing_spread(costs: dict[str, Any]) -> float | None:
@@ -533,8 +574,9 @@ def timing_spread(costs: dict[str, Any]) -> float | None:
     return (t_hi / r_lo - t_lo / r_hi) / (costs["target_step_s"] / costs["round_s"])
 
 
-def settle_timings(measure, *, min_repeats: int, max_repeats: int, max_seconds: float,
-                   clock=time.perf_counter) -> tuple[dict[str, list[float]], list[float]]:
+def settle_timings(
+    measure, *, min_repeats: int, max_repeats: int, max_seconds: float, clock=time.perf_counter
+) -> tuple[dict[str, list[float]], list[float]]:
     """Call measure() (-> ({part: seconds}, target step seconds), one repeat) at least `min_repeats` times
     and then until the prediction's spread (timing_spread) is half PREDICTION_MAX_SPREAD, `max_repeats` or
     `max_seconds` is reached: a quiet device stops early, a busy one gets more samples before the verdict."""
@@ -547,15 +589,28 @@ def settle_timings(measure, *, min_repeats: int, max_repeats: int, max_seconds: 
             parts.setdefault(k, []).append(v)
         step.append(s)
         n = len(step)
-        if n >= max_repeats or (n >= min_repeats and (
+        if n >= max_repeats or (
+            n >= min_repeats
+            and (
                 clock() - t0 >= max_seconds
-                or timing_spread(costs_from_samples(parts, step)) <= PREDICTION_MAX_SPREAD / 2)):
+                or timing_spread(costs_from_samples(parts, step)) <= PREDICTION_MAX_SPREAD / 2
+            )
+        ):
             return parts, step
 
 
 @torch.no_grad()
-def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, layer_ids: list[int], context: int = 512,
-                       repeats: int | None = None, seed: int = 0, max_seconds: float = 30.0) -> dict[str, Any]:
+def measure_step_costs(
+    target,
+    drafter: FunctionalDrafter,
+    *,
+    tree: TreeConfig,
+    layer_ids: list[int],
+    context: int = 512,
+    repeats: int | None = None,
+    seed: int = 0,
+    max_seconds: float = 30.0,
+) -> dict[str, Any]:
     """This (plain) engine's seconds per call, after a prefill of `context` random tokens, of: one draft
     round (the tree or chain from the root), the drafter's step-0 update for one accepted token + bonus,
     the verify forward of the root + `tree.tokens` drafted tokens (round_s = the three), and a
@@ -571,7 +626,9 @@ def measure_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, 
     from eyas.specdec.generate import context_length
 
     context = max(2, min(context, context_length(target) - tree.tokens - 4))
-    dec = SpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=context + tree.tokens + 4, eos_ids=set())
+    dec = SpeculativeDecoder(
+        target, drafter, tree=tree, layer_ids=layer_ids, max_len=context + tree.tokens + 4, eos_ids=set()
+    )
     tgt, prop, dev = dec.target, dec.proposer, dec.device
     g = torch.Generator().manual_seed(seed)
     vocab = int(target.get_input_embeddings().weight.shape[0])
@@ -633,16 +690,20 @@ def predicted_speedup(tau: float | None, costs: dict[str, Any]) -> float | None:
     return tau * costs["target_step_s"] / costs["round_s"]
 
 
-def judge_prediction(tau: float | None, costs: dict[str, Any], *,
-                     max_spread: float = PREDICTION_MAX_SPREAD) -> dict[str, Any]:
+def judge_prediction(
+    tau: float | None, costs: dict[str, Any], *, max_spread: float = PREDICTION_MAX_SPREAD
+) -> dict[str, Any]:
     """The speed-up these costs predict, only where it can be stood behind: {"predicted_speedup_bs1": value or
     None, "predicted_speedup_bs1_range": [low, high] (from the timings' quartiles) or None, "withheld": why
     or None}. Withheld when (a) the range is wider than `max_spread` of the value (the timings measured load)
     or (b) the value exceeds tau: a round drafts, then verifies more tokens than a target step computes, so
     it cannot cost less than one; a prediction above tau says the timings are wrong, not that decoding is fast."""
     if tau is None:
-        return {"predicted_speedup_bs1": None, "predicted_speedup_bs1_range": None,
-                "withheld": "no drafting rounds, so no tau to predict from"}
+        return {
+            "predicted_speedup_bs1": None,
+            "predicted_speedup_bs1_range": None,
+            "withheld": "no drafting rounds, so no tau to predict from",
+        }
     value = predicted_speedup(tau, costs)
     qs = costs.get("quartiles_s")
     rng = None
@@ -652,12 +713,16 @@ def judge_prediction(tau: float | None, costs: dict[str, Any], *,
     spread = timing_spread(costs)
     why = None
     if value > tau:
-        why = (f"the predicted {value:.2f}x exceeds tau {tau:.2f}: a round measured {costs['round_s']:.3g} s against "
-               f"{costs['target_step_s']:.3g} s for one target step, which it cannot undercut; the timings are noise "
-               "(a busy device?)")
+        why = (
+            f"the predicted {value:.2f}x exceeds tau {tau:.2f}: a round measured {costs['round_s']:.3g} s against "
+            f"{costs['target_step_s']:.3g} s for one target step, which it cannot undercut; the timings are noise "
+            "(a busy device?)"
+        )
     elif spread is not None and spread > max_spread:
-        why = (f"the step timings did not settle in {costs.get('repeats')} repeats: the predicted {value:.2f}x "
-               f"lies anywhere in {rng[0]:.2f}x-{rng[1]:.2f}x (wider than {max_spread:.0%} of it); rerun on an idle device")
+        why = (
+            f"the step timings did not settle in {costs.get('repeats')} repeats: the predicted {value:.2f}x "
+            f"lies anywhere in {rng[0]:.2f}x-{rng[1]:.2f}x (wider than {max_spread:.0%} of it); rerun on an idle device"
+        )
     if why is not None:
         return {"predicted_speedup_bs1": None, "predicted_speedup_bs1_range": None, "withheld": why}
     return {"predicted_speedup_bs1": value, "predicted_speedup_bs1_range": rng, "withheld": None}
@@ -672,8 +737,16 @@ def prediction_engine(device: torch.device) -> str:
     return "static" if torch.device(device).type == "cuda" else "plain"
 
 
-def predict_for_modes(target, drafter: FunctionalDrafter, modes: dict[str, TreeConfig], taus: dict[str, float | None], *,
-                      layer_ids: list[int], context: int, engine: str | None = None) -> dict[str, dict[str, Any]]:
+def predict_for_modes(
+    target,
+    drafter: FunctionalDrafter,
+    modes: dict[str, TreeConfig],
+    taus: dict[str, float | None],
+    *,
+    layer_ids: list[int],
+    context: int,
+    engine: str | None = None,
+) -> dict[str, dict[str, Any]]:
     """`eyas eval`'s predicted batch-1 speed-up per mode, from step costs measured on its device with
     `engine` (default: prediction_engine(the drafter's device)); step_costs_s["engine"] names the one
     measured.

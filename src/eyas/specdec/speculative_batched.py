@@ -72,8 +72,14 @@ class BatchedProposer:
         self._slots_S = torch.arange(max_len, device=drafter.device)
 
     @torch.no_grad()
-    def extend_rows(self, tokens_BM: torch.Tensor, aux_BMF: torch.Tensor, start_B: torch.Tensor, m_B: torch.Tensor,
-                    span: int | None = None) -> None:
+    def extend_rows(
+        self,
+        tokens_BM: torch.Tensor,
+        aux_BMF: torch.Tensor,
+        start_B: torch.Tensor,
+        m_B: torch.Tensor,
+        span: int | None = None,
+    ) -> None:
         """Step-0 entries at slots start_b..start_b+M-1 of every row (token s_{t+1}, features aux_t);
         `last[b]` becomes the output of entry m_b (entries past it are padding, masked until overwritten).
         Attention spans slots 0..span-1: the whole step-0 region by default (the commit's fixed shape),
@@ -110,15 +116,28 @@ class BatchedSpeculativeDecoder:
     """Greedy speculative decoding (drafter given) or target-only decoding (drafter None) of up to
     `batch` prompts at once; outputs equal each prompt's batch-1 greedy decoding."""
 
-    def __init__(self, target, drafter: FunctionalDrafter | None, *, tree: TreeConfig | None, layer_ids: list[int],
-                 max_len: int, eos_ids: set[int], batch: int, temperature: float = 0.0, graphs: bool = True):
+    def __init__(
+        self,
+        target,
+        drafter: FunctionalDrafter | None,
+        *,
+        tree: TreeConfig | None,
+        layer_ids: list[int],
+        max_len: int,
+        eos_ids: set[int],
+        batch: int,
+        temperature: float = 0.0,
+        graphs: bool = True,
+    ):
         if drafter is not None and tree is None:
             raise ValueError("a drafter needs a TreeConfig")
         if temperature != 0:
             raise ValueError("batched decoding is greedy only (temperature 0); sampling needs batch size 1")
         if batch < 1:
             raise ValueError(f"batch must be >= 1, got {batch}")
-        self.target = TreeTarget(target, max_len=max_len, layer_ids=layer_ids if drafter is not None else [], batch=batch)
+        self.target = TreeTarget(
+            target, max_len=max_len, layer_ids=layer_ids if drafter is not None else [], batch=batch
+        )
         dev = self.device = self.target.device
         lm = self.target.lm
         self.cache_k, self.cache_v = self.target.stacked_caches()  # L,B,K,S,d
@@ -154,12 +173,18 @@ class BatchedSpeculativeDecoder:
         self._rows_B = torch.arange(B, device=dev)
         self.proposer: BatchedProposer | None = None
         if drafter is not None:
-            self.proposer = BatchedProposer(drafter, batch=B, max_len=max_len, tree_slots=tree.tree_slots, start_B=self.start)
+            self.proposer = BatchedProposer(
+                drafter, batch=B, max_len=max_len, tree_slots=tree.tree_slots, start_B=self.start
+            )
             self._depth_K = torch.tensor(tree.candidate_depths(), device=dev)
             width = len(self.target.layer_ids) * int(lm.embed.weight.shape[1])
             self.aux_BNF = torch.zeros(B, N, width, device=dev, dtype=lm.dtype)
-        self.steps = {"draft": GraphStep("draft", self._draft), "verify": GraphStep("verify", self._verify),
-                      "walk": GraphStep("walk", self._walk), "commit": GraphStep("commit", self._commit)}
+        self.steps = {
+            "draft": GraphStep("draft", self._draft),
+            "verify": GraphStep("verify", self._verify),
+            "walk": GraphStep("walk", self._walk),
+            "commit": GraphStep("commit", self._commit),
+        }
         if drafter is None:
             del self.steps["draft"]
         self.graph_note: str | None = None
@@ -181,8 +206,13 @@ class BatchedSpeculativeDecoder:
         ids_BN = torch.cat([self.last_tok[:, None], self.tok_BT], dim=1)
         pos_BN = start + torch.cat([torch.zeros(B, 1, dtype=torch.long, device=dev), self.depth_BT], dim=1)
         # inside the round's window: every token sees the root (column 0), a node its ancestors and itself
-        local_BNN = torch.cat([torch.ones(B, N, 1, dtype=torch.bool, device=dev),
-                               torch.cat([torch.zeros(B, 1, T, dtype=torch.bool, device=dev), self.anc_BTT], dim=1)], dim=2)
+        local_BNN = torch.cat(
+            [
+                torch.ones(B, N, 1, dtype=torch.bool, device=dev),
+                torch.cat([torch.zeros(B, 1, T, dtype=torch.bool, device=dev), self.anc_BTT], dim=1),
+            ],
+            dim=2,
+        )
         col_BS = self._slots_S[None, :] - start  # slot relative to the row's root
         inside_BS = (col_BS >= 0) & (col_BS < N)
         window_BNS = local_BNN.gather(2, col_BS.clamp(0, T)[:, None, :].expand(B, N, self.max_len))
@@ -197,8 +227,11 @@ class BatchedSpeculativeDecoder:
         path = self.tok_BT.gather(1, nodes)  # B,D (garbage past m)
         is_eos = (path[:, :, None] == self.eos_E).any(-1) & (self._arange_D1[None, :D] < m[:, None])
         budget = self.max_new - self.new
-        first_eos = (torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, torch.full_like(m, D + 1)) if D
-                     else torch.ones_like(m))  # target-only: no path to cut
+        first_eos = (
+            torch.where(is_eos.any(1), is_eos.long().argmax(1) + 1, torch.full_like(m, D + 1))
+            if D
+            else torch.ones_like(m)
+        )  # target-only: no path to cut
         live = ~self.done
         emitted = torch.minimum(torch.minimum(m, budget), first_eos) * live
         bonus = (m < budget) & ~is_eos.any(1) & live
@@ -211,8 +244,19 @@ class BatchedSpeculativeDecoder:
         self.walk_path.copy_(path)
         self.walk_nxt.copy_(nxt)
         self.walk_cont.copy_(cont)
-        self.result.copy_(torch.cat([live.long()[:, None], emitted[:, None], bonus.long()[:, None], cont.long()[:, None],
-                                     path, nxt[:, None]], dim=1))
+        self.result.copy_(
+            torch.cat(
+                [
+                    live.long()[:, None],
+                    emitted[:, None],
+                    bonus.long()[:, None],
+                    cont.long()[:, None],
+                    path,
+                    nxt[:, None],
+                ],
+                dim=1,
+            )
+        )
 
     def _commit(self) -> None:
         """Every row: the root and the accepted nodes' keys into slots start..start+m (rows that stop
@@ -253,8 +297,12 @@ class BatchedSpeculativeDecoder:
             log(f"speculative (batched): some steps run without CUDA graphs ({self.graph_note})")
 
     def describe(self) -> dict:
-        return {"engine": "batched", "batch": self.B,
-                "graphs": sorted(k for k, s in self.steps.items() if s.graph is not None), "graph_note": self.graph_note}
+        return {
+            "engine": "batched",
+            "batch": self.B,
+            "graphs": sorted(k for k, s in self.steps.items() if s.graph is not None),
+            "graph_note": self.graph_note,
+        }
 
     # -- prefill -------------------------------------------------------------------------------------
     @torch.no_grad()
@@ -290,7 +338,9 @@ class BatchedSpeculativeDecoder:
 
     # -- the loop ------------------------------------------------------------------------------------
     @torch.no_grad()
-    def generate(self, prompts: list[list[int]], *, max_new_tokens: int) -> tuple[list[list[int]], DecodeStats, list[list[int]]]:
+    def generate(
+        self, prompts: list[list[int]], *, max_new_tokens: int
+    ) -> tuple[list[list[int]], DecodeStats, list[list[int]]]:
         """Up to `batch` prompts decoded together -> (generated tokens per prompt (EOS kept, nothing
         after it; at most max_new_tokens), stats of the whole batch (accepted_per_round: row 0's
         rounds, then row 1's, ...), accepted counts per prompt per round)."""

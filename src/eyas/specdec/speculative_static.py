@@ -82,7 +82,8 @@ def submitted_rows(tree: DraftTree, T: int, depth_K: torch.Tensor, max_depth: in
     rank_RK = sel_RK.long().cumsum(1) - 1  # index among the submitted, for selected candidates
     slot_RK = torch.where(sel_RK, rank_RK, torch.full_like(rank_RK, T))  # the rest land in a dropped slot
     cand_RT = torch.zeros(R, T + 1, dtype=torch.long, device=dev).scatter_(
-        1, slot_RK, torch.arange(K, device=dev).expand(R, K))[:, :T]
+        1, slot_RK, torch.arange(K, device=dev).expand(R, K)
+    )[:, :T]
     pc_RT = tree.parent.gather(1, cand_RT)
     par_RT = torch.where(pc_RT >= 0, rank_RK.gather(1, pc_RT.clamp(min=0)), torch.full_like(pc_RT, -1))
     arange_T = torch.arange(T, device=dev)
@@ -168,8 +169,8 @@ def tree_expand(p, t_R, depth, tokens_RF, feats_RFH, slot, tree_mask_RFE, prefix
     R, Fw = tokens_RF.shape
     pos = (t_R + depth)[:, None].expand(R, Fw)
     q, k, v, residual = d.qkv(d.to_target(tokens_RF), feats_RFH, pos)
-    p.k[:, :, lo:lo + Fw] = k
-    p.v[:, :, lo:lo + Fw] = v
+    p.k[:, :, lo : lo + Fw] = k
+    p.v[:, :, lo : lo + Fw] = v
     mask = torch.cat([prefix_RS[:, None, :].expand(R, Fw, p.max_len), tree_mask_RFE], dim=-1)[:, None]
     out = d.finish(d.attend(q, p.k, p.v, mask=mask), residual)
     return d.log_probs(out), out
@@ -190,8 +191,14 @@ class StaticProposer(LiveProposer):
         self.length = 0
 
     @torch.no_grad()
-    def extend_static(self, tokens_M: torch.Tensor, aux_MF: torch.Tensor, start_1: torch.Tensor, m_1: torch.Tensor,
-                      span: int | None = None) -> None:
+    def extend_static(
+        self,
+        tokens_M: torch.Tensor,
+        aux_MF: torch.Tensor,
+        start_1: torch.Tensor,
+        m_1: torch.Tensor,
+        span: int | None = None,
+    ) -> None:
         """Step-0 entries at slots start..start+M-1 (token s_{t+1}, features aux_t); `last` becomes the
         output of entry m (entries past m are padding: masked out until overwritten). Attention spans
         slots 0..span-1: the whole step-0 region by default (the commit's fixed shape); the prefill
@@ -216,10 +223,29 @@ class StaticProposer(LiveProposer):
 class StaticSpeculativeDecoder(SpeculativeDecoder):
     """SpeculativeDecoder's interface and results with static shapes and, on CUDA, CUDA graphs."""
 
-    def __init__(self, target, drafter: FunctionalDrafter | None, *, tree: TreeConfig | None, layer_ids: list[int],
-                 max_len: int, eos_ids: set[int], temperature: float = 0.0, seed: int = 0, graphs: bool = True):
-        super().__init__(target, drafter, tree=tree, layer_ids=layer_ids, max_len=max_len, eos_ids=eos_ids,
-                         temperature=temperature, seed=seed)
+    def __init__(
+        self,
+        target,
+        drafter: FunctionalDrafter | None,
+        *,
+        tree: TreeConfig | None,
+        layer_ids: list[int],
+        max_len: int,
+        eos_ids: set[int],
+        temperature: float = 0.0,
+        seed: int = 0,
+        graphs: bool = True,
+    ):
+        super().__init__(
+            target,
+            drafter,
+            tree=tree,
+            layer_ids=layer_ids,
+            max_len=max_len,
+            eos_ids=eos_ids,
+            temperature=temperature,
+            seed=seed,
+        )
         dev, lm = self.device, self.target.lm
         self.cache_k, self.cache_v = self.target.stacked_caches()  # L,1,K,S,d
         self.T = tree.tokens if drafter is not None else 0
@@ -248,8 +274,12 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
             hidden = int(lm.embed.weight.shape[1])
             width = len(self.target.layer_ids) * hidden
             self.aux_NF = torch.zeros(N, width, device=dev, dtype=lm.dtype)
-        self.steps = {"draft": GraphStep("draft", self._draft), "verify": GraphStep("verify", self._verify),
-                      "walk": GraphStep("walk", self._walk_device), "commit": GraphStep("commit", self._commit)}
+        self.steps = {
+            "draft": GraphStep("draft", self._draft),
+            "verify": GraphStep("verify", self._verify),
+            "walk": GraphStep("walk", self._walk_device),
+            "commit": GraphStep("commit", self._commit),
+        }
         if drafter is None:
             del self.steps["draft"]
         self.graph_note: str | None = None  # why some step runs eagerly on CUDA, when one does
@@ -275,8 +305,13 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
         pos_N = self.start + torch.cat([torch.zeros(1, dtype=torch.long, device=dev), self.depth_T])
         # every row sees the root (column 0); node rows their ancestors and themselves (no scalar
         # setitem: a Python value assigned into a device tensor goes through a host tensor)
-        local_NN = torch.cat([torch.ones(N, 1, dtype=torch.bool, device=dev),
-                              torch.cat([torch.zeros(1, T, dtype=torch.bool, device=dev), self.anc_TT])], dim=1)
+        local_NN = torch.cat(
+            [
+                torch.ones(N, 1, dtype=torch.bool, device=dev),
+                torch.cat([torch.zeros(1, T, dtype=torch.bool, device=dev), self.anc_TT]),
+            ],
+            dim=1,
+        )
         col_S = self._slots_S - self.start  # slot relative to the root's
         inside_S = (col_S >= 0) & (col_S < N)
         mask_NS = (col_S < 0)[None, :] | (local_NN[:, col_S.clamp(0, T)] & inside_S[None, :])
@@ -323,8 +358,11 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
             log(f"speculative (static): some steps run without CUDA graphs ({self.graph_note})")
 
     def describe(self) -> dict:
-        return {"engine": "static", "graphs": sorted(k for k, s in self.steps.items() if s.graph is not None),
-                "graph_note": self.graph_note}
+        return {
+            "engine": "static",
+            "graphs": sorted(k for k, s in self.steps.items() if s.graph is not None),
+            "graph_note": self.graph_note,
+        }
 
     # -- the loop --------------------------------------------------------------------------------
     @torch.no_grad()
@@ -340,8 +378,13 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
             self.last_tok.fill_(first)
             if prop is not None:
                 # step-0 entries t = 0..P-1: token s_{t+1} (the last one is the prefill's token), feature aux_t
-                prop.extend_static(torch.tensor(prompt[1:] + [first], device=dev), aux,
-                                   torch.zeros(1, dtype=torch.long, device=dev), torch.tensor([P - 1], device=dev), span=P)
+                prop.extend_static(
+                    torch.tensor(prompt[1:] + [first], device=dev),
+                    aux,
+                    torch.zeros(1, dtype=torch.long, device=dev),
+                    torch.tensor([P - 1], device=dev),
+                    span=P,
+                )
         return first
 
     @torch.no_grad()
@@ -374,7 +417,7 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
                 steps["walk"]()
                 res = self.result.tolist()  # the round's one device->host copy
                 m = res[0]
-                path, nxt = _path_end(res[1:1 + m], res[-1], budget, self.eos_ids)
+                path, nxt = _path_end(res[1 : 1 + m], res[-1], budget, self.eos_ids)
             else:
                 tok, par = torch.stack([self.tok_T, self.par_T]).tolist() if self.T else ([], [])
                 nodes, path, nxt = self._walk(self.logits_NV, tok, par, budget)
@@ -390,7 +433,7 @@ class StaticSpeculativeDecoder(SpeculativeDecoder):
             if nxt is not None and new < max_new_tokens and nxt not in self.eos_ids:
                 steps["commit"]()  # runs on while the host loops; the next draft's sync waits for it
             st.draft_s += (t1 - t0) + (clock() - t3)
-        out = seq[len(prompt):]
+        out = seq[len(prompt) :]
         st.tokens = len(out)
         return out, st
 
@@ -404,8 +447,16 @@ all of it, so the costs below are measured at the capacity generate would use, n
 
 
 @torch.no_grad()
-def measure_static_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeConfig, layer_ids: list[int],
-                              context: int = 512, repeats: int | None = None, seed: int = 0) -> dict:
+def measure_static_step_costs(
+    target,
+    drafter: FunctionalDrafter,
+    *,
+    tree: TreeConfig,
+    layer_ids: list[int],
+    context: int = 512,
+    repeats: int | None = None,
+    seed: int = 0,
+) -> dict:
     """Seconds per round of this engine after a prefill of `context` random tokens, as generate's loop
     runs it: draft, verify, walk (+ the read of `result`, the round's one device->host copy) and commit
     (KV compaction + the drafter's step-0 update), each step synced (the loop syncs after draft and
@@ -449,14 +500,27 @@ def measure_static_step_costs(target, drafter: FunctionalDrafter, *, tree: TreeC
 
     spec = StaticSpeculativeDecoder(target, drafter, tree=tree, layer_ids=layer_ids, max_len=max_len, eos_ids=set())
     s = spec.steps
-    costs = timed_rounds(spec, {"draft_s": s["draft"], "verify_s": s["verify"],
-                                "walk_s": lambda: (s["walk"](), spec.result.tolist()), "commit_s": s["commit"]})
+    costs = timed_rounds(
+        spec,
+        {
+            "draft_s": s["draft"],
+            "verify_s": s["verify"],
+            "walk_s": lambda: (s["walk"](), spec.result.tolist()),
+            "commit_s": s["commit"],
+        },
+    )
     base = StaticSpeculativeDecoder(target, None, tree=None, layer_ids=[], max_len=max_len, eos_ids=set())
     b = base.steps  # synced step by step like the drafter's rounds: the two differ only in what the steps do
-    step = timed_rounds(base, {"verify": b["verify"], "walk": lambda: (b["walk"](), base.result.tolist()),
-                               "commit": b["commit"]})
+    step = timed_rounds(
+        base, {"verify": b["verify"], "walk": lambda: (b["walk"](), base.result.tolist()), "commit": b["commit"]}
+    )
     notes = [n for n in (spec.describe()["graph_note"], base.describe()["graph_note"]) if n]
     # the prediction's figures: each part's median, and the quartiles of the round and of the target step
-    return {"engine": "static", "context": context, "max_len": max_len,
-            **costs_from_samples(costs, [sum(x) for x in zip(*step.values())]), "cuda_graphs": spec.describe()["graphs"],
-            "graph_note": "; ".join(notes) or None}
+    return {
+        "engine": "static",
+        "context": context,
+        "max_len": max_len,
+        **costs_from_samples(costs, [sum(x) for x in zip(*step.values())]),
+        "cuda_graphs": spec.describe()["graphs"],
+        "graph_note": "; ".join(notes) or None,
+    }

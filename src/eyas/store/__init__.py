@@ -24,5 +24,12 @@ from eyas.store.reader import StoreReader
 from eyas.store.writer import StoreSpec, StoreWriter
 
 __all__ = [
-    "SCHEMA", "HiddenStateDataset", "StoreReader", "StoreSpec", "StoreWriter", "bytes_per_token", "dequantize", "quantize_fp8",
+    "SCHEMA",
+    "HiddenStateDataset",
+    "StoreReader",
+    "StoreSpec",
+    "StoreWriter",
+    "bytes_per_token",
+    "dequantize",
+    "quantize_fp8",
 ]

@@ -25,8 +25,14 @@ from eyas.store.reader import StoreReader
 class HiddenStateDataset(torch.utils.data.Dataset):
     """Training view of a store (see the module docstring)."""
 
-    def __init__(self, store_path: str | Path, split: str | None = None, *, prepared_path: str | Path | None = None,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        store_path: str | Path,
+        split: str | None = None,
+        *,
+        prepared_path: str | Path | None = None,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         from eyas.data.prepared import PreparedDataset
         from eyas.locks import require_idle
 
@@ -35,15 +41,21 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         seen: set[str] = set()
         dups = [sid for sid in self.store.sample_ids if sid in seen or seen.add(sid)]
         if dups:
-            raise EyasError(f"store {store_path} lists {len(dups)} sample(s) more than once (first: {dups[0]}); "
-                            f"training would weight them twice. Run `eyas verify --store {store_path}` and capture again")
+            raise EyasError(
+                f"store {store_path} lists {len(dups)} sample(s) more than once (first: {dups[0]}); "
+                f"training would weight them twice. Run `eyas verify --store {store_path}` and capture again"
+            )
         self.dtype = dtype
         prep = self.store.manifest.get("prepared") or {}
         if split is not None and prep.get("split") not in (None, split):
-            raise EyasError(f"store {store_path} holds split `{prep.get('split')}`, not `{split}`: capture split `{split}` into its own store")
+            raise EyasError(
+                f"store {store_path} holds split `{prep.get('split')}`, not `{split}`: capture split `{split}` into its own store"
+            )
         root = Path(prepared_path) if prepared_path is not None else Path(prep.get("path", ""))
         if not (root / "meta.json").is_file():
-            raise EyasError(f"store {store_path}: its prepared dataset {str(root)!r} is not there; pass its new location (--data)")
+            raise EyasError(
+                f"store {store_path}: its prepared dataset {str(root)!r} is not there; pass its new location (--data)"
+            )
         self.split = PreparedDataset(root).split(split or prep["split"])
         if self.split.fingerprint != prep.get("fingerprint"):
             raise EyasError(
@@ -54,7 +66,9 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         if not self.store.complete:
             from eyas.common import log
 
-            log(f"eyas: store {store_path} is not complete ({len(self.store)} samples so far); rerun `eyas capture` to finish it")
+            log(
+                f"eyas: store {store_path} is not complete ({len(self.store)} samples so far); rerun `eyas capture` to finish it"
+            )
         self.ids = self.store.sample_ids
 
     def __len__(self) -> int:
@@ -70,5 +84,7 @@ class HiddenStateDataset(torch.utils.data.Dataset):
         sample = self.split[self.split.index_of(sid)]
         aux, final = self.store.get(sid, self.dtype)
         if aux.shape[0] != sample.input_ids.numel():
-            raise EyasError(f"store {self.store.path}: sample {sid} has {aux.shape[0]} rows but {sample.input_ids.numel()} tokens")
+            raise EyasError(
+                f"store {self.store.path}: sample {sid} has {aux.shape[0]} rows but {sample.input_ids.numel()} tokens"
+            )
         return {"id": sid, "input_ids": sample.input_ids, "loss_mask": sample.loss_mask, "aux": aux, "final": final}

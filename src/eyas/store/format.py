@@ -49,8 +49,20 @@ FP8_MAX = 448.0  # largest finite float8_e4m3fn
 CHECKSUM = "sha256"
 # Manifest fields that decide how a store is read and judged (dtype, layer ids, the tolerance's
 # model dtype, the target and data it came from); `fields_sha256` covers them, so an edit shows.
-MANIFEST_FIELDS = ("schema", "checksum", "dtype", "aux_layer_ids", "convention", "hidden_size", "slots",
-                   "bytes_per_token", "model_dtype", "target", "tokenizer_hash", "prepared")
+MANIFEST_FIELDS = (
+    "schema",
+    "checksum",
+    "dtype",
+    "aux_layer_ids",
+    "convention",
+    "hidden_size",
+    "slots",
+    "bytes_per_token",
+    "model_dtype",
+    "target",
+    "tokenizer_hash",
+    "prepared",
+)
 # Covered when present (older stores' checksums stay valid): a serving engine's calibrated numbers,
 # which set the limits `eyas verify` holds that store to (eyas.store.numerics).
 OPTIONAL_MANIFEST_FIELDS = ("engine_numerics",)
@@ -69,8 +81,10 @@ def manifest_fields_problem(manifest: dict, path: Path) -> str | None:
     recorded = manifest.get("fields_sha256")
     if recorded is None or recorded == manifest_fields_sha256(manifest):
         return None
-    return (f"{path}/manifest.json: its fields (dtype, aux_layer_ids, model_dtype, target, prepared, ...) do not match "
-            "their checksum fields_sha256: the manifest was edited after capture; restore it or capture again")
+    return (
+        f"{path}/manifest.json: its fields (dtype, aux_layer_ids, model_dtype, target, prepared, ...) do not match "
+        "their checksum fields_sha256: the manifest was edited after capture; restore it or capture again"
+    )
 
 
 @dataclass(frozen=True)
@@ -148,7 +162,11 @@ def shard_header(*, rows: int, slots: int, hidden_size: int, dtype: str) -> byte
         "hidden": {"dtype": sd.safetensors, "shape": [rows, slots, hidden_size], "data_offsets": [0, hidden_bytes]},
     }
     if sd.scaled:
-        header["scale"] = {"dtype": "F32", "shape": [rows, slots], "data_offsets": [hidden_bytes, hidden_bytes + rows * slots * 4]}
+        header["scale"] = {
+            "dtype": "F32",
+            "shape": [rows, slots],
+            "data_offsets": [hidden_bytes, hidden_bytes + rows * slots * 4],
+        }
     text = json.dumps(header, separators=(",", ":")).encode()
     room = HEADER_BYTES - 8
     assert len(text) <= room, f"shard header of {len(text)} bytes does not fit in {room}"
@@ -191,7 +209,11 @@ def read_shard_layout(path: Path) -> ShardLayout:
     except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
         raise EyasError(f"shard {path}: unreadable header ({type(exc).__name__}: {exc})") from exc
     return ShardLayout(
-        rows=rows, slots=slots, hidden_size=d, dtype=dtype, data_start=start,
+        rows=rows,
+        slots=slots,
+        hidden_size=d,
+        dtype=dtype,
+        data_start=start,
         hidden_offset=start + hidden["data_offsets"][0],
         scale_offset=start + scale["data_offsets"][0] if scale else None,
         file_bytes=start + end,

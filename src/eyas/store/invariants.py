@@ -89,8 +89,12 @@ FINAL_NORM_RANGE = (0.5, 1.05)  # median over tokens of rms(final / scale)
 # stored high layer is the bf16 value the target itself used); a tiny random Llama 0.0033. Set with a
 # margin of about 3 over those worst cases, since a larger store meets rarer tokens.
 TAIL_TOLERANCES = {
-    ("fp32", "fp32"): 1e-3, ("bf16", "fp32"): 3e-2, ("fp8", "fp32"): 2e-1,
-    ("fp32", "bf16"): 3e-2, ("bf16", "bf16"): 3e-2, ("fp8", "bf16"): 2.5e-1,
+    ("fp32", "fp32"): 1e-3,
+    ("bf16", "fp32"): 3e-2,
+    ("fp8", "fp32"): 2e-1,
+    ("fp32", "bf16"): 3e-2,
+    ("bf16", "bf16"): 3e-2,
+    ("fp8", "bf16"): 2.5e-1,
 }
 
 
@@ -135,10 +139,18 @@ def target_parts(model, aux_layer_ids: list[int]) -> TargetParts:
     if n - high > max(TAIL_MAX_LAYERS, n // 8):
         why = f"the highest aux layer {high} is {n - high} layers from the output (the check runs for <= {max(TAIL_MAX_LAYERS, n // 8)})"
     kinds = getattr(model.config, "layer_types", None)
-    if why is None and kinds is not None and list(kinds[high:]) != list(kinds[:n - high]):
-        why = "the last layers' attention kinds differ from the first ones' (sliding windows); the tail cannot run alone"
-    return TargetParts(model=model, embed_VD=embed.detach(), lm_head_VD=None if head_w is None else head_w.detach(),
-                       norm_scale_D=scale, num_layers=n, tail_ok=why)
+    if why is None and kinds is not None and list(kinds[high:]) != list(kinds[: n - high]):
+        why = (
+            "the last layers' attention kinds differ from the first ones' (sliding windows); the tail cannot run alone"
+        )
+    return TargetParts(
+        model=model,
+        embed_VD=embed.detach(),
+        lm_head_VD=None if head_w is None else head_w.detach(),
+        norm_scale_D=scale,
+        num_layers=n,
+        tail_ok=why,
+    )
 
 
 @torch.no_grad()
@@ -156,7 +168,9 @@ def _rms_scale(norm, d: int, device) -> torch.Tensor | None:
 
 
 @torch.no_grad()
-def tail_final(parts: TargetParts, input_ids_T: torch.Tensor, high_TD: torch.Tensor, *, first_layer: int) -> torch.Tensor:
+def tail_final(
+    parts: TargetParts, input_ids_T: torch.Tensor, high_TD: torch.Tensor, *, first_layer: int
+) -> torch.Tensor:
     """norm(layers[first_layer:](high)) for one sample: the final state derived from a stored aux layer.
 
     The base model runs with its layer list cut to the tail and the first tail layer's input
@@ -186,8 +200,9 @@ def tail_final(parts: TargetParts, input_ids_T: torch.Tensor, high_TD: torch.Ten
     return out.last_hidden_state[0]
 
 
-def tail_final_packed(parts: TargetParts, high_ND: torch.Tensor, lengths: list[int], *, first_layer: int,
-                      kernel: str | None = None) -> torch.Tensor:
+def tail_final_packed(
+    parts: TargetParts, high_ND: torch.Tensor, lengths: list[int], *, first_layer: int, kernel: str | None = None
+) -> torch.Tensor:
     """`tail_final` of several samples at once: their stored states laid end to end (high_ND, on the
     target's device), lengths in order; attention stays inside each sample and positions restart at
     0, so each sample's rows equal its own `tail_final` up to float rounding. One forward for the
@@ -236,8 +251,9 @@ def _candidates_TK(ids_T: torch.Tensor, seed: int, *, offset: int) -> torch.Tens
     return torch.cat([nb, rnd], dim=1)
 
 
-def _rank_passes(query_TD: torch.Tensor, table_VD: torch.Tensor, true_T: torch.Tensor, rivals_TK: torch.Tensor,
-                 *, cosine: bool) -> torch.Tensor:
+def _rank_passes(
+    query_TD: torch.Tensor, table_VD: torch.Tensor, true_T: torch.Tensor, rivals_TK: torch.Tensor, *, cosine: bool
+) -> torch.Tensor:
     """Per position: score(true) >= score(every rival with another id). Scores are dot products of
     query rows with table rows (cosines when `cosine`)."""
     dev = table_VD.device
@@ -272,24 +288,40 @@ def _align_passes(a_TD: torch.Tensor, b_TD: torch.Tensor) -> torch.Tensor:
     return (same > prev) & (same > nxt)
 
 
-def sample_rates(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
-                 sample_key: str, start: int = 0, answer_T: torch.Tensor | None = None) -> dict[str, tuple[int, int]]:
+def sample_rates(
+    parts: TargetParts,
+    ids_T: torch.Tensor,
+    hidden_TLD: torch.Tensor,
+    *,
+    slot_names: list[str],
+    sample_key: str,
+    start: int = 0,
+    answer_T: torch.Tensor | None = None,
+) -> dict[str, tuple[int, int]]:
     """token[slot], next and align[pair] pass counts of one sample, over positions >= `start`.
 
     The shared prefix (checked exactly by `prefix`) is left out: rows copied from another sample
     with the same chat template agree there, and counting them would dilute the evidence.
     `answer_T` (bool, the loss mask) limits `next` to predictions of answer tokens; None counts all.
     """
-    names, passed, totals = _rate_counts(parts, ids_T, hidden_TLD, slot_names=slot_names, sample_key=sample_key,
-                                         start=start, answer_T=answer_T)
+    names, passed, totals = _rate_counts(
+        parts, ids_T, hidden_TLD, slot_names=slot_names, sample_key=sample_key, start=start, answer_T=answer_T
+    )
     if not names:
         return {}
     return {n: (int(k), t) for n, k, t in zip(names, torch.stack(passed).tolist(), totals)}
 
 
-def _rate_counts(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tensor, *, slot_names: list[str],
-                 sample_key: str, start: int, answer_T: torch.Tensor | None = None,
-                 ) -> tuple[list[str], list[torch.Tensor], list[int]]:
+def _rate_counts(
+    parts: TargetParts,
+    ids_T: torch.Tensor,
+    hidden_TLD: torch.Tensor,
+    *,
+    slot_names: list[str],
+    sample_key: str,
+    start: int,
+    answer_T: torch.Tensor | None = None,
+) -> tuple[list[str], list[torch.Tensor], list[int]]:
     """`sample_rates` as (names, pass counts as 0-d tensors on the target's device, totals): the
     caller moves many samples' counts to the host at once (one device sync per batch, not seven per
     sample). hidden_TLD may live on the host or the device; ids_T and the rivals are drawn on the host."""
@@ -319,10 +351,10 @@ def _rate_counts(parts: TargetParts, ids_T: torch.Tensor, hidden_TLD: torch.Tens
         names.append("next final")
         passed.append((ok & _to_device(counted_next, dev)).sum())
         totals.append(int(counted_next.sum()))
-    distinct = ((ids_T[1:-1] != ids_T[:-2]) & (ids_T[1:-1] != ids_T[2:]))[max(start - 1, 0):]
+    distinct = ((ids_T[1:-1] != ids_T[:-2]) & (ids_T[1:-1] != ids_T[2:]))[max(start - 1, 0) :]
     distinct_d = _to_device(distinct, dev)
     for slot in range(a) if distinct.any() else ():
-        ok = _align_passes(h[:, slot], h[:, slot + 1])[max(start - 1, 0):]  # entry i is position i + 1
+        ok = _align_passes(h[:, slot], h[:, slot + 1])[max(start - 1, 0) :]  # entry i is position i + 1
         names.append(f"align {slot_names[slot]} -> {slot_names[slot + 1]}")
         passed.append((ok & distinct_d).sum())
         totals.append(int(distinct.sum()))
@@ -345,12 +377,16 @@ def binom_cdf(k: int, n: int, p: float) -> float:
     if p >= 1:
         return 1.0 if k >= n else 0.0
     lp, lq = math.log(p), math.log1p(-p)
-    terms = [math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)]
+    terms = [
+        math.lgamma(n + 1) - math.lgamma(i + 1) - math.lgamma(n - i + 1) + i * lp + (n - i) * lq for i in range(k + 1)
+    ]
     top = max(terms)
     return min(1.0, math.exp(top) * sum(math.exp(x - top) for x in terms))
 
 
-def judge_rates(per_sample: dict[str, dict[str, tuple[int, int]]]) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
+def judge_rates(
+    per_sample: dict[str, dict[str, tuple[int, int]]],
+) -> tuple[dict[str, dict[str, Any]], dict[str, list[str]]]:
     """Calibrate every rate invariant on the store and list the samples that fail it.
 
     Returns (per invariant: pooled rate, informative or why not, failing count), and per failing
@@ -416,12 +452,22 @@ def prefix_groups(ids_by_sample: dict[str, torch.Tensor]) -> list[tuple[torch.Te
             diff = (first[:p] != other[:p]).nonzero()
             if len(diff):
                 p = int(diff[0])
-        groups.append((first[:max(p, 1)].clone(), sids))
+        groups.append((first[: max(p, 1)].clone(), sids))
     return groups
 
 
-def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], prefix_tol: float, tail_tol: float,
-                   progress_bar=None, batch_tokens: int = BATCH_TOKENS, packed_tail: bool | None = None) -> dict[str, Any]:
+def run_invariants(
+    reader,
+    split,
+    parts: TargetParts,
+    *,
+    sample_ids: list[str],
+    prefix_tol: float,
+    tail_tol: float,
+    progress_bar=None,
+    batch_tokens: int = BATCH_TOKENS,
+    packed_tail: bool | None = None,
+) -> dict[str, Any]:
     """Every invariant on every sample in `sample_ids`; returns the summary with per-sample failures.
 
     Samples go in batches of about `batch_tokens` tokens: one host -> device copy of their stored
@@ -485,14 +531,16 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
         lap("read")
         for sid, h in zip(batch, hs):
             ref = prefix_ref[sid]
-            err = rel_err_TL(h[:ref.shape[0]], ref)
+            err = rel_err_TL(h[: ref.shape[0]], ref)
             e, flat = float(err.max()), int(err.argmax())
             t, slot = divmod(flat, err.shape[1])
             if e > worst["prefix"][0]:
                 worst["prefix"] = (e, sid, f"{names[slot]}, token {t}")
             if not e <= prefix_tol:
-                fails[sid].append(f"prefix: {names[slot]} token {t} differs from the recomputed shared prefix "
-                                  f"({ref.shape[0]} tokens) by {e:.3g} > {prefix_tol:g}")
+                fails[sid].append(
+                    f"prefix: {names[slot]} token {t} differs from the recomputed shared prefix "
+                    f"({ref.shape[0]} tokens) by {e:.3g} > {prefix_tol:g}"
+                )
         lap("prefix")
         # per-token results of the whole batch, computed on the device and moved to the host at once
         on_device: dict[str, torch.Tensor] = {}
@@ -501,16 +549,29 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
                 derived_ND = tail_final_packed(parts, h_NLD[:, high_slot], lengths, first_layer=high, kernel=kernel)
             else:
                 ids_d = _to_device(torch.cat([ids_by_sample[sid] for sid in batch]), device)
-                derived_ND = torch.cat([tail_final(parts, ids_d[a:b], h_NLD[a:b, high_slot], first_layer=high)
-                                        for a, b in zip(bounds[:-1], bounds[1:])])
+                derived_ND = torch.cat(
+                    [
+                        tail_final(parts, ids_d[a:b], h_NLD[a:b, high_slot], first_layer=high)
+                        for a, b in zip(bounds[:-1], bounds[1:])
+                    ]
+                )
             on_device["tail"] = rel_err_TL(h_NLD[:, -1:], derived_ND[:, None])[:, 0]
             lap("tail")
         if scale_D is not None:
             on_device["rms"] = (h_NLD[:, -1] / scale_D).pow(2).mean(-1).sqrt()
             lap("final_norm")
-        counts = [_rate_counts(parts, ids_by_sample[sid], h_NLD[a:b], slot_names=names, sample_key=sid,
-                               start=prefix_ref[sid].shape[0], answer_T=samples[sid].loss_mask)
-                  for sid, a, b in zip(batch, bounds[:-1], bounds[1:])]
+        counts = [
+            _rate_counts(
+                parts,
+                ids_by_sample[sid],
+                h_NLD[a:b],
+                slot_names=names,
+                sample_key=sid,
+                start=prefix_ref[sid].shape[0],
+                answer_T=samples[sid].loss_mask,
+            )
+            for sid, a, b in zip(batch, bounds[:-1], bounds[1:])
+        ]
         passed = [k for _, ks, _ in counts for k in ks]
         if passed:
             on_device["passed"] = torch.stack(passed)
@@ -524,16 +585,20 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
                 if e > worst["tail"][0]:
                     worst["tail"] = (e, sid, f"token {t}")
                 if not e <= tail_tol:
-                    fails[sid].append(f"tail: final at token {t} differs from norm(layers {high}..{parts.num_layers - 1}"
-                                      f"({names[high_slot]})) by {e:.3g} > {tail_tol:g}")
+                    fails[sid].append(
+                        f"tail: final at token {t} differs from norm(layers {high}..{parts.num_layers - 1}"
+                        f"({names[high_slot]})) by {e:.3g} > {tail_tol:g}"
+                    )
             if "rms" in host:
                 med = float(host["rms"][a:b].median())
                 if abs(med - 1) > abs(final_norm_worst[0] - 1):
                     final_norm_worst = (med, sid)
                 lo, hi = FINAL_NORM_RANGE
                 if not lo <= med <= hi:
-                    fails[sid].append(f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
-                                      "(a post-norm state has ~1): the final slot is not the final norm's output")
+                    fails[sid].append(
+                        f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
+                        "(a post-norm state has ~1): the final slot is not the final norm's output"
+                    )
             rates[sid] = {n: (next(passed_host), tot) for n, tot in zip(rate_names, totals)}
             if fails[sid]:
                 failures[sid] = fails[sid]
@@ -546,13 +611,33 @@ def run_invariants(reader, split, parts: TargetParts, *, sample_ids: list[str], 
         "ok": not failures,
         "checked": len(sample_ids),
         "tokens": int(sum(x.shape[0] for x in ids_by_sample.values())),
-        "prefix": {"tolerance": prefix_tol, "groups": len({id(v) for v in prefix_ref.values()}),
-                   "worst_rel_err": worst["prefix"][0], "worst_sample": worst["prefix"][1], "where": worst["prefix"][2]},
-        "tail": ({"skipped": parts.tail_ok} if parts.tail_ok else
-                 {"tolerance": tail_tol, "layers": f"{high}..{parts.num_layers - 1}", "worst_rel_err": worst["tail"][0],
-                  "worst_sample": worst["tail"][1], "where": worst["tail"][2]}),
-        "final_norm": ({"skipped": "the final norm is not RMS-like"} if parts.norm_scale_D is None else
-                       {"range": list(FINAL_NORM_RANGE), "worst_median_rms": final_norm_worst[0], "worst_sample": final_norm_worst[1]}),
+        "prefix": {
+            "tolerance": prefix_tol,
+            "groups": len({id(v) for v in prefix_ref.values()}),
+            "worst_rel_err": worst["prefix"][0],
+            "worst_sample": worst["prefix"][1],
+            "where": worst["prefix"][2],
+        },
+        "tail": (
+            {"skipped": parts.tail_ok}
+            if parts.tail_ok
+            else {
+                "tolerance": tail_tol,
+                "layers": f"{high}..{parts.num_layers - 1}",
+                "worst_rel_err": worst["tail"][0],
+                "worst_sample": worst["tail"][1],
+                "where": worst["tail"][2],
+            }
+        ),
+        "final_norm": (
+            {"skipped": "the final norm is not RMS-like"}
+            if parts.norm_scale_D is None
+            else {
+                "range": list(FINAL_NORM_RANGE),
+                "worst_median_rms": final_norm_worst[0],
+                "worst_sample": final_norm_worst[1],
+            }
+        ),
         "rates": rate_report,
         "tail_path": "not run" if parts.tail_ok else (f"packed ({kernel})" if kernel else f"per sample ({packed_why})"),
         "seconds": {k: round(v, 4) for k, v in seconds.items()},
@@ -584,10 +669,14 @@ def layer_ids_problem(reader, split, model, *, tokens: int = 32) -> str | None:
     stored_TLD = reader.get_hidden(sid, torch.float32)[:n]
     tol = default_tolerance(reader.dtype, reader.manifest.get("model_dtype"))
     for slot, named in enumerate(reader.aux_layer_ids):
-        err_L = torch.stack([rel_err_TL(stored_TLD[:, slot:slot + 1], ref_LTD[i][:, None]).max() for i in range(len(ref_LTD))])
+        err_L = torch.stack(
+            [rel_err_TL(stored_TLD[:, slot : slot + 1], ref_LTD[i][:, None]).max() for i in range(len(ref_LTD))]
+        )
         best = int(err_L.argmin())
         if best != named and float(err_L[best]) <= tol and not (named < len(err_L) and float(err_L[named]) <= tol):
-            return (f"store {reader.path}: aux slot {slot} is listed as layer {named} in manifest.json, but its states are "
-                    f"layer {best}'s (sample {sid}, relative error {float(err_L[best]):.2g}): the manifest's layer ids "
-                    "were changed after capture; restore them or capture again")
+            return (
+                f"store {reader.path}: aux slot {slot} is listed as layer {named} in manifest.json, but its states are "
+                f"layer {best}'s (sample {sid}, relative error {float(err_L[best]):.2g}): the manifest's layer ids "
+                "were changed after capture; restore them or capture again"
+            )
     return None

@@ -78,8 +78,11 @@ def token_errors(stored_TLD: torch.Tensor, ref_TLD: torch.Tensor) -> torch.Tenso
 def sample_stats(err_TL: torch.Tensor) -> dict[str, list[float]]:
     """Each statistic per slot of one sample's token errors."""
     e = err_TL.double()
-    return {"rms": e.pow(2).mean(0).sqrt().tolist(), "p999": torch.quantile(e, PERCENTILE, dim=0).tolist(),
-            "max": e.max(0).values.tolist()}
+    return {
+        "rms": e.pow(2).mean(0).sqrt().tolist(),
+        "p999": torch.quantile(e, PERCENTILE, dim=0).tolist(),
+        "max": e.max(0).values.tolist(),
+    }
 
 
 def recompute(reader, split, model, sample_id: str) -> torch.Tensor:
@@ -106,16 +109,32 @@ def calibrate(reader, split, model, sample_ids: list[str], *, engine: dict[str, 
     p = next(model.parameters())
     per_layer = {}
     for slot, key in enumerate(layer_keys(reader.aux_layer_ids)):
-        per_layer[key] = {s: {"max": round(max(x[s][slot] for x in per), 6),
-                              "mean": round(sum(x[s][slot] for x in per) / len(per), 6)} for s in STATS}
+        per_layer[key] = {
+            s: {
+                "max": round(max(x[s][slot] for x in per), 6),
+                "mean": round(sum(x[s][slot] for x in per) / len(per), 6),
+            }
+            for s in STATS
+        }
     return {
         "schema": SCHEMA,
-        "statistic": {"e_t": "||stored_t - ref_t|| / ||ref_t|| per token and layer", "rms": "sqrt(mean_t e_t^2)",
-                      "p999": f"{PERCENTILE} quantile of e_t (linear)", "max": "max_t e_t"},
-        "n_samples": len(per), "tokens": int(tokens), "samples": list(sample_ids),
+        "statistic": {
+            "e_t": "||stored_t - ref_t|| / ||ref_t|| per token and layer",
+            "rms": "sqrt(mean_t e_t^2)",
+            "p999": f"{PERCENTILE} quantile of e_t (linear)",
+            "max": "max_t e_t",
+        },
+        "n_samples": len(per),
+        "tokens": int(tokens),
+        "samples": list(sample_ids),
         "per_layer": per_layer,
-        "reference": {"path": "eyas.target.reference_hidden_states", "device": p.device.type, "dtype": str(p.dtype),
-                      "torch": torch.__version__, "transformers": transformers.__version__},
+        "reference": {
+            "path": "eyas.target.reference_hidden_states",
+            "device": p.device.type,
+            "dtype": str(p.dtype),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
         "engine": engine,
     }
 
@@ -149,23 +168,37 @@ class EngineLimits:
             for s in STATS:
                 v = stats[s][slot]
                 if not v <= lim[s]:
-                    over.append({"slot": slot, "stat": s, "value": v, "limit": lim[s],
-                                 "ratio": v / lim[s] if lim[s] > 0 else math.inf})
+                    over.append(
+                        {
+                            "slot": slot,
+                            "stat": s,
+                            "value": v,
+                            "limit": lim[s],
+                            "ratio": v / lim[s] if lim[s] > 0 else math.inf,
+                        }
+                    )
         return sorted(over, key=lambda o: -o["ratio"])
 
     def report(self) -> dict[str, Any]:
-        return {"source": self.source, "why": self.why,
-                "per_layer": {k: {s: round(lim[s], 6) for s in STATS} for k, lim in zip(self.keys, self.limits)}}
+        return {
+            "source": self.source,
+            "why": self.why,
+            "per_layer": {k: {s: round(lim[s], 6) for s in STATS} for k, lim in zip(self.keys, self.limits)},
+        }
 
     def describe(self) -> str:
-        return "; ".join(f"{'layer ' + k if k != 'final' else k}: " + " ".join(
-            f"{STAT_NAMES[s]}<={_fmt(lim[s])}" for s in STATS) for k, lim in zip(self.keys, self.limits))
+        return "; ".join(
+            f"{'layer ' + k if k != 'final' else k}: " + " ".join(f"{STAT_NAMES[s]}<={_fmt(lim[s])}" for s in STATS)
+            for k, lim in zip(self.keys, self.limits)
+        )
 
 
 def _check_record(rec: Any, keys: list[str], tol: float) -> str | None:
     """Why a recorded calibration cannot be used, or None."""
     if not isinstance(rec, dict) or rec.get("schema") != SCHEMA:
-        return f"its schema is {rec.get('schema') if isinstance(rec, dict) else type(rec).__name__!r}, expected {SCHEMA!r}"
+        return (
+            f"its schema is {rec.get('schema') if isinstance(rec, dict) else type(rec).__name__!r}, expected {SCHEMA!r}"
+        )
     n = rec.get("n_samples")
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         return f"n_samples is {n!r}, expected a positive integer"
@@ -176,13 +209,17 @@ def _check_record(rec: Any, keys: list[str], tol: float) -> str | None:
         for s in STATS:
             entry = per[k].get(s) if isinstance(per[k], dict) else None
             vals = [entry.get(f) for f in ("max", "mean")] if isinstance(entry, dict) else [None]
-            if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals):
+            if not all(
+                isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0 for v in vals
+            ):
                 return f"layer {k} {s} is {entry!r}, expected finite non-negative max and mean"
             ceiling = FALLBACK[s] * tol
             if entry["max"] > ceiling:
-                return (f"it records {STAT_NAMES[s]} {_fmt(entry['max'])} at {'layer ' + k if k != 'final' else k}, above "
-                        f"{_fmt(ceiling)} (what a bf16 engine explains): the engine disagreed with the reference at capture, "
-                        "or the manifest was edited")
+                return (
+                    f"it records {STAT_NAMES[s]} {_fmt(entry['max'])} at {'layer ' + k if k != 'final' else k}, above "
+                    f"{_fmt(ceiling)} (what a bf16 engine explains): the engine disagreed with the reference at capture, "
+                    "or the manifest was edited"
+                )
     return None
 
 
@@ -193,17 +230,31 @@ def engine_limits(manifest: dict[str, Any], tol: float) -> EngineLimits:
     fixed = ", ".join(f"{STAT_NAMES[s]} {_fmt(FALLBACK[s] * tol)}" for s in STATS)
     rec = manifest.get("engine_numerics")
     if rec is None:
-        return EngineLimits("fallback", f"the store records no engine calibration (captured without a target, with "
-                            f"--sglang-calibrate 0, or by an older eyas): fixed limits sized for a bf16 engine ({fixed})",
-                            keys, fallback)
+        return EngineLimits(
+            "fallback",
+            f"the store records no engine calibration (captured without a target, with "
+            f"--sglang-calibrate 0, or by an older eyas): fixed limits sized for a bf16 engine ({fixed})",
+            keys,
+            fallback,
+        )
     problem = _check_record(rec, keys, tol)
     if problem is not None:
-        return EngineLimits("refused", f"the manifest's engine_numerics is refused: {problem}; samples judged by the "
-                            f"fixed limits ({fixed})", keys, fallback)
+        return EngineLimits(
+            "refused",
+            f"the manifest's engine_numerics is refused: {problem}; samples judged by the fixed limits ({fixed})",
+            keys,
+            fallback,
+        )
     limits = [{s: max(MARGIN * rec["per_layer"][k][s]["max"], FLOOR[s] * tol) for s in STATS} for k in keys]
-    return EngineLimits("calibration", f"calibrated at capture on {rec['n_samples']} samples ({rec.get('tokens', '?')} "
-                        f"tokens) against the reference: limit = max({MARGIN:g} x recorded max, floor "
-                        + ", ".join(f"{STAT_NAMES[s]} {_fmt(FLOOR[s] * tol)}" for s in STATS) + ")", keys, limits)
+    return EngineLimits(
+        "calibration",
+        f"calibrated at capture on {rec['n_samples']} samples ({rec.get('tokens', '?')} "
+        f"tokens) against the reference: limit = max({MARGIN:g} x recorded max, floor "
+        + ", ".join(f"{STAT_NAMES[s]} {_fmt(FLOOR[s] * tol)}" for s in STATS)
+        + ")",
+        keys,
+        limits,
+    )
 
 
 def calibration_problem(manifest: dict[str, Any], rec: dict[str, Any]) -> str | None:

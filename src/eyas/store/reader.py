@@ -35,7 +35,9 @@ class StoreReader:
         self._verified: set[str] = set()
         mpath = self.path / MANIFEST
         if not mpath.is_file():
-            raise EyasError(f"{self.path} is not a hidden-state store (no {MANIFEST}): run `eyas capture --out {self.path}` first")
+            raise EyasError(
+                f"{self.path} is not a hidden-state store (no {MANIFEST}): run `eyas capture --out {self.path}` first"
+            )
         try:
             self.manifest: dict[str, Any] = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as exc:
@@ -92,7 +94,12 @@ class StoreReader:
                     f"store {self.path}: shard {path.name} is truncated or altered: {size} bytes on disk, "
                     f"header says {lay.file_bytes}, manifest says {info['bytes']}"
                 )
-            if (lay.dtype, lay.slots, lay.hidden_size, lay.rows) != (self.dtype, self.slots, self.hidden_size, info["rows"]):
+            if (lay.dtype, lay.slots, lay.hidden_size, lay.rows) != (
+                self.dtype,
+                self.slots,
+                self.hidden_size,
+                info["rows"],
+            ):
                 raise EyasError(f"store {self.path}: shard {path.name} holds {lay} which disagrees with the manifest")
             self._layouts[index] = lay
         return self._layouts[index]
@@ -109,20 +116,28 @@ class StoreReader:
         lay, mm = self.layout(rec["shard"]), self._map(rec["shard"])
         a, b = rec["start"], rec["start"] + rec["tokens"]
         if b > lay.rows:
-            raise EyasError(f"store {self.path}: sample {sample_id} rows [{a}, {b}) exceed shard {rec['shard']}'s {lay.rows} rows")
-        hidden = mm[lay.hidden_offset + a * lay.row_bytes: lay.hidden_offset + b * lay.row_bytes]
+            raise EyasError(
+                f"store {self.path}: sample {sample_id} rows [{a}, {b}) exceed shard {rec['shard']}'s {lay.rows} rows"
+            )
+        hidden = mm[lay.hidden_offset + a * lay.row_bytes : lay.hidden_offset + b * lay.row_bytes]
         scale = None
         if lay.scale_offset is not None:
             sb = lay.slots * 4
-            scale = mm[lay.scale_offset + a * sb: lay.scale_offset + b * sb]
+            scale = mm[lay.scale_offset + a * sb : lay.scale_offset + b * sb]
         return hidden, scale
 
     def raw(self, sample_id: str) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(hidden_TLD in the stored dtype, scale_TL float32 or None), copied out of the map."""
         hidden_u8, scale_u8 = self.raw_bytes(sample_id)
         t = self.record(sample_id)["tokens"]
-        hidden = torch.from_numpy(np.array(hidden_u8)).view(DTYPES[self.dtype].torch_dtype).view(t, self.slots, self.hidden_size)
-        scale = None if scale_u8 is None else torch.from_numpy(np.array(scale_u8)).view(torch.float32).view(t, self.slots)
+        hidden = (
+            torch.from_numpy(np.array(hidden_u8))
+            .view(DTYPES[self.dtype].torch_dtype)
+            .view(t, self.slots, self.hidden_size)
+        )
+        scale = (
+            None if scale_u8 is None else torch.from_numpy(np.array(scale_u8)).view(torch.float32).view(t, self.slots)
+        )
         return hidden, scale
 
     def get_hidden(self, sample_id: str, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
@@ -141,13 +156,17 @@ class StoreReader:
             from eyas.store.writer import _sample_digest  # the writer's own digest, so both always agree
 
             if _sample_digest(hidden_u8, scale_u8) != want:
-                raise EyasError(f"store {self.path}: sample {sample_id} fails its checksum (shard "
-                                f"{self.manifest['shards'][rec['shard']]['name']}): the data are corrupt; run "
-                                f"`eyas verify --store {self.path}` and capture the bad samples again")
+                raise EyasError(
+                    f"store {self.path}: sample {sample_id} fails its checksum (shard "
+                    f"{self.manifest['shards'][rec['shard']]['name']}): the data are corrupt; run "
+                    f"`eyas verify --store {self.path}` and capture the bad samples again"
+                )
         ok = _all_finite(hidden_u8, self.dtype) and (scale_u8 is None or _all_finite(scale_u8, "fp32"))
         if not ok:
-            raise EyasError(f"store {self.path}: sample {sample_id} holds NaN/Inf hidden states; training on it would "
-                            f"make the drafter NaN. Run `eyas verify --store {self.path}` and capture it again")
+            raise EyasError(
+                f"store {self.path}: sample {sample_id} holds NaN/Inf hidden states; training on it would "
+                f"make the drafter NaN. Run `eyas verify --store {self.path}` and capture it again"
+            )
         self._verified.add(sample_id)
 
     def get(self, sample_id: str, dtype: torch.dtype = torch.bfloat16) -> tuple[torch.Tensor, torch.Tensor]:
@@ -158,8 +177,11 @@ class StoreReader:
 
 # exponent bits that mark NaN/Inf (all ones), per stored dtype: (view dtype, mask). fp8 e4m3fn has
 # no Inf, and its NaN is the all-ones exponent+mantissa pattern.
-_NONFINITE = {"bf16": (np.uint16, 0x7F80, 0x7F80), "fp32": (np.uint32, 0x7F800000, 0x7F800000),
-              "fp8": (np.uint8, 0x7F, 0x7F)}
+_NONFINITE = {
+    "bf16": (np.uint16, 0x7F80, 0x7F80),
+    "fp32": (np.uint32, 0x7F800000, 0x7F800000),
+    "fp8": (np.uint8, 0x7F, 0x7F),
+}
 
 
 def _all_finite(raw_u8: np.ndarray, dtype: str) -> bool:
@@ -178,8 +200,9 @@ def _check_manifest(man: dict[str, Any], mpath: Path) -> None:
     """Refuse a manifest missing a field the reader needs (named), instead of a KeyError later."""
     for key, typ in _MANIFEST_FIELDS.items():
         if key not in man:
-            raise EyasError(f"{mpath}: the manifest has no `{key}` field; it is damaged or not written by eyas "
-                            "(capture again)")
+            raise EyasError(
+                f"{mpath}: the manifest has no `{key}` field; it is damaged or not written by eyas (capture again)"
+            )
         if not isinstance(man[key], typ) or (typ is int and isinstance(man[key], bool)):
             raise EyasError(f"{mpath}: manifest field `{key}` is a {type(man[key]).__name__}, expected {typ.__name__}")
     if man["dtype"] not in DTYPES:
@@ -187,11 +210,17 @@ def _check_manifest(man: dict[str, Any], mpath: Path) -> None:
     for i, rec in enumerate(man["samples"]):
         missing = [k for k in _SAMPLE_FIELDS if not isinstance(rec, dict) or k not in rec]
         if missing:
-            raise EyasError(f"{mpath}: sample entry {i} lacks {', '.join(missing)}; the manifest is damaged (capture again)")
+            raise EyasError(
+                f"{mpath}: sample entry {i} lacks {', '.join(missing)}; the manifest is damaged (capture again)"
+            )
         if not 0 <= rec["shard"] < len(man["shards"]):
-            raise EyasError(f"{mpath}: sample {rec['id']} names shard {rec['shard']}, the manifest lists "
-                            f"{len(man['shards'])}; the manifest is damaged (capture again)")
+            raise EyasError(
+                f"{mpath}: sample {rec['id']} names shard {rec['shard']}, the manifest lists "
+                f"{len(man['shards'])}; the manifest is damaged (capture again)"
+            )
     for i, sh in enumerate(man["shards"]):
         missing = [k for k in ("name", "rows", "bytes") if not isinstance(sh, dict) or k not in sh]
         if missing:
-            raise EyasError(f"{mpath}: shard entry {i} lacks {', '.join(missing)}; the manifest is damaged (capture again)")
+            raise EyasError(
+                f"{mpath}: shard entry {i} lacks {', '.join(missing)}; the manifest is damaged (capture again)"
+            )

@@ -68,8 +68,12 @@ from eyas.store.numerics import engine_limits, is_engine_store
 from eyas.store.reader import StoreReader
 
 TOLERANCES = {
-    ("fp32", "fp32"): 1e-3, ("bf16", "fp32"): 1e-2, ("fp8", "fp32"): 8e-2,
-    ("fp32", "bf16"): 1e-1, ("bf16", "bf16"): 1e-1, ("fp8", "bf16"): 1.2e-1,
+    ("fp32", "fp32"): 1e-3,
+    ("bf16", "fp32"): 1e-2,
+    ("fp8", "fp32"): 8e-2,
+    ("fp32", "bf16"): 1e-1,
+    ("bf16", "bf16"): 1e-1,
+    ("fp8", "bf16"): 1.2e-1,
 }
 LIST_MAX = 20  # ids listed per failure kind in the summary
 
@@ -129,15 +133,21 @@ def check_coverage(reader: StoreReader, split, *, threads: int | None = None) ->
     n_expected = prep.get("samples", len(split))
     expected = split.ids[:n_expected]
     lengths = {sid: int(t) for sid, t in zip(split.ids, split.lengths)}
-    found: dict[str, list[str]] = {k: [] for k in (
-        "missing", "duplicated", "unexpected", "token_count", "truncated_shard", "checksum", "nonfinite")}
+    found: dict[str, list[str]] = {
+        k: []
+        for k in ("missing", "duplicated", "unexpected", "token_count", "truncated_shard", "checksum", "nonfinite")
+    }
     notes: list[str] = []
     if not reader.complete:
-        notes.append(f"store status is {reader.manifest.get('status')!r}, not 'complete': rerun the same `eyas capture` to finish it")
+        notes.append(
+            f"store status is {reader.manifest.get('status')!r}, not 'complete': rerun the same `eyas capture` to finish it"
+        )
     recorded = reader.manifest.get("fields_sha256")
     if recorded is None:
-        log(f"warning: store {reader.path}: the manifest has no fields_sha256 (written by an older eyas): its dtype, "
-            "layer ids and model dtype are taken on trust")
+        log(
+            f"warning: store {reader.path}: the manifest has no fields_sha256 (written by an older eyas): its dtype, "
+            "layer ids and model dtype are taken on trust"
+        )
     elif (problem := manifest_fields_problem(reader.manifest, reader.path)) is not None:
         notes.append(problem)
     actual_fp = _fingerprint(split._input_ids, split._loss_mask, split.offsets, split.ids)
@@ -207,8 +217,18 @@ def compare_sample(stored_TLD: torch.Tensor, ref_TLD: torch.Tensor) -> tuple[flo
     return float(err_TL.reshape(-1)[flat]), slot, t
 
 
-def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, tolerance: float, progress_bar=None,
-                  min_samples: int | None = None, deadline: float | None = None, limits=None) -> dict[str, Any]:
+def check_numbers(
+    reader: StoreReader,
+    split,
+    model,
+    sample_ids: list[str],
+    *,
+    tolerance: float,
+    progress_bar=None,
+    min_samples: int | None = None,
+    deadline: float | None = None,
+    limits=None,
+) -> dict[str, Any]:
     """Recompute `sample_ids` one by one with the reference path and compare every stored slot.
 
     A sample fails when its worst per-token error exceeds `tolerance`, or, with engine `limits`
@@ -225,11 +245,16 @@ def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, t
         flat = int(err_TL.argmax())
         t, slot = divmod(flat, err_TL.shape[1])
         shape_ok = reader.record(sid)["tokens"] == int(split.lengths[split.index_of(sid)])
-        per_sample[sid] = {"error": float(err_TL.reshape(-1)[flat]), "slot": slot_name(reader, slot) if shape_ok else "shape",
-                           "token": t if shape_ok else -1}
+        per_sample[sid] = {
+            "error": float(err_TL.reshape(-1)[flat]),
+            "slot": slot_name(reader, slot) if shape_ok else "shape",
+            "token": t if shape_ok else -1,
+        }
         if limits is not None:
             over = limits.exceeded(sample_stats(err_TL))
-            per_sample[sid]["over"] = [{**o, "slot": slot_name(reader, o["slot"]), "stat": STAT_NAMES[o["stat"]]} for o in over]
+            per_sample[sid]["over"] = [
+                {**o, "slot": slot_name(reader, o["slot"]), "stat": STAT_NAMES[o["stat"]]} for o in over
+            ]
         if progress_bar is not None:
             progress_bar.update(1)
     if limits is None:
@@ -254,7 +279,10 @@ def check_numbers(reader: StoreReader, split, model, sample_ids: list[str], *, t
         "worst_slot": per_sample[worst]["slot"] if worst else None,
         "worst_token": per_sample[worst]["token"] if worst else None,
         "failing_samples": failing,
-        "errors": {sid: round(r["error"], 6) for sid, r in sorted(per_sample.items(), key=lambda kv: -kv[1]["error"])[:LIST_MAX]},
+        "errors": {
+            sid: round(r["error"], 6)
+            for sid, r in sorted(per_sample.items(), key=lambda kv: -kv[1]["error"])[:LIST_MAX]
+        },
     }
 
 
@@ -365,17 +393,29 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
     prep = m.get("prepared") or {}
     data_dir = Path(cfg.data) if cfg.data is not None else Path(prep.get("path", ""))
     if not prep or not (data_dir / "meta.json").is_file():
-        raise EyasError(f"store {store}: its prepared dataset {str(data_dir)!r} is not there; pass --data with its new location")
+        raise EyasError(
+            f"store {store}: its prepared dataset {str(data_dir)!r} is not there; pass --data with its new location"
+        )
     split = PreparedDataset(data_dir, check=False).split(prep["split"])  # (coverage reports a changed split)
 
     # -- coverage ------------------------------------------------------------------------------
-    log(f"eyas verify: {store}: {len(reader)} samples, {reader.dtype}, aux layers {reader.aux_layer_ids} ({m.get('convention')}); coverage...")
+    log(
+        f"eyas verify: {store}: {len(reader)} samples, {reader.dtype}, aux layers {reader.aux_layer_ids} ({m.get('convention')}); coverage..."
+    )
     coverage = check_coverage(reader, split)
-    summary: dict[str, Any] = {"store": str(store), "dtype": reader.dtype, "model_dtype": m.get("model_dtype"),
-                               "samples": coverage["stored_samples"], "tokens": coverage["stored_tokens"], "coverage": coverage,
-                               "warnings": []}
+    summary: dict[str, Any] = {
+        "store": str(store),
+        "dtype": reader.dtype,
+        "model_dtype": m.get("model_dtype"),
+        "samples": coverage["stored_samples"],
+        "tokens": coverage["stored_tokens"],
+        "coverage": coverage,
+        "warnings": [],
+    }
     if "fields_sha256" not in m:
-        summary["warnings"].append("manifest has no fields_sha256 (older eyas): dtype, layer ids and model dtype taken on trust")
+        summary["warnings"].append(
+            "manifest has no fields_sha256 (older eyas): dtype, layer ids and model dtype taken on trust"
+        )
     tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(reader.dtype, m.get("model_dtype"))
     limits = None
     prefix_tol = tol
@@ -384,13 +424,17 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         # the prefix invariant compares single tokens: only the gross per-token limit parts engine noise from faults there
         prefix_tol = max(tol, limits.gross)
         producer = m.get("producer") or {}
-        log(f"eyas verify: store made by {producer.get('backend')} {producer.get('sglang_version', '')}".rstrip()
+        log(
+            f"eyas verify: store made by {producer.get('backend')} {producer.get('sglang_version', '')}".rstrip()
             + f": numbers judged per layer by rms, p99.9 and max of the per-token error ({limits.source}: {limits.why}); "
-            f"limits {limits.describe()}; prefix invariant {prefix_tol:.3g}")
+            f"limits {limits.describe()}; prefix invariant {prefix_tol:.3g}"
+        )
         calibrated_on = ((m.get("engine_numerics") or {}).get("reference") or {}).get("device")
         if limits.source == "calibration" and calibrated_on not in (None, cfg.device.split(":")[0]):
-            log(f"eyas verify: note: the calibration's reference ran on {calibrated_on}, this one runs on {cfg.device}; "
-                "the limits' margin is what absorbs the two references' own rounding differences")
+            log(
+                f"eyas verify: note: the calibration's reference ran on {calibrated_on}, this one runs on {cfg.device}; "
+                "the limits' margin is what absorbs the two references' own rounding differences"
+            )
     failed = set(coverage["failing_samples"])
     candidates = list(dict.fromkeys(sid for sid in reader.sample_ids if sid not in failed and sid in split._index))
     n_wanted = min(len(candidates), max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(candidates))))
@@ -406,18 +450,34 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         parts = target_parts(model, reader.aux_layer_ids)
         bar = progress(len(candidates), "verify invariants", unit="sample")
         try:
-            inv = run_invariants(reader, split, parts, sample_ids=candidates, prefix_tol=prefix_tol,
-                                 tail_tol=store_tail_tolerance(m, reader.dtype), progress_bar=bar)
+            inv = run_invariants(
+                reader,
+                split,
+                parts,
+                sample_ids=candidates,
+                prefix_tol=prefix_tol,
+                tail_tol=store_tail_tolerance(m, reader.dtype),
+                progress_bar=bar,
+            )
         finally:
             bar.close()
         inv_failed = set(inv["failing_samples"])
         inv["failures"] = dict(list(inv["failures"].items())[:LIST_MAX])
         summary["invariants"] = inv
-        log(f"eyas verify: invariants on {inv['checked']} samples ({inv['tokens']} tokens): "
-            f"{len(inv_failed)} failing; " + ", ".join(f"{k} {v['store_rate']:.2f}" + ("" if v["informative"] else " (not informative)")
-                                                     for k, v in inv["rates"].items()))
+        log(
+            f"eyas verify: invariants on {inv['checked']} samples ({inv['tokens']} tokens): "
+            f"{len(inv_failed)} failing; "
+            + ", ".join(
+                f"{k} {v['store_rate']:.2f}" + ("" if v["informative"] else " (not informative)")
+                for k, v in inv["rates"].items()
+            )
+        )
     else:
-        summary["invariants"] = {"ok": True, "checked": 0, "skipped": "--no-invariants" if not cfg.invariants else "no samples"}
+        summary["invariants"] = {
+            "ok": True,
+            "checked": 0,
+            "skipped": "--no-invariants" if not cfg.invariants else "no samples",
+        }
 
     # -- numbers on a fresh random subset ------------------------------------------------------
     seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
@@ -427,14 +487,24 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
     order = stratified_order(pool, seed)
     subset = order[:n_wanted]
     if subset and model is not None:
-        log(f"eyas verify: numbers on {'up to ' if cfg.numbers_seconds else ''}{len(subset)} of {len(pool)} samples, "
-            f"seed {seed} (repeat this subset with --seed {seed})")
+        log(
+            f"eyas verify: numbers on {'up to ' if cfg.numbers_seconds else ''}{len(subset)} of {len(pool)} samples, "
+            f"seed {seed} (repeat this subset with --seed {seed})"
+        )
         bar = progress(len(subset), "verify numbers", unit="sample")
         deadline = time.monotonic() + cfg.numbers_seconds if cfg.numbers_seconds else None
         try:
-            nums = check_numbers(reader, split, model, subset, tolerance=tol, progress_bar=bar,
-                                 min_samples=min(n_wanted, max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(pool)))),
-                                 deadline=deadline, limits=limits)
+            nums = check_numbers(
+                reader,
+                split,
+                model,
+                subset,
+                tolerance=tol,
+                progress_bar=bar,
+                min_samples=min(n_wanted, max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(pool)))),
+                deadline=deadline,
+                limits=limits,
+            )
         finally:
             bar.close()
     else:
@@ -445,10 +515,15 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         nums["ok"] = False  # the store's own record of its engine cannot be trusted
     nums["seed"] = seed
     nums["population"] = len(pool)
-    nums["strata"] = {"shards": len({r["shard"] for r in pool}),
-                      "shards_drawn": len({reader.record(s)["shard"] for s in nums["checked_ids"]})}
-    nums["miss_probability"] = {str(k): round(miss_probability(len(pool), nums["checked"], k), 4)
-                                for k in (1, 2, 5, 10, max(1, len(pool) // 100)) if k <= len(pool)}
+    nums["strata"] = {
+        "shards": len({r["shard"] for r in pool}),
+        "shards_drawn": len({reader.record(s)["shard"] for s in nums["checked_ids"]}),
+    }
+    nums["miss_probability"] = {
+        str(k): round(miss_probability(len(pool), nums["checked"], k), 4)
+        for k in (1, 2, 5, 10, max(1, len(pool) // 100))
+        if k <= len(pool)
+    }
     nums["checked_ids"] = nums["checked_ids"][:LIST_MAX]
     summary["numbers"] = nums
 
@@ -462,8 +537,11 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         parts_msg = [f"{k}: {v}" for k, v in coverage["problems"].items()] + coverage["notes"]
         if inv_failed:
             shown = list(inv["failures"].items())[:5]
-            parts_msg.append(f"invariants: {len(inv_failed)} samples failed: " + "; ".join(
-                f"{sid} [{' | '.join(msgs)}]" for sid, msgs in shown) + (" ..." if len(inv_failed) > len(shown) else ""))
+            parts_msg.append(
+                f"invariants: {len(inv_failed)} samples failed: "
+                + "; ".join(f"{sid} [{' | '.join(msgs)}]" for sid, msgs in shown)
+                + (" ..." if len(inv_failed) > len(shown) else "")
+            )
         if limits is not None and limits.source == "refused":
             parts_msg.append(f"numbers: {limits.why}")
         if nums.get("failing_samples") and limits is not None:
@@ -481,12 +559,17 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
             )
         raise CheckFailed(f"store {store} failed verification: " + "; ".join(parts_msg), summary)
     miss = nums["miss_probability"]
-    log(f"eyas verify: ok. numbers checked {nums['checked']} of {nums['population']} (seed {seed}); the chance that a subset "
-        f"this size misses all of k bad samples placed at random (on top of the invariants): " + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items()))
+    log(
+        f"eyas verify: ok. numbers checked {nums['checked']} of {nums['population']} (seed {seed}); the chance that a subset "
+        f"this size misses all of k bad samples placed at random (on top of the invariants): "
+        + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items())
+    )
     return summary
 
 
-def _load_reference_target(manifest: dict[str, Any], target: str | None, device: str, warnings: list[str] | None = None):
+def _load_reference_target(
+    manifest: dict[str, Any], target: str | None, device: str, warnings: list[str] | None = None
+):
     from eyas.target import load_target, load_tokenizer, model_identity, tokenizer_hash
 
     ident = manifest.get("target") or {}
@@ -494,12 +577,17 @@ def _load_reference_target(manifest: dict[str, Any], target: str | None, device:
     if not path:
         raise EyasError("the store records no target path: pass --target")
     now = model_identity(path)
-    what = {"config_sha256": "its config.json", "weights_index_sha256": "its weight files' index (names, shapes, sizes)",
-            "weights_sample_sha256": "its weights (sampled bytes of every tensor)"}
+    what = {
+        "config_sha256": "its config.json",
+        "weights_index_sha256": "its weight files' index (names, shapes, sizes)",
+        "weights_sample_sha256": "its weights (sampled bytes of every tensor)",
+    }
     for key, thing in what.items():
         if key not in ident and key == "weights_sample_sha256":
-            msg = (f"the store's target identity predates sampled weight hashes (older eyas): only the config and weight index of "
-                   f"{path} were compared, a checkpoint with other weights would not be told apart")
+            msg = (
+                f"the store's target identity predates sampled weight hashes (older eyas): only the config and weight index of "
+                f"{path} were compared, a checkpoint with other weights would not be told apart"
+            )
             log(f"warning: {msg}")
             if warnings is not None:
                 warnings.append(msg)
@@ -510,7 +598,9 @@ def _load_reference_target(manifest: dict[str, Any], target: str | None, device:
                 f"the store's {str(ident.get(key))[:12]}); pass --target with the original model ({ident.get('path')})"
             )
     if manifest.get("tokenizer_hash") and tokenizer_hash(load_tokenizer(path)) != manifest["tokenizer_hash"]:
-        raise EyasError(f"wrong target: {path}: its tokenizer differs from the one recorded in the store; pass --target with the original model")
+        raise EyasError(
+            f"wrong target: {path}: its tokenizer differs from the one recorded in the store; pass --target with the original model"
+        )
     from eyas.dtypes import to_dtype
 
     dtype = to_dtype(manifest.get("model_dtype") or "fp32", what=f"store {manifest.get('model_dtype')!r} model_dtype")

@@ -59,7 +59,16 @@ SHARD_RE = re.compile(r"^shard-(\d{5,})\.safetensors$")
 TMP_RE = re.compile(r"^\.shard-\d{5,}\.safetensors\..*\.tmp$")
 
 # Fields of the spec that must be equal for a store to be resumed (value -> what it protects).
-_RESUME_KEYS = ("target", "tokenizer_hash", "prepared", "aux_layer_ids", "convention", "dtype", "hidden_size", "model_dtype")
+_RESUME_KEYS = (
+    "target",
+    "tokenizer_hash",
+    "prepared",
+    "aux_layer_ids",
+    "convention",
+    "dtype",
+    "hidden_size",
+    "model_dtype",
+)
 
 
 @dataclass(kw_only=True)
@@ -175,7 +184,9 @@ def _check_same_spec(path: Path, manifest: dict[str, Any], spec: dict[str, Any])
 class StoreWriter:
     """Append samples to a store at `path` in committed shards (see the module docstring)."""
 
-    def __init__(self, path: str | Path, spec: StoreSpec, *, shard_bytes: int = 1 << 30, hash_threads: int | None = None):
+    def __init__(
+        self, path: str | Path, spec: StoreSpec, *, shard_bytes: int = 1 << 30, hash_threads: int | None = None
+    ):
         self.write_chunk = WRITE_CHUNK  # bytes per write() call (tests: smaller, to cross rows)
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes: {shard_bytes} must be positive")
@@ -192,7 +203,9 @@ class StoreWriter:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError:
             self._lock.close()
-            raise EyasError(f"{self.path}: another process is writing this store (lock held on .lock); wait for it or choose another --out") from None
+            raise EyasError(
+                f"{self.path}: another process is writing this store (lock held on .lock); wait for it or choose another --out"
+            ) from None
         try:
             self.manifest = self._open_or_create()
         except BaseException:
@@ -221,18 +234,31 @@ class StoreWriter:
         if not mpath.exists():
             stray = [p.name for p in self.path.iterdir() if p.name != ".lock" and not TMP_RE.match(p.name)]
             if stray:
-                raise EyasError(f"{self.path} exists and is not an eyas store (has {stray[:5]}, no {MANIFEST}); choose another --out")
+                raise EyasError(
+                    f"{self.path} exists and is not an eyas store (has {stray[:5]}, no {MANIFEST}); choose another --out"
+                )
             self._remove_leftovers(set())
-            manifest = {"schema": SCHEMA, "status": "in_progress", "created": _now(), "updated": _now(),
-                        "checksum": CHECKSUM, "slots": self.spec.slots,
-                        "bytes_per_token": self.spec.bytes_per_token, **spec, "shards": [], "samples": []}
+            manifest = {
+                "schema": SCHEMA,
+                "status": "in_progress",
+                "created": _now(),
+                "updated": _now(),
+                "checksum": CHECKSUM,
+                "slots": self.spec.slots,
+                "bytes_per_token": self.spec.bytes_per_token,
+                **spec,
+                "shards": [],
+                "samples": [],
+            }
             manifest["fields_sha256"] = manifest_fields_sha256(manifest)
             atomic_write_bytes(mpath, manifest_bytes(manifest))
             return manifest
         try:
             manifest = json.loads(mpath.read_text())
         except (OSError, json.JSONDecodeError) as exc:
-            raise EyasError(f"{mpath}: unreadable manifest ({exc}); the store cannot be resumed: remove {self.path} and capture again") from exc
+            raise EyasError(
+                f"{mpath}: unreadable manifest ({exc}); the store cannot be resumed: remove {self.path} and capture again"
+            ) from exc
         if manifest.get("schema") != SCHEMA:
             raise EyasError(f"{mpath}: schema {manifest.get('schema')!r}, expected {SCHEMA!r}")
         _check_same_spec(self.path, manifest, spec)
@@ -240,17 +266,25 @@ class StoreWriter:
         self._remove_leftovers(committed)
         for name in committed:
             if not (self.path / name).is_file():
-                raise EyasError(f"{self.path}: committed shard {name} is missing; the store is damaged: remove it and capture again")
+                raise EyasError(
+                    f"{self.path}: committed shard {name} is missing; the store is damaged: remove it and capture again"
+                )
         if manifest.get("status") == "complete":
             manifest["status"] = "in_progress"  # reopened for appending; close(complete=True) sets it back
-        manifest["target"], manifest["prepared"], manifest["producer"] = spec["target"], spec["prepared"], spec["producer"]
+        manifest["target"], manifest["prepared"], manifest["producer"] = (
+            spec["target"],
+            spec["prepared"],
+            spec["producer"],
+        )
         return manifest
 
     def _remove_leftovers(self, committed: set[str]) -> None:
         for p in self.path.iterdir():
             m = SHARD_RE.match(p.name)
             if TMP_RE.match(p.name) or (m and p.name not in committed):
-                log(f"eyas: {self.path}: removing {p.name}, left by an interrupted run (its samples were never committed)")
+                log(
+                    f"eyas: {self.path}: removing {p.name}, left by an interrupted run (its samples were never committed)"
+                )
                 p.unlink()
 
     # -- properties ----------------------------------------------------------------------------
@@ -282,7 +316,9 @@ class StoreWriter:
         if aux_TAD.ndim != 3 or aux_TAD.shape[1:] != (a, d):
             raise ValueError(f"sample {sample_id}: aux has shape {tuple(aux_TAD.shape)}, expected [T, {a}, {d}]")
         if final_TD.shape != (aux_TAD.shape[0], d):
-            raise ValueError(f"sample {sample_id}: final has shape {tuple(final_TD.shape)}, expected [{aux_TAD.shape[0]}, {d}]")
+            raise ValueError(
+                f"sample {sample_id}: final has shape {tuple(final_TD.shape)}, expected [{aux_TAD.shape[0]}, {d}]"
+            )
         self.add_stacked(sample_id, torch.cat([aux_TAD, final_TD.unsqueeze(1).to(aux_TAD.dtype)], dim=1))
 
     def add_stacked(self, sample_id: str, hidden_TLD: torch.Tensor) -> None:
@@ -290,11 +326,15 @@ class StoreWriter:
         aux_layer_ids order, then the final state. Rows already in the stored dtype are not copied."""
         want = (self.spec.slots, self.spec.hidden_size)
         if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want:
-            raise ValueError(f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]")
+            raise ValueError(
+                f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]"
+            )
         rows, scale = encode_rows(hidden_TLD, self.spec.dtype)
         self.add_packed([sample_id], [hidden_TLD.shape[0]], rows.cpu(), None if scale is None else scale.cpu())
 
-    def add_packed(self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None) -> None:
+    def add_packed(
+        self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None
+    ) -> None:
         """Add samples whose rows lie back to back in `hidden_NLD` (stored dtype, CPU, contiguous).
 
         The tensors may be reused by the caller once this returns (the scales are copied).
@@ -313,18 +353,24 @@ class StoreWriter:
             for t in lengths:
                 starts.append(starts[-1] + int(t))
             digests = [
-                self._pool.submit(_sample_digest, hidden_u8[a * rb:b * rb], scale_u8[a * sb:b * sb] if scale_u8 is not None else None)
+                self._pool.submit(
+                    _sample_digest,
+                    hidden_u8[a * rb : b * rb],
+                    scale_u8[a * sb : b * sb] if scale_u8 is not None else None,
+                )
                 for a, b in zip(starts[:-1], starts[1:])
             ]
             for a in range(0, hidden_u8.size, self.write_chunk):
                 # In chunks, each handed to writeback at once: the disk starts on a batch while the
                 # rest of it is still being copied into the page cache.
                 offset = self._file.tell()
-                chunk = hidden_u8[a:a + self.write_chunk]
+                chunk = hidden_u8[a : a + self.write_chunk]
                 _write_all(self._file, chunk)
                 self._kick_writeback(offset, chunk.size)
             for sid, t, a, fut in zip(ids, lengths, starts, digests):
-                self._pending.append({"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: fut.result()})
+                self._pending.append(
+                    {"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: fut.result()}
+                )
                 self._ids.add(str(sid))
             if scale_NL is not None:
                 self._pending_scales.append(scale_NL.clone())
@@ -341,11 +387,15 @@ class StoreWriter:
             raise ValueError(f"add_packed: {len(ids)} ids but {len(lengths)} lengths")
         want = (n, self.spec.slots, self.spec.hidden_size)
         if tuple(hidden_NLD.shape) != want or hidden_NLD.dtype != self._sd.torch_dtype:
-            raise ValueError(f"add_packed: hidden is {tuple(hidden_NLD.shape)} {hidden_NLD.dtype}, expected {list(want)} {self._sd.torch_dtype}")
+            raise ValueError(
+                f"add_packed: hidden is {tuple(hidden_NLD.shape)} {hidden_NLD.dtype}, expected {list(want)} {self._sd.torch_dtype}"
+            )
         if hidden_NLD.device.type != "cpu" or not hidden_NLD.is_contiguous():
             raise ValueError("add_packed: hidden must be a contiguous CPU tensor")
         if self._sd.scaled != (scale_NL is not None) or (scale_NL is not None and tuple(scale_NL.shape) != want[:2]):
-            raise ValueError(f"add_packed: dtype {self.spec.dtype} needs {'a scale [N, L]' if self._sd.scaled else 'no scale'}")
+            raise ValueError(
+                f"add_packed: dtype {self.spec.dtype} needs {'a scale [N, L]' if self._sd.scaled else 'no scale'}"
+            )
         if min(int(t) for t in lengths) <= 0:
             raise ValueError(f"add_packed: empty sample among {list(ids)[:5]}")
         for sid in ids:
@@ -384,7 +434,11 @@ class StoreWriter:
                 _write_all(f, torch.cat(self._pending_scales).view(torch.uint8).reshape(-1).numpy())
             size = f.tell()
             f.seek(0)
-            f.write(shard_header(rows=self._rows, slots=self.spec.slots, hidden_size=self.spec.hidden_size, dtype=self.spec.dtype))
+            f.write(
+                shard_header(
+                    rows=self._rows, slots=self.spec.slots, hidden_size=self.spec.hidden_size, dtype=self.spec.dtype
+                )
+            )
             f.flush()
             os.fsync(f.fileno())
             f.close()
@@ -460,7 +514,9 @@ class StoreWriter:
                 try:
                     fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
-                    raise EyasError(f"{src}: a capture process is still writing it (lock held on .lock); wait for it to end, then rerun") from None
+                    raise EyasError(
+                        f"{src}: a capture process is still writing it (lock held on .lock); wait for it to end, then rerun"
+                    ) from None
             added = self._absorb_locked(src)
         finally:
             if lock is not None:
@@ -488,11 +544,15 @@ class StoreWriter:
             if recs and len(present) == len(recs):
                 continue  # absorbed before a crash that kept `src`
             if present:
-                raise EyasError(f"{src}/{shard['name']}: samples {present[:3]} are already in {self.path} but others of "
-                                "the shard are not; the stores overlap: remove one of them and capture again")
+                raise EyasError(
+                    f"{src}/{shard['name']}: samples {present[:3]} are already in {self.path} but others of "
+                    "the shard are not; the stores overlap: remove one of them and capture again"
+                )
             path = src / shard["name"]
             if not path.is_file() or path.stat().st_size != shard["bytes"]:
-                raise EyasError(f"{path}: missing or not {shard['bytes']} bytes as its manifest says; remove {src} to recapture its samples")
+                raise EyasError(
+                    f"{path}: missing or not {shard['bytes']} bytes as its manifest says; remove {src} to recapture its samples"
+                )
             name = self._shard_name()
             dest = self.path / name
             with contextlib.suppress(FileNotFoundError):

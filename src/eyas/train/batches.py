@@ -62,12 +62,23 @@ def pack_tokens(items: list[Item], *, steps: int, pad_to: int | None):
 def _packed_to(b: PackedBatch, device) -> PackedBatch:
     nb = torch.device(device).type == "cuda"
     mv = lambda t: t.to(device, non_blocking=nb)  # noqa: E731
-    return PackedBatch(mv(b.input_ids_N), b.seg.to(device), [mv(r) for r in b.rows], mv(b.aux_NAD), mv(b.final_ND),
-                       b.tokens, b.padded_tokens, b.supervised, b.target_timing,
-                       None if b.live is None else mv(b.live))
+    return PackedBatch(
+        mv(b.input_ids_N),
+        b.seg.to(device),
+        [mv(r) for r in b.rows],
+        mv(b.aux_NAD),
+        mv(b.final_ND),
+        b.tokens,
+        b.padded_tokens,
+        b.supervised,
+        b.target_timing,
+        None if b.live is None else mv(b.live),
+    )
 
 
-def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int | None, pin: bool = False) -> PackedBatch:
+def store_packed(
+    src: StoreSource, items: list[Item], *, steps: int, pad_to: int | None, pin: bool = False
+) -> PackedBatch:
     """A packed batch of stored states on the host (safe in a background thread)."""
     ids, mask, seg, rows = pack_tokens(items, steps=steps, pad_to=pad_to)
     auxs, finals = [], []
@@ -75,8 +86,10 @@ def store_packed(src: StoreSource, items: list[Item], *, steps: int, pad_to: int
         aux, final = src.reader.get(it.id, dtype=src.dtype)
         T = it.input_ids.shape[0]
         if aux.shape[0] < T:
-            raise EyasError(f"store {src.reader.path}: sample {it.id} has {aux.shape[0]} rows, the prepared "
-                            f"dataset has {T} tokens; the store does not match its prepared dataset")
+            raise EyasError(
+                f"store {src.reader.path}: sample {it.id} has {aux.shape[0]} rows, the prepared "
+                f"dataset has {T} tokens; the store does not match its prepared dataset"
+            )
         auxs.append(aux[:T])
         finals.append(final[:T])
     pad = seg.total - sum(a.shape[0] for a in auxs)
@@ -117,8 +130,17 @@ def online_packed(src: OnlineSource, items: list[Item], device, *, steps: int, p
             cache.put(todo, a, f)
         aux, final = cache.gather(items, seg.total)
     n = sum(it.input_ids.shape[0] for it in items)
-    return PackedBatch(ids_d, seg_d, [r.to(dev, non_blocking=nb) for r in rows], aux, final, n, seg.total,
-                       int(mask.sum()), live=live.to(dev, non_blocking=nb))
+    return PackedBatch(
+        ids_d,
+        seg_d,
+        [r.to(dev, non_blocking=nb) for r in rows],
+        aux,
+        final,
+        n,
+        seg.total,
+        int(mask.sum()),
+        live=live.to(dev, non_blocking=nb),
+    )
 
 
 def _target_states(src: OnlineSource, items: list[Item], ids_d, seg_d, dev) -> tuple[torch.Tensor, torch.Tensor]:

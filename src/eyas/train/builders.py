@@ -52,8 +52,15 @@ def describe_target(cfg) -> Target:
     text = tcfg.get_text_config() if hasattr(tcfg, "get_text_config") else tcfg
     n_layers, hidden = num_layers_of(tcfg), int(text.hidden_size)
     check_options_fit_target(target_dir, aux_layers=cfg.aux_layers, draft_vocab=cfg.draft_vocab, tcfg=tcfg)
-    return Target(dir=target_dir, config=tcfg, tok_hash=tok_hash, identity=target_id, n_layers=n_layers,
-                  hidden=hidden, vocab_size=int(text.vocab_size))
+    return Target(
+        dir=target_dir,
+        config=tcfg,
+        tok_hash=tok_hash,
+        identity=target_id,
+        n_layers=n_layers,
+        hidden=hidden,
+        vocab_size=int(text.vocab_size),
+    )
 
 
 @dataclass
@@ -88,18 +95,28 @@ def _store_data(cfg, tgt: Target, d, *, bf16: bool) -> Data:
     dev = d.device
     reader, split, man = open_store(cfg.store, prepared=cfg.data)
     # -- 3. checks before any step --
-    check_store(man, cfg.store, n_layers=tgt.n_layers, hidden=tgt.hidden, tok_hash=tgt.tok_hash,
-                target_id=tgt.identity)
+    check_store(man, cfg.store, n_layers=tgt.n_layers, hidden=tgt.hidden, tok_hash=tgt.tok_hash, target_id=tgt.identity)
     check_store_layers(reader, split, tgt.dir, dev, bf16=bf16, is_main=d.is_main)
     aux_ids = list(man["aux_layer_ids"])
     order = store_order(reader, split)
     state_dtype = torch.bfloat16 if bf16 else torch.float32
     if cfg.eval_store is not None:
         ereader, esplit, eman = open_store(cfg.eval_store)
-        check_store(eman, cfg.eval_store, n_layers=tgt.n_layers, hidden=tgt.hidden, tok_hash=tgt.tok_hash,
-                    target_id=tgt.identity)
-        eval_src = StoreSource(ereader, esplit, store_order(ereader, esplit)[: cfg.eval_samples],
-                               max_length=cfg.max_length, dtype=state_dtype)
+        check_store(
+            eman,
+            cfg.eval_store,
+            n_layers=tgt.n_layers,
+            hidden=tgt.hidden,
+            tok_hash=tgt.tok_hash,
+            target_id=tgt.identity,
+        )
+        eval_src = StoreSource(
+            ereader,
+            esplit,
+            store_order(ereader, esplit)[: cfg.eval_samples],
+            max_length=cfg.max_length,
+            dtype=state_dtype,
+        )
         train_order = order
     else:
         g = torch.Generator().manual_seed(cfg.seed + 7)
@@ -107,13 +124,23 @@ def _store_data(cfg, tgt: Target, d, *, bf16: bool) -> Data:
         n_hold = min(cfg.eval_samples, len(order) // 10)
         held = set(perm[:n_hold])
         train_order = [o for i, o in enumerate(order) if i not in held]
-        eval_src = StoreSource(reader, split, [order[i] for i in perm[:n_hold]], max_length=cfg.max_length,
-                               dtype=state_dtype) if n_hold else None
+        eval_src = (
+            StoreSource(reader, split, [order[i] for i in perm[:n_hold]], max_length=cfg.max_length, dtype=state_dtype)
+            if n_hold
+            else None
+        )
         log(f"offline: no --eval-store; holding out {n_hold} of {len(order)} store samples for eval")
     train_src = StoreSource(reader, split, train_order, max_length=cfg.max_length, dtype=state_dtype)
     fingerprint = {"store": man.get("prepared", {}).get("fingerprint"), "samples": len(train_order)}
-    return Data(train_src=train_src, eval_src=eval_src, split=split, eval_split=None, aux_ids=aux_ids,
-                tensors=read_target_tensors(tgt.dir), fingerprint=fingerprint)
+    return Data(
+        train_src=train_src,
+        eval_src=eval_src,
+        split=split,
+        eval_split=None,
+        aux_ids=aux_ids,
+        tensors=read_target_tensors(tgt.dir),
+        fingerprint=fingerprint,
+    )
 
 
 def _online_data(cfg, tgt: Target, d, *, bf16: bool) -> Data:
@@ -122,20 +149,31 @@ def _online_data(cfg, tgt: Target, d, *, bf16: bool) -> Data:
 
     ds = PreparedDataset(cfg.data)
     if ds.tokenizer_hash and ds.tokenizer_hash != tgt.tok_hash:
-        raise EyasError(f"--data {cfg.data} was tokenised with another tokenizer (hash {ds.tokenizer_hash[:12]}) "
-                        f"than target {tgt.dir} ({tgt.tok_hash[:12]}); run `eyas prepare --target {cfg.target}` again")
+        raise EyasError(
+            f"--data {cfg.data} was tokenised with another tokenizer (hash {ds.tokenizer_hash[:12]}) "
+            f"than target {tgt.dir} ({tgt.tok_hash[:12]}); run `eyas prepare --target {cfg.target}` again"
+        )
     split = ds.split("train")
     target_model = load_target(tgt.dir, device=d.device, dtype=torch.bfloat16 if bf16 else torch.float32)
     for p in target_model.parameters():
         p.requires_grad_(False)
-    tensors = {"embed": target_model.get_input_embeddings().weight.detach(),
-               "lm_head": target_model.get_output_embeddings().weight.detach()}
+    tensors = {
+        "embed": target_model.get_input_embeddings().weight.detach(),
+        "lm_head": target_model.get_output_embeddings().weight.detach(),
+    }
     norm = getattr(getattr(target_model, "model", None), "norm", None)
     if norm is not None:
         tensors["final_norm"] = norm.weight.detach()
-    return Data(train_src=None, eval_src=None, split=split,
-                eval_split=ds.split("eval") if "eval" in ds.split_names else None, aux_ids=None, tensors=tensors,
-                fingerprint={"data": split.fingerprint, "samples": len(split)}, target_model=target_model)
+    return Data(
+        train_src=None,
+        eval_src=None,
+        split=split,
+        eval_split=ds.split("eval") if "eval" in ds.split_names else None,
+        aux_ids=None,
+        tensors=tensors,
+        fingerprint={"data": split.fingerprint, "samples": len(split)},
+        target_model=target_model,
+    )
 
 
 def drafter_config(cfg, tgt: Target, data: Data):
@@ -145,27 +183,45 @@ def drafter_config(cfg, tgt: Target, data: Data):
     from eyas.train.data import OnlineSource
 
     if cfg.store is not None and cfg.aux_layers and list(cfg.aux_layers) != data.aux_ids:
-        raise EyasError(f"--aux-layers {cfg.aux_layers} differs from the store's {data.aux_ids}; offline training uses "
-                        "the layers the store holds (drop --aux-layers or capture those layers)")
+        raise EyasError(
+            f"--aux-layers {cfg.aux_layers} differs from the store's {data.aux_ids}; offline training uses "
+            "the layers the store holds (drop --aux-layers or capture those layers)"
+        )
     try:
         wider = {"intermediate_size": cfg.draft_intermediate_size} if cfg.draft_intermediate_size else {}
-        dcfg = DrafterConfig.from_target_config(tgt.config, draft_vocab_size=cfg.draft_vocab,
-                                                aux_layer_ids=data.aux_ids or cfg.aux_layers, **wider)
+        dcfg = DrafterConfig.from_target_config(
+            tgt.config, draft_vocab_size=cfg.draft_vocab, aux_layer_ids=data.aux_ids or cfg.aux_layers, **wider
+        )
     except EyasError:
         raise
     except ValueError as exc:  # DrafterConfig names the field; say which target it came from
         raise EyasError(f"target {tgt.dir}: cannot build a drafter config ({exc})") from exc
     if cfg.store is None:
         data.aux_ids = dcfg.aux_layer_ids
-        data.train_src = OnlineSource(data.split, list(range(len(data.split))), model=data.target_model,
-                                      layer_ids=data.aux_ids, max_length=cfg.max_length)
+        data.train_src = OnlineSource(
+            data.split,
+            list(range(len(data.split))),
+            model=data.target_model,
+            layer_ids=data.aux_ids,
+            max_length=cfg.max_length,
+        )
         esplit = data.eval_split
-        data.eval_src = (OnlineSource(esplit, list(range(min(len(esplit), cfg.eval_samples))), model=data.target_model,
-                                      layer_ids=data.aux_ids, max_length=cfg.max_length)
-                         if esplit is not None and len(esplit) else None)
+        data.eval_src = (
+            OnlineSource(
+                esplit,
+                list(range(min(len(esplit), cfg.eval_samples))),
+                model=data.target_model,
+                layer_ids=data.aux_ids,
+                max_length=cfg.max_length,
+            )
+            if esplit is not None and len(esplit)
+            else None
+        )
     if data.tensors["embed"].shape != (tgt.vocab_size, dcfg.hidden_size):
-        raise EyasError(f"target {tgt.dir}: embedding {tuple(data.tensors['embed'].shape)} does not match its config "
-                        f"(vocab {tgt.vocab_size} x hidden {dcfg.hidden_size})")
+        raise EyasError(
+            f"target {tgt.dir}: embedding {tuple(data.tensors['embed'].shape)} does not match its config "
+            f"(vocab {tgt.vocab_size} x hidden {dcfg.hidden_size})"
+        )
     return dcfg
 
 
@@ -193,10 +249,14 @@ def scan_samples(cfg, train_src, vocab_size: int) -> Samples:
     del train_items
     if int(counts.sum()) == 0:
         if max(lengths) >= cfg.max_length:  # samples were cut: the assistant turns may lie past the cut
-            raise EyasError(f"--max-length {cfg.max_length} leaves no loss-masked (assistant) tokens in the training "
-                            f"split ({cfg.store or cfg.data}): samples are cut to their first {cfg.max_length} tokens, "
-                            "before any answer; raise --max-length")
-        raise EyasError(f"the training split has no loss-masked (assistant) tokens ({cfg.store or cfg.data}); nothing to learn")
+            raise EyasError(
+                f"--max-length {cfg.max_length} leaves no loss-masked (assistant) tokens in the training "
+                f"split ({cfg.store or cfg.data}): samples are cut to their first {cfg.max_length} tokens, "
+                "before any answer; raise --max-length"
+            )
+        raise EyasError(
+            f"the training split has no loss-masked (assistant) tokens ({cfg.store or cfg.data}); nothing to learn"
+        )
     return Samples(counts=counts, den_table=den_table, lengths=lengths, item_ids=item_ids)
 
 
@@ -212,9 +272,11 @@ def build_drafter(cfg, dcfg, data: Data, counts, dev: torch.device, *, bf16: boo
     drafter = Eagle3Drafter(dcfg)
     drafter.reset_parameters(seed=cfg.seed)
     drafter.set_vocab(vocab.used)
-    drafter.init_from_target(tensors["embed"].float().cpu(),
-                             tensors["lm_head"].float().cpu() if cfg.init_head else None,
-                             tensors.get("final_norm").float().cpu() if cfg.init_head and "final_norm" in tensors else None)
+    drafter.init_from_target(
+        tensors["embed"].float().cpu(),
+        tensors["lm_head"].float().cpu() if cfg.init_head else None,
+        tensors.get("final_norm").float().cpu() if cfg.init_head and "final_norm" in tensors else None,
+    )
     drafter.to(dev)
     head_w = tensors["lm_head"]
     if cfg.teacher_temperature != 1.0:  # the teacher's logits / T: the head scaled once (its argmax unchanged)
@@ -237,12 +299,16 @@ def log_drafter(cfg, d, *, bf16: bool, dcfg, ttt_cfg, drafter, vocab, samples: S
             log(f"packed attention kernel: {pick_varlen_kernel(probe)} (check vs exact: max |diff| {err:.4f})")
     if bf16 and not cfg.fsdp and d.is_main:  # (FSDP2 keeps bf16 parameters: nothing to cast)
         once = ttt_cfg.cast_once_for(dcfg.hidden_size)
-        log(f"TTT weights: {'cast to bf16 once a forward, gradients summed inside the matmuls' if once else 'cast by each step'}"
-            f" ({'set' if cfg.ttt_cast_once is not None else f'default for hidden size {dcfg.hidden_size}'})")
+        log(
+            f"TTT weights: {'cast to bf16 once a forward, gradients summed inside the matmuls' if once else 'cast by each step'}"
+            f" ({'set' if cfg.ttt_cast_once is not None else f'default for hidden size {dcfg.hidden_size}'})"
+        )
     if d.is_main:
         counts = samples.counts
-        log(f"draft vocab: {vocab.size} of {vocab_size} target ids, coverage {vocab.coverage():.4f} of "
-            f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params")
+        log(
+            f"draft vocab: {vocab.size} of {vocab_size} target ids, coverage {vocab.coverage():.4f} of "
+            f"{int(counts.sum())} assistant tokens; drafter {drafter.num_trainable_params() / 1e6:.1f}M trainable params"
+        )
 
 
 @dataclass
@@ -261,19 +327,20 @@ def build_batches(cfg, d, lengths: list[int], n_train: int) -> Batches:
     from eyas.train.plans import Plan, TokenPlan
 
     dev = d.device
-    tokens_per_batch = cfg.tokens_per_batch or (default_tokens_per_batch(dev)
-                                                if dev.type == "cuda" and cfg.batch_size is None else None)
+    tokens_per_batch = cfg.tokens_per_batch or (
+        default_tokens_per_batch(dev) if dev.type == "cuda" and cfg.batch_size is None else None
+    )
     batch_size = cfg.batch_size or 1
     if tokens_per_batch is not None:
         tokens_per_batch = max(tokens_per_batch, min(cfg.max_length, max(lengths)))
-        plan = TokenPlan(lengths=lengths, tokens_per_batch=tokens_per_batch, accum=cfg.grad_accum, world=d.world,
-                         seed=cfg.seed)
+        plan = TokenPlan(
+            lengths=lengths, tokens_per_batch=tokens_per_batch, accum=cfg.grad_accum, world=d.world, seed=cfg.seed
+        )
     else:
         plan = Plan(n=n_train, micro_batch=batch_size, accum=cfg.grad_accum, world=d.world, seed=cfg.seed)
     if d.is_main:
         unit = f"{tokens_per_batch} tokens" if tokens_per_batch else f"{batch_size} samples"
-        log(f"batches: {unit} per "
-            f"micro-batch (packed rows), {plan.steps_per_epoch} steps per epoch")
+        log(f"batches: {unit} per micro-batch (packed rows), {plan.steps_per_epoch} steps per epoch")
     total = cfg.steps or max(1, math.ceil(cfg.epochs * plan.steps_per_epoch))
     warmup = cfg.warmup_steps if cfg.warmup_steps is not None else max(1, total // 50)
     return Batches(tokens_per_batch=tokens_per_batch, batch_size=batch_size, plan=plan, total=total, warmup=warmup)
@@ -299,32 +366,44 @@ def build_optimizer(cfg, module, hidden_size: int, state: dict | None, d, batche
     """The optimizer (--optimizer, else a resumed run's, else the default for the drafter's width), its peak
     learning rate and the warmup + cosine schedule."""
     dev = d.device
-    optimizer = cfg.optimizer or (state["identity"]["optimizer"] if state is not None
-                                  else default_optimizer(hidden_size, fsdp=cfg.fsdp))
+    optimizer = cfg.optimizer or (
+        state["identity"]["optimizer"] if state is not None else default_optimizer(hidden_size, fsdp=cfg.fsdp)
+    )
     lr = default_lr(hidden_size, optimizer) if cfg.lr is None else cfg.lr
     if d.is_main:
         why = "set" if cfg.optimizer else "the checkpoint's" if state is not None else "default"
         log(f"optimizer: {optimizer} ({why}), peak lr {lr:g} ({'set' if cfg.lr is not None else 'default'})")
-    opt = make_optimizer(module, optimizer, lr=lr, weight_decay=cfg.weight_decay,
-                         fused=dev.type == "cuda" and not cfg.fsdp)
+    opt = make_optimizer(
+        module, optimizer, lr=lr, weight_decay=cfg.weight_decay, fused=dev.type == "cuda" and not cfg.fsdp
+    )
     warmup, total = batches.warmup, batches.total
     sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio))
+        opt, lambda s: lr_lambda(s, warmup=warmup, total=total, min_ratio=cfg.min_lr_ratio)
+    )
     return Optim(name=optimizer, lr=lr, opt=opt, sched=sched)
 
 
-def run_identity(cfg, *, ttt_cfg, dcfg, global_batch: int, fingerprint: dict, vocab_used: torch.Tensor,
-                 optimizer: str) -> dict:
+def run_identity(
+    cfg, *, ttt_cfg, dcfg, global_batch: int, fingerprint: dict, vocab_used: torch.Tensor, optimizer: str
+) -> dict:
     """What a checkpoint must match to be resumed by this run."""
     ttt_id = asdict(ttt_cfg) | {"attention": None}  # the attention kernel does not change what is computed
-    identity = {"drafter": dcfg.to_dict(), "ttt": ttt_id, "global_batch": global_batch,
-                "data": fingerprint, "seed": cfg.seed, "draft_vocab_sha": vocab_sha(vocab_used),
-                "teacher_temperature": cfg.teacher_temperature, "optimizer": optimizer}
+    identity = {
+        "drafter": dcfg.to_dict(),
+        "ttt": ttt_id,
+        "global_batch": global_batch,
+        "data": fingerprint,
+        "seed": cfg.seed,
+        "draft_vocab_sha": vocab_sha(vocab_used),
+        "teacher_temperature": cfg.teacher_temperature,
+        "optimizer": optimizer,
+    }
     return identity
 
 
-def resume(cfg, state: dict | None, resume_path: Path | None, ckdir: Path, *, identity: dict, module, optim: Optim,
-           d) -> int:
+def resume(
+    cfg, state: dict | None, resume_path: Path | None, ckdir: Path, *, identity: dict, module, optim: Optim, d
+) -> int:
     """Restore model, optimizer, schedule and RNG from `state` (checked against `identity`); the step to start at."""
     from eyas.train import checkpoint as ck
 
@@ -340,8 +419,9 @@ def resume(cfg, state: dict | None, resume_path: Path | None, ckdir: Path, *, id
     return start
 
 
-def start_state_cache(cfg, src, ids: list[str], lengths: list[int], *, hidden: int, dev: torch.device,
-                      epochs: float, log_it: bool) -> None:
+def start_state_cache(
+    cfg, src, ids: list[str], lengths: list[int], *, hidden: int, dev: torch.device, epochs: float, log_it: bool
+) -> None:
     """After the first step (its memory peak measured): give the online source a StateCache when
     asked (--cache-states) or, by default, when the run reads its samples more than once and the
     cache fits on the GPU beside that peak (10% and 4 GiB to spare)."""

@@ -86,8 +86,12 @@ def _encode(obj: Any, tensors: dict[str, torch.Tensor], key: str) -> Any:
     if isinstance(obj, dict):
         if all(isinstance(k, str) for k in obj):
             return {"__dict__": {k: _encode(v, tensors, f"{key}.{k}") for k, v in obj.items()}}
-        return {"__items__": [[_encode(k, tensors, f"{key}.k{i}"), _encode(v, tensors, f"{key}.{i}")]
-                              for i, (k, v) in enumerate(obj.items())]}
+        return {
+            "__items__": [
+                [_encode(k, tensors, f"{key}.k{i}"), _encode(v, tensors, f"{key}.{i}")]
+                for i, (k, v) in enumerate(obj.items())
+            ]
+        }
     if isinstance(obj, (list, tuple)):
         items = [_encode(v, tensors, f"{key}.{i}") for i, v in enumerate(obj)]
         return {"__tuple__": items} if isinstance(obj, tuple) else items
@@ -126,7 +130,9 @@ def encode_checkpoint(state: dict[str, Any]) -> bytes:
 
     tensors: dict[str, torch.Tensor] = {}
     meta = _encode(state, tensors, "s")
-    return save(tensors, metadata={"format": FORMAT, "state": json.dumps(meta), "tensors_sha256": tensors_sha256(tensors)})
+    return save(
+        tensors, metadata={"format": FORMAT, "state": json.dumps(meta), "tensors_sha256": tensors_sha256(tensors)}
+    )
 
 
 def tensors_sha256(tensors: dict[str, torch.Tensor]) -> str:
@@ -161,7 +167,7 @@ def _read_metadata(data: bytes) -> dict[str, str]:
     n = int.from_bytes(data[:8], "little")
     if n <= 0 or 8 + n > len(data):
         raise ValueError("not a safetensors file (bad header length)")
-    header = json.loads(data[8:8 + n])
+    header = json.loads(data[8 : 8 + n])
     return dict(header.get("__metadata__") or {})
 
 
@@ -184,8 +190,9 @@ def remove_stale_temps(directory: Path) -> list[Path]:
     return removed
 
 
-def save_checkpoint(path: Path, *, model, optimizer, scheduler, step: int, identity: dict, extra: dict,
-                    is_main: bool) -> Path | None:
+def save_checkpoint(
+    path: Path, *, model, optimizer, scheduler, step: int, identity: dict, extra: dict, is_main: bool
+) -> Path | None:
     """Collective (every rank calls it); rank 0 writes `path` with a .safetensors suffix.
 
     Refuses (EyasError, nothing written) when any weight is NaN/Inf: a diverged run must not leave a
@@ -198,8 +205,17 @@ def save_checkpoint(path: Path, *, model, optimizer, scheduler, step: int, ident
     path = Path(path)
     path = path.with_suffix(".safetensors")
     remove_stale_temps(path.parent)
-    data = encode_checkpoint({"model": model_sd, "optimizer": optim_sd, "scheduler": scheduler.state_dict(),
-                              "step": int(step), "rng": rng_state(), "identity": identity, "extra": extra})
+    data = encode_checkpoint(
+        {
+            "model": model_sd,
+            "optimizer": optim_sd,
+            "scheduler": scheduler.state_dict(),
+            "step": int(step),
+            "rng": rng_state(),
+            "identity": identity,
+            "extra": extra,
+        }
+    )
     atomic_write_bytes(path, data)
     return path
 
@@ -220,29 +236,40 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         return decode_checkpoint(path.read_bytes())
     except ChecksumMismatch as exc:
-        raise EyasError(f"--resume: checkpoint {path} is damaged: {exc}; the file changed after it was written. Resume "
-                        "from an earlier checkpoint (--resume FILE) or start over with --overwrite") from None
+        raise EyasError(
+            f"--resume: checkpoint {path} is damaged: {exc}; the file changed after it was written. Resume "
+            "from an earlier checkpoint (--resume FILE) or start over with --overwrite"
+        ) from None
     except Exception as exc:  # any parse failure of a user-supplied file is bad input
-        raise EyasError(f"--resume: cannot read {path} as an eyas checkpoint ({type(exc).__name__}: {exc}); it may be "
-                        "truncated, or written by an older eyas (pickled .pt files are not read): resume from "
-                        "another checkpoint or start a new run") from exc
+        raise EyasError(
+            f"--resume: cannot read {path} as an eyas checkpoint ({type(exc).__name__}: {exc}); it may be "
+            "truncated, or written by an older eyas (pickled .pt files are not read): resume from "
+            "another checkpoint or start a new run"
+        ) from exc
 
 
 def check_identity(saved: dict, current: dict, path: Path) -> None:
     # compare through JSON so tuples/lists and int/str keys read back from the file compare equal
     saved, current = json.loads(json.dumps(saved, default=str)), json.loads(json.dumps(current, default=str))
-    diffs = [f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
-             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
+    diffs = [
+        f"{k}: checkpoint {saved.get(k)!r} vs this run {current.get(k)!r}"
+        for k in sorted(set(saved) | set(current))
+        if saved.get(k) != current.get(k)
+    ]
     if diffs:
-        raise EyasError(f"--resume: {path} comes from another configuration: " + "; ".join(d[:300] for d in diffs[:6])
-                        + ". Resume with the original settings, or start a new run with another --out")
+        raise EyasError(
+            f"--resume: {path} comes from another configuration: "
+            + "; ".join(d[:300] for d in diffs[:6])
+            + ". Resume with the original settings, or start a new run with another --out"
+        )
 
 
 def restore(ckpt: dict, *, model, optimizer, scheduler) -> None:
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    set_state_dict(model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"],
-                   options=_sd_options())
+    set_state_dict(
+        model, optimizer, model_state_dict=ckpt["model"], optim_state_dict=ckpt["optimizer"], options=_sd_options()
+    )
     scheduler.load_state_dict(ckpt["scheduler"])
     set_rng_state(ckpt["rng"])
 

@@ -22,15 +22,20 @@ def claim_out(cfg) -> tuple[Path, Path]:
     hold(out)
     final_dir = out / "drafter"
     if final_dir.exists() and not cfg.overwrite and cfg.resume is None:
-        raise EyasError(f"{final_dir} already exists (a finished run): pass --overwrite, --resume auto, or another --out")
+        raise EyasError(
+            f"{final_dir} already exists (a finished run): pass --overwrite, --resume auto, or another --out"
+        )
     if not cfg.overwrite and cfg.resume is None and (earlier := latest_checkpoint(out / "checkpoints")) is not None:
-        raise EyasError(f"--out {out} holds another run's checkpoints ({earlier.name}); a new run would replace them: "
-                        "pass --resume auto to continue that run, --overwrite to start over, or choose another --out")
+        raise EyasError(
+            f"--out {out} holds another run's checkpoints ({earlier.name}); a new run would replace them: "
+            "pass --resume auto to continue that run, --overwrite to start over, or choose another --out"
+        )
     return out, final_dir
 
 
-def check_options_fit_target(target: str | Path, *, aux_layers: list[int] | None = None,
-                             draft_vocab: int | None = None, tcfg=None) -> None:
+def check_options_fit_target(
+    target: str | Path, *, aux_layers: list[int] | None = None, draft_vocab: int | None = None, tcfg=None
+) -> None:
     """--aux-layers and --draft-vocab against the target's config (`tcfg`, else read from its config.json;
     no weights), so a run that cannot fit fails before any model loads (train, and the demo before its stages)."""
     from eyas.drafter.layouts import check_layer_ids
@@ -47,8 +52,10 @@ def check_options_fit_target(target: str | Path, *, aux_layers: list[int] | None
         check_layer_ids(aux_layers, num_layers_of(tcfg), what=f"--aux-layers (target {target})")
     vocab = int(text.vocab_size)
     if draft_vocab is not None and draft_vocab > vocab:
-        raise EyasError(f"--draft-vocab {draft_vocab} exceeds the vocabulary of target {target} ({vocab} tokens); "
-                        f"pass at most {vocab}")
+        raise EyasError(
+            f"--draft-vocab {draft_vocab} exceeds the vocabulary of target {target} ({vocab} tokens); "
+            f"pass at most {vocab}"
+        )
 
 
 def check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, target_id: dict) -> None:
@@ -58,21 +65,29 @@ def check_store(man: dict, path, *, n_layers: int, hidden: int, tok_hash: str, t
     if (problem := manifest_fields_problem(man, Path(path))) is not None:
         raise EyasError(problem)
     if int(man.get("hidden_size", -1)) != hidden:
-        raise EyasError(f"store {path} holds hidden size {man.get('hidden_size')}, target has {hidden}: "
-                        "it was captured from another model; pass the matching --target or capture again")
+        raise EyasError(
+            f"store {path} holds hidden size {man.get('hidden_size')}, target has {hidden}: "
+            "it was captured from another model; pass the matching --target or capture again"
+        )
     if man.get("convention", CONVENTION) != CONVENTION:
         raise EyasError(f"store {path}: layer convention {man.get('convention')!r}, expected {CONVENTION!r}")
     ids = list(man.get("aux_layer_ids") or [])
     if not ids or max(ids) >= n_layers:
-        raise EyasError(f"store {path} holds aux layers {ids}, which do not fit a target with {n_layers} layers: "
-                        "it was captured from another model")
+        raise EyasError(
+            f"store {path} holds aux layers {ids}, which do not fit a target with {n_layers} layers: "
+            "it was captured from another model"
+        )
     if man.get("tokenizer_hash") and man["tokenizer_hash"] != tok_hash:
-        raise EyasError(f"store {path} was captured with another tokenizer (hash {man['tokenizer_hash'][:12]}) than "
-                        f"the target's ({tok_hash[:12]}); pass the matching --target or capture again")
+        raise EyasError(
+            f"store {path} was captured with another tokenizer (hash {man['tokenizer_hash'][:12]}) than "
+            f"the target's ({tok_hash[:12]}); pass the matching --target or capture again"
+        )
     t = man.get("target") or {}
     if t.get("config_sha256") and t["config_sha256"] != target_id["config_sha256"]:
-        raise EyasError(f"store {path} was captured from target {t.get('path')} whose config differs from "
-                        f"{target_id['path']}; pass the matching --target or capture again")
+        raise EyasError(
+            f"store {path} was captured from target {t.get('path')} whose config differs from "
+            f"{target_id['path']}; pass the matching --target or capture again"
+        )
     if t.get("weights_index_sha256") and t["weights_index_sha256"] != target_id["weights_index_sha256"]:
         log(f"warning: store {path} was captured from a target whose weight files differ from {target_id['path']}")
 
@@ -93,8 +108,10 @@ def check_store_layers(reader, split, target_dir: Path, dev: torch.device, *, bf
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     if weights > free // 2:  # the target would crowd out training: leave the check to verify
         if is_main:
-            log(f"store layer check: skipped (target weights {weights >> 20} MiB, {free >> 20} MiB free on {dev.type}); "
-                "`eyas verify` checks the store's layers")
+            log(
+                f"store layer check: skipped (target weights {weights >> 20} MiB, {free >> 20} MiB free on {dev.type}); "
+                "`eyas verify` checks the store's layers"
+            )
         return
     model = load_target(target_dir, device=dev, dtype=torch.bfloat16 if bf16 else torch.float32)
     try:
@@ -106,4 +123,3 @@ def check_store_layers(reader, split, target_dir: Path, dev: torch.device, *, bf
             torch.cuda.empty_cache()
     if problem is not None:
         raise EyasError(problem)
-

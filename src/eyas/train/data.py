@@ -140,7 +140,6 @@ def store_order(reader, split) -> list[int]:
     return [split.index_of(sid) for sid in reader.sample_ids]
 
 
-
 # ----------------------------------------------------------------------------------------------
 # the target's embedding / lm_head / final norm without loading the whole model
 
@@ -160,8 +159,11 @@ def read_target_tensors(target_dir: Path) -> dict[str, torch.Tensor]:
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for key in fh.keys():  # noqa: SIM118  (safe_open is not a dict)
-                for name, suffix in (("embed", "embed_tokens.weight"), ("lm_head", "lm_head.weight"),
-                                     ("final_norm", "model.norm.weight")):
+                for name, suffix in (
+                    ("embed", "embed_tokens.weight"),
+                    ("lm_head", "lm_head.weight"),
+                    ("final_norm", "model.norm.weight"),
+                ):
                     if key.endswith(suffix) and ("layers." not in key) and name not in found:
                         found[name] = (f, key)
     if "embed" not in found:
@@ -173,6 +175,8 @@ def read_target_tensors(target_dir: Path) -> dict[str, torch.Tensor]:
     if "lm_head" not in out:
         cfg = json.loads((target_dir / "config.json").read_text())
         if not cfg.get("tie_word_embeddings", cfg.get("text_config", {}).get("tie_word_embeddings", True)):
-            raise EyasError(f"target {target_dir}: config says tie_word_embeddings=false but there is no lm_head.weight")
+            raise EyasError(
+                f"target {target_dir}: config says tie_word_embeddings=false but there is no lm_head.weight"
+            )
         out["lm_head"] = out["embed"]
     return out

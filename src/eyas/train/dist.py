@@ -115,8 +115,10 @@ def abort(d: Dist | None) -> None:
     except BaseException as exc:  # noqa: BLE001 (a second Ctrl-C included: the error being raised goes first)
         from eyas.common import log
 
-        log(f"eyas: warning: tearing the process group down after the error failed ({type(exc).__name__}: {exc}); "
-            "the error that stopped the run follows")
+        log(
+            f"eyas: warning: tearing the process group down after the error failed ({type(exc).__name__}: {exc}); "
+            "the error that stopped the run follows"
+        )
 
 
 def _abort_nccl() -> None:
@@ -148,18 +150,22 @@ def _release(end_group) -> None:
     if ref() is not None:
         from eyas.common import log
 
-        log(f"eyas: warning: the process group is still referenced after destroy_process_group ({sys.getrefcount(ref()) - 1} "
+        log(
+            f"eyas: warning: the process group is still referenced after destroy_process_group ({sys.getrefcount(ref()) - 1} "
             "references, e.g. a module imported after init_group that binds group.WORLD as a default argument); its "
-            "threads may outlive it and abort the process at exit")
+            "threads may outlive it and abort the process at exit"
+        )
 
 
 # DTensor's caches that FSDP2 fills with sharding specs, each holding the device mesh and through it
 # the group; private, so each is looked up and skipped when this torch lacks it
-_DTENSOR_CACHES = (("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
-                   ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached.cache_clear"),
-                   ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
-                   ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
-                   ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"))
+_DTENSOR_CACHES = (
+    ("torch.distributed.tensor.debug", "_clear_sharding_prop_cache"),
+    ("torch.distributed.tensor._sharding_prop", "ShardingPropagator._propagate_tensor_meta_cached.cache_clear"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+)
 
 
 def _drop_dtensor_caches() -> None:
@@ -195,7 +201,9 @@ def _bf16_all_reduce(state, bucket):
     return fut.then(unpack)
 
 
-def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool, grad_reduce: str = "fp32") -> torch.nn.Module:
+def wrap_model(
+    module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool, grad_reduce: str = "fp32"
+) -> torch.nn.Module:
     """DDP (world > 1), FSDP2 (--fsdp: parameters sharded, bf16 compute, fp32 reduce) or as is.
 
     DDP keeps the gradients as views of its all-reduce buckets (no copy into and out of the buckets
@@ -203,7 +211,9 @@ def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool, grad
     gradient divided by the world size before it is rounded to bf16; the sum lands back in fp32."""
     if fsdp:
         if not d.enabled:
-            raise EyasError("--fsdp needs several processes: launch with `torchrun --nproc_per_node N -m eyas train ...`")
+            raise EyasError(
+                "--fsdp needs several processes: launch with `torchrun --nproc_per_node N -m eyas train ...`"
+            )
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if bf16 else torch.float32, reduce_dtype=torch.float32)
@@ -219,8 +229,11 @@ def wrap_model(module: torch.nn.Module, d: Dist, *, fsdp: bool, bf16: bool, grad
         ids = [d.device.index] if d.device.type == "cuda" else None
         # no buffer broadcast before each forward (every rank builds the same buffers); torch's new name for it
         # where it has one: the old one warns of its deprecation
-        sync = ({"forward_sync_buffers": False} if "forward_sync_buffers" in inspect.signature(DDP).parameters
-                else {"broadcast_buffers": False})
+        sync = (
+            {"forward_sync_buffers": False}
+            if "forward_sync_buffers" in inspect.signature(DDP).parameters
+            else {"broadcast_buffers": False}
+        )
         ddp = DDP(module, device_ids=ids, gradient_as_bucket_view=True, **sync)
         if grad_reduce == "bf16":
             ddp.register_comm_hook(None, _bf16_all_reduce)

@@ -42,13 +42,17 @@ def evaluate(module, src, *, forward_batch, K: int, weights, d, tokens_per_batch
     all_reduce_sum(stats, d)
     all_reduce_sum(den, d)
     module.train(was)
-    ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
+    ce, correct, valid = stats[:K], stats[K : 2 * K], stats[2 * K : 3 * K]
     accepted, rounds = float(stats[3 * K]), float(stats[3 * K + 1])
     loss_k = (ce / den.clamp_min(1)).tolist()
-    return {"loss": sum(w * x for w, x in zip(weights, loss_k)), "loss_per_step": loss_k,
-            "acc_per_step": (correct / valid.clamp_min(1)).tolist(),
-            "acceptance_length": 1.0 + accepted / max(rounds, 1.0), "rounds": int(rounds), "samples": len(src)}
-
+    return {
+        "loss": sum(w * x for w, x in zip(weights, loss_k)),
+        "loss_per_step": loss_k,
+        "acc_per_step": (correct / valid.clamp_min(1)).tolist(),
+        "acceptance_length": 1.0 + accepted / max(rounds, 1.0),
+        "rounds": int(rounds),
+        "samples": len(src),
+    }
 
 
 def dummy_item(item):
@@ -56,4 +60,3 @@ def dummy_item(item):
     from eyas.train.data import Item
 
     return Item(item.id, item.input_ids, torch.zeros_like(item.loss_mask))
-

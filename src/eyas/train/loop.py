@@ -145,13 +145,19 @@ class TrainConfig:
         from eyas.config_checks import check_choice, check_device, check_number, input_must_exist
 
         if self.store is None and self.data is None:
-            raise EyasError("give exactly one of --store (offline, captured states) or --data (online, prepared dataset)")
+            raise EyasError(
+                "give exactly one of --store (offline, captured states) or --data (online, prepared dataset)"
+            )
         if self.store is None and self.eval_store is not None:
-            raise EyasError("--eval-store is for offline training (--store); with --data the prepared dataset's "
-                            "eval split is used: drop --eval-store, or train from a store")
+            raise EyasError(
+                "--eval-store is for offline training (--store); with --data the prepared dataset's "
+                "eval split is used: drop --eval-store, or train from a store"
+            )
         if self.store is not None and self.cache_states:
-            raise EyasError("--cache-states keeps the target's states in online training (--data); with --store they "
-                            "are read from the store: drop --cache-states")
+            raise EyasError(
+                "--cache-states keeps the target's states in online training (--data); with --store they "
+                "are read from the store: drop --cache-states"
+            )
         for name in ("grad_accum", "max_length", "eval_samples"):
             check_number(self, name, ge=1)
         check_number(self, "batch_size", ge=1, optional=True)
@@ -178,16 +184,20 @@ class TrainConfig:
         if self.optimizer is not None:
             check_choice(self, "optimizer", OPTIMIZERS)
         if self.fsdp and self.optimizer == "muon":
-            raise EyasError("--optimizer muon orthogonalizes whole matrices; --fsdp shards them: use DDP (drop --fsdp) "
-                            "or --optimizer adamw")
+            raise EyasError(
+                "--optimizer muon orthogonalizes whole matrices; --fsdp shards them: use DDP (drop --fsdp) "
+                "or --optimizer adamw"
+            )
         if self.fsdp and self.grad_reduce != "fp32":
             raise EyasError(f"--grad-reduce {self.grad_reduce} applies to DDP; --fsdp always reduces in fp32")
         check_device(self.device)
         if self.aux_layers is not None and any(i < 0 for i in self.aux_layers):
             raise EyasError(f"--aux-layers must be non-negative layer ids, got {self.aux_layers}")
-        for opt, p, what in (("--store", self.store, "an `eyas capture` store"),
-                             ("--data", self.data, "an `eyas prepare` output"),
-                             ("--eval-store", self.eval_store, "an `eyas capture` store")):
+        for opt, p, what in (
+            ("--store", self.store, "an `eyas capture` store"),
+            ("--data", self.data, "an `eyas prepare` output"),
+            ("--eval-store", self.eval_store, "an `eyas capture` store"),
+        ):
             if p is not None and input_must_exist() and not Path(p).is_dir():
                 raise EyasError(f"{opt} {p} is not a directory (expected {what})")
         if self.resume not in (None, "auto") and not Path(self.resume).is_file():
@@ -196,11 +206,15 @@ class TrainConfig:
         require_owned(self.out, kind="train")  # never checkpoints written into a store or a prepared dataset
         check_number(self, "tokens_per_batch", ge=1, optional=True)
         if self.tokens_per_batch is not None and self.batch_size is not None:
-            raise EyasError(f"--batch-size {self.batch_size} and --tokens-per-batch {self.tokens_per_batch} both size "
-                            "a micro-batch: give one of them")
+            raise EyasError(
+                f"--batch-size {self.batch_size} and --tokens-per-batch {self.tokens_per_batch} both size "
+                "a micro-batch: give one of them"
+            )
         if self.tokens_per_batch is not None and self.tokens_per_batch < self.max_length:
-            raise EyasError(f"--tokens-per-batch must be >= --max-length ({self.max_length}) so every sample fits "
-                            f"in a row, got {self.tokens_per_batch}")
+            raise EyasError(
+                f"--tokens-per-batch must be >= --max-length ({self.max_length}) so every sample fits "
+                f"in a row, got {self.tokens_per_batch}"
+            )
 
 
 # ----------------------------------------------------------------------------------------------
@@ -227,14 +241,18 @@ def run(cfg: TrainConfig, *, step_end: Callable[[int], None] | None = None) -> d
     except BaseException as exc:
         stop.restore()  # a Ctrl-C from here on is the default one (abort() does not let it replace this error)
         _clear_frames(exc)
-        if d is not None or not had_group:  # (a group that existed before this run is the caller's, unless setup took it)
+        if (
+            d is not None or not had_group
+        ):  # (a group that existed before this run is the caller's, unless setup took it)
             dd.abort(d)
         if isinstance(exc, KeyboardInterrupt) and not isinstance(exc, Interrupted):
             raise Interrupted(_interrupted_message(cfg)) from None
         if d is not None and d.enabled and _peer_stopped(exc):
             msg = " ".join(str(exc).split())[:200]
-            raise EyasError(f"rank {d.rank}: stopped because another rank of this job stopped first (its own error is "
-                            f"printed above; this rank's collective failed: {type(exc).__name__}: {msg})") from None
+            raise EyasError(
+                f"rank {d.rank}: stopped because another rank of this job stopped first (its own error is "
+                f"printed above; this rank's collective failed: {type(exc).__name__}: {msg})"
+            ) from None
         raise
     finally:
         stop.restore()
@@ -274,10 +292,25 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
     train_src = data.train_src
     samples = b.scan_samples(cfg, train_src, tgt.vocab_size)
     drafter, vocab, head_w = b.build_drafter(cfg, dcfg, data, samples.counts, dev, bf16=bf16)
-    ttt_cfg = TTTConfig(steps=cfg.ttt_steps, decay=cfg.ttt_decay, attention=cfg.attention,
-                        cast_once=cfg.ttt_cast_once, align_topk=cfg.align_topk, feature_loss=cfg.feature_loss)
-    b.log_drafter(cfg, d, bf16=bf16, dcfg=dcfg, ttt_cfg=ttt_cfg, drafter=drafter, vocab=vocab, samples=samples,
-                  vocab_size=tgt.vocab_size)
+    ttt_cfg = TTTConfig(
+        steps=cfg.ttt_steps,
+        decay=cfg.ttt_decay,
+        attention=cfg.attention,
+        cast_once=cfg.ttt_cast_once,
+        align_topk=cfg.align_topk,
+        feature_loss=cfg.feature_loss,
+    )
+    b.log_drafter(
+        cfg,
+        d,
+        bf16=bf16,
+        dcfg=dcfg,
+        ttt_cfg=ttt_cfg,
+        drafter=drafter,
+        vocab=vocab,
+        samples=samples,
+        vocab_size=tgt.vocab_size,
+    )
 
     # -- 5. batches and the schedule's length -----------------------------------------------------
     batches = b.build_batches(cfg, d, samples.lengths, len(train_src))
@@ -295,8 +328,15 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
     ckdir = out / "checkpoints"
     resume_path, state = b.open_resume(cfg, ckdir)
     optim = b.build_optimizer(cfg, module, dcfg.hidden_size, state, d, batches)
-    identity = b.run_identity(cfg, ttt_cfg=ttt_cfg, dcfg=dcfg, global_batch=batches.plan.global_batch,
-                              fingerprint=data.fingerprint, vocab_used=vocab.used, optimizer=optim.name)
+    identity = b.run_identity(
+        cfg,
+        ttt_cfg=ttt_cfg,
+        dcfg=dcfg,
+        global_batch=batches.plan.global_batch,
+        fingerprint=data.fingerprint,
+        vocab_used=vocab.used,
+        optimizer=optim.name,
+    )
     start = b.resume(cfg, state, resume_path, ckdir, identity=identity, module=module, optim=optim, d=d)
     del state
 
@@ -307,23 +347,68 @@ def _train(cfg: TrainConfig, stop: StopRequest, d, step_end=None) -> dict[str, A
         remove_owned_dir(out, kind="train")
     metrics = MetricsWriter(out / "metrics.jsonl", enabled=d.is_main, append=start > 0)
     amp = torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 and not cfg.fsdp else nullcontext()
-    reporter = Reporter(metrics, d=d, K=cfg.ttt_steps, weights=ttt_cfg.weights, total=batches.total, start=start,
-                        online=cfg.store is None)
-    trainer = Trainer(cfg=cfg, d=d, module=module, opt=optim.opt, sched=optim.sched, params=params, clip=_clip,
-                      plan=batches.plan, batches=batches, train_src=train_src, eval_src=data.eval_src,
-                      samples=samples, hidden=tgt.hidden, ttt_cfg=ttt_cfg, amp=amp, reporter=reporter, stop=stop,
-                      step_end=step_end, start=start, identity=identity, ckdir=ckdir)
+    reporter = Reporter(
+        metrics,
+        d=d,
+        K=cfg.ttt_steps,
+        weights=ttt_cfg.weights,
+        total=batches.total,
+        start=start,
+        online=cfg.store is None,
+    )
+    trainer = Trainer(
+        cfg=cfg,
+        d=d,
+        module=module,
+        opt=optim.opt,
+        sched=optim.sched,
+        params=params,
+        clip=_clip,
+        plan=batches.plan,
+        batches=batches,
+        train_src=train_src,
+        eval_src=data.eval_src,
+        samples=samples,
+        hidden=tgt.hidden,
+        ttt_cfg=ttt_cfg,
+        amp=amp,
+        reporter=reporter,
+        stop=stop,
+        step_end=step_end,
+        start=start,
+        identity=identity,
+        ckdir=ckdir,
+    )
     trainer.run()
 
     # -- final drafter ----------------------------------------------------------------------------
     model_sd, _ = ck.full_state(module, optim.opt)
     if not d.is_main:
         return {}
-    save_final(cfg, model_sd, out=out, final_dir=final_dir, dcfg=dcfg, target_id=tgt.identity, tok_hash=tgt.tok_hash,
-               total=batches.total, global_batch=batches.plan.global_batch, lr=optim.lr, optimizer=optim.name,
-               vocab=vocab)
-    return summary(reporter, out=out, final_dir=final_dir, total=batches.total, world=d.world,
-                   tokens_per_batch=batches.tokens_per_batch, vocab=vocab, train_src=train_src)
+    save_final(
+        cfg,
+        model_sd,
+        out=out,
+        final_dir=final_dir,
+        dcfg=dcfg,
+        target_id=tgt.identity,
+        tok_hash=tgt.tok_hash,
+        total=batches.total,
+        global_batch=batches.plan.global_batch,
+        lr=optim.lr,
+        optimizer=optim.name,
+        vocab=vocab,
+    )
+    return summary(
+        reporter,
+        out=out,
+        final_dir=final_dir,
+        total=batches.total,
+        world=d.world,
+        tokens_per_batch=batches.tokens_per_batch,
+        vocab=vocab,
+        train_src=train_src,
+    )
 
 
 def _clip(module, params, max_norm: float) -> torch.Tensor | float:

@@ -57,16 +57,33 @@ class PackedTTTModule(nn.Module):
         head, head_used, used, t2d = self._head
         if self._unused is None:
             self._unused = unused_head(head, t2d)
-        return packed_teacher(final_ND, head, head_used, used, t2d, chunk_rows=self.chunk_rows,
-                              cache_bytes=self.teacher_cache_bytes, unused=self._unused)
+        return packed_teacher(
+            final_ND,
+            head,
+            head_used,
+            used,
+            t2d,
+            chunk_rows=self.chunk_rows,
+            cache_bytes=self.teacher_cache_bytes,
+            unused=self._unused,
+        )
 
     def forward(self, input_ids_N, seg, rows, aux_NAD, final_ND, denominators, live=None):
         from eyas.drafter.ttt.unroll import ttt_loss_packed
 
         teacher = self.teacher(final_ND)
-        out = ttt_loss_packed(self.drafter, input_ids_N=input_ids_N, seg=seg, rows=rows, aux_NAD=aux_NAD,
-                              teacher=teacher, cfg=self.ttt_cfg, denominators=denominators,
-                              chunk_rows=self.chunk_rows, live=live)
+        out = ttt_loss_packed(
+            self.drafter,
+            input_ids_N=input_ids_N,
+            seg=seg,
+            rows=rows,
+            aux_NAD=aux_NAD,
+            teacher=teacher,
+            cfg=self.ttt_cfg,
+            denominators=denominators,
+            chunk_rows=self.chunk_rows,
+            live=live,
+        )
         stats = torch.cat([out.ce_sum, out.correct, out.valid, out.accepted.view(1), out.rounds.view(1)])
         return out.loss, stats
 
@@ -83,8 +100,14 @@ class TTTModule(nn.Module):
         from eyas.drafter.ttt.reference import ttt_loss
         from eyas.drafter.ttt.teacher import Teacher
 
-        out = ttt_loss(self.drafter, input_ids_BT=input_ids_BT, loss_mask_BT=loss_mask_BT, aux_BTAD=aux_BTAD,
-                       teacher=Teacher(probs_BTV, top_BT, in_vocab_BT), cfg=self.ttt_cfg, denominators=denominators)
+        out = ttt_loss(
+            self.drafter,
+            input_ids_BT=input_ids_BT,
+            loss_mask_BT=loss_mask_BT,
+            aux_BTAD=aux_BTAD,
+            teacher=Teacher(probs_BTV, top_BT, in_vocab_BT),
+            cfg=self.ttt_cfg,
+            denominators=denominators,
+        )
         stats = torch.cat([out.ce_sum, out.correct, out.valid, out.accepted.view(1), out.rounds.view(1)])
         return out.loss, stats
-

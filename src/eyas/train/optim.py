@@ -57,10 +57,20 @@ class MuonAdamW(torch.optim.Optimizer):
     correction, as torch.optim.AdamW) for the others. Muon: B <- momentum * B + g; update = NS(g + momentum * B)
     (Nesterov); p <- p * (1 - lr * weight_decay) - lr * muon_scale * update."""
 
-    def __init__(self, params, *, lr: float, betas: tuple[float, float] = BETAS, eps: float = 1e-8,
-                 weight_decay: float = 0.0, momentum: float = 0.95, ns_steps: int = 5):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps,
-                        muon=False)
+    def __init__(
+        self,
+        params,
+        *,
+        lr: float,
+        betas: tuple[float, float] = BETAS,
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        momentum: float = 0.95,
+        ns_steps: int = 5,
+    ):
+        defaults = dict(
+            lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, momentum=momentum, ns_steps=ns_steps, muon=False
+        )
         super().__init__(params, defaults)
         for group in self.param_groups:
             if group["muon"] and any(p.ndim != 2 for p in group["params"]):
@@ -103,13 +113,26 @@ class MuonAdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         b1, b2 = group["betas"]
-        adamw(params, [p.grad for p in params], [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states], [],
-              [s["step"] for s in states], amsgrad=False, beta1=b1, beta2=b2, lr=group["lr"],
-              weight_decay=group["weight_decay"], eps=group["eps"], maximize=False)
+        adamw(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [],
+            [s["step"] for s in states],
+            amsgrad=False,
+            beta1=b1,
+            beta2=b2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=False,
+        )
 
 
-def make_optimizer(module: torch.nn.Module, kind: str, *, lr: float, weight_decay: float,
-                   fused: bool) -> torch.optim.Optimizer:
+def make_optimizer(
+    module: torch.nn.Module, kind: str, *, lr: float, weight_decay: float, fused: bool
+) -> torch.optim.Optimizer:
     """The optimizer of the module's trainable parameters: torch's AdamW (fused where asked) for `adamw`; for
     `muon`, MuonAdamW with Muon on every trainable matrix but lm_head's (fc, the decoder layer's projections)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]

@@ -46,13 +46,13 @@ class Plan:
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
         perm = torch.randperm(self.n, generator=g)
         G = self.global_batch
-        return perm[i * G:(i + 1) * G].tolist()
+        return perm[i * G : (i + 1) * G].tolist()
 
     def micro_indices(self, step: int, rank: int) -> list[list[int]]:
         """[accum] lists of indices for `rank` (a list may be empty at the end of an epoch)."""
         idx = self.step_indices(step)
         B, W = self.micro_batch, self.world
-        return [idx[(m * W + rank) * B:(m * W + rank + 1) * B] for m in range(self.accum)]
+        return [idx[(m * W + rank) * B : (m * W + rank + 1) * B] for m in range(self.accum)]
 
 
 def cut_by_tokens(order: list[int], lengths, budget: int) -> list[list[int]]:
@@ -90,8 +90,10 @@ class TokenPlan:
         self._epochs: dict[int, list[list[int]]] = {}
         self._starts = [0]  # first step of each epoch computed so far
         if self.lengths and max(self.lengths) > self.tokens_per_batch:
-            raise EyasError(f"--tokens-per-batch {self.tokens_per_batch} is smaller than a sample of "
-                            f"{max(self.lengths)} tokens; raise it to at least --max-length")
+            raise EyasError(
+                f"--tokens-per-batch {self.tokens_per_batch} is smaller than a sample of "
+                f"{max(self.lengths)} tokens; raise it to at least --max-length"
+            )
 
     @property
     def n(self) -> int:
@@ -127,7 +129,7 @@ class TokenPlan:
     def _slots(self, step: int) -> list[list[int]]:
         e, i = self._locate(step)
         S = self.accum * self.world
-        mbs = self.micro_batches(e)[i * S:(i + 1) * S]
+        mbs = self.micro_batches(e)[i * S : (i + 1) * S]
         return mbs + [[] for _ in range(S - len(mbs))]
 
     def step_indices(self, step: int) -> list[int]:

@@ -39,8 +39,16 @@ class HostCopies:
 
 
 def _batch_tensors(b: PackedBatch) -> tuple[torch.Tensor, ...]:
-    return (b.input_ids_N, b.aux_NAD, b.final_ND, b.seg.cu_seqlens, b.seg.positions_N, b.seg.ends_N, *b.rows,
-            *([] if b.live is None else [b.live]))
+    return (
+        b.input_ids_N,
+        b.aux_NAD,
+        b.final_ND,
+        b.seg.cu_seqlens,
+        b.seg.positions_N,
+        b.seg.ends_N,
+        *b.rows,
+        *([] if b.live is None else [b.live]),
+    )
 
 
 def hand_over(b: PackedBatch, done, device) -> PackedBatch:
@@ -117,8 +125,9 @@ class PackedPrefetcher:
             for items in self._schedule:
                 if self._stop.is_set():
                     return
-                self._q.put(store_packed(self.src, items, steps=self.steps, pad_to=self.pad_to,
-                                         pin=self.device.type == "cuda"))
+                self._q.put(
+                    store_packed(self.src, items, steps=self.steps, pad_to=self.pad_to, pin=self.device.type == "cuda")
+                )
         except BaseException as exc:  # surfaced in the main thread
             self._q.put(exc)
 

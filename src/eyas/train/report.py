@@ -27,7 +27,9 @@ class Reporter:
         self.metrics, self.d, self.K, self.weights = metrics, d, K, weights
         self.total, self.start, self.online = total, start, online
         self.t_run, self.tok_run, self.sup_run, self.pad_run, self.target_run = time.perf_counter(), 0, 0, 0, 0.0
-        done_last, self.evals = metrics.last() if start > 0 else (None, [])  # a finished run's rerun reports its figures
+        done_last, self.evals = (
+            metrics.last() if start > 0 else (None, [])
+        )  # a finished run's rerun reports its figures
         self.last: dict[str, Any] = done_last or {}
         self.t_last = self.t_run
 
@@ -43,7 +45,7 @@ class Reporter:
         from eyas.train.prefetch import target_seconds
 
         K, total = self.K, self.total
-        ce, correct, valid = stats[:K], stats[K:2 * K], stats[2 * K:3 * K]
+        ce, correct, valid = stats[:K], stats[K : 2 * K], stats[2 * K : 3 * K]
         den = denoms.double().clamp_min(1)
         t0 = time.perf_counter()
         loss_k = (ce / den).tolist()  # synchronises: the step (and the side-stream target) is done
@@ -62,18 +64,31 @@ class Reporter:
         rate = self.tok_run / wall
         eta = (total - step - 1) * wall / (step + 1 - self.start)
         self.last = last = {
-            "step": step + 1, "loss": loss_v, "loss_per_step": loss_k, "acc_per_step": acc_k,
-            "lr": lr_s, "grad_norm": float(gnorm), "tokens": tokens, "padded_tokens": padded,
-            "supervised_tokens": supervised, "step_s": dt, "host_wait_s": waited, "tokens_per_s": rate,
-            "supervised_tokens_per_s": self.sup_run / wall, "useful_fraction": self.tok_run / max(self.pad_run, 1),
-            "target_share": self.target_run / wall if self.online else 0.0}
+            "step": step + 1,
+            "loss": loss_v,
+            "loss_per_step": loss_k,
+            "acc_per_step": acc_k,
+            "lr": lr_s,
+            "grad_norm": float(gnorm),
+            "tokens": tokens,
+            "padded_tokens": padded,
+            "supervised_tokens": supervised,
+            "step_s": dt,
+            "host_wait_s": waited,
+            "tokens_per_s": rate,
+            "supervised_tokens_per_s": self.sup_run / wall,
+            "useful_fraction": self.tok_run / max(self.pad_run, 1),
+            "target_share": self.target_run / wall if self.online else 0.0,
+        }
         self.metrics.write(last)
         if self.d.is_main:
-            accs = " ".join(f"{a:.2f}" for a in acc_k[:min(K, 4)])
+            accs = " ".join(f"{a:.2f}" for a in acc_k[: min(K, 4)])
             extra = f" | target {last['target_share']:.0%}" if self.online else ""
-            log(f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {fmt_rate(rate)} tok/s "
+            log(
+                f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {fmt_rate(rate)} tok/s "
                 f"({fmt_rate(last['supervised_tokens_per_s'])} supervised) | useful {last['useful_fraction']:.2f}"
-                f"{extra} | eta {fmt_eta(eta)}")
+                f"{extra} | eta {fmt_eta(eta)}"
+            )
         return bool(stopping)
 
     def eval(self, ev: dict[str, Any], step: int) -> None:
@@ -82,12 +97,28 @@ class Reporter:
         self.evals.append(ev)
         self.metrics.write({"eval": True, **ev})
         if self.d.is_main:
-            log(f"eval  {step + 1:05d} | loss {ev['loss']:.3f} | acc "
-                + " ".join(f"{a:.2f}" for a in ev["acc_per_step"]) + f" | tau {ev['acceptance_length']:.2f}")
+            log(
+                f"eval  {step + 1:05d} | loss {ev['loss']:.3f} | acc "
+                + " ".join(f"{a:.2f}" for a in ev["acc_per_step"])
+                + f" | tau {ev['acceptance_length']:.2f}"
+            )
 
 
-def save_final(cfg, model_sd, *, out: Path, final_dir: Path, dcfg, target_id: dict, tok_hash: str, total: int,
-               global_batch: int, lr: float, optimizer: str, vocab) -> None:
+def save_final(
+    cfg,
+    model_sd,
+    *,
+    out: Path,
+    final_dir: Path,
+    dcfg,
+    target_id: dict,
+    tok_hash: str,
+    total: int,
+    global_batch: int,
+    lr: float,
+    optimizer: str,
+    vocab,
+) -> None:
     """Write the final drafter to `final_dir` (Eagle3Drafter.save, with how it was trained) and the curves' plot."""
     from eyas.common import require_finite
     from eyas.drafter.model import Eagle3Drafter
@@ -96,27 +127,48 @@ def save_final(cfg, model_sd, *, out: Path, final_dir: Path, dcfg, target_id: di
     require_finite(dict(model_sd), what="the final drafter")
     final = Eagle3Drafter(dcfg)
     final.load_state_dict({k.removeprefix("drafter."): v for k, v in model_sd.items()})
-    final.save(final_dir, target={**target_id, "tokenizer_hash": tok_hash},
-               extra={"training": {"steps": total, "global_batch": global_batch, "lr": lr,
-                                   "teacher_temperature": cfg.teacher_temperature,
-                                   "align_topk": cfg.align_topk, "feature_loss": cfg.feature_loss,
-                                   "optimizer": optimizer,
-                                   "ttt_steps": cfg.ttt_steps, "source": "store" if cfg.store else "online",
-                                   "vocab": vocab.report()}})
+    final.save(
+        final_dir,
+        target={**target_id, "tokenizer_hash": tok_hash},
+        extra={
+            "training": {
+                "steps": total,
+                "global_batch": global_batch,
+                "lr": lr,
+                "teacher_temperature": cfg.teacher_temperature,
+                "align_topk": cfg.align_topk,
+                "feature_loss": cfg.feature_loss,
+                "optimizer": optimizer,
+                "ttt_steps": cfg.ttt_steps,
+                "source": "store" if cfg.store else "online",
+                "vocab": vocab.report(),
+            }
+        },
+    )
     plot_curves(out / "metrics.jsonl", out / "curves.png")
 
 
-def summary(reporter: Reporter, *, out: Path, final_dir: Path, total: int, world: int, tokens_per_batch, vocab,
-            train_src) -> dict[str, Any]:
+def summary(
+    reporter: Reporter, *, out: Path, final_dir: Path, total: int, world: int, tokens_per_batch, vocab, train_src
+) -> dict[str, Any]:
     """The run's summary (the CLI's last stdout line): where its outputs are and its last figures."""
     last, evals = reporter.last, reporter.evals
-    return {"out": str(out), "drafter": str(final_dir), "steps": total, "world": world,
-            "final_loss": last.get("loss"), "acc_per_step": last.get("acc_per_step"),
-            "tokens_per_s": last.get("tokens_per_s"),
-            "supervised_tokens_per_s": last.get("supervised_tokens_per_s"),
-            "useful_fraction": last.get("useful_fraction"), "target_share": last.get("target_share"),
-            "tokens_per_batch": tokens_per_batch, "vocab": vocab.report(),
-            "state_cache": getattr(train_src, "cache", None) is not None,
-            "target_forwards": getattr(train_src, "target_forwards", None),
-            "eval": evals[-1] if evals else None, "metrics": str(out / "metrics.jsonl"),
-            "plot": str(out / "curves.png")}
+    return {
+        "out": str(out),
+        "drafter": str(final_dir),
+        "steps": total,
+        "world": world,
+        "final_loss": last.get("loss"),
+        "acc_per_step": last.get("acc_per_step"),
+        "tokens_per_s": last.get("tokens_per_s"),
+        "supervised_tokens_per_s": last.get("supervised_tokens_per_s"),
+        "useful_fraction": last.get("useful_fraction"),
+        "target_share": last.get("target_share"),
+        "tokens_per_batch": tokens_per_batch,
+        "vocab": vocab.report(),
+        "state_cache": getattr(train_src, "cache", None) is not None,
+        "target_forwards": getattr(train_src, "target_forwards", None),
+        "eval": evals[-1] if evals else None,
+        "metrics": str(out / "metrics.jsonl"),
+        "plot": str(out / "curves.png"),
+    }

@@ -69,16 +69,22 @@ class Trainer:
 
     def forward_batch(self, batch, denoms):
         with self.amp:
-            return self.module(batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms,
-                               batch.live)
+            return self.module(
+                batch.input_ids_N, batch.seg, batch.rows, batch.aux_NAD, batch.final_ND, denoms, batch.live
+            )
 
     def run(self) -> None:
         """Steps `start` to the end; raises Interrupted after saving the step a stop was asked in."""
         d, dev, total = self.d, self.d.device, self.batches.total
         if dev.type == "cuda":  # before the first compile (the online target's first forward, queued just below)
             start_compile_workers_shielded()
-        self.prefetch = PackedPrefetcher(self.train_src, schedule(self.train_src, self.plan, d.rank, self.start, total),
-                                         dev, steps=self.cfg.ttt_steps, pad_to=self.batches.tokens_per_batch)
+        self.prefetch = PackedPrefetcher(
+            self.train_src,
+            schedule(self.train_src, self.plan, d.rank, self.start, total),
+            dev,
+            steps=self.cfg.ttt_steps,
+            pad_to=self.batches.tokens_per_batch,
+        )
         self.stop.install()
         # a step whose statistics are read once the next one is queued, so the GPU never idles while the host logs and
         # prepares a step: they are copied to pinned host memory behind the step (`HostCopies`), and the read waits for
@@ -97,10 +103,13 @@ class Trainer:
                 stop_seen = False
             pending = None
             done = step + 1 == total
-            eval_due = self.eval_src is not None and ((self.cfg.eval_every and (step + 1) % self.cfg.eval_every == 0)
-                                                      or done)
+            eval_due = self.eval_src is not None and (
+                (self.cfg.eval_every and (step + 1) % self.cfg.eval_every == 0) or done
+            )
             save_due = bool(self.cfg.save_every and (step + 1) % self.cfg.save_every == 0) or done
-            stop_here = d.world == 1 and self.stop.signum is not None  # (ranks agree on a stop through the statistics only)
+            stop_here = (
+                d.world == 1 and self.stop.signum is not None
+            )  # (ranks agree on a stop through the statistics only)
             if not (done or eval_due or save_due or stop_seen or stop_here):
                 pending = HostCopies(readings)  # read once the next step is queued, waiting for this one alone
                 continue
@@ -159,26 +168,50 @@ class Trainer:
         """Online, after the run's first step: the state cache decision (builders.start_state_cache)."""
         cfg = self.cfg
         if step == self.start and isinstance(self.train_src, OnlineSource) and cfg.cache_states is not False:
-            start_state_cache(cfg, self.train_src, self.samples.item_ids, self.samples.lengths, hidden=self.hidden,
-                              dev=self.d.device, epochs=(self.batches.total - self.start) / self.plan.steps_per_epoch,
-                              log_it=self.d.is_main)
+            start_state_cache(
+                cfg,
+                self.train_src,
+                self.samples.item_ids,
+                self.samples.lengths,
+                hidden=self.hidden,
+                dev=self.d.device,
+                epochs=(self.batches.total - self.start) / self.plan.steps_per_epoch,
+                log_it=self.d.is_main,
+            )
 
     def evaluate_and_save(self, step: int, *, done: bool, eval_due: bool, save_due: bool, stopping: bool) -> None:
         """After a step read at once: its evaluation and checkpoint when due; a stop saves and raises Interrupted."""
         cfg, d, b = self.cfg, self.d, self.batches
         if eval_due and not (stopping and not done):  # (a run that stops here saves and ends: no evaluation first)
-            ev = evaluate(self.module, self.eval_src, forward_batch=self.forward_batch, K=cfg.ttt_steps,
-                          weights=self.ttt_cfg.weights, d=d,
-                          tokens_per_batch=b.tokens_per_batch or b.batch_size * cfg.max_length, device=d.device)
+            ev = evaluate(
+                self.module,
+                self.eval_src,
+                forward_batch=self.forward_batch,
+                K=cfg.ttt_steps,
+                weights=self.ttt_cfg.weights,
+                d=d,
+                tokens_per_batch=b.tokens_per_batch or b.batch_size * cfg.max_length,
+                device=d.device,
+            )
             self.reporter.eval(ev, step)
         ck_path = self.ckdir / f"step-{step + 1:06d}.safetensors"
         if save_due or stopping:
-            p = ck.save_checkpoint(ck_path, model=self.module, optimizer=self.opt, scheduler=self.sched, step=step + 1,
-                                   identity=self.identity, extra={"world": d.world}, is_main=d.is_main)
+            p = ck.save_checkpoint(
+                ck_path,
+                model=self.module,
+                optimizer=self.opt,
+                scheduler=self.sched,
+                step=step + 1,
+                identity=self.identity,
+                extra={"world": d.world},
+                is_main=d.is_main,
+            )
             if p is not None:
                 log(f"checkpoint {p}")
                 ck.prune_checkpoints(self.ckdir, keep=cfg.keep_checkpoints)
         if stopping and not done:
             self.prefetch.close()
-            raise Interrupted(f"stopped after step {step + 1} of {b.total}, saved in {ck_path}; "
-                              f"{continue_hint(cfg)} to continue from there")
+            raise Interrupted(
+                f"stopped after step {step + 1} of {b.total}, saved in {ck_path}; "
+                f"{continue_hint(cfg)} to continue from there"
+            )

@@ -83,7 +83,8 @@ def peer_stopped(exc: BaseException) -> bool:
     reset; NCCL: the communicator aborted by the peer's teardown), not an error of this rank's own."""
     text = str(exc)  # (by its words: a DistBackendError can also be this rank's own, a CUDA error in NCCL say)
     return isinstance(exc, RuntimeError) and any(
-        s in text for s in ("by peer", "Connection closed", "Connection reset", "communicator was aborted"))
+        s in text for s in ("by peer", "Connection closed", "Connection reset", "communicator was aborted")
+    )
 
 
 def clear_frames(exc: BaseException) -> None:
@@ -100,4 +101,3 @@ def clear_frames(exc: BaseException) -> None:
         if exc.__cause__ is not None and id(exc.__cause__) not in seen:
             clear_frames(exc.__cause__)
         exc = exc.__context__
-

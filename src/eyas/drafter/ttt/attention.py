@@ -68,7 +68,8 @@ def _cpu_flash_fwd(q, k, v, scale):
 
 def _cpu_flash_bwd(dout, q, k, v, out, lse, scale, aux):
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-        dout, q, k, v, out, lse, 0.0, True, scale=scale)
+        dout, q, k, v, out, lse, 0.0, True, scale=scale
+    )
 
 
 def _cuda_flash_fwd(q, k, v, scale):
@@ -80,11 +81,15 @@ def _cuda_flash_fwd(q, k, v, scale):
 def _cuda_flash_bwd(dout, q, k, v, out, lse, scale, aux):
     cum_q, cum_k, max_q, max_k, rng_state, unused = aux
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
-        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale)
+        dout, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, True, rng_state, unused, scale=scale
+    )
 
 
-KERNELS = {"math": (_math_fwd, _math_bwd), "cpu-flash": (_cpu_flash_fwd, _cpu_flash_bwd),
-           "cuda-flash": (_cuda_flash_fwd, _cuda_flash_bwd)}
+KERNELS = {
+    "math": (_math_fwd, _math_bwd),
+    "cpu-flash": (_cpu_flash_fwd, _cpu_flash_bwd),
+    "cuda-flash": (_cuda_flash_fwd, _cuda_flash_bwd),
+}
 
 
 def pick_kernel(q: torch.Tensor) -> str:
@@ -212,8 +217,10 @@ def _kernel_pair(kernel: str, seg):
     from eyas.packing import VARLEN_KERNELS
 
     fwd, bwd = VARLEN_KERNELS[kernel]
-    return (lambda q, k, v, scale: fwd(q, k, v, scale, seg),
-            lambda dout, q, k, v, out, lse, scale, aux: bwd(dout, q, k, v, out, lse, scale, seg, aux))
+    return (
+        lambda q, k, v, scale: fwd(q, k, v, scale, seg),
+        lambda dout, q, k, v, out, lse, scale, aux: bwd(dout, q, k, v, out, lse, scale, seg, aux),
+    )
 
 
 def _step_keys(x_BKTd: torch.Tensor, heads: int, *, packed_step0: bool = False) -> torch.Tensor:
@@ -250,8 +257,9 @@ def fast_attention(q_BHTd, keys, values, *, kernel: str | None = None, seg=None,
     return _CausalPlusDiagonals.apply(q_BHTd, k0, v0, kernel, scale, seg, rows, *kd, *vd)
 
 
-def check_fast_attention(device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96,
-                         steps: int = 3, seed: int = 0) -> float:
+def check_fast_attention(
+    device: str | torch.device, dtype: torch.dtype = torch.bfloat16, *, T: int = 96, steps: int = 3, seed: int = 0
+) -> float:
     """Max abs difference of output and grads between fast and reference on random inputs."""
     g = torch.Generator(device="cpu").manual_seed(seed)
 

@@ -79,4 +79,3 @@ class TTTOutput:
     """Sum over step-0-valid positions of the simulated chain accepted length."""
     rounds: torch.Tensor = field(default_factory=lambda: torch.zeros(()))
     """Number of step-0-valid positions (simulated drafting rounds)."""
-

@@ -41,9 +41,11 @@ def _chunk_ce(s, t, w, top, t_lse=None):
 def _gathering(chunk):
     """`chunk(s, t, w, top)` with the signature of `fused_chunk_ce`: given `t_rows`, t is a table
     [N, V] and its rows t_rows are gathered into a [c, V] copy first (outside any compiled graph)."""
+
     @functools.wraps(chunk)
     def call(s, t, w, top, *, t_rows=None):
         return chunk(s, t if t_rows is None else t.index_select(0, t_rows), w, top)
+
     return call
 
 
@@ -59,8 +61,9 @@ def chunk_ce_for(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtyp
 
 
 @torch.no_grad()
-def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype, *, rows: int = 64,
-                         vocab: int = 32000) -> str | None:
+def check_fused_chunk_ce(
+    device: torch.device, s_dtype: torch.dtype, t_dtype: torch.dtype, *, rows: int = 64, vocab: int = 32000
+) -> str | None:
     """None when `fused_chunk_ce` equals `_chunk_ce` (eager) on a random chunk on `device`, with the
     teacher given as a [rows, V] tensor and as rows `t_rows` of a larger table; else why not.
     Logits ~ N(0, 3) like a trained head's; weights in [0, 1) with a zero row; half of the `top`
@@ -94,10 +97,16 @@ def check_fused_chunk_ce(device: torch.device, s_dtype: torch.dtype, t_dtype: to
     table_lse = _teacher_lse(table)
     by_index = {"t_rows": t_rows, "t_lse": table_lse}
     moved = table_lse + 0.5
-    cases += [(" (teacher log-sum-exp given)", (s, t, w, top), {"t_lse": table_lse[t_rows]}, ref),
-              (" (teacher rows by index, log-sum-exp given)", (s, table, w, top), by_index, ref),
-              (" (teacher rows by index, log-sum-exp moved by 0.5)", (s, table, w, top),
-               {"t_rows": t_rows, "t_lse": moved}, _chunk_ce(s, t, w, top, moved[t_rows]))]
+    cases += [
+        (" (teacher log-sum-exp given)", (s, t, w, top), {"t_lse": table_lse[t_rows]}, ref),
+        (" (teacher rows by index, log-sum-exp given)", (s, table, w, top), by_index, ref),
+        (
+            " (teacher rows by index, log-sum-exp moved by 0.5)",
+            (s, table, w, top),
+            {"t_rows": t_rows, "t_lse": moved},
+            _chunk_ce(s, t, w, top, moved[t_rows]),
+        ),
+    ]
     # the rank counted in the kernel, for K = 1 (the argmax, or tied with it) and for K at and one past row 2's rank
     # (its token random: some row sits on each side of each boundary)
     r2 = max(1, int((s[2] > s[2, top[2]]).sum()))
@@ -128,7 +137,7 @@ def _chunk_ce_differs(out, ref, s_dtype: torch.dtype) -> str | None:
     if not ce_err <= 1e-4 * max(1.0, abs(ce_r.item())):
         return f"loss differs ({ce.item():.6g} vs {ce_r.item():.6g})"
     # bf16 g: the two round fp32 values that may differ in the last bits, so allow one bf16 ulp
-    rtol = 1e-4 if s_dtype == torch.float32 else 2 ** -7
+    rtol = 1e-4 if s_dtype == torch.float32 else 2**-7
     bad = (grad.float() - grad_r.float()).abs() > 1e-7 + rtol * grad_r.float().abs()
     if bad.any():
         err = (grad.float() - grad_r.float()).abs().max().item()
@@ -190,8 +199,22 @@ class _HeadSoftCE(torch.autograd.Function):
     groups make their own)."""
 
     @staticmethod
-    def forward(ctx, x_nD, w_VD, t_src, wt_VD, t_idx, t_lse, weight_n, top_n, chunk_rows, compute_dtype, bounds,
-                groups, align=None):
+    def forward(
+        ctx,
+        x_nD,
+        w_VD,
+        t_src,
+        wt_VD,
+        t_idx,
+        t_lse,
+        weight_n,
+        top_n,
+        chunk_rows,
+        compute_dtype,
+        bounds,
+        groups,
+        align=None,
+    ):
         with torch.autocast(x_nD.device.type, enabled=False):
             need = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
             xb, wb = x_nD.to(compute_dtype), w_VD.to(compute_dtype)
@@ -200,7 +223,11 @@ class _HeadSoftCE(torch.autograd.Function):
             sums = torch.zeros(len(bounds), dtype=torch.float32, device=x_nD.device)
             hits = torch.zeros(n, dtype=torch.bool, device=x_nD.device)
             dx = torch.empty_like(xb) if need and ctx.needs_input_grad[0] else None
-            dw = torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device) if need and ctx.needs_input_grad[1] else None
+            dw = (
+                torch.zeros(w_VD.shape, dtype=torch.float32, device=w_VD.device)
+                if need and ctx.needs_input_grad[1]
+                else None
+            )
             t_dtype = t_src.dtype if wt_VD is None else compute_dtype  # a kept table, else recomputed
             chunk = chunk_ce_for(x_nD.device, compute_dtype, t_dtype)
             fused = chunk is CE.fused_chunk_ce  # (the torch version takes neither t_lse nor rank_topk)
@@ -296,24 +323,54 @@ def teacher_groups(t_idx: torch.Tensor, lengths: list[int], n_teacher: int, chun
     return tuple(groups) or None
 
 
-def head_soft_ce(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | None, wt_VD: torch.Tensor | None,
-                 weight_n: torch.Tensor, top_n: torch.Tensor, *, chunk_rows: int = 4096,
-                 compute_dtype: torch.dtype | None = None, teacher_logits: torch.Tensor | None = None,
-                 teacher_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def head_soft_ce(
+    x_nD: torch.Tensor,
+    w_VD: torch.Tensor,
+    f_nD: torch.Tensor | None,
+    wt_VD: torch.Tensor | None,
+    weight_n: torch.Tensor,
+    top_n: torch.Tensor,
+    *,
+    chunk_rows: int = 4096,
+    compute_dtype: torch.dtype | None = None,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(sum of weighted soft CE, top-1 hits [n]) of the draft head over rows x (already normed)
     against the teacher logits f @ wt.T (or rows `teacher_rows` of a `teacher_logits` table),
     never holding more than `chunk_rows` x V logits."""
-    total, _, hits = head_soft_ce_ranges(x_nD, w_VD, f_nD, wt_VD, weight_n, top_n, [x_nD.shape[0]],
-                                         chunk_rows=chunk_rows, compute_dtype=compute_dtype,
-                                         teacher_logits=teacher_logits, teacher_rows=teacher_rows)
+    total, _, hits = head_soft_ce_ranges(
+        x_nD,
+        w_VD,
+        f_nD,
+        wt_VD,
+        weight_n,
+        top_n,
+        [x_nD.shape[0]],
+        chunk_rows=chunk_rows,
+        compute_dtype=compute_dtype,
+        teacher_logits=teacher_logits,
+        teacher_rows=teacher_rows,
+    )
     return total, hits
 
 
-def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tensor | None,
-                        wt_VD: torch.Tensor | None, weight_n: torch.Tensor, top_n: torch.Tensor, lengths: list[int],
-                        *, chunk_rows: int = 4096, compute_dtype: torch.dtype | None = None,
-                        teacher_logits: torch.Tensor | None = None, teacher_rows: torch.Tensor | None = None,
-                        align: tuple | None = None, teacher_lse: torch.Tensor | None = None):
+def head_soft_ce_ranges(
+    x_nD: torch.Tensor,
+    w_VD: torch.Tensor,
+    f_nD: torch.Tensor | None,
+    wt_VD: torch.Tensor | None,
+    weight_n: torch.Tensor,
+    top_n: torch.Tensor,
+    lengths: list[int],
+    *,
+    chunk_rows: int = 4096,
+    compute_dtype: torch.dtype | None = None,
+    teacher_logits: torch.Tensor | None = None,
+    teacher_rows: torch.Tensor | None = None,
+    align: tuple | None = None,
+    teacher_lse: torch.Tensor | None = None,
+):
     """`head_soft_ce` over consecutive row ranges of the given `lengths` (e.g. the TTT steps) in one
     call -> (total, [len(lengths)] per-range sums (detached), hits [n]). With `f_nD` and `wt_VD`,
     `teacher_rows` (optional) picks row n's final state from f (no [n, D] copy of them). `align`:
@@ -327,18 +384,32 @@ def head_soft_ce_ranges(x_nD: torch.Tensor, w_VD: torch.Tensor, f_nD: torch.Tens
         raise ValueError(f"head_soft_ce_ranges: lengths sum to {ends[-1]}, x has {x_nD.shape[0]} rows")
     bounds = tuple(zip(ends[:-1], ends[1:]))
     if teacher_logits is not None:
-        return _HeadSoftCE.apply(x_nD, w_VD, teacher_logits, None, teacher_rows, teacher_lse, weight_n, top_n,
-                                 chunk_rows, compute_dtype, bounds, None, align)
+        return _HeadSoftCE.apply(
+            x_nD,
+            w_VD,
+            teacher_logits,
+            None,
+            teacher_rows,
+            teacher_lse,
+            weight_n,
+            top_n,
+            chunk_rows,
+            compute_dtype,
+            bounds,
+            None,
+            align,
+        )
     groups = None
     if teacher_rows is not None and len(lengths) > 1:
         groups = teacher_groups(teacher_rows, lengths, f_nD.shape[0], chunk_rows)
-    return _HeadSoftCE.apply(x_nD, w_VD, f_nD, wt_VD, teacher_rows, None, weight_n, top_n, chunk_rows,
-                             compute_dtype, bounds, groups, align)
+    return _HeadSoftCE.apply(
+        x_nD, w_VD, f_nD, wt_VD, teacher_rows, None, weight_n, top_n, chunk_rows, compute_dtype, bounds, groups, align
+    )
 
 
 def reference_head_soft_ce(x_nD, w_VD, f_nD, wt_VD, weight_n):
     """The plain version of `head_soft_ce`: whole [n, V] logits in fp32 (tests)."""
-    s = (x_nD.float() @ w_VD.float().T)
+    s = x_nD.float() @ w_VD.float().T
     p = torch.softmax(f_nD.float() @ wt_VD.float().T, -1)
     return (soft_ce(s, p) * weight_n.float()).sum()
 

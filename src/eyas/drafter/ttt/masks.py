@@ -10,7 +10,7 @@ def step_mask(loss_mask_BT: torch.Tensor, k: int) -> torch.Tensor:
     """m_{t+2+k} for t in [0, T-1-k): the loss mask of step k (before the vocab filter)."""
     B, T = loss_mask_BT.shape
     n = max(T - 1 - k, 0)
-    shifted = loss_mask_BT[:, 2 + k:].bool()
+    shifted = loss_mask_BT[:, 2 + k :].bool()
     return torch.cat([shifted, shifted.new_zeros(B, n - shifted.shape[1])], dim=1)
 
 
@@ -30,7 +30,7 @@ def supervised_rows(loss_mask_N: torch.Tensor, ends_N: torch.Tensor, steps: int)
     rows = []
     for k in range(steps):  # (shifted slices, not a gather of j = t + 2 + k: about half the host time)
         ok = torch.zeros(N, dtype=torch.bool)
-        ok[:max(0, N - 2 - k)] = mask[2 + k:]
+        ok[: max(0, N - 2 - k)] = mask[2 + k :]
         ok &= left > 2 + k
         rows.append(ok.nonzero().squeeze(1))
     return rows

@@ -16,8 +16,9 @@ from eyas.drafter.ttt.masks import step_denominators, step_mask
 from eyas.drafter.ttt.teacher import Teacher
 
 
-def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: torch.Tensor, *, steps: int,
-               attention: str = "fast"):
+def ttt_unroll(
+    drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: torch.Tensor, *, steps: int, attention: str = "fast"
+):
     """Yield (k, hidden_prenorm_BTD) for k = 0..steps-1 (positions t >= T-1-k carry no meaning).
 
     Step k feeds token x_{t+1+k} at RoPE position t+k with feature fc(aux_t) (k = 0) or the
@@ -30,7 +31,7 @@ def ttt_unroll(drafter: Eagle3Drafter, input_ids_BT: torch.Tensor, aux_BTAD: tor
     positions = torch.arange(T, device=dev)[None].expand(B, T)
     keys, values = [], []
     for k in range(steps):
-        tokens = torch.cat([input_ids_BT[:, 1 + k:], input_ids_BT.new_zeros(B, min(1 + k, T))], dim=1)[:, :T]
+        tokens = torch.cat([input_ids_BT[:, 1 + k :], input_ids_BT.new_zeros(B, min(1 + k, T))], dim=1)[:, :T]
         emb = drafter.embed_tokens(tokens)
         cdtype = torch.get_autocast_dtype(dev.type) if torch.is_autocast_enabled(dev.type) else emb.dtype
         cos, sin = drafter.rope(positions + k, cdtype)
@@ -75,17 +76,23 @@ def ttt_loss(
         if n <= 0:
             break
         logits = drafter.compute_logits(hidden[:, :n]).float()  # [B, n, V]
-        valid = step_mask(loss_mask_BT, k) & teacher.in_vocab_BT[:, 1 + k:]
-        ce = getattr(drafter, "_soft_ce", soft_ce)(logits, teacher.probs_BTV[:, 1 + k:])  # [B, n]
+        valid = step_mask(loss_mask_BT, k) & teacher.in_vocab_BT[:, 1 + k :]
+        ce = getattr(drafter, "_soft_ce", soft_ce)(logits, teacher.probs_BTV[:, 1 + k :])  # [B, n]
         ce_sum = (ce * valid).sum()
         loss = loss + cfg.weights[k] * ce_sum / denominators[k].float()
         with torch.no_grad():
-            hit = (logits.argmax(-1) == teacher.top_BT[:, 1 + k:]) & valid
+            hit = (logits.argmax(-1) == teacher.top_BT[:, 1 + k :]) & valid
             ce_sums[k], corrects[k], valids[k] = ce_sum.detach().double(), hit.sum().double(), valid.sum().double()
             if k == 0:
                 chain_alive, rounds = hit, valid.sum().double()
             else:
                 chain_alive = chain_alive[:, :n] & hit
             accepted = accepted + chain_alive.sum().double()
-    return TTTOutput(loss=loss, ce_sum=torch.stack(ce_sums), correct=torch.stack(corrects),
-                     valid=torch.stack(valids), accepted=accepted, rounds=rounds)
+    return TTTOutput(
+        loss=loss,
+        ce_sum=torch.stack(ce_sums),
+        correct=torch.stack(corrects),
+        valid=torch.stack(valids),
+        accepted=accepted,
+        rounds=rounds,
+    )

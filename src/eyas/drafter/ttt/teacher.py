@@ -24,15 +24,21 @@ class Teacher:
 
 
 @torch.no_grad()
-def teacher_from_final(final_BTD: torch.Tensor, head_weight_VtD: torch.Tensor, used_V: torch.Tensor,
-                       t2d_Vt: torch.Tensor, *, chunk_rows: int = 2048) -> Teacher:
+def teacher_from_final(
+    final_BTD: torch.Tensor,
+    head_weight_VtD: torch.Tensor,
+    used_V: torch.Tensor,
+    t2d_Vt: torch.Tensor,
+    *,
+    chunk_rows: int = 2048,
+) -> Teacher:
     """Teacher logits = target lm_head(final) computed on the fly, in row chunks so the full-vocab
     logits exist for at most `chunk_rows` positions at a time."""
     B, T, D = final_BTD.shape
     flat = final_BTD.reshape(B * T, D).to(head_weight_VtD.dtype)
     probs, tops, inv = [], [], []
     for a in range(0, B * T, chunk_rows):
-        logits = flat[a:a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
+        logits = flat[a : a + chunk_rows] @ head_weight_VtD.T  # [n, Vt]
         inv.append(t2d_Vt[logits.argmax(-1)])
         restricted = logits.index_select(1, used_V).float()
         tops.append(restricted.argmax(-1))
@@ -123,10 +129,17 @@ def unused_head(head_weight_VtD: torch.Tensor, t2d_Vt: torch.Tensor) -> tuple[to
 
 
 @torch.no_grad()
-def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_used_VD: torch.Tensor,
-                   used_V: torch.Tensor, t2d_Vt: torch.Tensor, *, chunk_rows: int = 4096,
-                   cache_bytes: int = TEACHER_CACHE_BYTES,
-                   unused: tuple[torch.Tensor, torch.Tensor] | None = None) -> PackedTeacher:
+def packed_teacher(
+    final_ND: torch.Tensor,
+    head_weight_VtD: torch.Tensor,
+    head_used_VD: torch.Tensor,
+    used_V: torch.Tensor,
+    t2d_Vt: torch.Tensor,
+    *,
+    chunk_rows: int = 4096,
+    cache_bytes: int = TEACHER_CACHE_BYTES,
+    unused: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> PackedTeacher:
     """Argmax flags over the full target vocab, in row chunks; the draft-vocab logits are kept only
     when they fit `cache_bytes` (else the fused loss recomputes them chunk by chunk), with their log-sum-exp where the
     fused CE kernel runs on this device. `unused`: `unused_head(...)` (made here when not given).
@@ -149,14 +162,14 @@ def packed_teacher(final_ND: torch.Tensor, head_weight_VtD: torch.Tensor, head_u
     table = flat.new_empty(N, V) if keep else None
     tops, inv, lses = [], [], []
     for a in range(0, N, chunk_rows):
-        into = table[a:a + chunk_rows] if keep else None
-        restricted = torch.matmul(flat[a:a + chunk_rows], head_used_VD.T, out=into)  # [n, V]
+        into = table[a : a + chunk_rows] if keep else None
+        restricted = torch.matmul(flat[a : a + chunk_rows], head_used_VD.T, out=into)  # [n, V]
         if max_lse_of is not None:  # the maximum and the log-sum-exp in one read of the chunk
             top_max, top, lse = max_lse_of(restricted)
             lses.append(lse)
         else:
             top_max, top = restricted.max(-1)  # (the first index of the maximum, as argmax)
-        inv.append(_draft_argmax_wins(flat[a:a + chunk_rows], top_max, used_V[top], *unused))
+        inv.append(_draft_argmax_wins(flat[a : a + chunk_rows], top_max, used_V[top], *unused))
         tops.append(top)
     return PackedTeacher(flat, head_used_VD, torch.cat(tops), torch.cat(inv), table, torch.cat(lses) if lses else None)
 

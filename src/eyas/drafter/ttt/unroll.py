@@ -34,8 +34,9 @@ def compile_drafter(drafter: Eagle3Drafter) -> Eagle3Drafter:
     return drafter
 
 
-def normed_rows(hidden_ND: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float,
-                dtype: torch.dtype | None = None) -> torch.Tensor:
+def normed_rows(
+    hidden_ND: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """`rms_norm` of rows `rows` of hidden_ND, cast to `dtype` when given."""
     out = rms_norm(hidden_ND.index_select(0, rows), weight, eps)
     return out if dtype is None else out.to(dtype)
@@ -51,8 +52,17 @@ class PackedUnroll:
     positions than the last (`pos`, sorted, a subset of the previous step's): the positions that carry no loss at
     any step (`live_positions`) are computed at step 0 up to their keys and values and then dropped."""
 
-    def __init__(self, drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor, *,
-                 steps: int, attention: str = "fast", cast_once: bool = False):
+    def __init__(
+        self,
+        drafter: Eagle3Drafter,
+        input_ids_N: torch.Tensor,
+        seg,
+        aux_NAD: torch.Tensor,
+        *,
+        steps: int,
+        attention: str = "fast",
+        cast_once: bool = False,
+    ):
         self.drafter, self.ids, self.seg = drafter, input_ids_N, seg
         N = input_ids_N.shape[0]
         dev = input_ids_N.device
@@ -143,9 +153,15 @@ def ttt_loss_packed(
     return _with_statistics(loss, sup, per_step, hits, K, input_ids_N.shape[0])
 
 
-def _unroll_supervised(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, aux_NAD: torch.Tensor,
-                       rows: list[torch.Tensor], cfg: TTTConfig,
-                       live: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _unroll_supervised(
+    drafter: Eagle3Drafter,
+    input_ids_N: torch.Tensor,
+    seg,
+    aux_NAD: torch.Tensor,
+    rows: list[torch.Tensor],
+    cfg: TTTConfig,
+    live: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(x [n, D]: the supervised rows `rows` of every step's hidden state, in step order, normed and cast to the
     head's compute dtype; the last step's hidden state [1, n', D]).
 
@@ -159,8 +175,15 @@ def _unroll_supervised(drafter: Eagle3Drafter, input_ids_N: torch.Tensor, seg, a
     norm_rows = getattr(drafter, "_normed_rows", normed_rows)
     if not (live is not None and 0 < live.shape[0] < N):
         live = None  # (no supervised row: the filler needs a hidden row)
-    unroll = PackedUnroll(drafter, input_ids_N, seg, aux_NAD, steps=cfg.steps, attention=cfg.attention,
-                          cast_once=cfg.cast_once_for(drafter.config.hidden_size))
+    unroll = PackedUnroll(
+        drafter,
+        input_ids_N,
+        seg,
+        aux_NAD,
+        steps=cfg.steps,
+        attention=cfg.attention,
+        cast_once=cfg.cast_once_for(drafter.config.hidden_size),
+    )
     parts: list[torch.Tensor] = []
     for k in range(cfg.steps):
         hidden = unroll.step(k, live)
@@ -182,8 +205,14 @@ def _no_rows_output(loss: torch.Tensor, K: int, device) -> TTTOutput:
     """The output of a row without a supervised position: its loss and zero statistics."""
     f64 = dict(dtype=torch.float64, device=device)
     valids = torch.zeros(K, **f64)
-    return TTTOutput(loss=loss, ce_sum=torch.zeros(K, **f64), correct=torch.zeros(K, **f64), valid=valids,
-                     accepted=torch.zeros((), **f64), rounds=valids[0])
+    return TTTOutput(
+        loss=loss,
+        ce_sum=torch.zeros(K, **f64),
+        correct=torch.zeros(K, **f64),
+        valid=valids,
+        accepted=torch.zeros((), **f64),
+        rounds=valids[0],
+    )
 
 
 @dataclass
@@ -212,8 +241,15 @@ class _Supervised:
     """[n] each row's weight in the head loss: scale_n, 0 where the target's top token is outside the draft vocab."""
 
     @classmethod
-    def of(cls, rows: list[torch.Tensor], lengths: list[int], teacher: PackedTeacher, cfg: TTTConfig,
-           denominators: torch.Tensor, device) -> _Supervised:
+    def of(
+        cls,
+        rows: list[torch.Tensor],
+        lengths: list[int],
+        teacher: PackedTeacher,
+        cfg: TTTConfig,
+        denominators: torch.Tensor,
+        device,
+    ) -> _Supervised:
         k_of_row = _step_of_rows(lengths, device)
         r_cat = torch.cat(rows)
         tr = r_cat + 1 + k_of_row  # teacher row of step k's row t: p_{t+1+k}
@@ -225,30 +261,60 @@ class _Supervised:
         return cls(lengths, k_of_row, r_cat, tr, valid, teacher.top_N[tr], scale, scale_n, w)
 
 
-def _head_loss(drafter: Eagle3Drafter, x: torch.Tensor, sup: _Supervised, teacher: PackedTeacher, cfg: TTTConfig,
-               N: int, chunk_rows: int):
+def _head_loss(
+    drafter: Eagle3Drafter,
+    x: torch.Tensor,
+    sup: _Supervised,
+    teacher: PackedTeacher,
+    cfg: TTTConfig,
+    N: int,
+    chunk_rows: int,
+):
     """(total, per-step weighted sums, top-1 hits [n]) of the head over `x` against the teacher: its kept logits
     table where there is one, else recomputed from its final states. One range per step (empty ones too)."""
     align = (sup.r_cat, N, cfg.align_topk) if cfg.align_topk else None
     if teacher.logits_NV is not None:
-        return head_soft_ce_ranges(x, drafter.lm_head.weight, None, None, sup.w, sup.top, sup.lengths,
-                                   chunk_rows=chunk_rows, teacher_logits=teacher.logits_NV, teacher_rows=sup.tr,
-                                   align=align, teacher_lse=teacher.lse_N)
-    return head_soft_ce_ranges(x, drafter.lm_head.weight, teacher.final_ND, teacher.head_VD, sup.w, sup.top,
-                               sup.lengths, chunk_rows=chunk_rows, teacher_rows=sup.tr, align=align)
+        return head_soft_ce_ranges(
+            x,
+            drafter.lm_head.weight,
+            None,
+            None,
+            sup.w,
+            sup.top,
+            sup.lengths,
+            chunk_rows=chunk_rows,
+            teacher_logits=teacher.logits_NV,
+            teacher_rows=sup.tr,
+            align=align,
+            teacher_lse=teacher.lse_N,
+        )
+    return head_soft_ce_ranges(
+        x,
+        drafter.lm_head.weight,
+        teacher.final_ND,
+        teacher.head_VD,
+        sup.w,
+        sup.top,
+        sup.lengths,
+        chunk_rows=chunk_rows,
+        teacher_rows=sup.tr,
+        align=align,
+    )
 
 
 @torch.no_grad()
-def _with_statistics(loss: torch.Tensor, sup: _Supervised, per_step: torch.Tensor, hits: torch.Tensor, K: int,
-                     N: int) -> TTTOutput:
+def _with_statistics(
+    loss: torch.Tensor, sup: _Supervised, per_step: torch.Tensor, hits: torch.Tensor, K: int, N: int
+) -> TTTOutput:
     """`loss` with the step's statistics. The valid rows (the statistics' denominators) are every supervised row whose
     target top token is in the draft vocab; a position's step k is accepted while its steps 0..k all hit."""
     f64 = dict(dtype=torch.float64, device=loss.device)
     hit = hits & sup.valid
     ce_sum = (per_step / sup.scale).double()  # each step's unweighted soft-CE sum (0 for an empty step)
     correct = torch.zeros(K, **f64).index_add_(0, sup.k_of_row, hit.double())
-    hit_KN = torch.zeros(K, N, dtype=torch.float32, device=loss.device).index_put_((sup.k_of_row, sup.r_cat),
-                                                                                  hit.float())
+    hit_KN = torch.zeros(K, N, dtype=torch.float32, device=loss.device).index_put_(
+        (sup.k_of_row, sup.r_cat), hit.float()
+    )
     accepted = hit_KN.cumprod(0).sum().double()
     valids = torch.zeros(K, **f64).index_add_(0, sup.k_of_row, sup.valid.double())
     return TTTOutput(loss=loss, ce_sum=ce_sum, correct=correct, valid=valids, accepted=accepted, rounds=valids[0])
