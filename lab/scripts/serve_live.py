@@ -263,6 +263,7 @@ class Server:
         mem: float = 0.3,
         capture: bool = False,
         timeout: float = 600.0,
+        extra: tuple[str, ...] = (),
     ):
         self.port, self.label, self.url = port, label, f"http://127.0.0.1:{port}"
         cmd = [
@@ -279,6 +280,7 @@ class Server:
             "bfloat16",
             "--mem-fraction-static",
             str(mem),
+            *extra,
         ]
         if draft is not None:
             steps, topk, tokens = setting.split("/")
@@ -774,6 +776,7 @@ def store_run(a) -> None:
                 str(a.prefill_samples),
                 "--inprocess-samples",
                 str(a.inprocess_samples),
+                f"--server-args={a.server_args}",
             ],
         )
         return
@@ -826,7 +829,8 @@ def store_run(a) -> None:
         sh([VPY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation", "-e", REPO])
 
     step("wait for prepare and install", wait_ready)
-    srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5)
+    srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5, extra=tuple(a.server_args.split()))
+    R["server_args"] = a.server_args
     R["capture_server_start_s"] = step("capture server start", lambda: round(start_with_spares(srv), 1))
     try:
         sys.path.insert(0, str(REPO / "src"))
@@ -844,6 +848,7 @@ def store_run(a) -> None:
         )
 
         def capture():
+            shutil.rmtree(STORE, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
             t0 = time.time()
             out = eyas(
                 [
@@ -882,6 +887,8 @@ def store_run(a) -> None:
     pre = [r["tokens_per_s"] for r in (R.get("prefill_same_bypass"), R.get("prefill_same_bypass_after")) if r]
     if cap.get("tokens_per_s") and pre:
         R["sglang_capture_vs_prefill"] = round(cap["tokens_per_s"] / (sum(pre) / len(pre)), 4)
+    if cap.get("loop_tokens_per_s") and pre:  # sending and ingesting only: no preflight, probes or calibration
+        R["sglang_capture_loop_vs_prefill"] = round(cap["loop_tokens_per_s"] / (sum(pre) / len(pre)), 4)
     keep()
 
     import threading
@@ -900,6 +907,23 @@ def store_run(a) -> None:
 
     vt = threading.Thread(target=verify_all)  # beside the training: verify reads the store, the GPU barely
     vt.start()
+    if not a.steps:  # capture and verify only (the rate and the checks again): no training, eval or serving
+        vt.join()
+        R["done"] = True
+        keep()
+        print(
+            json.dumps(
+                {
+                    k: R.get(k)
+                    for k in (
+                        "sglang_capture_vs_prefill",
+                        "sglang_capture_loop_vs_prefill",
+                        "sglang_verify_false_alarms",
+                    )
+                }
+            )
+        )
+        return
 
     def train():
         out = eyas(
@@ -1072,7 +1096,8 @@ def main() -> None:
     st = sub.add_parser("store", help="issue 41: capture from SGLang, verify x3, train offline, eval, serve")
     st.add_argument("--detach", action="store_true")
     st.add_argument("--samples", type=int, default=6000, help="train samples captured (all of 6,000 records)")
-    st.add_argument("--steps", type=int, default=1600)
+    st.add_argument("--steps", type=int, default=1600, help="0: capture and verify only")
+    st.add_argument("--server-args", default="", help="more flags for the capture server, e.g. --disable-radix-cache")
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument("--inprocess-samples", type=int, default=1000)
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
