@@ -28,6 +28,8 @@ records regenerated and prepared, no training) and `install --detach --no-smoke`
 `store --detach` waits for both, then: a capture server with the eyas plugin, the same server's prefill without
 dumps, `eyas capture --backend sglang`, `eyas verify` x3 beside `eyas train --store` (the scaling study's
 settings), eval, in-process capture for comparison, then the trained drafter served (`--serve 7/1/8,3/1/4`).
+`store --detach --steps 0` captures and verifies only (the rate and the checks again, a few minutes);
+`--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed).
 
 Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
 module at that moment fails (seen: ModuleNotFoundError in a running `eyas pipeline`). Copy it first and start
