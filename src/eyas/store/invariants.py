@@ -44,10 +44,9 @@ pooled rate AND so few passes would happen by chance with probability < OUTLIER_
 rule absorbs real differences between samples). Short samples therefore rarely fail a rate
 invariant; the absolute checks cover them.
 
-Measured (benchmarks/verify_invariants_bench.py, SmolLM2 fp32 on CPU, 55 ShareGPT chats): store
-rates next 0.78, align 0.99, token 0.24 / 0.08 / 0.03 (not informative: the residual stream does
-not keep the token's embedding direction); the 5 single-sample faults were each caught with no
-false alarm. On a tiny random Llama token is 0.99 at every layer and next is at chance (0.06).
+On SmolLM2 `token` is not informative (the residual stream does not keep the token's embedding
+direction) while `next` and `align` are; on a tiny random Llama `token` is and `next` is at chance.
+`python benchmarks/verify_invariants_bench.py` measures the rates and the faults each one catches.
 
 Cost: samples go in batches of about BATCH_TOKENS tokens. Each batch crosses to the device once,
 its tail runs as ONE packed forward (samples end to end, attention kept inside each, positions
