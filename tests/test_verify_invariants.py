@@ -37,32 +37,33 @@ LAYERS = [1, 3, 4]
 N_SAMPLES = 160
 
 
-@pytest.fixture(scope="module")
-def chat_store(tmp_path_factory, tiny_target_dir):
-    """(store, prepared split) of N_SAMPLES chat-shaped samples in many shards, captured in batches."""
-    root = tmp_path_factory.mktemp("verify_inv")
-    tok = load_tokenizer(tiny_target_dir)
-    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][
-        :24
-    ]
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for i in range(N_SAMPLES):
-        n = int(torch.randint(8, 48, (1,), generator=g))
-        ids = prefix + torch.randint(3, len(tok), (n,), generator=g).tolist()
-        rows.append((f"c{i:03d}", ids, [k >= 24 for k in range(len(ids))]))
+def captured_chats(root, target_dir, tails, *, seed: int, **capture):
+    """(store, prepared split) of chat-shaped samples: the template's first 24 tokens, then tails(tok, g) ->
+    [(id, answer ids)] (the answer is the loss-masked part), captured from the target in batches."""
+    tok = load_tokenizer(target_dir)
+    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"]
+    prefix = prefix[:24]
+    g = torch.Generator().manual_seed(seed)
+    rows = [(sid, prefix + tail, [k >= 24 for k in range(24 + len(tail))]) for sid, tail in tails(tok, g)]
     data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
     run_capture(
         CaptureSettings(
-            target=str(tiny_target_dir),
-            data=data,
-            out=root / "good",
-            aux_layers=LAYERS,
-            token_budget=512,
-            shard_bytes=60_000,
+            target=str(target_dir), data=data, out=root / "good", aux_layers=LAYERS, token_budget=512, **capture
         )
     )
     return root / "good", PreparedDataset(data).split("train")
+
+
+@pytest.fixture(scope="module")
+def chat_store(tmp_path_factory, tiny_target_dir):
+    """(store, prepared split) of N_SAMPLES chat-shaped samples in many shards, captured in batches."""
+
+    def tails(tok, g):
+        for i in range(N_SAMPLES):
+            n = int(torch.randint(8, 48, (1,), generator=g))
+            yield f"c{i:03d}", torch.randint(3, len(tok), (n,), generator=g).tolist()
+
+    return captured_chats(tmp_path_factory.mktemp("verify_inv"), tiny_target_dir, tails, seed=0, shard_bytes=60_000)
 
 
 def rewrite(src, dst, mutate, **fields):
@@ -384,24 +385,14 @@ def test_batched_invariants_equal_per_sample_run(chat_store, tmp_path, tiny_targ
 def run_store(tmp_path_factory, tiny_target_dir):
     """(store, split) of chat-shaped samples, one of which ("run") answers with one token repeated 150 times
     between random tokens, the way a small target's greedy answer can end."""
-    root = tmp_path_factory.mktemp("verify_run")
-    tok = load_tokenizer(tiny_target_dir)
-    prefix = tok.apply_chat_template([{"role": "user", "content": "x"}], tokenize=True, return_dict=True)["input_ids"][
-        :24
-    ]
-    g = torch.Generator().manual_seed(3)
-    rows = []
-    for i in range(40):
-        ids = prefix + torch.randint(3, len(tok), (40,), generator=g).tolist()
-        rows.append((f"c{i:03d}", ids, [k >= 24 for k in range(len(ids))]))
-    rand = torch.randint(3, len(tok), (40,), generator=g).tolist()
-    ids = prefix + rand[:20] + [int(rand[0])] * 150 + rand[20:]
-    rows.append(("run", ids, [k >= 24 for k in range(len(ids))]))
-    data = write_prepared(root / "p", {"train": rows}, {"tokenizer_hash": tokenizer_hash(tok)}, overwrite=True)
-    run_capture(
-        CaptureSettings(target=str(tiny_target_dir), data=data, out=root / "good", aux_layers=LAYERS, token_budget=512)
-    )
-    return root / "good", PreparedDataset(data).split("train")
+
+    def tails(tok, g):
+        for i in range(40):
+            yield f"c{i:03d}", torch.randint(3, len(tok), (40,), generator=g).tolist()
+        rand = torch.randint(3, len(tok), (40,), generator=g).tolist()
+        yield "run", rand[:20] + [int(rand[0])] * 150 + rand[20:]
+
+    return captured_chats(tmp_path_factory.mktemp("verify_run"), tiny_target_dir, tails, seed=3)
 
 
 def test_a_run_of_one_repeated_token_is_no_fault(run_store, tiny_target_dir):

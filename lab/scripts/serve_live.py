@@ -59,6 +59,9 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sglang_live as _sglang_live  # noqa: E402 (the script beside this one)
+
 ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))
 S, SMOL, W, Q = ROOT / "s", ROOT / "smol", ROOT / "recipe", ROOT / "q"
 VPY = ROOT / "venv" / "bin" / "python"
@@ -687,31 +690,8 @@ def sweep(a) -> None:
 
 CAPTURE_PORT = 30002
 STORE, TRAIN41 = ROOT / "store41", ROOT / "train41"
-# recipes/smollm2-gpu.toml's [train] at the scaling study's settings (its 6,000-record point: align_topk 0)
-RECIPE_TRAIN = [
-    "--ttt-steps",
-    "7",
-    "--draft-vocab",
-    "32000",
-    "--draft-intermediate-size",
-    "6144",
-    "--tokens-per-batch",
-    "65536",
-    "--lr",
-    "3e-4",
-    "--optimizer",
-    "adamw",
-    "--max-length",
-    "2048",
-    "--align-topk",
-    "0",
-    "--eval-every",
-    "200",
-    "--eval-samples",
-    "64",
-    "--save-every",
-    "200",
-]
+# sglang_live's recipe settings (the scaling study's 6,000-record point) with the recipe's evals and checkpoints
+RECIPE_TRAIN = [*_sglang_live.RECIPE_TRAIN, "--eval-every", "200", "--eval-samples", "64", "--save-every", "200"]
 RECIPE_EVAL = [
     "--max-new-tokens",
     "256",
