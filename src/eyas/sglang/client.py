@@ -646,6 +646,115 @@ def capture_from_sglang(
     """
     from eyas.data.prepared import PreparedDataset
 
+    _check_capture_options(
+        urls,
+        concurrency=concurrency,
+        max_retries=max_retries,
+        dump_wait_s=dump_wait_s,
+        request_timeout_s=request_timeout_s,
+    )
+    t0 = time.time()
+    ds = PreparedDataset(prepared)
+    sp = ds.split(split)
+    n_total = len(sp) if limit is None else min(limit, len(sp))
+
+    plans, layer_ids = _preflight_servers(urls, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir)
+    job = _job_tag(Path(out_store), split)
+    run = os.urandom(3).hex()  # rids differ between runs: a rerun never meets a server's memory of an earlier one
+    for ddir in _dump_dirs(plans):
+        if n := remove_stale_dumps(ddir, job):
+            log(f"eyas: removed {n} dumps left in {ddir} by an interrupted run")
+    probes = _probe_servers(
+        plans,
+        sp[0].input_ids if n_total else torch.arange(100, 116),
+        layer_ids=layer_ids,
+        job=job,
+        dump_wait_s=dump_wait_s,
+        max_retries=max_retries,
+        backoff_s=backoff_s,
+    )
+    writer, target = _open_capture_store(
+        Path(out_store), ds, plans, probes, split=split, layer_ids=layer_ids, dtype=dtype, target=target, limit=limit
+    )
+    done_ids = writer.committed_ids
+    todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
+    log(
+        f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
+        f"({n_total - len(todo)} already in {out_store}); layers {layer_ids} ({CONVENTION}), "
+        f"bypass {[p.bypass for p in plans]}"
+    )
+
+    tally = _Tally(retries=sum(p.retries for p in probes))
+    # `concurrency` requests at each server (its gate); as many more samples again are being read and
+    # checked, or wait for a slot, so that a server never waits for this process to read a dump
+    gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
+    queued = 2 * concurrency * len(plans)
+    bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
+    ok = False
+    loop_t0 = time.time()
+    try:
+        with cf.ThreadPoolExecutor(max_workers=queued) as pool:
+            sender = _Sender(
+                pool=pool,
+                plans=plans,
+                gates=gates,
+                split=sp,
+                todo=iter(todo),
+                rid_tag=f"{job}-{run}",
+                layer_ids=layer_ids,
+                max_retries=max_retries,
+                backoff_s=backoff_s,
+                request_timeout_s=request_timeout_s,
+                dump_wait_s=dump_wait_s,
+            )
+            _send_and_ingest(sender, writer, tally, bar, queued=queued)
+            ok = True
+        loop_s = time.time() - loop_t0
+        ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
+        calibration = _calibrate(
+            writer,
+            Path(out_store),
+            sp,
+            target,
+            calibrate=calibrate,
+            device=device,
+            engine={"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype},
+        )
+        ok = True
+    finally:
+        bar.close()
+        for ddir in _dump_dirs(plans):
+            remove_stale_dumps(ddir, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
+        complete = ok and (not tally.rejected or mark_complete_with_rejections)
+        manifest = writer.close(complete=complete)  # commits verified samples even after an error
+    summary = _capture_summary(
+        tally,
+        plans,
+        out_store=out_store,
+        split=split,
+        layer_ids=layer_ids,
+        n_total=n_total,
+        n_todo=len(todo),
+        store_complete=manifest.get("status") == "complete",
+        elapsed=time.time() - t0,
+        loop_s=loop_s,
+        calibration=calibration,
+    )
+    if calibration.get("problem"):
+        from eyas.errors import CheckFailed
+
+        raise CheckFailed(
+            f"store {out_store}: the engine's numbers disagree with the reference: {calibration['problem']}; "
+            f"check the server (`eyas verify-server --url {plans[0].url} --target ...`)",
+            summary,
+        )
+    return summary
+
+
+def _check_capture_options(
+    urls: Sequence[str], *, concurrency: int, max_retries: int, dump_wait_s: float, request_timeout_s: float
+) -> None:
+    """Refuse capture_from_sglang's options that cannot work, before anything is read or sent."""
     if not urls:
         raise EyasError("--url: give at least one SGLang server URL")
     if concurrency < 1:
@@ -656,11 +765,12 @@ def capture_from_sglang(
         raise EyasError(
             f"--sglang-dump-wait {dump_wait_s} / --sglang-request-timeout {request_timeout_s}: expected > 0"
         )
-    t0 = time.time()
-    ds = PreparedDataset(prepared)
-    sp = ds.split(split)
-    n_total = len(sp) if limit is None else min(limit, len(sp))
 
+
+def _preflight_servers(
+    urls: Sequence[str], layer_ids: Sequence[int] | None, *, cache_bypass: str, dump_dir: str | Path | None
+) -> tuple[list[ServerPlan], list[int]]:
+    """Every server preflighted, and the layer ids they all capture (the first server's when none are asked for)."""
     plans = [preflight(u, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir) for u in urls]
     layer_ids = [int(i) for i in plans[0].status["layer_ids"]] if layer_ids is None else list(layer_ids)
     for p in plans[1:]:
@@ -670,23 +780,35 @@ def capture_from_sglang(
                 f"{p.hidden_size}; {plans[0].url} captures {layer_ids} with {plans[0].hidden_size}: "
                 "all servers must serve the same model with the same EYAS_CAPTURE_LAYERS"
             )
-    job = _job_tag(Path(out_store), split)
-    run = os.urandom(3).hex()  # rids differ between runs: a rerun never meets a server's memory of an earlier one
-    for p in {str(p.dump_dir): p for p in plans}.values():
-        if n := remove_stale_dumps(p.dump_dir, job):
-            log(f"eyas: removed {n} dumps left in {p.dump_dir} by an interrupted run")
+    return plans, layer_ids
 
-    # One probe per server: proves the dump path end to end and gives the hidden size and dtype.
-    # Random ids within the range the data uses (valid for the vocabulary), so that the probe does not
-    # leave a prefix of a real sample in a server's radix cache.
-    first = sp[0].input_ids if n_total else torch.arange(100, 116)
+
+def _dump_dirs(plans: Sequence[ServerPlan]) -> list[Path]:
+    """The servers' dump directories, each once (servers on one host may share one)."""
+    return [p.dump_dir for p in {str(p.dump_dir): p for p in plans}.values()]
+
+
+def _probe_servers(
+    plans: Sequence[ServerPlan],
+    first: torch.Tensor,
+    *,
+    layer_ids: Sequence[int],
+    job: str,
+    dump_wait_s: float,
+    max_retries: int,
+    backoff_s: float,
+) -> list[Outcome]:
+    """One probe per server: proves the dump path end to end and gives the hidden size and dtype.
+
+    Random ids within the range `first` (the first sample's ids) uses, valid for the vocabulary, so
+    that the probe does not leave a prefix of a real sample in a server's radix cache."""
     probe_ids = torch.randint(
         int(first.min()),
         int(first.max()) + 1,
         (16,),
         generator=torch.Generator().manual_seed(int.from_bytes(os.urandom(4), "little")),
     )
-    probes = [
+    return [
         probe(
             p,
             probe_ids,
@@ -698,16 +820,30 @@ def capture_from_sglang(
         )
         for i, p in enumerate(plans)
     ]
+
+
+def _open_capture_store(
+    out_store: Path,
+    prepared,
+    plans: Sequence[ServerPlan],
+    probes: Sequence[Outcome],
+    *,
+    split: str,
+    layer_ids: Sequence[int],
+    dtype: str,
+    target: str | Path | None,
+    limit: int | None,
+):
+    """(the store's writer, the target it records): the served model's directory stands in for a missing target."""
     hidden = int(probes[0].hidden_LSD.shape[2])
     server_dtype = _model_dtype(probes[0].dump_dtype)
-
     if target is None:
         served = plans[0].info.get("model_path")
         if served and (Path(served) / "config.json").is_file():
             target = served  # the server loads its model from a directory this host can read
     writer = open_store(
-        Path(out_store),
-        prepared=ds,
+        out_store,
+        prepared=prepared,
         split=split,
         layer_ids=layer_ids,
         hidden_size=hidden,
@@ -726,103 +862,128 @@ def capture_from_sglang(
             "model_class": plans[0].status.get("model", {}).get("class"),
         },
     )
-    done_ids = writer.committed_ids
-    todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
-    log(
-        f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
-        f"({n_total - len(todo)} already in {out_store}); layers {layer_ids} ({CONVENTION}), "
-        f"bypass {[p.bypass for p in plans]}"
-    )
+    return writer, target
 
-    rejected: list[dict[str, Any]] = []
-    captured = tokens = 0
-    retries = sum(p.retries for p in probes)
-    # `concurrency` requests at each server (its gate); as many more samples again are being read and
-    # checked, or wait for a slot, so that a server never waits for this process to read a dump
-    gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
-    queued = 2 * concurrency * len(plans)
-    bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
-    ok = False
-    spent = {"request": 0.0, "dump": 0.0, "check": 0.0, "ingest": 0.0}  # summed over samples
-    loop_t0 = time.time()
-    futures: dict[cf.Future, int] = {}  # future -> index of its server
+
+@dataclass(kw_only=True)
+class _Tally:
+    """What the send/ingest loop counts, for the summary."""
+
+    retries: int
+    rejected: list[dict[str, Any]] = field(default_factory=list)
+    captured: int = 0
+    tokens: int = 0
+    spent: dict[str, float] = field(default_factory=lambda: {"request": 0.0, "dump": 0.0, "check": 0.0, "ingest": 0.0})
+    """Seconds summed over samples, per part of a sample's way."""
+
+    def ingest(self, res: Outcome, writer) -> None:
+        """Count one sample's outcome; store it when it passed every check."""
+        self.retries += res.retries
+        for part, secs in res.seconds.items():
+            self.spent[part] += secs
+        if res.reason is not None:
+            self.rejected.append({"id": res.sample_id, "tokens": res.tokens, "reason": res.reason})
+            log(f"eyas: rejected {res.sample_id}: {res.reason}")
+        else:
+            t_add = time.perf_counter()
+            writer.add_stacked(res.sample_id, res.hidden_LSD)
+            self.spent["ingest"] += time.perf_counter() - t_add
+            self.captured += 1
+            self.tokens += res.tokens
+
+
+@dataclass(kw_only=True)
+class _Sender:
+    """Hands the samples still to capture to the servers, each to the least loaded one."""
+
+    pool: cf.ThreadPoolExecutor
+    plans: Sequence[ServerPlan]
+    gates: Sequence[threading.BoundedSemaphore]
+    split: Any
+    todo: Any
+    """Iterator over the indices of the samples still to send."""
+    rid_tag: str
+    layer_ids: Sequence[int]
+    max_retries: int
+    backoff_s: float
+    request_timeout_s: float
+    dump_wait_s: float
+    futures: dict[cf.Future, int] = field(default_factory=dict)
+    """Future -> index of its server."""
+    load: list[int] = field(init=False)
+    """Samples taken per server: the least loaded gets the next one."""
+
+    def __post_init__(self):
+        self.load = [0] * len(self.plans)
+
+    def submit_next(self) -> bool:
+        """Send the next sample; False when none is left."""
+        i = next(self.todo, None)
+        if i is None:
+            return False
+        k = min(range(len(self.plans)), key=self.load.__getitem__)
+        s = self.split[i]
+        self.futures[
+            self.pool.submit(
+                capture_one,
+                self.plans[k],
+                s.id,
+                s.input_ids,
+                f"{self.rid_tag}-{i}",
+                layer_ids=self.layer_ids,
+                max_retries=self.max_retries,
+                backoff_s=self.backoff_s,
+                request_timeout_s=self.request_timeout_s,
+                dump_wait_s=self.dump_wait_s,
+                gate=self.gates[k],
+            )
+        ] = k
+        self.load[k] += 1
+        return True
+
+    def retire(self, f: cf.Future) -> None:
+        """Forget a finished future and send the next sample in its place."""
+        self.load[self.futures.pop(f)] -= 1
+        self.submit_next()
+
+
+def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int) -> None:
+    """Keep `queued` samples in flight until none is left, storing each verified one as it comes back."""
+    futures = sender.futures
     try:
-        with cf.ThreadPoolExecutor(max_workers=queued) as pool:
-            load = [0] * len(plans)  # samples taken per server: the least loaded gets the next one
-            it = iter(todo)
+        while len(futures) < queued and sender.submit_next():
+            pass
+        while futures:
+            finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
+            for f in finished:  # refill first: the next samples go out while these are stored
+                sender.retire(f)
+            for f in finished:
+                res: Outcome = f.result()
+                tally.ingest(res, writer)
+                bar.update(res.tokens)
+    except BaseException:
+        for f in futures:
+            f.cancel()  # requests not started yet; running ones end within their timeouts
+        raise
 
-            def submit_next() -> bool:
-                i = next(it, None)
-                if i is None:
-                    return False
-                k = min(range(len(plans)), key=load.__getitem__)
-                s = sp[i]
-                futures[
-                    pool.submit(
-                        capture_one,
-                        plans[k],
-                        s.id,
-                        s.input_ids,
-                        f"{job}-{run}-{i}",
-                        layer_ids=layer_ids,
-                        max_retries=max_retries,
-                        backoff_s=backoff_s,
-                        request_timeout_s=request_timeout_s,
-                        dump_wait_s=dump_wait_s,
-                        gate=gates[k],
-                    )
-                ] = k
-                load[k] += 1
-                return True
 
-            try:
-                while len(futures) < queued and submit_next():
-                    pass
-                while futures:
-                    finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-                    for f in finished:  # refill first: the next samples go out while these are stored
-                        load[futures.pop(f)] -= 1
-                        submit_next()
-                    for f in finished:
-                        res: Outcome = f.result()
-                        retries += res.retries
-                        for part, secs in res.seconds.items():
-                            spent[part] += secs
-                        if res.reason is not None:
-                            rejected.append({"id": res.sample_id, "tokens": res.tokens, "reason": res.reason})
-                            log(f"eyas: rejected {res.sample_id}: {res.reason}")
-                        else:
-                            t_add = time.perf_counter()
-                            writer.add_stacked(res.sample_id, res.hidden_LSD)
-                            spent["ingest"] += time.perf_counter() - t_add
-                            captured += 1
-                            tokens += res.tokens
-                        bar.update(res.tokens)
-                ok = True
-            except BaseException:
-                for f in futures:
-                    f.cancel()  # requests not started yet; running ones end within their timeouts
-                raise
-        loop_s = time.time() - loop_t0
-        ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
-        calibration = _calibrate(
-            writer,
-            Path(out_store),
-            sp,
-            target,
-            calibrate=calibrate,
-            device=device,
-            engine={"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype},
-        )
-        ok = True
-    finally:
-        bar.close()
-        for p in {str(p.dump_dir): p for p in plans}.values():
-            remove_stale_dumps(p.dump_dir, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
-        complete = ok and (not rejected or mark_complete_with_rejections)
-        manifest = writer.close(complete=complete)  # commits verified samples even after an error
-    elapsed = time.time() - t0
-    summary = {
+def _capture_summary(
+    tally: _Tally,
+    plans: Sequence[ServerPlan],
+    *,
+    out_store: str | Path,
+    split: str,
+    layer_ids: list[int],
+    n_total: int,
+    n_todo: int,
+    store_complete: bool,
+    elapsed: float,
+    loop_s: float,
+    calibration: dict[str, Any],
+) -> dict[str, Any]:
+    """capture_from_sglang's summary (rejected samples listed up to REJECTED_LISTED)."""
+    tokens = tally.tokens
+    return {
         "backend": "sglang",
         "store": str(out_store),
         "split": split,
@@ -831,30 +992,21 @@ def capture_from_sglang(
         "convention": CONVENTION,
         "sglang_layer_ids": sglang_layer_ids(layer_ids),
         "samples": n_total,
-        "already_committed": n_total - len(todo),
-        "captured": captured,
+        "already_committed": n_total - n_todo,
+        "captured": tally.captured,
         "tokens": tokens,
-        "rejected_count": len(rejected),
-        "rejected": rejected[:REJECTED_LISTED],
-        "retries": retries,
+        "rejected_count": len(tally.rejected),
+        "rejected": tally.rejected[:REJECTED_LISTED],
+        "retries": tally.retries,
         "cache_bypass": [p.bypass for p in plans],
-        "store_complete": manifest.get("status") == "complete",
+        "store_complete": store_complete,
         "elapsed_s": round(elapsed, 3),
         "tokens_per_s": round(tokens / elapsed, 1) if elapsed > 0 else None,
         "loop_s": round(loop_s, 3),
         "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
-        "seconds_summed": {k: round(v, 3) for k, v in spent.items()},
+        "seconds_summed": {k: round(v, 3) for k, v in tally.spent.items()},
         "engine_numerics": calibration,
     }
-    if calibration.get("problem"):
-        from eyas.errors import CheckFailed
-
-        raise CheckFailed(
-            f"store {out_store}: the engine's numbers disagree with the reference: {calibration['problem']}; "
-            f"check the server (`eyas verify-server --url {plans[0].url} --target ...`)",
-            summary,
-        )
-    return summary
 
 
 def _calibrate(
