@@ -18,7 +18,6 @@ FUNCTION_LINES = 150
 """The most lines of a function of src/eyas, from its `def` to its last line."""
 LONG_FUNCTIONS = {
     "src/eyas/store/invariants.py:run_invariants",
-    "src/eyas/store/verify.py:run_verify",
 }
 """Functions allowed over FUNCTION_LINES for now (longer than it once `ruff format` wraps them): split them next."""
 

@@ -381,24 +381,14 @@ def verify_store(store: str | Path, **options: Any) -> dict[str, Any]:
 
 
 def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
-    from eyas.common import progress
-    from eyas.data.prepared import PreparedDataset
     from eyas.locks import require_idle
-    from eyas.store.invariants import run_invariants, target_parts
 
     store = cfg.store
     require_idle(store, what="store")  # a capture still running: its manifest lists a part of the samples
     reader = StoreReader(store)
     m = reader.manifest
-    prep = m.get("prepared") or {}
-    data_dir = Path(cfg.data) if cfg.data is not None else Path(prep.get("path", ""))
-    if not prep or not (data_dir / "meta.json").is_file():
-        raise EyasError(
-            f"store {store}: its prepared dataset {str(data_dir)!r} is not there; pass --data with its new location"
-        )
-    split = PreparedDataset(data_dir, check=False).split(prep["split"])  # (coverage reports a changed split)
+    split = _prepared_split(store, m, cfg.data)
 
-    # -- coverage ------------------------------------------------------------------------------
     log(
         f"eyas verify: {store}: {len(reader)} samples, {reader.dtype}, aux layers {reader.aux_layer_ids} ({m.get('convention')}); coverage..."
     )
@@ -416,25 +406,7 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         summary["warnings"].append(
             "manifest has no fields_sha256 (older eyas): dtype, layer ids and model dtype taken on trust"
         )
-    tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(reader.dtype, m.get("model_dtype"))
-    limits = None
-    prefix_tol = tol
-    if cfg.tolerance is None and is_engine_store(m):
-        limits = engine_limits(m, tol)
-        # the prefix invariant compares single tokens: only the gross per-token limit parts engine noise from faults there
-        prefix_tol = max(tol, limits.gross)
-        producer = m.get("producer") or {}
-        log(
-            f"eyas verify: store made by {producer.get('backend')} {producer.get('sglang_version', '')}".rstrip()
-            + f": numbers judged per layer by rms, p99.9 and max of the per-token error ({limits.source}: {limits.why}); "
-            f"limits {limits.describe()}; prefix invariant {prefix_tol:.3g}"
-        )
-        calibrated_on = ((m.get("engine_numerics") or {}).get("reference") or {}).get("device")
-        if limits.source == "calibration" and calibrated_on not in (None, cfg.device.split(":")[0]):
-            log(
-                f"eyas verify: note: the calibration's reference ran on {calibrated_on}, this one runs on {cfg.device}; "
-                "the limits' margin is what absorbs the two references' own rounding differences"
-            )
+    tol, limits, prefix_tol = _numbers_limits(m, cfg, reader.dtype)
     failed = set(coverage["failing_samples"])
     candidates = list(dict.fromkeys(sid for sid in reader.sample_ids if sid not in failed and sid in split._index))
     n_wanted = min(len(candidates), max(cfg.numbers, math.ceil(cfg.numbers_fraction * len(candidates))))
@@ -444,46 +416,107 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
     if candidates and (cfg.invariants or n_wanted):
         model = _load_reference_target(m, cfg.target, cfg.device, summary["warnings"])
 
-    # -- invariants on every sample ------------------------------------------------------------
-    inv_failed: set[str] = set()
-    if model is not None and cfg.invariants:
-        parts = target_parts(model, reader.aux_layer_ids)
-        bar = progress(len(candidates), "verify invariants", unit="sample")
-        try:
-            inv = run_invariants(
-                reader,
-                split,
-                parts,
-                sample_ids=candidates,
-                prefix_tol=prefix_tol,
-                tail_tol=store_tail_tolerance(m, reader.dtype),
-                progress_bar=bar,
-            )
-        finally:
-            bar.close()
-        inv_failed = set(inv["failing_samples"])
-        inv["failures"] = dict(list(inv["failures"].items())[:LIST_MAX])
-        summary["invariants"] = inv
-        log(
-            f"eyas verify: invariants on {inv['checked']} samples ({inv['tokens']} tokens): "
-            f"{len(inv_failed)} failing; "
-            + ", ".join(
-                f"{k} {v['store_rate']:.2f}" + ("" if v["informative"] else " (not informative)")
-                for k, v in inv["rates"].items()
-            )
-        )
-    else:
-        summary["invariants"] = {
-            "ok": True,
-            "checked": 0,
-            "skipped": "--no-invariants" if not cfg.invariants else "no samples",
-        }
+    inv, inv_failed = _verify_invariants(reader, split, model, candidates, cfg, prefix_tol=prefix_tol)
+    summary["invariants"] = inv
+    nums = _verify_numbers(reader, split, model, candidates, cfg, n_wanted=n_wanted, tol=tol, limits=limits)
+    summary["numbers"] = nums
+    _verdict(summary, store, inv_failed, tol=tol, limits=limits)
+    return summary
 
-    # -- numbers on a fresh random subset ------------------------------------------------------
+
+def _prepared_split(store: Path, manifest: dict[str, Any], data: Path | None):
+    """The prepared split the store was captured from (at `data` when it moved); its changes are coverage's to report."""
+    from eyas.data.prepared import PreparedDataset
+
+    prep = manifest.get("prepared") or {}
+    data_dir = Path(data) if data is not None else Path(prep.get("path", ""))
+    if not prep or not (data_dir / "meta.json").is_file():
+        raise EyasError(
+            f"store {store}: its prepared dataset {str(data_dir)!r} is not there; pass --data with its new location"
+        )
+    return PreparedDataset(data_dir, check=False).split(prep["split"])  # (coverage reports a changed split)
+
+
+def _numbers_limits(manifest: dict[str, Any], cfg: VerifyConfig, dtype: str) -> tuple[float, Any, float]:
+    """(numbers tolerance, engine limits or None, prefix invariant tolerance) for the store: a store made by a
+    serving engine is judged by its engine limits unless a tolerance is given."""
+    tol = cfg.tolerance if cfg.tolerance is not None else default_tolerance(dtype, manifest.get("model_dtype"))
+    limits = None
+    prefix_tol = tol
+    if cfg.tolerance is None and is_engine_store(manifest):
+        limits = engine_limits(manifest, tol)
+        # the prefix invariant compares single tokens: only the gross per-token limit parts engine noise from faults there
+        prefix_tol = max(tol, limits.gross)
+        producer = manifest.get("producer") or {}
+        log(
+            f"eyas verify: store made by {producer.get('backend')} {producer.get('sglang_version', '')}".rstrip()
+            + f": numbers judged per layer by rms, p99.9 and max of the per-token error ({limits.source}: {limits.why}); "
+            f"limits {limits.describe()}; prefix invariant {prefix_tol:.3g}"
+        )
+        calibrated_on = ((manifest.get("engine_numerics") or {}).get("reference") or {}).get("device")
+        if limits.source == "calibration" and calibrated_on not in (None, cfg.device.split(":")[0]):
+            log(
+                f"eyas verify: note: the calibration's reference ran on {calibrated_on}, this one runs on {cfg.device}; "
+                "the limits' margin is what absorbs the two references' own rounding differences"
+            )
+    return tol, limits, prefix_tol
+
+
+def _verify_invariants(
+    reader: StoreReader, split, model, candidates: list[str], cfg: VerifyConfig, *, prefix_tol: float
+) -> tuple[dict[str, Any], set[str]]:
+    """The invariants on every candidate sample: (their summary, the samples failing them)."""
+    from eyas.common import progress
+    from eyas.store.invariants import run_invariants, target_parts
+
+    if model is None or not cfg.invariants:
+        skipped = "--no-invariants" if not cfg.invariants else "no samples"
+        return {"ok": True, "checked": 0, "skipped": skipped}, set()
+    parts = target_parts(model, reader.aux_layer_ids)
+    bar = progress(len(candidates), "verify invariants", unit="sample")
+    try:
+        inv = run_invariants(
+            reader,
+            split,
+            parts,
+            sample_ids=candidates,
+            prefix_tol=prefix_tol,
+            tail_tol=store_tail_tolerance(reader.manifest, reader.dtype),
+            progress_bar=bar,
+        )
+    finally:
+        bar.close()
+    inv_failed = set(inv["failing_samples"])
+    inv["failures"] = dict(list(inv["failures"].items())[:LIST_MAX])
+    log(
+        f"eyas verify: invariants on {inv['checked']} samples ({inv['tokens']} tokens): "
+        f"{len(inv_failed)} failing; "
+        + ", ".join(
+            f"{k} {v['store_rate']:.2f}" + ("" if v["informative"] else " (not informative)")
+            for k, v in inv["rates"].items()
+        )
+    )
+    return inv, inv_failed
+
+
+def _verify_numbers(
+    reader: StoreReader,
+    split,
+    model,
+    candidates: list[str],
+    cfg: VerifyConfig,
+    *,
+    n_wanted: int,
+    tol: float,
+    limits,
+) -> dict[str, Any]:
+    """The numbers check on a fresh random subset of the candidates, with its seed, strata and miss probabilities."""
+    from eyas.common import progress
+
     seed = cfg.seed if cfg.seed is not None else secrets.randbelow(2**31)
     # Samples the invariants failed stay in the pool: their recompute error says how wrong they are.
     keep = set(candidates)
-    pool = list({r["id"]: r for r in m["samples"] if r["id"] in keep}.values())
+    pool = list({r["id"]: r for r in reader.manifest["samples"] if r["id"] in keep}.values())
     order = stratified_order(pool, seed)
     subset = order[:n_wanted]
     if subset and model is not None:
@@ -525,10 +558,13 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         if k <= len(pool)
     }
     nums["checked_ids"] = nums["checked_ids"][:LIST_MAX]
-    summary["numbers"] = nums
+    return nums
 
-    # -- verdict -------------------------------------------------------------------------------
-    inv = summary["invariants"]
+
+def _verdict(summary: dict[str, Any], store: Path, inv_failed: set[str], *, tol: float, limits) -> None:
+    """Complete the summary with the failing samples and the verdict; raise CheckFailed naming every failure."""
+    coverage, inv, nums = summary["coverage"], summary["invariants"], summary["numbers"]
+    seed = nums["seed"]
     failing = sorted(set(coverage["failing_samples"]) | inv_failed | set(nums.get("failing_samples", [])))
     summary["failing_samples"] = failing[:LIST_MAX]
     summary["failing_count"] = len(failing)
@@ -564,7 +600,6 @@ def run_verify(cfg: VerifyConfig) -> dict[str, Any]:
         f"this size misses all of k bad samples placed at random (on top of the invariants): "
         + ", ".join(f"k={k}: {p:.3g}" for k, p in miss.items())
     )
-    return summary
 
 
 def _load_reference_target(
