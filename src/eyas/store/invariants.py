@@ -69,7 +69,8 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -474,24 +475,61 @@ def run_invariants(
     `packed_tail_kernel` allows it, True = there even on CPU, False = one Hugging Face forward per
     sample, the reference path), and one device -> host copy of
     every per-token result, so a GPU is not stalled once per sample and per check."""
-    from eyas.target import reference_hidden_states
-
     layer_ids = reader.aux_layer_ids
-    names = [f"layer {i}" for i in layer_ids] + ["final"]
     device = next(parts.model.parameters()).device
     samples = {sid: split[split.index_of(sid)] for sid in sample_ids}
     ids_by_sample = {sid: x.input_ids for sid, x in samples.items()}
+    prefix_ref = _prefix_references(parts, ids_by_sample, layer_ids, device)
+    high = max(layer_ids)
+    kernel, packed_why = _tail_path(parts, packed_tail, device)
+    sweep = _Sweep(
+        reader=reader,
+        parts=parts,
+        device=device,
+        samples=samples,
+        ids_by_sample=ids_by_sample,
+        prefix_ref=prefix_ref,
+        names=[f"layer {i}" for i in layer_ids] + ["final"],
+        high=high,
+        high_slot=layer_ids.index(high),
+        kernel=kernel,
+        # bf16 stores cross to the device as stored (half the bytes; exact in fp32 either side), others as fp32
+        read_dtype=torch.bfloat16 if reader.dtype == "bf16" else torch.float32,
+        scale_D=None if parts.norm_scale_D is None else parts.norm_scale_D.float().to(device),
+        prefix_tol=prefix_tol,
+        tail_tol=tail_tol,
+        laps=_Laps(sync=torch.cuda.synchronize if device.type == "cuda" else (lambda: None)),
+    )
+    sweep.laps.lap("prefix")
+    for batch in _batches(sample_ids, {s: ids_by_sample[s].shape[0] for s in sample_ids}, batch_tokens):
+        sweep.check_batch(batch)
+        if progress_bar is not None:
+            progress_bar.update(len(batch))
+    rate_report, rate_failures = judge_rates(sweep.rates)
+    for sid, msgs in rate_failures.items():
+        sweep.failures.setdefault(sid, []).extend(msgs)
+    return sweep.summary(sample_ids, rate_report, packed_why)
+
+
+def _prefix_references(
+    parts: TargetParts, ids_by_sample: dict[str, torch.Tensor], layer_ids: list[int], device: torch.device
+) -> dict[str, torch.Tensor]:
+    """Per sample, the reference states [P, L, D] of its group's shared prefix, one recompute (one tensor) per group."""
+    from eyas.target import reference_hidden_states
+
     prefix_ref: dict[str, torch.Tensor] = {}
     for prefix, sids in prefix_groups(ids_by_sample):
         aux, final = reference_hidden_states(parts.model, prefix.to(device), layer_ids=layer_ids)
         ref = torch.cat([aux, final.unsqueeze(1)], dim=1).float().cpu()
         for s in sids:
             prefix_ref[s] = ref
-    high = max(layer_ids)
-    high_slot = layer_ids.index(high)
+    return prefix_ref
+
+
+def _tail_path(parts: TargetParts, packed_tail: bool | None, device: torch.device) -> tuple[str | None, str]:
+    """(the packed tail's varlen kernel, or None for one forward per sample; why not packed) for run_invariants."""
     if packed_tail is None and device.type == "cpu":
-        # On a CPU the few tail layers are compute-bound: one forward per sample costs what the
-        # packed row costs (measured 0.8-1.3x on SmolLM2), and it is the reference path.
+        # on a CPU the few tail layers are compute-bound: the per-sample forward (the reference path) costs what the packed row does
         kernel, packed_why = None, "on CPU the per-sample forward is as fast"
     elif packed_tail is False:
         kernel, packed_why = None, "not asked for"
@@ -499,75 +537,118 @@ def run_invariants(
         kernel, packed_why = packed_tail_kernel(parts)
     if packed_tail and kernel is None:
         raise ValueError(f"packed_tail=True but the packed tail cannot run: {packed_why}")
-    # bf16 stores cross to the device as stored (half the bytes; exact in fp32 either side), others as fp32
-    read_dtype = torch.bfloat16 if reader.dtype == "bf16" else torch.float32
-    scale_D = None if parts.norm_scale_D is None else parts.norm_scale_D.float().to(device)
-    rates: dict[str, dict[str, tuple[int, int]]] = {}
-    failures: dict[str, list[str]] = {}
-    worst = {"prefix": (0.0, None, ""), "tail": (0.0, None, "")}
-    final_norm_worst = (1.0, None)
-    seconds = {"prefix": 0.0, "tail": 0.0, "final_norm": 0.0, "rates": 0.0, "read": 0.0}
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    clock = time.perf_counter()
+    return kernel, packed_why
 
-    def lap(name):
+
+@dataclass
+class _Laps:
+    """Seconds spent per check of run_invariants."""
+
+    sync: Callable[[], Any]
+    seconds: dict[str, float] = field(
+        default_factory=lambda: {"prefix": 0.0, "tail": 0.0, "final_norm": 0.0, "rates": 0.0, "read": 0.0}
+    )
+    clock: float = field(default_factory=time.perf_counter)
+
+    def lap(self, name: str) -> None:
         # Synchronised, so that a check's device work is charged to it and not to the next host sync.
-        nonlocal clock
-        sync()
+        self.sync()
         now = time.perf_counter()
-        seconds[name] += now - clock
-        clock = now
+        self.seconds[name] += now - self.clock
+        self.clock = now
 
-    lap("prefix")
-    for batch in _batches(sample_ids, {s: ids_by_sample[s].shape[0] for s in sample_ids}, batch_tokens):
-        lengths = [ids_by_sample[sid].shape[0] for sid in batch]
-        hs = [reader.get_hidden(sid, read_dtype) for sid in batch]  # [T, L, D] each
-        h_NLD = _to_device(torch.cat(hs), device).float()
+
+@dataclass(kw_only=True)
+class _Sweep:
+    """One run_invariants pass over the store: what every batch needs, and what the batches found so far."""
+
+    reader: Any
+    parts: TargetParts
+    device: torch.device
+    samples: dict[str, Any]
+    ids_by_sample: dict[str, torch.Tensor]
+    prefix_ref: dict[str, torch.Tensor]
+    names: list[str]
+    """Display names of the stored slots: the aux layers, then the final state."""
+    high: int
+    high_slot: int
+    kernel: str | None
+    read_dtype: torch.dtype
+    scale_D: torch.Tensor | None
+    prefix_tol: float
+    tail_tol: float
+    laps: _Laps
+    rates: dict[str, dict[str, tuple[int, int]]] = field(default_factory=dict)
+    failures: dict[str, list[str]] = field(default_factory=dict)
+    worst: dict[str, tuple[float, str | None, str]] = field(
+        default_factory=lambda: {"prefix": (0.0, None, ""), "tail": (0.0, None, "")}
+    )
+    final_norm_worst: tuple[float, str | None] = (1.0, None)
+
+    def check_batch(self, batch: list[str]) -> None:
+        """Every invariant on one batch of samples, the rates counted for judge_rates."""
+        lengths = [self.ids_by_sample[sid].shape[0] for sid in batch]
+        hs = [self.reader.get_hidden(sid, self.read_dtype) for sid in batch]  # [T, L, D] each
+        h_NLD = _to_device(torch.cat(hs), self.device).float()
         bounds = [0]
         for n in lengths:
             bounds.append(bounds[-1] + n)
         fails: dict[str, list[str]] = {sid: [] for sid in batch}
-        lap("read")
+        self.laps.lap("read")
+        self.check_prefix(batch, hs, fails)
+        self.laps.lap("prefix")
+        host, counts = self.on_device(batch, h_NLD, lengths, bounds)
+        self.judge(batch, bounds, host, counts, fails)
+
+    def check_prefix(self, batch: list[str], hs: list[torch.Tensor], fails: dict[str, list[str]]) -> None:
+        """Each sample's first rows against its group's recomputed shared prefix."""
         for sid, h in zip(batch, hs):
-            ref = prefix_ref[sid]
+            ref = self.prefix_ref[sid]
             err = rel_err_TL(h[: ref.shape[0]], ref)
             e, flat = float(err.max()), int(err.argmax())
             t, slot = divmod(flat, err.shape[1])
-            if e > worst["prefix"][0]:
-                worst["prefix"] = (e, sid, f"{names[slot]}, token {t}")
-            if not e <= prefix_tol:
+            if e > self.worst["prefix"][0]:
+                self.worst["prefix"] = (e, sid, f"{self.names[slot]}, token {t}")
+            if not e <= self.prefix_tol:
                 fails[sid].append(
-                    f"prefix: {names[slot]} token {t} differs from the recomputed shared prefix "
-                    f"({ref.shape[0]} tokens) by {e:.3g} > {prefix_tol:g}"
+                    f"prefix: {self.names[slot]} token {t} differs from the recomputed shared prefix "
+                    f"({ref.shape[0]} tokens) by {e:.3g} > {self.prefix_tol:g}"
                 )
-        lap("prefix")
-        # per-token results of the whole batch, computed on the device and moved to the host at once
+
+    def on_device(
+        self, batch: list[str], h_NLD: torch.Tensor, lengths: list[int], bounds: list[int]
+    ) -> tuple[dict[str, torch.Tensor], list[tuple[list[str], list[torch.Tensor], list[int]]]]:
+        """Per-token results of the whole batch (tail errors, final rms, rate pass counts), computed on the
+        device and moved to the host at once; with each sample's `_rate_counts`."""
+        parts = self.parts
         on_device: dict[str, torch.Tensor] = {}
         if parts.tail_ok is None:
-            if kernel is not None:
-                derived_ND = tail_final_packed(parts, h_NLD[:, high_slot], lengths, first_layer=high, kernel=kernel)
+            if self.kernel is not None:
+                derived_ND = tail_final_packed(
+                    parts, h_NLD[:, self.high_slot], lengths, first_layer=self.high, kernel=self.kernel
+                )
             else:
-                ids_d = _to_device(torch.cat([ids_by_sample[sid] for sid in batch]), device)
+                ids_d = _to_device(torch.cat([self.ids_by_sample[sid] for sid in batch]), self.device)
                 derived_ND = torch.cat(
                     [
-                        tail_final(parts, ids_d[a:b], h_NLD[a:b, high_slot], first_layer=high)
+                        tail_final(parts, ids_d[a:b], h_NLD[a:b, self.high_slot], first_layer=self.high)
                         for a, b in zip(bounds[:-1], bounds[1:])
                     ]
                 )
             on_device["tail"] = rel_err_TL(h_NLD[:, -1:], derived_ND[:, None])[:, 0]
-            lap("tail")
-        if scale_D is not None:
-            on_device["rms"] = (h_NLD[:, -1] / scale_D).pow(2).mean(-1).sqrt()
-            lap("final_norm")
+            self.laps.lap("tail")
+        if self.scale_D is not None:
+            on_device["rms"] = (h_NLD[:, -1] / self.scale_D).pow(2).mean(-1).sqrt()
+            self.laps.lap("final_norm")
         counts = [
             _rate_counts(
                 parts,
-                ids_by_sample[sid],
+                self.ids_by_sample[sid],
                 h_NLD[a:b],
-                slot_names=names,
+                slot_names=self.names,
                 sample_key=sid,
-                start=prefix_ref[sid].shape[0],
-                answer_T=samples[sid].loss_mask,
+                start=self.prefix_ref[sid].shape[0],
+                answer_T=self.samples[sid].loss_mask,
             )
             for sid, a, b in zip(batch, bounds[:-1], bounds[1:])
         ]
@@ -575,74 +656,86 @@ def run_invariants(
         if passed:
             on_device["passed"] = torch.stack(passed)
         host = {k: v.cpu() for k, v in on_device.items()}
-        lap("rates")
-        passed_host = iter(host["passed"].tolist() if passed else [])
+        self.laps.lap("rates")
+        return host, counts
+
+    def judge(
+        self,
+        batch: list[str],
+        bounds: list[int],
+        host: dict[str, torch.Tensor],
+        counts: list[tuple[list[str], list[torch.Tensor], list[int]]],
+        fails: dict[str, list[str]],
+    ) -> None:
+        """The tail and final_norm verdicts of each sample from the host copy, its rate counts kept, its failures recorded."""
+        passed_host = iter(host["passed"].tolist() if "passed" in host else [])
         for sid, a, b, (rate_names, _, totals) in zip(batch, bounds[:-1], bounds[1:], counts):
             if "tail" in host:
                 err = host["tail"][a:b]
                 e, t = float(err.max()), int(err.argmax())
-                if e > worst["tail"][0]:
-                    worst["tail"] = (e, sid, f"token {t}")
-                if not e <= tail_tol:
+                if e > self.worst["tail"][0]:
+                    self.worst["tail"] = (e, sid, f"token {t}")
+                if not e <= self.tail_tol:
                     fails[sid].append(
-                        f"tail: final at token {t} differs from norm(layers {high}..{parts.num_layers - 1}"
-                        f"({names[high_slot]})) by {e:.3g} > {tail_tol:g}"
+                        f"tail: final at token {t} differs from norm(layers {self.high}..{self.parts.num_layers - 1}"
+                        f"({self.names[self.high_slot]})) by {e:.3g} > {self.tail_tol:g}"
                     )
             if "rms" in host:
                 med = float(host["rms"][a:b].median())
-                if abs(med - 1) > abs(final_norm_worst[0] - 1):
-                    final_norm_worst = (med, sid)
+                if abs(med - 1) > abs(self.final_norm_worst[0] - 1):
+                    self.final_norm_worst = (med, sid)
                 lo, hi = FINAL_NORM_RANGE
                 if not lo <= med <= hi:
                     fails[sid].append(
                         f"final_norm: median rms(final / norm scale) is {med:.3g}, outside [{lo}, {hi}] "
                         "(a post-norm state has ~1): the final slot is not the final norm's output"
                     )
-            rates[sid] = {n: (next(passed_host), tot) for n, tot in zip(rate_names, totals)}
+            self.rates[sid] = {n: (next(passed_host), tot) for n, tot in zip(rate_names, totals)}
             if fails[sid]:
-                failures[sid] = fails[sid]
-        if progress_bar is not None:
-            progress_bar.update(len(batch))
-    rate_report, rate_failures = judge_rates(rates)
-    for sid, msgs in rate_failures.items():
-        failures.setdefault(sid, []).extend(msgs)
-    return {
-        "ok": not failures,
-        "checked": len(sample_ids),
-        "tokens": int(sum(x.shape[0] for x in ids_by_sample.values())),
-        "prefix": {
-            "tolerance": prefix_tol,
-            "groups": len({id(v) for v in prefix_ref.values()}),
-            "worst_rel_err": worst["prefix"][0],
-            "worst_sample": worst["prefix"][1],
-            "where": worst["prefix"][2],
-        },
-        "tail": (
-            {"skipped": parts.tail_ok}
+                self.failures[sid] = fails[sid]
+
+    def summary(self, sample_ids: list[str], rate_report: dict[str, dict[str, Any]], packed_why: str) -> dict[str, Any]:
+        """run_invariants' summary, once every batch is checked and the rates judged."""
+        parts, worst, failures = self.parts, self.worst, self.failures
+        return {
+            "ok": not failures,
+            "checked": len(sample_ids),
+            "tokens": int(sum(x.shape[0] for x in self.ids_by_sample.values())),
+            "prefix": {
+                "tolerance": self.prefix_tol,
+                "groups": len({id(v) for v in self.prefix_ref.values()}),
+                "worst_rel_err": worst["prefix"][0],
+                "worst_sample": worst["prefix"][1],
+                "where": worst["prefix"][2],
+            },
+            "tail": (
+                {"skipped": parts.tail_ok}
+                if parts.tail_ok
+                else {
+                    "tolerance": self.tail_tol,
+                    "layers": f"{self.high}..{parts.num_layers - 1}",
+                    "worst_rel_err": worst["tail"][0],
+                    "worst_sample": worst["tail"][1],
+                    "where": worst["tail"][2],
+                }
+            ),
+            "final_norm": (
+                {"skipped": "the final norm is not RMS-like"}
+                if parts.norm_scale_D is None
+                else {
+                    "range": list(FINAL_NORM_RANGE),
+                    "worst_median_rms": self.final_norm_worst[0],
+                    "worst_sample": self.final_norm_worst[1],
+                }
+            ),
+            "rates": rate_report,
+            "tail_path": "not run"
             if parts.tail_ok
-            else {
-                "tolerance": tail_tol,
-                "layers": f"{high}..{parts.num_layers - 1}",
-                "worst_rel_err": worst["tail"][0],
-                "worst_sample": worst["tail"][1],
-                "where": worst["tail"][2],
-            }
-        ),
-        "final_norm": (
-            {"skipped": "the final norm is not RMS-like"}
-            if parts.norm_scale_D is None
-            else {
-                "range": list(FINAL_NORM_RANGE),
-                "worst_median_rms": final_norm_worst[0],
-                "worst_sample": final_norm_worst[1],
-            }
-        ),
-        "rates": rate_report,
-        "tail_path": "not run" if parts.tail_ok else (f"packed ({kernel})" if kernel else f"per sample ({packed_why})"),
-        "seconds": {k: round(v, 4) for k, v in seconds.items()},
-        "failing_samples": sorted(failures),
-        "failures": failures,
-    }
+            else (f"packed ({self.kernel})" if self.kernel else f"per sample ({packed_why})"),
+            "seconds": {k: round(v, 4) for k, v in self.laps.seconds.items()},
+            "failing_samples": sorted(failures),
+            "failures": failures,
+        }
 
 
 # ---------------------------------------------------------------------------------------------
