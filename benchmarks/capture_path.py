@@ -39,7 +39,9 @@ import threading
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
+from sglang_plugin_overhead import schedule  # noqa: E402 (the same SGLang-like prefill schedule)
 
 from eyas.sglang.client import check_sample, remove_dump, wait_for_dump
 from eyas.sglang.core import CaptureCore, DumpWriter, ForwardInfo, make_rid, write_dump
@@ -58,23 +60,6 @@ def sample_lengths(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     raw = torch.exp(torch.randn(n, generator=g) * 0.75 + 6.2)
     return [int(x) for x in raw.clamp(16, 2048)]
-
-
-def schedule(lengths: list[int], *, chunk: int, budget: int) -> list[list[tuple[int, int, int]]]:
-    """SGLang-like EXTEND forwards: (request, start, n) under a token budget, long prompts chunked."""
-    done = [0] * len(lengths)
-    forwards = []
-    while any(d < n for d, n in zip(done, lengths)):
-        left, fwd = budget, []
-        for r, n in enumerate(lengths):
-            if done[r] >= n or left <= 0:
-                continue
-            k = min(n - done[r], chunk, left)
-            fwd.append((r, done[r], k))
-            done[r] += k
-            left -= k
-        forwards.append(fwd)
-    return forwards
 
 
 def token_ids(n: int, start: int = 0) -> torch.Tensor:

@@ -115,6 +115,11 @@ def detached(name: str, cmd: list) -> None:
     log(f"started {name} detached: {line}")
 
 
+def again_detached(name: str) -> None:
+    """This very command line without --detach, run detached as `name`."""
+    detached(name, [sys.executable, __file__, *(x for x in sys.argv[1:] if x != "--detach")])
+
+
 # ----------------------------------------------------------------------------- here
 
 
@@ -210,47 +215,24 @@ def phase_b(a) -> None:
         )
     if not (S / "chats_all.jsonl").exists():
         sh(["bash", "-c", f"xz -dc {S}/chats_all.jsonl.xz > {S}/chats_all.jsonl"])
+    pipeline = [
+        sys.executable,
+        "-m",
+        "eyas",
+        "pipeline",
+        REPO / "recipes" / "smollm2-gpu.toml",
+        "--workdir",
+        W,
+        "--set",
+        f'target="{SMOL}"',
+        "--set",
+        f'regenerate.source="{S}/chats_all.jsonl"',
+    ]
     if a.prepare_only:  # issue 41: the recipe's first N records regenerated and prepared, no training
-        detached(
-            "recipe",
-            [
-                sys.executable,
-                "-m",
-                "eyas",
-                "pipeline",
-                REPO / "recipes" / "smollm2-gpu.toml",
-                "--workdir",
-                W,
-                "--until",
-                "prepare",
-                "--set",
-                f'target="{SMOL}"',
-                "--set",
-                f'regenerate.source="{S}/chats_all.jsonl"',
-                "--set",
-                f"regenerate.limit={a.prepare_only}",
-            ],
-        )
+        detached("recipe", [*pipeline, "--until", "prepare", "--set", f"regenerate.limit={a.prepare_only}"])
     elif not a.no_recipe:
-        detached(
-            "recipe",
-            [
-                sys.executable,
-                "-m",
-                "eyas",
-                "pipeline",
-                REPO / "recipes" / "smollm2-gpu.toml",
-                "--workdir",
-                W,
-                "--set",
-                f'target="{SMOL}"',
-                "--set",
-                f'regenerate.source="{S}/chats_all.jsonl"',
-                "--set",
-                f'eval.prompts="{S}/question.jsonl"',
-                *[x for kv in a.recipe_set for x in ("--set", kv)],
-            ],
-        )
+        sets = [x for kv in [f'eval.prompts="{S}/question.jsonl"', *a.recipe_set] for x in ("--set", kv)]
+        detached("recipe", [*pipeline, *sets])
     print(json.dumps({"phase": "b", "target": str(SMOL), "recipe_started": not a.no_recipe}))
 
 
@@ -387,12 +369,7 @@ def post(url: str, body: dict, timeout: float = 120) -> dict:
 
 def install(a) -> None:
     if a.detach:  # beside the regeneration; `store` waits for the venv's marker
-        detached(
-            "install",
-            [sys.executable, __file__, "install", "--no-smoke"]
-            if a.no_smoke
-            else [sys.executable, __file__, "install"],
-        )
+        again_detached("install")
         return
     if STAGE_C.exists():  # carried with the last part: the smoke server's tiny drafter and the spare wheels
         shutil.copytree(STAGE_C, S, dirs_exist_ok=True)
@@ -569,20 +546,7 @@ def serve_settings(
 
 def sweep(a) -> None:
     if a.detach:
-        args = [
-            sys.executable,
-            __file__,
-            "sweep",
-            "--limit",
-            str(a.limit),
-            "--settings",
-            a.settings,
-            "--regen-limit",
-            str(a.regen_limit),
-            "--concurrency",
-            a.concurrency,
-        ] + (["--snapshot"] if a.snapshot else [])
-        detached("sweep", args)
+        again_detached("sweep")
         return
     env = eyas_env()
     export = W / "export" / "sglang"
@@ -740,27 +704,7 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
 def store_run(a) -> None:
     """Issue 41: the recipe's first records captured from SGLang, verified, trained offline, evaluated, served."""
     if a.detach:
-        detached(
-            "store",
-            [
-                sys.executable,
-                __file__,
-                "store",
-                "--samples",
-                str(a.samples),
-                "--steps",
-                str(a.steps),
-                "--serve",
-                a.serve,
-                "--limit",
-                str(a.limit),
-                "--prefill-samples",
-                str(a.prefill_samples),
-                "--inprocess-samples",
-                str(a.inprocess_samples),
-                f"--server-args={a.server_args}",
-            ],
-        )
+        again_detached("store")
         return
     env = eyas_env()
     res_path = Q / "store.json"

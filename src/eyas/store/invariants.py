@@ -351,8 +351,11 @@ def _rate_counts(
         names.append("next final")
         passed.append((ok & _to_device(counted_next, dev)).sum())
         totals.append(int(counted_next.sum()))
-    distinct = ((ids_T[1:-1] != ids_T[:-2]) & (ids_T[1:-1] != ids_T[2:]))[max(start - 1, 0) :]
-    distinct_d = _to_device(distinct, dev)
+
+    def differs(x: torch.Tensor) -> torch.Tensor:  # token t unlike both neighbours; entry i is position i + 1
+        return ((x[1:-1] != x[:-2]) & (x[1:-1] != x[2:]))[max(start - 1, 0) :]
+
+    distinct, distinct_d = differs(ids_T), differs(ids_d)  # the host's for the count, the device's without a copy
     for slot in range(a) if distinct.any() else ():
         ok = _align_passes(h[:, slot], h[:, slot + 1])[max(start - 1, 0) :]  # entry i is position i + 1
         names.append(f"align {slot_names[slot]} -> {slot_names[slot + 1]}")
