@@ -129,10 +129,17 @@ def test_non_writer_ranks_write_nothing_and_touch_no_tensor():
 def test_inconsistent_forwards_are_rejected():
     a = truth(6, 10)
     ra = make_rid(6, "x")
-    # rows hold other positions than the forward claims
+    # rows hold other positions than the forward claims: found once the copies have landed, before writing
     info = pack([(ra, a, 0, 6)])
     info.positions_T = torch.arange(6) + 1
-    assert "positions" in CaptureCore().observe(info)[0].reason
+    s = CaptureCore().observe(info)[0].settle()
+    assert s.status == "rejected" and "positions [1, 2, 3, 4]" in s.reason and s.aux_pieces == []
+    cc = CaptureCore()  # in the second piece of a chunked prompt
+    cc.observe(pack([(ra, a, 0, 3)]))
+    info = pack([(ra, a, 3, 3)])
+    info.positions_T = torch.tensor([3, 5, 4])
+    s = cc.observe(info)[0].settle()
+    assert s.status == "rejected" and "prefix 3, length 3" in s.reason
     # fewer rows than tokens (rows scattered over ranks)
     info = pack([(ra, a, 0, 6)])
     info.final_TD = info.final_TD[:3]
@@ -267,16 +274,20 @@ def test_the_writer_waits_for_host_copies_still_in_flight(tmp_path):
     # from a GPU the rows land in host memory after observe returns (a CUDA event marks it): a writer that
     # did not wait would write whatever the buffers held before
     a = truth(5, 17)
+    # (positions and token ids too: they are checked only once they have landed, never in the forward)
     s = CaptureCore().observe(pack([(make_rid(5, "late"), a, 0, 5)]))[0]
-    landed = [t.clone() for t in s.aux_pieces + s.final_pieces]
-    for t in s.aux_pieces + s.final_pieces:
+    copies = s.aux_pieces + s.final_pieces + s.ids_pieces + s.pos_pieces
+    landed = [t.clone() for t in copies]
+    for t in copies:
         t.zero_()
 
     class CopyDone:  # what torch.cuda.Event offers the writer
         def synchronize(self):
-            for t, src in zip(s.aux_pieces + s.final_pieces, landed):
+            for t, src in zip(copies, landed):
                 t.copy_(src)
 
     s.ready = [CopyDone()]
     d = read_dump(write_dump(tmp_path, s, layer_ids=[1, 2, 3]))
-    assert torch.equal(d.aux_LAD, a["aux"]) and torch.equal(d.final_LD, a["final"]) and s.ready == []
+    assert d.status == "complete" and s.ready == []
+    assert torch.equal(d.aux_LAD, a["aux"]) and torch.equal(d.final_LD, a["final"])
+    assert torch.equal(d.input_ids_L, a["ids"]) and torch.equal(d.positions_L, torch.arange(5))

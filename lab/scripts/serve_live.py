@@ -28,7 +28,8 @@ records regenerated and prepared, no training) and `install --detach --no-smoke`
 `store --detach` waits for both, then: a capture server with the eyas plugin, the same server's prefill without
 dumps, `eyas capture --backend sglang`, `eyas verify` x3 beside `eyas train --store` (the scaling study's
 settings), eval, in-process capture for comparison, then the trained drafter served (`--serve 7/1/8,3/1/4`).
-`store --detach --steps 0` captures and verifies only (the rate and the checks again, a few minutes);
+`store --detach --steps 0` captures and verifies only (the rate and the checks again, a few minutes; `--verify N`
+runs verify N times); the capture server starts as soon as SGLang is installed, beside the prepare;
 `--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed).
 
 Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
@@ -742,22 +743,29 @@ def store_run(a) -> None:
 
     prepared = W / "prepared"
 
-    def wait_ready():  # the regeneration + prepare (phase b) and the SGLang install (phase install)
+    def wait_for(path: Path, what: str) -> None:
         t0 = time.time()
-        while not ((Q / "recipe.rc").exists() and (ROOT / "venv" / ".eyas-installed").exists()):
+        while not path.exists():
             if time.time() - t0 > 1200:
-                raise RuntimeError("prepare or install not done after 20 minutes")
+                raise RuntimeError(f"{what} not done after 20 minutes")
             time.sleep(3)
-        if (Q / "recipe.rc").read_text().strip() != "0":
-            raise RuntimeError("regenerate/prepare failed: " + (Q / "recipe.log").read_text()[-2000:])
-        R["pipeline"] = json.loads((W / "pipeline.json").read_text()) if (W / "pipeline.json").exists() else None
+
+    def wait_install():  # the SGLang install (phase install)
+        wait_for(ROOT / "venv" / ".eyas-installed", "install")
         # the servers import the plugin from this copy of eyas, not from the tree each call rewrites
         sh([VPY, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation", "-e", REPO])
 
-    step("wait for prepare and install", wait_ready)
+    def wait_prepare():  # the regeneration + prepare (phase b), which the server's start overlaps
+        wait_for(Q / "recipe.rc", "prepare")
+        if (Q / "recipe.rc").read_text().strip() != "0":
+            raise RuntimeError("regenerate/prepare failed: " + (Q / "recipe.log").read_text()[-2000:])
+        R["pipeline"] = json.loads((W / "pipeline.json").read_text()) if (W / "pipeline.json").exists() else None
+
+    step("wait for install", wait_install)
     srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5, extra=tuple(a.server_args.split()))
     R["server_args"] = a.server_args
     R["capture_server_start_s"] = step("capture server start", lambda: round(start_with_spares(srv), 1))
+    step("wait for prepare", wait_prepare)
     try:
         sys.path.insert(0, str(REPO / "src"))
         from eyas.sglang.client import choose_bypass, get_server_info
@@ -821,7 +829,7 @@ def store_run(a) -> None:
 
     def verify_all():
         R["verify"] = []
-        for k in range(3):
+        for k in range(a.verify):
             try:
                 out = eyas(["verify", "--store", STORE, "--numbers", "16", "--device", "cuda"], f"verify_{k + 1}", 1200)
             except RuntimeError as exc:
@@ -1024,6 +1032,7 @@ def main() -> None:
     st.add_argument("--samples", type=int, default=6000, help="train samples captured (all of 6,000 records)")
     st.add_argument("--steps", type=int, default=1600, help="0: capture and verify only")
     st.add_argument("--server-args", default="", help="more flags for the capture server, e.g. --disable-radix-cache")
+    st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument("--inprocess-samples", type=int, default=1000)
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")

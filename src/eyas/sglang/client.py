@@ -691,7 +691,8 @@ def capture_from_sglang(
     queued = 2 * concurrency * len(plans)
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
-    loop_t0 = time.time()
+    loop_t0, loop_cpu0 = time.time(), time.process_time()
+    phases = {"setup": loop_t0 - t0}
     try:
         with cf.ThreadPoolExecutor(max_workers=queued) as pool:
             sender = _Sender(
@@ -710,6 +711,7 @@ def capture_from_sglang(
             _send_and_ingest(sender, writer, tally, bar, queued=queued)
             ok = True
         loop_s = time.time() - loop_t0
+        phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
         calibration = _calibrate(
             writer,
@@ -720,13 +722,16 @@ def capture_from_sglang(
             device=device,
             engine={"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype},
         )
+        phases["calibrate"] = time.time() - loop_t0 - loop_s
         ok = True
     finally:
         bar.close()
+        t_close = time.time()
         for ddir in _dump_dirs(plans):
             remove_stale_dumps(ddir, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
         complete = ok and (not tally.rejected or mark_complete_with_rejections)
         manifest = writer.close(complete=complete)  # commits verified samples even after an error
+        phases["close"] = time.time() - t_close
     summary = _capture_summary(
         tally,
         plans,
@@ -738,6 +743,7 @@ def capture_from_sglang(
         store_complete=manifest.get("status") == "complete",
         elapsed=time.time() - t0,
         loop_s=loop_s,
+        phases=phases,
         calibration=calibration,
     )
     if calibration.get("problem"):
@@ -979,6 +985,7 @@ def _capture_summary(
     store_complete: bool,
     elapsed: float,
     loop_s: float,
+    phases: dict[str, float],
     calibration: dict[str, Any],
 ) -> dict[str, Any]:
     """capture_from_sglang's summary (rejected samples listed up to REJECTED_LISTED)."""
@@ -1005,6 +1012,7 @@ def _capture_summary(
         "loop_s": round(loop_s, 3),
         "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
         "seconds_summed": {k: round(v, 3) for k, v in tally.spent.items()},
+        "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
         "engine_numerics": calibration,
     }
 

@@ -189,9 +189,10 @@ class CompletedSample:
     """[n, A, H] host copies of the aux states, one per piece, in position order."""
     final_pieces: list[torch.Tensor] = field(default_factory=list)
     """[n, H] host copies of the final state, as `aux_pieces`."""
-    input_ids_L: torch.Tensor | None = None
-    positions_L: torch.Tensor | None = None
-    """Positions the server reported for the rows (None when it reported none)."""
+    ids_pieces: list[torch.Tensor] = field(default_factory=list)
+    """int64 token ids per piece, as `aux_pieces` (empty when the server reported none)."""
+    pos_pieces: list[torch.Tensor] = field(default_factory=list)
+    """int64 positions the server reported for each piece's rows (empty when it reported none)."""
     pieces: int = 0
     positions_covered: list[list[int]] = field(default_factory=list)
     ready: list[Any] = field(default_factory=list)
@@ -202,6 +203,29 @@ class CompletedSample:
         for ev in self.ready:
             ev.synchronize()
         self.ready = []
+
+    def settle(self) -> CompletedSample:
+        """Wait for the host copies, then reject the sample if its rows hold other positions than the
+        forwards said (checked here, not in the forward, where the positions had not landed yet)."""
+        if self.status != "complete":
+            return self
+        self.wait()
+        checked = zip(self.positions_covered, self.pos_pieces, strict=True) if self.pos_pieces else ()
+        for (start, end), pos in checked:
+            if not torch.equal(pos, torch.arange(start, end, dtype=torch.int64)):
+                self.status = "rejected"
+                self.reason = f"rows hold positions {pos[:4].tolist()}... but the forward says prefix {start}, length {end - start}"
+                self.aux_pieces = self.final_pieces = self.ids_pieces = self.pos_pieces = []
+                break
+        return self
+
+    @property
+    def input_ids_L(self) -> torch.Tensor | None:
+        return _stitch(self, self.ids_pieces)
+
+    @property
+    def positions_L(self) -> torch.Tensor | None:
+        return _stitch(self, self.pos_pieces)
 
     @property
     def aux_LAD(self) -> torch.Tensor | None:
@@ -257,17 +281,20 @@ class CaptureCore:
         # tensors do not hold every request's rows (e.g. sequence-sharded), so nothing is trusted.
         rows = min(_num_rows(info.aux), int(info.final_TD.shape[0]))
         short = rows < total
-        # one device-to-host copy each for the whole forward's positions and token ids
-        pos_all = (
-            info.positions_T[:total].to("cpu", torch.int64, copy=True)
+        # one device-to-host copy each for the whole forward's positions and token ids, without waiting:
+        # a synchronous copy here would stall the scheduler in the middle of every forward. The positions
+        # are checked where the dump is written (CompletedSample.settle), once they have landed.
+        pos_all, pos_done = (
+            _host(info.positions_T[:total].to(torch.int64))
             if info.positions_T is not None and not short
-            else None
+            else (None, None)
         )
-        ids_all = (
-            info.input_ids_T[:total].to("cpu", torch.int64, copy=True)
+        ids_all, ids_done = (
+            _host(info.input_ids_T[:total].to(torch.int64))
             if info.input_ids_T is not None and not short
-            else None
+            else (None, None)
         )
+        landing = [ev for ev in (pos_done, ids_done) if ev is not None]
         for i in ours:
             rid, n, p, a = str(rids[i]), int(lens[i]), int(prefix[i]), starts[i]
             num_tokens = parse_rid(rid)
@@ -286,29 +313,16 @@ class CaptureCore:
                     )
                 )
                 continue
-            pos = None
-            if pos_all is not None and n > 0:
-                pos = pos_all[a : a + n]
-                want = torch.arange(p, p + n, dtype=torch.int64)
-                if not torch.equal(pos, want):
-                    out.append(
-                        self._reject(
-                            rid,
-                            num_tokens,
-                            f"rows hold positions {pos[:4].tolist()}... but the forward says prefix {p}, length {n}",
-                            now,
-                        )
-                    )
-                    continue
+            pos = pos_all[a : a + n] if pos_all is not None else None
             ids = ids_all[a : a + n] if ids_all is not None else None
-            done = self._add_piece(rid, num_tokens, p, a, n, info, pos, ids, now)
+            done = self._add_piece(rid, num_tokens, p, a, n, info, pos, ids, landing, now)
             if done is not None:
                 out.append(done)
         return out
 
     # --- internals
 
-    def _add_piece(self, rid, num_tokens, p, a, n, info: ForwardInfo, pos, ids, now) -> CompletedSample | None:
+    def _add_piece(self, rid, num_tokens, p, a, n, info: ForwardInfo, pos, ids, landing, now) -> CompletedSample | None:
         st = self._pending.get(rid)
         if st is not None and p == 0 and st.covered > 0:
             st = None  # the server restarted this prompt (e.g. retracted): start over
@@ -343,7 +357,7 @@ class CaptureCore:
         if n > 0:
             aux, aux_done = _host(_aux_rows(info.aux, a, a + n))
             final, final_done = _host(info.final_TD[a : a + n])
-            ready = [ev for ev in (aux_done, final_done) if ev is not None]
+            ready = [ev for ev in (aux_done, final_done) if ev is not None] + landing
             st.pieces.append(_Piece(p, aux, final, ids, pos, ready))
             st.covered += n
             self.stats["pieces"] += 1
@@ -351,19 +365,16 @@ class CaptureCore:
             return None
         del self._pending[rid]
         self.stats["complete"] += 1
-        ids = pos = None
-        if all(pc.input_ids_L is not None for pc in st.pieces):
-            ids = torch.cat([pc.input_ids_L for pc in st.pieces])
-        if all(pc.positions_L is not None for pc in st.pieces):
-            pos = torch.cat([pc.positions_L for pc in st.pieces])
+        ids = [pc.input_ids_L for pc in st.pieces]
+        pos = [pc.positions_L for pc in st.pieces]
         return CompletedSample(
             rid=rid,
             num_tokens=num_tokens,
             status="complete",
             aux_pieces=[pc.aux_LAD for pc in st.pieces],
             final_pieces=[pc.final_LD for pc in st.pieces],
-            input_ids_L=ids,
-            positions_L=pos,
+            ids_pieces=ids if all(t is not None for t in ids) else [],
+            pos_pieces=pos if all(t is not None for t in pos) else [],
             pieces=len(st.pieces),
             positions_covered=[[pc.start, pc.start + pc.final_LD.shape[0]] for pc in st.pieces],
             ready=[ev for pc in st.pieces for ev in pc.ready],
@@ -488,6 +499,7 @@ def write_dump(
     dump_dir.mkdir(parents=True, exist_ok=True)
     final = dump_dir / sample.rid
     tmp = dump_dir / f".{sample.rid}.{os.getpid()}.{threading.get_ident()}.tmp"
+    sample.settle()
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
     meta: dict[str, Any] = {
@@ -506,12 +518,11 @@ def write_dump(
     }
     try:
         if sample.status == "complete":
-            sample.wait()
             tensors = []  # the int64 tensors first: every tensor then starts aligned to its element size
-            if sample.positions_L is not None:
-                tensors.append(("positions", [sample.positions_L]))
-            if sample.input_ids_L is not None:
-                tensors.append(("input_ids", [sample.input_ids_L]))
+            if sample.pos_pieces:
+                tensors.append(("positions", sample.pos_pieces))
+            if sample.ids_pieces:
+                tensors.append(("input_ids", sample.ids_pieces))
             tensors += [("aux", sample.aux_pieces), ("final", sample.final_pieces)]
             _write_buffers(tmp / TENSORS_FILE, _safetensors_file(tensors))
             first = sample.aux_pieces[0]
