@@ -14,8 +14,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
   remove     remove_dump
   stack      aux and final stacked into the store's [L, A+1, H] (where the client does it on its
              request threads, before handing the sample to the one ingesting thread)
+  encode     StoreWriter.encode (stored dtype and checksum), where the client does it on its request threads
   ingest     what the client's ingesting thread does per sample into a store on --store-dir
-             (StoreWriter.add_stacked, or StoreWriter.add where that is absent), then close
+             (StoreWriter.add_encoded; add_stacked or add in older trees), then close
   e2e        capture_from_sglang (the real client, --concurrency requests in flight) against the
              stand-in server (eyas/sglang/standin.py) whose forward is replaced by a free one that
              returns fixed states: the server costs nothing, so this is eyas's own path end to end
@@ -196,9 +197,17 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
         t0 = clock()
         stacked = [torch.cat([d.aux_LAD, d.final_LD.unsqueeze(1)], dim=1) for d in dumps]
         stage(results, "stack", tokens, t0)
-        t0 = clock()
-        for i, h in enumerate(stacked):
-            w.add_stacked(f"s{i}", h)
+        if hasattr(w, "encode"):  # the request threads also encode and checksum: the ingest thread only writes
+            t0 = clock()
+            encoded = [w.encode(f"s{i}", h) for i, h in enumerate(stacked)]
+            stage(results, "encode", tokens, t0)
+            t0 = clock()
+            for e in encoded:
+                w.add_encoded(e)
+        else:
+            t0 = clock()
+            for i, h in enumerate(stacked):
+                w.add_stacked(f"s{i}", h)
     else:
         t0 = clock()
         for i, d in enumerate(dumps):

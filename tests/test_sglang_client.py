@@ -69,6 +69,7 @@ def check_store_against_reference(store, prepared, model, n=None):
 
 
 def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, tiny_model, prepared, tmp_path):
+    intra_op = torch.get_num_threads()
     with serve(tiny_target_dir, tmp_path, chunked_prefill_size=8, max_forward_tokens=24, tp_size=2) as srv:
         out = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, concurrency=4
@@ -83,8 +84,13 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     assert list((tmp_path / "dumps").iterdir()) == []  # every dump deleted once ingested
     # the loop's own rate leaves out the set-up, and the summary says where the loop's time went
     assert 0 < out["loop_s"] < out["elapsed_s"] and out["loop_tokens_per_s"] > out["tokens_per_s"]
-    assert sorted(out["seconds_summed"]) == ["check", "dump", "ingest", "request"]
+    assert sorted(out["seconds_summed"]) == ["check", "dump", "encode", "ingest", "request"]
+    assert torch.get_num_threads() == intra_op  # the request threads' one intra-op thread is not left behind
     assert all(v > 0 for v in out["seconds_summed"].values())
+    phases = out["phase_seconds"]
+    assert sorted(phases) == ["calibrate", "close", "loop", "loop_cpu", "setup"] and phases["loop"] == out["loop_s"]
+    assert sum(phases[k] for k in ("setup", "loop", "calibrate", "close")) <= out["elapsed_s"] + 1e-3
+    assert out["store_seconds"]["write"] > 0 and out["store_seconds"]["commit"] > 0
 
 
 def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, prepared, tmp_path, monkeypatch):
@@ -410,7 +416,7 @@ def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, tiny_model, prepa
 def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch):
     from eyas.store.writer import StoreWriter
 
-    real_add, calls = StoreWriter.add_stacked, []
+    real_add, calls = StoreWriter.add_encoded, []
 
     def crashing_add(self, *args, **kwargs):
         calls.append(args[0])
@@ -419,10 +425,10 @@ def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_
         return real_add(self, *args, **kwargs)
 
     with serve(tiny_target_dir, tmp_path) as srv:
-        monkeypatch.setattr(StoreWriter, "add_stacked", crashing_add)
+        monkeypatch.setattr(StoreWriter, "add_encoded", crashing_add)
         with pytest.raises(KeyboardInterrupt):
             capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
-        monkeypatch.setattr(StoreWriter, "add_stacked", real_add)
+        monkeypatch.setattr(StoreWriter, "add_encoded", real_add)
         assert list((tmp_path / "dumps").iterdir()) == []
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
     assert out["already_committed"] == 3 and out["captured"] == 5 and out["store_complete"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import json
 import os
@@ -76,20 +77,17 @@ def test_add_stacked_stores_what_add_stores(tmp_path, dtype):
     with StoreWriter(tmp_path / "a", spec(dtype)) as w:
         for sid, aux, fin in data:
             w.add(sid, aux, fin)
-    seen = []
-    real = StoreWriter.add_packed
-
-    def spy(self, ids, lengths, hidden, scale):
-        seen.append(hidden.data_ptr())
-        return real(self, ids, lengths, hidden, scale)
-
     with StoreWriter(tmp_path / "b", spec(dtype)) as w:
-        w.add_packed = spy.__get__(w)
-        for sid, aux, fin in data:
+        for k, (sid, aux, fin) in enumerate(data):
             stacked = torch.cat([aux, fin[:, None]], dim=1)
             stacked = stacked.bfloat16() if dtype == "bf16" else stacked
-            w.add_stacked(sid, stacked)
-            assert (seen[-1] == stacked.data_ptr()) == (dtype != "fp8")  # fp8 is quantised, the others go as they are
+            if k % 2:  # encoded on other threads (the client's request threads), added by this one
+                with concurrent.futures.ThreadPoolExecutor(2) as pool:
+                    enc = pool.submit(w.encode, sid, stacked).result()
+                assert (enc.rows.data_ptr() == stacked.data_ptr()) == (dtype != "fp8")  # fp8 is quantised
+                w.add_encoded(enc)
+            else:
+                w.add_stacked(sid, stacked)
         with pytest.raises(ValueError, match=r"hidden has shape \(4, 3, 32\), expected \[T, 4, 32\]"):
             w.add_stacked("bad", torch.zeros(4, A, D))
     a, b = StoreReader(tmp_path / "a"), StoreReader(tmp_path / "b")

@@ -702,6 +702,22 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
     }
 
 
+def disk_write_rate(folder: Path, gib: int = 4) -> float:
+    """MB/s of a sequential write of `gib` GiB into `folder`, fsync included: what a store there can take."""
+    folder.mkdir(parents=True, exist_ok=True)
+    path, block = folder / ".write-rate.tmp", b"\1" * (64 << 20)
+    t0 = time.time()
+    try:
+        with open(path, "wb") as f:
+            for _ in range(gib * 16):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return round(gib * 2**30 / 1e6 / (time.time() - t0), 1)
+    finally:
+        path.unlink(missing_ok=True)
+
+
 def store_run(a) -> None:
     """Issue 41: the recipe's first records captured from SGLang, verified, trained offline, evaluated, served."""
     if a.detach:
@@ -761,6 +777,9 @@ def store_run(a) -> None:
             raise RuntimeError("regenerate/prepare failed: " + (Q / "recipe.log").read_text()[-2000:])
         R["pipeline"] = json.loads((W / "pipeline.json").read_text()) if (W / "pipeline.json").exists() else None
 
+    store = Path(a.store_dir) if a.store_dir else STORE
+    R["store_dir"] = str(store)
+    R["disk_write_MBps"] = step("disk write rate", lambda: disk_write_rate(store.parent))
     step("wait for install", wait_install)
     srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5, extra=tuple(a.server_args.split()))
     R["server_args"] = a.server_args
@@ -782,7 +801,7 @@ def store_run(a) -> None:
         )
 
         def capture():
-            shutil.rmtree(STORE, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
+            shutil.rmtree(store, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
             t0 = time.time()
             out = eyas(
                 [
@@ -796,7 +815,7 @@ def store_run(a) -> None:
                     "--split",
                     "train",
                     "--out",
-                    STORE,
+                    store,
                     "--aux-layers",
                     "2,15,27",
                     "--target",
@@ -831,7 +850,7 @@ def store_run(a) -> None:
         R["verify"] = []
         for k in range(a.verify):
             try:
-                out = eyas(["verify", "--store", STORE, "--numbers", "16", "--device", "cuda"], f"verify_{k + 1}", 1200)
+                out = eyas(["verify", "--store", store, "--numbers", "16", "--device", "cuda"], f"verify_{k + 1}", 1200)
             except RuntimeError as exc:
                 out = R.get(f"verify_{k + 1}", {"error": str(exc)[-1500:]})
             R["verify"].append(out)
@@ -864,7 +883,7 @@ def store_run(a) -> None:
             [
                 "train",
                 "--store",
-                STORE,
+                store,
                 "--target",
                 SMOL,
                 "--out",
@@ -1032,6 +1051,9 @@ def main() -> None:
     st.add_argument("--samples", type=int, default=6000, help="train samples captured (all of 6,000 records)")
     st.add_argument("--steps", type=int, default=1600, help="0: capture and verify only")
     st.add_argument("--server-args", default="", help="more flags for the capture server, e.g. --disable-radix-cache")
+    st.add_argument(
+        "--store-dir", default=None, help="where the store goes (default ROOT/store41; /dev/shm/... takes the disk out)"
+    )
     st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument("--inprocess-samples", type=int, default=1000)

@@ -363,6 +363,8 @@ class Outcome:
     tokens: int
     hidden_LSD: torch.Tensor | None = None
     """The verified states stacked as the store keeps them: [L, A+1, H], aux slots then the final state."""
+    encoded: Any = None
+    """The same in the stored dtype with its checksum (StoreWriter.encode), when the sender asked for it."""
     reason: str | None = None
     retries: int = 0
     dump_dtype: str | None = None
@@ -370,7 +372,7 @@ class Outcome:
     """EXTEND forwards the prompt took on the server (> 1: chunked prefill was stitched)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """Where this sample's time went: `request` (at the server), `dump` (waiting for and reading the
-    dump after the answer), `check` (checking and stacking it)."""
+    dump after the answer), `check` (checking and stacking it), `encode` (stored rows, checksum)."""
 
 
 def remove_dump(dump_dir: Path, rid: str) -> None:
@@ -390,11 +392,13 @@ def capture_one(
     dump_wait_s: float = 60.0,
     sleep=time.sleep,
     gate=None,
+    encode=None,
 ) -> Outcome:
     """Send one sample (retrying transient HTTP errors), then read, check and delete its dump.
 
     `gate` (a semaphore) is held only while the request is at the server: waiting for the dump,
-    reading and checking it leave the slot to the next sample."""
+    reading and checking it leave the slot to the next sample. `encode` (the store writer's) turns a
+    verified sample into the stored rows and their checksum here, on this request thread."""
     L = int(input_ids.shape[0])
     retries = 0
     seconds = {"request": 0.0, "dump": 0.0, "check": 0.0}
@@ -448,13 +452,17 @@ def capture_one(
         if reason is not None
         else torch.cat([dump.aux_LAD, dump.final_LD.unsqueeze(1).to(dump.aux_LAD.dtype)], dim=1)
     )
-    seconds.update(dump=t1 - t0, check=time.perf_counter() - t1)
+    t2 = time.perf_counter()
+    seconds.update(dump=t1 - t0, check=t2 - t1)
     if reason is not None:
         return Outcome(sample_id=sample_id, tokens=L, reason=reason, retries=retries, seconds=seconds)
+    encoded = encode(sample_id, hidden) if encode is not None else None
+    seconds["encode"] = time.perf_counter() - t2
     return Outcome(
         sample_id=sample_id,
         tokens=L,
         hidden_LSD=hidden,
+        encoded=encoded,
         retries=retries,
         seconds=seconds,
         dump_dtype=dump.meta.get("dtype"),
@@ -693,8 +701,11 @@ def capture_from_sglang(
     ok = False
     loop_t0, loop_cpu0 = time.time(), time.process_time()
     phases = {"setup": loop_t0 - t0}
+    intra_op = torch.get_num_threads()
     try:
-        with cf.ThreadPoolExecutor(max_workers=queued) as pool:
+        # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's
+        # own thread team per request thread would oversubscribe the cores many times over
+        with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
             sender = _Sender(
                 pool=pool,
                 plans=plans,
@@ -707,9 +718,11 @@ def capture_from_sglang(
                 backoff_s=backoff_s,
                 request_timeout_s=request_timeout_s,
                 dump_wait_s=dump_wait_s,
+                encode=writer.encode,
             )
             _send_and_ingest(sender, writer, tally, bar, queued=queued)
             ok = True
+        torch.set_num_threads(intra_op)  # the request threads' setting is process-wide for new threads
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
@@ -744,6 +757,7 @@ def capture_from_sglang(
         elapsed=time.time() - t0,
         loop_s=loop_s,
         phases=phases,
+        store_seconds=writer.seconds,
         calibration=calibration,
     )
     if calibration.get("problem"):
@@ -879,7 +893,9 @@ class _Tally:
     rejected: list[dict[str, Any]] = field(default_factory=list)
     captured: int = 0
     tokens: int = 0
-    spent: dict[str, float] = field(default_factory=lambda: {"request": 0.0, "dump": 0.0, "check": 0.0, "ingest": 0.0})
+    spent: dict[str, float] = field(
+        default_factory=lambda: {"request": 0.0, "dump": 0.0, "check": 0.0, "encode": 0.0, "ingest": 0.0}
+    )
     """Seconds summed over samples, per part of a sample's way."""
 
     def ingest(self, res: Outcome, writer) -> None:
@@ -892,7 +908,7 @@ class _Tally:
             log(f"eyas: rejected {res.sample_id}: {res.reason}")
         else:
             t_add = time.perf_counter()
-            writer.add_stacked(res.sample_id, res.hidden_LSD)
+            writer.add_encoded(res.encoded)
             self.spent["ingest"] += time.perf_counter() - t_add
             self.captured += 1
             self.tokens += res.tokens
@@ -914,6 +930,8 @@ class _Sender:
     backoff_s: float
     request_timeout_s: float
     dump_wait_s: float
+    encode: Any = None
+    """The store writer's `encode`, run on the request threads."""
     futures: dict[cf.Future, int] = field(default_factory=dict)
     """Future -> index of its server."""
     load: list[int] = field(init=False)
@@ -942,6 +960,7 @@ class _Sender:
                 request_timeout_s=self.request_timeout_s,
                 dump_wait_s=self.dump_wait_s,
                 gate=self.gates[k],
+                encode=self.encode,
             )
         ] = k
         self.load[k] += 1
@@ -986,6 +1005,7 @@ def _capture_summary(
     elapsed: float,
     loop_s: float,
     phases: dict[str, float],
+    store_seconds: dict[str, float],
     calibration: dict[str, Any],
 ) -> dict[str, Any]:
     """capture_from_sglang's summary (rejected samples listed up to REJECTED_LISTED)."""
@@ -1013,6 +1033,7 @@ def _capture_summary(
         "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
         "seconds_summed": {k: round(v, 3) for k, v in tally.spent.items()},
         "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
+        "store_seconds": {k: round(v, 3) for k, v in store_seconds.items()},
         "engine_numerics": calibration,
     }
 

@@ -11,6 +11,8 @@ other engines' dumps. The contract:
 - `add(sample_id, aux_TAD, final_TD)` (any float dtype, any device), `add_stacked(sample_id,
   hidden_TLD)` (the same states stacked as stored: no copy when already in the stored dtype) or the
   fast `add_packed(ids, lengths, hidden_NLD, scale_NL)` (rows already in the stored dtype, on the CPU).
+  `encode(sample_id, hidden_TLD)` does add_stacked's conversion and checksum on any thread, so that
+  the one thread that adds (`add_encoded`) only writes.
   Rows stream into the open shard's temporary file; once it holds >= shard_bytes it is committed:
   header written, fsync, rename to `shard-NNNNN.safetensors`, directory fsync, then the manifest is
   rewritten atomically. A sample never spans two shards.
@@ -33,6 +35,7 @@ import json
 import os
 import re
 import shutil
+import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -162,6 +165,31 @@ def _write_all(f, data) -> None:
     f.write(data)
 
 
+@dataclass(frozen=True)
+class EncodedSample:
+    """One sample's rows in the stored dtype with their checksum (`StoreWriter.encode`)."""
+
+    id: str
+    rows: torch.Tensor
+    """[T, A+1, D] in the stored dtype, contiguous, on the CPU."""
+    scale: torch.Tensor | None
+    digest: str
+
+
+def _bytes_of(hidden: torch.Tensor, scale: torch.Tensor | None):
+    """The bytes of contiguous CPU rows (and scales) as flat uint8 arrays, without a copy."""
+    hidden_u8 = hidden.view(torch.uint8).reshape(-1).numpy()
+    return hidden_u8, (scale.view(torch.uint8).reshape(-1).numpy() if scale is not None else None)
+
+
+def _starts(lengths: Sequence[int]) -> list[int]:
+    """Each sample's first row among packed rows, then the total."""
+    starts = [0]
+    for t in lengths:
+        starts.append(starts[-1] + int(t))
+    return starts
+
+
 def _sample_digest(hidden_u8, scale_u8) -> str:
     h = hashlib.sha256(hidden_u8)
     if scale_u8 is not None:
@@ -225,6 +253,9 @@ class StoreWriter:
         self._pending_scales: list[torch.Tensor] = []
         self._rows = 0
         self._closed = False
+        self.seconds = {"write": 0.0, "commit": 0.0}
+        """Wall seconds spent writing rows into the page cache and committing shards (fsync, manifest):
+        `commit` near the whole ingest time means the disk, not eyas, sets the pace."""
 
     # -- opening -----------------------------------------------------------------------------
 
@@ -324,13 +355,25 @@ class StoreWriter:
     def add_stacked(self, sample_id: str, hidden_TLD: torch.Tensor) -> None:
         """Add one sample whose states are already stacked as stored: [T, A+1, D], the aux slots in
         aux_layer_ids order, then the final state. Rows already in the stored dtype are not copied."""
+        self.add_encoded(self.encode(sample_id, hidden_TLD))
+
+    def encode(self, sample_id: str, hidden_TLD: torch.Tensor) -> EncodedSample:
+        """`add_stacked`'s rows in the stored dtype and their checksum, for `add_encoded`. It reads only
+        the spec, so many threads may encode at once while one thread adds."""
         want = (self.spec.slots, self.spec.hidden_size)
-        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want:
+        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want or hidden_TLD.shape[0] == 0:
             raise ValueError(
                 f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]"
             )
         rows, scale = encode_rows(hidden_TLD, self.spec.dtype)
-        self.add_packed([sample_id], [hidden_TLD.shape[0]], rows.cpu(), None if scale is None else scale.cpu())
+        rows, scale = rows.cpu(), None if scale is None else scale.cpu()
+        return EncodedSample(str(sample_id), rows, scale, _sample_digest(*_bytes_of(rows, scale)))
+
+    def add_encoded(self, sample: EncodedSample) -> None:
+        """Add a sample `encode` made (by this writer's spec)."""
+        ids, lengths = [sample.id], [sample.rows.shape[0]]
+        self._check_packed(ids, lengths, lengths[0], sample.rows, sample.scale)
+        self._write_packed(ids, lengths, sample.rows, sample.scale, [sample.digest])
 
     def add_packed(
         self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None
@@ -339,27 +382,27 @@ class StoreWriter:
 
         The tensors may be reused by the caller once this returns (the scales are copied).
         """
-        if self._closed:
-            raise RuntimeError("StoreWriter is closed")
         n = sum(int(t) for t in lengths)
         self._check_packed(ids, lengths, n, hidden_NLD, scale_NL)
+        hidden_u8, scale_u8 = _bytes_of(hidden_NLD, scale_NL)
+        rb, sb = hidden_u8.size // n, (scale_u8.size // n if scale_u8 is not None else 0)
+        starts = _starts(lengths)
+        digests = [
+            self._pool.submit(
+                _sample_digest, hidden_u8[a * rb : b * rb], scale_u8[a * sb : b * sb] if scale_u8 is not None else None
+            )
+            for a, b in zip(starts[:-1], starts[1:])
+        ]
+        self._write_packed(ids, lengths, hidden_NLD, scale_NL, digests)
+
+    def _write_packed(self, ids, lengths, hidden_NLD, scale_NL, digests: list) -> None:
+        """Write checked packed rows into the open shard; `digests` are checksums or futures of them."""
         try:
             if self._file is None:
                 self._open_shard()
-            hidden_u8 = hidden_NLD.view(torch.uint8).reshape(-1).numpy()
-            scale_u8 = scale_NL.view(torch.uint8).reshape(-1).numpy() if scale_NL is not None else None
-            rb, sb = hidden_u8.size // n, (scale_u8.size // n if scale_u8 is not None else 0)
-            starts = [0]
-            for t in lengths:
-                starts.append(starts[-1] + int(t))
-            digests = [
-                self._pool.submit(
-                    _sample_digest,
-                    hidden_u8[a * rb : b * rb],
-                    scale_u8[a * sb : b * sb] if scale_u8 is not None else None,
-                )
-                for a, b in zip(starts[:-1], starts[1:])
-            ]
+            hidden_u8, _ = _bytes_of(hidden_NLD, None)
+            n, starts = sum(int(t) for t in lengths), _starts(lengths)
+            t0 = time.perf_counter()
             for a in range(0, hidden_u8.size, self.write_chunk):
                 # In chunks, each handed to writeback at once: the disk starts on a batch while the
                 # rest of it is still being copied into the page cache.
@@ -367,15 +410,15 @@ class StoreWriter:
                 chunk = hidden_u8[a : a + self.write_chunk]
                 _write_all(self._file, chunk)
                 self._kick_writeback(offset, chunk.size)
+            self.seconds["write"] += time.perf_counter() - t0
             for sid, t, a, fut in zip(ids, lengths, starts, digests):
-                self._pending.append(
-                    {"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: fut.result()}
-                )
+                digest = fut.result() if isinstance(fut, concurrent.futures.Future) else fut
+                self._pending.append({"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: digest})
                 self._ids.add(str(sid))
             if scale_NL is not None:
                 self._pending_scales.append(scale_NL.clone())
             self._rows += n
-            if self._rows * rb >= self.shard_bytes:
+            if self._rows * (hidden_u8.size // n) >= self.shard_bytes:
                 self.commit()
         except OSError as exc:
             self._abort_shard()
@@ -383,6 +426,8 @@ class StoreWriter:
             raise self._write_error(exc) from exc
 
     def _check_packed(self, ids, lengths, n, hidden_NLD, scale_NL) -> None:
+        if self._closed:
+            raise RuntimeError("StoreWriter is closed")
         if len(ids) != len(lengths) or not ids:
             raise ValueError(f"add_packed: {len(ids)} ids but {len(lengths)} lengths")
         want = (n, self.spec.slots, self.spec.hidden_size)
@@ -428,6 +473,7 @@ class StoreWriter:
         """Commit the open shard (no-op when nothing is pending)."""
         if self._file is None or not self._pending:
             return
+        t0 = time.perf_counter()
         try:
             f = self._file
             if self._pending_scales:
@@ -460,6 +506,7 @@ class StoreWriter:
         self._lines["samples"].extend(json.dumps(r, sort_keys=True) for r in self._pending)
         self._pending, self._pending_scales, self._rows = [], [], 0
         self._write_manifest()
+        self.seconds["commit"] += time.perf_counter() - t0
 
     def _write_manifest(self) -> None:
         self.manifest["updated"] = _now()
