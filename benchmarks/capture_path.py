@@ -17,6 +17,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
   encode     StoreWriter.encode (stored dtype and checksum), where the client does it on its request threads
   ingest     what the client's ingesting thread does per sample into a store on --store-dir
              (StoreWriter.add_encoded; add_stacked or add in older trees), then close
+  threads_default, threads_one
+             the finiteness check and the stacking on the client's 2 x --concurrency request threads,
+             with torch's default intra-op threads per thread, and with one (what the client sets)
   e2e        capture_from_sglang (the real client, --concurrency requests in flight) against the
              stand-in server (eyas/sglang/standin.py) whose forward is replaced by a free one that
              returns fixed states: the server costs nothing, so this is eyas's own path end to end
@@ -327,6 +330,35 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
     shutil.rmtree(work, ignore_errors=True)
 
 
+def run_threads(a, lengths: list[int], results: dict) -> None:
+    """check_sample's finiteness test and the stacking, on 2 x --concurrency threads as the client runs
+    them, with torch's default intra-op threads per thread and with one (what the client sets)."""
+    import concurrent.futures as cf
+
+    from eyas.sglang.core import all_finite
+
+    g = torch.Generator().manual_seed(3)
+    pool = [
+        (torch.randn(n, AUX, HIDDEN, generator=g).bfloat16(), torch.randn(n, HIDDEN, generator=g).bfloat16())
+        for n in lengths[:64]
+    ]
+    tokens = sum(pool[i % len(pool)][0].shape[0] for i in range(len(lengths)))
+
+    def work(i: int) -> None:
+        aux, final = pool[i % len(pool)]
+        all_finite(aux), all_finite(final)
+        torch.cat([aux, final.unsqueeze(1)], dim=1)
+
+    default = torch.get_num_threads()
+    for name, init in (("threads_default", None), ("threads_one", (1,))):
+        kw = {"initializer": torch.set_num_threads, "initargs": init} if init else {}
+        with cf.ThreadPoolExecutor(2 * a.concurrency, **kw) as ex:
+            t0 = clock()
+            list(ex.map(work, range(len(lengths))))
+            stage(results, name, tokens, t0, threads=2 * a.concurrency)
+        torch.set_num_threads(default)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--samples", type=int, default=256)
@@ -355,6 +387,7 @@ def main() -> None:
         for k in range(a.repeat):
             log(f"-- run {k + 1} of {a.repeat}")
             run_stages(a, lengths, dump_root, store_root, results)
+            run_threads(a, lengths, results)
             if not a.no_e2e:
                 run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)
     finally:
