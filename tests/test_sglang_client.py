@@ -413,6 +413,29 @@ def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, tiny_model, prepa
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
 
 
+def test_a_slow_store_write_does_not_stop_sending(tiny_target_dir, prepared, tmp_path, monkeypatch):
+    # the first sample's write blocks until the server has seen more samples: a sender that stored on its
+    # own thread would never send them, and the write would give up waiting
+    import time
+
+    from eyas.store.writer import StoreWriter
+
+    real_add, sent_meanwhile = StoreWriter.add_encoded, []
+
+    def slow_first(self, encoded):
+        if not sent_meanwhile:
+            n0, deadline = len(srv.forwards), time.monotonic() + 20
+            while len(srv.forwards) < n0 + 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            sent_meanwhile.append(len(srv.forwards) - n0)
+        return real_add(self, encoded)
+
+    with serve(tiny_target_dir, tmp_path) as srv:
+        monkeypatch.setattr(StoreWriter, "add_encoded", slow_first)
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
+    assert sent_meanwhile[0] >= 3 and out["captured"] == len(LENGTHS) and out["store_complete"]
+
+
 def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch):
     from eyas.store.writer import StoreWriter
 

@@ -30,6 +30,7 @@ import contextlib
 import hashlib
 import json
 import os
+import queue
 import random
 import shutil
 import threading
@@ -973,23 +974,45 @@ class _Sender:
 
 
 def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int) -> None:
-    """Keep `queued` samples in flight until none is left, storing each verified one as it comes back."""
+    """Keep `queued` samples in flight until none is left, storing each verified one as it comes back.
+
+    This thread only sends: a finished sample's slot is refilled at once and the sample handed to one
+    ingesting thread, so a slow store write (a shard's fsync) never leaves the servers without work."""
     futures = sender.futures
+    done_q: queue.Queue = queue.Queue()
+    failed: list[BaseException] = []
+
+    def ingest_all() -> None:
+        while (res := done_q.get()) is not None:
+            if failed:
+                continue  # drain: the sender stops at the first failure
+            try:
+                tally.ingest(res, writer)
+                bar.update(res.tokens)
+            except BaseException as exc:  # re-raised by the sending thread
+                failed.append(exc)
+
+    ingester = threading.Thread(target=ingest_all, name="eyas-capture-ingest", daemon=True)
+    ingester.start()
     try:
         while len(futures) < queued and sender.submit_next():
             pass
-        while futures:
-            finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED)
-            for f in finished:  # refill first: the next samples go out while these are stored
-                sender.retire(f)
+        while futures and not failed:
+            finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED, timeout=1.0)
             for f in finished:
-                res: Outcome = f.result()
-                tally.ingest(res, writer)
-                bar.update(res.tokens)
+                sender.retire(f)  # the next sample goes out before this one is stored
+                done_q.put(f.result())
     except BaseException:
         for f in futures:
             f.cancel()  # requests not started yet; running ones end within their timeouts
         raise
+    finally:
+        done_q.put(None)
+        ingester.join()
+    if failed:
+        for f in futures:
+            f.cancel()
+        raise failed[0]
 
 
 def _capture_summary(
