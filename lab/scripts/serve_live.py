@@ -864,18 +864,10 @@ def store_run(a) -> None:
         vt.join()
         R["done"] = True
         keep()
-        print(
-            json.dumps(
-                {
-                    k: R.get(k)
-                    for k in (
-                        "sglang_capture_vs_prefill",
-                        "sglang_capture_loop_vs_prefill",
-                        "sglang_verify_false_alarms",
-                    )
-                }
-            )
-        )
+        cap = R.get("capture") or {}
+        where = {k: cap.get(k) for k in ("phase_seconds", "store_seconds", "seconds_summed")}
+        keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
+        print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
         return
 
     def train():
