@@ -723,7 +723,6 @@ def capture_from_sglang(
             )
             _send_and_ingest(sender, writer, tally, bar, queued=queued)
             ok = True
-        torch.set_num_threads(intra_op)  # the request threads' setting is process-wide for new threads
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
@@ -739,6 +738,7 @@ def capture_from_sglang(
         phases["calibrate"] = time.time() - loop_t0 - loop_s
         ok = True
     finally:
+        torch.set_num_threads(intra_op)  # the request threads' setting is process-wide for new threads
         bar.close()
         t_close = time.time()
         for ddir in _dump_dirs(plans):
@@ -979,7 +979,7 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
     This thread only sends: a finished sample's slot is refilled at once and the sample handed to one
     ingesting thread, so a slow store write (a shard's fsync) never leaves the servers without work."""
     futures = sender.futures
-    done_q: queue.Queue = queue.Queue()
+    done_q: queue.Queue = queue.Queue(maxsize=queued)  # a disk slower than the servers holds the sender back
     failed: list[BaseException] = []
 
     def ingest_all() -> None:
