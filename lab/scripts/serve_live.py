@@ -30,7 +30,12 @@ dumps, `eyas capture --backend sglang`, `eyas verify` x3 beside `eyas train --st
 settings), eval, in-process capture for comparison, then the trained drafter served (`--serve 7/1/8,3/1/4`).
 `store --detach --steps 0` captures and verifies only (the rate and the checks again, a few minutes; `--verify N`
 runs verify N times); the capture server starts as soon as SGLang is installed, beside the prepare;
-`--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed).
+`--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed);
+`--store-dir /dev/shm/store41` takes the disk out (its write rate is measured first either way).
+The last staging call can start both jobs, each from its own copy (`store` waits for the install):
+    python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
+    python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
+    cd $R3 && python3 lab/scripts/serve_live.py store --detach --steps 0 --serve '' --verify 1)
 
 Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
 module at that moment fails (seen: ModuleNotFoundError in a running `eyas pipeline`). Copy it first and start
