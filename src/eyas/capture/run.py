@@ -253,24 +253,15 @@ def run_capture(settings: CaptureSettings) -> dict[str, Any]:
     except BaseException:
         writer.abort()
         raise
-    totals = manifest["totals"]
-    summary = {
-        "store": str(Path(settings.out)),
-        "status": manifest["status"],
-        "dtype": spec.dtype,
-        "model_dtype": spec.model_dtype,
-        "aux_layer_ids": spec.aux_layer_ids,
-        "convention": spec.convention,
-        "hidden_size": spec.hidden_size,
-        "samples": totals["samples"],
-        "tokens": totals["tokens"],
-        "shards": totals["shards"],
-        "bytes": totals["bytes"],
-        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2),
-        "resumed_samples": n - len(todo),
-        "captured_samples": len(todo),
-        "captured_tokens": todo_tokens,
-    }
+    summary = _store_summary(
+        settings,
+        spec,
+        manifest["totals"],
+        status=manifest["status"],
+        resumed=n - len(todo),
+        todo=todo,
+        tokens=todo_tokens,
+    )
     if stats is not None:
         summary.update(
             {
@@ -518,6 +509,36 @@ def _run_capture_dp(settings: CaptureSettings) -> dict[str, Any]:
     return summary
 
 
+def _store_summary(
+    settings: CaptureSettings,
+    spec: StoreSpec,
+    totals: dict[str, Any],
+    *,
+    status: str,
+    resumed: int,
+    todo: list[int],
+    tokens: int,
+) -> dict[str, Any]:
+    """What every capture summary says: the store, its totals, and what this run added to it."""
+    return {
+        "store": str(Path(settings.out)),
+        "status": status,
+        "dtype": spec.dtype,
+        "model_dtype": spec.model_dtype,
+        "aux_layer_ids": spec.aux_layer_ids,
+        "convention": spec.convention,
+        "hidden_size": spec.hidden_size,
+        "samples": totals["samples"],
+        "tokens": totals["tokens"],
+        "shards": totals["shards"],
+        "bytes": totals["bytes"],
+        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2),
+        "resumed_samples": resumed,
+        "captured_samples": len(todo),
+        "captured_tokens": tokens,
+    }
+
+
 def _dp_summary(
     settings: CaptureSettings,
     spec: StoreSpec,
@@ -533,25 +554,12 @@ def _dp_summary(
     rank's report."""
     rows = sum(r["tokens"] for r in reports)
     slowest = max(r["seconds"] for r in reports)
-    summary = {
-        "store": str(Path(settings.out)),
-        "status": "complete",
-        "dtype": spec.dtype,
-        "model_dtype": spec.model_dtype,
-        "aux_layer_ids": spec.aux_layer_ids,
-        "convention": spec.convention,
-        "hidden_size": spec.hidden_size,
-        "samples": totals["samples"],
-        "tokens": totals["tokens"],
-        "shards": totals["shards"],
-        "bytes": totals["bytes"],
-        "bytes_per_token": round(totals["bytes"] / max(totals["tokens"], 1), 2),
-        "resumed_samples": resumed,
-        "captured_samples": len(todo),
-        "captured_tokens": sum(lengths[i] for i in todo),
-        "processes": world,
-        "per_rank": [{k: r[k] for k in ("rank", "samples", "tokens", "seconds")} for r in reports],
-    }
+    summary = _store_summary(
+        settings, spec, totals, status="complete", resumed=resumed, todo=todo, tokens=sum(lengths[i] for i in todo)
+    )
+    summary.update(
+        processes=world, per_rank=[{k: r[k] for k in ("rank", "samples", "tokens", "seconds")} for r in reports]
+    )
     if rows:
         padded = sum(r["padded_tokens"] for r in reports)
         # the slowest process bounds the wall time of the capture: aggregate rate = all tokens / its seconds

@@ -1002,6 +1002,8 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
             for f in finished:
                 sender.retire(f)  # the next sample goes out before this one is stored
                 done_q.put(f.result())
+        if failed:
+            raise failed[0]
     except BaseException:
         for f in futures:
             f.cancel()  # requests not started yet; running ones end within their timeouts
@@ -1009,10 +1011,6 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
     finally:
         done_q.put(None)
         ingester.join()
-    if failed:
-        for f in futures:
-            f.cancel()
-        raise failed[0]
 
 
 def _capture_summary(

@@ -361,7 +361,7 @@ class StoreWriter:
         """`add_stacked`'s rows in the stored dtype and their checksum, for `add_encoded`. It reads only
         the spec, so many threads may encode at once while one thread adds."""
         want = (self.spec.slots, self.spec.hidden_size)
-        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want or hidden_TLD.shape[0] == 0:
+        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want:
             raise ValueError(
                 f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]"
             )
@@ -373,7 +373,7 @@ class StoreWriter:
         """Add a sample `encode` made (by this writer's spec)."""
         ids, lengths = [sample.id], [sample.rows.shape[0]]
         self._check_packed(ids, lengths, lengths[0], sample.rows, sample.scale)
-        self._write_packed(ids, lengths, sample.rows, sample.scale, [sample.digest])
+        self._write_packed(ids, _starts(lengths), sample.rows, sample.scale, [sample.digest])
 
     def add_packed(
         self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None
@@ -393,15 +393,16 @@ class StoreWriter:
             )
             for a, b in zip(starts[:-1], starts[1:])
         ]
-        self._write_packed(ids, lengths, hidden_NLD, scale_NL, digests)
+        self._write_packed(ids, starts, hidden_NLD, scale_NL, digests)
 
-    def _write_packed(self, ids, lengths, hidden_NLD, scale_NL, digests: list) -> None:
-        """Write checked packed rows into the open shard; `digests` are checksums or futures of them."""
+    def _write_packed(self, ids, starts: list[int], hidden_NLD, scale_NL, digests: list) -> None:
+        """Write checked packed rows (sample k at rows starts[k]..starts[k+1]) into the open shard; `digests`
+        are checksums or futures of them."""
         try:
             if self._file is None:
                 self._open_shard()
             hidden_u8, _ = _bytes_of(hidden_NLD, None)
-            n, starts = sum(int(t) for t in lengths), _starts(lengths)
+            n = starts[-1]
             t0 = time.perf_counter()
             for a in range(0, hidden_u8.size, self.write_chunk):
                 # In chunks, each handed to writeback at once: the disk starts on a batch while the
@@ -411,9 +412,9 @@ class StoreWriter:
                 _write_all(self._file, chunk)
                 self._kick_writeback(offset, chunk.size)
             self.seconds["write"] += time.perf_counter() - t0
-            for sid, t, a, fut in zip(ids, lengths, starts, digests):
+            for sid, a, b, fut in zip(ids, starts[:-1], starts[1:], digests):
                 digest = fut.result() if isinstance(fut, concurrent.futures.Future) else fut
-                self._pending.append({"id": str(sid), "tokens": int(t), "start": self._rows + a, CHECKSUM: digest})
+                self._pending.append({"id": str(sid), "tokens": b - a, "start": self._rows + a, CHECKSUM: digest})
                 self._ids.add(str(sid))
             if scale_NL is not None:
                 self._pending_scales.append(scale_NL.clone())
