@@ -870,7 +870,7 @@ def store_run(a) -> None:
         R["done"] = True
         keep()
         cap = R.get("capture") or {}
-        where = {k: cap.get(k) for k in ("phase_seconds", "store_seconds", "seconds_summed")}
+        where = {k: cap.get(k) for k in ("phase_seconds", "setup_seconds", "store_seconds", "seconds_summed")}
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
         print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
         return

@@ -663,11 +663,13 @@ def capture_from_sglang(
         request_timeout_s=request_timeout_s,
     )
     t0 = time.time()
+    setup = _Laps(t0)
     ds = PreparedDataset(prepared)
     sp = ds.split(split)
     n_total = len(sp) if limit is None else min(limit, len(sp))
-
+    setup.lap("data")
     plans, layer_ids = _preflight_servers(urls, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir)
+    setup.lap("preflight")
     job = _job_tag(Path(out_store), split)
     run = os.urandom(3).hex()  # rids differ between runs: a rerun never meets a server's memory of an earlier one
     for ddir in _dump_dirs(plans):
@@ -682,9 +684,11 @@ def capture_from_sglang(
         max_retries=max_retries,
         backoff_s=backoff_s,
     )
+    setup.lap("probe")
     writer, target = _open_capture_store(
         Path(out_store), ds, plans, probes, split=split, layer_ids=layer_ids, dtype=dtype, target=target, limit=limit
     )
+    setup.lap("open_store")
     done_ids = writer.committed_ids
     todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
     log(
@@ -702,6 +706,7 @@ def capture_from_sglang(
     ok = False
     loop_t0, loop_cpu0 = time.time(), time.process_time()
     phases = {"setup": loop_t0 - t0}
+    setup.lap("plan")
     intra_op = torch.get_num_threads()
     try:
         # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's
@@ -758,6 +763,7 @@ def capture_from_sglang(
         elapsed=time.time() - t0,
         loop_s=loop_s,
         phases=phases,
+        setup_seconds=setup.seconds,
         store_seconds=writer.seconds,
         calibration=calibration,
     )
@@ -884,6 +890,17 @@ def _open_capture_store(
         },
     )
     return writer, target
+
+
+class _Laps:
+    """Seconds between successive `lap` calls, by name (where the capture's set-up goes)."""
+
+    def __init__(self, t0: float):
+        self.last, self.seconds = t0, {}
+
+    def lap(self, name: str) -> None:
+        now = time.time()
+        self.seconds[name], self.last = now - self.last, now
 
 
 @dataclass(kw_only=True)
@@ -1026,6 +1043,7 @@ def _capture_summary(
     elapsed: float,
     loop_s: float,
     phases: dict[str, float],
+    setup_seconds: dict[str, float],
     store_seconds: dict[str, float],
     calibration: dict[str, Any],
 ) -> dict[str, Any]:
@@ -1054,6 +1072,7 @@ def _capture_summary(
         "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
         "seconds_summed": {k: round(v, 3) for k, v in tally.spent.items()},
         "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
+        "setup_seconds": {k: round(v, 3) for k, v in setup_seconds.items()},
         "store_seconds": {k: round(v, 3) for k, v in store_seconds.items()},
         "engine_numerics": calibration,
     }
