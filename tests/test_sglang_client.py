@@ -76,7 +76,11 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
         return seen[0]
 
     intra_op = fresh_thread_intra_op()
-    with serve(tiny_target_dir, tmp_path, chunked_prefill_size=8, max_forward_tokens=24, tp_size=2) as srv:
+    # the stand-in gathers what arrives within batch_wait_s into one batch: long enough that a busy machine
+    # still sends it several of the 4 requests in flight (the batching asserted below)
+    with serve(
+        tiny_target_dir, tmp_path, chunked_prefill_size=8, max_forward_tokens=24, tp_size=2, batch_wait_s=0.05
+    ) as srv:
         out = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, concurrency=4
         )
