@@ -6,6 +6,9 @@ Arms (each a full `eyas pipeline recipes/smollm2-gpu.toml` from the same prepare
   eagle31   the recipe through lab/variants/eagle31.py (EAGLE-3.1: fc_norm + norm_output, trained, evaluated and
             exported as SGLang serves it)
   steps     --set train.steps=<--more-steps> (more training, where the session's time allows)
+  lk        the recipe through lab/variants/lk.py (trained on the LK loss -log(acceptance rate), not soft CE)
+  muon31    eagle31 with muon's --set values
+  lk31      eagle31 and lk at once (lab/variants/run.py --variant eagle31 --variant lk --)
 
 One device session, calls chained BACK TO BACK: the machine is given back about 30 s after a call ends, and
 everything on it (the staged target, every run) goes with it. A call runs at most 10 minutes, so the runs go
@@ -39,9 +42,10 @@ output is there. Every run gets the same options for regenerate and prepare, so 
 folders (regenerate/ without its run/ folder, which only a rerun would read; prepared/ whole) are SKIPPED and
 each run starts at train. An arm may only change train, eval or export options.
 
-The eagle31 runs' exports (arms/eagle31-sN/export/sglang) carry the variant's config keys and norms; the unpatched
-eyas refuses them, so anything that evaluates them goes through the variant too
-(`python3 lab/variants/eagle31.py eval --drafter DIR ...`); SGLang itself reads them as they are.
+The exports of the arms with eagle31 (arms/eagle31-sN/export/sglang, muon31, lk31) carry the variant's config keys
+and norms; the unpatched eyas refuses them, so anything that evaluates them goes through the variant too
+(`python3 lab/variants/eagle31.py eval --drafter DIR ...`); SGLang itself reads them as they are. The lk arm's
+drafters are plain EAGLE-3 ones (config.json marks the loss as `lab_loss`); its logged training loss is the LK value.
 """
 
 from __future__ import annotations
@@ -62,13 +66,17 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2-gpu.toml"
-VARIANT = REPO / "lab" / "variants" / "eagle31.py"
+VARIANTS_DIR = REPO / "lab" / "variants"
 DEFAULT_ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))  # serve_live.py's ROOT
-ARMS = {  # arm -> (runner, --set values); `steps` gets train.steps from --more-steps
-    "default": ("eyas", []),
-    "muon": ("eyas", ['train.optimizer="muon"', "train.lr=2e-3"]),
-    "eagle31": ("eagle31", []),
-    "steps": ("eyas", []),
+MUON = ['train.optimizer="muon"', "train.lr=2e-3"]
+ARMS = {  # arm -> (lab variants patched in, in order; --set values); `steps` gets train.steps from --more-steps
+    "default": ((), []),
+    "muon": ((), MUON),
+    "eagle31": (("eagle31",), []),
+    "steps": ((), []),
+    "lk": (("lk",), []),
+    "muon31": (("eagle31",), MUON),
+    "lk31": (("eagle31", "lk"), []),
 }
 MORE_STEPS = 3600
 SHARED_STAGES = ("regenerate", "prepared")
@@ -115,10 +123,19 @@ def common_sets(a) -> list[str]:
     return out + list(a.set or [])
 
 
+def runner(variants: tuple[str, ...]) -> list[str]:
+    """The command that runs eyas's CLI patched with `variants`: eyas itself, one variant's entry point, or run.py."""
+    if not variants:
+        return [sys.executable, "-m", "eyas"]
+    if len(variants) == 1:
+        return [sys.executable, str(VARIANTS_DIR / f"{variants[0]}.py")]
+    return [sys.executable, str(VARIANTS_DIR / "run.py"), *(x for v in variants for x in ("--variant", v)), "--"]
+
+
 def pipeline_command(
-    runner: str, recipe: Path, workdir: Path, sets: list[str], *, until: str | None = None
+    variants: tuple[str, ...], recipe: Path, workdir: Path, sets: list[str], *, until: str | None = None
 ) -> list[str]:
-    head = [sys.executable, str(VARIANT)] if runner == "eagle31" else [sys.executable, "-m", "eyas"]
+    head = runner(variants)
     cmd = [*head, "pipeline", str(recipe), "--workdir", str(workdir)]
     if until:
         cmd += ["--until", until]
@@ -181,7 +198,7 @@ def drive(a) -> int:
     w = paths(Path(a.root))["w"]
     w.mkdir(parents=True, exist_ok=True)
     base = w / "base"
-    rc = run_logged(pipeline_command("eyas", Path(a.recipe), base, common_sets(a), until="prepare"), w / "base.log")
+    rc = run_logged(pipeline_command((), Path(a.recipe), base, common_sets(a), until="prepare"), w / "base.log")
     if rc:
         log(f"the base pipeline (regenerate + prepare) failed with exit {rc}: {w / 'base.log'}")
         return rc
@@ -195,18 +212,22 @@ def drive(a) -> int:
 # ----------------------------------------------------------------------------- results
 
 
-def variant_check(run: Path) -> str | None:
-    """For the eagle31 arm: whether the trained drafter and the SGLang export carry the variant."""
+def variant_check(run: Path, variants: tuple[str, ...] = ("eagle31",)) -> str | None:
+    """For an arm with variants: whether the trained drafter (and for eagle31 the SGLang export) carry each."""
     try:
         drafter = json.loads((run / "train" / "drafter" / "config.json").read_text())
         export = json.loads((run / "export" / "sglang" / "config.json").read_text())
     except (OSError, ValueError):
         return None
-    ok = (
-        (drafter.get("lab_variant") or {}).get("name") == "eagle31"
-        and export.get("fc_norm") is True
-        and export.get("norm_output") is True
-    )
+    ok = True
+    if "eagle31" in variants:
+        ok &= (
+            (drafter.get("lab_variant") or {}).get("name") == "eagle31"
+            and export.get("fc_norm") is True
+            and export.get("norm_output") is True
+        )
+    if "lk" in variants:
+        ok &= (drafter.get("lab_loss") or {}).get("name") == "lk"
     return "ok" if ok else "MISSING"
 
 
@@ -246,8 +267,9 @@ def gather(w: Path) -> list[dict[str, Any]]:
                 eval_s=ev.get("seconds"),
                 skipped=[s for s, r in p["stages"].items() if r.get("status") == "skipped"],
             )
-            if rec["arm"] == "eagle31":
-                row["variant"] = variant_check(run)
+            variants = ARMS.get(rec["arm"], ((), []))[0]
+            if variants:
+                row["variant"] = variant_check(run, variants)
         else:
             row["progress"] = "failed" if rec.get("rc") else progress(run)
         out.append(row)

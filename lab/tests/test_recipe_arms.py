@@ -23,7 +23,7 @@ def test_runs_are_seed_major_and_each_arm_changes_only_training():
     assert ra.arm_sets("steps", more_steps=3000) == ["train.steps=3000"]
     with pytest.raises(SystemExit, match="arm 'fast'"):
         ra.arm_sets("fast")
-    eyas = ra.pipeline_command("eyas", SMOKE, Path("w"), ["train.seed=2"], until="prepare")
+    eyas = ra.pipeline_command((), SMOKE, Path("w"), ["train.seed=2"], until="prepare")
     assert eyas == [
         sys.executable,
         "-m",
@@ -37,14 +37,43 @@ def test_runs_are_seed_major_and_each_arm_changes_only_training():
         "--set",
         "train.seed=2",
     ]
-    variant = ra.pipeline_command("eagle31", SMOKE, Path("w"), [])
+    variant = ra.pipeline_command(("eagle31",), SMOKE, Path("w"), [])
     assert variant[:3] == [sys.executable, str(REPO / "lab" / "variants" / "eagle31.py"), "pipeline"]
     a = ra.main.__globals__["argparse"].Namespace(target="/t", source="", prompts="/p.jsonl", set=["train.steps=5"])
     assert ra.common_sets(a) == ['target="/t"', 'eval.prompts="/p.jsonl"', "train.steps=5"]
 
 
+def test_the_variant_arms_run_their_variants_and_the_old_arms_are_unchanged():
+    """lk runs lk.py, muon31 eagle31.py with muon's values, lk31 run.py with eagle31 then lk; the arms that were there
+    before keep their command lines (their variants, their --set values)."""
+    variants = REPO / "lab" / "variants"
+    cmds = {arm: ra.pipeline_command(names, SMOKE, Path("w"), ra.arm_sets(arm)) for arm, (names, _) in ra.ARMS.items()}
+    tail = ["pipeline", str(SMOKE), "--workdir", "w"]
+    muon = ["--set", 'train.optimizer="muon"', "--set", "train.lr=2e-3"]
+    assert cmds == {
+        "default": [sys.executable, "-m", "eyas", *tail],
+        "muon": [sys.executable, "-m", "eyas", *tail, *muon],
+        "eagle31": [sys.executable, str(variants / "eagle31.py"), *tail],
+        "steps": [sys.executable, "-m", "eyas", *tail, "--set", f"train.steps={ra.MORE_STEPS}"],
+        "lk": [sys.executable, str(variants / "lk.py"), *tail],
+        "muon31": [sys.executable, str(variants / "eagle31.py"), *tail, *muon],
+        "lk31": [
+            sys.executable,
+            str(variants / "run.py"),
+            *("--variant", "eagle31", "--variant", "lk", "--"),
+            *tail,
+        ],
+    }
+    # the lk31 command's variants are what run.py reads back
+    from lab.variants import eagle31, lk, run
+
+    got, rest = run.parse_args(cmds["lk31"][2:])
+    assert got == [eagle31.Variant(), lk.Variant()] and rest == tail
+    assert ra._arms("lk,muon31,lk31") == ["lk", "muon31", "lk31"]
+
+
 def test_arm_sets_that_touch_shared_stages_are_refused(monkeypatch):
-    monkeypatch.setitem(ra.ARMS, "odd", ("eyas", ["prepare.max_length=64"]))
+    monkeypatch.setitem(ra.ARMS, "odd", ((), ["prepare.max_length=64"]))
     with pytest.raises(SystemExit, match="shared regeneration or prepare"):
         ra.arm_sets("odd")
 
@@ -87,12 +116,17 @@ def _fake_run(w: Path, arm: str, seed: int, *, rc=0, chain=None, tree=None, vari
             "export": {"status": "ran"},
         }
         (run / "pipeline.json").write_text(json.dumps({"tau_chain": chain, "tau_tree": tree, "stages": stages}))
-        if arm == "eagle31":
+        names = ra.ARMS[arm][0]
+        if names:
             (run / "train" / "drafter").mkdir(parents=True)
             (run / "export" / "sglang").mkdir(parents=True)
-            (run / "train" / "drafter" / "config.json").write_text(json.dumps({"lab_variant": {"name": "eagle31"}}))
+            drafter = {"lab_variant": {"name": "eagle31"}} if "eagle31" in names else {}
+            if "lk" in names:
+                drafter["lab_loss"] = {"name": "lk" if variant else "other"}
+            (run / "train" / "drafter" / "config.json").write_text(json.dumps(drafter))
+            fc_norm = variant if "eagle31" in names else None
             (run / "export" / "sglang" / "config.json").write_text(
-                json.dumps({"fc_norm": variant, "norm_output": True})
+                json.dumps({"fc_norm": fc_norm, "norm_output": True})
             )
     elif rc is None:
         (run / "train").mkdir()
@@ -118,6 +152,19 @@ def test_table_reports_each_run_and_each_arms_mean_and_spread(tmp_path):
     assert stats["muon"]["n"] == 0 and stats["muon"]["tau_chain"]["mean"] is None
     text = ra.format_table(runs)
     assert "+0.1000 / +0.1000" in text and "variant MISSING" in text and "train step 120" in text
+    for arm, seed, ok in (("lk", 1, True), ("lk", 2, False), ("lk31", 1, True), ("muon31", 1, True)):
+        _fake_run(w, arm, seed, chain=2.5, tree=3.5, variant=ok)
+    by = {r["name"]: r for r in ra.gather(w)}
+    assert [by[n]["variant"] for n in ("lk-s1", "lk-s2", "lk31-s1", "muon31-s1")] == ["ok", "MISSING", "ok", "ok"]
+    assert "variant" not in by["default-s1"]
+    # lk31 without eagle31's export flags, or without lk's marker, is missing a variant
+    lk31 = w / "lk31-s1"
+    assert ra.variant_check(lk31, ("eagle31", "lk")) == "ok"
+    assert ra.variant_check(lk31, ("lk",)) == "ok"
+    (lk31 / "export" / "sglang" / "config.json").write_text(json.dumps({"fc_norm": False, "norm_output": True}))
+    assert ra.variant_check(lk31, ("eagle31", "lk")) == "MISSING" and ra.variant_check(lk31, ("lk",)) == "ok"
+    (lk31 / "train" / "drafter" / "config.json").write_text(json.dumps({"lab_variant": {"name": "eagle31"}}))
+    assert ra.variant_check(lk31, ("lk",)) == "MISSING"
 
     docs = []
     for i, names in enumerate((["default-s1", "eagle31-s1"], ["default-s2", "eagle31-s2"])):
