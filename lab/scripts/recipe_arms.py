@@ -9,6 +9,9 @@ Arms (each a full `eyas pipeline recipes/smollm2-gpu.toml` from the same prepare
   lk        the recipe through lab/variants/lk.py (trained on the LK loss -log(acceptance rate), not soft CE)
   muon31    eagle31 with muon's --set values
   lk31      eagle31 and lk at once (lab/variants/run.py --variant eagle31 --variant lk --)
+  sampled   the default arm's options on more diverse data: the greedy answers plus --samples (1) answers per prompt
+            sampled from the target at --sample-temperature 0.7, --sample-top-p 0.95 (seeds 1..K), from its own base
+            (arms/base-sampled, made once a session after arms/base: sampled_data.py says how and why)
 
 One device session, calls chained BACK TO BACK: the machine is given back about 30 s after a call ends, and
 everything on it (the staged target, every run) goes with it. A call runs at most 10 minutes, so the runs go
@@ -35,12 +38,22 @@ of two arms take three sessions (seed 1, then `--seeds 2`, then `--seeds 3`; the
 time), or shorten every arm alike with `--set train.steps=...`. `--parallel 2` trains two runs at once on the one
 GPU (the table's tok/s shows whether they slow each other down; GPU memory holds each online run's state cache).
 Runs still going when the session ends are lost; `wait --collect` reports the finished ones.
+The sampled arm adds, once a session before the first run, about 4 minutes (estimated: a sampled regeneration as
+long as the greedy one, about 2 minutes with the target's load; prepare of twice the chats, about 1.5), and about
+half a minute a run (the first epoch, with the target in the loop, is twice as long). Its state cache is twice the
+default's (4.6 KB a token in bf16: about 98 GB for about 21M tokens), estimated to fit on an H200 while the first
+step's memory peak stays under about 43 GB (train/builders.py start_state_cache); --samples 2 would not. Where it
+does not fit, training turns it off and runs the target every step (minutes slower; the table notes "state cache
+did not fit"); `--parallel 2` is refused with this arm. With staging and the greedy base that leaves one full run a
+session: `--arms sampled --seeds N`, compared with other sessions' default runs by `table`.
 
 Reusing one regeneration: `eyas pipeline` skips a stage whose stage.json records `complete` with the same
 fingerprint (the stage's options, paths the pipeline fills excluded, plus its input's fingerprint) and whose
 output is there. Every run gets the same options for regenerate and prepare, so the copies of base's stage
 folders (regenerate/ without its run/ folder, which only a rerun would read; prepared/ whole) are SKIPPED and
-each run starts at train. An arm may only change train, eval or export options.
+each run starts at train. An arm may only change train, eval or export options; the sampled arm changes the
+data instead, through its own base whose regenerate/ record has base's options (so the same fingerprint) and the
+merged chats' checksum as its output, so its runs skip both stages too.
 
 The exports of the arms with eagle31 (arms/eagle31-sN/export/sglang, muon31, lk31) carry the variant's config keys
 and norms; the unpatched eyas refuses them, so anything that evaluates them goes through the variant too
@@ -64,6 +77,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import sampled_data  # noqa: E402 (the script beside this one: the sampled arm's merge)
+
 REPO = Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "smollm2-gpu.toml"
 VARIANTS_DIR = REPO / "lab" / "variants"
@@ -77,8 +93,12 @@ ARMS = {  # arm -> (lab variants patched in, in order; --set values); `steps` ge
     "lk": (("lk",), []),
     "muon31": (("eagle31",), MUON),
     "lk31": (("eagle31", "lk"), []),
+    "sampled": ((), []),  # trains on its own base: greedy + sampled answers (sampled_base, sampled_data.py)
 }
 MORE_STEPS = 3600
+# the sampled arm: answers sampled per prompt beside the greedy one; T 0.7 branches wherever the target hesitates,
+# top_p 0.95 cuts the tail where a 135M target derails into text that greedy decoding (MT-bench eval) never reaches
+SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 1, 0.7, 0.95
 SHARED_STAGES = ("regenerate", "prepared")
 
 
@@ -179,6 +199,36 @@ def run_logged(cmd: list[str], log_file: Path) -> int:
         ).returncode
 
 
+def sampled_base(a, w: Path, base: Path) -> Path | None:
+    """The sampled arm's own base, made once from `base` (its greedy regeneration is not redone): --samples
+    regenerations at --sample-temperature / --sample-top-p (seeds 1..K), merged with base's greedy chats
+    (sampled_data.py) and prepared; None when a step failed (its log says why)."""
+    sets, done = common_sets(a), []
+    for k in range(1, a.samples + 1):
+        gen = w / f"sampled-gen-s{k}"
+        sampling = [
+            f"regenerate.temperature={a.sample_temperature}",
+            f"regenerate.top_p={a.sample_top_p}",
+            f"regenerate.seed={k}",
+        ]
+        cmd = pipeline_command((), Path(a.recipe), gen, [*sets, *sampling], until="regenerate")
+        if run_logged(cmd, w / f"{gen.name}.log"):
+            log(f"the sampled regeneration {k} failed: {w / f'{gen.name}.log'}")
+            return None
+        done.append(gen / "regenerate")
+    out = w / "base-sampled"
+    try:
+        summary = sampled_data.merge(base / "regenerate", done, out / "regenerate", split_from=base / "prepared")
+    except ValueError as exc:
+        log(f"merging the sampled arm's chats failed: {exc}")
+        return None
+    log(f"sampled arm's chats: {json.dumps(summary)}")
+    if run_logged(pipeline_command((), Path(a.recipe), out, sets, until="prepare"), w / "base-sampled.log"):
+        log(f"preparing the sampled arm's chats failed: {w / 'base-sampled.log'}")
+        return None
+    return out
+
+
 def one_run(a, arm: str, seed: int, base: Path, w: Path) -> dict[str, Any]:
     name = run_name(arm, seed)
     run = w / name
@@ -202,11 +252,14 @@ def drive(a) -> int:
     if rc:
         log(f"the base pipeline (regenerate + prepare) failed with exit {rc}: {w / 'base.log'}")
         return rc
-    runs = plan(a.arms, a.seeds)
+    bases = dict.fromkeys(a.arms, base)
+    if "sampled" in bases:  # before any run: its regenerations would share the GPU with a training
+        bases["sampled"] = sampled_base(a, w, base)
+    runs = [r for r in plan(a.arms, a.seeds) if bases[r[0]] is not None]
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
-        recs = list(pool.map(lambda r: one_run(a, r[0], r[1], base, w), runs))
+        recs = list(pool.map(lambda r: one_run(a, r[0], r[1], bases[r[0]], w), runs))
     print(format_table(gather(w)))
-    return int(any(r["rc"] for r in recs))
+    return int(any(r["rc"] for r in recs) or None in bases.values())
 
 
 # ----------------------------------------------------------------------------- results
@@ -246,6 +299,20 @@ def progress(run: Path) -> str:
     return "started"
 
 
+def state_cache(log_file: Path) -> str | None:
+    """What the run's training decided: "on", "off", or "did not fit" (off for want of GPU memory: the target
+    then runs every step, a slower run than its arm's others)."""
+    try:
+        text = log_file.read_text(errors="replace")
+    except OSError:
+        return None
+    at = text.rfind("state cache: ")
+    if at < 0:
+        return None
+    line = text[at:].split("\n", 1)[0]
+    return "on" if line.startswith("state cache: on") else "did not fit" if "do not fit" in line else "off"
+
+
 def gather(w: Path) -> list[dict[str, Any]]:
     """Every run under `w` that the driver started: its arm, seed, exit and figures (None until it finished)."""
     out = []
@@ -265,6 +332,8 @@ def gather(w: Path) -> list[dict[str, Any]]:
                 tokens_per_s=tr.get("tokens_per_s"),
                 heldout_tau=tr.get("heldout_tau_simulated"),
                 eval_s=ev.get("seconds"),
+                train_samples=p["stages"].get("prepare", {}).get("train_samples"),
+                state_cache=state_cache(w / f"{rec['name']}.log"),
                 skipped=[s for s, r in p["stages"].items() if r.get("status") == "skipped"],
             )
             variants = ARMS.get(rec["arm"], ((), []))[0]
@@ -304,6 +373,8 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     ]
     for r in runs:
         note = r.get("progress") or ("variant " + r["variant"] if r.get("variant") else "")
+        if r.get("state_cache") == "did not fit":
+            note += " state cache did not fit"
         if r.get("skipped") and set(r["skipped"]) != {"regenerate", "prepare"}:
             note += f" skipped {r['skipped']}"
         lines.append(
@@ -362,6 +433,12 @@ def start(a) -> None:
         str(a.parallel),
         "--more-steps",
         str(a.more_steps),
+        "--samples",
+        str(a.samples),
+        "--sample-temperature",
+        str(a.sample_temperature),
+        "--sample-top-p",
+        str(a.sample_top_p),
     ]
     for opt in ("target", "source", "prompts"):
         cmd += [f"--{opt}", str(getattr(a, opt) or "")]
@@ -503,6 +580,9 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
         s.add_argument("--parallel", type=int, default=1, help="runs training at once on the GPU")
         s.add_argument("--more-steps", type=int, default=MORE_STEPS, help="train.steps of the `steps` arm")
+        s.add_argument("--samples", type=int, default=SAMPLES, help="the sampled arm's sampled answers per prompt")
+        s.add_argument("--sample-temperature", type=float, default=SAMPLE_TEMPERATURE, help="of the sampled answers")
+        s.add_argument("--sample-top-p", type=float, default=SAMPLE_TOP_P, help="of the sampled answers")
         s.add_argument("--set", action="append", default=[], help="section.key=value for every run (repeatable)")
         s.add_argument("--recipe", default=str(RECIPE))
         s.add_argument("--root", default=str(DEFAULT_ROOT))
@@ -535,6 +615,17 @@ def main(argv: list[str] | None = None) -> None:
         a.target = a.target if a.target is not None else p["smol"]
         a.source = a.source if a.source is not None else p["s"] / "chats_all.jsonl"
         a.prompts = a.prompts if a.prompts is not None else p["s"] / "question.jsonl"
+    if a.command in ("start", "drive") and "sampled" in a.arms:
+        if a.samples < 1 or a.sample_temperature <= 0:
+            raise SystemExit(
+                f"--samples {a.samples}, --sample-temperature {a.sample_temperature}: the sampled arm needs at least "
+                "one sampled answer per prompt at a temperature above 0"
+            )
+        if a.parallel > 1:  # a run sizes its state cache by its own memory peak, blind to the other run's
+            raise SystemExit(
+                f"--parallel {a.parallel}: the sampled arm's state cache (twice the default's) leaves no room for "
+                "a second run on the GPU; drop --parallel"
+            )
     if a.command == "drive":
         raise SystemExit(drive(a))
     {"start": start, "wait": wait, "stop": stop, "table": table}[a.command](a)

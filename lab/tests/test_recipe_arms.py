@@ -63,6 +63,7 @@ def test_the_variant_arms_run_their_variants_and_the_old_arms_are_unchanged():
             *("--variant", "eagle31", "--variant", "lk", "--"),
             *tail,
         ],
+        "sampled": [sys.executable, "-m", "eyas", *tail],  # the default arm's command, on its own base
     }
     # the lk31 command's variants are what run.py reads back
     from lab.variants import eagle31, lk, run
