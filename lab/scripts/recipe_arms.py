@@ -21,7 +21,7 @@ detached (setsid) and `wait` polls. The device commands use `python3` from the r
                                                          the chats; each call carries at most 64 MiB)
   device:  serve_live.py a               carry .stage/serve-a
            serve_live.py b --no-recipe   carry .stage/serve-b   (the target converted, the chats unpacked)
-           recipe_arms.py start --seeds 1 --arms default,eagle31 [--set section.key=value ...] [--parallel P]
+           recipe_arms.py start --seeds 1 --arms default,eagle31 [--set section.key=value ...] [--parallel P] [--gpus N]
                                          (detached: regenerate + prepare once into arms/base, then every run in its
                                          own workdir seeded with base's regenerate/ and prepared/, seed-major: all
                                          arms of one seed before the next seed)
@@ -37,6 +37,9 @@ the regeneration and prepare take a few minutes, and one full training plus eval
 of two arms take three sessions (seed 1, then `--seeds 2`, then `--seeds 3`; the greedy regeneration is redone each
 time), or shorten every arm alike with `--set train.steps=...`. `--parallel 2` trains two runs at once on the one
 GPU (the table's tok/s shows whether they slow each other down; GPU memory holds each online run's state cache).
+On a machine of several GPUs (the nvidia-h200-x2, -x4, -x8 kinds), `--gpus N` gives each run a GPU of its own
+(CUDA_VISIBLE_DEVICES; the base's regeneration runs on the first), N runs at once: three seeds of two arms in one
+session on x8 (`--arms default,lk31 --seeds 1,2,3 --gpus 6`), at the staging cost of one.
 Runs still going when the session ends are lost; `wait --collect` reports the finished ones.
 The sampled arm adds, once a session before the first run, about 4 minutes (estimated: a sampled regeneration as
 long as the greedy one, about 2 minutes with the target's load; prepare of twice the chats, about 1.5), and about
@@ -67,6 +70,7 @@ import argparse
 import concurrent.futures
 import json
 import os
+import queue
 import shutil
 import signal
 import statistics
@@ -111,9 +115,13 @@ def paths(root: Path) -> dict[str, Path]:
     return {"s": root / "s", "smol": root / "smol", "q": root / "q", "w": root / "arms"}
 
 
-def env() -> dict[str, str]:
+def env(gpu: int | None = None) -> dict[str, str]:
+    """This checkout's eyas first on the path; with `gpu`, that GPU alone visible (it is the run's cuda:0)."""
     pp = os.environ.get("PYTHONPATH")
-    return {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep + pp if pp else ''}", "PYTHONUNBUFFERED": "1"}
+    out = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep + pp if pp else ''}", "PYTHONUNBUFFERED": "1"}
+    if gpu is not None:
+        out["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    return out
 
 
 # ----------------------------------------------------------------------------- what a run is
@@ -191,11 +199,11 @@ def seed_workdir(base: Path, run: Path) -> None:
 # ----------------------------------------------------------------------------- the driver (detached)
 
 
-def run_logged(cmd: list[str], log_file: Path) -> int:
-    log(f"$ {' '.join(cmd)}  (log {log_file})")
+def run_logged(cmd: list[str], log_file: Path, *, gpu: int | None = None) -> int:
+    log(f"$ {' '.join(cmd)}  (log {log_file}{'' if gpu is None else f', GPU {gpu}'})")
     with open(log_file, "w") as f:
         return subprocess.run(
-            cmd, env=env(), cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False
+            cmd, env=env(gpu), cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False
         ).returncode
 
 
@@ -229,19 +237,29 @@ def sampled_base(a, w: Path, base: Path) -> Path | None:
     return out
 
 
-def one_run(a, arm: str, seed: int, base: Path, w: Path) -> dict[str, Any]:
+def one_run(a, arm: str, seed: int, base: Path, w: Path, *, gpu: int | None = None) -> dict[str, Any]:
     name = run_name(arm, seed)
     run = w / name
     seed_workdir(base, run)
     sets = [*common_sets(a), f"train.seed={seed}", *arm_sets(arm, more_steps=a.more_steps)]
     cmd = pipeline_command(ARMS[arm][0], Path(a.recipe), run, sets)
-    rec = {"name": name, "arm": arm, "seed": seed, "command": cmd, "started": time.time()}
+    rec = {"name": name, "arm": arm, "seed": seed, "command": cmd, "gpu": gpu, "started": time.time()}
     (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
-    rc = run_logged(cmd, w / f"{name}.log")
+    rc = run_logged(cmd, w / f"{name}.log", gpu=gpu)
     rec.update(rc=rc, seconds=round(time.time() - rec["started"], 1))
     (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
     log(f"{name}: exit {rc} after {rec['seconds']} s")
     return rec
+
+
+def gpu_slots(gpus: int, parallel: int) -> queue.Queue:
+    """One slot per run that may train at once: each of `gpus` GPUs `parallel` times, first GPU 0 to every GPU
+    once, then again (so 2 runs on 2 GPUs take one each). One GPU: None, i.e. the device as the environment gives it."""
+    slots = queue.Queue()
+    for _ in range(max(1, parallel)):
+        for g in range(gpus) if gpus > 1 else [None]:
+            slots.put(g)
+    return slots
 
 
 def drive(a) -> int:
@@ -256,8 +274,17 @@ def drive(a) -> int:
     if "sampled" in bases:  # before any run: its regenerations would share the GPU with a training
         bases["sampled"] = sampled_base(a, w, base)
     runs = [r for r in plan(a.arms, a.seeds) if bases[r[0]] is not None]
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, a.parallel)) as pool:
-        recs = list(pool.map(lambda r: one_run(a, r[0], r[1], bases[r[0]], w), runs))
+    slots = gpu_slots(a.gpus, a.parallel)
+
+    def placed(r):  # the next free slot's GPU for the run's whole pipeline, then the slot goes back
+        gpu = slots.get()
+        try:
+            return one_run(a, r[0], r[1], bases[r[0]], w, gpu=gpu)
+        finally:
+            slots.put(gpu)
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=slots.qsize()) as pool:
+        recs = list(pool.map(placed, runs))
     print(format_table(gather(w)))
     return int(any(r["rc"] for r in recs) or None in bases.values())
 
@@ -431,6 +458,8 @@ def start(a) -> None:
         ",".join(map(str, a.seeds)),
         "--parallel",
         str(a.parallel),
+        "--gpus",
+        str(a.gpus),
         "--more-steps",
         str(a.more_steps),
         "--samples",
@@ -578,7 +607,10 @@ def main(argv: list[str] | None = None) -> None:
         s = sub.add_parser(name, help="run the arms detached" if name == "start" else "(what start runs detached)")
         s.add_argument("--arms", type=_arms, default=["default", "eagle31"], help="comma-separated: " + ", ".join(ARMS))
         s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
-        s.add_argument("--parallel", type=int, default=1, help="runs training at once on the GPU")
+        s.add_argument("--parallel", type=int, default=1, help="runs training at once on each GPU")
+        s.add_argument(
+            "--gpus", type=int, default=1, help="GPUs to spread the runs over (one run per GPU at a time; x2/x4/x8)"
+        )
         s.add_argument("--more-steps", type=int, default=MORE_STEPS, help="train.steps of the `steps` arm")
         s.add_argument("--samples", type=int, default=SAMPLES, help="the sampled arm's sampled answers per prompt")
         s.add_argument("--sample-temperature", type=float, default=SAMPLE_TEMPERATURE, help="of the sampled answers")
@@ -615,6 +647,8 @@ def main(argv: list[str] | None = None) -> None:
         a.target = a.target if a.target is not None else p["smol"]
         a.source = a.source if a.source is not None else p["s"] / "chats_all.jsonl"
         a.prompts = a.prompts if a.prompts is not None else p["s"] / "question.jsonl"
+    if a.command in ("start", "drive") and (a.gpus < 1 or a.parallel < 1):
+        raise SystemExit(f"--gpus {a.gpus}, --parallel {a.parallel}: expected at least 1 each")
     if a.command in ("start", "drive") and "sampled" in a.arms:
         if a.samples < 1 or a.sample_temperature <= 0:
             raise SystemExit(

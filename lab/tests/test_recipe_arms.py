@@ -73,6 +73,53 @@ def test_the_variant_arms_run_their_variants_and_the_old_arms_are_unchanged():
     assert ra._arms("lk,muon31,lk31") == ["lk", "muon31", "lk31"]
 
 
+def test_runs_spread_over_gpus_one_per_gpu_at_a_time(tmp_path, monkeypatch):
+    """--gpus 2: every run gets a GPU of its own while it runs (CUDA_VISIBLE_DEVICES in its environment), two at once;
+    --gpus 1 leaves the environment's device alone."""
+    import threading
+    import time
+
+    q = ra.gpu_slots(2, 2)
+    assert [q.get() for _ in range(4)] == [0, 1, 0, 1]
+    q = ra.gpu_slots(1, 2)
+    assert [q.get() for _ in range(2)] == [None, None]
+    assert ra.env(3)["CUDA_VISIBLE_DEVICES"] == "3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert "CUDA_VISIBLE_DEVICES" not in ra.env(None)
+
+    lock, busy, seen = threading.Lock(), set(), []
+
+    def fake_run(a, arm, seed, base, w, *, gpu=None):
+        with lock:
+            assert gpu not in busy, f"GPU {gpu} given to two runs at once"
+            busy.add(gpu)
+            seen.append(gpu)
+        time.sleep(0.05)
+        with lock:
+            busy.discard(gpu)
+        return {"rc": 0}
+
+    monkeypatch.setattr(ra, "one_run", fake_run)
+    monkeypatch.setattr(ra, "run_logged", lambda *a, **k: 0)  # the base pipeline
+    monkeypatch.setattr(ra, "gather", lambda w: [])
+    a = ra.main.__globals__["argparse"].Namespace(
+        root=str(tmp_path),
+        recipe=str(SMOKE),
+        arms=["default", "lk"],
+        seeds=[1, 2, 3],
+        gpus=2,
+        parallel=1,
+        target="",
+        source="",
+        prompts="",
+        set=[],
+    )
+    assert ra.drive(a) == 0
+    assert len(seen) == 6 and sorted(set(seen)) == [0, 1]
+    with pytest.raises(SystemExit, match="--gpus 0"):
+        ra.main(["start", "--arms", "default", "--gpus", "0", "--root", str(tmp_path)])
+
+
 def test_arm_sets_that_touch_shared_stages_are_refused(monkeypatch):
     monkeypatch.setitem(ra.ARMS, "odd", ((), ["prepare.max_length=64"]))
     with pytest.raises(SystemExit, match="shared regeneration or prepare"):
