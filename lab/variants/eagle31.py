@@ -16,6 +16,13 @@ What SGLang 0.5.17 serves (sglang/srt/models/llama_eagle3.py, read from the stag
 - `load_weights` looks a checkpoint name up as given, then under `model.`; a name matching no parameter is
   dropped without a word, and a norm the config asks for but the file lacks stays at ones.
 
+Which engines serve it (read from their sources and pull requests, not run here; the release tags are inferred
+from dates): SGLang reads `fc_norm` and `norm_output` from about 0.5.12 (sgl-project/sglang#24663); an older SGLang
+drops the norms' weights without a word and drafts as EAGLE-3 (acceptance falls, the output stays right). vLLM
+reads both at the top level from 0.22.0 (vllm-project/vllm#42764); an older vLLM refuses the unknown `fc_norm.*`
+weights at load and ignores `norm_output`. speculators names them the same (0.7.0). So a product option, if this
+wins, must name the minimum engine in the export and refuse an older one: only vLLM fails loudly by itself.
+
 EAGLE-3.1 (the paper, vLLM, speculators, SpecForge, TorchSpec) is `fc_norm` (per aux state) + `norm_output`; the
 single norm over the concatenation (`norm_before_fc`) is the older speculators option (`--fc-norm concat` here).
 
