@@ -100,9 +100,9 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     phases = out["phase_seconds"]
     assert sorted(phases) == ["calibrate", "close", "loop", "loop_cpu", "setup"] and phases["loop"] == out["loop_s"]
     assert sum(phases[k] for k in ("setup", "loop", "calibrate", "close")) <= out["elapsed_s"] + 1e-3
-    setup = out["setup_seconds"]  # the set-up's parts, in order, add up to it
-    assert list(setup) == ["data", "preflight", "probe", "open_store", "plan"] and setup["probe"] > 0
-    assert abs(sum(setup.values()) - phases["setup"]) < 0.01
+    setup = out["setup_seconds"]  # the set-up's parts, in order, within it
+    assert list(setup) == ["data", "preflight", "probe", "open_store"] and setup["probe"] > 0
+    assert sum(setup.values()) <= phases["setup"] + 1e-3
     assert out["store_seconds"]["write"] > 0 and out["store_seconds"]["commit"] > 0
 
 

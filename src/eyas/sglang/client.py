@@ -668,23 +668,18 @@ def capture_from_sglang(
     sp = ds.split(split)
     n_total = len(sp) if limit is None else min(limit, len(sp))
     setup.lap("data")
-    plans, layer_ids = _preflight_servers(urls, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir)
-    setup.lap("preflight")
     job = _job_tag(Path(out_store), split)
     run = os.urandom(3).hex()  # rids differ between runs: a rerun never meets a server's memory of an earlier one
-    for ddir in _dump_dirs(plans):
-        if n := remove_stale_dumps(ddir, job):
-            log(f"eyas: removed {n} dumps left in {ddir} by an interrupted run")
-    probes = _probe_servers(
-        plans,
+    plans, layer_ids, probes = _reach_servers(
+        urls,
+        layer_ids,
         sp[0].input_ids if n_total else torch.arange(100, 116),
-        layer_ids=layer_ids,
         job=job,
-        dump_wait_s=dump_wait_s,
-        max_retries=max_retries,
-        backoff_s=backoff_s,
+        laps=setup,
+        cache_bypass=cache_bypass,
+        dump_dir=dump_dir,
+        probe_kw={"dump_wait_s": dump_wait_s, "max_retries": max_retries, "backoff_s": backoff_s},
     )
-    setup.lap("probe")
     writer, target = _open_capture_store(
         Path(out_store), ds, plans, probes, split=split, layer_ids=layer_ids, dtype=dtype, target=target, limit=limit
     )
@@ -706,7 +701,6 @@ def capture_from_sglang(
     ok = False
     loop_t0, loop_cpu0 = time.time(), time.process_time()
     phases = {"setup": loop_t0 - t0}
-    setup.lap("plan")
     intra_op = torch.get_num_threads()
     try:
         # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's
@@ -808,6 +802,29 @@ def _preflight_servers(
                 "all servers must serve the same model with the same EYAS_CAPTURE_LAYERS"
             )
     return plans, layer_ids
+
+
+def _reach_servers(
+    urls: Sequence[str],
+    layer_ids: Sequence[int] | None,
+    first: torch.Tensor,
+    *,
+    job: str,
+    laps: _Laps,
+    cache_bypass: str,
+    dump_dir: str | Path | None,
+    probe_kw: dict[str, Any],
+) -> tuple[list[ServerPlan], list[int], list[Outcome]]:
+    """(plans, layer ids, one probe per server): every server preflighted, the dumps an interrupted run of this
+    job left behind removed, then one probe each (`_probe_servers`; `probe_kw`: its retry and wait options)."""
+    plans, layer_ids = _preflight_servers(urls, layer_ids, cache_bypass=cache_bypass, dump_dir=dump_dir)
+    laps.lap("preflight")
+    for ddir in _dump_dirs(plans):
+        if n := remove_stale_dumps(ddir, job):
+            log(f"eyas: removed {n} dumps left in {ddir} by an interrupted run")
+    probes = _probe_servers(plans, first, layer_ids=layer_ids, job=job, **probe_kw)
+    laps.lap("probe")
+    return plans, layer_ids, probes
 
 
 def _dump_dirs(plans: Sequence[ServerPlan]) -> list[Path]:
