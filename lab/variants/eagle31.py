@@ -341,15 +341,13 @@ def parse_args(argv: list[str]) -> tuple[Variant, list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     """Patch eyas with the variant, then run eyas's command line in this process."""
-    variant, args = parse_args(sys.argv[1:] if argv is None else argv)
-    from eyas.cli import main as eyas_main
+    from lab.variants import run_eyas
 
-    print(f"lab variant {variant.describe()}: eyas patched for this run", file=sys.stderr, flush=True)
-    with patched(variant):
-        sys.argv = ["eyas", *args]
-        eyas_main()
+    variant, args = parse_args(sys.argv[1:] if argv is None else argv)
+    run_eyas(args, patched(variant), f"lab variant {variant.describe()}")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "src"))  # the eyas of this checkout
+    root = Path(__file__).resolve().parents[2]
+    sys.path[:0] = [str(root / "src"), str(root)]  # the eyas and the lab of this checkout
     main()

@@ -73,14 +73,10 @@ def parse_args(argv: list[str]) -> tuple[list[Any], list[str]]:
 
 def main(argv: list[str] | None = None) -> None:
     """Patch eyas with every variant, then run eyas's command line in this process."""
-    variants, args = parse_args(sys.argv[1:] if argv is None else argv)
-    from eyas.cli import main as eyas_main
+    from lab.variants import run_eyas
 
-    names = " + ".join(v.describe() for v in variants)
-    print(f"lab variants {names}: eyas patched for this run", file=sys.stderr, flush=True)
-    with stacked(variants):
-        sys.argv = ["eyas", *args]
-        eyas_main()
+    variants, args = parse_args(sys.argv[1:] if argv is None else argv)
+    run_eyas(args, stacked(variants), "lab variants " + " + ".join(v.describe() for v in variants))
 
 
 if __name__ == "__main__":
