@@ -21,7 +21,7 @@ detached (setsid) and `wait` polls. The device commands use `python3` from the r
                                                          the chats; each call carries at most 64 MiB)
   device:  serve_live.py a               carry .stage/serve-a
            serve_live.py b --no-recipe   carry .stage/serve-b   (the target converted, the chats unpacked)
-           recipe_arms.py start --seeds 1 --arms default,eagle31 [--set section.key=value ...] [--parallel P] [--gpus N]
+           recipe_arms.py start --seeds 1 --arms default,eagle31 [--set section.key=value ...] [--parallel P] [--gpus N|IDS]
                                          (detached: regenerate + prepare once into arms/base, then every run in its
                                          own workdir seeded with base's regenerate/ and prepared/, seed-major: all
                                          arms of one seed before the next seed)
@@ -39,7 +39,9 @@ time), or shorten every arm alike with `--set train.steps=...`. `--parallel 2` t
 GPU (the table's tok/s shows whether they slow each other down; GPU memory holds each online run's state cache).
 On a machine of several GPUs (the nvidia-h200-x2, -x4, -x8 kinds), `--gpus N` gives each run a GPU of its own
 (CUDA_VISIBLE_DEVICES; the base's regeneration runs on the first), N runs at once: three seeds of two arms in one
-session on x8 (`--arms default,lk31 --seeds 1,2,3 --gpus 6`), at the staging cost of one.
+session on x8 (`--arms default,lk31 --seeds 1,2,3 --gpus 6`), at the staging cost of one. GPU ids (`--gpus 1,`)
+leave the others to another job: on x2, serve_live's capture (issue 41) on GPU 0 (CUDA_VISIBLE_DEVICES=0) beside
+a recipe run on GPU 1 (the two share the CPUs: the capture's rate is then read against its own call's prefill).
 Runs still going when the session ends are lost; `wait --collect` reports the finished ones.
 The sampled arm adds, once a session before the first run, about 4 minutes (estimated: a sampled regeneration as
 long as the greedy one, about 2 minutes with the target's load; prepare of twice the chats, about 1.5), and about
@@ -220,7 +222,7 @@ def sampled_base(a, w: Path, base: Path) -> Path | None:
             f"regenerate.seed={k}",
         ]
         cmd = pipeline_command((), Path(a.recipe), gen, [*sets, *sampling], until="regenerate")
-        if run_logged(cmd, w / f"{gen.name}.log"):
+        if run_logged(cmd, w / f"{gen.name}.log", gpu=first_gpu(a.gpus)):
             log(f"the sampled regeneration {k} failed: {w / f'{gen.name}.log'}")
             return None
         done.append(gen / "regenerate")
@@ -231,7 +233,8 @@ def sampled_base(a, w: Path, base: Path) -> Path | None:
         log(f"merging the sampled arm's chats failed: {exc}")
         return None
     log(f"sampled arm's chats: {json.dumps(summary)}")
-    if run_logged(pipeline_command((), Path(a.recipe), out, sets, until="prepare"), w / "base-sampled.log"):
+    cmd = pipeline_command((), Path(a.recipe), out, sets, until="prepare")
+    if run_logged(cmd, w / "base-sampled.log", gpu=first_gpu(a.gpus)):
         log(f"preparing the sampled arm's chats failed: {w / 'base-sampled.log'}")
         return None
     return out
@@ -252,12 +255,29 @@ def one_run(a, arm: str, seed: int, base: Path, w: Path, *, gpu: int | None = No
     return rec
 
 
-def gpu_slots(gpus: int, parallel: int) -> queue.Queue:
-    """One slot per run that may train at once: each of `gpus` GPUs `parallel` times, first GPU 0 to every GPU
-    once, then again (so 2 runs on 2 GPUs take one each). One GPU: None, i.e. the device as the environment gives it."""
+def parse_gpus(text: str) -> list[int] | None:
+    """--gpus: a count N (GPUs 0..N-1; 1 = the device as the environment gives it, None) or a comma list of GPU ids
+    (`1,2,3`, or `1,` for GPU 1 alone: the others left to another job, e.g. serve_live's capture server)."""
+    try:
+        ids = [int(x) for x in text.split(",") if x] if "," in text else list(range(int(text)))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a count (3) or GPU ids (1,2,3)") from None
+    if not ids or min(ids) < 0 or len(set(ids)) != len(ids):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected at least one GPU, ids >= 0, each once")
+    return None if ids == [0] and "," not in text else ids
+
+
+def first_gpu(gpus: list[int] | None) -> int | None:
+    """Where the base's regeneration and prepare run: the first of the run's GPUs."""
+    return gpus[0] if gpus else None
+
+
+def gpu_slots(gpus: list[int] | None, parallel: int) -> queue.Queue:
+    """One slot per run that may train at once: each GPU `parallel` times, every GPU once before any twice (so 2 runs
+    on 2 GPUs take one each). None: one GPU, the device as the environment gives it."""
     slots = queue.Queue()
     for _ in range(max(1, parallel)):
-        for g in range(gpus) if gpus > 1 else [None]:
+        for g in gpus or [None]:
             slots.put(g)
     return slots
 
@@ -266,7 +286,8 @@ def drive(a) -> int:
     w = paths(Path(a.root))["w"]
     w.mkdir(parents=True, exist_ok=True)
     base = w / "base"
-    rc = run_logged(pipeline_command((), Path(a.recipe), base, common_sets(a), until="prepare"), w / "base.log")
+    cmd = pipeline_command((), Path(a.recipe), base, common_sets(a), until="prepare")
+    rc = run_logged(cmd, w / "base.log", gpu=first_gpu(a.gpus))
     if rc:
         log(f"the base pipeline (regenerate + prepare) failed with exit {rc}: {w / 'base.log'}")
         return rc
@@ -459,7 +480,7 @@ def start(a) -> None:
         "--parallel",
         str(a.parallel),
         "--gpus",
-        str(a.gpus),
+        ",".join(map(str, a.gpus)) + "," if a.gpus else "1",
         "--more-steps",
         str(a.more_steps),
         "--samples",
@@ -609,7 +630,10 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
         s.add_argument("--parallel", type=int, default=1, help="runs training at once on each GPU")
         s.add_argument(
-            "--gpus", type=int, default=1, help="GPUs to spread the runs over (one run per GPU at a time; x2/x4/x8)"
+            "--gpus",
+            type=parse_gpus,
+            default=None,
+            help="GPUs to spread the runs over, one run each at a time: a count (x2/x4/x8) or ids (1,2,3)",
         )
         s.add_argument("--more-steps", type=int, default=MORE_STEPS, help="train.steps of the `steps` arm")
         s.add_argument("--samples", type=int, default=SAMPLES, help="the sampled arm's sampled answers per prompt")
@@ -647,8 +671,8 @@ def main(argv: list[str] | None = None) -> None:
         a.target = a.target if a.target is not None else p["smol"]
         a.source = a.source if a.source is not None else p["s"] / "chats_all.jsonl"
         a.prompts = a.prompts if a.prompts is not None else p["s"] / "question.jsonl"
-    if a.command in ("start", "drive") and (a.gpus < 1 or a.parallel < 1):
-        raise SystemExit(f"--gpus {a.gpus}, --parallel {a.parallel}: expected at least 1 each")
+    if a.command in ("start", "drive") and a.parallel < 1:
+        raise SystemExit(f"--parallel {a.parallel}: expected at least 1")
     if a.command in ("start", "drive") and "sampled" in a.arms:
         if a.samples < 1 or a.sample_temperature <= 0:
             raise SystemExit(

@@ -75,19 +75,24 @@ def test_the_variant_arms_run_their_variants_and_the_old_arms_are_unchanged():
 
 def test_runs_spread_over_gpus_one_per_gpu_at_a_time(tmp_path, monkeypatch):
     """--gpus 2: every run gets a GPU of its own while it runs (CUDA_VISIBLE_DEVICES in its environment), two at once;
-    --gpus 1 leaves the environment's device alone."""
+    --gpus 1,3: only those, the base on the first; --gpus 1 leaves the environment's device alone."""
     import threading
     import time
 
-    q = ra.gpu_slots(2, 2)
+    assert ra.parse_gpus("1") is None and ra.parse_gpus("3") == [0, 1, 2] and ra.parse_gpus("1,") == [1]
+    assert ra.parse_gpus("1,3") == [1, 3]
+    for bad in ("0", "x", "1,1", "-1,"):
+        with pytest.raises(ra.argparse.ArgumentTypeError):
+            ra.parse_gpus(bad)
+    q = ra.gpu_slots([0, 1], 2)
     assert [q.get() for _ in range(4)] == [0, 1, 0, 1]
-    q = ra.gpu_slots(1, 2)
+    q = ra.gpu_slots(None, 2)
     assert [q.get() for _ in range(2)] == [None, None]
     assert ra.env(3)["CUDA_VISIBLE_DEVICES"] == "3"
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert "CUDA_VISIBLE_DEVICES" not in ra.env(None)
 
-    lock, busy, seen = threading.Lock(), set(), []
+    lock, busy, seen, base_gpu = threading.Lock(), set(), [], []
 
     def fake_run(a, arm, seed, base, w, *, gpu=None):
         with lock:
@@ -100,14 +105,14 @@ def test_runs_spread_over_gpus_one_per_gpu_at_a_time(tmp_path, monkeypatch):
         return {"rc": 0}
 
     monkeypatch.setattr(ra, "one_run", fake_run)
-    monkeypatch.setattr(ra, "run_logged", lambda *a, **k: 0)  # the base pipeline
+    monkeypatch.setattr(ra, "run_logged", lambda cmd, log, gpu=None: base_gpu.append(gpu) or 0)  # the base
     monkeypatch.setattr(ra, "gather", lambda w: [])
     a = ra.main.__globals__["argparse"].Namespace(
         root=str(tmp_path),
         recipe=str(SMOKE),
         arms=["default", "lk"],
         seeds=[1, 2, 3],
-        gpus=2,
+        gpus=[1, 3],
         parallel=1,
         target="",
         source="",
@@ -115,8 +120,8 @@ def test_runs_spread_over_gpus_one_per_gpu_at_a_time(tmp_path, monkeypatch):
         set=[],
     )
     assert ra.drive(a) == 0
-    assert len(seen) == 6 and sorted(set(seen)) == [0, 1]
-    with pytest.raises(SystemExit, match="--gpus 0"):
+    assert base_gpu == [1] and len(seen) == 6 and sorted(set(seen)) == [1, 3]
+    with pytest.raises(SystemExit):
         ra.main(["start", "--arms", "default", "--gpus", "0", "--root", str(tmp_path)])
 
 
