@@ -266,3 +266,30 @@ def test_a_prepared_split_changed_after_prepare_is_refused(tmp_path, tiny_target
             (tmp_path / "b" / f"x{name}{ext}").replace(tmp_path / "b" / f"{name}{ext}")
     with pytest.raises(EyasError, match=r"split `train` .*does not match its fingerprint"):
         PreparedDataset(b).split("train")
+
+
+def test_worker_processes_write_what_this_process_writes(tmp_path, tiny_target_dir):
+    """The chats rendered by two spawned processes, three a task (a partial last task, skipped records and length
+    drops in between), give the same dataset, byte for byte, and the same summary as rendered here."""
+    from eyas.data.prepare import POOL_MIN_CHATS, pool_workers
+
+    rows = [conv(i, n_turns=1 + i % 3) for i in range(10)] + [conv(10, answer="word " * 200)]
+    rows.insert(4, {"id": "noans", "messages": [{"role": "user", "content": "q"}]})
+    rows[7]["messages"][1]["truncated"] = True
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    out = {}
+    for workers in (1, 2):
+        cfg = PrepareConfig(
+            source=str(src),
+            target=str(tiny_target_dir),
+            out=tmp_path / f"p{workers}",
+            eval_fraction=0.25,
+            max_length=150,
+            length_policy="drop",
+        )
+        out[workers] = prepare(cfg, workers=workers, chunk=3)
+    assert out[1].pop("out") != out[2].pop("out") and out[1] == out[2]
+    assert out[1]["skipped"] == {"no_assistant_turn": 1, "too_long": 1} and out[1]["samples_kept"] == 10
+    for name in ("train.safetensors", "eval.safetensors", "train.ids.json", "eval.ids.json"):
+        assert (tmp_path / "p1" / name).read_bytes() == (tmp_path / "p2" / name).read_bytes(), name
+    assert pool_workers(POOL_MIN_CHATS - 1) == 1 and pool_workers(POOL_MIN_CHATS) >= 1

@@ -1,7 +1,8 @@
 """`eyas prepare`: chats -> token ids + assistant-only loss masks, as a prepared dataset on disk.
 
 Reads any chat source (data/sources.py), renders each conversation with the target's own chat
-template (data/template.py), applies the length policy, splits train/eval deterministically by a
+template (data/template.py; a large source in worker processes, one per core: the rendering is
+Python and tokenizer work per chat, and the output is the same either way), applies the length policy, splits train/eval deterministically by a
 hash of the sample id (stable when records are added or removed), and writes the dataset atomically
 (data/prepared.py). Nothing is dropped silently: every skipped record is counted by reason.
 
@@ -13,6 +14,8 @@ Disk estimate for the capture stage: tokens x (aux layers + 1) x hidden size x b
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +24,7 @@ from typing import Any
 from eyas.common import check_out_dir, human_bytes, log, progress
 from eyas.data.prepared import write_prepared
 from eyas.data.sources import Conversation, iter_conversations
-from eyas.data.template import _special_ids, check_template, render
+from eyas.data.template import _special_ids, check_template, render, render_chunk
 from eyas.errors import EyasError
 
 TOO_LONG = "too_long"
@@ -98,7 +101,47 @@ def capture_bytes(tokens: int, *, aux_layers: int, hidden_size: int, bytes_per_v
     return int(tokens * (aux_layers + 1) * hidden_size * bytes_per_value)
 
 
-def prepare(cfg: PrepareConfig) -> dict[str, Any]:
+POOL_MIN_CHATS = 4096
+"""Fewer chats render in this process: starting worker processes (each imports transformers and loads the
+tokenizer) would cost more than it saves."""
+POOL_CHUNK = 64
+"""Chats a worker renders per task: large enough that pickling the task and its result is a small share."""
+
+
+def pool_workers(n_chats: int) -> int:
+    """Processes that render `n_chats` chats: one per core (at most 16) for a large source, else this one."""
+    return 1 if n_chats < POOL_MIN_CHATS else max(1, min(16, os.cpu_count() or 1))
+
+
+def _rendered(cfg: PrepareConfig, target_dir: Path, tokenizer, specials, chats: list, bar, *, workers: int, chunk: int):
+    """(ids, loss mask) of each chat, in order: rendered here, or by `workers` spawned processes `chunk` chats a task
+    (the same `render`, with the same tokenizer loaded from `target_dir` in each; the output is identical)."""
+    if workers <= 1:
+        for c in chats:
+            r = render(
+                tokenizer,
+                c.messages,
+                truncated_answers=cfg.truncated_answers,
+                special_ids=specials,
+                max_tokens=cfg.max_length,
+            )
+            bar.update(1)
+            yield r.input_ids, r.loss_mask
+        return
+    tasks = (
+        (str(target_dir), [c.messages for c in chats[i : i + chunk]], cfg.truncated_answers, cfg.max_length)
+        for i in range(0, len(chats), chunk)
+    )
+    # spawn, not fork: the parent may hold threads (tokenizers, torch) that a forked child would inherit mid-state
+    with multiprocessing.get_context("spawn").Pool(workers) as pool:
+        for out in pool.imap(render_chunk, tasks):
+            bar.update(len(out))
+            yield from out
+
+
+def prepare(cfg: PrepareConfig, *, workers: int | None = None, chunk: int = POOL_CHUNK) -> dict[str, Any]:
+    """Run `eyas prepare`. `workers`: processes that render the chats (default `pool_workers`); `chunk`: chats per
+    worker task."""
     from transformers import AutoConfig
 
     from eyas.defaults import resolve_target
@@ -116,23 +159,19 @@ def prepare(cfg: PrepareConfig) -> dict[str, Any]:
     splits: dict[str, list] = {"train": [], "eval": []}
     infos: list = []
     truncated_samples = 0
-    bar = progress(cfg.limit, "prepare", "conv")
+    chats = []
     for item in iter_conversations(cfg.source, limit=cfg.limit, hf_split=cfg.hf_split, info_out=infos):
-        bar.update(1)
         if not isinstance(item, Conversation):
             skipped[item.reason] += 1
-            continue
-        if cfg.truncated_answers == "drop" and any(m.get("truncated") for m in item.messages):
+        elif cfg.truncated_answers == "drop" and any(m.get("truncated") for m in item.messages):
             skipped[TRUNCATED_ANSWER] += 1
-            continue
-        r = render(
-            tokenizer,
-            item.messages,
-            truncated_answers=cfg.truncated_answers,
-            special_ids=specials,
-            max_tokens=cfg.max_length,
-        )
-        ids, mask = r.input_ids, r.loss_mask
+        else:
+            chats.append(item)
+    workers = pool_workers(len(chats)) if workers is None else workers
+    bar = progress(len(chats), "prepare" + (f" ({workers} processes)" if workers > 1 else ""), "conv")
+    for item, (ids, mask) in zip(
+        chats, _rendered(cfg, target_dir, tokenizer, specials, chats, bar, workers=workers, chunk=chunk), strict=True
+    ):
         if len(ids) > cfg.max_length:
             if cfg.length_policy == "drop":
                 skipped[TOO_LONG] += 1

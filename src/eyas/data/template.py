@@ -154,3 +154,24 @@ def render(
             mask[j] = True
             tok = j + 1
     return Rendered(ids, mask, text)
+
+
+_pool_tokenizers: dict[str, Any] = {}
+"""In a prepare worker process: the tokenizer of each target directory, loaded on its first chunk."""
+
+
+def render_chunk(task: tuple[str, list[list[dict[str, Any]]], str, int | None]) -> list[tuple[list[int], list[bool]]]:
+    """(ids, loss mask) of each chat of `task` = (target directory, chats, truncated_answers, max_tokens): `render`
+    in a worker process of `eyas prepare`, with the target's tokenizer loaded once per process."""
+    target_dir, chats, truncated_answers, max_tokens = task
+    if target_dir not in _pool_tokenizers:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(target_dir)
+        _pool_tokenizers[target_dir] = (tok, _special_ids(tok))
+    tok, specials = _pool_tokenizers[target_dir]
+    out = []
+    for messages in chats:
+        r = render(tok, messages, truncated_answers=truncated_answers, special_ids=specials, max_tokens=max_tokens)
+        out.append((r.input_ids, r.loss_mask))
+    return out
