@@ -109,8 +109,11 @@ POOL_CHUNK = 64
 
 
 def pool_workers(n_chats: int) -> int:
-    """Processes that render `n_chats` chats: one per core (at most 16) for a large source, else this one."""
-    return 1 if n_chats < POOL_MIN_CHATS else max(1, min(16, os.cpu_count() or 1))
+    """Processes that render `n_chats` chats: one per core (at most 16) for a large source, else this one (also
+    inside a daemonic process, which may not start children)."""
+    if n_chats < POOL_MIN_CHATS or multiprocessing.current_process().daemon:
+        return 1
+    return max(1, min(16, os.cpu_count() or 1))
 
 
 def _rendered(cfg: PrepareConfig, target_dir: Path, tokenizer, specials, chats: list, bar, *, workers: int, chunk: int):
