@@ -31,7 +31,8 @@ settings), eval, in-process capture for comparison, then the trained drafter ser
 `store --detach --steps 0` captures and verifies only (the rate and the checks again, a few minutes; `--verify N`
 runs verify N times); the capture server starts as soon as SGLang is installed, beside the prepare;
 `--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed);
-`--store-dir /dev/shm/store41` takes the disk out (its write rate is measured first either way).
+`--store-dir /dev/shm/store41` takes the disk out (its write rate is measured first either way);
+`--concurrency N` sets the requests in flight for the prefill and the capture alike (16).
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
     python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
@@ -796,13 +797,15 @@ def store_run(a) -> None:
 
         bypass = choose_bypass(get_server_info(srv.url), "auto")  # what `eyas capture` will choose
         R["bypass"] = bypass
-        step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64))
+        c = a.concurrency  # requests in flight, the same for the prefill and the capture
+        step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64, concurrency=c))
         R["prefill_same_bypass"] = step(
             "prefill, no dumps (capture's bypass)",
-            lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples),
+            lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c),
         )
         R["prefill_plain"] = step(
-            "prefill, no dumps, no bypass", lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples)
+            "prefill, no dumps, no bypass",
+            lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
         )
 
         def capture():
@@ -829,6 +832,8 @@ def store_run(a) -> None:
                     "cuda",
                     "--limit",
                     str(a.samples),
+                    "--sglang-concurrency",
+                    str(a.concurrency),
                 ],
                 "capture",
             )
@@ -837,7 +842,7 @@ def store_run(a) -> None:
 
         step("eyas capture --backend sglang", capture)
         R["prefill_same_bypass_after"] = step(
-            "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples)
+            "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c)
         )
     finally:
         srv.stop()
@@ -1053,6 +1058,9 @@ def main() -> None:
     )
     st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
     st.add_argument("--prefill-samples", type=int, default=3000)
+    st.add_argument(
+        "--concurrency", type=int, default=16, help="requests in flight for the prefill and the capture alike"
+    )
     st.add_argument("--inprocess-samples", type=int, default=1000)
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
     st.add_argument("--limit", type=int, default=20, help="MT-bench conversations bench-serve sends")
