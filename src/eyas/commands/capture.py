@@ -29,7 +29,7 @@ def capture(
     sglang_dump_dir: Path | None = typer.Option(
         None, help="sglang: the plugin's dump directory as seen from here (default: what the server reports)."
     ),
-    sglang_concurrency: int = typer.Option(16, help="sglang: requests in flight over all servers."),
+    sglang_concurrency: int = typer.Option(16, help="sglang: requests in flight at each server."),
     sglang_cache_bypass: str = typer.Option(
         "auto",
         help="sglang: how a radix-cache prefix hit is prevented: auto (unique cache salt per request, or nothing when the cache is disabled), salt, logprob, none.",
