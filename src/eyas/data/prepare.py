@@ -2,9 +2,10 @@
 
 Reads any chat source (data/sources.py), renders each conversation with the target's own chat
 template (data/template.py; a large source in worker processes, one per core: the rendering is
-Python and tokenizer work per chat, and the output is the same either way), applies the length policy, splits train/eval deterministically by a
-hash of the sample id (stable when records are added or removed), and writes the dataset atomically
-(data/prepared.py). Nothing is dropped silently: every skipped record is counted by reason.
+Python and tokenizer work per chat, and the output is the same either way), applies the length
+policy, splits train/eval deterministically by a hash of the sample id (stable when records are
+added or removed), and writes the dataset atomically (data/prepared.py). Nothing is dropped
+silently: every skipped record is counted by reason.
 
 Disk estimate for the capture stage: tokens x (aux layers + 1) x hidden size x bytes per value
 (2 for bf16; fp8 stores 1 byte plus a small per-token scale). E.g. a Kimi-K2.5-class target
