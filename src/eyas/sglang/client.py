@@ -363,7 +363,8 @@ class Outcome:
     sample_id: str
     tokens: int
     hidden_LSD: torch.Tensor | None = None
-    """The verified states stacked as the store keeps them: [L, A+1, H], aux slots then the final state."""
+    """The verified states stacked as the store keeps them: [L, A+1, H], aux slots then the final state (None once
+    `encoded` holds them)."""
     encoded: Any = None
     """The same in the stored dtype with its checksum (StoreWriter.encode), when the sender asked for it."""
     reason: str | None = None
@@ -462,7 +463,7 @@ def capture_one(
     return Outcome(
         sample_id=sample_id,
         tokens=L,
-        hidden_LSD=hidden,
+        hidden_LSD=hidden if encoded is None else None,  # the encoded rows alone wait in the ingest queue
         encoded=encoded,
         retries=retries,
         seconds=seconds,

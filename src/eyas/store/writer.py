@@ -373,7 +373,7 @@ class StoreWriter:
         """Add a sample `encode` made (by this writer's spec)."""
         ids, lengths = [sample.id], [sample.rows.shape[0]]
         self._check_packed(ids, lengths, lengths[0], sample.rows, sample.scale)
-        self._write_packed(ids, _starts(lengths), sample.rows, sample.scale, [sample.digest])
+        self._write_packed(ids, _starts(lengths), _bytes_of(sample.rows, None)[0], sample.scale, [sample.digest])
 
     def add_packed(
         self, ids: Sequence[str], lengths: Sequence[int], hidden_NLD: torch.Tensor, scale_NL: torch.Tensor | None
@@ -393,15 +393,14 @@ class StoreWriter:
             )
             for a, b in zip(starts[:-1], starts[1:])
         ]
-        self._write_packed(ids, starts, hidden_NLD, scale_NL, digests)
+        self._write_packed(ids, starts, hidden_u8, scale_NL, digests)
 
-    def _write_packed(self, ids, starts: list[int], hidden_NLD, scale_NL, digests: list) -> None:
-        """Write checked packed rows (sample k at rows starts[k]..starts[k+1]) into the open shard; `digests`
-        are checksums or futures of them."""
+    def _write_packed(self, ids, starts: list[int], hidden_u8, scale_NL, digests: list) -> None:
+        """Write checked packed rows (their bytes `hidden_u8`, sample k at rows starts[k]..starts[k+1]) into the
+        open shard; `digests` are checksums or futures of them."""
         try:
             if self._file is None:
                 self._open_shard()
-            hidden_u8, _ = _bytes_of(hidden_NLD, None)
             n = starts[-1]
             t0 = time.perf_counter()
             for a in range(0, hidden_u8.size, self.write_chunk):
