@@ -271,8 +271,6 @@ def test_a_prepared_split_changed_after_prepare_is_refused(tmp_path, tiny_target
 def test_worker_processes_write_what_this_process_writes(tmp_path, tiny_target_dir):
     """The chats rendered by two spawned processes, three a task (a partial last task, skipped records and length
     drops in between), give the same dataset, byte for byte, and the same summary as rendered here."""
-    from eyas.data.prepare import POOL_MIN_CHATS, pool_workers
-
     rows = [conv(i, n_turns=1 + i % 3) for i in range(10)] + [conv(10, answer="word " * 200)]
     rows.insert(4, {"id": "noans", "messages": [{"role": "user", "content": "q"}]})
     rows[7]["messages"][1]["truncated"] = True
@@ -292,4 +290,15 @@ def test_worker_processes_write_what_this_process_writes(tmp_path, tiny_target_d
     assert out[1]["skipped"] == {"no_assistant_turn": 1, "too_long": 1} and out[1]["samples_kept"] == 10
     for name in ("train.safetensors", "eval.safetensors", "train.ids.json", "eval.ids.json"):
         assert (tmp_path / "p1" / name).read_bytes() == (tmp_path / "p2" / name).read_bytes(), name
-    assert pool_workers(POOL_MIN_CHATS - 1) == 1 and pool_workers(POOL_MIN_CHATS) >= 1
+
+
+def test_worker_processes_only_for_a_large_source_outside_a_daemon(monkeypatch):
+    import multiprocessing
+    import os
+
+    from eyas.data.prepare import POOL_MIN_CHATS, pool_workers
+
+    cores = min(16, os.cpu_count() or 1)
+    assert pool_workers(POOL_MIN_CHATS - 1) == 1 and pool_workers(POOL_MIN_CHATS) == cores
+    monkeypatch.setitem(multiprocessing.current_process()._config, "daemon", True)  # a daemon may not start children
+    assert pool_workers(10 * POOL_MIN_CHATS) == 1
