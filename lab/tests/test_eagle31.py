@@ -12,27 +12,22 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
-from typer.testing import CliRunner
 
 from eyas.drafter.model import DrafterCache, DrafterConfig, Eagle3Drafter
 from eyas.errors import EyasError
-from lab.tests.conftest import REPO
+from lab.tests.conftest import smoke_sets, variant_pipeline
 from lab.variants import eagle31
 from lab.variants.eagle31 import Variant, patched
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 VARIANTS = [Variant(), Variant(fc_norm="concat"), Variant(fc_norm=None), Variant(norm_output=False)]
-SMOKE = REPO / "recipes" / "smollm2-cpu-smoke.toml"
 T, K = 12, 3  # tokens of the test sequence, draft steps compared
 AUX_SCALES = (0.05, 1.0, 20.0)  # the low/mid/high states at very different scales: the fc norms matter
 
@@ -453,57 +448,12 @@ def test_the_entry_point_trains_evaluates_and_exports_on_copied_stages(tmp_path,
     """`python lab/variants/eagle31.py pipeline ...` on a workdir whose regenerate/ and prepared/ were copied from
     an unpatched base run: both are skipped, the variant trains (its norms move off their
     ones), eval reports a tau, and the exports carry the variant; the unpatched eyas refuses them."""
-    from eyas.cli import app
     from eyas.drafter.reader import read_drafter
 
-    sets = [
-        "--set",
-        f"target={json.dumps(str(tiny_target_dir))}",
-        "--set",
-        "regenerate.limit=6",
-        "--set",
-        "regenerate.max_new_tokens=12",
-        "--set",
-        "train.steps=2",
-        "--set",
-        "train.draft_vocab=256",
-    ]
-    res = CliRunner().invoke(
-        app, ["pipeline", str(SMOKE), "--workdir", str(tmp_path / "base"), "--until", "prepare", *sets]
+    _, run, stderr = variant_pipeline(
+        tmp_path, "eagle31", until="prepare", sets=smoke_sets(tiny_target_dir, "train.seed=3")
     )
-    assert res.exit_code == 0, res.output
-    run = tmp_path / "run"
-    for stage in ("regenerate", "prepared"):  # the stage folders, without the regeneration itself
-        shutil.copytree(tmp_path / "base" / stage, run / stage, ignore=shutil.ignore_patterns("run"))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "lab" / "variants" / "eagle31.py"),
-            "pipeline",
-            str(SMOKE),
-            "--workdir",
-            str(run),
-            *sets,
-            "--set",
-            "train.seed=3",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "lab variant eagle31 (fc_norm=per-aux, norm_output=True)" in proc.stderr
-    s = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {k: r["status"] for k, r in s["stages"].items()} == {
-        "regenerate": "skipped",
-        "prepare": "skipped",
-        "train": "ran",
-        "eval": "ran",
-        "export": "ran",
-    }
-    assert s["stages"]["train"]["steps"] == 2 and math.isfinite(s["stages"]["train"]["final_loss"])
-    assert s["tau_chain"] >= 1.0 and s["tau_tree"] >= 1.0
+    assert "lab variant eagle31 (fc_norm=per-aux, norm_output=True)" in stderr
     drafter = run / "train" / "drafter"
     assert json.loads((drafter / "config.json").read_text())["lab_variant"] == Variant().marker()
     w = load_file(str(drafter / "model.safetensors"))

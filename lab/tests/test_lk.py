@@ -12,21 +12,15 @@ from __future__ import annotations
 import functools
 import json
 import math
-import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
-from typer.testing import CliRunner
 
-from lab.tests.conftest import REPO
+from lab.tests.conftest import smoke_sets, variant_pipeline
 from lab.variants import eagle31, lk, run
 from lab.variants.lk import Variant, patched
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-SMOKE = REPO / "recipes" / "smollm2-cpu-smoke.toml"
 
 
 def plain_lk(logits, probs):
@@ -356,49 +350,12 @@ def test_the_entry_point_trains_evaluates_and_exports_on_copied_stages(tmp_path,
     plain run (which trained too, with the same seed): both stages are skipped, the variant trains, eval reports a
     tau, the exports are plain EAGLE-3 ones (the unpatched eyas reads them), the drafter carries the marker, and
     the logged loss is LK's: below the plain run's cross-entropy from the same start."""
-    from eyas.cli import app
     from eyas.drafter.reader import read_drafter
 
-    sets = [
-        "--set",
-        f"target={json.dumps(str(tiny_target_dir))}",
-        "--set",
-        "regenerate.limit=6",
-        "--set",
-        "regenerate.max_new_tokens=12",
-        "--set",
-        "train.steps=2",
-        "--set",
-        "train.draft_vocab=256",
-        "--set",
-        "train.seed=3",
-    ]
-    base = tmp_path / "base"
-    res = CliRunner().invoke(app, ["pipeline", str(SMOKE), "--workdir", str(base), "--until", "train", *sets])
-    assert res.exit_code == 0, res.output
-    workdir = tmp_path / "run"
-    for stage in ("regenerate", "prepared"):  # the stage folders, without the regeneration itself
-        shutil.copytree(base / stage, workdir / stage, ignore=shutil.ignore_patterns("run"))
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "lab" / "variants" / "lk.py"), "pipeline", str(SMOKE), "--workdir", str(workdir)]
-        + sets,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
+    base, workdir, stderr = variant_pipeline(
+        tmp_path, "lk", until="train", sets=smoke_sets(tiny_target_dir, "train.seed=3")
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "lab variant lk (kl_weight=0): eyas patched for this run" in proc.stderr
-    s = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert {k: r["status"] for k, r in s["stages"].items()} == {
-        "regenerate": "skipped",
-        "prepare": "skipped",
-        "train": "ran",
-        "eval": "ran",
-        "export": "ran",
-    }
-    assert s["stages"]["train"]["steps"] == 2 and math.isfinite(s["stages"]["train"]["final_loss"])
-    assert s["tau_chain"] >= 1.0 and s["tau_tree"] >= 1.0
+    assert "lab variant lk (kl_weight=0): eyas patched for this run" in stderr
     drafter = workdir / "train" / "drafter"
     assert json.loads((drafter / "config.json").read_text())["lab_loss"] == Variant().marker()
     assert "lab_loss" not in json.loads((base / "train" / "drafter" / "config.json").read_text())
