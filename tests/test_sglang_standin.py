@@ -61,3 +61,29 @@ def test_each_forward_runs_the_registered_hooks_with_each_ranks_state(tiny_targe
     assert calls == [("forward", s0, [rid]), ("forward", s1, [rid]), ("logits", s0, None), ("logits", s1, None)]
     assert read_dump(tmp_path / rid).status == "complete"
     assert s0.counts["rids_from_live_batch"] == 1 and s1.counts["live_batches"] == 0  # rank 1 reads nothing
+
+
+def test_a_burst_of_connections_is_accepted_as_a_real_server_accepts_it(tiny_target_dir, tmp_path):
+    # the client connects in bursts (many requests in flight); with the default listen backlog of 5 most
+    # bursts of this size lost connections (timeouts or resets) before the stand-in's backlog was raised
+    import threading
+    import urllib.request
+
+    with StandinServer(StandinConfig(target=tiny_target_dir, dump_dir=tmp_path)) as srv:
+        for _ in range(3):
+            n, errors = 128, []
+            barrier = threading.Barrier(n)
+
+            def one(barrier=barrier, errors=errors):
+                barrier.wait()
+                try:
+                    urllib.request.urlopen(f"{srv.url}/server_info", timeout=10).read()
+                except OSError as exc:
+                    errors.append(repr(exc))
+
+            threads = [threading.Thread(target=one) for _ in range(n)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert errors == []

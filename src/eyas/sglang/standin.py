@@ -114,6 +114,13 @@ class StandinConfig:
     """Tokenizer of `text` prompts; None = the target's (another one plays a server serving another model)."""
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    daemon_threads = True
+    # a client with many requests in flight connects in bursts: the default backlog of 5 drops
+    # connections a real server (uvicorn: 2048) accepts, and the client sees timeouts or resets
+    request_queue_size = 1024
+
+
 class ForwardMode(enum.IntEnum):
     """The ForwardMode members and predicates the plugin reads (SGLang's values)."""
 
@@ -309,8 +316,7 @@ class StandinServer:
         self._tokenizer = None
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self.httpd = ThreadingHTTPServer((host, port), self._handler())
-        self.httpd.daemon_threads = True
+        self.httpd = _HTTPServer((host, port), self._handler())
         self.url = f"http://{host}:{self.httpd.server_address[1]}"
 
     def server_args(self) -> types.SimpleNamespace:
