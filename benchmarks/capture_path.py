@@ -25,8 +25,15 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              returns fixed states: the server costs nothing, so this is eyas's own path end to end
              (HTTP, plugin hooks, dump write, wait, read, check, ingest) in one process; e2e_loop
              leaves out the set-up (where the client reports its loop time)
+  model      (--model-rate R) issue 41's ratio in a model: the stand-in in a process of its own, each
+             forward costing what a GPU server's would (it sleeps --model-fixed-ms plus its tokens / R,
+             without the GIL), and, at each --model-concurrency, that server's prefill tokens/s without
+             dumps (requests without the eyas rid, as lab/scripts/serve_live.py measures it) against
+             capture_from_sglang's loop tokens/s. A ratio well under 1 here is eyas's own path (client,
+             plugin, dump writing) falling behind; near 1, the live gap is the engine's
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
+    PYTHONPATH=src python benchmarks/capture_path.py --only-model --model-rate 60000 --repeat 3
 
 Progress goes to stderr; the last stdout line is one JSON document of the figures.
 """
@@ -37,6 +44,7 @@ import argparse
 import json
 import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import threading
@@ -257,23 +265,21 @@ def wait_latency(a, dump_dir: Path, samples) -> dict:
     return out
 
 
-def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
-    """capture_from_sglang against the stand-in server with a free forward (see the module docstring)."""
-    import eyas.target
+def prepared_samples(work: Path, lengths: list[int], target: Path) -> Path:
+    """A prepared dataset of samples with these prompt lengths, for the target's tokenizer."""
     from eyas.data.prepared import write_prepared
-    from eyas.defaults import default_target_dir
-    from eyas.sglang.client import capture_from_sglang
-    from eyas.sglang.standin import StandinConfig, StandinServer
     from eyas.target import load_tokenizer, tokenizer_hash
 
-    target = default_target_dir()
-    work = store_root / "e2e"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
     samples = [(f"s{i}", token_ids(n).tolist(), [True] * n) for i, n in enumerate(lengths)]
-    prepared = write_prepared(
+    return write_prepared(
         work / "prep", {"train": samples, "eval": []}, {"tokenizer_hash": tokenizer_hash(load_tokenizer(target))}
     )
+
+
+def free_forward_capture():
+    """eyas.target.forward_capture replaced by one returning fixed states (rows of two random pools)."""
     g = torch.Generator().manual_seed(2)
     pool_BTAD = torch.randn(1, 2048, AUX, HIDDEN, generator=g).bfloat16()
     pool_BTD = torch.randn(1, 2048, HIDDEN, generator=g).bfloat16()
@@ -282,8 +288,21 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
         T = input_ids_BT.shape[1]
         return pool_BTAD[:, :T], pool_BTD[:, :T]
 
+    return free_forward
+
+
+def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
+    """capture_from_sglang against the stand-in server with a free forward (see the module docstring)."""
+    import eyas.target
+    from eyas.defaults import default_target_dir
+    from eyas.sglang.client import capture_from_sglang
+    from eyas.sglang.standin import StandinConfig, StandinServer
+
+    target = default_target_dir()
+    work = store_root / "e2e"
+    prepared = prepared_samples(work, lengths, target)
     real_forward = eyas.target.forward_capture
-    eyas.target.forward_capture = free_forward
+    eyas.target.forward_capture = free_forward_capture()
     dump_dir = dump_root / "e2e"
     shutil.rmtree(dump_dir, ignore_errors=True)
     try:
@@ -328,6 +347,98 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
             **{k: out[k] for k in ("seconds_summed", "setup_seconds") if k in out},
         )
     shutil.rmtree(work, ignore_errors=True)
+
+
+def serve_model(a) -> None:
+    """The model's server (run in a child process): the stand-in whose every forward sleeps what a GPU
+    server's would take (--model-fixed-ms plus its tokens / --model-rate, less the time it took), does
+    not wait for its dumps (SGLang does not), and answers with the first token of a free model."""
+    import eyas.target
+    from eyas.defaults import default_target_dir
+    from eyas.sglang.standin import StandinConfig, StandinServer
+
+    eyas.target.forward_capture = free_forward_capture()
+    cfg = StandinConfig(
+        target=default_target_dir(),
+        dump_dir=a.serve_model,
+        layer_ids=LAYERS,
+        max_forward_tokens=a.forward_tokens,
+        chunked_prefill_size=a.chunk,
+        pad_rows_to=1,
+        batch_wait_s=0.0,
+    )
+    srv = StandinServer(cfg)
+    srv.model.lm_head = torch.nn.Identity()
+    srv.flush = lambda: None
+    forward = srv._forward
+
+    def timed(running):
+        t0, before = time.perf_counter(), sum(r.computed for r in running)
+        out = forward(running)
+        cost = a.model_fixed_ms / 1e3 + (sum(r.computed for r in running) - before) / a.model_rate
+        time.sleep(max(0.0, cost - (time.perf_counter() - t0)))
+        return out
+
+    srv._forward = timed
+    with srv:
+        print(srv.url, flush=True)
+        sys.stdin.read()  # until the parent closes the pipe
+
+
+def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int) -> tuple[int, float]:
+    """The samples sent without the eyas rid (no dump is written): the server's prefill rate."""
+    import concurrent.futures as cf
+
+    from eyas.data.prepared import PreparedDataset
+    from eyas.sglang.client import build_request, http_json
+
+    split = PreparedDataset(prepared).split("train")
+    run = os.urandom(3).hex()
+
+    def one(i: int) -> int:
+        body = build_request(split[i].input_ids.tolist(), f"plain-{run}-{i}", "none")
+        return int(http_json("POST", f"{url}/generate", body, timeout=600)["meta_info"]["prompt_tokens"])
+
+    t0 = time.perf_counter()
+    with cf.ThreadPoolExecutor(concurrency) as pool:
+        tokens = sum(pool.map(one, range(len(split))))
+    return tokens, time.perf_counter() - t0
+
+
+def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
+    """Prefill without dumps against capture, same server, at each --model-concurrency (module docstring)."""
+    from eyas.defaults import default_target_dir
+    from eyas.sglang.client import capture_from_sglang
+
+    target = default_target_dir()
+    work = store_root / "model"
+    prepared = prepared_samples(work, lengths, target)
+    dump_dir = dump_root / "model"
+    cmd = [sys.executable, __file__, "--serve-model", str(dump_dir), "--model-rate", str(a.model_rate)]
+    cmd += ["--model-fixed-ms", str(a.model_fixed_ms), "--chunk", str(a.chunk)]
+    cmd += ["--forward-tokens", str(a.forward_tokens)]
+    server = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        url = server.stdout.readline().strip()
+        if not url.startswith("http"):
+            raise SystemExit(f"the model's server did not start (exit {server.wait()})")
+        prefill_tokens_per_s(url, prepared, 4)  # warm-up
+        for c in a.model_concurrency:
+            tokens, seconds = prefill_tokens_per_s(url, prepared, c)
+            stage(results, f"model_prefill_c{c}", tokens, seconds=seconds)
+            shutil.rmtree(work / "store", ignore_errors=True)
+            out = capture_from_sglang(
+                [url], prepared, "train", work / "store", LAYERS, target=target, concurrency=c, calibrate=0
+            )
+            assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
+            ratio = round(out["tokens"] / out["loop_s"] / (tokens / seconds), 4)
+            stage(results, f"model_capture_c{c}", out["tokens"], seconds=out["loop_s"], vs_prefill=ratio)
+            results.setdefault("model_ratios", {}).setdefault(f"c{c}", []).append(ratio)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=30)
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(dump_dir, ignore_errors=True)
 
 
 def run_threads(a, lengths: list[int], results: dict) -> None:
@@ -376,8 +487,23 @@ def main() -> None:
     )
     ap.add_argument("--store-dir", type=Path, default=None, help="where stores are written (default: the temp dir)")
     ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument("--model-rate", type=float, default=0.0, help="model stage: the server's tokens/s (0: skip)")
+    ap.add_argument("--model-fixed-ms", type=float, default=5.0, help="model stage: each forward's fixed cost")
+    ap.add_argument(
+        "--model-concurrency",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[16, 32],
+        help="model stage: requests in flight, comma-separated",
+    )
+    ap.add_argument("--model-samples", type=int, default=768)
+    ap.add_argument("--only-model", action="store_true", help="run the model stage alone")
+    ap.add_argument("--serve-model", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=3, help="run everything this often; each stage keeps its fastest run")
     a = ap.parse_args()
+    if a.serve_model is not None:
+        return serve_model(a)
+    if a.only_model and not a.model_rate:
+        ap.error("--only-model needs --model-rate")
     shm = Path("/dev/shm")
     dump_root = a.dump_dir or Path(tempfile.mkdtemp(prefix="eyas-capture-path-", dir=shm if shm.is_dir() else None))
     store_root = a.store_dir or Path(tempfile.mkdtemp(prefix="eyas-capture-path-"))
@@ -386,10 +512,13 @@ def main() -> None:
     try:
         for k in range(a.repeat):
             log(f"-- run {k + 1} of {a.repeat}")
-            run_stages(a, lengths, dump_root, store_root, results)
-            run_threads(a, lengths, results)
-            if not a.no_e2e:
-                run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)
+            if not a.only_model:
+                run_stages(a, lengths, dump_root, store_root, results)
+                run_threads(a, lengths, results)
+                if not a.no_e2e:
+                    run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)
+            if a.model_rate:
+                run_model(a, sample_lengths(a.model_samples, a.seed + 2), dump_root, store_root, results)
     finally:
         if a.dump_dir is None:
             shutil.rmtree(dump_root, ignore_errors=True)
