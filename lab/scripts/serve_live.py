@@ -32,11 +32,13 @@ settings), eval, in-process capture for comparison, then the trained drafter ser
 runs verify N times); the capture server starts as soon as SGLang is installed, beside the prepare;
 `--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed);
 `--store-dir /dev/shm/store41` takes the disk out (its write rate is measured first either way);
-`--concurrency N` sets the requests in flight for the prefill and the capture alike (16).
+`--concurrency N` sets the requests in flight for the prefill and the capture alike (16);
+`--also-concurrency 32,64` then measures the prefill and a capture of `--prefill-samples` again at each.
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
     python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
-    cd $R3 && python3 lab/scripts/serve_live.py store --detach --steps 0 --serve '' --verify 1)
+    cd $R3 && python3 lab/scripts/serve_live.py store --detach --steps 0 --serve '' --verify 1
+    --also-concurrency 32,64)
 
 Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
 module at that moment fails (seen: ModuleNotFoundError in a running `eyas pipeline`). Copy it first and start
@@ -808,42 +810,32 @@ def store_run(a) -> None:
             lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
         )
 
-        def capture():
-            shutil.rmtree(store, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
+        def capture(out_dir: Path, limit: int, concurrency: int, key: str):
+            shutil.rmtree(out_dir, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
             t0 = time.time()
-            out = eyas(
-                [
-                    "capture",
-                    "--backend",
-                    "sglang",
-                    "--url",
-                    srv.url,
-                    "--data",
-                    prepared,
-                    "--split",
-                    "train",
-                    "--out",
-                    store,
-                    "--aux-layers",
-                    "2,15,27",
-                    "--target",
-                    SMOL,
-                    "--device",
-                    "cuda",
-                    "--limit",
-                    str(a.samples),
-                    "--sglang-concurrency",
-                    str(a.concurrency),
-                ],
-                "capture",
-            )
-            R["capture_wall_s"] = round(time.time() - t0, 1)
+            args = ["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train"]
+            args += ["--out", out_dir, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda"]
+            out = eyas([*args, "--limit", str(limit), "--sglang-concurrency", str(concurrency)], key)
+            R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
 
-        step("eyas capture --backend sglang", capture)
+        step("eyas capture --backend sglang", lambda: capture(store, a.samples, c, "capture"))
         R["prefill_same_bypass_after"] = step(
             "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c)
         )
+        for n in a.also_concurrency:  # the same pair at more requests in flight, into a store thrown away
+            pre_n = step(
+                f"prefill at {n} in flight",
+                lambda n=n: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=n),
+            )
+            extra = store.parent / f"{store.name}-c{n}"
+            cap_n = step(
+                f"capture at {n} in flight",
+                lambda n=n, extra=extra: capture(extra, a.prefill_samples, n, f"capture_c{n}"),
+            )
+            shutil.rmtree(extra, ignore_errors=True)
+            if cap_n and cap_n.get("loop_tokens_per_s") and pre_n:
+                R[f"sglang_capture_loop_vs_prefill_c{n}"] = round(cap_n["loop_tokens_per_s"] / pre_n["tokens_per_s"], 4)
     finally:
         srv.stop()
     cap = R.get("capture") or {}
@@ -877,6 +869,7 @@ def store_run(a) -> None:
         cap = R.get("capture") or {}
         where = {k: cap.get(k) for k in ("phase_seconds", "setup_seconds", "store_seconds", "seconds_summed")}
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
+        keys += tuple(f"sglang_capture_loop_vs_prefill_c{n}" for n in a.also_concurrency)
         print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
         return
 
@@ -1060,6 +1053,12 @@ def main() -> None:
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument(
         "--concurrency", type=int, default=16, help="requests in flight for the prefill and the capture alike"
+    )
+    st.add_argument(
+        "--also-concurrency",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[],
+        help="after the capture, the prefill and a capture of --prefill-samples again at each of these (e.g. 32,64)",
     )
     st.add_argument("--inprocess-samples", type=int, default=1000)
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
