@@ -533,7 +533,7 @@ def write_dump(
                     for name, pieces in tensors
                 },
             )
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=1, sort_keys=True))
+        (tmp / META_FILE).write_text(json.dumps(meta, sort_keys=True))  # one line: the C encoder, not the Python one
         if final.exists():  # a re-sent request: replace the old dump whole
             shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
