@@ -7,6 +7,10 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
   observe    CaptureCore.observe on packed EXTEND forwards (as the plugin's logits hook drives it)
   write      write_dump of every completed sample, one thread (the dump's serialisation and tmpfs write)
   write_pool DumpWriter with the plugin's writer threads (what the server runs)
+  gil_stepsN the same writers beside a thread standing for SGLang's scheduler (Python steps, a torch call every
+             N of them; 0: none), the two on separate cores where Linux allows, sharing only the GIL: the
+             share of its rate that thread keeps while the dumps are written (scheduler_kept), and the
+             dumps' ms each (--gil-steps; SGLang's plugin runs its writers in the scheduler's process)
   read       wait_for_dump of a dump already on disk (open, parse, load the tensors)
   wait       wait_for_dump of a dump written `--appear-ms` after the call: reports how late the client
              sees a dump that has appeared (ms), i.e. its polling or notification delay
@@ -173,6 +177,8 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     writer.submit(done)
     writer.flush()
     stage(results, "write_pool", tokens, t0, threads=WRITER_THREADS)
+    for steps in a.gil_steps:
+        gil_share(a, done, tokens, dump_root / "gil", steps, results)
     assert writer.written == len(done) and not writer.errors, writer.errors[:3]
     shutil.rmtree(pool_dir, ignore_errors=True)
 
@@ -227,6 +233,57 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     stage(results, "ingest", tokens, t0)
     shutil.rmtree(store, ignore_errors=True)
     shutil.rmtree(dump_dir, ignore_errors=True)
+
+
+def gil_share(a, done, tokens: int, dump_dir: Path, steps: int, results: dict) -> None:
+    """The dump writers beside a thread standing for the server's scheduler: Python steps with a torch call
+    every `steps` of them (0: none). Pinned to separate cores where Linux allows, they share only the GIL.
+    Reports the share of its rate the scheduler keeps while the dumps are written and the dumps' ms each."""
+
+    def pin(thread_id: int, core: int) -> None:
+        if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+            os.sched_setaffinity(thread_id, {core})
+
+    def scheduler_rate(seconds: float | None, work=None) -> tuple[float, float]:
+        stop, out = threading.Event(), []
+
+        def loop():
+            pin(threading.get_native_id(), 0)
+            x, n, t0 = torch.zeros(8), 0, time.perf_counter()
+            while not stop.is_set():
+                for _ in range(steps or 1000):
+                    n += 1
+                if steps:
+                    x.add_(1)
+            out.append(n / (time.perf_counter() - t0))
+
+        th = threading.Thread(target=loop)
+        th.start()
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        work() if work else time.sleep(seconds)
+        took = time.perf_counter() - t0
+        stop.set()
+        th.join()
+        return out[0], took
+
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    writer = DumpWriter(dump_dir, layer_ids=LAYERS, threads=WRITER_THREADS)
+    for th in threading.enumerate():
+        if th.name.startswith("eyas-dump-writer"):
+            pin(th.native_id, 1)
+    idle, _ = scheduler_rate(1.0)
+
+    def write_all():
+        writer.submit(done)
+        writer.flush()
+
+    busy, took = scheduler_rate(None, write_all)
+    shutil.rmtree(dump_dir, ignore_errors=True)
+    name = f"gil_steps{steps}"
+    kept = round(busy / idle, 4)
+    stage(results, name, tokens, seconds=took, scheduler_kept=kept, dump_ms=round(took / len(done) * 1e3, 2))
+    results.setdefault("gil_kept", {}).setdefault(name, []).append(kept)
 
 
 def wait_latency(a, dump_dir: Path, samples) -> dict:
@@ -427,12 +484,14 @@ def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results:
             tokens, seconds = prefill_tokens_per_s(url, prepared, c)
             stage(results, f"model_prefill_c{c}", tokens, seconds=seconds)
             shutil.rmtree(work / "store", ignore_errors=True)
+            cpu0 = time.process_time()  # this process is the client alone: the server runs in the child
             out = capture_from_sglang(
                 [url], prepared, "train", work / "store", LAYERS, target=target, concurrency=c, calibrate=0
             )
+            cpu_s = time.process_time() - cpu0
             assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
             ratio = round(out["tokens"] / out["loop_s"] / (tokens / seconds), 4)
-            stage(results, f"model_capture_c{c}", out["tokens"], seconds=out["loop_s"], vs_prefill=ratio)
+            stage(results, f"model_capture_c{c}", out["tokens"], seconds=out["loop_s"], cpu_s=cpu_s, vs_prefill=ratio)
             results.setdefault("model_ratios", {}).setdefault(f"c{c}", []).append(ratio)
     finally:
         server.stdin.close()
@@ -487,6 +546,12 @@ def main() -> None:
     )
     ap.add_argument("--store-dir", type=Path, default=None, help="where stores are written (default: the temp dir)")
     ap.add_argument("--no-e2e", action="store_true")
+    ap.add_argument(
+        "--gil-steps",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[0, 50],
+        help="gil stages: Python steps between the scheduler thread's torch calls (0: none), comma-separated",
+    )
     ap.add_argument("--model-rate", type=float, default=0.0, help="model stage: the server's tokens/s (0: skip)")
     ap.add_argument("--model-fixed-ms", type=float, default=5.0, help="model stage: each forward's fixed cost")
     ap.add_argument(
