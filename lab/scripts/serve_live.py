@@ -9,7 +9,7 @@ commands use `python3` from the repository root.
                                                            (.stage/serve-a and -b: the target's GGUF in halves,
                                                            MT-bench, the chats; .stage/serve-c: spare wheels and a
                                                            tiny SGLang export without embed_tokens for the smoke)
-  device:  serve_live.py a        carry .stage/serve-a     (small files; the gguf package)
+  device:  serve_live.py a        carry .stage/serve-a     (small files; the gguf package; py-spy)
            serve_live.py b        carry .stage/serve-b     (target converted; `eyas pipeline` started detached;
                                                            --recipe-set section.key=value shortens it)
            sglang_live.py receive carry each part           (one call a part, seconds each)
@@ -33,7 +33,9 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--server-args=--disable-radix-cache` runs the capture server without the radix cache (no bypass needed);
 `--store-dir /dev/shm/store41` takes the disk out (its write rate is measured first either way);
 `--concurrency N` sets the requests in flight for the prefill and the capture alike (16);
-`--also-concurrency 32,64` then measures the prefill and a capture of `--prefill-samples` again at each.
+`--also-concurrency 32,64` then measures the prefill and a capture of `--prefill-samples` again at each;
+`--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
+capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt).
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
     python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
@@ -74,6 +76,7 @@ import sglang_live as _sglang_live  # noqa: E402 (the script beside this one)
 ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))
 S, SMOL, W, Q = ROOT / "s", ROOT / "smol", ROOT / "recipe", ROOT / "q"
 VPY = ROOT / "venv" / "bin" / "python"
+PY_SPY = ROOT / "py-spy"
 STAGE_A, STAGE_B, STAGE_C = (REPO / ".stage" / f"serve-{x}" for x in "abc")
 BASE_PORT, SPEC_PORT = 30001, 30000
 WAIT_SNAPSHOT_S = 240  # --snapshot: the longest wait for the recipe's first checkpoint
@@ -164,6 +167,7 @@ def stage(a) -> None:
             "-d",
             STAGE_A,
             "gguf==0.19.0",
+            "py-spy==0.4.3",  # `store --profile-seconds`: where the SGLang scheduler's time goes
         ]
     )
     if a.spare:
@@ -202,8 +206,20 @@ def phase_a(a) -> None:
             *S.glob("gguf-*.whl"),
         ]
     )
+    unpack_py_spy()
     sh(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv"], check=False)
     print(json.dumps({"phase": "a", "staged": sorted(p.name for p in S.iterdir())}))
+
+
+def unpack_py_spy() -> None:
+    """The py-spy binary out of its staged wheel (a static executable; no install needed)."""
+    import zipfile
+
+    for wheel in S.glob("py_spy-*.whl"):
+        with zipfile.ZipFile(wheel) as z:
+            member = next(n for n in z.namelist() if n.endswith("/scripts/py-spy"))
+            PY_SPY.write_bytes(z.read(member))
+        PY_SPY.chmod(0o755)
 
 
 def phase_b(a) -> None:
@@ -710,6 +726,58 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
     }
 
 
+def profile_server(pid: int, name: str, *, seconds: float, delay: float = 3.0):
+    """py-spy on a server and its processes (the scheduler is a child) for `seconds`, after `delay`, in the
+    background; join() the thread, then read Q/pyspy-<name>.txt (raw stacks) and .err. No-op without py-spy."""
+    import threading
+
+    def record():
+        time.sleep(delay)
+        cmd = [PY_SPY, "record", "--pid", str(pid), "--subprocesses", "--threads", "--rate", "100"]
+        cmd += ["--duration", str(int(seconds)), "--format", "raw", "--output", Q / f"pyspy-{name}.txt"]
+        with open(Q / f"pyspy-{name}.err", "w") as err:
+            subprocess.run([str(c) for c in cmd], stdout=err, stderr=err, check=False, timeout=seconds + 60)
+
+    th = threading.Thread(target=record, daemon=True)
+    if seconds > 0 and PY_SPY.exists():
+        th.start()
+    return th
+
+
+def profile_summary(raw: Path, seconds: float, top: int = 12) -> dict:
+    """From py-spy's raw stacks (--subprocesses --threads): for each process and thread, the share of the
+    recorded time it was busy (py-spy counts busy samples only), the share of that in eyas code, and its
+    busiest frames (innermost Python frame)."""
+    import collections
+
+    busy: collections.Counter = collections.Counter()
+    in_eyas: collections.Counter = collections.Counter()
+    leaves: dict = collections.defaultdict(collections.Counter)
+    for line in raw.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames = stack.split(";")
+        proc = [f for f in frames if f.startswith("process ")]
+        thread = next((f for f in frames if f.startswith("thread (")), "thread (?)")
+        pid, _, title = proc[-1].removeprefix("process ").partition(":") if proc else ("?", "", "")
+        key = f"{title.strip(chr(34))[:40]} ({pid}) / {thread.split(': ', 1)[-1]}"
+        code = [f for f in frames if not f.startswith(("process ", "thread ("))]
+        n = int(count)
+        busy[key] += n
+        if any("eyas/" in f for f in code):
+            in_eyas[key] += n
+        if code:
+            leaves[key][re.sub(r":\d+\)$", ")", code[-1])] += n
+    samples = 100 * seconds  # --rate 100
+    return {
+        key: {
+            "busy": round(n / samples, 3),
+            "eyas_share": round(in_eyas[key] / n, 3),
+            "top": [[f, round(c / n, 3)] for f, c in leaves[key].most_common(top)],
+        }
+        for key, n in busy.most_common(8)
+    }
+
+
 def disk_write_rate(folder: Path, gib: int = 4) -> float:
     """MB/s of a sequential write of `gib` GiB into `folder`, fsync included: what a store there can take."""
     folder.mkdir(parents=True, exist_ok=True)
@@ -801,10 +869,12 @@ def store_run(a) -> None:
         R["bypass"] = bypass
         c = a.concurrency  # requests in flight, the same for the prefill and the capture
         step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64, concurrency=c))
+        prof = profile_server(srv.proc.pid, "prefill", seconds=a.profile_seconds)
         R["prefill_same_bypass"] = step(
             "prefill, no dumps (capture's bypass)",
             lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c),
         )
+        prof.join()
         R["prefill_plain"] = step(
             "prefill, no dumps, no bypass",
             lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
@@ -819,7 +889,14 @@ def store_run(a) -> None:
             R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
 
+        prof = profile_server(srv.proc.pid, "capture", seconds=a.profile_seconds, delay=15.0)  # past the set-up
         step("eyas capture --backend sglang", lambda: capture(store, a.samples, c, "capture"))
+        prof.join()
+        R["profile"] = {
+            name: profile_summary(Q / f"pyspy-{name}.txt", a.profile_seconds)
+            for name in ("prefill", "capture")
+            if (Q / f"pyspy-{name}.txt").exists()
+        }
         R["prefill_same_bypass_after"] = step(
             "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c)
         )
@@ -871,6 +948,9 @@ def store_run(a) -> None:
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
         keys += tuple(f"sglang_capture_loop_vs_prefill_c{n}" for n in a.also_concurrency)
         print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
+        for name, threads in (R.get("profile") or {}).items():  # where the server's threads spent the time
+            for key, t in threads.items():
+                print(f"{name:8s} {key:60s} busy {t['busy']:.3f}  eyas {t['eyas_share']:.3f}  {t['top'][:2]}")
         return
 
     def train():
@@ -1059,6 +1139,12 @@ def main() -> None:
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
         help="after the capture, the prefill and a capture of --prefill-samples again at each of these (e.g. 32,64)",
+    )
+    st.add_argument(
+        "--profile-seconds",
+        type=float,
+        default=10.0,
+        help="py-spy on the capture server during the prefill and the capture, this long (0: off; staged by `a`)",
     )
     st.add_argument("--inprocess-samples", type=int, default=1000)
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
