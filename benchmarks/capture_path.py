@@ -348,32 +348,41 @@ def free_forward_capture():
     return free_forward
 
 
+def free_standin(a, target: Path, dump_dir: Path, *, batch_wait_s: float):
+    """The stand-in with the bench's schedule, a free forward and a free next token: the server computes
+    nothing. It leaves eyas.target.forward_capture replaced (the caller restores it where it matters)."""
+    import eyas.target
+    from eyas.sglang.standin import StandinConfig, StandinServer
+
+    eyas.target.forward_capture = free_forward_capture()
+    cfg = StandinConfig(
+        target=target,
+        dump_dir=dump_dir,
+        layer_ids=LAYERS,
+        max_forward_tokens=a.forward_tokens,
+        chunked_prefill_size=a.chunk,
+        pad_rows_to=1,
+        batch_wait_s=batch_wait_s,
+    )
+    srv = StandinServer(cfg)
+    srv.model.lm_head = torch.nn.Identity()  # the next token is not what is measured
+    return srv
+
+
 def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
     """capture_from_sglang against the stand-in server with a free forward (see the module docstring)."""
     import eyas.target
     from eyas.defaults import default_target_dir
     from eyas.sglang.client import capture_from_sglang
-    from eyas.sglang.standin import StandinConfig, StandinServer
 
     target = default_target_dir()
     work = store_root / "e2e"
     prepared = prepared_samples(work, lengths, target)
     real_forward = eyas.target.forward_capture
-    eyas.target.forward_capture = free_forward_capture()
     dump_dir = dump_root / "e2e"
     shutil.rmtree(dump_dir, ignore_errors=True)
     try:
-        cfg = StandinConfig(
-            target=target,
-            dump_dir=dump_dir,
-            layer_ids=LAYERS,
-            max_forward_tokens=a.forward_tokens,
-            chunked_prefill_size=a.chunk,
-            pad_rows_to=1,
-            batch_wait_s=0.001,
-        )
-        srv = StandinServer(cfg)
-        srv.model.lm_head = torch.nn.Identity()  # the next token is not what is measured
+        srv = free_standin(a, target, dump_dir, batch_wait_s=0.001)
         with srv:
             t0 = clock()
             out = capture_from_sglang(
@@ -410,22 +419,9 @@ def serve_model(a) -> None:
     """The model's server (run in a child process): the stand-in whose every forward sleeps what a GPU
     server's would take (--model-fixed-ms plus its tokens / --model-rate, less the time it took), does
     not wait for its dumps (SGLang does not), and answers with the first token of a free model."""
-    import eyas.target
     from eyas.defaults import default_target_dir
-    from eyas.sglang.standin import StandinConfig, StandinServer
 
-    eyas.target.forward_capture = free_forward_capture()
-    cfg = StandinConfig(
-        target=default_target_dir(),
-        dump_dir=a.serve_model,
-        layer_ids=LAYERS,
-        max_forward_tokens=a.forward_tokens,
-        chunked_prefill_size=a.chunk,
-        pad_rows_to=1,
-        batch_wait_s=0.0,
-    )
-    srv = StandinServer(cfg)
-    srv.model.lm_head = torch.nn.Identity()
+    srv = free_standin(a, default_target_dir(), a.serve_model, batch_wait_s=0.0)
     srv.flush = lambda: None
     forward = srv._forward
 
