@@ -733,7 +733,9 @@ def profile_server(pid: int, name: str, *, seconds: float, delay: float = 3.0):
 
     def record():
         time.sleep(delay)
-        cmd = [PY_SPY, "record", "--pid", str(pid), "--subprocesses", "--threads", "--rate", "100"]
+        # --nonblocking: the server is never paused to be read (py-spy's default pauses it every sample,
+        # which would slow the very rates this run compares)
+        cmd = [PY_SPY, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking", "--rate", "100"]
         cmd += ["--duration", str(int(seconds)), "--format", "raw", "--output", Q / f"pyspy-{name}.txt"]
         with open(Q / f"pyspy-{name}.err", "w") as err:
             subprocess.run([str(c) for c in cmd], stdout=err, stderr=err, check=False, timeout=seconds + 60)
