@@ -449,6 +449,41 @@ def test_a_slow_store_write_does_not_stop_sending(tiny_target_dir, prepared, tmp
     assert sent_meanwhile[0] >= 3 and out["captured"] == len(LENGTHS) and out["store_complete"]
 
 
+def test_the_states_held_between_servers_and_a_slow_disk_stay_within_the_budget(
+    tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch
+):
+    # every store write is slow: unbounded, every sample in flight is held at once; with a budget of about
+    # three samples' states no more is held, every sample is still stored, and so is one larger than the budget
+    import json
+    import time
+
+    from eyas.store.writer import StoreWriter
+
+    real_add = StoreWriter.add_encoded
+
+    def slow(self, encoded):
+        time.sleep(0.05)
+        return real_add(self, encoded)
+
+    monkeypatch.setattr(StoreWriter, "add_encoded", slow)
+    hidden = json.loads((tiny_target_dir / "config.json").read_text())["hidden_size"]
+    row = (len(LAYERS) + 1) * hidden * 4  # a token's states as the stand-in sends them (the tiny target in fp32)
+    budget = 3 * 26 * row
+    runs = {}
+    with serve(tiny_target_dir, tmp_path) as srv:
+        for name, memory in (("free", 10 * sum(LENGTHS) * row), ("bound", budget), ("tiny", 1)):
+            runs[name] = capture_from_sglang(
+                [srv.url], prepared, "train", tmp_path / name, LAYERS, concurrency=4, memory_bytes=memory
+            )
+    assert runs["free"]["memory"]["peak_bytes"] == sum(LENGTHS) * row  # all 8 samples sent at once
+    assert runs["bound"]["memory"] == {"limit_bytes": budget, "peak_bytes": runs["bound"]["memory"]["peak_bytes"]}
+    assert max(LENGTHS) * row <= runs["bound"]["memory"]["peak_bytes"] <= budget
+    assert runs["tiny"]["memory"]["peak_bytes"] == max(LENGTHS) * row  # one sample at a time, the largest too
+    for name in ("bound", "tiny"):
+        assert runs[name]["captured"] == len(LENGTHS) and runs[name]["store_complete"]
+        check_store_against_reference(tmp_path / name, prepared, tiny_model)
+
+
 def test_crash_mid_run_keeps_verified_samples_and_resumes(tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch):
     from eyas.store.writer import StoreWriter
 

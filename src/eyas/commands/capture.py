@@ -41,6 +41,12 @@ def capture(
     sglang_dump_wait: float = typer.Option(
         60.0, help="sglang: seconds to wait for a sample's dump to appear after its request returns."
     ),
+    sglang_memory_gb: float | None = typer.Option(
+        None,
+        help="sglang: GiB of states this process holds at once between the servers and the store (a sample "
+        "is sent when its states fit; a disk slower than the servers then waits instead of filling memory); "
+        "default: an eighth of this machine's memory.",
+    ),
 ) -> dict:
     """Capture the target's aux and final hidden states for every sample of a prepared split."""
     from eyas.capture.run import run_capture
@@ -59,6 +65,8 @@ def capture(
         ):
             if not value == value or value < (1 if name == "--sglang-concurrency" else 0):  # NaN or out of range
                 raise EyasError(f"{name} must be >= {1 if name == '--sglang-concurrency' else 0}, got {value}")
+        if sglang_memory_gb is not None and not sglang_memory_gb > 0:  # NaN too
+            raise EyasError(f"--sglang-memory-gb must be > 0, got {sglang_memory_gb}")
         from eyas.sglang.client import capture_from_sglang
 
         return capture_from_sglang(
@@ -78,6 +86,7 @@ def capture(
             dump_wait_s=sglang_dump_wait,
             calibrate=cfg.sglang_calibrate,
             device=cfg.device,
+            memory_bytes=None if sglang_memory_gb is None else int(sglang_memory_gb * 2**30),
         )
     if backend != "transformers":
         raise EyasError(f"--backend: `{backend}`; choose transformers or sglang")

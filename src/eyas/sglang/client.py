@@ -643,6 +643,7 @@ def capture_from_sglang(
     mark_complete_with_rejections: bool = False,
     calibrate: int = 8,
     device: str = "cpu",
+    memory_bytes: int | None = None,
 ) -> dict[str, Any]:
     """Capture `split` of a prepared dataset from SGLang servers into the store at `out_store`.
 
@@ -652,7 +653,9 @@ def capture_from_sglang(
     with verify's reference on `device` and the engine's errors recorded in the manifest
     (`engine_numerics`, eyas.store.numerics), which set verify's limits for this store; a calibration
     that verify would refuse (the engine disagrees with the reference) raises CheckFailed once the
-    store is closed. Returns the summary dict (rejected samples listed).
+    store is closed. `memory_bytes` bounds the states held between the servers and the store
+    (StateBudget; default: an eighth of this machine's memory). Returns the summary dict (rejected
+    samples listed).
     """
     from eyas.data.prepared import PreparedDataset
 
@@ -662,6 +665,7 @@ def capture_from_sglang(
         max_retries=max_retries,
         dump_wait_s=dump_wait_s,
         request_timeout_s=request_timeout_s,
+        memory_bytes=memory_bytes,
     )
     t0 = time.time()
     setup = _Laps(t0)
@@ -694,35 +698,32 @@ def capture_from_sglang(
     )
 
     tally = _Tally(retries=sum(p.retries for p in probes))
-    # `concurrency` requests at each server (its gate); as many more samples again are being read and
-    # checked, or wait for a slot, so that a server never waits for this process to read a dump
-    gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
-    queued = 2 * concurrency * len(plans)
+    budget = StateBudget(memory_bytes if memory_bytes is not None else default_memory_bytes())
+    row = probes[0].hidden_LSD[0]  # one token's states as the servers send them
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
     loop_t0, loop_cpu0 = time.time(), time.process_time()
     phases = {"setup": loop_t0 - t0}
     intra_op = torch.get_num_threads()
     try:
-        # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's
-        # own thread team per request thread would oversubscribe the cores many times over
-        with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            sender = _Sender(
-                pool=pool,
-                plans=plans,
-                gates=gates,
-                split=sp,
-                todo=iter(todo),
-                rid_tag=f"{job}-{run}",
-                layer_ids=layer_ids,
-                max_retries=max_retries,
-                backoff_s=backoff_s,
-                request_timeout_s=request_timeout_s,
-                dump_wait_s=dump_wait_s,
-                encode=writer.encode,
-            )
-            _send_and_ingest(sender, writer, tally, bar, queued=queued)
-            ok = True
+        _capture_loop(
+            plans,
+            sp,
+            todo,
+            writer,
+            tally,
+            bar,
+            concurrency=concurrency,
+            budget=budget,
+            row_bytes=row.numel() * row.element_size(),
+            rid_tag=f"{job}-{run}",
+            layer_ids=layer_ids,
+            max_retries=max_retries,
+            backoff_s=backoff_s,
+            request_timeout_s=request_timeout_s,
+            dump_wait_s=dump_wait_s,
+        )
+        ok = True
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
@@ -761,6 +762,7 @@ def capture_from_sglang(
         setup_seconds=setup.seconds,
         store_seconds=writer.seconds,
         calibration=calibration,
+        memory={"limit_bytes": budget.limit, "peak_bytes": budget.peak},
     )
     if calibration.get("problem"):
         from eyas.errors import CheckFailed
@@ -773,8 +775,37 @@ def capture_from_sglang(
     return summary
 
 
+def _capture_loop(plans, split, todo, writer, tally, bar, *, concurrency: int, budget, row_bytes: int, **request_kw):
+    """Send every sample of `todo` and store each verified one. `concurrency` requests at each server (its
+    gate); as many more samples again are being read and checked, or wait for a slot, so that a server
+    never waits for this process to read a dump. `request_kw`: _Sender's request settings."""
+    gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
+    queued = 2 * concurrency * len(plans)
+    # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's
+    # own thread team per request thread would oversubscribe the cores many times over
+    with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        sender = _Sender(
+            pool=pool,
+            plans=plans,
+            gates=gates,
+            split=split,
+            todo=iter(todo),
+            encode=writer.encode,
+            budget=budget,
+            row_bytes=row_bytes,
+            **request_kw,
+        )
+        _send_and_ingest(sender, writer, tally, bar, queued=queued)
+
+
 def _check_capture_options(
-    urls: Sequence[str], *, concurrency: int, max_retries: int, dump_wait_s: float, request_timeout_s: float
+    urls: Sequence[str],
+    *,
+    concurrency: int,
+    max_retries: int,
+    dump_wait_s: float,
+    request_timeout_s: float,
+    memory_bytes: int | None = None,
 ) -> None:
     """Refuse capture_from_sglang's options that cannot work, before anything is read or sent."""
     if not urls:
@@ -787,6 +818,8 @@ def _check_capture_options(
         raise EyasError(
             f"--sglang-dump-wait {dump_wait_s} / --sglang-request-timeout {request_timeout_s}: expected > 0"
         )
+    if memory_bytes is not None and memory_bytes <= 0:
+        raise EyasError(f"--sglang-memory-gb: {memory_bytes / 2**30:g} GiB, expected > 0")
 
 
 def _preflight_servers(
@@ -968,21 +1001,33 @@ class _Sender:
     dump_wait_s: float
     encode: Any = None
     """The store writer's `encode`, run on the request threads."""
-    futures: dict[cf.Future, int] = field(default_factory=dict)
-    """Future -> index of its server."""
+    budget: StateBudget | None = None
+    """Bytes of states held at once, taken when a sample is sent and given back once it is stored."""
+    row_bytes: int = 0
+    """A token's states in bytes (the budget's unit)."""
+    futures: dict[cf.Future, tuple[int, int]] = field(default_factory=dict)
+    """Future -> (index of its server, the bytes it took from the budget)."""
     load: list[int] = field(init=False)
     """Samples taken per server: the least loaded gets the next one."""
+    done: bool = False
+    """Every sample has been sent."""
+    _held_back: int | None = None
 
     def __post_init__(self):
         self.load = [0] * len(self.plans)
 
     def submit_next(self) -> bool:
-        """Send the next sample; False when none is left."""
-        i = next(self.todo, None)
+        """Send the next sample; False when none is left or its states do not fit the budget yet."""
+        i, self._held_back = (self._held_back, None) if self._held_back is not None else (next(self.todo, None), None)
         if i is None:
+            self.done = True
+            return False
+        s = self.split[i]
+        nbytes = int(s.input_ids.shape[0]) * self.row_bytes
+        if self.budget is not None and not self.budget.take(nbytes):
+            self._held_back = i
             return False
         k = min(range(len(self.plans)), key=self.load.__getitem__)
-        s = self.split[i]
         self.futures[
             self.pool.submit(
                 capture_one,
@@ -998,14 +1043,54 @@ class _Sender:
                 gate=self.gates[k],
                 encode=self.encode,
             )
-        ] = k
+        ] = (k, nbytes)
         self.load[k] += 1
         return True
 
-    def retire(self, f: cf.Future) -> None:
-        """Forget a finished future and send the next sample in its place."""
-        self.load[self.futures.pop(f)] -= 1
+    def retire(self, f: cf.Future) -> int:
+        """Forget a finished future and send the next sample in its place; the bytes it holds."""
+        k, nbytes = self.futures.pop(f)
+        self.load[k] -= 1
         self.submit_next()
+        return nbytes
+
+
+class StateBudget:
+    """The bytes of states the client holds at once, from a sample's request to its write into the store.
+
+    A sample is sent only when its states fit beside those held (or when none are held, so a sample larger
+    than the budget still goes, alone): a disk slower than the servers then bounds the client's memory
+    instead of filling it. The request threads hold up to a few transient copies of the sample they check."""
+
+    def __init__(self, limit_bytes: int):
+        self.limit, self.held, self.peak = int(limit_bytes), 0, 0
+        self._cv = threading.Condition()
+
+    def take(self, nbytes: int) -> bool:
+        with self._cv:
+            if self.held and self.held + nbytes > self.limit:
+                return False
+            self.held += nbytes
+            self.peak = max(self.peak, self.held)
+            return True
+
+    def give(self, nbytes: int) -> None:
+        with self._cv:
+            self.held -= nbytes
+            self._cv.notify_all()
+
+    def wait(self, timeout: float) -> None:
+        """Until some states are given back (or `timeout` seconds)."""
+        with self._cv:
+            self._cv.wait(timeout)
+
+
+def default_memory_bytes() -> int:
+    """An eighth of this machine's memory: what the capture client's states may take by default."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 8
+    except (ValueError, OSError, AttributeError):  # no sysconf (not POSIX): a fixed 4 GiB
+        return 4 << 30
 
 
 def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int) -> None:
@@ -1018,7 +1103,8 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
     failed: list[BaseException] = []
 
     def ingest_all() -> None:
-        while (res := done_q.get()) is not None:
+        while (item := done_q.get()) is not None:
+            res, nbytes = item
             if failed:
                 continue  # drain: the sender stops at the first failure
             try:
@@ -1026,17 +1112,30 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
                 bar.update(res.tokens)
             except BaseException as exc:  # re-raised by the sending thread
                 failed.append(exc)
+            finally:
+                if sender.budget is not None:
+                    sender.budget.give(nbytes)  # stored (or rejected): its states are no longer held
+
+    def fill() -> None:
+        while len(futures) < queued and sender.submit_next():
+            pass
 
     ingester = threading.Thread(target=ingest_all, name="eyas-capture-ingest", daemon=True)
     ingester.start()
     try:
-        while len(futures) < queued and sender.submit_next():
-            pass
-        while futures and not failed:
+        fill()
+        while not failed:
+            if not futures:
+                if sender.done or sender.budget is None:
+                    break
+                sender.budget.wait(1.0)  # every state held waits for the disk: send again once some are stored
+                fill()
+                continue
             finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED, timeout=1.0)
             for f in finished:
-                sender.retire(f)  # the next sample goes out before this one is stored
-                done_q.put(f.result())
+                nbytes = sender.retire(f)  # the next sample goes out before this one is stored
+                done_q.put((f.result(), nbytes))
+            fill()
         if failed:
             raise failed[0]
     except BaseException:
@@ -1064,6 +1163,7 @@ def _capture_summary(
     setup_seconds: dict[str, float],
     store_seconds: dict[str, float],
     calibration: dict[str, Any],
+    memory: dict[str, int],
 ) -> dict[str, Any]:
     """capture_from_sglang's summary (rejected samples listed up to REJECTED_LISTED)."""
     tokens = tally.tokens
@@ -1092,6 +1192,7 @@ def _capture_summary(
         "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
         "setup_seconds": {k: round(v, 3) for k, v in setup_seconds.items()},
         "store_seconds": {k: round(v, 3) for k, v in store_seconds.items()},
+        "memory": memory,
         "engine_numerics": calibration,
     }
 
