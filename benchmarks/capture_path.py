@@ -33,8 +33,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              forward costing what a GPU server's would (it sleeps --model-fixed-ms plus its tokens / R,
              without the GIL), and, at each --model-concurrency, that server's prefill tokens/s without
              dumps (requests without the eyas rid, as lab/scripts/serve_live.py measures it) against
-             capture_from_sglang's loop tokens/s. A ratio well under 1 here is eyas's own path (client,
-             plugin, dump writing) falling behind; near 1, the live gap is the engine's
+             capture_from_sglang's loop tokens/s, after a warm-up capture, the concurrencies in reverse
+             order every other run. A ratio well under 1 here is eyas's own path (client, plugin, dump
+             writing) falling behind; near 1, the live gap is the engine's
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
     PYTHONPATH=src python benchmarks/capture_path.py --only-model --model-rate 60000 --repeat 3
@@ -458,8 +459,10 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int) -> tuple[in
     return tokens, time.perf_counter() - t0
 
 
-def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
-    """Prefill without dumps against capture, same server, at each --model-concurrency (module docstring)."""
+def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict, order: list[int]) -> None:
+    """Prefill without dumps against capture, same server, at each concurrency of `order` (module docstring).
+    A warm-up prefill and a warm-up capture come first: the first capture after the server's start ran up to
+    a third slower, whichever concurrency it had."""
     from eyas.defaults import default_target_dir
     from eyas.sglang.client import capture_from_sglang
 
@@ -476,7 +479,18 @@ def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results:
         if not url.startswith("http"):
             raise SystemExit(f"the model's server did not start (exit {server.wait()})")
         prefill_tokens_per_s(url, prepared, 4)  # warm-up
-        for c in a.model_concurrency:
+        capture_from_sglang(
+            [url],
+            prepared,
+            "train",
+            work / "warm",
+            LAYERS,
+            target=target,
+            limit=64,
+            concurrency=max(order),
+            calibrate=0,
+        )
+        for c in order:
             tokens, seconds = prefill_tokens_per_s(url, prepared, c)
             stage(results, f"model_prefill_c{c}", tokens, seconds=seconds)
             shutil.rmtree(work / "store", ignore_errors=True)
@@ -578,8 +592,9 @@ def main() -> None:
                 run_threads(a, lengths, results)
                 if not a.no_e2e:
                     run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)
-            if a.model_rate:
-                run_model(a, sample_lengths(a.model_samples, a.seed + 2), dump_root, store_root, results)
+            if a.model_rate:  # the concurrencies in the given order, then reversed, alternating over the runs
+                order = a.model_concurrency[:: -1 if k % 2 else 1]
+                run_model(a, sample_lengths(a.model_samples, a.seed + 2), dump_root, store_root, results, order)
     finally:
         if a.dump_dir is None:
             shutil.rmtree(dump_root, ignore_errors=True)
