@@ -1011,6 +1011,8 @@ class _Sender:
     """Samples taken per server: the least loaded gets the next one."""
     done: bool = False
     """Every sample has been sent."""
+    held_back_bytes: int = 0
+    """The states of the sample waiting for room in the budget."""
     _held_back: int | None = None
 
     def __post_init__(self):
@@ -1025,7 +1027,7 @@ class _Sender:
         s = self.split[i]
         nbytes = int(s.input_ids.shape[0]) * self.row_bytes
         if self.budget is not None and not self.budget.take(nbytes):
-            self._held_back = i
+            self._held_back, self.held_back_bytes = i, nbytes
             return False
         k = min(range(len(self.plans)), key=self.load.__getitem__)
         self.futures[
@@ -1079,10 +1081,10 @@ class StateBudget:
             self.held -= nbytes
             self._cv.notify_all()
 
-    def wait(self, timeout: float) -> None:
-        """Until some states are given back (or `timeout` seconds)."""
+    def wait_for_room(self, nbytes: int, timeout: float) -> None:
+        """Until `nbytes` more would fit (or `timeout` seconds)."""
         with self._cv:
-            self._cv.wait(timeout)
+            self._cv.wait_for(lambda: not self.held or self.held + nbytes <= self.limit, timeout)
 
 
 def default_memory_bytes() -> int:
@@ -1128,7 +1130,7 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
             if not futures:
                 if sender.done or sender.budget is None:
                     break
-                sender.budget.wait(1.0)  # every state held waits for the disk: send again once some are stored
+                sender.budget.wait_for_room(sender.held_back_bytes, 1.0)  # the disk has the rest: wait for it
                 fill()
                 continue
             finished, _ = cf.wait(futures, return_when=cf.FIRST_COMPLETED, timeout=1.0)
