@@ -723,10 +723,9 @@ def capture_from_sglang(
             request_timeout_s=request_timeout_s,
             dump_wait_s=dump_wait_s,
         )
-        ok = True
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
-        ok = False  # a calibration that fails leaves the store unfinished: the same command retries it
+        # ok only after the calibration: one that fails leaves the store unfinished, and the same command retries it
         calibration = _calibrate(
             writer,
             Path(out_store),
@@ -999,12 +998,12 @@ class _Sender:
     backoff_s: float
     request_timeout_s: float
     dump_wait_s: float
+    budget: StateBudget
+    """Bytes of states held at once, taken when a sample is sent and given back once it is stored."""
+    row_bytes: int
+    """A token's states in bytes (the budget's unit)."""
     encode: Any = None
     """The store writer's `encode`, run on the request threads."""
-    budget: StateBudget | None = None
-    """Bytes of states held at once, taken when a sample is sent and given back once it is stored."""
-    row_bytes: int = 0
-    """A token's states in bytes (the budget's unit)."""
     futures: dict[cf.Future, tuple[int, int]] = field(default_factory=dict)
     """Future -> (index of its server, the bytes it took from the budget)."""
     load: list[int] = field(init=False)
@@ -1026,7 +1025,7 @@ class _Sender:
             return False
         s = self.split[i]
         nbytes = int(s.input_ids.shape[0]) * self.row_bytes
-        if self.budget is not None and not self.budget.take(nbytes):
+        if not self.budget.take(nbytes):
             self._held_back, self.held_back_bytes = i, nbytes
             return False
         k = min(range(len(self.plans)), key=self.load.__getitem__)
@@ -1115,8 +1114,7 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
             except BaseException as exc:  # re-raised by the sending thread
                 failed.append(exc)
             finally:
-                if sender.budget is not None:
-                    sender.budget.give(nbytes)  # stored (or rejected): its states are no longer held
+                sender.budget.give(nbytes)  # stored (or rejected): its states are no longer held
 
     def fill() -> None:
         while len(futures) < queued and sender.submit_next():
@@ -1128,7 +1126,7 @@ def _send_and_ingest(sender: _Sender, writer, tally: _Tally, bar, *, queued: int
         fill()
         while not failed:
             if not futures:
-                if sender.done or sender.budget is None:
+                if sender.done:
                     break
                 sender.budget.wait_for_room(sender.held_back_bytes, 1.0)  # the disk has the rest: wait for it
                 fill()
