@@ -25,7 +25,7 @@ from typing import Any
 from eyas.common import check_out_dir, human_bytes, log, progress
 from eyas.data.prepared import write_prepared
 from eyas.data.sources import Conversation, iter_conversations
-from eyas.data.template import _special_ids, check_template, render, render_chunk
+from eyas.data.template import _special_ids, check_template, render_chunk, render_many
 from eyas.errors import EyasError
 
 TOO_LONG = "too_long"
@@ -121,16 +121,16 @@ def _rendered(cfg: PrepareConfig, target_dir: Path, tokenizer, specials, chats: 
     """(ids, loss mask) of each chat, in order: rendered here, or by `workers` spawned processes `chunk` chats a task
     (the same `render`, with the same tokenizer loaded from `target_dir` in each; the output is identical)."""
     if workers <= 1:
-        for c in chats:
-            r = render(
+        for i in range(0, len(chats), chunk):
+            out = render_many(
                 tokenizer,
-                c.messages,
+                specials,
+                [c.messages for c in chats[i : i + chunk]],
                 truncated_answers=cfg.truncated_answers,
-                special_ids=specials,
                 max_tokens=cfg.max_length,
             )
-            bar.update(1)
-            yield r.input_ids, r.loss_mask
+            bar.update(len(out))
+            yield from out
         return
     tasks = (
         (str(target_dir), [c.messages for c in chats[i : i + chunk]], cfg.truncated_answers, cfg.max_length)

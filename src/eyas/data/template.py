@@ -170,8 +170,17 @@ def render_chunk(task: tuple[str, list[list[dict[str, Any]]], str, int | None]) 
         tok = AutoTokenizer.from_pretrained(target_dir)
         _pool_tokenizers[target_dir] = (tok, _special_ids(tok))
     tok, specials = _pool_tokenizers[target_dir]
+    return render_many(tok, specials, chats, truncated_answers=truncated_answers, max_tokens=max_tokens)
+
+
+def render_many(
+    tokenizer, special_ids, chats: list[list[dict[str, Any]]], *, truncated_answers: str, max_tokens: int | None
+) -> list[tuple[list[int], list[bool]]]:
+    """(ids, loss mask) of each chat, rendered by `render` in order."""
     out = []
     for messages in chats:
-        r = render(tok, messages, truncated_answers=truncated_answers, special_ids=specials, max_tokens=max_tokens)
+        r = render(
+            tokenizer, messages, truncated_answers=truncated_answers, special_ids=special_ids, max_tokens=max_tokens
+        )
         out.append((r.input_ids, r.loss_mask))
     return out
