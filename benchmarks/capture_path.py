@@ -461,8 +461,8 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int) -> tuple[in
 
 def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict, order: list[int]) -> None:
     """Prefill without dumps against capture, same server, at each concurrency of `order` (module docstring).
-    A warm-up prefill and a warm-up capture come first: the first capture after the server's start ran up to
-    a third slower, whichever concurrency it had."""
+    A warm-up prefill and a warm-up capture come first: the first capture after the server's start ran slower,
+    whichever concurrency it had."""
     from eyas.defaults import default_target_dir
     from eyas.sglang.client import capture_from_sglang
 
