@@ -176,7 +176,7 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     writer = DumpWriter(pool_dir, layer_ids=LAYERS, threads=WRITER_THREADS)
     t0 = clock()
     writer.submit(done)
-    writer.flush()
+    writer.close()
     stage(results, "write_pool", tokens, t0, threads=WRITER_THREADS)
     for steps in a.gil_steps:
         gil_share(a, done, tokens, dump_root / "gil", steps, results)
@@ -280,6 +280,7 @@ def gil_share(a, done, tokens: int, dump_dir: Path, steps: int, results: dict) -
         writer.flush()
 
     busy, took = scheduler_rate(None, write_all)
+    writer.close()
     shutil.rmtree(dump_dir, ignore_errors=True)
     name = f"gil_steps{steps}"
     kept = round(busy / idle, 4)

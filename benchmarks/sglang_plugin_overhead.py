@@ -129,7 +129,7 @@ def main() -> None:
             if writer:
                 writer.submit(out)
         if writer:
-            writer.flush()
+            writer.close()
         sync(device)
         dt = time.perf_counter() - t0
         assert done == a.requests, f"{done} of {a.requests} samples completed"

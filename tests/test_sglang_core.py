@@ -241,6 +241,22 @@ def test_rejected_dump_has_reason_and_no_tensors(tmp_path):
     assert not (tmp_path / s.rid / core.TENSORS_FILE).exists()
 
 
+def test_writer_close_flushes_and_ends_its_threads(tmp_path):
+    import threading
+
+    before = {th.ident for th in threading.enumerate()}
+    w = DumpWriter(tmp_path, layer_ids=[1, 2, 3], threads=3)
+    mine = [th for th in threading.enumerate() if th.ident not in before and th.name.startswith("eyas-dump-writer")]
+    assert len(mine) == 3
+    samples = [CaptureCore().observe(pack([(make_rid(8, f"c{i}"), truth(8, 14), 0, 8)]))[0] for i in range(5)]
+    w.submit(samples[:4])
+    w.close()
+    assert w.written == 4 and not any(th.is_alive() for th in mine)
+    w.submit(samples[4:])  # after close: written on the caller's thread, not lost
+    w.close()
+    assert w.written == 5 and sorted(p.name for p in tmp_path.iterdir()) == sorted(s.rid for s in samples)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float64])
 def test_all_finite_matches_isfinite(dtype):
     x = torch.randn(50, 7).to(dtype) * 100

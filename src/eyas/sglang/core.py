@@ -577,7 +577,7 @@ class DumpWriter:
 
     With `threads=N > 0` a bounded queue feeds N writer threads (a full queue makes `submit` wait:
     back-pressure rather than unbounded memory); `flush()` waits until everything queued is on
-    disk. Write errors are counted and kept (`errors`), never raised into the server's forward.
+    disk; `close()` flushes and ends the threads. Write errors are counted and kept (`errors`), never raised into the server's forward.
     """
 
     def __init__(
@@ -602,10 +602,13 @@ class DumpWriter:
         self.written = 0
         self._count_lock = threading.Lock()
         self._q: queue.Queue | None = None
+        self._threads: list[threading.Thread] = []
         if threads:
             self._q = queue.Queue(maxsize=max_queue)
             for k in range(threads):
-                threading.Thread(target=self._loop, name=f"eyas-dump-writer-{k}", daemon=True).start()
+                th = threading.Thread(target=self._loop, name=f"eyas-dump-writer-{k}", daemon=True)
+                th.start()
+                self._threads.append(th)
 
     def submit(self, samples: Sequence[CompletedSample]) -> None:
         for s in samples:
@@ -618,6 +621,18 @@ class DumpWriter:
         if self._q is not None:
             self._q.join()
 
+    def close(self) -> None:
+        """Flush, then end the writer threads (a closed writer writes on the caller's thread)."""
+        q, self._q = self._q, None
+        if q is None:
+            return
+        q.join()
+        for _ in self._threads:
+            q.put(None)
+        for th in self._threads:
+            th.join()
+        self._threads = []
+
     def _write(self, s: CompletedSample) -> None:
         try:
             write_dump(self.dump_dir, s, layer_ids=self.layer_ids, writer=self.writer)
@@ -629,12 +644,15 @@ class DumpWriter:
 
     def _loop(self) -> None:
         assert self._q is not None
+        q = self._q
         while True:
-            s = self._q.get()
+            s = q.get()
             try:
+                if s is None:
+                    return
                 self._write(s)
             finally:
-                self._q.task_done()
+                q.task_done()
 
 
 def plugin_status(
