@@ -35,7 +35,9 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--concurrency N` sets the requests in flight for the prefill and the capture alike (16);
 `--also-concurrency 32,64` then measures the prefill and a capture of `--prefill-samples` again at each;
 `--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
-capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt).
+capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt);
+and the capture's client (`client-gil`: only the thread holding its GIL, so a busy share is the GIL's).
+`--no-plain` skips the prefill without bypass (not part of the ratio).
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
     python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
@@ -726,17 +728,36 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
     }
 
 
-def profile_server(pid: int, name: str, *, seconds: float, delay: float = 3.0):
+def eyas_pids(command: str) -> list[int]:
+    """Processes running `python -m eyas <command>` (from /proc, not pgrep: a pattern matches its own shell)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            with contextlib.suppress(OSError):
+                argv = (d / "cmdline").read_bytes().split(b"\0")
+                if argv[1:4] == [b"-m", b"eyas", command.encode()]:
+                    pids.append(int(d.name))
+    return pids
+
+
+def profile_server(pid: int | None, name: str, *, seconds: float, delay: float = 3.0, gil: bool = False):
     """py-spy on a server and its processes (the scheduler is a child) for `seconds`, after `delay`, in the
-    background; join() the thread, then read Q/pyspy-<name>.txt (raw stacks) and .err. No-op without py-spy."""
+    background; join() the thread, then read Q/pyspy-<name>.txt (raw stacks) and .err. No-op without py-spy.
+    pid None: the `eyas capture` client running then; gil: only the thread holding the GIL, so the samples'
+    share of the time is how busy the process's GIL was."""
     import threading
 
     def record():
         time.sleep(delay)
+        target = pid if pid is not None else next(iter(eyas_pids("capture")), None)
+        if target is None:
+            (Q / f"pyspy-{name}.err").write_text("no `eyas capture` process found\n")
+            return
         # --nonblocking: the server is never paused to be read (py-spy's default pauses it every sample,
         # which would slow the very rates this run compares)
-        cmd = [PY_SPY, "record", "--pid", str(pid), "--subprocesses", "--threads", "--nonblocking", "--rate", "100"]
+        cmd = [PY_SPY, "record", "--pid", str(target), "--subprocesses", "--threads", "--nonblocking", "--rate", "100"]
         cmd += ["--duration", str(int(seconds)), "--format", "raw", "--output", Q / f"pyspy-{name}.txt"]
+        cmd += ["--gil"] if gil else []
         with open(Q / f"pyspy-{name}.err", "w") as err:
             subprocess.run([str(c) for c in cmd], stdout=err, stderr=err, check=False, timeout=seconds + 60)
 
@@ -877,10 +898,11 @@ def store_run(a) -> None:
             lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c),
         )
         prof.join()
-        R["prefill_plain"] = step(
-            "prefill, no dumps, no bypass",
-            lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
-        )
+        if not a.no_plain:
+            R["prefill_plain"] = step(
+                "prefill, no dumps, no bypass",
+                lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
+            )
 
         def capture(out_dir: Path, limit: int, concurrency: int, key: str):
             shutil.rmtree(out_dir, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
@@ -892,11 +914,14 @@ def store_run(a) -> None:
             return out
 
         prof = profile_server(srv.proc.pid, "capture", seconds=a.profile_seconds, delay=15.0)  # past the set-up
+        # the client too: which of its threads hold the GIL, and how much of the time one does
+        prof_client = profile_server(None, "client-gil", seconds=a.profile_seconds, delay=15.0, gil=True)
         step("eyas capture --backend sglang", lambda: capture(store, a.samples, c, "capture"))
         prof.join()
+        prof_client.join()
         R["profile"] = {
             name: profile_summary(Q / f"pyspy-{name}.txt", a.profile_seconds)
-            for name in ("prefill", "capture")
+            for name in ("prefill", "capture", "client-gil")
             if (Q / f"pyspy-{name}.txt").exists()
         }
         R["prefill_same_bypass_after"] = step(
@@ -1133,6 +1158,7 @@ def main() -> None:
     )
     st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
     st.add_argument("--prefill-samples", type=int, default=3000)
+    st.add_argument("--no-plain", action="store_true", help="skip the prefill without bypass (not in the ratio)")
     st.add_argument(
         "--concurrency", type=int, default=16, help="requests in flight for the prefill and the capture alike"
     )
