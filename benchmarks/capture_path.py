@@ -16,6 +16,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              sees a dump that has appeared (ms), i.e. its polling or notification delay
   check      check_sample on a read dump (ids, positions, lengths, layers, finiteness)
   remove     remove_dump
+  answer, answer_whole
+             /generate's answer to a capture request with the logprob bypass (every prompt token's
+             [logprob, id, null], as SGLang 0.5.17 writes it) read by parse_answer, and by json.loads whole
   stack      aux and final stacked into the store's [L, A+1, H] (where the client does it on its
              request threads, before handing the sample to the one ingesting thread)
   encode     StoreWriter.encode (stored dtype and checksum), where the client does it on its request threads
@@ -35,7 +38,10 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              dumps (requests without the eyas rid, as lab/scripts/serve_live.py measures it) against
              capture_from_sglang's loop tokens/s, after a warm-up capture, the concurrencies in reverse
              order every other run. A ratio well under 1 here is eyas's own path (client, plugin, dump
-             writing) falling behind; near 1, the live gap is the engine's
+             writing) falling behind; near 1, the live gap is the engine's. Both arms send --model-bypass
+             (logprob, as on a live SGLang 0.5.17 server: the answers list every prompt token's logprob);
+             --model-client current,whole measures this tree's client and one parsing the answers whole
+             (CLIENTS), in turn, in the same run
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
     PYTHONPATH=src python benchmarks/capture_path.py --only-model --model-rate 60000 --repeat 3
@@ -46,6 +52,7 @@ Progress goes to stderr; the last stdout line is one JSON document of the figure
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -60,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from sglang_plugin_overhead import schedule  # noqa: E402 (the same SGLang-like prefill schedule)
 
-from eyas.sglang.client import check_sample, remove_dump, wait_for_dump
+from eyas.sglang.client import check_sample, parse_answer, remove_dump, wait_for_dump
 from eyas.sglang.core import CaptureCore, DumpWriter, ForwardInfo, make_rid, write_dump
 
 HIDDEN, AUX = 576, 3
@@ -142,6 +149,27 @@ def stage(
     }
 
 
+def sglang_answer(rid: str, n: int) -> bytes:
+    """/generate's answer to a capture request with the logprob bypass, as SGLang 0.5.17 writes it (orjson:
+    no spaces): one [logprob, id, null] per prompt token (the first without a logprob)."""
+    g = torch.Generator().manual_seed(n)
+    lp = (-torch.rand(n, generator=g, dtype=torch.float64) * 12).tolist()
+    ids = torch.randint(0, 49152, (n,), generator=g).tolist()
+    meta = {
+        "id": rid,
+        "finish_reason": {"type": "length", "length": 1},
+        "prompt_tokens": n,
+        "weight_version": "default",
+        "input_token_logprobs": [[None if i == 0 else lp[i], ids[i], None] for i in range(n)],
+        "output_token_logprobs": [[lp[0], ids[0], None]],
+        "output_token_logprobs_length": 1,
+        "completion_tokens": 1,
+        "cached_tokens": 0,
+        "e2e_latency": 0.1,
+    }
+    return json.dumps({"text": "", "output_ids": [ids[0]], "meta_info": meta}, separators=(",", ":")).encode()
+
+
 def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
     tokens = sum(lengths)
     g = torch.Generator().manual_seed(1)
@@ -201,6 +229,13 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     for rid in rids:
         remove_dump(dump_dir, rid)
     stage(results, "remove", tokens, t0)
+
+    answers = [sglang_answer(s.rid, s.num_tokens) for s in done]
+    for name, parse in (("answer_whole", json.loads), ("answer", parse_answer)):
+        t0 = clock()
+        for raw in answers:
+            parse(raw)
+        stage(results, name, tokens, t0)
 
     wait = wait_latency(a, dump_root / "late", [by_rid[r] for r in rids[: a.wait_samples]])
     if "wait" not in results or wait["late_ms_mean"] < results["wait"]["late_ms_mean"]:
@@ -440,19 +475,19 @@ def serve_model(a) -> None:
         sys.stdin.read()  # until the parent closes the pipe
 
 
-def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int) -> tuple[int, float]:
+def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int, bypass: str) -> tuple[int, float]:
     """The samples sent without the eyas rid (no dump is written): the server's prefill rate."""
     import concurrent.futures as cf
 
     from eyas.data.prepared import PreparedDataset
-    from eyas.sglang.client import build_request, http_json
+    from eyas.sglang.client import build_request, generate
 
     split = PreparedDataset(prepared).split("train")
     run = os.urandom(3).hex()
 
     def one(i: int) -> int:
-        body = build_request(split[i].input_ids.tolist(), f"plain-{run}-{i}", "none")
-        return int(http_json("POST", f"{url}/generate", body, timeout=600)["meta_info"]["prompt_tokens"])
+        body = build_request(split[i].input_ids.tolist(), f"plain-{run}-{i}", bypass)
+        return int(generate(url, body, timeout=600)["meta_info"]["prompt_tokens"])
 
     t0 = time.perf_counter()
     with cf.ThreadPoolExecutor(concurrency) as pool:
@@ -460,10 +495,31 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int) -> tuple[in
     return tokens, time.perf_counter() - t0
 
 
-def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict, order: list[int]) -> None:
-    """Prefill without dumps against capture, same server, at each concurrency of `order` (module docstring).
-    A warm-up prefill and a warm-up capture come first: the first capture after the server's start ran slower,
-    whichever concurrency it had."""
+CLIENTS = ("current", "whole")
+"""--model-client: this tree's client, and `whole`: the same with /generate's answers parsed whole (the
+client before parse_answer cut out the logprob lists)."""
+
+
+@contextlib.contextmanager
+def client_variant(name: str):
+    import eyas.sglang.client as client
+
+    saved = client.parse_answer
+    if name == "whole":
+        client.parse_answer = json.loads
+    try:
+        yield
+    finally:
+        client.parse_answer = saved
+
+
+def run_model(
+    a, lengths: list[int], dump_root: Path, store_root: Path, results: dict, order: list[int], flip: bool
+) -> None:
+    """Prefill without dumps against capture, same server, at each concurrency of `order` and with each
+    --model-client, the clients in reverse order when `flip` (module docstring). A warm-up prefill and a
+    warm-up capture come first: the first capture after the server's start ran slower, whichever concurrency
+    it had; and whichever client ran first after a prefill took more CPU, so the clients take turns."""
     from eyas.defaults import default_target_dir
     from eyas.sglang.client import capture_from_sglang
 
@@ -479,7 +535,8 @@ def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results:
         url = server.stdout.readline().strip()
         if not url.startswith("http"):
             raise SystemExit(f"the model's server did not start (exit {server.wait()})")
-        prefill_tokens_per_s(url, prepared, 4)  # warm-up
+        bypass = a.model_bypass
+        prefill_tokens_per_s(url, prepared, 4, bypass)  # warm-up
         capture_from_sglang(
             [url],
             prepared,
@@ -490,20 +547,40 @@ def run_model(a, lengths: list[int], dump_root: Path, store_root: Path, results:
             limit=64,
             concurrency=max(order),
             calibrate=0,
+            cache_bypass=bypass,
         )
+        clients = a.model_client[:: -1 if flip else 1]
         for c in order:
-            tokens, seconds = prefill_tokens_per_s(url, prepared, c)
-            stage(results, f"model_prefill_c{c}", tokens, seconds=seconds)
-            shutil.rmtree(work / "store", ignore_errors=True)
-            cpu0 = time.process_time()  # this process is the client alone: the server runs in the child
-            out = capture_from_sglang(
-                [url], prepared, "train", work / "store", LAYERS, target=target, concurrency=c, calibrate=0
-            )
-            cpu_s = time.process_time() - cpu0
-            assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
-            ratio = round(out["tokens"] / out["loop_s"] / (tokens / seconds), 4)
-            stage(results, f"model_capture_c{c}", out["tokens"], seconds=out["loop_s"], cpu_s=cpu_s, vs_prefill=ratio)
-            results.setdefault("model_ratios", {}).setdefault(f"c{c}", []).append(ratio)
+            for variant in clients:
+                name = f"c{c}" if variant == "current" else f"c{c}_{variant}"
+                with client_variant(variant):
+                    tokens, seconds = prefill_tokens_per_s(url, prepared, c, bypass)
+                    stage(results, f"model_prefill_{name}", tokens, seconds=seconds)
+                    shutil.rmtree(work / "store", ignore_errors=True)
+                    cpu0 = time.process_time()  # this process is the client alone: the server runs in the child
+                    out = capture_from_sglang(
+                        [url],
+                        prepared,
+                        "train",
+                        work / "store",
+                        LAYERS,
+                        target=target,
+                        concurrency=c,
+                        calibrate=0,
+                        cache_bypass=bypass,
+                    )
+                cpu_s = time.process_time() - cpu0
+                assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
+                ratio = round(out["tokens"] / out["loop_s"] / (tokens / seconds), 4)
+                stage(
+                    results,
+                    f"model_capture_{name}",
+                    out["tokens"],
+                    seconds=out["loop_s"],
+                    cpu_s=cpu_s,
+                    vs_prefill=ratio,
+                )
+                results.setdefault("model_ratios", {}).setdefault(name, []).append(ratio)
     finally:
         server.stdin.close()
         server.wait(timeout=30)
@@ -572,6 +649,19 @@ def main() -> None:
         help="model stage: requests in flight, comma-separated",
     )
     ap.add_argument("--model-samples", type=int, default=768)
+    ap.add_argument(
+        "--model-bypass",
+        choices=("logprob", "none"),
+        default="logprob",
+        help="model stage: the radix-cache bypass both arms send (logprob: what SGLang 0.5.17 servers get, whose "
+        "answers then list every prompt token's logprob)",
+    )
+    ap.add_argument(
+        "--model-client",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=["current"],
+        help=f"model stage: clients measured in turn, comma-separated, of {', '.join(CLIENTS)} (see CLIENTS)",
+    )
     ap.add_argument("--only-model", action="store_true", help="run the model stage alone")
     ap.add_argument("--serve-model", type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--repeat", type=int, default=3, help="run everything this often; each stage keeps its fastest run")
@@ -580,6 +670,8 @@ def main() -> None:
         return serve_model(a)
     if a.only_model and not a.model_rate:
         ap.error("--only-model needs --model-rate")
+    if set(a.model_client) - set(CLIENTS):
+        ap.error(f"--model-client: {','.join(a.model_client)}, expected some of {', '.join(CLIENTS)}")
     shm = Path("/dev/shm")
     dump_root = a.dump_dir or Path(tempfile.mkdtemp(prefix="eyas-capture-path-", dir=shm if shm.is_dir() else None))
     store_root = a.store_dir or Path(tempfile.mkdtemp(prefix="eyas-capture-path-"))
@@ -595,7 +687,8 @@ def main() -> None:
                     run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)
             if a.model_rate:  # the concurrencies in the given order, then reversed, alternating over the runs
                 order = a.model_concurrency[:: -1 if k % 2 else 1]
-                run_model(a, sample_lengths(a.model_samples, a.seed + 2), dump_root, store_root, results, order)
+                lengths = sample_lengths(a.model_samples, a.seed + 2)
+                run_model(a, lengths, dump_root, store_root, results, order, flip=bool(k % 2))
     finally:
         if a.dump_dir is None:
             shutil.rmtree(dump_root, ignore_errors=True)

@@ -838,3 +838,61 @@ def test_a_wrong_port_serving_html_gets_a_one_line_error(tmp_path):
         with pytest.raises(EyasError, match="not JSON") as exc:
             preflight(url, LAYERS)  # a 200 answer that is a page, not JSON
         assert "\n" not in str(exc.value) and "<" not in str(exc.value)
+
+
+def test_answers_are_read_without_their_logprob_lists_and_otherwise_as_json_reads_them():
+    import json
+
+    from eyas.sglang.client import parse_answer
+
+    meta = {"id": "eyas.4.x", "prompt_tokens": 4, "cached_tokens": 0, "finish_reason": {"type": "length", "length": 1}}
+    lists = {
+        "input_token_logprobs": [[None, 5, None], [-1.25, 9, None], [-0.5, 2, None], [-1e-05, 7, None]],
+        "output_token_logprobs": [[-0.125, 3, None]],
+    }
+    answer = {"text": "", "output_ids": [3], "meta_info": {**meta, **lists, "e2e_latency": 0.01}}
+    for dumps in (json.dumps, lambda o: json.dumps(o, separators=(",", ":"))):  # SGLang's orjson writes no spaces
+        got = parse_answer(dumps(answer).encode())
+        assert got["meta_info"] == {
+            **meta,
+            "input_token_logprobs": None,
+            "output_token_logprobs": None,
+            "e2e_latency": 0.01,
+        }
+        assert got["output_ids"] == [3]
+    # anything but lists of numbers is read whole: token texts, top logprobs, empty lists
+    for odd in (
+        {"input_token_logprobs": [[-1.5, 5, "he"], [-0.5, 2, "llo"]]},
+        {"input_token_logprobs": [[[-1.5, 5, None]], [[-0.5, 2, None]]]},
+        {"input_token_logprobs": [], "output_token_logprobs": []},
+    ):
+        raw = json.dumps({"meta_info": {**meta, **odd}}, separators=(",", ":")).encode()
+        assert parse_answer(raw) == json.loads(raw), odd
+    # the key's name inside a string (its quotes escaped) is text, not a key
+    text = 'say "input_token_logprobs":[[1]]'
+    raw = json.dumps({"text": text, "meta_info": {**lists}}, separators=(",", ":")).encode()
+    assert parse_answer(raw) == {
+        "text": text,
+        "meta_info": {"input_token_logprobs": None, "output_token_logprobs": None},
+    }
+    raw = raw.replace(b'say \\"', b'say "')  # an unescaped one (not JSON a server writes): named twice, read whole
+    with pytest.raises(ValueError):
+        parse_answer(raw)
+    assert parse_answer(b'{"error": "bad"}') == {"error": "bad"}
+    assert parse_answer(b"null") is None
+
+
+def test_the_logprob_bypass_answer_carries_sglangs_lists_and_the_capture_reads_past_them(tiny_target_dir, tmp_path):
+    from eyas.common import http_request
+    from eyas.sglang.client import build_request, parse_answer
+
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
+        body = build_request(list(range(100, 130)), "eyas.30.lp", "logprob")
+        raw = http_request("POST", f"{srv.url}/generate", body, timeout=60)
+    import json
+
+    whole = json.loads(raw)["meta_info"]
+    assert len(whole["input_token_logprobs"]) == 30 and whole["input_token_logprobs"][0][:2] == [None, 100]
+    assert [e[1] for e in whole["input_token_logprobs"]] == list(range(100, 130))
+    meta = parse_answer(raw)["meta_info"]
+    assert meta["input_token_logprobs"] is None and meta["prompt_tokens"] == 30 and meta["cached_tokens"] == 0

@@ -77,8 +77,9 @@ class PermanentHTTPError(Exception):
         self.code = code
 
 
-def http_json(method: str, url: str, body: dict | None = None, *, timeout: float = 60.0) -> Any:
-    """One JSON request; an HTTP error's body is cut to a one-line excerpt (a wrong port may serve a whole page)."""
+def http_json(method: str, url: str, body: dict | None = None, *, timeout: float = 60.0, parse=json.loads) -> Any:
+    """One JSON request; an HTTP error's body is cut to a one-line excerpt (a wrong port may serve a whole page).
+    `parse` reads the answer's bytes (`parse_answer` for /generate)."""
     try:
         raw = http_request(method, url, body, timeout=timeout)
     except HTTPFailure as exc:
@@ -86,11 +87,41 @@ def http_json(method: str, url: str, body: dict | None = None, *, timeout: float
             raise TransientHTTPError(str(exc)) from None
         raise PermanentHTTPError(str(exc), code=exc.code) from None
     try:
-        return json.loads(raw or b"null")
+        return parse(raw or b"null")
     except ValueError:
         raise PermanentHTTPError(
             f"{url} answered with something that is not JSON: {http_body_excerpt(raw)!r}", code=200
         ) from None
+
+
+_LOGPROB_KEYS = (b'"input_token_logprobs":', b'"output_token_logprobs":')
+
+
+def parse_answer(raw: bytes) -> Any:
+    """/generate's JSON answer without its per-token logprob lists, which the logprob bypass makes the server
+    send (one [logprob, id, null] per prompt token) and the capture never reads: parsing them whole was the
+    largest share of the client's GIL. A list is cut (to null) only when it holds nothing but numbers and
+    nulls, so any other answer is parsed whole, as json.loads would."""
+    for key in _LOGPROB_KEYS:
+        i = raw.find(key)
+        if i < 0 or raw.find(key, i + 1) >= 0:
+            continue  # absent, or named twice (inside a string?): parsed as it is
+        a = i + len(key)
+        while raw[a : a + 1] in (b" ", b"\n"):  # json.dumps writes ": ", orjson ":"
+            a += 1
+        if raw[a : a + 2] == b"[]":
+            continue
+        end = raw.find(b"]]", a) + 2  # [[...],...,[...]]: its first "]]" closes it
+        cut = raw[a:end]
+        if end < 2 or cut[:2] != b"[[" or b'"' in cut or cut.count(b"[") != cut.count(b"]"):
+            continue
+        raw = raw[:a] + b"null" + raw[end:]
+    return json.loads(raw)
+
+
+def generate(url: str, body: dict[str, Any], *, timeout: float) -> Any:
+    """POST /generate, the answer read by `parse_answer`."""
+    return http_json("POST", f"{url}/generate", body, timeout=timeout, parse=parse_answer)
 
 
 def get_server_info(url: str, *, timeout: float = 30.0) -> dict[str, Any]:
@@ -411,11 +442,8 @@ def capture_one(
             with gate if gate is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
                 try:
-                    out = http_json(
-                        "POST",
-                        f"{plan.url}/generate",
-                        build_request(input_ids.tolist(), rid, plan.bypass),
-                        timeout=request_timeout_s,
+                    out = generate(
+                        plan.url, build_request(input_ids.tolist(), rid, plan.bypass), timeout=request_timeout_s
                     )
                 finally:
                     seconds["request"] += time.perf_counter() - t0

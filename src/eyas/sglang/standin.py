@@ -6,7 +6,8 @@ implements the parts of SGLang's contract the client relies on:
 
 - `POST /generate` with `input_ids` (or `text`, tokenized with the target's tokenizer), `rid`,
   `sampling_params.max_new_tokens` / `temperature` (greedy only) / `stop_token_ids` / `ignore_eos`,
-  `cache_salt`, `return_logprob` + `logprob_start_len`; the answer's `output_ids` are the real model's
+  `cache_salt`, `return_logprob` + `logprob_start_len` (the answer then carries SGLang's per-token logprob lists,
+  with stand-in values); the answer's `output_ids` are the real model's
   greedy continuation (the first token from the scheduled prefill, the rest decoded per request; the
   EOS or stop token that ended it is kept) and its `meta_info` has `prompt_tokens`, `cached_tokens`,
   `completion_tokens`, `finish_reason`, and with `draft_accept_length` set, `spec_verify_ct`;
@@ -271,6 +272,11 @@ class LogitsProcessor:
                 aux_hidden_states=aux_hidden_states,
             )
         return None
+
+
+def _standin_logprob(token: int) -> float:
+    """A logprob-shaped number for a token (not the model's: the stand-in returns SGLang's lists for their size)."""
+    return -math.log1p(token % 1000 + 0.5)
 
 
 @dataclass
@@ -677,6 +683,12 @@ class StandinServer:
                     "finish_reason": {"type": "length", "length": 1},
                 },
             }
+            if r.logprob_start is not None:  # SGLang's lists, as long as its; the values are stand-ins
+                r.result["meta_info"]["input_token_logprobs"] = [
+                    [None if i == 0 else _standin_logprob(t), t, None]
+                    for i, t in enumerate(r.ids[r.logprob_start :], start=r.logprob_start)
+                ]
+                r.result["meta_info"]["output_token_logprobs"] = [[_standin_logprob(next_id), next_id, None]]
             r.done.set()
         return still
 
