@@ -703,15 +703,15 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
 
     sys.path.insert(0, str(REPO / "src"))
     from eyas.data.prepared import PreparedDataset
-    from eyas.sglang.client import build_request, http_json
+    from eyas.sglang.client import build_request, generate
 
     sp = PreparedDataset(prepared).split("train")
     n = min(n, len(sp))
     run = os.urandom(3).hex()
 
-    def one(i: int) -> int:
+    def one(i: int) -> int:  # read as the capture reads its answers (generate: past the logprob lists)
         ids = sp[i].input_ids.tolist()
-        out = http_json("POST", f"{url}/generate", build_request(ids, f"plain-{run}-{i}", bypass), timeout=600)
+        out = generate(url, build_request(ids, f"plain-{run}-{i}", bypass), timeout=600)
         return int(out["meta_info"]["prompt_tokens"])
 
     t0 = time.time()
@@ -791,13 +791,20 @@ def profile_summary(raw: Path, seconds: float, top: int = 12) -> dict:
         if code:
             leaves[key][re.sub(r":\d+\)$", ")", code[-1])] += n
     samples = 100 * seconds  # --rate 100
+    per_process: dict = collections.defaultdict(collections.Counter)
+    for key, n in busy.items():  # every thread of a process together (a client runs over a hundred)
+        proc = key.split(" / ")[0] + " / all threads"
+        per_process[proc]["busy"] += n
+        per_process[proc]["eyas"] += in_eyas[key]
+        leaves[proc].update(leaves[key])
+    rows = {**{k: v["busy"] for k, v in per_process.items()}, **busy}
     return {
         key: {
             "busy": round(n / samples, 3),
-            "eyas_share": round(in_eyas[key] / n, 3),
+            "eyas_share": round((per_process[key]["eyas"] if key in per_process else in_eyas[key]) / n, 3),
             "top": [[f, round(c / n, 3)] for f, c in leaves[key].most_common(top)],
         }
-        for key, n in busy.most_common(8)
+        for key, n in sorted(rows.items(), key=lambda kv: -kv[1])[:10]
     }
 
 

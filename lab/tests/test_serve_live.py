@@ -31,4 +31,11 @@ def test_profile_summary_gives_each_threads_busy_share_and_its_share_in_eyas_cod
         "top": [["write_dump (eyas/sglang/core.py)", 1.0]],
     }
     assert out["python -m sglang.launch_server (1) / MainThread"]["eyas_share"] == 0.0
-    assert list(out)[0] == "sglang::scheduler_TP0 (100) / MainThread"  # the busiest first
+    # each process's threads together, then the threads, the busiest first
+    together = out["sglang::scheduler_TP0 (100) / all threads"]
+    assert together["busy"] == 1.5 and together["eyas_share"] == round(90 / 150, 3)  # 90 + 50 + 10 samples
+    assert together["top"] == [
+        ["run_batch (sglang/scheduler.py)", round(60 / 150, 3)],
+        ["_write_buffers (eyas/sglang/core.py)", round(50 / 150, 3)],
+    ]
+    assert list(out)[:2] == ["sglang::scheduler_TP0 (100) / all threads", "sglang::scheduler_TP0 (100) / MainThread"]
