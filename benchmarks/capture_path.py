@@ -12,6 +12,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              share of its rate that thread keeps while the dumps are written (scheduler_kept), and the
              dumps' ms each (--gil-steps; SGLang's plugin runs its writers in the scheduler's process)
   read       wait_for_dump of a dump already on disk (open, parse, load the tensors)
+  read_threads, read_threads_readinto
+             the same on the client's 2 x --concurrency threads, each dump's states then checked and let go,
+             read by the safetensors package (it maps the file) and by read_into (readinto, a candidate)
   wait       wait_for_dump of a dump written `--appear-ms` after the call: reports how late the client
              sees a dump that has appeared (ms), i.e. its polling or notification delay
   check      check_sample on a read dump (ids, positions, lengths, layers, finiteness)
@@ -40,8 +43,8 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              order every other run. A ratio well under 1 here is eyas's own path (client, plugin, dump
              writing) falling behind; near 1, the live gap is the engine's. Both arms send --model-bypass
              (logprob, as on a live SGLang 0.5.17 server: the answers list every prompt token's logprob);
-             --model-client current,whole measures this tree's client and one parsing the answers whole
-             (CLIENTS), in turn, in the same run
+             --model-client current,whole,readinto measures this tree's client, one parsing the answers
+             whole and one reading the dumps with readinto (CLIENTS), in turn, in the same run
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
     PYTHONPATH=src python benchmarks/capture_path.py --only-model --model-rate 60000 --repeat 3
@@ -149,6 +152,29 @@ def stage(
     }
 
 
+def read_threads(a, dump_dir: Path, rids: list[str], tokens: int, results: dict) -> None:
+    """Each dump read, its states checked for finiteness and let go, on the client's 2 x --concurrency
+    threads (one intra-op thread each), with the safetensors package and with read_into."""
+    import concurrent.futures as cf
+
+    from eyas.sglang.core import all_finite
+
+    def one(rid: str) -> None:
+        d = wait_for_dump(dump_dir, rid, timeout=5.0)
+        all_finite(d.aux_LAD), all_finite(d.final_LD)
+
+    arms = [("read_threads", "current"), ("read_threads_readinto", "readinto")]
+    turn = results["read_threads_turns"] = results.get("read_threads_turns", 0) + 1
+    for name, variant in arms[:: -1 if turn % 2 == 0 else 1]:  # the first of each run alternates
+        with (
+            client_variant(variant),
+            cf.ThreadPoolExecutor(2 * a.concurrency, initializer=torch.set_num_threads, initargs=(1,)) as ex,
+        ):
+            t0 = clock()
+            list(ex.map(one, rids))
+            stage(results, name, tokens, t0, threads=2 * a.concurrency)
+
+
 def sglang_answer(rid: str, n: int) -> bytes:
     """/generate's answer to a capture request with the logprob bypass, as SGLang 0.5.17 writes it (orjson:
     no spaces): one [logprob, id, null] per prompt token (the first without a logprob)."""
@@ -215,6 +241,7 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     t0 = clock()
     dumps = [wait_for_dump(dump_dir, rid, timeout=5.0) for rid in rids]
     stage(results, "read", tokens, t0)
+    read_threads(a, dump_dir, rids, tokens, results)
     assert all(d is not None for d in dumps)
 
     t0 = clock()
@@ -495,22 +522,56 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int, bypass: str
     return tokens, time.perf_counter() - t0
 
 
-CLIENTS = ("current", "whole")
-"""--model-client: this tree's client, and `whole`: the same with /generate's answers parsed whole (the
-client before parse_answer cut out the logprob lists)."""
+CLIENTS = ("current", "whole", "readinto")
+"""--model-client: this tree's client; `whole`: the same with /generate's answers parsed whole (the client
+before parse_answer cut out the logprob lists); `readinto`: the same with each dump read by `read_into`
+instead of the safetensors package (a candidate, not the product's path)."""
+
+
+def read_into(path) -> dict[str, torch.Tensor]:
+    """A dump's safetensors file read with readinto into one malloc'd buffer (no GIL while the kernel copies),
+    where the safetensors package maps the file and the client's many threads then unmap it (a TLB shootdown
+    on every core the process runs on, with the GIL held). The tensors are views of that buffer."""
+    import struct
+
+    from eyas.sglang.core import _SAFETENSORS_DTYPES
+
+    by_name = {name: dtype for dtype, name in _SAFETENSORS_DTYPES.items()}
+    with open(path, "rb", buffering=0) as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        size = max((int(v["data_offsets"][1]) for v in header.values()), default=0)
+        buf = torch.empty(size, dtype=torch.uint8)
+        view, got = memoryview(buf.numpy()), 0
+        while got < size:
+            k = f.readinto(view[got:])
+            if not k:
+                raise ValueError(f"{path}: {got} of {size} data bytes (truncated)")
+            got += k
+    out = {}
+    for name, v in header.items():
+        a, b = map(int, v["data_offsets"])
+        raw = buf[a:b] if a % by_name[v["dtype"]].itemsize == 0 else buf[a:b].clone()
+        out[name] = raw.view(by_name[v["dtype"]]).reshape([int(x) for x in v["shape"]])
+    return out
 
 
 @contextlib.contextmanager
 def client_variant(name: str):
+    import safetensors.torch
+
     import eyas.sglang.client as client
 
-    saved = client.parse_answer
+    saved = client.parse_answer, safetensors.torch.load_file
     if name == "whole":
         client.parse_answer = json.loads
+    if name == "readinto":  # read_dump imports load_file when it runs
+        safetensors.torch.load_file = read_into
     try:
         yield
     finally:
-        client.parse_answer = saved
+        client.parse_answer, safetensors.torch.load_file = saved
 
 
 def run_model(
