@@ -44,6 +44,12 @@ The last staging call can start both jobs, each from its own copy (`store` waits
     cd $R3 && python3 lab/scripts/serve_live.py store --detach --steps 0 --serve '' --verify 1
     --also-concurrency 32,64)
 
+The capture client's own path on the device host's cores (no GPU, no SGLang; after `a` and `b`): the converted
+target stands for the embedded default through EYAS_CACHE, e.g.
+    mkdir -p /root/ec && ln -sfn /root/eyas-stage/smol /root/ec/smollm2-135m-instruct && EYAS_CACHE=/root/ec
+    PYTHONPATH=src python3 benchmarks/capture_path.py --only-model --model-rate 200000 --model-concurrency 16,64
+    --model-client current,whole,readinto --repeat 2
+
 Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
 module at that moment fails (seen: ModuleNotFoundError in a running `eyas pipeline`). Copy it first and start
 them from the copy:
