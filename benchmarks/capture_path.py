@@ -43,8 +43,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              order every other run. A ratio well under 1 here is eyas's own path (client, plugin, dump
              writing) falling behind; near 1, the live gap is the engine's. Both arms send --model-bypass
              (logprob, as on a live SGLang 0.5.17 server: the answers list every prompt token's logprob);
-             --model-client current,whole,readinto measures this tree's client, one parsing the answers
-             whole and one reading the dumps with readinto (CLIENTS), in turn, in the same run
+             --model-client current,whole,readinto,procs measures this tree's client, one parsing the
+             answers whole, one reading the dumps with readinto and one with check processes (CLIENTS), in
+             turn, in the same run
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
     PYTHONPATH=src python benchmarks/capture_path.py --only-model --model-rate 60000 --repeat 3
@@ -522,10 +523,11 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int, bypass: str
     return tokens, time.perf_counter() - t0
 
 
-CLIENTS = ("current", "whole", "readinto")
+CLIENTS = ("current", "whole", "readinto", "procs")
 """--model-client: this tree's client; `whole`: the same with /generate's answers parsed whole (the client
 before parse_answer cut out the logprob lists); `readinto`: the same with each dump read by `read_into`
-instead of the safetensors package (a candidate, not the product's path)."""
+instead of the safetensors package (a candidate, not the product's path); `procs`: this tree's client with
+--model-check-procs processes reading, checking and encoding the dumps (`eyas capture --sglang-check-procs`)."""
 
 
 def read_into(path) -> dict[str, torch.Tensor]:
@@ -629,6 +631,7 @@ def run_model(
                         concurrency=c,
                         calibrate=0,
                         cache_bypass=bypass,
+                        check_procs=a.model_check_procs if variant == "procs" else 0,
                     )
                 cpu_s = time.process_time() - cpu0
                 assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
@@ -717,6 +720,7 @@ def main() -> None:
         help="model stage: the radix-cache bypass both arms send (logprob: what SGLang 0.5.17 servers get, whose "
         "answers then list every prompt token's logprob)",
     )
+    ap.add_argument("--model-check-procs", type=int, default=4, help="model stage: check processes of `procs`")
     ap.add_argument(
         "--model-client",
         type=lambda v: [x for x in v.split(",") if x],

@@ -896,3 +896,37 @@ def test_the_logprob_bypass_answer_carries_sglangs_lists_and_the_capture_reads_p
     assert [e[1] for e in whole["input_token_logprobs"]] == list(range(100, 130))
     meta = parse_answer(raw)["meta_info"]
     assert meta["input_token_logprobs"] is None and meta["prompt_tokens"] == 30 and meta["cached_tokens"] == 0
+
+
+def test_check_processes_store_the_same_states_and_reject_what_the_threads_reject(
+    tiny_target_dir, tiny_model, prepared, tmp_path
+):
+    # --sglang-check-procs: the dumps read, checked and encoded in other processes; the store must be the
+    # reference's, and a sample the checks refuse must be refused there too (here the plugin's rejection of a
+    # prompt served from a prefix, which only the dump can tell)
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
+        info, gen = srv.server_info, srv.generate
+
+        def lying_generate(body):
+            code, obj = gen(body)
+            if code == 200:
+                obj["meta_info"]["cached_tokens"] = 0
+            return code, obj
+
+        srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+        srv.generate = lying_generate
+        out = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1, check_procs=2, calibrate=0
+        )
+        assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
+        assert all("plugin rejected it" in r["reason"] for r in out["rejected"])
+        srv.server_info, srv.generate = info, gen
+        again = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, check_procs=2
+        )
+    assert again["captured"] == 2 and again["store_complete"] and again["rejected_count"] == 0
+    assert sorted(again["seconds_summed"]) == ["check", "dump", "encode", "ingest", "request"]
+    check_store_against_reference(tmp_path / "store", prepared, tiny_model)
+    assert list((tmp_path / "dumps").iterdir()) == []
+    with pytest.raises(EyasError, match="--sglang-check-procs"):
+        capture_from_sglang([srv.url], prepared, "train", tmp_path / "s2", LAYERS, check_procs=-1)

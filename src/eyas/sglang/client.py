@@ -36,7 +36,7 @@ import shutil
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -319,18 +319,23 @@ DUMP_POLL_S = (0.0005, 0.005)
 answer, and a long pause would add itself to the time every sample spends in flight."""
 
 
-def wait_for_dump(dump_dir: Path, rid: str, *, timeout: float, sleep=time.sleep) -> Dump | None:
-    """The dump of `rid`, read whole, or None if it did not appear within `timeout` seconds."""
+def dump_appeared(dump_dir: Path, rid: str, *, timeout: float, sleep=time.sleep) -> bool:
+    """Whether the dump of `rid` is there (its meta.json is written last) within `timeout` seconds."""
     meta = str(dump_dir / rid / META_FILE)
     deadline = time.monotonic() + timeout
     delay, longest = DUMP_POLL_S
     while True:
         if os.path.isfile(meta):
-            return read_dump(dump_dir / rid)
+            return True
         if time.monotonic() > deadline:
-            return None
+            return False
         sleep(delay)
         delay = min(delay * 1.5, longest)
+
+
+def wait_for_dump(dump_dir: Path, rid: str, *, timeout: float, sleep=time.sleep) -> Dump | None:
+    """The dump of `rid`, read whole, or None if it did not appear within `timeout` seconds."""
+    return read_dump(dump_dir / rid) if dump_appeared(dump_dir, rid, timeout=timeout, sleep=sleep) else None
 
 
 NO_DUMP = "no dump appeared"
@@ -426,12 +431,14 @@ def capture_one(
     sleep=time.sleep,
     gate=None,
     encode=None,
+    checker=None,
 ) -> Outcome:
     """Send one sample (retrying transient HTTP errors), then read, check and delete its dump.
 
     `gate` (a semaphore) is held only while the request is at the server: waiting for the dump,
     reading and checking it leave the slot to the next sample. `encode` (the store writer's) turns a
-    verified sample into the stored rows and their checksum here, on this request thread."""
+    verified sample into the stored rows and their checksum; `checker` (a process pool) reads, checks and
+    encodes in another process, else this request thread does (`check_and_encode`)."""
     L = int(input_ids.shape[0])
     retries = 0
     seconds = {"request": 0.0, "dump": 0.0, "check": 0.0}
@@ -467,25 +474,43 @@ def capture_one(
             sample_id=sample_id, tokens=L, reason=f"server error: {str(out['error'])[:300]}", retries=retries
         )
     meta_info = (out or {}).get("meta_info", {})
-    dump = None
     t0 = time.perf_counter()
     try:
-        if int(meta_info.get("cached_tokens", 0) or 0) == 0:
-            dump = wait_for_dump(plan.dump_dir, rid, timeout=dump_wait_s)
-        t1 = time.perf_counter()
-        reason = check_sample(input_ids, meta_info, dump, layer_ids=layer_ids, hidden_size=plan.hidden_size)
+        there = int(meta_info.get("cached_tokens", 0) or 0) == 0 and dump_appeared(
+            plan.dump_dir, rid, timeout=dump_wait_s
+        )
+        args = (str(plan.dump_dir / rid) if there else None, sample_id, input_ids.numpy(), meta_info)
+        kw = {"layer_ids": list(layer_ids), "hidden_size": plan.hidden_size, "encode": encode}
+        checked = (
+            check_and_encode(*args, **kw) if checker is None else checker.submit(check_and_encode, *args, **kw).result()
+        )
     finally:
         remove_dump(plan.dump_dir, rid)
-    # stacked here, on one of many request threads, so that the one thread that ingests only writes
+    checked.seconds["dump"] += time.perf_counter() - t0 - sum(checked.seconds.values())  # the wait for it too
+    return replace(checked, retries=retries, seconds={**seconds, **checked.seconds})
+
+
+def check_and_encode(
+    path: str | None, sample_id: str, input_ids, meta_info: dict[str, Any], *, layer_ids, hidden_size, encode
+) -> Outcome:
+    """Read a sample's dump (`path` None: none appeared), check it, stack its states as the store keeps them and
+    encode them (`encode` None: left stacked). On a request thread, or in a check process (--sglang-check-procs:
+    the client's GIL then only sends and stores)."""
+    input_ids = torch.as_tensor(input_ids)
+    L = int(input_ids.shape[0])
+    t0 = time.perf_counter()
+    dump = read_dump(path) if path is not None else None
+    t1 = time.perf_counter()
+    reason = check_sample(input_ids, meta_info, dump, layer_ids=layer_ids, hidden_size=hidden_size)
     hidden = (
         None
         if reason is not None
         else torch.cat([dump.aux_LAD, dump.final_LD.unsqueeze(1).to(dump.aux_LAD.dtype)], dim=1)
     )
     t2 = time.perf_counter()
-    seconds.update(dump=t1 - t0, check=t2 - t1)
+    seconds = {"dump": t1 - t0, "check": t2 - t1}
     if reason is not None:
-        return Outcome(sample_id=sample_id, tokens=L, reason=reason, retries=retries, seconds=seconds)
+        return Outcome(sample_id=sample_id, tokens=L, reason=reason, seconds=seconds)
     encoded = encode(sample_id, hidden) if encode is not None else None
     seconds["encode"] = time.perf_counter() - t2
     return Outcome(
@@ -493,7 +518,6 @@ def capture_one(
         tokens=L,
         hidden_LSD=hidden if encoded is None else None,  # the encoded rows alone wait in the ingest queue
         encoded=encoded,
-        retries=retries,
         seconds=seconds,
         dump_dtype=dump.meta.get("dtype"),
         pieces=int(dump.meta.get("pieces", 0)),
@@ -672,6 +696,7 @@ def capture_from_sglang(
     calibrate: int = 8,
     device: str = "cpu",
     memory_bytes: int | None = None,
+    check_procs: int = 0,
 ) -> dict[str, Any]:
     """Capture `split` of a prepared dataset from SGLang servers into the store at `out_store`.
 
@@ -681,10 +706,8 @@ def capture_from_sglang(
     with verify's reference on `device` and the engine's errors recorded in the manifest
     (`engine_numerics`, eyas.store.numerics), which set verify's limits for this store; a calibration
     that verify would refuse (the engine disagrees with the reference) raises CheckFailed once the
-    store is closed. `memory_bytes` bounds the states held between the servers and the store
-    (StateBudget; default: an eighth of this machine's memory). Returns the summary dict (rejected
-    samples listed).
-    """
+    store is closed. `memory_bytes` bounds the states held (StateBudget; default: an eighth of this machine's
+    memory). `check_procs`: see _capture_loop. Returns the summary dict (rejected samples listed)."""
     from eyas.data.prepared import PreparedDataset
 
     _check_capture_options(
@@ -694,6 +717,7 @@ def capture_from_sglang(
         dump_wait_s=dump_wait_s,
         request_timeout_s=request_timeout_s,
         memory_bytes=memory_bytes,
+        check_procs=check_procs,
     )
     t0 = time.time()
     setup = _Laps(t0)
@@ -750,6 +774,7 @@ def capture_from_sglang(
             backoff_s=backoff_s,
             request_timeout_s=request_timeout_s,
             dump_wait_s=dump_wait_s,
+            check_procs=check_procs,
         )
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
@@ -802,22 +827,37 @@ def capture_from_sglang(
     return summary
 
 
-def _capture_loop(plans, split, todo, writer, tally, bar, *, concurrency: int, budget, row_bytes: int, **request_kw):
+def _capture_loop(
+    plans, split, todo, writer, tally, bar, *, concurrency: int, budget, row_bytes: int, check_procs: int, **request_kw
+):
     """Send every sample of `todo` and store each verified one. `concurrency` requests at each server (its
     gate); as many more samples again are being read and checked, or wait for a slot, so that a server
-    never waits for this process to read a dump. `request_kw`: _Sender's request settings."""
+    never waits for this process to read a dump. `check_procs` > 0: that many processes read, check and
+    encode the dumps. `request_kw`: _Sender's request settings."""
     gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
     queued = 2 * concurrency * len(plans)
-    # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's
-    # own thread team per request thread would oversubscribe the cores many times over
-    with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+    # one intra-op thread per request thread (or check process): each checks and encodes a sample at a time,
+    # and torch's own thread team per thread would oversubscribe the cores many times over
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(
+            cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,))
+        )
+        checker = None
+        if check_procs:
+            import multiprocessing
+
+            ctx = multiprocessing.get_context("spawn")  # a forked copy of a threaded process can deadlock
+            checker = stack.enter_context(
+                cf.ProcessPoolExecutor(check_procs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,))
+            )
         sender = _Sender(
             pool=pool,
             plans=plans,
             gates=gates,
             split=split,
             todo=iter(todo),
-            encode=writer.encode,
+            encode=writer.encoder() if checker is not None else writer.encode,
+            checker=checker,
             budget=budget,
             row_bytes=row_bytes,
             **request_kw,
@@ -833,6 +873,7 @@ def _check_capture_options(
     dump_wait_s: float,
     request_timeout_s: float,
     memory_bytes: int | None = None,
+    check_procs: int = 0,
 ) -> None:
     """Refuse capture_from_sglang's options that cannot work, before anything is read or sent."""
     if not urls:
@@ -847,6 +888,8 @@ def _check_capture_options(
         )
     if memory_bytes is not None and memory_bytes <= 0:
         raise EyasError(f"--sglang-memory-gb: {memory_bytes / 2**30:g} GiB, expected > 0")
+    if check_procs < 0:
+        raise EyasError(f"--sglang-check-procs: {check_procs}, expected >= 0")
 
 
 def _preflight_servers(
@@ -1031,7 +1074,9 @@ class _Sender:
     row_bytes: int
     """A token's states in bytes (the budget's unit)."""
     encode: Any = None
-    """The store writer's `encode`, run on the request threads."""
+    """The store writer's `encode`, run on the request threads (or a SampleEncoder, in `checker`)."""
+    checker: Any = None
+    """A process pool that reads, checks and encodes the dumps (None: the request threads do)."""
     futures: dict[cf.Future, tuple[int, int]] = field(default_factory=dict)
     """Future -> (index of its server, the bytes it took from the budget)."""
     load: list[int] = field(init=False)
@@ -1071,6 +1116,7 @@ class _Sender:
                 dump_wait_s=self.dump_wait_s,
                 gate=self.gates[k],
                 encode=self.encode,
+                checker=self.checker,
             )
         ] = (k, nbytes)
         self.load[k] += 1

@@ -176,6 +176,23 @@ class EncodedSample:
     digest: str
 
 
+@dataclass(frozen=True)
+class SampleEncoder:
+    """`StoreWriter.encode` by a store's spec alone: picklable, so other processes can encode for the writer."""
+
+    spec: StoreSpec
+
+    def __call__(self, sample_id: str, hidden_TLD: torch.Tensor) -> EncodedSample:
+        want = (self.spec.slots, self.spec.hidden_size)
+        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want:
+            raise ValueError(
+                f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]"
+            )
+        rows, scale = encode_rows(hidden_TLD, self.spec.dtype)
+        rows, scale = rows.cpu(), None if scale is None else scale.cpu()
+        return EncodedSample(str(sample_id), rows, scale, _sample_digest(*_bytes_of(rows, scale)))
+
+
 def _bytes_of(hidden: torch.Tensor, scale: torch.Tensor | None):
     """The bytes of contiguous CPU rows (and scales) as flat uint8 arrays, without a copy."""
     hidden_u8 = hidden.view(torch.uint8).reshape(-1).numpy()
@@ -359,15 +376,13 @@ class StoreWriter:
 
     def encode(self, sample_id: str, hidden_TLD: torch.Tensor) -> EncodedSample:
         """`add_stacked`'s rows in the stored dtype and their checksum, for `add_encoded`. It reads only
-        the spec, so many threads may encode at once while one thread adds."""
-        want = (self.spec.slots, self.spec.hidden_size)
-        if hidden_TLD.ndim != 3 or tuple(hidden_TLD.shape[1:]) != want:
-            raise ValueError(
-                f"sample {sample_id}: hidden has shape {tuple(hidden_TLD.shape)}, expected [T, {want[0]}, {want[1]}]"
-            )
-        rows, scale = encode_rows(hidden_TLD, self.spec.dtype)
-        rows, scale = rows.cpu(), None if scale is None else scale.cpu()
-        return EncodedSample(str(sample_id), rows, scale, _sample_digest(*_bytes_of(rows, scale)))
+        the spec, so many threads may encode at once while one thread adds (`SampleEncoder` does it in
+        another process)."""
+        return self.encoder()(sample_id, hidden_TLD)
+
+    def encoder(self) -> SampleEncoder:
+        """`encode` as a picklable callable, for other processes."""
+        return SampleEncoder(self.spec)
 
     def add_encoded(self, sample: EncodedSample) -> None:
         """Add a sample `encode` made (by this writer's spec)."""
