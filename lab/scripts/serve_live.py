@@ -37,7 +37,8 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
 capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt);
 and the capture's client (`client-gil`: only the thread holding its GIL, so a busy share is the GIL's).
-`--no-plain` skips the prefill without bypass (not part of the ratio).
+`--no-plain` skips the prefill without bypass (not part of the ratio); `--check-procs N` gives the captures
+`--sglang-check-procs N`.
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
     python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
@@ -48,7 +49,7 @@ The capture client's own path on the device host's cores (no GPU, no SGLang; aft
 target stands for the embedded default through EYAS_CACHE, e.g.
     mkdir -p /root/ec && ln -sfn /root/eyas-stage/smol /root/ec/smollm2-135m-instruct && EYAS_CACHE=/root/ec
     PYTHONPATH=src python3 benchmarks/capture_path.py --only-model --model-rate 200000 --model-concurrency 16,64
-    --model-client current,whole,readinto --repeat 2
+    --model-client current,whole,readinto,procs --repeat 2
 
 Detached jobs must not run from the repository: every call rewrites the working tree, and a job importing a
 module at that moment fails (seen: ModuleNotFoundError in a running `eyas pipeline`). Copy it first and start
@@ -922,6 +923,7 @@ def store_run(a) -> None:
             t0 = time.time()
             args = ["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train"]
             args += ["--out", out_dir, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda"]
+            args += ["--sglang-check-procs", str(a.check_procs)] if a.check_procs else []
             out = eyas([*args, "--limit", str(limit), "--sglang-concurrency", str(concurrency)], key)
             R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
@@ -1172,6 +1174,7 @@ def main() -> None:
     st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument("--no-plain", action="store_true", help="skip the prefill without bypass (not in the ratio)")
+    st.add_argument("--check-procs", type=int, default=0, help="the captures' --sglang-check-procs")
     st.add_argument(
         "--concurrency", type=int, default=16, help="requests in flight for the prefill and the capture alike"
     )
