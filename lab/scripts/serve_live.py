@@ -37,8 +37,9 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
 capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt);
 and the capture's client (`client-gil`: only the thread holding its GIL, so a busy share is the GIL's).
-`--no-plain` skips the prefill without bypass (not part of the ratio); `--check-procs N` gives the captures
-`--sglang-check-procs N`.
+`--no-plain` skips the prefill without bypass (not part of the ratio); `--check-procs 0,4` gives the main
+capture `--sglang-check-procs 0`, then measures a prefill and a capture with 4 (keys `..._c16_p4`), and runs every
+`--also-concurrency` pair with each.
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
     python3 lab/scripts/serve_live.py install --detach --no-smoke); R3=/root/eyas-stage/repo3; (copy, no .stage;
@@ -918,12 +919,12 @@ def store_run(a) -> None:
                 lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
             )
 
-        def capture(out_dir: Path, limit: int, concurrency: int, key: str):
+        def capture(out_dir: Path, limit: int, concurrency: int, key: str, procs: int = a.check_procs[0]):
             shutil.rmtree(out_dir, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
             t0 = time.time()
             args = ["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train"]
             args += ["--out", out_dir, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda"]
-            args += ["--sglang-check-procs", str(a.check_procs)] if a.check_procs else []
+            args += ["--sglang-check-procs", str(procs)] if procs else []
             out = eyas([*args, "--limit", str(limit), "--sglang-concurrency", str(concurrency)], key)
             R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
@@ -942,19 +943,25 @@ def store_run(a) -> None:
         R["prefill_same_bypass_after"] = step(
             "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c)
         )
-        for n in a.also_concurrency:  # the same pair at more requests in flight, into a store thrown away
+        # the same pair with each other --check-procs, then at more requests in flight with each, into stores
+        # thrown away
+        pairs = [(c, p) for p in a.check_procs[1:]] + [(n, p) for n in a.also_concurrency for p in a.check_procs]
+        for n, p in pairs:
+            name = f"c{n}" + (f"_p{p}" if len(a.check_procs) > 1 else "")
             pre_n = step(
-                f"prefill at {n} in flight",
+                f"prefill at {n} in flight ({name})",
                 lambda n=n: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=n),
             )
-            extra = store.parent / f"{store.name}-c{n}"
+            extra = store.parent / f"{store.name}-{name}"
             cap_n = step(
-                f"capture at {n} in flight",
-                lambda n=n, extra=extra: capture(extra, a.prefill_samples, n, f"capture_c{n}"),
+                f"capture at {n} in flight, {p} check processes",
+                lambda n=n, p=p, extra=extra, name=name: capture(extra, a.prefill_samples, n, f"capture_{name}", p),
             )
             shutil.rmtree(extra, ignore_errors=True)
             if cap_n and cap_n.get("loop_tokens_per_s") and pre_n:
-                R[f"sglang_capture_loop_vs_prefill_c{n}"] = round(cap_n["loop_tokens_per_s"] / pre_n["tokens_per_s"], 4)
+                R[f"sglang_capture_loop_vs_prefill_{name}"] = round(
+                    cap_n["loop_tokens_per_s"] / pre_n["tokens_per_s"], 4
+                )
     finally:
         srv.stop()
     cap = R.get("capture") or {}
@@ -988,7 +995,7 @@ def store_run(a) -> None:
         cap = R.get("capture") or {}
         where = {k: cap.get(k) for k in ("phase_seconds", "setup_seconds", "store_seconds", "seconds_summed")}
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
-        keys += tuple(f"sglang_capture_loop_vs_prefill_c{n}" for n in a.also_concurrency)
+        keys += tuple(sorted(k for k in R if k.startswith("sglang_capture_loop_vs_prefill_")))
         print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
         for name, threads in (R.get("profile") or {}).items():  # where the server's threads spent the time
             for key, t in threads.items():
@@ -1174,7 +1181,13 @@ def main() -> None:
     st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument("--no-plain", action="store_true", help="skip the prefill without bypass (not in the ratio)")
-    st.add_argument("--check-procs", type=int, default=0, help="the captures' --sglang-check-procs")
+    st.add_argument(
+        "--check-procs",
+        type=lambda v: [int(x) for x in v.split(",")],
+        default=[0],
+        help="the captures' --sglang-check-procs, comma-separated: the first for the main capture, each other for "
+        "a capture of --prefill-samples beside its own prefill; every --also-concurrency pair is run with each",
+    )
     st.add_argument(
         "--concurrency", type=int, default=16, help="requests in flight for the prefill and the capture alike"
     )
