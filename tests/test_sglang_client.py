@@ -265,19 +265,26 @@ def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
 
 
+def hide_the_prefix_cache(srv):
+    """The stand-in made to say its radix cache is off and that nothing was cached (cached_tokens 0) while it
+    serves prefixes: only the plugin can tell. Returns the true server_info and generate, to put back."""
+    info, gen = srv.server_info, srv.generate
+
+    def lying_generate(body):
+        code, obj = gen(body)
+        if code == 200:
+            obj["meta_info"]["cached_tokens"] = 0
+        return code, obj
+
+    srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+    srv.generate = lying_generate
+    return info, gen
+
+
 def test_plugin_rejection_reaches_the_client(tiny_target_dir, prepared, tmp_path):
     # cached_tokens reported as 0 but the forward started at a prefix: only the plugin can tell.
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
-        info, gen = srv.server_info, srv.generate
-
-        def lying_generate(body):
-            code, obj = gen(body)
-            if code == 200:
-                obj["meta_info"]["cached_tokens"] = 0
-            return code, obj
-
-        srv.server_info = lambda: {**info(), "disable_radix_cache": True}
-        srv.generate = lying_generate
+        info, gen = hide_the_prefix_cache(srv)
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
         reasons = {r["id"]: r["reason"] for r in out["rejected"]}
         assert sorted(reasons) == ["s5", "s7"]
@@ -905,16 +912,7 @@ def test_check_processes_store_the_same_states_and_reject_what_the_threads_rejec
     # reference's, and a sample the checks refuse must be refused there too (here the plugin's rejection of a
     # prompt served from a prefix, which only the dump can tell)
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
-        info, gen = srv.server_info, srv.generate
-
-        def lying_generate(body):
-            code, obj = gen(body)
-            if code == 200:
-                obj["meta_info"]["cached_tokens"] = 0
-            return code, obj
-
-        srv.server_info = lambda: {**info(), "disable_radix_cache": True}
-        srv.generate = lying_generate
+        info, gen = hide_the_prefix_cache(srv)
         out = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1, check_procs=2, calibrate=0
         )
