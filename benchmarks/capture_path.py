@@ -153,9 +153,10 @@ def stage(
     }
 
 
-def read_threads(a, dump_dir: Path, rids: list[str], tokens: int, results: dict) -> None:
+def read_threads(a, dump_dir: Path, rids: list[str], tokens: int, results: dict, flip: bool) -> None:
     """Each dump read, its states checked for finiteness and let go, on the client's 2 x --concurrency
-    threads (one intra-op thread each), with the safetensors package and with read_into."""
+    threads (one intra-op thread each), with the safetensors package and with read_into (in reverse order
+    when `flip`: the runs take turns going first)."""
     import concurrent.futures as cf
 
     from eyas.sglang.core import all_finite
@@ -165,8 +166,7 @@ def read_threads(a, dump_dir: Path, rids: list[str], tokens: int, results: dict)
         all_finite(d.aux_LAD), all_finite(d.final_LD)
 
     arms = [("read_threads", "current"), ("read_threads_readinto", "readinto")]
-    turn = results["read_threads_turns"] = results.get("read_threads_turns", 0) + 1
-    for name, variant in arms[:: -1 if turn % 2 == 0 else 1]:  # the first of each run alternates
+    for name, variant in arms[:: -1 if flip else 1]:
         with (
             client_variant(variant),
             cf.ThreadPoolExecutor(2 * a.concurrency, initializer=torch.set_num_threads, initargs=(1,)) as ex,
@@ -197,7 +197,7 @@ def sglang_answer(rid: str, n: int) -> bytes:
     return json.dumps({"text": "", "output_ids": [ids[0]], "meta_info": meta}, separators=(",", ":")).encode()
 
 
-def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict) -> None:
+def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results: dict, flip: bool) -> None:
     tokens = sum(lengths)
     g = torch.Generator().manual_seed(1)
     pool_TAD = torch.randn(2048, AUX, HIDDEN, generator=g).bfloat16()
@@ -242,7 +242,7 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     t0 = clock()
     dumps = [wait_for_dump(dump_dir, rid, timeout=5.0) for rid in rids]
     stage(results, "read", tokens, t0)
-    read_threads(a, dump_dir, rids, tokens, results)
+    read_threads(a, dump_dir, rids, tokens, results, flip)
     assert all(d is not None for d in dumps)
 
     t0 = clock()
@@ -746,7 +746,7 @@ def main() -> None:
         for k in range(a.repeat):
             log(f"-- run {k + 1} of {a.repeat}")
             if not a.only_model:
-                run_stages(a, lengths, dump_root, store_root, results)
+                run_stages(a, lengths, dump_root, store_root, results, flip=bool(k % 2))
                 run_threads(a, lengths, results)
                 if not a.no_e2e:
                     run_e2e(a, sample_lengths(a.e2e_samples, a.seed + 1), dump_root, store_root, results)

@@ -906,11 +906,23 @@ def test_the_logprob_bypass_answer_carries_sglangs_lists_and_the_capture_reads_p
 
 
 def test_check_processes_store_the_same_states_and_reject_what_the_threads_reject(
-    tiny_target_dir, tiny_model, prepared, tmp_path
+    tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch
 ):
     # --sglang-check-procs: the dumps read, checked and encoded in other processes; the store must be the
     # reference's, and a sample the checks refuse must be refused there too (here the plugin's rejection of a
     # prompt served from a prefix, which only the dump can tell)
+    import concurrent.futures as cf
+
+    import eyas.sglang.client as client
+
+    checked_there = []
+
+    class CountingPool(cf.ProcessPoolExecutor):  # every sample's check must go to the processes
+        def submit(self, fn, *args, **kw):
+            checked_there.append(args[1])
+            return super().submit(fn, *args, **kw)
+
+    monkeypatch.setattr(client.cf, "ProcessPoolExecutor", CountingPool)
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
         info, gen = hide_the_prefix_cache(srv)
         out = capture_from_sglang(
@@ -918,6 +930,7 @@ def test_check_processes_store_the_same_states_and_reject_what_the_threads_rejec
         )
         assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
         assert all("plugin rejected it" in r["reason"] for r in out["rejected"])
+        assert sorted(checked_there) == [f"s{i}" for i in range(len(LENGTHS))]
         srv.server_info, srv.generate = info, gen
         again = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, check_procs=2

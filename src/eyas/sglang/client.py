@@ -856,7 +856,7 @@ def _capture_loop(
             gates=gates,
             split=split,
             todo=iter(todo),
-            encode=writer.encoder() if checker is not None else writer.encode,
+            encode=writer.encoder(),  # picklable: the same on a request thread and in a check process
             checker=checker,
             budget=budget,
             row_bytes=row_bytes,
@@ -1074,7 +1074,7 @@ class _Sender:
     row_bytes: int
     """A token's states in bytes (the budget's unit)."""
     encode: Any = None
-    """The store writer's `encode`, run on the request threads (or a SampleEncoder, in `checker`)."""
+    """The store writer's SampleEncoder, run on the request threads or in `checker`."""
     checker: Any = None
     """A process pool that reads, checks and encodes the dumps (None: the request threads do)."""
     futures: dict[cf.Future, tuple[int, int]] = field(default_factory=dict)

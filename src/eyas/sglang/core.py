@@ -577,7 +577,8 @@ class DumpWriter:
 
     With `threads=N > 0` a bounded queue feeds N writer threads (a full queue makes `submit` wait:
     back-pressure rather than unbounded memory); `flush()` waits until everything queued is on
-    disk; `close()` flushes and ends the threads. Write errors are counted and kept (`errors`), never raised into the server's forward.
+    disk; `close()` flushes and ends the threads. Write errors are counted and kept (`errors`), never
+    raised into the server's forward.
     """
 
     def __init__(
