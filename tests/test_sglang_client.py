@@ -101,7 +101,8 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     assert sorted(phases) == ["calibrate", "close", "loop", "loop_cpu", "setup"] and phases["loop"] == out["loop_s"]
     assert sum(phases[k] for k in ("setup", "loop", "calibrate", "close")) <= out["elapsed_s"] + 1e-3
     setup = out["setup_seconds"]  # the set-up's parts, in order, within it
-    assert list(setup) == ["data", "preflight", "probe", "open_store"] and setup["probe"] > 0
+    assert list(setup) == ["data", "preflight", "probe", "target_identity", "tokenizer", "open_store"]
+    assert setup["probe"] > 0
     assert sum(setup.values()) <= phases["setup"] + (len(setup) + 1) * 5e-4  # each figure rounded to 1 ms
     assert out["store_seconds"]["write"] > 0 and out["store_seconds"]["commit"] > 0
 

@@ -635,15 +635,19 @@ def open_store(
     model_dtype: str | None,
     limit: int | None,
     producer: dict[str, Any],
+    laps: _Laps | None = None,
 ):
     from eyas.store.writer import StoreSpec, StoreWriter
 
+    lap = laps.lap if laps is not None else (lambda name: None)
     identity = None
     if target is not None:
         from eyas.target import load_tokenizer, model_identity, tokenizer_hash
 
         identity = model_identity(target)
+        lap("target_identity")
         tok_hash = tokenizer_hash(load_tokenizer(target))
+        lap("tokenizer")
         if prepared.tokenizer_hash is not None and prepared.tokenizer_hash != tok_hash:
             raise EyasError(
                 f"--data {prepared.root} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) "
@@ -672,7 +676,9 @@ def open_store(
         model_dtype=model_dtype,
         producer=producer,
     )
-    return StoreWriter(out_store, spec)
+    writer = StoreWriter(out_store, spec)
+    lap("open_store")
+    return writer
 
 
 def capture_from_sglang(
@@ -738,9 +744,17 @@ def capture_from_sglang(
         probe_kw={"dump_wait_s": dump_wait_s, "max_retries": max_retries, "backoff_s": backoff_s},
     )
     writer, target = _open_capture_store(
-        Path(out_store), ds, plans, probes, split=split, layer_ids=layer_ids, dtype=dtype, target=target, limit=limit
+        Path(out_store),
+        ds,
+        plans,
+        probes,
+        split=split,
+        layer_ids=layer_ids,
+        dtype=dtype,
+        target=target,
+        limit=limit,
+        laps=setup,
     )
-    setup.lap("open_store")
     done_ids = writer.committed_ids
     todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
     log(
@@ -981,6 +995,7 @@ def _open_capture_store(
     dtype: str,
     target: str | Path | None,
     limit: int | None,
+    laps: _Laps,
 ):
     """(the store's writer, the target it records): the served model's directory stands in for a missing target."""
     hidden = int(probes[0].hidden_LSD.shape[2])
@@ -1009,6 +1024,7 @@ def _open_capture_store(
             "num_layers": plans[0].status.get("model", {}).get("num_layers"),
             "model_class": plans[0].status.get("model", {}).get("class"),
         },
+        laps=laps,
     )
     return writer, target
 
