@@ -441,13 +441,15 @@ def capture_one(
     encodes in another process, else this request thread does (`check_and_encode`)."""
     L = int(input_ids.shape[0])
     retries = 0
-    seconds = {"request": 0.0, "dump": 0.0, "check": 0.0}
+    seconds = {"gate": 0.0, "request": 0.0, "dump": 0.0, "check": 0.0}
     while True:
         rid = make_rid(L, f"{tag}-{retries}")
         remove_dump(plan.dump_dir, rid)
         try:
+            t_gate = time.perf_counter()
             with gate if gate is not None else contextlib.nullcontext():
                 t0 = time.perf_counter()
+                seconds["gate"] += t0 - t_gate
                 try:
                     out = generate(
                         plan.url, build_request(input_ids.tolist(), rid, plan.bypass), timeout=request_timeout_s
@@ -1049,9 +1051,16 @@ class _Tally:
     captured: int = 0
     tokens: int = 0
     spent: dict[str, float] = field(
-        default_factory=lambda: {"request": 0.0, "dump": 0.0, "check": 0.0, "encode": 0.0, "ingest": 0.0}
+        default_factory=lambda: {
+            "gate": 0.0,
+            "request": 0.0,
+            "dump": 0.0,
+            "check": 0.0,
+            "encode": 0.0,
+            "ingest": 0.0,
+        }
     )
-    """Seconds summed over samples, per part of a sample's way."""
+    """Seconds summed over samples, per part of a sample's way (`gate`: waiting for a slot at a server)."""
 
     def ingest(self, res: Outcome, writer) -> None:
         """Count one sample's outcome; store it when it passed every check."""
@@ -1279,6 +1288,8 @@ def _capture_summary(
         "loop_s": round(loop_s, 3),
         "loop_tokens_per_s": round(tokens / loop_s, 1) if loop_s > 0 else None,
         "seconds_summed": {k: round(v, 3) for k, v in tally.spent.items()},
+        # requests at the servers on average during the loop: below the slots, the servers waited for this client
+        "in_flight_mean": round(tally.spent["request"] / loop_s, 2) if loop_s > 0 else None,
         "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
         "setup_seconds": {k: round(v, 3) for k, v in setup_seconds.items()},
         "store_seconds": {k: round(v, 3) for k, v in store_seconds.items()},
