@@ -17,6 +17,10 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              read by the safetensors package (it maps the file) and by read_into (readinto, a candidate)
   wait       wait_for_dump of a dump written `--appear-ms` after the call: reports how late the client
              sees a dump that has appeared (ms), i.e. its polling or notification delay
+  handoff_pipe_busyN, handoff_spool_busyN
+             --handoff-samples dumps read, checked and encoded in check processes (--sglang-check-procs), the
+             rows handed back through the process pool's pipe and through a file beside the dump (what the
+             client does), while N threads of this process run Python (the client's busy GIL)
   check      check_sample on a read dump (ids, positions, lengths, layers, finiteness)
   remove     remove_dump
   answer, answer_whole
@@ -176,6 +180,64 @@ def read_threads(a, dump_dir: Path, rids: list[str], tokens: int, results: dict,
             stage(results, name, tokens, t0, threads=2 * a.concurrency)
 
 
+def spin(stop: threading.Event) -> None:
+    """Python steps holding the GIL until `stop`: the client's busy request threads, standing in."""
+    while not stop.is_set():
+        [i * i for i in range(1000)]
+
+
+def handoff(a, dump_dir: Path, rids: list[str], lengths: list[int], results: dict, flip: bool) -> None:
+    """--handoff-samples dumps read, checked and encoded in --handoff-procs check processes, their rows coming
+    back through the process pool's pipe (check_and_encode: before the spool) and through a file beside the dump
+    (check_and_spool, what the client runs), with 0 and 1 threads of this process holding the GIL meanwhile."""
+    import concurrent.futures as cf
+    import multiprocessing
+
+    from eyas.sglang.client import check_and_encode, check_and_spool
+    from eyas.store.writer import SampleEncoder, StoreSpec
+
+    n = min(a.handoff_samples, len(rids))
+    tokens = sum(lengths[:n])
+    kw = {"layer_ids": LAYERS, "hidden_size": HIDDEN}
+    kw["encode"] = SampleEncoder(StoreSpec(aux_layer_ids=LAYERS, hidden_size=HIDDEN, dtype="bf16"))
+    ctx = multiprocessing.get_context("spawn")
+    with cf.ProcessPoolExecutor(
+        a.handoff_procs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,)
+    ) as ex:
+        list(ex.map(abs, range(2 * a.handoff_procs)))  # the processes started
+        arms = [
+            (f"handoff_{way}_busy{busy}", fn, busy)
+            for busy in (0, 1)
+            for way, fn in (("pipe", check_and_encode), ("spool", check_and_spool))
+        ]
+        for name, fn, busy in arms[:: -1 if flip else 1]:
+            stop = threading.Event()
+            spinners = [threading.Thread(target=spin, args=(stop,), daemon=True) for _ in range(busy)]
+            for t in spinners:
+                t.start()
+            t0 = clock()
+            futures = [
+                ex.submit(
+                    fn,
+                    str(dump_dir / rid),
+                    f"s{i}",
+                    token_ids(L).numpy(),
+                    {"prompt_tokens": L, "cached_tokens": 0},
+                    **kw,
+                )
+                for i, (rid, L) in enumerate(zip(rids[:n], lengths[:n]))
+            ]
+            for f in futures:
+                out = f.result()
+                assert out.reason is None, out.reason
+                enc = out.encoded.load() if hasattr(out.encoded, "load") else out.encoded
+                assert enc.rows.shape[0] == out.tokens
+            stop.set()
+            for t in spinners:
+                t.join()
+            stage(results, name, tokens, t0, procs=a.handoff_procs, samples=n)
+
+
 def sglang_answer(rid: str, n: int) -> bytes:
     """/generate's answer to a capture request with the logprob bypass, as SGLang 0.5.17 writes it (orjson:
     no spaces): one [logprob, id, null] per prompt token (the first without a logprob)."""
@@ -243,6 +305,8 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     dumps = [wait_for_dump(dump_dir, rid, timeout=5.0) for rid in rids]
     stage(results, "read", tokens, t0)
     read_threads(a, dump_dir, rids, tokens, results, flip)
+    if a.handoff_samples:
+        handoff(a, dump_dir, rids, lengths, results, flip)
     assert all(d is not None for d in dumps)
 
     t0 = clock()
@@ -704,6 +768,8 @@ def main() -> None:
         default=[0, 50],
         help="gil stages: Python steps between the scheduler thread's torch calls (0: none), comma-separated",
     )
+    ap.add_argument("--handoff-samples", type=int, default=64, help="handoff stages: dumps handed over (0: skip)")
+    ap.add_argument("--handoff-procs", type=int, default=2, help="handoff stages: check processes")
     ap.add_argument("--model-rate", type=float, default=0.0, help="model stage: the server's tokens/s (0: skip)")
     ap.add_argument("--model-fixed-ms", type=float, default=5.0, help="model stage: each forward's fixed cost")
     ap.add_argument(

@@ -919,12 +919,14 @@ def test_check_processes_store_the_same_states_and_reject_what_the_threads_rejec
 
     import eyas.sglang.client as client
 
-    checked_there = []
+    checked_there, handed_back = [], []
 
     class CountingPool(cf.ProcessPoolExecutor):  # every sample's check must go to the processes
         def submit(self, fn, *args, **kw):
             checked_there.append(args[1])
-            return super().submit(fn, *args, **kw)
+            fut = super().submit(fn, *args, **kw)
+            fut.add_done_callback(lambda f: handed_back.append(type(f.result().encoded).__name__))
+            return fut
 
     monkeypatch.setattr(client.cf, "ProcessPoolExecutor", CountingPool)
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
@@ -935,6 +937,8 @@ def test_check_processes_store_the_same_states_and_reject_what_the_threads_rejec
         assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
         assert all("plugin rejected it" in r["reason"] for r in out["rejected"])
         assert sorted(checked_there) == [f"s{i}" for i in range(len(LENGTHS))]
+        # the stored rows came back in files (the rejected samples with none), never through the pipe
+        assert sorted(set(handed_back)) == ["NoneType", "SpooledSample"]
         srv.server_info, srv.generate = info, gen
         again = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, check_procs=2

@@ -99,6 +99,26 @@ def test_add_stacked_stores_what_add_stores(tmp_path, dtype):
         assert (sa is None and sb is None) or torch.equal(sa, sb)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8", "fp32"])
+def test_a_spooled_sample_loads_back_whole_and_a_short_file_is_refused(tmp_path, dtype):
+    # a check process hands an encoded sample over in a file: what comes back is the same rows, scales and
+    # checksum, and what crosses between the processes is a few names and numbers, no tensor
+    w = StoreWriter(tmp_path / "s", spec(dtype))
+    sid, aux, fin = samples(1, seed=5)[0]
+    enc = w.encode(sid, torch.cat([aux, fin[:, None]], dim=1))
+    spooled = enc.spool(tmp_path / "rows.bin")
+    assert not any(isinstance(v, torch.Tensor) for v in vars(spooled).values())
+    back = spooled.load()
+    assert back.id == sid and back.digest == enc.digest and back.rows.dtype == enc.rows.dtype
+    assert torch.equal(back.rows.view(torch.uint8), enc.rows.view(torch.uint8))
+    assert (back.scale is None) == (dtype != "fp8") and (back.scale is None or torch.equal(back.scale, enc.scale))
+    size = (tmp_path / "rows.bin").stat().st_size
+    os.truncate(tmp_path / "rows.bin", size - 1)
+    with pytest.raises(EOFError, match=f"rows.bin: .* bytes of sample {sid}"):
+        spooled.load()
+    w.close()
+
+
 def test_bytes_per_token_fp8_halves_bf16(tmp_path):
     assert bytes_per_token("bf16", slots=4, hidden_size=4096) == 4 * 4096 * 2
     assert bytes_per_token("fp8", slots=4, hidden_size=4096) == 4 * 4096 + 16

@@ -483,9 +483,12 @@ def capture_one(
         )
         args = (str(plan.dump_dir / rid) if there else None, sample_id, input_ids.numpy(), meta_info)
         kw = {"layer_ids": list(layer_ids), "hidden_size": plan.hidden_size, "encode": encode}
-        checked = (
-            check_and_encode(*args, **kw) if checker is None else checker.submit(check_and_encode, *args, **kw).result()
-        )
+        if checker is None:
+            checked = check_and_encode(*args, **kw)
+        else:
+            checked = checker.submit(check_and_spool, *args, **kw).result()
+            if checked.encoded is not None:
+                checked = replace(checked, encoded=checked.encoded.load())
     finally:
         remove_dump(plan.dump_dir, rid)
     checked.seconds["dump"] += time.perf_counter() - t0 - sum(checked.seconds.values())  # the wait for it too
@@ -523,6 +526,23 @@ def check_and_encode(
         seconds=seconds,
         dump_dtype=dump.meta.get("dtype"),
         pieces=int(dump.meta.get("pieces", 0)),
+    )
+
+
+SPOOL_FILE = "rows.bin"
+"""A check process's encoded rows, left in the dump's directory (which the client deletes after reading it)."""
+
+
+def check_and_spool(path: str | None, sample_id: str, input_ids, meta_info: dict[str, Any], **kw) -> Outcome:
+    """`check_and_encode` in a check process: the encoded rows go back through a file beside the dump (on the
+    dump's tmpfs), not through the process pool's pipe, whose reads take the client's busy GIL many times a sample."""
+    out = check_and_encode(path, sample_id, input_ids, meta_info, **kw)
+    if out.encoded is None:
+        return out
+    t0 = time.perf_counter()
+    spooled = out.encoded.spool(os.path.join(path, SPOOL_FILE))
+    return replace(
+        out, encoded=spooled, seconds={**out.seconds, "encode": out.seconds["encode"] + time.perf_counter() - t0}
     )
 
 

@@ -175,6 +175,48 @@ class EncodedSample:
     scale: torch.Tensor | None
     digest: str
 
+    def spool(self, path: str | Path) -> SpooledSample:
+        """Write the rows, then the scales, to `path` (another process hands the sample over this way: through
+        a pipe, the receiver would take its GIL back once per pipe buffer, milliseconds each while it is busy)."""
+        with open(path, "wb") as f:
+            for part in _bytes_of(self.rows, self.scale):
+                if part is not None:
+                    f.write(part)
+        return SpooledSample(
+            self.id,
+            str(path),
+            tuple(self.rows.shape),
+            str(self.rows.dtype).removeprefix("torch."),
+            None if self.scale is None else tuple(self.scale.shape),
+            self.digest,
+        )
+
+
+@dataclass(frozen=True)
+class SpooledSample:
+    """An EncodedSample waiting in a file (`EncodedSample.spool`); `load` reads it back, whole, in one read."""
+
+    id: str
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
+    """The rows' torch dtype, by name."""
+    scale_shape: tuple[int, ...] | None
+    digest: str
+
+    def load(self) -> EncodedSample:
+        rows = torch.empty(self.shape, dtype=getattr(torch, self.dtype))
+        scale = None if self.scale_shape is None else torch.empty(self.scale_shape, dtype=torch.float32)
+        with open(self.path, "rb", buffering=0) as f:
+            for part in _bytes_of(rows, scale):
+                view, n = memoryview(part) if part is not None else memoryview(b""), 0
+                while n < len(view):
+                    got = f.readinto(view[n:])
+                    if not got:
+                        raise EOFError(f"{self.path}: {n} of {len(view)} bytes of sample {self.id}")
+                    n += got
+        return EncodedSample(self.id, rows, scale, self.digest)
+
 
 @dataclass(frozen=True)
 class SampleEncoder:
