@@ -18,9 +18,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
   wait       wait_for_dump of a dump written `--appear-ms` after the call: reports how late the client
              sees a dump that has appeared (ms), i.e. its polling or notification delay
   handoff_pipe_busyN, handoff_spool_busyN
-             --handoff-samples dumps read, checked and encoded in check processes (--sglang-check-procs), the
-             rows handed back through the process pool's pipe and through a file beside the dump (what the
-             client does), while N threads of this process run Python (the client's busy GIL)
+             --handoff-samples dumps read, checked and encoded in other processes, the rows handed back through
+             the process pool's pipe and through a file beside the dump (how --sglang-procs workers hand them
+             to the storing process), while N threads of this process run Python (the client's busy GIL)
   check      check_sample on a read dump (ids, positions, lengths, layers, finiteness)
   remove     remove_dump
   answer, answer_whole
@@ -48,7 +48,7 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              writing) falling behind; near 1, the live gap is the engine's. Both arms send --model-bypass
              (logprob, as on a live SGLang 0.5.17 server: the answers list every prompt token's logprob);
              --model-client current,whole,readinto,procs measures this tree's client, one parsing the
-             answers whole, one reading the dumps with readinto and one with check processes (CLIENTS), in
+             answers whole, one reading the dumps with readinto and one with worker processes (CLIENTS), in
              turn, in the same run
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
@@ -186,14 +186,25 @@ def spin(stop: threading.Event) -> None:
         [i * i for i in range(1000)]
 
 
+def check_and_spool(path: str, sample_id: str, input_ids, meta_info: dict, **kw):
+    """check_and_encode, its rows then handed back in a file beside the dump (EncodedSample.spool), as the
+    capture's worker processes (--sglang-procs) hand theirs to the storing process."""
+    from dataclasses import replace
+
+    from eyas.sglang.client import check_and_encode
+
+    out = check_and_encode(path, sample_id, input_ids, meta_info, **kw)
+    return out if out.encoded is None else replace(out, encoded=out.encoded.spool(os.path.join(path, "rows.bin")))
+
+
 def handoff(a, dump_dir: Path, rids: list[str], lengths: list[int], results: dict, flip: bool) -> None:
-    """--handoff-samples dumps read, checked and encoded in --handoff-procs check processes, their rows coming
-    back through the process pool's pipe (check_and_encode: before the spool) and through a file beside the dump
-    (check_and_spool, what the client runs), with 0 and 1 threads of this process holding the GIL meanwhile."""
+    """--handoff-samples dumps read, checked and encoded in --handoff-procs processes, their rows coming back
+    through the process pool's pipe (check_and_encode) and through a file beside the dump (check_and_spool, the
+    way the capture's workers hand samples over), with 0 and 1 threads of this process holding the GIL."""
     import concurrent.futures as cf
     import multiprocessing
 
-    from eyas.sglang.client import check_and_encode, check_and_spool
+    from eyas.sglang.client import check_and_encode
     from eyas.store.writer import SampleEncoder, StoreSpec
 
     n = min(a.handoff_samples, len(rids))
@@ -591,7 +602,7 @@ CLIENTS = ("current", "whole", "readinto", "procs")
 """--model-client: this tree's client; `whole`: the same with /generate's answers parsed whole (the client
 before parse_answer cut out the logprob lists); `readinto`: the same with each dump read by `read_into`
 instead of the safetensors package (a candidate, not the product's path); `procs`: this tree's client with
---model-check-procs processes reading, checking and encoding the dumps (`eyas capture --sglang-check-procs`)."""
+--model-procs worker processes sending, reading, checking and encoding (`eyas capture --sglang-procs`)."""
 
 
 def read_into(path) -> dict[str, torch.Tensor]:
@@ -695,7 +706,7 @@ def run_model(
                         concurrency=c,
                         calibrate=0,
                         cache_bypass=bypass,
-                        check_procs=a.model_check_procs if variant == "procs" else 0,
+                        procs=a.model_procs if variant == "procs" else 0,
                     )
                 cpu_s = time.process_time() - cpu0
                 assert out["captured"] == len(lengths) and out["rejected_count"] == 0, out["rejected"][:3]
@@ -707,6 +718,8 @@ def run_model(
                     seconds=out["loop_s"],
                     cpu_s=cpu_s,
                     vs_prefill=ratio,
+                    in_flight=out.get("in_flight_mean"),  # requests at the server on average, of c
+                    gate_s=out["seconds_summed"].get("gate"),  # summed waits for a slot: ~0, none was waiting
                 )
                 results.setdefault("model_ratios", {}).setdefault(name, []).append(ratio)
     finally:
@@ -769,7 +782,7 @@ def main() -> None:
         help="gil stages: Python steps between the scheduler thread's torch calls (0: none), comma-separated",
     )
     ap.add_argument("--handoff-samples", type=int, default=64, help="handoff stages: dumps handed over (0: skip)")
-    ap.add_argument("--handoff-procs", type=int, default=2, help="handoff stages: check processes")
+    ap.add_argument("--handoff-procs", type=int, default=2, help="handoff stages: processes checking the dumps")
     ap.add_argument("--model-rate", type=float, default=0.0, help="model stage: the server's tokens/s (0: skip)")
     ap.add_argument("--model-fixed-ms", type=float, default=5.0, help="model stage: each forward's fixed cost")
     ap.add_argument(
@@ -786,7 +799,7 @@ def main() -> None:
         help="model stage: the radix-cache bypass both arms send (logprob: what SGLang 0.5.17 servers get, whose "
         "answers then list every prompt token's logprob)",
     )
-    ap.add_argument("--model-check-procs", type=int, default=4, help="model stage: check processes of `procs`")
+    ap.add_argument("--model-procs", type=int, default=4, help="model stage: worker processes of `procs`")
     ap.add_argument(
         "--model-client",
         type=lambda v: [x for x in v.split(",") if x],

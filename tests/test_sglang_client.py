@@ -11,6 +11,7 @@ import contextlib
 import functools
 import http.server
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -909,43 +910,84 @@ def test_the_logprob_bypass_answer_carries_sglangs_lists_and_the_capture_reads_p
     assert meta["input_token_logprobs"] is None and meta["prompt_tokens"] == 30 and meta["cached_tokens"] == 0
 
 
-def test_check_processes_store_the_same_states_and_reject_what_the_threads_reject(
+def spools() -> list[Path]:
+    """The capture workers' spool directories there are (--sglang-procs)."""
+    import tempfile
+
+    return sorted(Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir()).glob("eyas-spool-*"))
+
+
+def test_capture_processes_store_the_same_states_and_reject_what_one_process_rejects(
     tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch
 ):
-    # --sglang-check-procs: the dumps read, checked and encoded in other processes; the store must be the
+    # --sglang-procs: worker processes send, read, check and encode, this one stores; the store must be the
     # reference's, and a sample the checks refuse must be refused there too (here the plugin's rejection of a
     # prompt served from a prefix, which only the dump can tell)
-    import concurrent.futures as cf
-
     import eyas.sglang.client as client
 
-    checked_there, handed_back = [], []
+    class NoSender:  # this process must send nothing: the spawned workers import their own, unpatched
+        def __init__(self, **kw):
+            raise AssertionError("the parent process sent the samples itself")
 
-    class CountingPool(cf.ProcessPoolExecutor):  # every sample's check must go to the processes
-        def submit(self, fn, *args, **kw):
-            checked_there.append(args[1])
-            fut = super().submit(fn, *args, **kw)
-            fut.add_done_callback(lambda f: handed_back.append(type(f.result().encoded).__name__))
-            return fut
-
-    monkeypatch.setattr(client.cf, "ProcessPoolExecutor", CountingPool)
+    monkeypatch.setattr(client, "_Sender", NoSender)
+    before = spools()
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
         info, gen = hide_the_prefix_cache(srv)
         out = capture_from_sglang(
-            [srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1, check_procs=2, calibrate=0
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=3, procs=2, calibrate=0
         )
         assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
         assert all("plugin rejected it" in r["reason"] for r in out["rejected"])
-        assert sorted(checked_there) == [f"s{i}" for i in range(len(LENGTHS))]
-        # the stored rows came back in files (the rejected samples with none), never through the pipe
-        assert sorted(set(handed_back)) == ["NoneType", "SpooledSample"]
+        assert out["captured"] == len(LENGTHS) - 2 and out["memory"]["peak_bytes"] > 0
         srv.server_info, srv.generate = info, gen
         again = capture_from_sglang(
-            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, check_procs=2
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, procs=2
         )
     assert again["captured"] == 2 and again["store_complete"] and again["rejected_count"] == 0
     assert sorted(again["seconds_summed"]) == ["check", "dump", "encode", "gate", "ingest", "request"]
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
-    assert list((tmp_path / "dumps").iterdir()) == []
-    with pytest.raises(EyasError, match="--sglang-check-procs"):
-        capture_from_sglang([srv.url], prepared, "train", tmp_path / "s2", LAYERS, check_procs=-1)
+    assert list((tmp_path / "dumps").iterdir()) == [] and spools() == before  # no dump or spooled rows left
+    with pytest.raises(EyasError, match="--sglang-procs"):
+        capture_from_sglang([srv.url], prepared, "train", tmp_path / "s2", LAYERS, procs=-1)
+
+
+def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target_dir, tmp_path):
+    # a worker process that cannot go on (here: its prepared split is not there) stops the capture with its
+    # reason, and neither the workers nor the spool directory outlive it
+    import multiprocessing
+    import types
+
+    from eyas.sglang import client
+
+    before = spools()
+    with serve(tiny_target_dir, tmp_path) as srv:
+        plans, layer_ids, _ = client._reach_servers(
+            [srv.url],
+            LAYERS,
+            torch.arange(100, 116),
+            job="j",
+            laps=client._Laps(0.0),
+            cache_bypass="auto",
+            dump_dir=None,
+            probe_kw={"dump_wait_s": 5.0, "max_retries": 0, "backoff_s": 0.1},
+        )
+        with pytest.raises(RuntimeError, match=r"capture worker \d: .*no-such-prepared"):
+            client._capture_in_procs(
+                plans,
+                (str(tmp_path / "no-such-prepared"), "train"),
+                [0, 1, 2],
+                types.SimpleNamespace(encoder=lambda: None),  # the store's writer: not reached
+                None,
+                None,
+                procs=2,
+                concurrency=2,
+                budget=client.StateBudget(1 << 20),
+                row_bytes=1,
+                rid_tag="t",
+                layer_ids=layer_ids,
+                max_retries=0,
+                backoff_s=0.1,
+                request_timeout_s=5.0,
+                dump_wait_s=5.0,
+            )
+    assert multiprocessing.active_children() == [] and spools() == before

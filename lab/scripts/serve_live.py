@@ -37,8 +37,8 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
 capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt);
 and the capture's client (`client-gil`: only the thread holding its GIL, so a busy share is the GIL's).
-`--no-plain` skips the prefill without bypass (not part of the ratio); `--check-procs 0,4` gives the main
-capture `--sglang-check-procs 0`, then measures a prefill and a capture with 4 (keys `..._c16_p4`), and runs every
+`--no-plain` skips the prefill without bypass (not part of the ratio); `--procs 0,4` gives the main
+capture `--sglang-procs 0`, then measures a prefill and a capture with 4 (keys `..._c16_p4`), and runs every
 `--also-concurrency` pair with each.
 The last staging call can start both jobs, each from its own copy (`store` waits for the install):
     python3 lab/scripts/sglang_live.py receive; R=/root/eyas-stage/repo2; (copy to $R, .stage too; cd $R &&
@@ -919,12 +919,12 @@ def store_run(a) -> None:
                 lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
             )
 
-        def capture(out_dir: Path, limit: int, concurrency: int, key: str, procs: int = a.check_procs[0]):
+        def capture(out_dir: Path, limit: int, concurrency: int, key: str, procs: int = a.procs[0]):
             shutil.rmtree(out_dir, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
             t0 = time.time()
             args = ["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train"]
             args += ["--out", out_dir, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda"]
-            args += ["--sglang-check-procs", str(procs)] if procs else []
+            args += ["--sglang-procs", str(procs)] if procs else []
             out = eyas([*args, "--limit", str(limit), "--sglang-concurrency", str(concurrency)], key)
             R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
@@ -943,11 +943,11 @@ def store_run(a) -> None:
         R["prefill_same_bypass_after"] = step(
             "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c)
         )
-        # the same pair with each other --check-procs, then at more requests in flight with each, into stores
+        # the same pair with each other --procs, then at more requests in flight with each, into stores
         # thrown away
-        pairs = [(c, p) for p in a.check_procs[1:]] + [(n, p) for n in a.also_concurrency for p in a.check_procs]
+        pairs = [(c, p) for p in a.procs[1:]] + [(n, p) for n in a.also_concurrency for p in a.procs]
         for n, p in pairs:
-            name = f"c{n}" + (f"_p{p}" if len(a.check_procs) > 1 else "")
+            name = f"c{n}" + (f"_p{p}" if len(a.procs) > 1 else "")
             pre_n = step(
                 f"prefill at {n} in flight ({name})",
                 lambda n=n: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=n),
@@ -1182,10 +1182,10 @@ def main() -> None:
     st.add_argument("--prefill-samples", type=int, default=3000)
     st.add_argument("--no-plain", action="store_true", help="skip the prefill without bypass (not in the ratio)")
     st.add_argument(
-        "--check-procs",
+        "--procs",
         type=lambda v: [int(x) for x in v.split(",")],
         default=[0],
-        help="the captures' --sglang-check-procs, comma-separated: the first for the main capture, each other for "
+        help="the captures' --sglang-procs, comma-separated: the first for the main capture, each other for "
         "a capture of --prefill-samples beside its own prefill; every --also-concurrency pair is run with each",
     )
     st.add_argument(

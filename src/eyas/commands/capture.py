@@ -47,10 +47,10 @@ def capture(
         "is sent when its states fit; a disk slower than the servers then waits instead of filling memory); "
         "default: an eighth of this machine's memory.",
     ),
-    sglang_check_procs: int = typer.Option(
+    sglang_procs: int = typer.Option(
         0,
-        help="sglang: processes that read, check and encode the dumps (0: this process's request threads do; "
-        "more leave this process's GIL to sending and storing, for servers faster than one process can check).",
+        help="sglang: processes that share the requests and read, check and encode their dumps, while this one "
+        "only stores (0: this process does it all; more, for servers faster than one Python process can keep fed).",
     ),
 ) -> dict:
     """Capture the target's aux and final hidden states for every sample of a prepared split."""
@@ -72,8 +72,8 @@ def capture(
                 raise EyasError(f"{name} must be >= {1 if name == '--sglang-concurrency' else 0}, got {value}")
         if sglang_memory_gb is not None and not sglang_memory_gb > 0:  # NaN too
             raise EyasError(f"--sglang-memory-gb must be > 0, got {sglang_memory_gb}")
-        if sglang_check_procs < 0:
-            raise EyasError(f"--sglang-check-procs must be >= 0, got {sglang_check_procs}")
+        if sglang_procs < 0:
+            raise EyasError(f"--sglang-procs must be >= 0, got {sglang_procs}")
         from eyas.sglang.client import capture_from_sglang
 
         return capture_from_sglang(
@@ -94,7 +94,7 @@ def capture(
             calibrate=cfg.sglang_calibrate,
             device=cfg.device,
             memory_bytes=None if sglang_memory_gb is None else int(sglang_memory_gb * 2**30),
-            check_procs=sglang_check_procs,
+            procs=sglang_procs,
         )
     if backend != "transformers":
         raise EyasError(f"--backend: `{backend}`; choose transformers or sglang")

@@ -431,14 +431,12 @@ def capture_one(
     sleep=time.sleep,
     gate=None,
     encode=None,
-    checker=None,
 ) -> Outcome:
     """Send one sample (retrying transient HTTP errors), then read, check and delete its dump.
 
     `gate` (a semaphore) is held only while the request is at the server: waiting for the dump,
     reading and checking it leave the slot to the next sample. `encode` (the store writer's) turns a
-    verified sample into the stored rows and their checksum; `checker` (a process pool) reads, checks and
-    encodes in another process, else this request thread does (`check_and_encode`)."""
+    verified sample into the stored rows and their checksum (`check_and_encode`)."""
     L = int(input_ids.shape[0])
     retries = 0
     seconds = {"gate": 0.0, "request": 0.0, "dump": 0.0, "check": 0.0}
@@ -483,12 +481,7 @@ def capture_one(
         )
         args = (str(plan.dump_dir / rid) if there else None, sample_id, input_ids.numpy(), meta_info)
         kw = {"layer_ids": list(layer_ids), "hidden_size": plan.hidden_size, "encode": encode}
-        if checker is None:
-            checked = check_and_encode(*args, **kw)
-        else:
-            checked = checker.submit(check_and_spool, *args, **kw).result()
-            if checked.encoded is not None:
-                checked = replace(checked, encoded=checked.encoded.load())
+        checked = check_and_encode(*args, **kw)
     finally:
         remove_dump(plan.dump_dir, rid)
     checked.seconds["dump"] += time.perf_counter() - t0 - sum(checked.seconds.values())  # the wait for it too
@@ -499,8 +492,7 @@ def check_and_encode(
     path: str | None, sample_id: str, input_ids, meta_info: dict[str, Any], *, layer_ids, hidden_size, encode
 ) -> Outcome:
     """Read a sample's dump (`path` None: none appeared), check it, stack its states as the store keeps them and
-    encode them (`encode` None: left stacked). On a request thread, or in a check process (--sglang-check-procs:
-    the client's GIL then only sends and stores)."""
+    encode them (`encode` None: left stacked), on the request thread that sent it."""
     input_ids = torch.as_tensor(input_ids)
     L = int(input_ids.shape[0])
     t0 = time.perf_counter()
@@ -526,23 +518,6 @@ def check_and_encode(
         seconds=seconds,
         dump_dtype=dump.meta.get("dtype"),
         pieces=int(dump.meta.get("pieces", 0)),
-    )
-
-
-SPOOL_FILE = "rows.bin"
-"""A check process's encoded rows, left in the dump's directory (which the client deletes after reading it)."""
-
-
-def check_and_spool(path: str | None, sample_id: str, input_ids, meta_info: dict[str, Any], **kw) -> Outcome:
-    """`check_and_encode` in a check process: the encoded rows go back through a file beside the dump (on the
-    dump's tmpfs), not through the process pool's pipe, whose reads take the client's busy GIL many times a sample."""
-    out = check_and_encode(path, sample_id, input_ids, meta_info, **kw)
-    if out.encoded is None:
-        return out
-    t0 = time.perf_counter()
-    spooled = out.encoded.spool(os.path.join(path, SPOOL_FILE))
-    return replace(
-        out, encoded=spooled, seconds={**out.seconds, "encode": out.seconds["encode"] + time.perf_counter() - t0}
     )
 
 
@@ -724,7 +699,7 @@ def capture_from_sglang(
     calibrate: int = 8,
     device: str = "cpu",
     memory_bytes: int | None = None,
-    check_procs: int = 0,
+    procs: int = 0,
 ) -> dict[str, Any]:
     """Capture `split` of a prepared dataset from SGLang servers into the store at `out_store`.
 
@@ -733,9 +708,8 @@ def capture_from_sglang(
     `eyas verify` needs for its numbers check; with it, `calibrate` stored samples are then recomputed
     with verify's reference on `device` and the engine's errors recorded in the manifest
     (`engine_numerics`, eyas.store.numerics), which set verify's limits for this store; a calibration
-    that verify would refuse (the engine disagrees with the reference) raises CheckFailed once the
-    store is closed. `memory_bytes` bounds the states held (StateBudget; default: an eighth of this machine's
-    memory). `check_procs`: see _capture_loop. Returns the summary dict (rejected samples listed)."""
+    that verify would refuse raises CheckFailed once the store is closed. `memory_bytes` bounds the states
+    held (StateBudget; default: an eighth of this machine's memory). `procs`: see _capture_loop."""
     from eyas.data.prepared import PreparedDataset
 
     _check_capture_options(
@@ -745,7 +719,7 @@ def capture_from_sglang(
         dump_wait_s=dump_wait_s,
         request_timeout_s=request_timeout_s,
         memory_bytes=memory_bytes,
-        check_procs=check_procs,
+        procs=procs,
     )
     t0 = time.time()
     setup = _Laps(t0)
@@ -810,7 +784,8 @@ def capture_from_sglang(
             backoff_s=backoff_s,
             request_timeout_s=request_timeout_s,
             dump_wait_s=dump_wait_s,
-            check_procs=check_procs,
+            procs=procs,
+            source=(str(prepared), split),
         )
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
@@ -830,8 +805,7 @@ def capture_from_sglang(
         torch.set_num_threads(intra_op)  # the request threads' setting is process-wide for new threads
         bar.close()
         t_close = time.time()
-        for ddir in _dump_dirs(plans):
-            remove_stale_dumps(ddir, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
+        _remove_job_dumps(plans, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
         complete = ok and (not tally.rejected or mark_complete_with_rejections)
         manifest = writer.close(complete=complete)  # commits verified samples even after an error
         phases["close"] = time.time() - t_close
@@ -852,53 +826,207 @@ def capture_from_sglang(
         calibration=calibration,
         memory={"limit_bytes": budget.limit, "peak_bytes": budget.peak},
     )
+    _refuse_disagreeing_engine(calibration, out_store, plans[0].url, summary)
+    return summary
+
+
+def _refuse_disagreeing_engine(calibration: dict[str, Any], out_store, url: str, summary: dict[str, Any]) -> None:
+    """CheckFailed (with the summary) when the calibration found the engine's numbers off the reference."""
     if calibration.get("problem"):
         from eyas.errors import CheckFailed
 
         raise CheckFailed(
             f"store {out_store}: the engine's numbers disagree with the reference: {calibration['problem']}; "
-            f"check the server (`eyas verify-server --url {plans[0].url} --target ...`)",
+            f"check the server (`eyas verify-server --url {url} --target ...`)",
             summary,
         )
-    return summary
 
 
 def _capture_loop(
-    plans, split, todo, writer, tally, bar, *, concurrency: int, budget, row_bytes: int, check_procs: int, **request_kw
+    plans,
+    split,
+    todo,
+    writer,
+    tally,
+    bar,
+    *,
+    concurrency: int,
+    budget,
+    row_bytes: int,
+    procs: int,
+    source,
+    **request_kw,
 ):
     """Send every sample of `todo` and store each verified one. `concurrency` requests at each server (its
     gate); as many more samples again are being read and checked, or wait for a slot, so that a server
-    never waits for this process to read a dump. `check_procs` > 0: that many processes read, check and
-    encode the dumps. `request_kw`: _Sender's request settings."""
-    gates = [threading.BoundedSemaphore(concurrency) for _ in plans]
-    queued = 2 * concurrency * len(plans)
-    # one intra-op thread per request thread (or check process): each checks and encodes a sample at a time,
-    # and torch's own thread team per thread would oversubscribe the cores many times over
-    with contextlib.ExitStack() as stack:
-        pool = stack.enter_context(
-            cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,))
+    never waits for this process to read a dump. `procs` > 0: that many processes (`_capture_worker`, on the
+    prepared split `source` = (path, split name)) share the samples and the slots, and this process only
+    stores. `request_kw`: _Sender's request settings."""
+    if procs:
+        return _capture_in_procs(
+            plans,
+            source,
+            todo,
+            writer,
+            tally,
+            bar,
+            procs=procs,
+            concurrency=concurrency,
+            budget=budget,
+            row_bytes=row_bytes,
+            **request_kw,
         )
-        checker = None
-        if check_procs:
-            import multiprocessing
-
-            ctx = multiprocessing.get_context("spawn")  # a forked copy of a threaded process can deadlock
-            checker = stack.enter_context(
-                cf.ProcessPoolExecutor(check_procs, mp_context=ctx, initializer=torch.set_num_threads, initargs=(1,))
-            )
+    queued = 2 * concurrency * len(plans)
+    # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's own
+    # thread team per thread would oversubscribe the cores many times over
+    with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
         sender = _Sender(
             pool=pool,
             plans=plans,
-            gates=gates,
+            gates=[threading.BoundedSemaphore(concurrency) for _ in plans],
             split=split,
             todo=iter(todo),
-            encode=writer.encoder(),  # picklable: the same on a request thread and in a check process
-            checker=checker,
+            encode=writer.encoder(),
             budget=budget,
             row_bytes=row_bytes,
             **request_kw,
         )
         _send_and_ingest(sender, writer, tally, bar, queued=queued)
+
+
+@dataclass(frozen=True)
+class _WorkerEnd:
+    """A capture worker's last message: None, or the error that ended it; the most bytes of states it held."""
+
+    worker: int
+    error: str | None
+    peak_bytes: int = 0
+
+
+class _Spooler:
+    """A capture worker's tally: each outcome goes to the parent, its rows in a file (`EncodedSample.spool`: a
+    pipe would take the parent's GIL once per pipe buffer). The bounded queue holds the worker back when the
+    parent's store is slower than the servers."""
+
+    def __init__(self, results, spool_dir: str):
+        self.results, self.spool_dir, self.n = results, spool_dir, 0
+
+    def ingest(self, res: Outcome, writer) -> None:
+        if res.encoded is not None:
+            self.n += 1
+            res = replace(res, encoded=res.encoded.spool(os.path.join(self.spool_dir, f"{os.getpid()}-{self.n}")))
+        self.results.put(res)
+
+    def update(self, n: int) -> None:  # the progress bar's part: the parent counts
+        pass
+
+
+def _capture_worker(
+    k: int,
+    plans,
+    source,
+    todo,
+    *,
+    concurrency: int,
+    memory_bytes: int,
+    row_bytes: int,
+    encode,
+    spool_dir,
+    results,
+    **request_kw,
+) -> None:
+    """One of --sglang-procs processes: sends its share of the samples through its share of each server's slots,
+    reads, checks and encodes their dumps, and hands every outcome to the parent (`_Spooler`)."""
+    budget = StateBudget(memory_bytes)
+    try:
+        from eyas.data.prepared import PreparedDataset
+
+        torch.set_num_threads(1)
+        split = PreparedDataset(source[0]).split(source[1])
+        queued = 2 * concurrency * len(plans)
+        spooler = _Spooler(results, spool_dir)
+        with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+            sender = _Sender(
+                pool=pool,
+                plans=plans,
+                gates=[threading.BoundedSemaphore(concurrency) for _ in plans],
+                split=split,
+                todo=iter(todo),
+                encode=encode,
+                budget=budget,
+                row_bytes=row_bytes,
+                **request_kw,
+            )
+            _send_and_ingest(sender, None, spooler, spooler, queued=queued)
+        results.put(_WorkerEnd(k, None, budget.peak))
+    except BaseException as exc:  # the parent raises it
+        results.put(_WorkerEnd(k, f"{type(exc).__name__}: {exc}", budget.peak))
+
+
+def _capture_in_procs(
+    plans, source, todo, writer, tally, bar, *, procs: int, concurrency: int, budget, row_bytes: int, **request_kw
+) -> None:
+    """_capture_loop with `procs` worker processes (at most `concurrency`), each with an equal share of the
+    samples, of each server's slots and of the memory budget; this process loads each spooled sample and
+    stores it. The spool is a directory of this run's own on /dev/shm (else the temp dir), removed at the end."""
+    import multiprocessing
+    import tempfile
+
+    n = min(procs, concurrency)
+    ctx = multiprocessing.get_context("spawn")  # a forked copy of a threaded process can deadlock
+    results = ctx.Queue(maxsize=2 * concurrency * len(plans))
+    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    spool_dir = tempfile.mkdtemp(prefix="eyas-spool-", dir=shm)
+    workers = [
+        ctx.Process(
+            target=_capture_worker,
+            args=(k, plans, source, todo[k::n]),
+            kwargs={
+                "concurrency": concurrency // n + (k < concurrency % n),
+                "memory_bytes": max(budget.limit // n, 1),
+                "row_bytes": row_bytes,
+                "encode": writer.encoder(),
+                "spool_dir": spool_dir,
+                "results": results,
+                **request_kw,
+            },
+            daemon=True,
+            name=f"eyas-capture-{k}",
+        )
+        for k in range(n)
+    ]
+    try:
+        for w in workers:
+            w.start()
+        running = set(range(n))
+        while running:
+            try:
+                item = results.get(timeout=5.0)
+            except queue.Empty:
+                if dead := [k for k in running if not workers[k].is_alive() and results.empty()]:
+                    raise RuntimeError(
+                        f"capture worker {dead[0]} ended without a word (exit {workers[dead[0]].exitcode})"
+                    ) from None
+                continue
+            if isinstance(item, _WorkerEnd):
+                if item.error is not None:
+                    raise RuntimeError(f"capture worker {item.worker}: {item.error}")
+                running.discard(item.worker)
+                budget.peak += item.peak_bytes  # the workers' peaks summed: at most what was held at once
+                continue
+            if item.encoded is not None:
+                spooled = item.encoded
+                item = replace(item, encoded=spooled.load())
+                os.unlink(spooled.path)
+            tally.ingest(item, writer)
+            bar.update(item.tokens)
+    finally:
+        for w in workers:
+            if w.is_alive():
+                w.terminate()  # after an error: its requests end with it, its dumps are removed as stale
+        for w in workers:
+            w.join(timeout=30)
+        shutil.rmtree(spool_dir, ignore_errors=True)
 
 
 def _check_capture_options(
@@ -909,7 +1037,7 @@ def _check_capture_options(
     dump_wait_s: float,
     request_timeout_s: float,
     memory_bytes: int | None = None,
-    check_procs: int = 0,
+    procs: int = 0,
 ) -> None:
     """Refuse capture_from_sglang's options that cannot work, before anything is read or sent."""
     if not urls:
@@ -924,8 +1052,8 @@ def _check_capture_options(
         )
     if memory_bytes is not None and memory_bytes <= 0:
         raise EyasError(f"--sglang-memory-gb: {memory_bytes / 2**30:g} GiB, expected > 0")
-    if check_procs < 0:
-        raise EyasError(f"--sglang-check-procs: {check_procs}, expected >= 0")
+    if procs < 0:
+        raise EyasError(f"--sglang-procs: {procs}, expected >= 0")
 
 
 def _preflight_servers(
@@ -965,6 +1093,11 @@ def _reach_servers(
     probes = _probe_servers(plans, first, layer_ids=layer_ids, job=job, **probe_kw)
     laps.lap("probe")
     return plans, layer_ids, probes
+
+
+def _remove_job_dumps(plans: Sequence[ServerPlan], job: str) -> None:
+    for ddir in _dump_dirs(plans):
+        remove_stale_dumps(ddir, job)
 
 
 def _dump_dirs(plans: Sequence[ServerPlan]) -> list[Path]:
@@ -1119,9 +1252,7 @@ class _Sender:
     row_bytes: int
     """A token's states in bytes (the budget's unit)."""
     encode: Any = None
-    """The store writer's SampleEncoder, run on the request threads or in `checker`."""
-    checker: Any = None
-    """A process pool that reads, checks and encodes the dumps (None: the request threads do)."""
+    """The store writer's SampleEncoder, run on the request threads."""
     futures: dict[cf.Future, tuple[int, int]] = field(default_factory=dict)
     """Future -> (index of its server, the bytes it took from the budget)."""
     load: list[int] = field(init=False)
@@ -1161,7 +1292,6 @@ class _Sender:
                 dump_wait_s=self.dump_wait_s,
                 gate=self.gates[k],
                 encode=self.encode,
-                checker=self.checker,
             )
         ] = (k, nbytes)
         self.load[k] += 1
