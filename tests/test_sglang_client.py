@@ -951,9 +951,9 @@ def test_capture_processes_store_the_same_states_and_reject_what_one_process_rej
         capture_from_sglang([srv.url], prepared, "train", tmp_path / "s2", LAYERS, procs=-1)
 
 
-def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target_dir, tmp_path):
+def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target_dir, prepared, tmp_path, monkeypatch):
     # a worker process that cannot go on (here: its prepared split is not there) stops the capture with its
-    # reason, and neither the workers nor the spool directory outlive it
+    # reason; and a set-up that fails after the workers started ends them: neither they nor the spool outlive it
     import multiprocessing
     import types
 
@@ -971,23 +971,40 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
             dump_dir=None,
             probe_kw={"dump_wait_s": 5.0, "max_retries": 0, "backoff_s": 0.1},
         )
-        with pytest.raises(RuntimeError, match=r"capture worker \d: .*no-such-prepared"):
-            client._capture_in_procs(
-                plans,
-                (str(tmp_path / "no-such-prepared"), "train"),
-                [0, 1, 2],
-                types.SimpleNamespace(encoder=lambda: None),  # the store's writer: not reached
-                None,
-                None,
-                procs=2,
-                concurrency=2,
-                budget=client.StateBudget(1 << 20),
-                row_bytes=1,
-                rid_tag="t",
-                layer_ids=layer_ids,
-                max_retries=0,
-                backoff_s=0.1,
-                request_timeout_s=5.0,
-                dump_wait_s=5.0,
-            )
-    assert multiprocessing.active_children() == [] and spools() == before
+        workers = client._Workers(2, 8)
+        try:
+            with pytest.raises(RuntimeError, match=r"capture worker \d: .*no-such-prepared"):
+                workers.run(
+                    plans,
+                    (str(tmp_path / "no-such-prepared"), "train"),
+                    [0, 1, 2],
+                    types.SimpleNamespace(encoder=lambda: None),  # the store's writer: not reached
+                    None,
+                    None,
+                    concurrency=2,
+                    budget=client.StateBudget(1 << 20),
+                    row_bytes=1,
+                    rid_tag="t",
+                    layer_ids=layer_ids,
+                    max_retries=0,
+                    backoff_s=0.1,
+                    request_timeout_s=5.0,
+                    dump_wait_s=5.0,
+                )
+        finally:
+            workers.close()
+        assert multiprocessing.active_children() == [] and spools() == before
+        started = []
+
+        class Counted(client._Workers):
+            def __init__(self, *a):
+                super().__init__(*a)
+                started.append(len(self.procs))
+
+        monkeypatch.setattr(client, "_Workers", Counted)
+        (tmp_path / "taken").mkdir()
+        (tmp_path / "taken" / "notes.txt").write_text("not a store")
+        with pytest.raises(EyasError, match="taken"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "taken", LAYERS, procs=2)
+    assert started == [2] and multiprocessing.active_children() == [] and spools() == before
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "not a store"

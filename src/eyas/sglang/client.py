@@ -739,25 +739,22 @@ def capture_from_sglang(
         dump_dir=dump_dir,
         probe_kw={"dump_wait_s": dump_wait_s, "max_retries": max_retries, "backoff_s": backoff_s},
     )
-    writer, target = _open_capture_store(
-        Path(out_store),
-        ds,
-        plans,
-        probes,
-        split=split,
-        layer_ids=layer_ids,
-        dtype=dtype,
-        target=target,
-        limit=limit,
-        laps=setup,
-    )
-    done_ids = writer.committed_ids
-    todo = [i for i in range(n_total) if sp.ids[i] not in done_ids]
-    log(
-        f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
-        f"({n_total - len(todo)} already in {out_store}); layers {layer_ids} ({CONVENTION}), "
-        f"bypass {[p.bypass for p in plans]}"
-    )
+    # started now, the workers' imports pass beside the store's opening; a failure before the loop ends them
+    workers = _Workers(min(procs, concurrency), 2 * concurrency * len(plans)) if procs else None
+    with _closed_on_error(workers):
+        writer, target = _open_capture_store(
+            Path(out_store),
+            ds,
+            plans,
+            probes,
+            split=split,
+            layer_ids=layer_ids,
+            dtype=dtype,
+            target=target,
+            limit=limit,
+            laps=setup,
+        )
+        todo = _samples_to_capture(sp, n_total, writer, plans, layer_ids)
 
     tally = _Tally(retries=sum(p.retries for p in probes))
     budget = StateBudget(memory_bytes if memory_bytes is not None else default_memory_bytes())
@@ -784,7 +781,7 @@ def capture_from_sglang(
             backoff_s=backoff_s,
             request_timeout_s=request_timeout_s,
             dump_wait_s=dump_wait_s,
-            procs=procs,
+            workers=workers,
             source=(str(prepared), split),
         )
         loop_s = time.time() - loop_t0
@@ -804,6 +801,8 @@ def capture_from_sglang(
     finally:
         torch.set_num_threads(intra_op)  # the request threads' setting is process-wide for new threads
         bar.close()
+        if workers is not None:
+            workers.close()
         t_close = time.time()
         _remove_job_dumps(plans, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
         complete = ok and (not tally.rejected or mark_complete_with_rejections)
@@ -830,6 +829,18 @@ def capture_from_sglang(
     return summary
 
 
+def _samples_to_capture(split, n_total: int, writer, plans: Sequence[ServerPlan], layer_ids) -> list[int]:
+    """The indices of the samples of `split` (its first `n_total`) the store does not hold yet, said in the log."""
+    done_ids = writer.committed_ids
+    todo = [i for i in range(n_total) if split.ids[i] not in done_ids]
+    log(
+        f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
+        f"({n_total - len(todo)} already in {writer.path}); layers {layer_ids} ({CONVENTION}), "
+        f"bypass {[p.bypass for p in plans]}"
+    )
+    return todo
+
+
 def _refuse_disagreeing_engine(calibration: dict[str, Any], out_store, url: str, summary: dict[str, Any]) -> None:
     """CheckFailed (with the summary) when the calibration found the engine's numbers off the reference."""
     if calibration.get("problem"):
@@ -843,34 +854,21 @@ def _refuse_disagreeing_engine(calibration: dict[str, Any], out_store, url: str,
 
 
 def _capture_loop(
-    plans,
-    split,
-    todo,
-    writer,
-    tally,
-    bar,
-    *,
-    concurrency: int,
-    budget,
-    row_bytes: int,
-    procs: int,
-    source,
-    **request_kw,
+    plans, split, todo, writer, tally, bar, *, concurrency: int, budget, row_bytes: int, workers, source, **request_kw
 ):
     """Send every sample of `todo` and store each verified one. `concurrency` requests at each server (its
     gate); as many more samples again are being read and checked, or wait for a slot, so that a server
-    never waits for this process to read a dump. `procs` > 0: that many processes (`_capture_worker`, on the
-    prepared split `source` = (path, split name)) share the samples and the slots, and this process only
+    never waits for this process to read a dump. With `workers` (_Workers, --sglang-procs), they share the
+    samples and the slots, on the prepared split `source` = (path, split name), and this process only
     stores. `request_kw`: _Sender's request settings."""
-    if procs:
-        return _capture_in_procs(
+    if workers is not None:
+        return workers.run(
             plans,
             source,
             todo,
             writer,
             tally,
             bar,
-            procs=procs,
             concurrency=concurrency,
             budget=budget,
             row_bytes=row_bytes,
@@ -921,91 +919,87 @@ class _Spooler:
         pass
 
 
-def _capture_worker(
-    k: int,
-    plans,
-    source,
-    todo,
-    *,
-    concurrency: int,
-    memory_bytes: int,
-    row_bytes: int,
-    encode,
-    spool_dir,
-    results,
-    **request_kw,
-) -> None:
-    """One of --sglang-procs processes: sends its share of the samples through its share of each server's slots,
-    reads, checks and encodes their dumps, and hands every outcome to the parent (`_Spooler`)."""
-    budget = StateBudget(memory_bytes)
-    try:
-        from eyas.data.prepared import PreparedDataset
-
-        torch.set_num_threads(1)
-        split = PreparedDataset(source[0]).split(source[1])
-        queued = 2 * concurrency * len(plans)
-        spooler = _Spooler(results, spool_dir)
-        with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-            sender = _Sender(
-                pool=pool,
-                plans=plans,
-                gates=[threading.BoundedSemaphore(concurrency) for _ in plans],
-                split=split,
-                todo=iter(todo),
-                encode=encode,
-                budget=budget,
-                row_bytes=row_bytes,
-                **request_kw,
-            )
-            _send_and_ingest(sender, None, spooler, spooler, queued=queued)
-        results.put(_WorkerEnd(k, None, budget.peak))
-    except BaseException as exc:  # the parent raises it
-        results.put(_WorkerEnd(k, f"{type(exc).__name__}: {exc}", budget.peak))
+def _capture_worker(k: int, tasks, results, spool_dir: str) -> None:
+    """One of --sglang-procs processes: for each task (`_Workers.run`), sends its share of the samples through its
+    share of each server's slots, reads, checks and encodes their dumps, and hands every outcome to the parent
+    (`_Spooler`); then a `_WorkerEnd`. None ends it."""
+    torch.set_num_threads(1)
+    while (task := tasks.get()) is not None:
+        budget = StateBudget(task.pop("memory_bytes"))
+        try:
+            _worker_task(task, budget, _Spooler(results, spool_dir))
+            results.put(_WorkerEnd(k, None, budget.peak))
+        except BaseException as exc:  # the parent raises it
+            results.put(_WorkerEnd(k, f"{type(exc).__name__}: {exc}", budget.peak))
 
 
-def _capture_in_procs(
-    plans, source, todo, writer, tally, bar, *, procs: int, concurrency: int, budget, row_bytes: int, **request_kw
-) -> None:
-    """_capture_loop with `procs` worker processes (at most `concurrency`), each with an equal share of the
-    samples, of each server's slots and of the memory budget; this process loads each spooled sample and
-    stores it. The spool is a directory of this run's own on /dev/shm (else the temp dir), removed at the end."""
-    import multiprocessing
-    import tempfile
+def _worker_task(task: dict[str, Any], budget: StateBudget, spooler: _Spooler) -> None:
+    from eyas.data.prepared import PreparedDataset
 
-    n = min(procs, concurrency)
-    ctx = multiprocessing.get_context("spawn")  # a forked copy of a threaded process can deadlock
-    results = ctx.Queue(maxsize=2 * concurrency * len(plans))
-    shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    spool_dir = tempfile.mkdtemp(prefix="eyas-spool-", dir=shm)
-    workers = [
-        ctx.Process(
-            target=_capture_worker,
-            args=(k, plans, source, todo[k::n]),
-            kwargs={
-                "concurrency": concurrency // n + (k < concurrency % n),
-                "memory_bytes": max(budget.limit // n, 1),
-                "row_bytes": row_bytes,
-                "encode": writer.encoder(),
-                "spool_dir": spool_dir,
-                "results": results,
-                **request_kw,
-            },
-            daemon=True,
-            name=f"eyas-capture-{k}",
+    plans, concurrency, (path, split_name) = task.pop("plans"), task.pop("concurrency"), task.pop("source")
+    queued = 2 * concurrency * len(plans)
+    with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
+        sender = _Sender(
+            pool=pool,
+            plans=plans,
+            gates=[threading.BoundedSemaphore(concurrency) for _ in plans],
+            split=PreparedDataset(path).split(split_name),
+            todo=iter(task.pop("todo")),
+            budget=budget,
+            **task,
         )
-        for k in range(n)
-    ]
-    try:
-        for w in workers:
+        _send_and_ingest(sender, None, spooler, spooler, queued=queued)
+
+
+class _Workers:
+    """The --sglang-procs worker processes (`_capture_worker`), started before the store is opened: each imports
+    torch and eyas, seconds that then pass beside the set-up. `run` gives each an equal share of the samples, of
+    each server's slots and of the memory budget, and stores what they hand over; `close` ends them and removes
+    the spool (a directory of this run's own on /dev/shm, else the temp dir)."""
+
+    def __init__(self, n: int, queued: int):
+        import multiprocessing
+        import tempfile
+
+        ctx = multiprocessing.get_context("spawn")  # a forked copy of a threaded process can deadlock
+        self.results = ctx.Queue(maxsize=queued)  # a store slower than the servers holds the workers back
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        self.spool_dir = tempfile.mkdtemp(prefix="eyas-spool-", dir=shm)
+        self.tasks = [ctx.SimpleQueue() for _ in range(n)]
+        self.procs = [
+            ctx.Process(
+                target=_capture_worker,
+                args=(k, self.tasks[k], self.results, self.spool_dir),
+                daemon=True,
+                name=f"eyas-capture-{k}",
+            )
+            for k in range(n)
+        ]
+        for w in self.procs:
             w.start()
+
+    def run(self, plans, source, todo, writer, tally, bar, *, concurrency: int, budget, **task) -> None:
+        n = len(self.procs)
+        for k, q in enumerate(self.tasks):
+            q.put(
+                {
+                    **task,
+                    "plans": plans,
+                    "source": source,
+                    "todo": todo[k::n],
+                    "concurrency": concurrency // n + (k < concurrency % n),
+                    "memory_bytes": max(budget.limit // n, 1),
+                    "encode": writer.encoder(),
+                }
+            )
         running = set(range(n))
         while running:
             try:
-                item = results.get(timeout=5.0)
+                item = self.results.get(timeout=5.0)
             except queue.Empty:
-                if dead := [k for k in running if not workers[k].is_alive() and results.empty()]:
+                if dead := [k for k in running if not self.procs[k].is_alive() and self.results.empty()]:
                     raise RuntimeError(
-                        f"capture worker {dead[0]} ended without a word (exit {workers[dead[0]].exitcode})"
+                        f"capture worker {dead[0]} ended without a word (exit {self.procs[dead[0]].exitcode})"
                     ) from None
                 continue
             if isinstance(item, _WorkerEnd):
@@ -1020,13 +1014,28 @@ def _capture_in_procs(
                 os.unlink(spooled.path)
             tally.ingest(item, writer)
             bar.update(item.tokens)
-    finally:
-        for w in workers:
+
+    def close(self) -> None:
+        for w, q in zip(self.procs, self.tasks):
             if w.is_alive():
-                w.terminate()  # after an error: its requests end with it, its dumps are removed as stale
-        for w in workers:
-            w.join(timeout=30)
-        shutil.rmtree(spool_dir, ignore_errors=True)
+                q.put(None)
+        for w in self.procs:
+            w.join(timeout=5)
+            if w.is_alive():
+                w.terminate()  # mid-task after an error: its requests end with it, its dumps are removed as stale
+                w.join(timeout=30)
+        shutil.rmtree(self.spool_dir, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def _closed_on_error(workers: _Workers | None):
+    """Ends `workers` when the block raises (the capture's own clean-up comes after it)."""
+    try:
+        yield
+    except BaseException:
+        if workers is not None:
+            workers.close()
+        raise
 
 
 def _check_capture_options(
