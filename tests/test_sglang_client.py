@@ -940,9 +940,19 @@ def test_capture_processes_store_the_same_states_and_reject_what_one_process_rej
         assert all("plugin rejected it" in r["reason"] for r in out["rejected"])
         assert out["captured"] == len(LENGTHS) - 2 and out["memory"]["peak_bytes"] > 0
         srv.server_info, srv.generate = info, gen
+        spooled = []
+
+        class Recorded(client._Workers):
+            def __init__(self, *a):
+                super().__init__(*a)
+                spooled.append(self.spooled)
+
+        monkeypatch.setattr(client, "_Workers", Recorded)
+        # the tightest memory: one sample at a time in each worker and one waiting in the spool, still through
         again = capture_from_sglang(
-            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, procs=2
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, procs=2, memory_bytes=1
         )
+    assert spooled == [1] and again["memory"]["limit_bytes"] == 1
     assert again["captured"] == 2 and again["store_complete"] and again["rejected_count"] == 0
     assert sorted(again["seconds_summed"]) == ["check", "dump", "encode", "gate", "ingest", "request"]
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
@@ -956,6 +966,8 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
     # reason; and a set-up that fails after the workers started ends them: neither they nor the spool outlive it
     import multiprocessing
     import types
+
+    import numpy
 
     from eyas.sglang import client
 
@@ -971,7 +983,7 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
             dump_dir=None,
             probe_kw={"dump_wait_s": 5.0, "max_retries": 0, "backoff_s": 0.1},
         )
-        workers = client._Workers(2, 8)
+        workers = client._Workers(2, 2, client.StateBudget(1 << 20), 8, numpy.array([10]))
         try:
             with pytest.raises(RuntimeError, match=r"capture worker \d: .*no-such-prepared"):
                 workers.run(

@@ -739,8 +739,10 @@ def capture_from_sglang(
         dump_dir=dump_dir,
         probe_kw={"dump_wait_s": dump_wait_s, "max_retries": max_retries, "backoff_s": backoff_s},
     )
+    budget = StateBudget(memory_bytes if memory_bytes is not None else default_memory_bytes())
+    row_bytes = probes[0].hidden_LSD[0].nbytes  # one token's states as the servers send them
     # started now, the workers' imports pass beside the store's opening; a failure before the loop ends them
-    workers = _Workers(min(procs, concurrency), 2 * concurrency * len(plans)) if procs else None
+    workers = _Workers.start(procs, concurrency, len(plans), budget, row_bytes, sp.lengths)
     with _closed_on_error(workers):
         writer, target = _open_capture_store(
             Path(out_store),
@@ -757,8 +759,6 @@ def capture_from_sglang(
         todo = _samples_to_capture(sp, n_total, writer, plans, layer_ids)
 
     tally = _Tally(retries=sum(p.retries for p in probes))
-    budget = StateBudget(memory_bytes if memory_bytes is not None else default_memory_bytes())
-    row = probes[0].hidden_LSD[0]  # one token's states as the servers send them
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
     loop_t0, loop_cpu0 = time.time(), time.process_time()
@@ -774,7 +774,7 @@ def capture_from_sglang(
             bar,
             concurrency=concurrency,
             budget=budget,
-            row_bytes=row.numel() * row.element_size(),
+            row_bytes=row_bytes,
             rid_tag=f"{job}-{run}",
             layer_ids=layer_ids,
             max_retries=max_retries,
@@ -957,12 +957,17 @@ class _Workers:
     each server's slots and of the memory budget, and stores what they hand over; `close` ends them and removes
     the spool (a directory of this run's own on /dev/shm, else the temp dir)."""
 
-    def __init__(self, n: int, queued: int):
+    def __init__(self, n: int, slots: int, budget: StateBudget, row_bytes: int, lengths):
+        """`n` workers for `slots` requests in flight in all; half of `budget` bounds the samples waiting in the
+        spool (of the mean of `lengths` tokens, `row_bytes` each: a store slower than the servers then holds
+        the workers back), the other half the states the workers hold."""
         import multiprocessing
         import tempfile
 
         ctx = multiprocessing.get_context("spawn")  # a forked copy of a threaded process can deadlock
-        self.results = ctx.Queue(maxsize=queued)  # a store slower than the servers holds the workers back
+        sample_bytes = row_bytes * (float(lengths.mean()) if len(lengths) else 1.0)
+        self.spooled = int(min(max(budget.limit // 2 // max(sample_bytes, 1), 1), 2 * slots))
+        self.results = ctx.Queue(maxsize=self.spooled)
         shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
         self.spool_dir = tempfile.mkdtemp(prefix="eyas-spool-", dir=shm)
         self.tasks = [ctx.SimpleQueue() for _ in range(n)]
@@ -988,7 +993,7 @@ class _Workers:
                     "source": source,
                     "todo": todo[k::n],
                     "concurrency": concurrency // n + (k < concurrency % n),
-                    "memory_bytes": max(budget.limit // n, 1),
+                    "memory_bytes": max(budget.limit // 2 // n, 1),
                     "encode": writer.encoder(),
                 }
             )
@@ -1014,6 +1019,11 @@ class _Workers:
                 os.unlink(spooled.path)
             tally.ingest(item, writer)
             bar.update(item.tokens)
+
+    @classmethod
+    def start(cls, procs: int, concurrency: int, servers: int, budget, row_bytes: int, lengths) -> _Workers | None:
+        """`procs` workers (at most `concurrency`, each server's slots), or None for none."""
+        return cls(min(procs, concurrency), concurrency * servers, budget, row_bytes, lengths) if procs else None
 
     def close(self) -> None:
         for w, q in zip(self.procs, self.tasks):
