@@ -874,6 +874,24 @@ def _capture_loop(
             row_bytes=row_bytes,
             **request_kw,
         )
+    _send_all(
+        plans,
+        split,
+        todo,
+        writer,
+        tally,
+        bar,
+        concurrency=concurrency,
+        budget=budget,
+        encode=writer.encoder(),
+        row_bytes=row_bytes,
+        **request_kw,
+    )
+
+
+def _send_all(plans, split, todo, writer, tally, bar, *, concurrency: int, **sender_kw) -> None:
+    """The request threads on `todo`: `concurrency` slots at each server, as many samples again being read and
+    checked; each outcome to `tally.ingest(outcome, writer)`. `sender_kw`: the rest of _Sender's fields."""
     queued = 2 * concurrency * len(plans)
     # one intra-op thread per request thread: each checks and encodes a sample at a time, and torch's own
     # thread team per thread would oversubscribe the cores many times over
@@ -884,10 +902,7 @@ def _capture_loop(
             gates=[threading.BoundedSemaphore(concurrency) for _ in plans],
             split=split,
             todo=iter(todo),
-            encode=writer.encoder(),
-            budget=budget,
-            row_bytes=row_bytes,
-            **request_kw,
+            **sender_kw,
         )
         _send_and_ingest(sender, writer, tally, bar, queued=queued)
 
@@ -936,19 +951,9 @@ def _capture_worker(k: int, tasks, results, spool_dir: str) -> None:
 def _worker_task(task: dict[str, Any], budget: StateBudget, spooler: _Spooler) -> None:
     from eyas.data.prepared import PreparedDataset
 
-    plans, concurrency, (path, split_name) = task.pop("plans"), task.pop("concurrency"), task.pop("source")
-    queued = 2 * concurrency * len(plans)
-    with cf.ThreadPoolExecutor(max_workers=queued, initializer=torch.set_num_threads, initargs=(1,)) as pool:
-        sender = _Sender(
-            pool=pool,
-            plans=plans,
-            gates=[threading.BoundedSemaphore(concurrency) for _ in plans],
-            split=PreparedDataset(path).split(split_name),
-            todo=iter(task.pop("todo")),
-            budget=budget,
-            **task,
-        )
-        _send_and_ingest(sender, None, spooler, spooler, queued=queued)
+    path, split_name = task.pop("source")
+    split = PreparedDataset(path).split(split_name)
+    _send_all(task.pop("plans"), split, task.pop("todo"), None, spooler, spooler, budget=budget, **task)
 
 
 class _Workers:
