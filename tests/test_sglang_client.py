@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import os
 import threading
 from pathlib import Path
 
@@ -1020,3 +1021,27 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
             capture_from_sglang([srv.url], prepared, "train", tmp_path / "taken", LAYERS, procs=2)
     assert started == [2] and multiprocessing.active_children() == [] and spools() == before
     assert (tmp_path / "taken" / "notes.txt").read_text() == "not a store"
+
+
+def test_spools_of_dead_captures_are_removed_and_workers_end_with_their_parent(tmp_path):
+    # a capture killed before its clean-up leaves its spool: the next one removes it, and only it; a worker
+    # whose parent is gone ends itself instead of waiting for a task forever
+    import subprocess
+    import sys
+
+    from eyas.sglang.client import remove_dead_spools
+
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"eyas-spool-{int(gone.stdout)}-abc"
+    live = tmp_path / f"eyas-spool-{os.getpid()}-xyz"
+    other = tmp_path / "eyas-spool-notes"
+    for d in (dead, live, other):
+        d.mkdir()
+        (d / "1-1").write_bytes(b"rows")
+    remove_dead_spools(str(tmp_path))
+    assert not dead.exists() and live.exists() and other.exists()
+    ended = subprocess.run(
+        [sys.executable, "-c", "from eyas.sglang.client import _exit_with_parent; _exit_with_parent(-1, 0.01)"],
+        timeout=60,
+    )
+    assert ended.returncode == 1

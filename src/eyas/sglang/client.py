@@ -937,8 +937,9 @@ class _Spooler:
 def _capture_worker(k: int, tasks, results, spool_dir: str) -> None:
     """One of --sglang-procs processes: for each task (`_Workers.run`), sends its share of the samples through its
     share of each server's slots, reads, checks and encodes their dumps, and hands every outcome to the parent
-    (`_Spooler`); then a `_WorkerEnd`. None ends it."""
+    (`_Spooler`); then a `_WorkerEnd`. None ends it, and so does the parent's end (killed, it cannot say so)."""
     torch.set_num_threads(1)
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     while (task := tasks.get()) is not None:
         budget = StateBudget(task.pop("memory_bytes"))
         try:
@@ -946,6 +947,12 @@ def _capture_worker(k: int, tasks, results, spool_dir: str) -> None:
             results.put(_WorkerEnd(k, None, budget.peak))
         except BaseException as exc:  # the parent raises it
             results.put(_WorkerEnd(k, f"{type(exc).__name__}: {exc}", budget.peak))
+
+
+def _exit_with_parent(parent: int, every_s: float = 1.0) -> None:
+    while os.getppid() == parent:
+        time.sleep(every_s)
+    os._exit(1)
 
 
 def _worker_task(task: dict[str, Any], budget: StateBudget, spooler: _Spooler) -> None:
@@ -973,8 +980,9 @@ class _Workers:
         sample_bytes = row_bytes * (float(lengths.mean()) if len(lengths) else 1.0)
         self.spooled = int(min(max(budget.limit // 2 // max(sample_bytes, 1), 1), 2 * slots))
         self.results = ctx.Queue(maxsize=self.spooled)
-        shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        self.spool_dir = tempfile.mkdtemp(prefix="eyas-spool-", dir=shm)
+        shm = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        remove_dead_spools(shm)
+        self.spool_dir = tempfile.mkdtemp(prefix=f"eyas-spool-{os.getpid()}-", dir=shm)
         self.tasks = [ctx.SimpleQueue() for _ in range(n)]
         self.procs = [
             ctx.Process(
@@ -1040,6 +1048,24 @@ class _Workers:
                 w.terminate()  # mid-task after an error: its requests end with it, its dumps are removed as stale
                 w.join(timeout=30)
         shutil.rmtree(self.spool_dir, ignore_errors=True)
+
+
+def remove_dead_spools(where: str) -> None:
+    """Remove the spool directories of captures whose process is gone (killed before it could clean up)."""
+    for d in Path(where).glob("eyas-spool-*-*"):
+        pid = d.name.split("-")[2]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 @contextlib.contextmanager
