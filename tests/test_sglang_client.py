@@ -759,6 +759,8 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
                 "3",
                 "--sglang-calibrate",
                 "2",
+                "--sglang-procs",
+                "2",
             ],
         )
     assert res.exit_code == 0, res.output
@@ -786,6 +788,12 @@ def test_eyas_capture_cli_sglang_backend(tiny_target_dir, prepared, tmp_path):
         ],
     )
     assert neg.exit_code == 2 and "--sglang-calibrate" in neg.output and not (tmp_path / "s3").exists()
+    procs = CliRunner().invoke(
+        app,
+        ["capture", "--backend", "sglang", "--url", "http://127.0.0.1:9", "--data", str(prepared)]
+        + ["--out", str(tmp_path / "s4"), "--sglang-procs", "-1"],
+    )
+    assert procs.exit_code == 2 and "--sglang-procs" in procs.output and not (tmp_path / "s4").exists()
 
 
 def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, tmp_path, monkeypatch):
