@@ -238,16 +238,39 @@ def test_capture_fails_when_the_engine_disagrees_with_the_reference(tiny_target_
         verify_store(tmp_path / "store", numbers=1, invariants=False)
 
 
-def test_radix_cache_needs_a_bypass_and_salt_or_logprob_work(tiny_target_dir, tiny_model, prepared, tmp_path):
+def test_radix_cache_needs_a_bypass_and_plugin_salt_or_logprob_work(tiny_target_dir, tiny_model, prepared, tmp_path):
+    # samples 5 and 7 share 20 tokens with sample 3, sent before them one at a time: each bypass must keep
+    # them whole; the plugin's (auto's choice) asks the server for nothing but the prompt
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=16) as srv:
         with pytest.raises(EyasError, match="--disable-radix-cache"):
             capture_from_sglang([srv.url], prepared, "train", tmp_path / "s0", LAYERS, cache_bypass="none")
-        for bypass in ("auto", "logprob"):
+        sent = []
+        gen = srv.generate
+        srv.generate = lambda body: (sent.append(sorted(body)), gen(body))[1]
+        for bypass, chosen in (("auto", "plugin"), ("salt", "salt"), ("logprob", "logprob")):
+            sent.clear()
             out = capture_from_sglang(
                 [srv.url], prepared, "train", tmp_path / f"s-{bypass}", LAYERS, cache_bypass=bypass, concurrency=1
             )
             assert out["rejected_count"] == 0, out["rejected"]
-            assert out["cache_bypass"] == ["salt" if bypass == "auto" else "logprob"]
+            assert out["cache_bypass"] == [chosen]
+            if chosen == "plugin":
+                assert all(keys == ["input_ids", "rid", "sampling_params"] for keys in sent), sent[:2]
+        # a plugin whose cap is not in effect and not reported (an older plugin): auto falls back to the salt,
+        # and the plugin's bypass asked for by name is refused, naming what to do
+        without_the_prefix_cap(srv)
+        info = srv.server_info
+
+        def older_plugin():
+            got = info()
+            got["internal_states"][0]["eyas_capture"].pop("prefix_cap")
+            return got
+
+        srv.server_info = older_plugin
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "s-old", LAYERS, concurrency=1)
+        assert out["cache_bypass"] == ["salt"] and out["rejected_count"] == 0
+        with pytest.raises(EyasError, match="does not cap prefix matches .* install this eyas"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "s1", LAYERS, cache_bypass="plugin")
     check_store_against_reference(tmp_path / "s-auto", prepared, tiny_model)
 
 
@@ -260,6 +283,7 @@ def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(
         srv.cfg.disable_radix_cache = False
         info = srv.server_info
         srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+        without_the_prefix_cap(srv)
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
     assert out["captured"] == 6 and not out["store_complete"]
     assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
@@ -271,10 +295,21 @@ def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(
     check_store_against_reference(tmp_path / "store", prepared, tiny_model)
 
 
+def without_the_prefix_cap(srv):
+    """The stand-in with the plugin's cap on eyas requests' prefix match not in effect (as on a server whose
+    SGLang stopped calling the hooked method): prefixes are served again. Returns a function putting it back."""
+    from eyas.sglang.standin import PREFIX_CAP_TARGET
+
+    hooks = srv.hooks.hooks.pop(PREFIX_CAP_TARGET)
+    return lambda: srv.hooks.hooks.__setitem__(PREFIX_CAP_TARGET, hooks)
+
+
 def hide_the_prefix_cache(srv):
     """The stand-in made to say its radix cache is off and that nothing was cached (cached_tokens 0) while it
-    serves prefixes: only the plugin can tell. Returns the true server_info and generate, to put back."""
+    serves prefixes, past the plugin's cap: only the plugin's own check can tell. Returns a function that
+    makes the server truthful again (its radix cache on, the cap in effect)."""
     info, gen = srv.server_info, srv.generate
+    put_back_the_cap = without_the_prefix_cap(srv)
 
     def lying_generate(body):
         code, obj = gen(body)
@@ -284,21 +319,26 @@ def hide_the_prefix_cache(srv):
 
     srv.server_info = lambda: {**info(), "disable_radix_cache": True}
     srv.generate = lying_generate
-    return info, gen
+
+    def truthful():
+        srv.server_info, srv.generate = info, gen
+        put_back_the_cap()
+
+    return truthful
 
 
 def test_plugin_rejection_reaches_the_client(tiny_target_dir, prepared, tmp_path):
     # cached_tokens reported as 0 but the forward started at a prefix: only the plugin can tell.
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
-        info, gen = hide_the_prefix_cache(srv)
+        truthful = hide_the_prefix_cache(srv)
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
         reasons = {r["id"]: r["reason"] for r in out["rejected"]}
         assert sorted(reasons) == ["s5", "s7"]
         assert all("plugin rejected it" in r and "prefix 20" in r for r in reasons.values())
         # the same server, now described truthfully: the rerun bypasses the cache and completes the store
-        srv.server_info, srv.generate = info, gen
+        truthful()
         again = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS)
-    assert again["cache_bypass"] == ["salt"] and again["captured"] == 2 and again["store_complete"]
+    assert again["cache_bypass"] == ["plugin"] and again["captured"] == 2 and again["store_complete"]
 
 
 def test_preflight_refusals(tiny_target_dir, tmp_path):
@@ -346,7 +386,7 @@ def test_preflight_refuses_a_plugin_blind_to_graph_replay_unless_the_graph_is_of
         srv.server_info = lambda: old_plugin(disable_prefill_cuda_graph=True)
         assert preflight(srv.url, LAYERS).status["plugin_version"] == "1"
         srv.server_info = info
-        assert preflight(srv.url, LAYERS).status["plugin_version"] == "2"
+        assert preflight(srv.url, LAYERS).status["plugin_version"] == "3"
 
 
 def test_preflight_and_verify_server_refuse_prefill_cp_and_a_piecewise_prefill_graph(tiny_target_dir, tmp_path):
@@ -541,7 +581,7 @@ def _verify(srv, **kw) -> dict:
 def test_verify_server_passes_and_compares_numbers(tiny_target_dir, tmp_path):
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=32) as srv:
         out = _verify(srv, target=str(tiny_target_dir), prompt_tokens=None)
-    assert out["ok"] and out["cache_bypass"] == "salt"
+    assert out["ok"] and out["cache_bypass"] == "plugin"
     assert out["checks"]["unique_prompt"]["tokens"] == 51 and out["checks"]["unique_prompt"]["pieces"] == 2
     assert out["checks"]["batched"]["ok"] and out["checks"]["batched"]["tokens"] == [51, 25, 17, 10]
     counters = out["checks"]["plugin_counters"]
@@ -570,6 +610,7 @@ def test_verify_server_fails_on_a_server_that_serves_prefixes(tiny_target_dir, t
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
         info = srv.server_info
         srv.server_info = lambda: {**info(), "disable_radix_cache": True}
+        without_the_prefix_cap(srv)
         with pytest.raises(CheckFailed) as exc:
             _verify(srv, prompt_tokens=64)
     checks = exc.value.summary["checks"]
@@ -941,14 +982,14 @@ def test_capture_processes_store_the_same_states_and_reject_what_one_process_rej
     monkeypatch.setattr(client, "_Sender", NoSender)
     before = spools()
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
-        info, gen = hide_the_prefix_cache(srv)
+        truthful = hide_the_prefix_cache(srv)
         out = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=3, procs=2, calibrate=0
         )
         assert sorted(r["id"] for r in out["rejected"]) == ["s5", "s7"]
         assert all("plugin rejected it" in r["reason"] for r in out["rejected"])
         assert out["captured"] == len(LENGTHS) - 2 and out["memory"]["peak_bytes"] > 0
-        srv.server_info, srv.generate = info, gen
+        truthful()
         spooled = []
 
         class Recorded(client._Workers):

@@ -834,6 +834,13 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
         def get_internal_state(self, recv_req):
             return types.SimpleNamespace(internal_state={"tp_size": 1})
 
+    class Req:  # SGLang's rule: at most L-1 (and at most logprob_start_len with return_logprob)
+        def __init__(self, rid):
+            self.rid = rid
+
+        def _compute_max_prefix_len(self, input_len: int) -> int:
+            return max(input_len - 1, 0)
+
     mods = {}
     for name in (
         "sglang",
@@ -844,7 +851,7 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
         "sglang.srt.managers.scheduler_components",
     ):
         mods[name] = types.ModuleType(name)
-    for key, obj in (("live_batch", ModelRunner), ("logits", LogitsProcessor)):
+    for key, obj in (("live_batch", ModelRunner), ("logits", LogitsProcessor), ("prefix_cap", Req)):
         mod = plugin.CONTRACT["hooks"][key][0]
         mods.setdefault(mod, types.ModuleType(mod))
         setattr(mods[mod], obj.__name__, obj)
@@ -867,7 +874,9 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
     try:
         targets = plugin.register_hooks(hr.HookRegistry, hr.HookType, status_target=(status_mod, status_qual))
         hr.HookRegistry.apply_hooks()
-        assert set(targets) <= hr.HookRegistry._patched and len(targets) == 4
+        assert set(targets) <= hr.HookRegistry._patched and len(targets) == 5
+        # the radix-cache match of an eyas request is capped at 0; any other request keeps SGLang's cap
+        assert Req(make_rid(9, "cap"))._compute_max_prefix_len(9) == 0 and Req("x")._compute_max_prefix_len(9) == 8
         runner = ModelRunner()
         assert runner.init_attention_backends() == "backends"  # BEFORE hook ran, original still runs
         assert st.enabled and runner.model.model.layers_to_capture == [2, 4, 5]

@@ -32,7 +32,8 @@ def capture(
     sglang_concurrency: int = typer.Option(16, help="sglang: requests in flight at each server."),
     sglang_cache_bypass: str = typer.Option(
         "auto",
-        help="sglang: how a radix-cache prefix hit is prevented: auto (unique cache salt per request, or nothing when the cache is disabled), salt, logprob, none.",
+        help="sglang: how a radix-cache prefix hit is prevented: auto (nothing when the cache is disabled, else the "
+        "first the server offers of plugin, salt, logprob), plugin (the eyas plugin caps the match), salt, logprob, none.",
     ),
     sglang_max_retries: int = typer.Option(
         5, help="sglang: retries of a request on transient HTTP errors (exponential backoff)."

@@ -40,7 +40,8 @@ def verify_server(
     cache_bypass: str = typer.Option(
         "auto",
         "--sglang-cache-bypass",
-        help="Per-request radix-cache bypass: auto, salt (unique cache_salt, SGLang >= 0.5.22), logprob (return_logprob from 0), none (needs --disable-radix-cache).",
+        help="Per-request radix-cache bypass: auto, plugin (the eyas plugin caps the match, plugin version 3), salt "
+        "(unique cache_salt, SGLang >= 0.5.22), logprob (return_logprob from 0), none (needs --disable-radix-cache).",
     ),
     target: str | None = typer.Option(
         None,
@@ -73,7 +74,7 @@ def verify_server(
     # every option is checked before the first request
     url = check_url(url, option="--url")
     layer_ids = parse_int_list(layers, option="--aux-layers", min_value=0)
-    check_in(cache_bypass, "--sglang-cache-bypass", ("auto", "salt", "logprob", "none"))
+    check_in(cache_bypass, "--sglang-cache-bypass", ("auto", "plugin", "salt", "logprob", "none"))
     check_value(prompt_tokens, "--prompt-tokens", ge=8, optional=True)
     check_value(tolerance, "--tolerance", gt=0, optional=True)
     check_value(dump_wait_s, "--dump-wait", ge=0)

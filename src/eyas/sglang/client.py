@@ -17,10 +17,14 @@ process can read (default /dev/shm/eyas-dumps on the server host). The client:
    resumes from the store's committed ids; retries transient HTTP errors with exponential backoff;
    counts and lists rejected samples (a rerun of the same command retries them).
 
-Per-request radix-cache bypass (`cache_bypass`): `salt` sends a unique `cache_salt` (SGLang
->= 0.5.22 namespaces the radix tree by it: no prefix can match; nothing extra is computed);
-`logprob` sends return_logprob with logprob_start_len 0 (caps the prefix match at 0 on every 0.5.x,
-but computes input logprobs: slower); `none` requires --disable-radix-cache on the server.
+Per-request radix-cache bypass (`cache_bypass`): `plugin` sends nothing extra: the plugin (version 3,
+status `prefix_cap`) caps an eyas request's prefix match at 0 inside the server, as SGLang caps one
+asking for every prompt token's logprob, and nothing extra is computed; `salt` sends a unique
+`cache_salt` (SGLang >= 0.5.22 namespaces the radix tree by it: no prefix can match, but each
+finished prompt is cached under its own key); `logprob` sends return_logprob with logprob_start_len 0
+(caps the prefix match at 0 on every 0.5.x, but computes and returns every prompt token's logprob:
+about a third of the server's prefill rate); `none` requires --disable-radix-cache on the server.
+`auto`: none when the radix cache is off, else the first of plugin, salt, logprob the server offers.
 """
 
 from __future__ import annotations
@@ -56,7 +60,7 @@ from eyas.sglang.core import (
     sglang_layer_ids,
 )
 
-CACHE_BYPASS = ("auto", "salt", "logprob", "none")
+CACHE_BYPASS = ("auto", "plugin", "salt", "logprob", "none")
 REJECTED_LISTED = 1000  # rejected samples listed in the summary (all are counted and logged on stderr)
 PLUGIN_FLAGS = (
     "install eyas into the server's Python environment (`pip install eyas`: it registers the "
@@ -198,18 +202,27 @@ def choose_bypass(info: dict[str, Any], requested: str) -> str:
     if requested not in CACHE_BYPASS:
         raise EyasError(f"--sglang-cache-bypass: {requested!r}, expected one of {', '.join(CACHE_BYPASS)}")
     radix_off = bool(info.get("disable_radix_cache", False))
+    capped = bool((plugin_state(info) or {}).get("prefix_cap"))
+    if requested == "plugin" and not capped:
+        raise EyasError(
+            "--sglang-cache-bypass plugin: the server's eyas plugin does not cap prefix matches (plugin version "
+            f"{(plugin_state(info) or {}).get('plugin_version')}, 3 needed): install this eyas into the server's "
+            "environment, or choose salt (SGLang >= 0.5.22) or logprob"
+        )
     if requested == "none":
         if not radix_off:
             raise EyasError(
                 "the server's radix cache is on (disable_radix_cache = false) and --sglang-cache-bypass none was "
                 "given: a prompt sharing a prefix with an earlier one would be captured without that prefix. "
-                "Restart the server with --disable-radix-cache, or use --sglang-cache-bypass salt (SGLang >= 0.5.22) "
-                "or logprob"
+                "Restart the server with --disable-radix-cache, or use --sglang-cache-bypass plugin, salt "
+                "(SGLang >= 0.5.22) or logprob"
             )
         return "none"
     if requested == "auto":
         if radix_off:
             return "none"
+        if capped:
+            return "plugin"
         return "salt" if _version_tuple(info.get("version")) >= (0, 5, 22) else "logprob"
     return requested
 

@@ -40,6 +40,10 @@ Hooks (sglang.srt.plugins.hook_registry.HookRegistry):
         transformer body only; this tail runs eagerly, so the hook sees every EXTEND forward. Only
         the writing rank (attention-TP rank 0 on the last pipeline rank) reads or submits anything;
         rows of eyas requests go to CaptureCore (core.py), which stitches and writes dumps.
+    AFTER Req._compute_max_prefix_len   caps the radix-cache match of an eyas request at 0 tokens: the prefill
+        computes the whole prompt, so the forward holds every row (the cap SGLang itself applies to a request
+        asking for every prompt token's logprob, without computing and sending those logprobs). The
+        client's `--sglang-cache-bypass plugin` (its choice when the status says `prefix_cap`).
     AFTER get_internal_state (SchedulerInternalStateController from 0.5.22, Scheduler before)   adds
         "eyas_capture" (layer ids, dump dir, model, counters) to /server_info, which the client checks.
 
@@ -94,7 +98,7 @@ SUPPORTED_VERSIONS = (
     "0.5.23",
 )
 SUPPORTED_RANGE = ">=0.5.15,<0.6"
-PLUGIN_VERSION = "2"
+PLUGIN_VERSION = "3"
 WRITER_THREADS = 4  # dump writers per writing rank (safetensors serialisation + tmpfs copy)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 
@@ -111,6 +115,7 @@ CONTRACT: dict[str, Any] = {
             "LogitsProcessor.forward",
             ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"),
         ),
+        "prefix_cap": ("sglang.srt.managers.schedule_batch", "Req._compute_max_prefix_len", ("self", "input_len")),
     },
     # The status hook moved in 0.5.22: the first of these that exists is used.
     "status_hooks": (
@@ -437,6 +442,7 @@ class _State:
                 "hook_errors": self.errors,
                 "last_error": self.last_error,
                 "pending": len(self.core.pending_rids()),
+                "prefix_cap": True,  # an eyas request's radix-cache match is capped at 0 (_on_max_prefix_len)
             },
         )
 
@@ -798,6 +804,11 @@ def _on_logits(proc, *args, **kwargs):
     return None
 
 
+def _on_max_prefix_len(result, req=None, *args, **kwargs):
+    """AFTER Req._compute_max_prefix_len: 0 for an eyas request (no cached prefix), SGLang's own cap otherwise."""
+    return 0 if parse_rid(getattr(req, "rid", None)) is not None else None
+
+
 def _on_internal_state(result, *args, **kwargs):
     """AFTER get_internal_state: add the plugin's status to /server_info."""
     st = _STATE
@@ -813,12 +824,13 @@ def hook_target(key: str) -> str:
 
 
 def register_hooks(registry, hook_type, *, status_target: tuple[str, str] | None = None) -> list[str]:
-    """Register the four hooks with SGLang's HookRegistry; returns the targets."""
+    """Register the plugin's hooks with SGLang's HookRegistry; returns the targets."""
     targets = []
     for key, fn, kind in (
         ("enable", _on_init_attention_backends, hook_type.BEFORE),
         ("live_batch", _on_model_runner_forward, hook_type.BEFORE),
         ("logits", _on_logits, hook_type.BEFORE),
+        ("prefix_cap", _on_max_prefix_len, hook_type.AFTER),
     ):
         registry.register(hook_target(key), fn, kind)
         targets.append(hook_target(key))

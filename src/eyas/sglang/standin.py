@@ -19,8 +19,9 @@ implements the parts of SGLang's contract the client relies on:
 - a scheduler thread that batches requests into EXTEND forwards under a token budget, splits long
   prompts into chunks (chunked prefill) interleaved with other requests, pads the packed rows to a
   bucket (as CUDA graphs do), and optionally keeps a radix cache: a new prompt's longest common
-  prefix with earlier prompts (same cache_salt, capped at L-1, and at logprob_start_len when
-  return_logprob is set) is "cached" and never computed, exactly the case the plugin must reject.
+  prefix with earlier prompts (same cache_salt, capped by SGLang's Req._compute_max_prefix_len rule:
+  L-1, and logprob_start_len when return_logprob is set, then by the plugin's AFTER hook on it) is
+  "cached" and never computed, exactly the case the plugin must reject.
 
 Hidden states are real: each piece's rows come from `eyas.target.forward_capture` on the target
 (recomputing the prefix instead of keeping a KV cache; same numbers), at the layers the plugin
@@ -177,6 +178,7 @@ class HookType(enum.Enum):
 
 
 LIVE_BATCH_TARGET, LOGITS_TARGET = eyas_plugin.hook_target("live_batch"), eyas_plugin.hook_target("logits")
+PREFIX_CAP_TARGET = eyas_plugin.hook_target("prefix_cap")
 STATUS_TARGET = eyas_plugin.CONTRACT["status_hooks"][0][:2]  # SGLang 0.5.22+ (STANDIN_VERSION)
 STATUS_HOOK = ".".join(STATUS_TARGET)
 
@@ -289,6 +291,13 @@ class _Req:
     prefix: int = 0  # tokens matched in the radix cache
     computed: int = 0  # positions computed so far (absolute)
     result: dict[str, Any] | None = None
+
+    def _compute_max_prefix_len(self, input_len: int) -> int:
+        """SGLang's Req._compute_max_prefix_len: at most L-1, at most logprob_start_len when logprobs are asked for."""
+        cap = input_len - 1
+        if self.logprob_start is not None:
+            cap = min(cap, self.logprob_start)
+        return max(cap, 0)
 
 
 class StandinServer:
@@ -564,7 +573,8 @@ class StandinServer:
     # -- scheduler
 
     def _match_prefix(self, req: _Req) -> int:
-        """SGLang's rule: longest cached prefix (same salt), at most L-1, at most logprob_start_len."""
+        """SGLang's rule: the longest cached prefix (same salt), at most Req._compute_max_prefix_len, which the
+        plugin's AFTER hook on it may lower (every rank's scheduler runs it: the first rank's state stands in)."""
         if self.cfg.disable_radix_cache:
             return 0
         best = 0
@@ -577,9 +587,10 @@ class StandinServer:
                     break
                 k += 1
             best = max(best, k)
-        cap = len(req.ids) - 1
-        if req.logprob_start is not None:
-            cap = min(cap, req.logprob_start)
+        L = len(req.ids)
+        cap = req._compute_max_prefix_len(L)
+        if self.cfg.plugin:
+            cap = self.hooks.after(PREFIX_CAP_TARGET, self.states[0], cap, req, L)
         return max(0, min(best, cap))
 
     def _schedule_loop(self) -> None:
