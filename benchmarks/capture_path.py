@@ -46,7 +46,8 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              capture_from_sglang's loop tokens/s, after a warm-up capture, the concurrencies in reverse
              order every other run. A ratio well under 1 here is eyas's own path (client, plugin, dump
              writing) falling behind; near 1, the live gap is the engine's. Both arms send --model-bypass
-             (logprob, as on a live SGLang 0.5.17 server: the answers list every prompt token's logprob);
+             (plugin: nothing extra; logprob, as an older plugin on SGLang 0.5.17 needs: the answers then
+             list every prompt token's logprob);
              --model-client current,whole,readinto,procs measures this tree's client, one parsing the
              answers whole, one reading the dumps with readinto and one with worker processes (CLIENTS), in
              turn, in the same run
@@ -794,10 +795,11 @@ def main() -> None:
     ap.add_argument("--model-samples", type=int, default=768)
     ap.add_argument(
         "--model-bypass",
-        choices=("logprob", "none"),
-        default="logprob",
-        help="model stage: the radix-cache bypass both arms send (logprob: what SGLang 0.5.17 servers get, whose "
-        "answers then list every prompt token's logprob)",
+        choices=("plugin", "logprob", "none"),
+        default="plugin",
+        help="model stage: the radix-cache bypass both arms send (plugin: nothing extra, what a server with plugin "
+        "version 3 gets; logprob: what older plugins on SGLang 0.5.17 get, whose answers list every prompt token's "
+        "logprob)",
     )
     ap.add_argument("--model-procs", type=int, default=4, help="model stage: worker processes of `procs`")
     ap.add_argument(

@@ -913,7 +913,7 @@ def store_run(a) -> None:
             lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c),
         )
         prof.join()
-        if not a.no_plain:
+        if not a.no_plain and bypass not in ("plugin", "none"):  # those send the plain requests already
             R["prefill_plain"] = step(
                 "prefill, no dumps, no bypass",
                 lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
