@@ -962,6 +962,7 @@ def store_run(a) -> None:
                 R[f"sglang_capture_loop_vs_prefill_{name}"] = round(
                     cap_n["loop_tokens_per_s"] / pre_n["tokens_per_s"], 4
                 )
+                R[f"in_flight_mean_{name}"] = cap_n.get("in_flight_mean")  # of n: below it, the client lagged
     finally:
         srv.stop()
     cap = R.get("capture") or {}
@@ -993,7 +994,11 @@ def store_run(a) -> None:
         R["done"] = True
         keep()
         cap = R.get("capture") or {}
-        where = {k: cap.get(k) for k in ("phase_seconds", "setup_seconds", "store_seconds", "seconds_summed")}
+        where = {
+            k: cap.get(k)
+            for k in ("phase_seconds", "setup_seconds", "store_seconds", "seconds_summed", "in_flight_mean")
+        }
+        where.update({k: v for k, v in R.items() if k.startswith("in_flight_mean_")})
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
         keys += tuple(sorted(k for k in R if k.startswith("sglang_capture_loop_vs_prefill_")))
         print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
