@@ -1056,6 +1056,32 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
         finally:
             workers.close()
         assert multiprocessing.active_children() == [] and spools() == before
+        # a worker killed outright (the kernel's OOM killer) cannot say so: its silence is an error too
+        workers = client._Workers(2, 2, client.StateBudget(1 << 20), 8, numpy.array([10]))
+        try:
+            workers.procs[1].kill()
+            workers.procs[1].join()
+            with pytest.raises(RuntimeError, match=r"capture worker 1 ended without a word \(exit -9\)"):
+                workers.run(
+                    plans,
+                    (str(prepared), "train"),
+                    [],  # nothing to send: worker 0 ends at once, worker 1 is gone
+                    types.SimpleNamespace(encoder=lambda: None),
+                    None,
+                    None,
+                    concurrency=2,
+                    budget=client.StateBudget(1 << 20),
+                    row_bytes=1,
+                    rid_tag="t",
+                    layer_ids=layer_ids,
+                    max_retries=0,
+                    backoff_s=0.1,
+                    request_timeout_s=5.0,
+                    dump_wait_s=5.0,
+                )
+        finally:
+            workers.close()
+        assert multiprocessing.active_children() == [] and spools() == before
         started = []
 
         class Counted(client._Workers):
