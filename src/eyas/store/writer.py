@@ -194,7 +194,7 @@ class EncodedSample:
 
 @dataclass(frozen=True)
 class SpooledSample:
-    """An EncodedSample waiting in a file (`EncodedSample.spool`); `load` reads it back, whole, in one read."""
+    """An EncodedSample waiting in a file (`EncodedSample.spool`); `load` reads it back with readinto, no copy."""
 
     id: str
     path: str
