@@ -1033,13 +1033,17 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
             dump_dir=None,
             probe_kw={"dump_wait_s": 5.0, "max_retries": 0, "backoff_s": 0.1},
         )
-        workers = client._Workers(2, 2, client.StateBudget(1 << 20), 8, numpy.array([10]))
-        try:
-            with pytest.raises(RuntimeError, match=r"capture worker \d: .*no-such-prepared"):
+
+        def run_two_workers(source: str, todo: list[int], kill_second: bool = False) -> None:
+            workers = client._Workers(2, 2, client.StateBudget(1 << 20), 8, numpy.array([10]))
+            try:
+                if kill_second:
+                    workers.procs[1].kill()
+                    workers.procs[1].join()
                 workers.run(
                     plans,
-                    (str(tmp_path / "no-such-prepared"), "train"),
-                    [0, 1, 2],
+                    (source, "train"),
+                    todo,
                     types.SimpleNamespace(encoder=lambda: None),  # the store's writer: not reached
                     None,
                     None,
@@ -1053,34 +1057,16 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
                     request_timeout_s=5.0,
                     dump_wait_s=5.0,
                 )
-        finally:
-            workers.close()
+            finally:
+                workers.close()
+
+        with pytest.raises(RuntimeError, match=r"capture worker \d: .*no-such-prepared"):
+            run_two_workers(str(tmp_path / "no-such-prepared"), [0, 1, 2])
         assert multiprocessing.active_children() == [] and spools() == before
-        # a worker killed outright (the kernel's OOM killer) cannot say so: its silence is an error too
-        workers = client._Workers(2, 2, client.StateBudget(1 << 20), 8, numpy.array([10]))
-        try:
-            workers.procs[1].kill()
-            workers.procs[1].join()
-            with pytest.raises(RuntimeError, match=r"capture worker 1 ended without a word \(exit -9\)"):
-                workers.run(
-                    plans,
-                    (str(prepared), "train"),
-                    [],  # nothing to send: worker 0 ends at once, worker 1 is gone
-                    types.SimpleNamespace(encoder=lambda: None),
-                    None,
-                    None,
-                    concurrency=2,
-                    budget=client.StateBudget(1 << 20),
-                    row_bytes=1,
-                    rid_tag="t",
-                    layer_ids=layer_ids,
-                    max_retries=0,
-                    backoff_s=0.1,
-                    request_timeout_s=5.0,
-                    dump_wait_s=5.0,
-                )
-        finally:
-            workers.close()
+        # a worker killed outright (the kernel's OOM killer) cannot say so: its silence is an error too (nothing
+        # to send here: worker 0 ends at once, worker 1 is gone)
+        with pytest.raises(RuntimeError, match=r"capture worker 1 ended without a word \(exit -9\)"):
+            run_two_workers(str(prepared), [], kill_second=True)
         assert multiprocessing.active_children() == [] and spools() == before
         started = []
 
