@@ -256,6 +256,13 @@ def test_radix_cache_needs_a_bypass_and_plugin_salt_or_logprob_work(tiny_target_
             assert out["cache_bypass"] == [chosen]
             if chosen == "plugin":
                 assert all(keys == ["input_ids", "rid", "sampling_params"] for keys in sent), sent[:2]
+        # a plugin that reports the cap while SGLang does not run the hooked method: the probe tells, before a
+        # sample is sent
+        put_back = without_the_prefix_cap(srv)
+        with pytest.raises(EyasError, match="did not pass through it .* --sglang-cache-bypass logprob"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "s-off", LAYERS, concurrency=1)
+        assert not (tmp_path / "s-off").exists()
+        put_back()
         # a plugin whose cap is not in effect and not reported (an older plugin): auto falls back to the salt,
         # and the plugin's bypass asked for by name is refused, naming what to do
         without_the_prefix_cap(srv)

@@ -877,6 +877,7 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
         assert set(targets) <= hr.HookRegistry._patched and len(targets) == 5
         # the radix-cache match of an eyas request is capped at 0; any other request keeps SGLang's cap
         assert Req(make_rid(9, "cap"))._compute_max_prefix_len(9) == 0 and Req("x")._compute_max_prefix_len(9) == 8
+        assert st.counts["prefix_caps"] == 1  # what the client's probe reads to know the cap is in effect
         runner = ModelRunner()
         assert runner.init_attention_backends() == "backends"  # BEFORE hook ran, original still runs
         assert st.enabled and runner.model.model.layers_to_capture == [2, 4, 5]

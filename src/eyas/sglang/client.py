@@ -605,7 +605,26 @@ def probe(
                 "EYAS_DUMP_DIR"
             )
         raise EyasError(f"--url {plan.url}: the probe request failed: {res.reason}.{hint}")
+    if plan.bypass == "plugin":
+        _check_prefix_cap(plan)
     return res
+
+
+def _check_prefix_cap(plan: ServerPlan) -> None:
+    """The plugin's cap on eyas requests' prefix match took the probe (its counter grew): else SGLang does not run
+    the hooked method, and prompts sharing a prefix would come back rejected."""
+    before = int((plan.status.get("stats") or {}).get("prefix_caps", 0) or 0)
+    try:
+        after = int(((plugin_state(get_server_info(plan.url)) or {}).get("stats") or {}).get("prefix_caps", 0) or 0)
+    except (TransientHTTPError, PermanentHTTPError) as exc:
+        raise EyasError(f"--url {plan.url}: cannot read the server's info after the probe ({exc})") from None
+    if after <= before:
+        raise EyasError(
+            f"--url {plan.url}: the eyas plugin reports a prefix cap, but the probe request did not pass through it "
+            "(its hook on Req._compute_max_prefix_len is not in effect: look for 'Failed to apply hooks' in the server "
+            "log); pass --sglang-cache-bypass logprob (or salt on SGLang >= 0.5.22), or restart the server with "
+            "--disable-radix-cache"
+        )
 
 
 # ----------------------------------------------------------------------------- the store

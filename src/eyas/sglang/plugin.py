@@ -420,7 +420,13 @@ class _State:
         self.last_error = ""
         self.logits_sig: inspect.Signature | None = None
         self._live: tuple[int, Any] | None = None  # (thread id, the scheduler's ForwardBatch)
-        self.counts = {"live_batches": 0, "rids_from_live_batch": 0, "unmatched_forwards": 0, "rid_less_forwards": 0}
+        self.counts = {
+            "live_batches": 0,
+            "rids_from_live_batch": 0,
+            "unmatched_forwards": 0,
+            "rid_less_forwards": 0,
+            "prefix_caps": 0,  # eyas requests whose radix-cache match _on_max_prefix_len capped at 0
+        }
 
     def is_writer(self) -> bool:
         r = self.ranks
@@ -805,8 +811,14 @@ def _on_logits(proc, *args, **kwargs):
 
 
 def _on_max_prefix_len(result, req=None, *args, **kwargs):
-    """AFTER Req._compute_max_prefix_len: 0 for an eyas request (no cached prefix), SGLang's own cap otherwise."""
-    return 0 if parse_rid(getattr(req, "rid", None)) is not None else None
+    """AFTER Req._compute_max_prefix_len: 0 for an eyas request (no cached prefix), SGLang's own cap otherwise.
+    Counted, so that the client's probe can tell the cap is in effect."""
+    if parse_rid(getattr(req, "rid", None)) is None:
+        return None
+    st = _STATE
+    if st is not None:
+        st.counts["prefix_caps"] += 1
+    return 0
 
 
 def _on_internal_state(result, *args, **kwargs):
