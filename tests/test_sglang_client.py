@@ -281,6 +281,17 @@ def test_radix_cache_needs_a_bypass_and_plugin_salt_or_logprob_work(tiny_target_
     check_store_against_reference(tmp_path / "s-auto", prepared, tiny_model)
 
 
+def test_the_plugins_bypass_asked_for_on_a_server_without_radix_cache_captures(tiny_target_dir, prepared, tmp_path):
+    # nothing to cap there, and SGLang still runs the hook (it computes the cap whatever the cache): no probe check
+    with serve(tiny_target_dir, tmp_path) as srv:
+        out = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "s", LAYERS, cache_bypass="plugin", concurrency=2, calibrate=0
+        )
+        caps = srv.server_info()["internal_states"][0]["eyas_capture"]["stats"]["prefix_caps"]
+    assert out["cache_bypass"] == ["plugin"] and out["captured"] == len(LENGTHS) and out["rejected_count"] == 0
+    assert caps == len(LENGTHS) + 1  # every sample and the probe passed through the hook
+
+
 def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(
     tiny_target_dir, tiny_model, prepared, tmp_path
 ):

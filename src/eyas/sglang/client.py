@@ -605,7 +605,7 @@ def probe(
                 "EYAS_DUMP_DIR"
             )
         raise EyasError(f"--url {plan.url}: the probe request failed: {res.reason}.{hint}")
-    if plan.bypass == "plugin":
+    if plan.bypass == "plugin" and not plan.info.get("disable_radix_cache"):
         _check_prefix_cap(plan)
     return res
 

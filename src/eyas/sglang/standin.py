@@ -574,7 +574,12 @@ class StandinServer:
 
     def _match_prefix(self, req: _Req) -> int:
         """SGLang's rule: the longest cached prefix (same salt), at most Req._compute_max_prefix_len, which the
-        plugin's AFTER hook on it may lower (every rank's scheduler runs it: the first rank's state stands in)."""
+        plugin's AFTER hook on it may lower (every rank's scheduler runs it: the first rank's state stands in). SGLang
+        computes the cap also with the radix cache off."""
+        L = len(req.ids)
+        cap = req._compute_max_prefix_len(L)
+        if self.cfg.plugin:
+            cap = self.hooks.after(PREFIX_CAP_TARGET, self.states[0], cap, req, L)
         if self.cfg.disable_radix_cache:
             return 0
         best = 0
@@ -587,10 +592,6 @@ class StandinServer:
                     break
                 k += 1
             best = max(best, k)
-        L = len(req.ids)
-        cap = req._compute_max_prefix_len(L)
-        if self.cfg.plugin:
-            cap = self.hooks.after(PREFIX_CAP_TARGET, self.states[0], cap, req, L)
         return max(0, min(best, cap))
 
     def _schedule_loop(self) -> None:
