@@ -187,25 +187,29 @@ def spin(stop: threading.Event) -> None:
         [i * i for i in range(1000)]
 
 
-def check_and_spool(path: str, sample_id: str, input_ids, meta_info: dict, **kw):
-    """check_and_encode, its rows then handed back in a file beside the dump (EncodedSample.spool), as the
+def check_in_pipe(path: str, sample_id: str, ids_np, meta_info: dict, **kw):
+    """check_and_encode in another process (the ids sent as numpy), its rows handed back through the pipe."""
+    from eyas.sglang.client import check_and_encode
+
+    return check_and_encode(Path(path), sample_id, torch.from_numpy(ids_np), meta_info, **kw)
+
+
+def check_and_spool(path: str, sample_id: str, ids_np, meta_info: dict, **kw):
+    """check_in_pipe, its rows then handed back in a file beside the dump (EncodedSample.spool), as the
     capture's worker processes (--sglang-procs) hand theirs to the storing process."""
     from dataclasses import replace
 
-    from eyas.sglang.client import check_and_encode
-
-    out = check_and_encode(path, sample_id, input_ids, meta_info, **kw)
+    out = check_in_pipe(path, sample_id, ids_np, meta_info, **kw)
     return out if out.encoded is None else replace(out, encoded=out.encoded.spool(os.path.join(path, "rows.bin")))
 
 
 def handoff(a, dump_dir: Path, rids: list[str], lengths: list[int], results: dict, flip: bool) -> None:
     """--handoff-samples dumps read, checked and encoded in --handoff-procs processes, their rows coming back
-    through the process pool's pipe (check_and_encode) and through a file beside the dump (check_and_spool, the
+    through the process pool's pipe (check_in_pipe) and through a file beside the dump (check_and_spool, the
     way the capture's workers hand samples over), with 0 and 1 threads of this process holding the GIL."""
     import concurrent.futures as cf
     import multiprocessing
 
-    from eyas.sglang.client import check_and_encode
     from eyas.store.writer import SampleEncoder, StoreSpec
 
     n = min(a.handoff_samples, len(rids))
@@ -220,7 +224,7 @@ def handoff(a, dump_dir: Path, rids: list[str], lengths: list[int], results: dic
         arms = [
             (f"handoff_{way}_busy{busy}", fn, busy)
             for busy in (0, 1)
-            for way, fn in (("pipe", check_and_encode), ("spool", check_and_spool))
+            for way, fn in (("pipe", check_in_pipe), ("spool", check_and_spool))
         ]
         for name, fn, busy in arms[:: -1 if flip else 1]:
             stop = threading.Event()

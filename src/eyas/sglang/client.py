@@ -22,8 +22,8 @@ status `prefix_cap`) caps an eyas request's prefix match at 0 inside the server,
 asking for every prompt token's logprob, and nothing extra is computed; `salt` sends a unique
 `cache_salt` (SGLang >= 0.5.22 namespaces the radix tree by it: no prefix can match, but each
 finished prompt is cached under its own key); `logprob` sends return_logprob with logprob_start_len 0
-(caps the prefix match at 0 on every 0.5.x, but computes and returns every prompt token's logprob:
-about a third of the server's prefill rate); `none` requires --disable-radix-cache on the server.
+(caps the prefix match at 0 on every 0.5.x, but computes and returns every prompt token's logprob, which
+slows the server's prefill); `none` requires --disable-radix-cache on the server.
 `auto`: none when the radix cache is off, else the first of plugin, salt, logprob the server offers.
 """
 
@@ -492,9 +492,15 @@ def capture_one(
         there = int(meta_info.get("cached_tokens", 0) or 0) == 0 and dump_appeared(
             plan.dump_dir, rid, timeout=dump_wait_s
         )
-        args = (str(plan.dump_dir / rid) if there else None, sample_id, input_ids.numpy(), meta_info)
-        kw = {"layer_ids": list(layer_ids), "hidden_size": plan.hidden_size, "encode": encode}
-        checked = check_and_encode(*args, **kw)
+        checked = check_and_encode(
+            plan.dump_dir / rid if there else None,
+            sample_id,
+            input_ids,
+            meta_info,
+            layer_ids=layer_ids,
+            hidden_size=plan.hidden_size,
+            encode=encode,
+        )
     finally:
         remove_dump(plan.dump_dir, rid)
     checked.seconds["dump"] += time.perf_counter() - t0 - sum(checked.seconds.values())  # the wait for it too
@@ -502,11 +508,17 @@ def capture_one(
 
 
 def check_and_encode(
-    path: str | None, sample_id: str, input_ids, meta_info: dict[str, Any], *, layer_ids, hidden_size, encode
+    path: Path | None,
+    sample_id: str,
+    input_ids: torch.Tensor,
+    meta_info: dict[str, Any],
+    *,
+    layer_ids,
+    hidden_size,
+    encode,
 ) -> Outcome:
     """Read a sample's dump (`path` None: none appeared), check it, stack its states as the store keeps them and
     encode them (`encode` None: left stacked), on the request thread that sent it."""
-    input_ids = torch.as_tensor(input_ids)
     L = int(input_ids.shape[0])
     t0 = time.perf_counter()
     dump = read_dump(path) if path is not None else None
@@ -814,7 +826,6 @@ def capture_from_sglang(
             request_timeout_s=request_timeout_s,
             dump_wait_s=dump_wait_s,
             workers=workers,
-            source=(str(prepared), split),
         )
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
@@ -856,6 +867,7 @@ def capture_from_sglang(
         store_seconds=writer.seconds,
         calibration=calibration,
         memory={"limit_bytes": budget.limit, "peak_bytes": budget.peak},
+        procs=0 if workers is None else len(workers.procs),
     )
     _refuse_disagreeing_engine(calibration, out_store, plans[0].url, summary)
     return summary
@@ -885,40 +897,13 @@ def _refuse_disagreeing_engine(calibration: dict[str, Any], out_store, url: str,
         )
 
 
-def _capture_loop(
-    plans, split, todo, writer, tally, bar, *, concurrency: int, budget, row_bytes: int, workers, source, **request_kw
-):
+def _capture_loop(plans, split, todo, writer, tally, bar, *, workers, **sender_kw):
     """Send every sample of `todo` and store each verified one. `concurrency` requests at each server (its
     gate); as many more samples again are being read and checked, or wait for a slot, so that a server
     never waits for this process to read a dump. With `workers` (_Workers, --sglang-procs), they share the
-    samples and the slots, on the prepared split `source` = (path, split name), and this process only
-    stores. `request_kw`: _Sender's request settings."""
-    if workers is not None:
-        return workers.run(
-            plans,
-            source,
-            todo,
-            writer,
-            tally,
-            bar,
-            concurrency=concurrency,
-            budget=budget,
-            row_bytes=row_bytes,
-            **request_kw,
-        )
-    _send_all(
-        plans,
-        split,
-        todo,
-        writer,
-        tally,
-        bar,
-        concurrency=concurrency,
-        budget=budget,
-        encode=writer.encoder(),
-        row_bytes=row_bytes,
-        **request_kw,
-    )
+    samples and the slots, and this process only stores. `sender_kw`: `concurrency`, then _Sender's fields."""
+    send = _send_all if workers is None else workers.run
+    send(plans, split, todo, writer, tally, bar, encode=writer.encoder(), **sender_kw)
 
 
 def _send_all(plans, split, todo, writer, tally, bar, *, concurrency: int, **sender_kw) -> None:
@@ -991,7 +976,7 @@ def _worker_task(task: dict[str, Any], budget: StateBudget, spooler: _Spooler) -
     from eyas.data.prepared import PreparedDataset
 
     path, split_name = task.pop("source")
-    split = PreparedDataset(path).split(split_name)
+    split = PreparedDataset(path, check=False).split(split_name)  # the parent checked its fingerprint
     _send_all(task.pop("plans"), split, task.pop("todo"), None, spooler, spooler, budget=budget, **task)
 
 
@@ -1028,18 +1013,17 @@ class _Workers:
         for w in self.procs:
             w.start()
 
-    def run(self, plans, source, todo, writer, tally, bar, *, concurrency: int, budget, **task) -> None:
+    def run(self, plans, split, todo, writer, tally, bar, *, concurrency: int, budget, **task) -> None:
         n = len(self.procs)
         for k, q in enumerate(self.tasks):
             q.put(
                 {
                     **task,
                     "plans": plans,
-                    "source": source,
+                    "source": (str(split.root), split.name),
                     "todo": todo[k::n],
                     "concurrency": concurrency // n + (k < concurrency % n),
                     "memory_bytes": max(budget.limit // 2 // n, 1),
-                    "encode": writer.encoder(),
                 }
             )
         running = set(range(n))
@@ -1056,7 +1040,7 @@ class _Workers:
                 if item.error is not None:
                     raise RuntimeError(f"capture worker {item.worker}: {item.error}")
                 running.discard(item.worker)
-                budget.peak += item.peak_bytes  # the workers' peaks summed: at most what was held at once
+                budget.peak += item.peak_bytes  # the workers' peaks summed: at least what was held at once
                 continue
             if item.encoded is not None:
                 spooled = item.encoded
@@ -1495,6 +1479,7 @@ def _capture_summary(
     store_seconds: dict[str, float],
     calibration: dict[str, Any],
     memory: dict[str, int],
+    procs: int,
 ) -> dict[str, Any]:
     """capture_from_sglang's summary (rejected samples listed up to REJECTED_LISTED)."""
     tokens = tally.tokens
@@ -1526,6 +1511,7 @@ def _capture_summary(
         "setup_seconds": {k: round(v, 3) for k, v in setup_seconds.items()},
         "store_seconds": {k: round(v, 3) for k, v in store_seconds.items()},
         "memory": memory,
+        "procs": procs,  # worker processes that sent and checked (--sglang-procs; 0: this one)
         "engine_numerics": calibration,
     }
 
