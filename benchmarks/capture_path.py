@@ -76,8 +76,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch
 from sglang_plugin_overhead import schedule  # noqa: E402 (the same SGLang-like prefill schedule)
 
-from eyas.sglang.client import check_sample, parse_answer, remove_dump, wait_for_dump
 from eyas.sglang.core import CaptureCore, DumpWriter, ForwardInfo, make_rid, write_dump
+from eyas.sglang.request import check_sample, remove_dump, wait_for_dump
+from eyas.sglang.server import parse_answer
 
 HIDDEN, AUX = 576, 3
 LAYERS = [2, 15, 27]  # SmolLM2-135M's EAGLE-3 default (30 layers: 2, N//2, N-3)
@@ -189,7 +190,7 @@ def spin(stop: threading.Event) -> None:
 
 def check_in_pipe(path: str, sample_id: str, ids_np, meta_info: dict, **kw):
     """check_and_encode in another process (the ids sent as numpy), its rows handed back through the pipe."""
-    from eyas.sglang.client import check_and_encode
+    from eyas.sglang.request import check_and_encode
 
     return check_and_encode(Path(path), sample_id, torch.from_numpy(ids_np), meta_info, **kw)
 
@@ -588,7 +589,8 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int, bypass: str
     import concurrent.futures as cf
 
     from eyas.data.prepared import PreparedDataset
-    from eyas.sglang.client import build_request, generate
+    from eyas.sglang.request import build_request
+    from eyas.sglang.server import generate
 
     split = PreparedDataset(prepared).split("train")
     run = os.urandom(3).hex()
@@ -643,17 +645,17 @@ def read_into(path) -> dict[str, torch.Tensor]:
 def client_variant(name: str):
     import safetensors.torch
 
-    import eyas.sglang.client as client
+    import eyas.sglang.server as server
 
-    saved = client.parse_answer, safetensors.torch.load_file
+    saved = server.parse_answer, safetensors.torch.load_file
     if name == "whole":
-        client.parse_answer = json.loads
+        server.parse_answer = json.loads
     if name == "readinto":  # read_dump imports load_file when it runs
         safetensors.torch.load_file = read_into
     try:
         yield
     finally:
-        client.parse_answer, safetensors.torch.load_file = saved
+        server.parse_answer, safetensors.torch.load_file = saved
 
 
 def run_model(

@@ -27,8 +27,8 @@ from pathlib import Path
 
 import torch
 
-from eyas.sglang.client import check_sample
 from eyas.sglang.core import CaptureCore, DumpWriter, ForwardInfo, make_rid, read_dump
+from eyas.sglang.request import check_sample
 
 
 def log(msg: str) -> None:

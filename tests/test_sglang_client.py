@@ -18,7 +18,8 @@ import pytest
 import torch
 
 from eyas.errors import CheckFailed, EyasError
-from eyas.sglang.client import capture_from_sglang, preflight
+from eyas.sglang.client import capture_from_sglang
+from eyas.sglang.server import preflight
 from eyas.sglang.standin import StandinConfig, StandinServer
 
 LENGTHS = [5, 12, 23, 40, 9, 31, 17, 26]
@@ -116,11 +117,11 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
 def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, prepared, tmp_path, monkeypatch):
     # With 2 slots, a dump wait that lasts until a third request is answered ends only if the samples
     # waiting for dumps gave their slots to the next ones; the server never has more than 2 requests.
-    from eyas.sglang import client
+    from eyas.sglang import request, server
 
     cond = threading.Condition()
-    st = {"at_server": 0, "most": 0, "answered": 0, "stuck": 0}
-    real_http, real_wait = client.http_json, client.wait_for_dump
+    st = {"at_server": 0, "most": 0, "answered": 0, "stuck": 0, "waited": 0}
+    real_http, real_wait = server.http_json, request.dump_appeared
 
     def http(method, url, body=None, **kw):
         if not url.endswith("/generate") or "probe" in body["rid"]:
@@ -139,21 +140,23 @@ def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, pre
     def wait(dump_dir, rid, **kw):
         if "probe" not in rid:
             with cond:
+                st["waited"] += 1
                 st["stuck"] += not cond.wait_for(lambda: st["answered"] >= 3, timeout=20)
         return real_wait(dump_dir, rid, **kw)
 
-    monkeypatch.setattr(client, "http_json", http)
-    monkeypatch.setattr(client, "wait_for_dump", wait)
+    monkeypatch.setattr(server, "http_json", http)
+    monkeypatch.setattr(request, "dump_appeared", wait)
     with serve(tiny_target_dir, tmp_path) as srv:
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=2, calibrate=0)
-    assert st["stuck"] == 0 and st["most"] == 2 and st["answered"] == len(LENGTHS)
+    assert st["waited"] == st["answered"] == len(LENGTHS)  # every sample waited here for its dump
+    assert st["stuck"] == 0 and st["most"] == 2
     assert out["captured"] == len(LENGTHS) and out["rejected_count"] == 0
 
 
 def test_wait_for_dump_never_pauses_long_between_looks(tmp_path):
     # a dump lands milliseconds after the answer: however long it takes, the pause between looks stays short
-    from eyas.sglang.client import DUMP_POLL_S, wait_for_dump
     from eyas.sglang.core import CaptureCore, ForwardInfo, make_rid, write_dump
+    from eyas.sglang.request import DUMP_POLL_S, wait_for_dump
 
     rid = make_rid(3, "late")
     sample = CaptureCore().observe(
@@ -455,7 +458,7 @@ def test_the_prefill_graph_is_on_when_the_resolved_config_says_so_not_by_cuda_de
             with pytest.raises(EyasError, match="restart it with --disable-prefill-cuda-graph"):
                 preflight(srv.url, LAYERS)
     # and lost request ids are blamed on the graph only where it runs
-    from eyas.sglang.client import prefill_graph_on, request_ids_lost
+    from eyas.sglang.server import prefill_graph_on, request_ids_lost
 
     before, after = {"live_batches": 0, "rids_from_live_batch": 0}, {"live_batches": 3, "rids_from_live_batch": 0}
     assert request_ids_lost(before, after, {"cuda_graph_config": {"prefill": {"backend": "breakable"}}})
@@ -744,8 +747,8 @@ def test_verify_server_numbers_catch_an_off_by_one_layer_convention(tiny_target_
 
 
 def test_check_sample_names_every_fault(tmp_path):
-    from eyas.sglang.client import check_sample
     from eyas.sglang.core import CaptureCore, ForwardInfo, make_rid, read_dump, write_dump
+    from eyas.sglang.request import check_sample
 
     L, ids = 6, torch.arange(10, 16)
     g = torch.Generator().manual_seed(0)
@@ -860,7 +863,7 @@ def test_probe_blames_the_missing_batch_hook_not_the_dump_dir(tiny_target_dir, t
     # A plugin whose ModelRunner.forward hook never ran sees replay batches without rids and writes
     # nothing; the probe must say so and name the flag, not send the user to the dump directory.
     from eyas.sglang import plugin
-    from eyas.sglang.client import probe
+    from eyas.sglang.request import probe
 
     monkeypatch.setattr(plugin._State, "on_model_runner_forward", lambda self, fb: None)
     with serve(tiny_target_dir, tmp_path) as srv:
@@ -875,7 +878,7 @@ def test_probe_names_the_flag_when_replay_batches_find_no_scheduler_batch(
     tiny_target_dir, tmp_path, monkeypatch, old_plugin
 ):
     # the plugin saw scheduler batches but took no request ids from them: the flag, not the dump directory
-    from eyas.sglang.client import probe
+    from eyas.sglang.request import probe
 
     run_model_runner_forward_elsewhere(monkeypatch, old_plugin=old_plugin)
     with serve(tiny_target_dir, tmp_path) as srv:
@@ -903,7 +906,7 @@ def plain_http_server(directory):
 
 def test_a_wrong_port_serving_html_gets_a_one_line_error(tmp_path):
     # a web server on the wrong port answers every path with a whole HTML page: one line, no page, on every path
-    from eyas.sglang.client import TransientHTTPError, http_json
+    from eyas.sglang.server import TransientHTTPError, http_json
 
     (tmp_path / "www").mkdir()
     (tmp_path / "www" / "server_info").write_text("<html><body>\n<h1>not json</h1>\n</body></html>\n")
@@ -924,7 +927,7 @@ def test_a_wrong_port_serving_html_gets_a_one_line_error(tmp_path):
 def test_answers_are_read_without_their_logprob_lists_and_otherwise_as_json_reads_them():
     import json
 
-    from eyas.sglang.client import parse_answer
+    from eyas.sglang.server import parse_answer
 
     meta = {"id": "eyas.4.x", "prompt_tokens": 4, "cached_tokens": 0, "finish_reason": {"type": "length", "length": 1}}
     lists = {
@@ -965,7 +968,8 @@ def test_answers_are_read_without_their_logprob_lists_and_otherwise_as_json_read
 
 def test_the_logprob_bypass_answer_carries_sglangs_lists_and_the_capture_reads_past_them(tiny_target_dir, tmp_path):
     from eyas.common import http_request
-    from eyas.sglang.client import build_request, parse_answer
+    from eyas.sglang.request import build_request
+    from eyas.sglang.server import parse_answer
 
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
         body = build_request(list(range(100, 130)), "eyas.30.lp", "logprob")
@@ -993,12 +997,13 @@ def test_capture_processes_store_the_same_states_and_reject_what_one_process_rej
     # reference's, and a sample the checks refuse must be refused there too (here the plugin's rejection of a
     # prompt served from a prefix, which only the dump can tell)
     import eyas.sglang.client as client
+    import eyas.sglang.sender as sender
 
     class NoSender:  # this process must send nothing: the spawned workers import their own, unpatched
         def __init__(self, **kw):
             raise AssertionError("the parent process sent the samples itself")
 
-    monkeypatch.setattr(client, "_Sender", NoSender)
+    monkeypatch.setattr(sender, "Sender", NoSender)
     before = spools()
     with serve(tiny_target_dir, tmp_path, disable_radix_cache=False, chunked_prefill_size=8) as srv:
         truthful = hide_the_prefix_cache(srv)
@@ -1011,12 +1016,12 @@ def test_capture_processes_store_the_same_states_and_reject_what_one_process_rej
         truthful()
         spooled = []
 
-        class Recorded(client._Workers):
+        class Recorded(client.Workers):
             def __init__(self, *a):
                 super().__init__(*a)
                 spooled.append(self.spooled)
 
-        monkeypatch.setattr(client, "_Workers", Recorded)
+        monkeypatch.setattr(client, "Workers", Recorded)
         # the tightest memory: one sample at a time in each worker and one waiting in the spool, still through
         again = capture_from_sglang(
             [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, procs=2, memory_bytes=1
@@ -1039,6 +1044,7 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
     import numpy
 
     from eyas.sglang import client
+    from eyas.sglang.sender import StateBudget
 
     before = spools()
     with serve(tiny_target_dir, tmp_path) as srv:
@@ -1054,7 +1060,7 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
         )
 
         def run_two_workers(source: str, todo: list[int], kill_second: bool = False) -> None:
-            workers = client._Workers(2, 2, client.StateBudget(1 << 20), 8, numpy.array([10]))
+            workers = client.Workers(2, 2, StateBudget(1 << 20), 8, numpy.array([10]))
             try:
                 if kill_second:
                     workers.procs[1].kill()
@@ -1068,7 +1074,7 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
                     None,
                     encode=None,
                     concurrency=2,
-                    budget=client.StateBudget(1 << 20),
+                    budget=StateBudget(1 << 20),
                     row_bytes=1,
                     rid_tag="t",
                     layer_ids=layer_ids,
@@ -1090,12 +1096,12 @@ def test_a_capture_worker_that_fails_ends_the_capture_with_its_error(tiny_target
         assert multiprocessing.active_children() == [] and spools() == before
         started = []
 
-        class Counted(client._Workers):
+        class Counted(client.Workers):
             def __init__(self, *a):
                 super().__init__(*a)
                 started.append(len(self.procs))
 
-        monkeypatch.setattr(client, "_Workers", Counted)
+        monkeypatch.setattr(client, "Workers", Counted)
         (tmp_path / "taken").mkdir()
         (tmp_path / "taken" / "notes.txt").write_text("not a store")
         with pytest.raises(EyasError, match="taken"):
@@ -1110,7 +1116,7 @@ def test_spools_of_dead_captures_are_removed_and_workers_end_with_their_parent(t
     import subprocess
     import sys
 
-    from eyas.sglang.client import remove_dead_spools
+    from eyas.sglang.workers import remove_dead_spools
 
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
     dead = tmp_path / f"eyas-spool-{int(gone.stdout)}-abc"

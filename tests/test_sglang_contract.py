@@ -538,7 +538,7 @@ def server_args_fields(srt: Path) -> set[str]:
 
 
 def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
-    from eyas.sglang import client
+    from eyas.sglang import server
 
     srt = sglang_src / "sglang/srt"
     version = release(sglang_src)
@@ -550,8 +550,8 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     assert {k for k in plugin_reads if k.startswith("_")} == RESOLUTION_BOOKKEEPING
     plugin_reads = {k: d for k, d in plugin_reads.items() if k not in RESOLUTION_BOOKKEEPING}
     # the client's preflight, on /server_info: ServerArgs's fields plus what the handler adds itself
-    client_fns = module_functions(client)
-    client_reads = names_read(client_fns["preflight"], "info", client_fns)
+    server_fns = module_functions(server)
+    client_reads = names_read(server_fns["preflight"], "info", server_fns)
     handler = next(
         n
         for n in parse(srt / "entrypoints/http_server.py").body
@@ -571,7 +571,7 @@ def test_the_server_args_the_plugin_and_the_client_read_exist(sglang_src):
     assert {"speculative_algorithm", "enable_dp_attention", "enable_prefill_cp", "cuda_graph_config"} <= set(
         plugin_reads
     ) & set(client_fields)
-    for who, reads in (("plugin.check_server_args", plugin_reads), ("client.preflight", client_fields)):
+    for who, reads in (("plugin.check_server_args", plugin_reads), ("server.preflight", client_fields)):
         for name, defaulted in sorted(reads.items()):
             if name in NEWER_FIELDS:
                 since = NEWER_FIELDS[name][0]

@@ -711,7 +711,8 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
 
     sys.path.insert(0, str(REPO / "src"))
     from eyas.data.prepared import PreparedDataset
-    from eyas.sglang.client import build_request, generate
+    from eyas.sglang.request import build_request
+    from eyas.sglang.server import generate
 
     sp = PreparedDataset(prepared).split("train")
     n = min(n, len(sp))
@@ -901,7 +902,7 @@ def store_run(a) -> None:
     step("wait for prepare", wait_prepare)
     try:
         sys.path.insert(0, str(REPO / "src"))
-        from eyas.sglang.client import choose_bypass, get_server_info
+        from eyas.sglang.server import choose_bypass, get_server_info
 
         bypass = choose_bypass(get_server_info(srv.url), "auto")  # what `eyas capture` will choose
         R["bypass"] = bypass

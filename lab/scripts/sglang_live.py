@@ -885,7 +885,7 @@ def run(a) -> None:
             [
                 str(py),
                 "-c",
-                "import json; from eyas.sglang.client import preflight; "
+                "import json; from eyas.sglang.server import preflight; "
                 f"p = preflight('{url}', [{LAYERS}]); print(json.dumps({{'bypass': p.bypass, 'version': p.version, "
                 "'status': p.status}))",
             ],

@@ -339,7 +339,7 @@ class Server:
     def spec_state(self) -> dict[str, Any]:
         """The server-wide acceptance counters now (SGLang: avg_spec_accept_length; vLLM: spec-decode counters)."""
         if self.engine == "sglang":
-            from eyas.sglang.client import get_server_info
+            from eyas.sglang.server import get_server_info
 
             try:
                 info = get_server_info(self.url, timeout=60.0)
@@ -384,7 +384,7 @@ SGLANG_SETTINGS = (
 
 def probe(url: str, option: str, *, engine: str, timeout: float) -> Server:
     """Ask `url` what it is; an EyasError (naming the option and URL) when it does not answer or is neither engine."""
-    from eyas.sglang.client import PermanentHTTPError, TransientHTTPError, get_server_info
+    from eyas.sglang.server import PermanentHTTPError, TransientHTTPError, get_server_info
 
     if engine in ("auto", "sglang"):
         info: Any = None

@@ -69,7 +69,8 @@ def verify_server(
 
     from eyas.config_checks import check_device, check_in, check_url, check_value, parse_int_list
     from eyas.errors import CheckFailed, EyasError
-    from eyas.sglang.client import capture_one, preflight
+    from eyas.sglang.request import capture_one
+    from eyas.sglang.server import preflight
 
     # every option is checked before the first request
     url = check_url(url, option="--url")
@@ -176,8 +177,9 @@ def verify_server(
 def _plugin_counters(plan, results) -> dict:
     """Check 4: the plugin's counters after the requests of `results` (the earlier checks' captures), and the fix
     when they or a missing dump point to one."""
-    from eyas.sglang.client import NO_DUMP, get_server_info, missing_dump_cause, plugin_state
     from eyas.sglang.core import REPLAY_FLAG
+    from eyas.sglang.request import NO_DUMP
+    from eyas.sglang.server import get_server_info, missing_dump_cause, plugin_state
 
     after = plugin_state(get_server_info(plan.url)) or {}
     stats = after.get("stats", {})
