@@ -556,7 +556,7 @@ def run_e2e(a, lengths: list[int], dump_root: Path, store_root: Path, results: d
             out["tokens"],
             seconds=out["loop_s"],
             concurrency=a.concurrency,
-            **{k: out[k] for k in ("seconds_summed", "setup_seconds") if k in out},
+            **{k: out[k] for k in ("seconds_summed", "setup_seconds", "beside_loop_seconds") if k in out},
         )
     shutil.rmtree(work, ignore_errors=True)
 

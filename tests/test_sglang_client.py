@@ -108,9 +108,15 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     # each figure rounded to 1 ms, the whole too
     assert sum(phases[k] for k in ("setup", "loop", "calibrate", "close")) <= out["elapsed_s"] + 5 * 5e-4
     setup = out["setup_seconds"]  # the set-up's parts, in order, within it
-    assert list(setup) == ["data", "preflight", "probe", "target_identity", "tokenizer", "open_store"]
-    assert setup["probe"] > 0
+    assert list(setup) == ["data", "preflight", "probe"] and setup["probe"] > 0
     assert sum(setup.values()) <= phases["setup"] + (len(setup) + 1) * 5e-4  # each figure rounded to 1 ms
+    # beside the loop: the store opened (the loop waited for it before it ended), then the calibration's reference
+    # loaded (the calibration waited for it)
+    beside = out["beside_loop_seconds"]
+    assert list(beside) == ["target_identity", "tokenizer", "open_store", "reference"] and beside["reference"] > 0
+    opening = sum(beside[k] for k in ("target_identity", "tokenizer", "open_store"))
+    assert 0 < opening <= phases["loop"] + 4 * 5e-4
+    assert sum(beside.values()) <= phases["loop"] + phases["calibrate"] + 5 * 5e-4
     assert out["store_seconds"]["write"] > 0 and out["store_seconds"]["commit"] > 0
 
 
@@ -522,6 +528,46 @@ def test_a_slow_store_write_does_not_stop_sending(tiny_target_dir, prepared, tmp
         monkeypatch.setattr(StoreWriter, "add_encoded", slow_first)
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=1)
     assert sent_meanwhile[0] >= 3 and out["captured"] == len(LENGTHS) and out["store_complete"]
+
+
+def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capture(
+    tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch
+):
+    # the store's opening (the target's identity, the tokenizer check, the manifest) waits here until the server
+    # has answered every sample: a capture that opened the store before sending would never get there
+    import time
+
+    from eyas.sglang import client
+
+    real_open, answered = client.open_store, []
+
+    def sent() -> int:  # the samples' requests the server has run (the probe's aside)
+        return len({r for f in srv.forwards for r in f["rids"] if "probe" not in r})
+
+    def slow_open(*a, **kw):
+        deadline = time.monotonic() + 20
+        while sent() < len(LENGTHS) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        answered.append(sent())
+        return real_open(*a, **kw)
+
+    with serve(tiny_target_dir, tmp_path) as srv:
+        monkeypatch.setattr(client, "open_store", slow_open)
+        out = capture_from_sglang(
+            [srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, concurrency=2
+        )
+        assert answered == [len(LENGTHS)] and out["captured"] == len(LENGTHS) and out["store_complete"]
+        check_store_against_reference(tmp_path / "store", prepared, tiny_model)
+        # a store that cannot be opened (the data tokenised by another tokenizer) stops the capture with its own
+        # error, samples sent meanwhile or not, and nothing is written
+        monkeypatch.setattr("eyas.target.tokenizer_hash", lambda tok: "f" * 64)
+        for procs in (0, 2):
+            with pytest.raises(EyasError, match="another tokenizer"):
+                capture_from_sglang(
+                    [srv.url], prepared, "train", tmp_path / f"s{procs}", LAYERS, target=tiny_target_dir, procs=procs
+                )
+            assert not (tmp_path / f"s{procs}").exists()
+    assert list((tmp_path / "dumps").iterdir()) == []
 
 
 def test_the_states_held_between_servers_and_a_slow_disk_stay_within_the_budget(

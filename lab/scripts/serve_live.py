@@ -997,7 +997,14 @@ def store_run(a) -> None:
         cap = R.get("capture") or {}
         where = {
             k: cap.get(k)
-            for k in ("phase_seconds", "setup_seconds", "store_seconds", "seconds_summed", "in_flight_mean")
+            for k in (
+                "phase_seconds",
+                "setup_seconds",
+                "beside_loop_seconds",
+                "store_seconds",
+                "seconds_summed",
+                "in_flight_mean",
+            )
         }
         where.update({k: v for k, v in R.items() if k.startswith("in_flight_mean_")})
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")

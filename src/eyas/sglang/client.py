@@ -8,15 +8,17 @@ process can read (default /dev/shm/eyas-dumps on the server host). The client:
    process reads;
 2. sends each sample (concurrency bounded per URL; several URLs = data parallel; eyas.sglang.sender,
    or eyas.sglang.workers with --sglang-procs) and checks every one of them (eyas.sglang.request);
-3. ingests verified samples into the store (eyas.store.StoreWriter, the same store as the
-   transformers backend); resumes from the store's committed ids; retries transient HTTP errors with
-   exponential backoff; counts and lists rejected samples (a rerun of the same command retries them);
+3. ingests verified samples into the store (eyas.store.StoreWriter, the same store as the transformers
+   backend), which opens beside the first requests; resumes from the store's committed ids; retries
+   transient HTTP errors with exponential backoff; counts and lists rejected samples (a rerun of the same
+   command retries them);
 4. with a target, recomputes a few stored samples with verify's reference and records the engine's
    numerics in the store.
 """
 
 from __future__ import annotations
 
+import concurrent.futures as cf
 import hashlib
 import os
 import shutil
@@ -34,6 +36,7 @@ from eyas.sglang.request import Outcome, probe
 from eyas.sglang.sender import StateBudget, Tally, default_memory_bytes, send_all
 from eyas.sglang.server import ServerPlan, preflight
 from eyas.sglang.workers import Workers, closed_on_error
+from eyas.store.writer import SampleEncoder, StoreSpec, committed_ids
 
 CACHE_BYPASS = ("auto", "plugin", "salt", "logprob", "none")
 REJECTED_LISTED = 1000  # rejected samples listed in the summary (all are counted and logged on stderr)
@@ -73,15 +76,7 @@ def capture_from_sglang(
     held (StateBudget; default: an eighth of this machine's memory). `procs`: see _capture_loop."""
     from eyas.data.prepared import PreparedDataset
 
-    _check_capture_options(
-        urls,
-        concurrency=concurrency,
-        max_retries=max_retries,
-        dump_wait_s=dump_wait_s,
-        request_timeout_s=request_timeout_s,
-        memory_bytes=memory_bytes,
-        procs=procs,
-    )
+    _check_capture_options(urls, concurrency, max_retries, dump_wait_s, request_timeout_s, memory_bytes, procs)
     t0 = time.time()
     setup = _Laps(t0)
     ds = PreparedDataset(prepared)
@@ -102,10 +97,13 @@ def capture_from_sglang(
     )
     budget = StateBudget(memory_bytes if memory_bytes is not None else default_memory_bytes())
     row_bytes = probes[0].hidden_LSD[0].nbytes  # one token's states as the servers send them
-    # started now, the workers' imports pass beside the store's opening; a failure before the loop ends them
+    todo = _samples_to_capture(sp, n_total, Path(out_store), plans, layer_ids)
+    # the workers' imports and the first samples pass beside the store's opening; a failure before the loop ends them
     workers = Workers.start(procs, concurrency, len(plans), budget, row_bytes, sp.lengths)
+    engine = {"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype}
+    calibration_kw = {"calibrate": calibrate, "device": device, "engine": engine}
     with closed_on_error(workers):
-        writer, target = _open_capture_store(
+        store = _OpeningStore(
             Path(out_store),
             ds,
             plans,
@@ -115,10 +113,9 @@ def capture_from_sglang(
             dtype=dtype,
             target=target,
             limit=limit,
-            laps=setup,
+            sending={sp.ids[i] for i in todo},
+            calibration=calibration_kw,
         )
-        todo = _samples_to_capture(sp, n_total, writer, plans, layer_ids)
-
     tally = Tally(retries=sum(p.retries for p in probes))
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
@@ -130,9 +127,10 @@ def capture_from_sglang(
             plans,
             sp,
             todo,
-            writer,
+            store,
             tally,
             bar,
+            encode=store.encode,
             concurrency=concurrency,
             budget=budget,
             row_bytes=row_bytes,
@@ -144,18 +142,11 @@ def capture_from_sglang(
             dump_wait_s=dump_wait_s,
             workers=workers,
         )
+        writer, target = store.result()  # opened, or the reason it could not be (when no sample reached it)
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         # ok only after the calibration: one that fails leaves the store unfinished, and the same command retries it
-        calibration = _calibrate(
-            writer,
-            Path(out_store),
-            sp,
-            target,
-            calibrate=calibrate,
-            device=device,
-            engine={"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype},
-        )
+        calibration = _calibrate(writer, Path(out_store), sp, target, store.reference, **calibration_kw)
         phases["calibrate"] = time.time() - loop_t0 - loop_s
         ok = True
     finally:
@@ -166,7 +157,7 @@ def capture_from_sglang(
         t_close = time.time()
         _remove_job_dumps(plans, job)  # late dumps of timed-out attempts: keep /dev/shm bounded
         complete = ok and (not tally.rejected or mark_complete_with_rejections)
-        manifest = writer.close(complete=complete)  # commits verified samples even after an error
+        writer, manifest = store.close(complete=complete)  # commits verified samples even after an error
         phases["close"] = time.time() - t_close
     summary = _capture_summary(
         tally,
@@ -181,6 +172,7 @@ def capture_from_sglang(
         loop_s=loop_s,
         phases=phases,
         setup_seconds=setup.seconds,
+        beside_loop_seconds=store.laps.seconds,
         store_seconds=writer.seconds,
         calibration=calibration,
         memory={"limit_bytes": budget.limit, "peak_bytes": budget.peak},
@@ -192,13 +184,12 @@ def capture_from_sglang(
 
 def _check_capture_options(
     urls: Sequence[str],
-    *,
     concurrency: int,
     max_retries: int,
     dump_wait_s: float,
     request_timeout_s: float,
-    memory_bytes: int | None = None,
-    procs: int = 0,
+    memory_bytes: int | None,
+    procs: int,
 ) -> None:
     """Refuse capture_from_sglang's options that cannot work, before anything is read or sent."""
     if not urls:
@@ -325,9 +316,11 @@ def _open_capture_store(
     dtype: str,
     target: str | Path | None,
     limit: int | None,
+    sending: set[str],
     laps: _Laps,
 ):
-    """(the store's writer, the target it records): the served model's directory stands in for a missing target."""
+    """(the store's writer, the target it records): the served model's directory stands in for a missing target.
+    `sending`: the ids of the samples being sent, none of which the store may hold."""
     hidden = int(probes[0].hidden_LSD.shape[2])
     server_dtype = _model_dtype(probes[0].dump_dtype)
     if target is None:
@@ -356,6 +349,12 @@ def _open_capture_store(
         },
         laps=laps,
     )
+    if twice := sorted(writer.committed_ids & sending):
+        writer.close(complete=False)
+        raise EyasError(
+            f"--out {out_store}: {len(twice)} samples being sent (first {twice[0]}) were committed while the capture "
+            "opened the store: is another capture writing it?"
+        )
     return writer, target
 
 
@@ -425,16 +424,71 @@ def open_store(
     return writer
 
 
-def _samples_to_capture(split, n_total: int, writer, plans: Sequence[ServerPlan], layer_ids) -> list[int]:
+def _samples_to_capture(split, n_total: int, out_store: Path, plans: Sequence[ServerPlan], layer_ids) -> list[int]:
     """The indices of the samples of `split` (its first `n_total`) the store does not hold yet, said in the log."""
-    done_ids = writer.committed_ids
+    done_ids = committed_ids(out_store)
     todo = [i for i in range(n_total) if split.ids[i] not in done_ids]
     log(
         f"eyas capture (sglang): {len(todo)} of {n_total} samples to capture from {len(plans)} server(s) "
-        f"({n_total - len(todo)} already in {writer.path}); layers {layer_ids} ({CONVENTION}), "
+        f"({n_total - len(todo)} already in {out_store}); layers {layer_ids} ({CONVENTION}), "
         f"bypass {[p.bypass for p in plans]}"
     )
     return todo
+
+
+class _OpeningStore:
+    """The store, opened (`_open_capture_store`, its arguments) on a thread of its own while the first samples go
+    out: the target's identity, the tokenizer check and the manifest cost the loop nothing. `add_encoded` waits
+    for it, so the samples sent meanwhile wait within the memory budget (StateBudget); `result` gives (writer,
+    target) or raises why the store could not be opened; `close` closes it once the opening has ended. `encode`
+    turns a sample's states into the stored rows, by the spec alone."""
+
+    def __init__(self, out_store: Path, prepared, plans, probes, *, layer_ids, dtype: str, calibration, **kw):
+        hidden = int(probes[0].hidden_LSD.shape[2])
+        self.encode = SampleEncoder(StoreSpec(aux_layer_ids=list(layer_ids), hidden_size=hidden, dtype=dtype))
+        self.laps = _Laps(time.time())
+        pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-capture-open-store")
+        self._future = pool.submit(
+            _open_capture_store,
+            out_store,
+            prepared,
+            plans,
+            probes,
+            layer_ids=layer_ids,
+            dtype=dtype,
+            laps=self.laps,
+            **kw,
+        )
+        self._reference = pool.submit(self._load_reference, **calibration)  # next, on the same thread
+        pool.shutdown(wait=False)
+
+    def _load_reference(self, *, calibrate: int, device: str, engine: dict[str, Any]):
+        """The calibration's reference model, loaded (on `device`) beside the loop; None where none is needed."""
+        writer, target = self._future.result()
+        if _calibration_skipped(writer.manifest, target, calibrate=calibrate, engine=engine) is not None:
+            return None
+        from eyas.store.verify import _load_reference_target
+
+        model = _load_reference_target(writer.manifest, str(target), device)
+        self.laps.lap("reference")
+        return model
+
+    def reference(self):
+        """The reference model (waits for its loading; raises why it failed)."""
+        return self._reference.result()
+
+    def result(self):
+        return self._future.result()
+
+    def add_encoded(self, sample) -> None:
+        self.result()[0].add_encoded(sample)
+
+    def close(self, *, complete: bool):
+        """(writer, its closing manifest) once the opening has ended; (None, {}) when it failed."""
+        if self._future.exception() is not None:
+            return None, {}
+        writer = self._future.result()[0]
+        return writer, writer.close(complete=complete)
 
 
 def _capture_loop(plans, split, todo, writer, tally, bar, *, workers, **sender_kw):
@@ -443,7 +497,7 @@ def _capture_loop(plans, split, todo, writer, tally, bar, *, workers, **sender_k
     never waits for this process to read a dump. With `workers` (Workers, --sglang-procs), they share the
     samples and the slots, and this process only stores. `sender_kw`: `concurrency`, then Sender's fields."""
     send = send_all if workers is None else workers.run
-    send(plans, split, todo, writer, tally, bar, encode=writer.encoder(), **sender_kw)
+    send(plans, split, todo, writer, tally, bar, **sender_kw)
 
 
 def _refuse_disagreeing_engine(calibration: dict[str, Any], out_store, url: str, summary: dict[str, Any]) -> None:
@@ -483,6 +537,7 @@ def _capture_summary(
     loop_s: float,
     phases: dict[str, float],
     setup_seconds: dict[str, float],
+    beside_loop_seconds: dict[str, float],
     store_seconds: dict[str, float],
     calibration: dict[str, Any],
     memory: dict[str, int],
@@ -516,6 +571,8 @@ def _capture_summary(
         "in_flight_mean": round(tally.spent["request"] / loop_s, 2) if loop_s > 0 else None,
         "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
         "setup_seconds": {k: round(v, 3) for k, v in setup_seconds.items()},
+        # on a thread of its own beside the loop: the store's opening, then the calibration's reference model
+        "beside_loop_seconds": {k: round(v, 3) for k, v in beside_loop_seconds.items()},
         "store_seconds": {k: round(v, 3) for k, v in store_seconds.items()},
         "memory": memory,
         "procs": procs,  # worker processes that sent and checked (--sglang-procs; 0: this one)
@@ -523,13 +580,8 @@ def _capture_summary(
     }
 
 
-def _calibrate(
-    writer, out_store: Path, split, target, *, calibrate: int, device: str, engine: dict[str, Any]
-) -> dict[str, Any]:
-    """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows."""
-    from eyas.store.numerics import calibrate_store, calibration_problem
-
-    manifest = writer.manifest
+def _calibration_skipped(manifest: dict[str, Any], target, *, calibrate: int, engine: dict[str, Any]) -> dict | None:
+    """Why the capture records no new calibration (what the summary shows), or None when it does."""
     old = manifest.get("engine_numerics")
     if not calibrate:
         return {"skipped": "--sglang-calibrate 0: `eyas verify` holds this store to fixed limits for a bf16 engine"}
@@ -537,6 +589,19 @@ def _calibrate(
         return {"skipped": "no --target: `eyas verify` holds this store to fixed limits for a bf16 engine"}
     if isinstance(old, dict) and old.get("engine") == engine:
         return {"kept": f"recorded earlier on {old.get('n_samples')} samples with the same engine"}
+    return None
+
+
+def _calibrate(
+    writer, out_store: Path, split, target, reference, *, calibrate: int, device: str, engine: dict[str, Any]
+) -> dict[str, Any]:
+    """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows.
+    `reference`: a callable giving the reference model (loaded beside the loop), or None where it is not needed."""
+    from eyas.store.numerics import calibrate_store, calibration_problem
+
+    manifest = writer.manifest
+    if (skipped := _calibration_skipped(manifest, target, calibrate=calibrate, engine=engine)) is not None:
+        return skipped
     writer.commit()  # the reference reads what the store holds, as verify will
     if not manifest["samples"]:
         return {"skipped": "no committed samples"}
@@ -544,7 +609,9 @@ def _calibrate(
         f"eyas capture (sglang): calibrating the engine's numbers on {min(calibrate, len(manifest['samples']))} stored "
         f"samples against the reference on {device} (--sglang-calibrate 0 skips it)"
     )
-    rec = calibrate_store(out_store, split, str(target), device=device, samples=calibrate, engine=engine)
+    rec = calibrate_store(
+        out_store, split, str(target), device=device, samples=calibrate, engine=engine, model=reference()
+    )
     writer.set_field("engine_numerics", rec)
     problem = calibration_problem(manifest, rec)
     high = rec["per_layer"][str(max(manifest["aux_layer_ids"]))]

@@ -196,7 +196,9 @@ def _send_and_ingest(sender: Sender, writer, tally: Tally, bar, *, queued: int) 
     This thread only sends: a finished sample's slot is refilled at once and the sample handed to one
     ingesting thread, so a slow store write (a shard's fsync) never leaves the servers without work."""
     futures = sender.futures
-    done_q: queue.Queue = queue.Queue(maxsize=queued)  # a disk slower than the servers holds the sender back
+    # unbounded: the samples waiting here hold their states' share of the budget, so a disk slower than the servers
+    # (or a store still being opened) holds the sender back once the budget is full, not after a fixed count
+    done_q: queue.Queue = queue.Queue()
     failed: list[BaseException] = []
 
     def ingest_all() -> None:

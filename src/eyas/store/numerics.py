@@ -265,14 +265,17 @@ def calibration_problem(manifest: dict[str, Any], rec: dict[str, Any]) -> str | 
     return _check_record(rec, layer_keys(list(manifest["aux_layer_ids"])), tol)
 
 
-def calibrate_store(store, split, target: str, *, device: str, samples: int, engine: dict[str, Any]) -> dict[str, Any]:
+def calibrate_store(
+    store, split, target: str, *, device: str, samples: int, engine: dict[str, Any], model=None
+) -> dict[str, Any]:
     """Recompute `samples` committed samples of an engine store (spread over shards and lengths, fixed
     seed) with the reference `eyas verify` uses (same target identity check, same model dtype) and
-    return the `engine_numerics` record."""
+    return the `engine_numerics` record. `model`: that reference, when it is loaded already."""
     from eyas.store.reader import StoreReader
     from eyas.store.verify import _load_reference_target, stratified_order
 
     reader = StoreReader(store)
     ids = stratified_order(reader.manifest["samples"], 0)[:samples]
-    model = _load_reference_target(reader.manifest, str(target), device)
+    if model is None:
+        model = _load_reference_target(reader.manifest, str(target), device)
     return calibrate(reader, split, model, ids, engine=engine)

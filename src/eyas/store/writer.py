@@ -256,6 +256,16 @@ def _sample_digest(hidden_u8, scale_u8) -> str:
     return h.hexdigest()
 
 
+def committed_ids(path: str | Path) -> set[str]:
+    """The ids of the samples a store at `path` has committed, read without opening it (none when there is no
+    manifest, or one that cannot be read: StoreWriter says why when it opens the store)."""
+    try:
+        manifest = json.loads((Path(path) / MANIFEST).read_text())
+        return {str(s["id"]) for s in manifest["samples"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return set()
+
+
 def _check_same_spec(path: Path, manifest: dict[str, Any], spec: dict[str, Any]) -> None:
     for key in _RESUME_KEYS:
         old, new = _identity(manifest.get(key)), _identity(spec[key])
