@@ -21,6 +21,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              --handoff-samples dumps read, checked and encoded in other processes, the rows handed back through
              the process pool's pipe and through a file beside the dump (how --sglang-procs workers hand them
              to the storing process), while N threads of this process run Python (the client's busy GIL)
+  switch_Xms_busyN
+             the client's check, encode and ingest of every dump while N more threads run Python
+             (--switch-busy), with Python's thread switch interval at X ms (--switch-ms; 5 is Python's default)
   check      check_sample on a read dump (ids, positions, lengths, layers, finiteness)
   remove     remove_dump
   answer, answer_whole
@@ -48,9 +51,9 @@ samples of about 640 tokens (up to 2048). Stages, each reported as tokens/s:
              writing) falling behind; near 1, the live gap is the engine's. Both arms send --model-bypass
              (plugin: nothing extra; logprob, as an older plugin on SGLang 0.5.17 needs: the answers then
              list every prompt token's logprob);
-             --model-client current,whole,readinto,procs measures this tree's client, one parsing the
-             answers whole, one reading the dumps with readinto and one with worker processes (CLIENTS), in
-             turn, in the same run
+             --model-client current,whole,readinto,procs,switch measures this tree's client, one parsing
+             the answers whole, one reading the dumps with readinto, one with worker processes and one with a
+             shorter thread switch interval (CLIENTS), in turn, in the same run
 
     PYTHONPATH=src python benchmarks/capture_path.py [--samples 256] [--repeat 3] [--no-e2e]
     PYTHONPATH=src python benchmarks/capture_path.py --only-model --model-rate 60000 --repeat 3
@@ -186,6 +189,53 @@ def spin(stop: threading.Event) -> None:
     """Python steps holding the GIL until `stop`: the client's busy request threads, standing in."""
     while not stop.is_set():
         [i * i for i in range(1000)]
+
+
+def switch_intervals(a, dump_dir: Path, rids: list[str], lengths: list[int], store_root: Path, results, flip) -> None:
+    """The client's own work on each dump (check_and_encode on 2 x --concurrency request threads, then the one
+    ingesting thread's StoreWriter.add_encoded) while --switch-busy more threads run Python (the client's busy GIL), at
+    each of --switch-ms as Python's thread switch interval (in reverse order when `flip`). Every torch op, read
+    and write releases the GIL, and a thread back from one waits until the running thread is told to let go,
+    after at most that interval: the time the live client's request threads spent in `check` and `dump`."""
+    import concurrent.futures as cf
+
+    from eyas.sglang.request import check_and_encode
+    from eyas.store.writer import SampleEncoder, StoreSpec, StoreWriter
+
+    spec = StoreSpec(aux_layer_ids=LAYERS, hidden_size=HIDDEN, dtype="bf16")
+    kw = {"layer_ids": LAYERS, "hidden_size": HIDDEN, "encode": SampleEncoder(spec)}
+    tokens, saved = sum(lengths), sys.getswitchinterval()
+
+    def one(i: int):
+        L = lengths[i]
+        out = check_and_encode(
+            dump_dir / rids[i], f"s{i}", token_ids(L), {"prompt_tokens": L, "cached_tokens": 0}, **kw
+        )
+        assert out.reason is None, out.reason
+        return out.encoded
+
+    for ms in a.switch_ms[:: -1 if flip else 1]:
+        stop = threading.Event()
+        spinners = [threading.Thread(target=spin, args=(stop,), daemon=True) for _ in range(a.switch_busy)]
+        store = store_root / f"switch-{ms}"
+        shutil.rmtree(store, ignore_errors=True)
+        writer = StoreWriter(store, spec)
+        sys.setswitchinterval(ms / 1000)
+        for t in spinners:
+            t.start()
+        try:
+            with cf.ThreadPoolExecutor(2 * a.concurrency, initializer=torch.set_num_threads, initargs=(1,)) as ex:
+                t0 = clock()
+                for enc in ex.map(one, range(len(rids))):  # this thread stores, as the ingesting thread does
+                    writer.add_encoded(enc)
+                writer.close(complete=True)
+                stage(results, f"switch_{ms:g}ms_busy{a.switch_busy}", tokens, t0, threads=2 * a.concurrency)
+        finally:
+            stop.set()
+            for t in spinners:
+                t.join()
+            sys.setswitchinterval(saved)
+            shutil.rmtree(store, ignore_errors=True)
 
 
 def check_in_pipe(path: str, sample_id: str, ids_np, meta_info: dict, **kw):
@@ -324,6 +374,8 @@ def run_stages(a, lengths: list[int], dump_root: Path, store_root: Path, results
     read_threads(a, dump_dir, rids, tokens, results, flip)
     if a.handoff_samples:
         handoff(a, dump_dir, rids, lengths, results, flip)
+    if a.switch_ms:
+        switch_intervals(a, dump_dir, rids, lengths, store_root, results, flip)
     assert all(d is not None for d in dumps)
 
     t0 = clock()
@@ -605,11 +657,13 @@ def prefill_tokens_per_s(url: str, prepared: Path, concurrency: int, bypass: str
     return tokens, time.perf_counter() - t0
 
 
-CLIENTS = ("current", "whole", "readinto", "procs")
+CLIENTS = ("current", "whole", "readinto", "procs", "switch")
 """--model-client: this tree's client; `whole`: the same with /generate's answers parsed whole (the client
 before parse_answer cut out the logprob lists); `readinto`: the same with each dump read by `read_into`
 instead of the safetensors package (a candidate, not the product's path); `procs`: this tree's client with
---model-procs worker processes sending, reading, checking and encoding (`eyas capture --sglang-procs`)."""
+--model-procs worker processes sending, reading, checking and encoding (`eyas capture --sglang-procs`);
+`switch`: this tree's client with Python's thread switch interval at --model-switch-ms (a candidate: a
+thread back from a syscall or a torch op waits up to that long for the GIL while another runs Python)."""
 
 
 def read_into(path) -> dict[str, torch.Tensor]:
@@ -642,20 +696,23 @@ def read_into(path) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
-def client_variant(name: str):
+def client_variant(name: str, switch_s: float = 0.005):
     import safetensors.torch
 
     import eyas.sglang.server as server
 
-    saved = server.parse_answer, safetensors.torch.load_file
+    saved = server.parse_answer, safetensors.torch.load_file, sys.getswitchinterval()
     if name == "whole":
         server.parse_answer = json.loads
     if name == "readinto":  # read_dump imports load_file when it runs
         safetensors.torch.load_file = read_into
+    if name == "switch":
+        sys.setswitchinterval(switch_s)
     try:
         yield
     finally:
-        server.parse_answer, safetensors.torch.load_file = saved
+        server.parse_answer, safetensors.torch.load_file, interval = saved
+        sys.setswitchinterval(interval)
 
 
 def run_model(
@@ -698,7 +755,7 @@ def run_model(
         for c in order:
             for variant in clients:
                 name = f"c{c}" if variant == "current" else f"c{c}_{variant}"
-                with client_variant(variant):
+                with client_variant(variant, a.model_switch_ms / 1000):
                     tokens, seconds = prefill_tokens_per_s(url, prepared, c, bypass)
                     stage(results, f"model_prefill_{name}", tokens, seconds=seconds)
                     shutil.rmtree(work / "store", ignore_errors=True)
@@ -807,7 +864,17 @@ def main() -> None:
         "version 3 gets; logprob: what older plugins on SGLang 0.5.17 get, whose answers list every prompt token's "
         "logprob)",
     )
+    ap.add_argument(
+        "--switch-ms",
+        type=lambda v: [float(x) for x in v.split(",") if x],
+        default=[5.0, 1.0, 0.2],
+        help="switch stages: Python thread switch intervals, ms ('' skips them)",
+    )
+    ap.add_argument("--switch-busy", type=int, default=1, help="switch stages: threads running Python beside")
     ap.add_argument("--model-procs", type=int, default=4, help="model stage: worker processes of `procs`")
+    ap.add_argument(
+        "--model-switch-ms", type=float, default=0.2, help="model stage: the `switch` client's thread switch interval"
+    )
     ap.add_argument(
         "--model-client",
         type=lambda v: [x for x in v.split(",") if x],
