@@ -11,6 +11,7 @@ import contextlib
 import functools
 import http.server
 import os
+import sys
 import threading
 from pathlib import Path
 
@@ -124,9 +125,11 @@ def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, pre
     # With 2 slots, a dump wait that lasts until a third request is answered ends only if the samples
     # waiting for dumps gave their slots to the next ones; the server never has more than 2 requests.
     from eyas.sglang import request, server
+    from eyas.sglang.sender import SWITCH_INTERVAL_S
 
     cond = threading.Condition()
     st = {"at_server": 0, "most": 0, "answered": 0, "stuck": 0, "waited": 0}
+    intervals, before = set(), sys.getswitchinterval()
     real_http, real_wait = server.http_json, request.dump_appeared
 
     def http(method, url, body=None, **kw):
@@ -145,6 +148,7 @@ def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, pre
 
     def wait(dump_dir, rid, **kw):
         if "probe" not in rid:
+            intervals.add(sys.getswitchinterval())
             with cond:
                 st["waited"] += 1
                 st["stuck"] += not cond.wait_for(lambda: st["answered"] >= 3, timeout=20)
@@ -155,8 +159,25 @@ def test_samples_waiting_for_dumps_leave_their_server_slots(tiny_target_dir, pre
     with serve(tiny_target_dir, tmp_path) as srv:
         out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, concurrency=2, calibrate=0)
     assert st["waited"] == st["answered"] == len(LENGTHS)  # every sample waited here for its dump
+    # the request threads ran with the capture's short thread switch interval, and the one before is back
+    assert intervals == {SWITCH_INTERVAL_S} and before > SWITCH_INTERVAL_S and sys.getswitchinterval() == before
     assert st["stuck"] == 0 and st["most"] == 2
     assert out["captured"] == len(LENGTHS) and out["rejected_count"] == 0
+
+
+def test_a_shorter_switch_interval_is_kept_and_every_one_restored():
+    from eyas.sglang.sender import SWITCH_INTERVAL_S, short_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        for given, during in ((0.005, SWITCH_INTERVAL_S), (SWITCH_INTERVAL_S / 4, SWITCH_INTERVAL_S / 4)):
+            sys.setswitchinterval(given)
+            with pytest.raises(RuntimeError), short_switch_interval():
+                assert sys.getswitchinterval() == pytest.approx(during)
+                raise RuntimeError  # restored after an error too
+            assert sys.getswitchinterval() == pytest.approx(given)
+    finally:
+        sys.setswitchinterval(before)
 
 
 def test_wait_for_dump_never_pauses_long_between_looks(tmp_path):

@@ -33,7 +33,7 @@ from eyas.common import log, progress
 from eyas.errors import EyasError
 from eyas.sglang.core import CONVENTION, parse_rid, sglang_layer_ids
 from eyas.sglang.request import Outcome, probe
-from eyas.sglang.sender import StateBudget, Tally, default_memory_bytes, send_all
+from eyas.sglang.sender import StateBudget, Tally, default_memory_bytes, send_all, short_switch_interval
 from eyas.sglang.server import ServerPlan, preflight
 from eyas.sglang.workers import Workers, closed_on_error
 from eyas.store.writer import SampleEncoder, StoreSpec, committed_ids
@@ -497,7 +497,8 @@ def _capture_loop(plans, split, todo, writer, tally, bar, *, workers, **sender_k
     never waits for this process to read a dump. With `workers` (Workers, --sglang-procs), they share the
     samples and the slots, and this process only stores. `sender_kw`: `concurrency`, then Sender's fields."""
     send = send_all if workers is None else workers.run
-    send(plans, split, todo, writer, tally, bar, **sender_kw)
+    with short_switch_interval():
+        send(plans, split, todo, writer, tally, bar, **sender_kw)
 
 
 def _refuse_disagreeing_engine(calibration: dict[str, Any], out_store, url: str, summary: dict[str, Any]) -> None:

@@ -9,8 +9,10 @@ a sample's request and its write into the store, so a disk slower than the serve
 from __future__ import annotations
 
 import concurrent.futures as cf
+import contextlib
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -170,6 +172,23 @@ class Sender:
         self.load[k] -= 1
         self.submit_next()
         return nbytes
+
+
+SWITCH_INTERVAL_S = 0.001
+"""Python's thread switch interval (at most) while the capture's threads run, where Python's default is 5 ms: a
+thread back from a read, a write or a torch op (each lets go of the GIL) waits until the thread running Python is
+told to let go, and the capture's threads do little else (benchmarks/capture_path.py, its switch stages)."""
+
+
+@contextlib.contextmanager
+def short_switch_interval():
+    """SWITCH_INTERVAL_S for the block (a shorter one already set is kept), the interval before it restored."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, SWITCH_INTERVAL_S))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def send_all(plans, split, todo, writer, tally, bar, *, concurrency: int, **sender_kw) -> None:

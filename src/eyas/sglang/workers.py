@@ -11,6 +11,7 @@ import contextlib
 import os
 import queue
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -20,7 +21,7 @@ from typing import Any
 import torch
 
 from eyas.sglang.request import Outcome
-from eyas.sglang.sender import StateBudget, send_all
+from eyas.sglang.sender import SWITCH_INTERVAL_S, StateBudget, send_all
 
 
 class Workers:
@@ -141,6 +142,7 @@ def _capture_worker(k: int, tasks, results, spool_dir: str) -> None:
     share of each server's slots, reads, checks and encodes their dumps, and hands every outcome to the parent
     (`_Spooler`); then a `_WorkerEnd`. None ends it, and so does the parent's end (killed, it cannot say so)."""
     torch.set_num_threads(1)
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))  # this process only captures
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     while (task := tasks.get()) is not None:
         budget = StateBudget(task.pop("memory_bytes"))
