@@ -591,6 +591,36 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
     assert list((tmp_path / "dumps").iterdir()) == []
 
 
+def test_a_loop_that_fails_while_the_store_opens_loads_no_reference_and_leaves_the_store_open_to_a_rerun(
+    tiny_target_dir, prepared, tmp_path, monkeypatch
+):
+    import time
+
+    import eyas.store.verify
+    from eyas.sglang import client
+
+    real_open, real_send, loaded = client.open_store, client.send_all, []
+
+    def slow_open(*a, **kw):
+        time.sleep(0.5)
+        return real_open(*a, **kw)
+
+    def failing_send(*a, **kw):
+        raise RuntimeError("the loop failed")
+
+    real_load = eyas.store.verify._load_reference_target
+    monkeypatch.setattr(eyas.store.verify, "_load_reference_target", lambda *a: loaded.append(a) or real_load(*a))
+    with serve(tiny_target_dir, tmp_path) as srv:
+        monkeypatch.setattr(client, "open_store", slow_open)
+        monkeypatch.setattr(client, "send_all", failing_send)
+        with pytest.raises(RuntimeError, match="the loop failed"):
+            capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir)
+        assert loaded == []  # the calibration's reference was never needed
+        monkeypatch.setattr(client, "send_all", real_send)
+        out = capture_from_sglang([srv.url], prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir)
+    assert out["captured"] == len(LENGTHS) and out["store_complete"] and len(loaded) == 1
+
+
 def test_the_states_held_between_servers_and_a_slow_disk_stay_within_the_budget(
     tiny_target_dir, tiny_model, prepared, tmp_path, monkeypatch
 ):

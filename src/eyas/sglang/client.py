@@ -484,7 +484,9 @@ class _OpeningStore:
         self.result()[0].add_encoded(sample)
 
     def close(self, *, complete: bool):
-        """(writer, its closing manifest) once the opening has ended; (None, {}) when it failed."""
+        """(writer, its closing manifest) once the opening has ended; (None, {}) when it failed. A reference model
+        not loading yet is not loaded (the capture ended before it was needed)."""
+        self._reference.cancel()
         if self._future.exception() is not None:
             return None, {}
         writer = self._future.result()[0]
