@@ -599,7 +599,7 @@ def _calibrate(
     writer, out_store: Path, split, target, reference, *, calibrate: int, device: str, engine: dict[str, Any]
 ) -> dict[str, Any]:
     """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows.
-    `reference`: a callable giving the reference model (loaded beside the loop), or None where it is not needed."""
+    `reference`: a callable giving verify's reference model, loaded beside the loop (_OpeningStore)."""
     from eyas.store.numerics import calibrate_store, calibration_problem
 
     manifest = writer.manifest
