@@ -183,3 +183,19 @@ def attention_calls(monkeypatch) -> list[tuple[int, int, bool]]:
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     return calls
+
+
+@pytest.fixture(scope="module")
+def sglang_prepared(tmp_path_factory, smol_tokenizer):
+    """The SGLang tests' 8 prepared samples (tests/sglang_helpers.py make_prepared)."""
+    from tests.sglang_helpers import make_prepared
+
+    return make_prepared(tmp_path_factory, smol_tokenizer)
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tiny_target_dir):
+    """The tiny target, loaded (the reference the SGLang tests compare stores with)."""
+    from eyas.target import load_target
+
+    return load_target(tiny_target_dir)
