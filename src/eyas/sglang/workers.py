@@ -11,7 +11,6 @@ import contextlib
 import os
 import queue
 import shutil
-import sys
 import threading
 import time
 from dataclasses import dataclass, replace
@@ -21,7 +20,7 @@ from typing import Any
 import torch
 
 from eyas.sglang.request import Outcome
-from eyas.sglang.sender import SWITCH_INTERVAL_S, StateBudget, send_all
+from eyas.sglang.sender import StateBudget, send_all, short_switch_interval
 
 
 class Workers:
@@ -142,7 +141,6 @@ def _capture_worker(k: int, tasks, results, spool_dir: str) -> None:
     share of each server's slots, reads, checks and encodes their dumps, and hands every outcome to the parent
     (`_Spooler`); then a `_WorkerEnd`. None ends it, and so does the parent's end (killed, it cannot say so)."""
     torch.set_num_threads(1)
-    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))  # this process only captures
     threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     while (task := tasks.get()) is not None:
         budget = StateBudget(task.pop("memory_bytes"))
@@ -164,7 +162,8 @@ def _worker_task(task: dict[str, Any], budget: StateBudget, spooler: _Spooler) -
 
     path, split_name = task.pop("source")
     split = PreparedDataset(path, check=False).split(split_name)  # the parent checked its fingerprint
-    send_all(task.pop("plans"), split, task.pop("todo"), None, spooler, spooler, budget=budget, **task)
+    with short_switch_interval():  # as the parent's loop runs
+        send_all(task.pop("plans"), split, task.pop("todo"), None, spooler, spooler, budget=budget, **task)
 
 
 def remove_dead_spools(where: str) -> None:
