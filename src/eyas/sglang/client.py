@@ -378,11 +378,11 @@ def open_store(
     model_dtype: str | None,
     limit: int | None,
     producer: dict[str, Any],
-    laps: _Laps | None = None,
+    laps: _Laps,
 ):
-    from eyas.store.writer import StoreSpec, StoreWriter
+    from eyas.store.writer import StoreWriter
 
-    lap = laps.lap if laps is not None else (lambda name: None)
+    lap = laps.lap
     identity = None
     if target is not None:
         from eyas.target import load_tokenizer, model_identity, tokenizer_hash
