@@ -662,8 +662,9 @@ CLIENTS = ("current", "whole", "readinto", "procs", "switch")
 before parse_answer cut out the logprob lists); `readinto`: the same with each dump read by `read_into`
 instead of the safetensors package (a candidate, not the product's path); `procs`: this tree's client with
 --model-procs worker processes sending, reading, checking and encoding (`eyas capture --sglang-procs`);
-`switch`: this tree's client with Python's thread switch interval at --model-switch-ms (a candidate: a
-thread back from a syscall or a torch op waits up to that long for the GIL while another runs Python)."""
+`switch`: this tree's client with its loop's thread switch interval (SWITCH_INTERVAL_S) at --model-switch-ms,
+the prefill beside it unchanged (a thread back from a syscall or a torch op waits up to that long for the GIL
+while another runs Python)."""
 
 
 def read_into(path) -> dict[str, torch.Tensor]:
@@ -699,20 +700,20 @@ def read_into(path) -> dict[str, torch.Tensor]:
 def client_variant(name: str, switch_s: float = 0.005):
     import safetensors.torch
 
+    import eyas.sglang.sender as sender
     import eyas.sglang.server as server
 
-    saved = server.parse_answer, safetensors.torch.load_file, sys.getswitchinterval()
+    saved = server.parse_answer, safetensors.torch.load_file, sender.SWITCH_INTERVAL_S
     if name == "whole":
         server.parse_answer = json.loads
     if name == "readinto":  # read_dump imports load_file when it runs
         safetensors.torch.load_file = read_into
-    if name == "switch":
-        sys.setswitchinterval(switch_s)
+    if name == "switch":  # what the loop sets (at most Python's own interval, which this process leaves alone)
+        sender.SWITCH_INTERVAL_S = switch_s
     try:
         yield
     finally:
-        server.parse_answer, safetensors.torch.load_file, interval = saved
-        sys.setswitchinterval(interval)
+        server.parse_answer, safetensors.torch.load_file, sender.SWITCH_INTERVAL_S = saved
 
 
 def run_model(
