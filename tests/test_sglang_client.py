@@ -63,11 +63,11 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     setup = out["setup_seconds"]  # the set-up's parts, in order, within it
     assert list(setup) == ["data", "preflight", "probe"] and setup["probe"] > 0
     assert sum(setup.values()) <= phases["setup"] + (len(setup) + 1) * 5e-4  # each figure rounded to 1 ms
-    # beside the loop: the store opened (the loop waited for it before it ended), then the calibration's reference
-    # loaded (the calibration waited for it)
+    # beside the loop: the store opened, the tokenizer checked (the loop waited for both before it ended), then the
+    # calibration's reference loaded (the calibration waited for it)
     beside = out["beside_loop_seconds"]
-    assert list(beside) == ["target_identity", "tokenizer", "open_store", "reference"] and beside["reference"] > 0
-    opening = sum(beside[k] for k in ("target_identity", "tokenizer", "open_store"))
+    assert list(beside) == ["target_identity", "open_store", "tokenizer", "reference"] and beside["reference"] > 0
+    opening = sum(beside[k] for k in ("target_identity", "open_store", "tokenizer"))
     assert 0 < opening <= phases["loop"] + 4 * 5e-4
     assert sum(beside.values()) <= phases["loop"] + phases["calibrate"] + 5 * 5e-4
     assert out["store_seconds"]["write"] > 0 and out["store_seconds"]["commit"] > 0
@@ -282,8 +282,8 @@ def test_resume_after_a_crash_and_stale_dumps(tiny_target_dir, tiny_model, sglan
 def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capture(
     tiny_target_dir, tiny_model, sglang_prepared, tmp_path, monkeypatch
 ):
-    # the store's opening (the target's identity, the tokenizer check, the manifest) waits here until the server
-    # has answered every sample: a capture that opened the store before sending would never get there
+    # the store's opening (the target's identity, the manifest) waits here until the server has answered every
+    # sample: a capture that opened the store before sending would never get there
     import time
 
     from eyas.sglang import client
@@ -307,8 +307,52 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
         )
         assert answered == [len(LENGTHS)] and out["captured"] == len(LENGTHS) and out["store_complete"]
         check_store_against_reference(tmp_path / "store", sglang_prepared, tiny_model)
-        # a store that cannot be opened (the data tokenised by another tokenizer) stops the capture with its own
-        # error, samples sent meanwhile or not, and nothing is written
+
+        # a store that cannot be opened stops the capture with its own error, and nothing is written
+        def refused_open(*a, **kw):
+            raise EyasError("cannot open")
+
+        monkeypatch.setattr(client, "open_store", refused_open)
+        with pytest.raises(EyasError, match="cannot open"):
+            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "s", LAYERS, target=tiny_target_dir)
+        assert not (tmp_path / "s").exists()
+        monkeypatch.setattr(client, "open_store", real_open)
+        # the tokenizer check (seconds on a real target) runs once the store is open, the samples' rows going into
+        # it meanwhile; data tokenised by another tokenizer stops the capture with its own error, samples written
+        # before the check ended or not, and nothing is left of the store
+        import eyas.target
+        from eyas.store.writer import StoreWriter
+
+        real_add, real_hash, added, seen = StoreWriter.add_encoded, eyas.target.tokenizer_hash, [], []
+
+        def counting_add(self, sample):
+            added.append(sample.id)
+            return real_add(self, sample)
+
+        def slow_hash(wrong: bool):
+            def tokenizer_hash(tok):
+                deadline = time.monotonic() + 20
+                while len(added) < 2 and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                seen.append(len(added))  # samples stored while the check ran
+                return "f" * 64 if wrong else real_hash(tok)
+
+            return tokenizer_hash
+
+        monkeypatch.setattr(StoreWriter, "add_encoded", counting_add)
+        monkeypatch.setattr(eyas.target, "tokenizer_hash", slow_hash(wrong=True))
+        with pytest.raises(EyasError, match="another tokenizer"):
+            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "s", LAYERS, target=tiny_target_dir)
+        assert len(seen) == 1 and seen[0] >= 2 and not (tmp_path / "s").exists()
+        # the same slow check passing: the rows written before it are committed after it, every sample stored
+        added.clear()
+        monkeypatch.setattr(eyas.target, "tokenizer_hash", slow_hash(wrong=False))
+        out = capture_from_sglang(
+            [srv.url], sglang_prepared, "train", tmp_path / "slow", LAYERS, target=tiny_target_dir, concurrency=2
+        )
+        assert seen[-1] >= 2 and out["captured"] == len(LENGTHS) and out["store_complete"]
+        check_store_against_reference(tmp_path / "slow", sglang_prepared, tiny_model)
+        monkeypatch.setattr(StoreWriter, "add_encoded", real_add)
         monkeypatch.setattr("eyas.target.tokenizer_hash", lambda tok: "f" * 64)
         for procs in (0, 2):
             with pytest.raises(EyasError, match="another tokenizer"):
@@ -323,6 +367,39 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
                 )
             assert not (tmp_path / f"s{procs}").exists()
     assert list((tmp_path / "dumps").iterdir()) == []
+
+
+def test_samples_another_capture_committed_meanwhile_are_refused_without_waiting_for_the_tokenizer(
+    tiny_target_dir, sglang_prepared, tmp_path, monkeypatch
+):
+    # between the command's look at the store and its opening, another capture commits one of the samples being sent
+    from eyas.data.prepared import PreparedDataset
+    from eyas.sglang import client
+
+    real_open = client.open_store
+    first = PreparedDataset(sglang_prepared).split("train").ids[0]
+
+    def racing_open(*a, **kw):
+        other = real_open(*a, **{**kw, "hold_commits": None})
+        other.add_encoded(other.encode(first, torch.zeros(3, len(LAYERS) + 1, other.spec.hidden_size)))
+        other.close()
+        return real_open(*a, **kw)
+
+    errors = []
+
+    def run():
+        try:
+            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "s", LAYERS, target=tiny_target_dir)
+        except EyasError as exc:
+            errors.append(str(exc))
+
+    with serve(tiny_target_dir, tmp_path) as srv:
+        monkeypatch.setattr(client, "open_store", racing_open)
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        t.join(timeout=120)  # the refusal must not wait on the check queued behind the opening
+        assert not t.is_alive()
+    assert len(errors) == 1 and "were committed while the capture opened the store" in errors[0]
 
 
 def test_a_loop_that_fails_while_the_store_opens_loads_no_reference_and_leaves_the_store_open_to_a_rerun(

@@ -207,6 +207,55 @@ def test_a_refused_directory_is_left_as_it_was(tmp_path):
     assert [p.name for p in junk.iterdir()] == ["x.bin"]  # no .lock left behind
 
 
+def test_held_commits_keep_the_rows_going_and_commit_once_the_check_passes(tmp_path):
+    data = samples(8)
+    check = concurrent.futures.Future()
+    w = StoreWriter(tmp_path / "s", spec(), shard_bytes=3000, hold_commits=check)
+    for sid, aux, fin in data[:5]:
+        w.add(sid, aux, fin)
+    # past shard_bytes several times over, nothing committed: the rows are in the open shard on disk
+    assert w.committed_samples == 0 and w._file.tell() > 3 * 3000
+    check.set_result(None)
+    w.add(*data[5])
+    assert w.committed_samples == 6  # the next full shard is committed, with every sample written so far
+    for sid, aux, fin in data[6:]:
+        w.add(sid, aux, fin)
+    w.close(complete=True)
+    r = StoreReader(tmp_path / "s")
+    assert r.complete and sorted(r.sample_ids) == sorted(s[0] for s in data)
+    for sid, _aux, fin in data:
+        assert torch.equal(r.get(sid, torch.float32)[1], fin.bfloat16().float())
+
+
+def test_a_failed_check_drops_the_open_shard_and_discard_removes_only_a_new_store(tmp_path):
+    data = samples(6)
+    check = concurrent.futures.Future()
+    w = StoreWriter(tmp_path / "a" / "s", spec(), shard_bytes=3000, hold_commits=check)
+    for sid, aux, fin in data[:3]:
+        w.add(sid, aux, fin)
+    check.set_exception(EyasError("the data was tokenised by another tokenizer"))
+    with pytest.raises(EyasError, match="another tokenizer"):  # at the next full shard
+        for sid, aux, fin in data[3:]:
+            w.add(sid, aux, fin)
+    assert w.committed_samples == 0 and not any(p.name.endswith(".tmp") for p in (tmp_path / "a" / "s").iterdir())
+    with pytest.raises(EyasError, match="another tokenizer"):  # and at close: nothing is committed
+        w.close(complete=True)
+    w.discard()  # closed already: the store this writer made is still removed, its parent too
+    assert list(tmp_path.iterdir()) == []
+    # a store that already held samples keeps them: the refused run's rows go, the store stays resumable
+    with StoreWriter(tmp_path / "s", spec()) as w:
+        w.add(*data[0])
+    check = concurrent.futures.Future()
+    w = StoreWriter(tmp_path / "s", spec(), hold_commits=check)
+    w.add(*data[1])
+    check.set_exception(EyasError("refused"))
+    w.discard()
+    r = StoreReader(tmp_path / "s")
+    assert r.sample_ids == [data[0][0]]
+    w = StoreWriter(tmp_path / "s", spec())  # reopens: the lock was released
+    w.close()
+
+
 def test_second_writer_is_locked_out(tmp_path):
     w = StoreWriter(tmp_path / "s", spec())
     with pytest.raises(EyasError, match="another process"):

@@ -318,9 +318,10 @@ def _open_capture_store(
     limit: int | None,
     sending: set[str],
     laps: _Laps,
+    hold_commits=None,
 ):
     """(the store's writer, the target it records): the served model's directory stands in for a missing target.
-    `sending`: the ids of the samples being sent, none of which the store may hold."""
+    `sending`: the ids of the samples being sent, none of which the store may hold. `hold_commits`: StoreWriter's."""
     hidden = int(probes[0].hidden_LSD.shape[2])
     server_dtype = _model_dtype(probes[0].dump_dtype)
     if target is None:
@@ -348,9 +349,10 @@ def _open_capture_store(
             "model_class": plans[0].status.get("model", {}).get("class"),
         },
         laps=laps,
+        hold_commits=hold_commits,
     )
     if twice := sorted(writer.committed_ids & sending):
-        writer.close(complete=False)
+        writer.abort()  # nothing added; a close would wait for hold_commits, which this thread is yet to settle
         raise EyasError(
             f"--out {out_store}: {len(twice)} samples being sent (first {twice[0]}) were committed while the capture "
             "opened the store: is another capture writing it?"
@@ -379,23 +381,19 @@ def open_store(
     limit: int | None,
     producer: dict[str, Any],
     laps: _Laps,
+    hold_commits=None,
 ):
+    """The store's writer, its spec recording the target's identity. Whether the data was tokenised by the target's
+    tokenizer is `check_tokenizer`'s (seconds: it loads the tokenizer), which `hold_commits` may wait for."""
     from eyas.store.writer import StoreWriter
 
     lap = laps.lap
     identity = None
     if target is not None:
-        from eyas.target import load_tokenizer, model_identity, tokenizer_hash
+        from eyas.target import model_identity
 
         identity = model_identity(target)
         lap("target_identity")
-        tok_hash = tokenizer_hash(load_tokenizer(target))
-        lap("tokenizer")
-        if prepared.tokenizer_hash is not None and prepared.tokenizer_hash != tok_hash:
-            raise EyasError(
-                f"--data {prepared.root} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) "
-                f"than the target {target} (hash {tok_hash[:12]}); prepare the data with this target's tokenizer"
-            )
     else:
         log(
             "eyas: no --target: the store will not record the model's identity, and `eyas verify` cannot check its "
@@ -419,9 +417,24 @@ def open_store(
         model_dtype=model_dtype,
         producer=producer,
     )
-    writer = StoreWriter(out_store, spec)
+    writer = StoreWriter(out_store, spec, hold_commits=hold_commits)
     lap("open_store")
     return writer
+
+
+def check_tokenizer(prepared, target: str | Path | None, laps: _Laps) -> None:
+    """Refuse data tokenised by another tokenizer than the target's (nothing to compare without a target)."""
+    if target is None or prepared.tokenizer_hash is None:
+        return
+    from eyas.target import load_tokenizer, tokenizer_hash
+
+    tok_hash = tokenizer_hash(load_tokenizer(target))
+    laps.lap("tokenizer")
+    if prepared.tokenizer_hash != tok_hash:
+        raise EyasError(
+            f"--data {prepared.root} was tokenised with another tokenizer (hash {prepared.tokenizer_hash[:12]}) "
+            f"than the target {target} (hash {tok_hash[:12]}); prepare the data with this target's tokenizer"
+        )
 
 
 def _samples_to_capture(split, n_total: int, out_store: Path, plans: Sequence[ServerPlan], layer_ids) -> list[int]:
@@ -438,16 +451,19 @@ def _samples_to_capture(split, n_total: int, out_store: Path, plans: Sequence[Se
 
 class _OpeningStore:
     """The store, opened (`_open_capture_store`, its arguments) on a thread of its own while the first samples go
-    out: the target's identity, the tokenizer check and the manifest cost the loop nothing. `add_encoded` waits
-    for it, so the samples sent meanwhile wait within the memory budget (StateBudget); `result` gives (writer,
-    target) or raises why the store could not be opened; `close` closes it once the opening has ended. `encode`
-    turns a sample's states into the stored rows, by the spec alone."""
+    out, then the tokenizer checked (`check_tokenizer`) on the same thread: the target's identity, the manifest and
+    the tokenizer cost the loop nothing. `add_encoded` waits for the opening only, so the samples sent meanwhile
+    wait within the memory budget (StateBudget); the writer commits nothing until the tokenizer check has passed,
+    and a failed check stops the capture at the next sample. `result` gives (writer, target) once both have ended
+    or raises why not; `close` closes the store (removes it when the check refused a store this run created).
+    `encode` turns a sample's states into the stored rows, by the spec alone."""
 
     def __init__(self, out_store: Path, prepared, plans, probes, *, layer_ids, dtype: str, calibration, **kw):
         hidden = int(probes[0].hidden_LSD.shape[2])
         self.encode = SampleEncoder(StoreSpec(aux_layer_ids=list(layer_ids), hidden_size=hidden, dtype=dtype))
         self.laps = _Laps(time.time())
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-capture-open-store")
+        self._tokenizer: cf.Future = cf.Future()
         self._future = pool.submit(
             _open_capture_store,
             out_store,
@@ -457,14 +473,27 @@ class _OpeningStore:
             layer_ids=layer_ids,
             dtype=dtype,
             laps=self.laps,
+            hold_commits=self._tokenizer,
             **kw,
         )
-        self._reference = pool.submit(self._load_reference, **calibration)  # next, on the same thread
+        pool.submit(self._check_tokenizer, prepared)  # next, on the same thread
+        self._reference = pool.submit(self._load_reference, **calibration)  # then this
         pool.shutdown(wait=False)
+
+    def _check_tokenizer(self, prepared) -> None:
+        """Settle `_tokenizer` (what the writer's commits wait for) with the check's outcome, once the store is open."""
+        if not self._tokenizer.set_running_or_notify_cancel():
+            return
+        try:
+            check_tokenizer(prepared, self._future.result()[1], self.laps)
+        except BaseException as exc:  # the opening's own failure too: nothing may be committed then either
+            self._tokenizer.set_exception(exc)
+        else:
+            self._tokenizer.set_result(None)
 
     def _load_reference(self, *, calibrate: int, device: str, engine: dict[str, Any]):
         """The calibration's reference model, loaded (on `device`) beside the loop; None where none is needed."""
-        writer, target = self._future.result()
+        writer, target = self.result()
         if _calibration_skipped(writer.manifest, target, calibrate=calibrate, engine=engine) is not None:
             return None
         from eyas.store.verify import _load_reference_target
@@ -478,18 +507,24 @@ class _OpeningStore:
         return self._reference.result()
 
     def result(self):
+        self._tokenizer.result()
         return self._future.result()
 
     def add_encoded(self, sample) -> None:
-        self.result()[0].add_encoded(sample)
+        if self._tokenizer.done():
+            self._tokenizer.result()  # a refused tokenizer stops the capture at once
+        self._future.result()[0].add_encoded(sample)
 
     def close(self, *, complete: bool):
-        """(writer, its closing manifest) once the opening has ended; (None, {}) when it failed. A reference model
-        not loading yet is not loaded (the capture ended before it was needed)."""
+        """(writer, its closing manifest) once the opening and the check have ended; (None, {}) when either failed.
+        A reference model not loading yet is not loaded (the capture ended before it was needed)."""
         self._reference.cancel()
         if self._future.exception() is not None:
             return None, {}
         writer = self._future.result()[0]
+        if self._tokenizer.exception() is not None:
+            writer.discard()
+            return None, {}
         return writer, writer.close(complete=complete)
 
 

@@ -17,6 +17,9 @@ other engines' dumps. The contract:
   header written, fsync, rename to `shard-NNNNN.safetensors`, directory fsync, then the manifest is
   rewritten atomically. A sample never spans two shards.
 - `close(complete=True)` commits the last shard and marks the store complete.
+- `hold_commits` (a future: a check the samples depend on, still running) keeps every shard open until it ends
+  well; rows keep going to disk meanwhile. If it fails, the open shard is dropped and its error raised, and
+  `discard()` removes a store the writer created.
 
 A failed write (a full disk) deletes the open temporary shard and raises EyasError: the store stays
 valid up to its last committed shard and the same command resumes it. Writeback of each batch is
@@ -256,6 +259,15 @@ def _sample_digest(hidden_u8, scale_u8) -> str:
     return h.hexdigest()
 
 
+def _remove_made(lock_path: Path | None, made: Sequence[Path]) -> None:
+    """Remove a lock file and the directories (deepest first) a writer created, each only when it is empty."""
+    if lock_path is not None:
+        lock_path.unlink(missing_ok=True)
+    for p in made:
+        with contextlib.suppress(OSError):
+            p.rmdir()
+
+
 def committed_ids(path: str | Path) -> set[str]:
     """The ids of the samples a store at `path` has committed, read without opening it (none when there is no
     manifest, or one that cannot be read: StoreWriter says why when it opens the store)."""
@@ -282,8 +294,15 @@ class StoreWriter:
     """Append samples to a store at `path` in committed shards (see the module docstring)."""
 
     def __init__(
-        self, path: str | Path, spec: StoreSpec, *, shard_bytes: int = 1 << 30, hash_threads: int | None = None
+        self,
+        path: str | Path,
+        spec: StoreSpec,
+        *,
+        shard_bytes: int = 1 << 30,
+        hash_threads: int | None = None,
+        hold_commits: concurrent.futures.Future | None = None,
     ):
+        """`hold_commits`: a check the store's samples depend on, still running; see `_may_commit`."""
         self.write_chunk = WRITE_CHUNK  # bytes per write() call (tests: smaller, to cross rows)
         if shard_bytes <= 0:
             raise ValueError(f"shard_bytes: {shard_bytes} must be positive")
@@ -295,6 +314,7 @@ class StoreWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         lock_path = self.path / ".lock"
         new_lock = not lock_path.exists()
+        new_store = not (self.path / MANIFEST).exists()
         self._lock = open(lock_path, "a+")  # noqa: SIM115 (the lock, held while the writer lives)
         try:
             fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -308,11 +328,10 @@ class StoreWriter:
         except BaseException:
             self._lock.close()  # releases the lock: the store was not touched
             if new_lock:  # a refused directory keeps nothing of this attempt
-                lock_path.unlink(missing_ok=True)
-                for p in made:
-                    with contextlib.suppress(OSError):
-                        p.rmdir()
+                _remove_made(lock_path, made)
             raise
+        self._made = (lock_path if new_lock else None, made) if new_store else None
+        self.hold_commits = hold_commits
         self._ids: set[str] = {s["id"] for s in self.manifest["samples"]}
         self._lines = {k: [json.dumps(r, sort_keys=True) for r in self.manifest[k]] for k in ("shards", "samples")}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=hash_threads or min(8, os.cpu_count() or 1))
@@ -485,7 +504,7 @@ class StoreWriter:
             if scale_NL is not None:
                 self._pending_scales.append(scale_NL.clone())
             self._rows += n
-            if self._rows * (hidden_u8.size // n) >= self.shard_bytes:
+            if self._rows * (hidden_u8.size // n) >= self.shard_bytes and self._may_commit(wait=False):
                 self.commit()
         except OSError as exc:
             self._abort_shard()
@@ -536,10 +555,29 @@ class StoreWriter:
             with contextlib.suppress(OSError):
                 os.posix_fadvise(self._file.fileno(), offset, length, os.POSIX_FADV_DONTNEED)
 
+    def _may_commit(self, *, wait: bool) -> bool:
+        """Whether the open shard may be committed: only once `hold_commits` has ended well. Until then (`wait`
+        False) the shard grows past shard_bytes, so that rows keep going to disk; a check that failed drops the
+        open shard (none of its samples is stored) and raises its error."""
+        hold = self.hold_commits
+        if hold is None:
+            return True
+        if not wait and not hold.done():
+            return False
+        try:
+            hold.result()
+        except BaseException:
+            self._abort_shard()
+            self._ids = self.committed_ids
+            raise
+        self.hold_commits = None
+        return True
+
     def commit(self) -> None:
-        """Commit the open shard (no-op when nothing is pending)."""
+        """Commit the open shard (no-op when nothing is pending); waits for `hold_commits`."""
         if self._file is None or not self._pending:
             return
+        self._may_commit(wait=True)
         t0 = time.perf_counter()
         try:
             f = self._file
@@ -697,6 +735,7 @@ class StoreWriter:
         if self._closed:
             return self.manifest
         try:
+            self._may_commit(wait=True)  # a failed check fails the close, with nothing pending too
             self.commit()
             if complete:
                 self.manifest["status"] = "complete"
@@ -704,6 +743,15 @@ class StoreWriter:
         finally:
             self.abort()
         return self.manifest
+
+    def discard(self) -> None:
+        """`abort`, then remove what this writer created when it opened a new store and committed nothing to it (a
+        capture refused after the store opened leaves nothing of itself); a store it only reopened is kept."""
+        made = self._made if not self.manifest["shards"] else None
+        self.abort()
+        if made is not None:
+            (self.path / MANIFEST).unlink(missing_ok=True)
+            _remove_made(*made)
 
     def abort(self) -> None:
         """Drop the uncommitted shard and release the store (committed shards stay valid)."""
