@@ -920,12 +920,13 @@ def store_run(a) -> None:
                 lambda: prefill_rate(srv.url, prepared, bypass="none", n=a.prefill_samples, concurrency=c),
             )
 
-        def capture(out_dir: Path, limit: int, concurrency: int, key: str, procs: int = a.procs[0]):
+        def capture(out_dir: Path, limit: int, concurrency: int, key: str, procs: int = a.procs[0], dtype="bf16"):
             shutil.rmtree(out_dir, ignore_errors=True)  # this script's own store of an earlier run: a rate needs all
             t0 = time.time()
             args = ["capture", "--backend", "sglang", "--url", srv.url, "--data", prepared, "--split", "train"]
             args += ["--out", out_dir, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda"]
             args += ["--sglang-procs", str(procs)] if procs else []
+            args += ["--store-dtype", dtype]
             out = eyas([*args, "--limit", str(limit), "--sglang-concurrency", str(concurrency)], key)
             R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
@@ -946,9 +947,10 @@ def store_run(a) -> None:
         )
         # the same pair with each other --procs, then at more requests in flight with each, into stores
         # thrown away
-        pairs = [(c, p) for p in a.procs[1:]] + [(n, p) for n in a.also_concurrency for p in a.procs]
-        for n, p in pairs:
-            name = f"c{n}" + (f"_p{p}" if len(a.procs) > 1 else "")
+        pairs = [(c, p, "bf16") for p in a.procs[1:]] + [(n, p, "bf16") for n in a.also_concurrency for p in a.procs]
+        pairs += [(c, a.procs[0], d) for d in a.also_dtype]  # the store's bytes halved (fp8): is the disk the bound?
+        for n, p, d in pairs:
+            name = f"c{n}" + (f"_p{p}" if len(a.procs) > 1 or d != "bf16" else "") + (f"_{d}" if d != "bf16" else "")
             pre_n = step(
                 f"prefill at {n} in flight ({name})",
                 lambda n=n: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=n),
@@ -956,7 +958,9 @@ def store_run(a) -> None:
             extra = store.parent / f"{store.name}-{name}"
             cap_n = step(
                 f"capture at {n} in flight, {p} check processes",
-                lambda n=n, p=p, extra=extra, name=name: capture(extra, a.prefill_samples, n, f"capture_{name}", p),
+                lambda n=n, p=p, d=d, extra=extra, name=name: capture(
+                    extra, a.prefill_samples, n, f"capture_{name}", p, d
+                ),
             )
             shutil.rmtree(extra, ignore_errors=True)
             if cap_n and cap_n.get("loop_tokens_per_s") and pre_n:
@@ -1209,6 +1213,12 @@ def main() -> None:
         type=lambda v: [int(x) for x in v.split(",") if x],
         default=[],
         help="after the capture, the prefill and a capture of --prefill-samples again at each of these (e.g. 32,64)",
+    )
+    st.add_argument(
+        "--also-dtype",
+        type=lambda v: [x for x in v.split(",") if x],
+        default=[],
+        help="after the capture, the prefill and a capture of --prefill-samples stored in each of these (e.g. fp8)",
     )
     st.add_argument(
         "--profile-seconds",
