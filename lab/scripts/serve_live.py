@@ -705,8 +705,27 @@ RECIPE_EVAL = [
 ]
 
 
+def flush_cache(url: str, tries: int = 40) -> bool:
+    """Empty the server's radix cache (SGLang's /flush_cache, refused while requests run), so that each measured
+    arm starts from the same cache: a capture leaves its prompts there, and a prefill after it evicts them."""
+    import urllib.error
+
+    for _ in range(tries):
+        try:
+            req = urllib.request.Request(f"{url}/flush_cache", data=b"", method="POST")
+            with urllib.request.urlopen(req, timeout=30) as r:
+                if r.status == 200:
+                    return True
+        except urllib.error.HTTPError as exc:
+            if exc.code != 400:  # 400: requests still running; anything else will not change
+                return False
+        time.sleep(0.5)
+    return False
+
+
 def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: int = 16) -> dict:
-    """The capture's requests without the eyas rid (no dump): the same server's prefill tokens/s."""
+    """The capture's requests without the eyas rid (no dump): the same server's prefill tokens/s, from an empty
+    radix cache."""
     import concurrent.futures as cf
 
     sys.path.insert(0, str(REPO / "src"))
@@ -723,6 +742,7 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
         out = generate(url, build_request(ids, f"plain-{run}-{i}", bypass), timeout=600)
         return int(out["meta_info"]["prompt_tokens"])
 
+    flushed = flush_cache(url)
     t0 = time.time()
     with cf.ThreadPoolExecutor(concurrency) as pool:
         tokens = sum(pool.map(one, range(n)))
@@ -734,6 +754,7 @@ def prefill_rate(url: str, prepared: Path, *, bypass: str, n: int, concurrency: 
         "tokens_per_s": round(tokens / secs, 1),
         "bypass": bypass,
         "concurrency": concurrency,
+        "cache_flushed": flushed,
     }
 
 
@@ -909,9 +930,9 @@ def store_run(a) -> None:
         c = a.concurrency  # requests in flight, the same for the prefill and the capture
         step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64, concurrency=c))
         prof = profile_server(srv.proc.pid, "prefill", seconds=a.profile_seconds)
-        R["prefill_same_bypass"] = step(
+        R["prefill_same_bypass"] = step(  # the capture's own samples: the cache fills as the capture's does
             "prefill, no dumps (capture's bypass)",
-            lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c),
+            lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.samples, concurrency=c),
         )
         prof.join()
         if not a.no_plain and bypass not in ("plugin", "none"):  # those send the plain requests already
@@ -927,6 +948,7 @@ def store_run(a) -> None:
             args += ["--out", out_dir, "--aux-layers", "2,15,27", "--target", SMOL, "--device", "cuda"]
             args += ["--sglang-procs", str(procs)] if procs else []
             args += ["--store-dtype", dtype]
+            R[f"{key}_cache_flushed"] = flush_cache(srv.url)  # from the cache its prefill started from
             out = eyas([*args, "--limit", str(limit), "--sglang-concurrency", str(concurrency)], key)
             R[f"{key}_wall_s"] = round(time.time() - t0, 1)
             return out
@@ -943,7 +965,7 @@ def store_run(a) -> None:
             if (Q / f"pyspy-{name}.txt").exists()
         }
         R["prefill_same_bypass_after"] = step(
-            "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=c)
+            "prefill again", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.samples, concurrency=c)
         )
         # the same pair with each other --procs, then at more requests in flight with each, into stores
         # thrown away
@@ -1196,7 +1218,12 @@ def main() -> None:
         "--store-dir", default=None, help="where the store goes (default ROOT/store41; /dev/shm/... takes the disk out)"
     )
     st.add_argument("--verify", type=int, default=3, help="`eyas verify` runs on the store, each with a fresh seed")
-    st.add_argument("--prefill-samples", type=int, default=3000)
+    st.add_argument(
+        "--prefill-samples",
+        type=int,
+        default=3000,
+        help="samples of each other pair's prefill and capture (the main pair's prefills send the --samples captured)",
+    )
     st.add_argument("--no-plain", action="store_true", help="skip the prefill without bypass (not in the ratio)")
     st.add_argument(
         "--procs",

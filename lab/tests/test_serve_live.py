@@ -39,3 +39,34 @@ def test_profile_summary_gives_each_threads_busy_share_and_its_share_in_eyas_cod
         ["_write_buffers (eyas/sglang/core.py)", round(50 / 150, 3)],
     ]
     assert list(out)[:2] == ["sglang::scheduler_TP0 (100) / all threads", "sglang::scheduler_TP0 (100) / MainThread"]
+
+
+def test_flush_cache_waits_out_running_requests_and_gives_up_on_a_server_without_it(monkeypatch):
+    import http.server
+    import threading
+
+    serve_live = load_script("serve_live")
+    monkeypatch.setattr(serve_live.time, "sleep", lambda s: None)
+    answers: list[int] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            code = answers.pop(0)
+            self.send_response(code)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}"
+    try:
+        answers[:] = [400, 400, 200]  # refused while requests run, then flushed
+        assert serve_live.flush_cache(url) and answers == []
+        answers[:] = [404, 200]  # a server without the endpoint: no retry
+        assert not serve_live.flush_cache(url) and answers == [200]
+        answers[:] = [400] * 3
+        assert not serve_live.flush_cache(url, tries=3) and answers == []
+    finally:
+        srv.shutdown()
