@@ -56,6 +56,10 @@ def test_chunked_prefill_batched_capture_ingests_real_states(tiny_target_dir, ti
     assert all(v > 0 for v in out["seconds_summed"].values()) and out["procs"] == 0
     # at most the slots' worth of requests at the server at once, on average
     assert 0 < out["in_flight_mean"] <= 4
+    # every stored token in the timeline of the loop's seconds (a sub-second loop: one bucket)
+    timeline = out["stored_tokens_timeline"]
+    assert timeline["bucket_s"] == 1 and sum(timeline["tokens"]) == out["tokens"]
+    assert len(timeline["tokens"]) <= int(out["loop_s"]) + 1
     phases = out["phase_seconds"]
     assert sorted(phases) == ["calibrate", "close", "loop", "loop_cpu", "setup"] and phases["loop"] == out["loop_s"]
     # each figure rounded to 1 ms, the whole too

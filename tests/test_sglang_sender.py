@@ -134,3 +134,23 @@ def test_the_states_held_between_servers_and_a_slow_disk_stay_within_the_budget(
     for name in ("bound", "tiny"):
         assert runs[name]["captured"] == len(LENGTHS) and runs[name]["store_complete"]
         check_store_against_reference(tmp_path / name, sglang_prepared, tiny_model)
+
+
+def test_the_stored_tokens_timeline_keeps_each_second_and_buckets_a_long_loop(monkeypatch):
+    import eyas.sglang.sender as sender
+    from eyas.sglang.request import Outcome
+
+    now = [1000.0]
+    monkeypatch.setattr(sender.time, "time", lambda: now[0])
+    tally = sender.Tally(retries=0, t0=1000.0)  # the loop began at 1000 s
+
+    class Writer:
+        def add_encoded(self, encoded):
+            pass
+
+    for at, tokens in [(0.2, 5), (0.9, 7), (3.5, 11)]:  # nothing stored in seconds 1 and 2: a stall shows
+        now[0] = 1000.0 + at
+        tally.ingest(Outcome(sample_id=f"s{at}", tokens=tokens, encoded=object(), seconds={}), Writer())
+    assert tally.timeline() == {"bucket_s": 1, "tokens": [12, 0, 0, 11]}
+    assert tally.timeline(buckets=2) == {"bucket_s": 2, "tokens": [12, 11]}
+    assert tally.timeline(buckets=3) == {"bucket_s": 2, "tokens": [12, 11]}  # at most 3 buckets of whole seconds

@@ -1030,6 +1030,7 @@ def store_run(a) -> None:
                 "store_seconds",
                 "seconds_summed",
                 "in_flight_mean",
+                "stored_tokens_timeline",
             )
         }
         where.update({k: v for k, v in R.items() if k.startswith("in_flight_mean_")})

@@ -607,6 +607,7 @@ def _capture_summary(
         "seconds_summed": {k: round(v, 3) for k, v in tally.spent.items()},
         # requests at the servers on average during the loop: below the slots, the servers waited for this client
         "in_flight_mean": round(tally.spent["request"] / loop_s, 2) if loop_s > 0 else None,
+        "stored_tokens_timeline": tally.timeline(),
         "phase_seconds": {k: round(v, 3) for k, v in phases.items()},
         "setup_seconds": {k: round(v, 3) for k, v in setup_seconds.items()},
         # on a thread of its own beside the loop: the store's opening, then the calibration's reference model

@@ -83,6 +83,15 @@ class Tally:
         }
     )
     """Seconds summed over samples, per part of a sample's way (`gate`: waiting for a slot at a server)."""
+    t0: float = field(default_factory=time.time)
+    stored_by_s: list[int] = field(default_factory=list)
+    """Tokens stored in each second since `t0` (the loop's start): where the loop stalled."""
+
+    def timeline(self, buckets: int = 120) -> dict[str, Any]:
+        """`stored_by_s` in at most `buckets` buckets of whole seconds (a long capture's summary stays short)."""
+        width = max(1, -(-len(self.stored_by_s) // buckets))
+        tokens = [sum(self.stored_by_s[i : i + width]) for i in range(0, len(self.stored_by_s), width)]
+        return {"bucket_s": width, "tokens": tokens}
 
     def ingest(self, res: Outcome, writer) -> None:
         """Count one sample's outcome; store it when it passed every check."""
@@ -98,6 +107,9 @@ class Tally:
             self.spent["ingest"] += time.perf_counter() - t_add
             self.captured += 1
             self.tokens += res.tokens
+            second = max(int(time.time() - self.t0), 0)
+            self.stored_by_s.extend([0] * (second + 1 - len(self.stored_by_s)))
+            self.stored_by_s[second] += res.tokens
 
 
 @dataclass(kw_only=True)
