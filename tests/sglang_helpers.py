@@ -57,11 +57,12 @@ def check_store_against_reference(store, sglang_prepared, model, n=None):
 
 def without_the_prefix_cap(srv):
     """The stand-in with the plugin's cap on eyas requests' prefix match not in effect (as on a server whose
-    SGLang stopped calling the hooked method): prefixes are served again. Returns a function putting it back."""
-    from eyas.sglang.standin import PREFIX_CAP_TARGET
+    SGLang stopped calling the hooked methods), nor its release hook: eyas prompts are cached, and prefixes
+    served, again. Returns a function putting both back."""
+    from eyas.sglang.standin import PREFIX_CAP_TARGET, RELEASE_TARGET
 
-    hooks = srv.hooks.hooks.pop(PREFIX_CAP_TARGET)
-    return lambda: srv.hooks.hooks.__setitem__(PREFIX_CAP_TARGET, hooks)
+    hooks = {t: srv.hooks.hooks.pop(t) for t in (PREFIX_CAP_TARGET, RELEASE_TARGET)}
+    return lambda: srv.hooks.hooks.update(hooks)
 
 
 def hide_the_prefix_cache(srv):

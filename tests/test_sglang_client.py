@@ -212,6 +212,18 @@ def test_the_plugins_bypass_asked_for_on_a_server_without_radix_cache_captures(
     assert caps == len(LENGTHS) + 1  # every sample and the probe passed through the hook
 
 
+def test_captured_prompts_leave_the_radix_cache_as_it_was(tiny_target_dir, sglang_prepared, tmp_path):
+    # an eyas prompt is never matched (the cap), so the plugin's release hook keeps it out of the cache: the
+    # server's cache holds what other requests put there, and no eviction is spent on the capture's prompts
+    with serve(tiny_target_dir, tmp_path, disable_radix_cache=False) as srv:
+        out = capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "s", LAYERS, concurrency=2)
+        stats = srv.server_info()["internal_states"][0]["eyas_capture"]["stats"]
+        assert out["captured"] == len(LENGTHS) and out["cache_bypass"] == ["plugin"] and srv.radix == []
+        assert stats["insert_skips"] == stats["prefix_caps"] == len(LENGTHS) + 1  # the samples and the probe
+        code, _ = srv.generate({"input_ids": [5, 6, 7, 8], "rid": "plain-1", "sampling_params": {"max_new_tokens": 1}})
+        assert code == 200 and srv.radix == [(None, [5, 6, 7, 8])]  # a request of anyone else is cached as before
+
+
 def test_prefix_hits_on_a_misreporting_server_are_rejected_then_resumed(
     tiny_target_dir, tiny_model, sglang_prepared, tmp_path
 ):

@@ -63,6 +63,7 @@ NEEDED = (
     "sglang/srt/managers/io_struct.py",
     "sglang/srt/managers/schedule_batch.py",
     "sglang/srt/mem_cache/radix_cache.py",
+    "sglang/srt/mem_cache/common.py",
     "sglang/srt/entrypoints/http_server.py",
     "sglang/srt/model_executor/runner/prefill_cuda_graph_runner.py",
     "sglang/srt/model_executor/cuda_graph_config.py",
@@ -428,6 +429,19 @@ def test_semantics_the_plugin_relies_on(sglang_src):
     )
     # /server_info carries the schedulers' internal states (where the plugin reports itself)
     assert any("'internal_states': internal_states" in c for c in codes(srt / "entrypoints/http_server.py", ast.Dict))
+    # a request flagged skip_radix_cache_insert is released without a radix-cache insert (the plugin's release
+    # hook flags eyas requests): before 0.5.22 as cache_finished_req's is_insert, from it as the checkpoint
+    release_kv = next(
+        n for n in parse(srt / "mem_cache/common.py").body if getattr(n, "name", "") == "release_kv_cache"
+    )
+    honoured = (
+        "is_insert=is_insert and (not getattr(req, 'skip_radix_cache_insert', False))",  # 0.5.15-0.5.20
+        "is_insert = is_insert and (not req.skip_radix_cache_insert)",  # 0.5.21
+        "checkpoint = checkpoint and (not req.skip_radix_cache_insert)",  # 0.5.22-
+    )
+    assert sum(h in code(release_kv) for h in honoured) == 1, code(release_kv)
+    # and the flag is an attribute every request has (set False unless SGLang's disaggregation warm-up sets it)
+    assert any("self.skip_radix_cache_insert" in c for c in codes(srt / "managers/schedule_batch.py", ast.Assign))
     if release(sglang_src) >= (0, 5, 22):
         # the `salt` bypass (the client uses it from 0.5.22): the radix tree is keyed by cache_salt
         assert "self.cache_salt != other.cache_salt" in codes(srt / "mem_cache/radix_cache.py", ast.Compare)
@@ -837,9 +851,15 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
     class Req:  # SGLang's rule: at most L-1 (and at most logprob_start_len with return_logprob)
         def __init__(self, rid):
             self.rid = rid
+            self.skip_radix_cache_insert = False
 
         def _compute_max_prefix_len(self, input_len: int) -> int:
             return max(input_len - 1, 0)
+
+    inserted = []
+
+    def release_kv_cache(req, tree_cache, is_insert=True):  # SGLang's: no insert for a request flagged to skip it
+        inserted.append((req.rid, is_insert and not req.skip_radix_cache_insert))
 
     mods = {}
     for name in (
@@ -849,12 +869,19 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
         "sglang.srt.layers",
         "sglang.srt.managers",
         "sglang.srt.managers.scheduler_components",
+        "sglang.srt.mem_cache",
     ):
         mods[name] = types.ModuleType(name)
     for key, obj in (("live_batch", ModelRunner), ("logits", LogitsProcessor), ("prefix_cap", Req)):
         mod = plugin.CONTRACT["hooks"][key][0]
         mods.setdefault(mod, types.ModuleType(mod))
         setattr(mods[mod], obj.__name__, obj)
+    release_mod = plugin.CONTRACT["hooks"]["release"][0]
+    mods[release_mod] = types.ModuleType(release_mod)
+    mods[release_mod].release_kv_cache = release_kv_cache
+    scheduler = types.ModuleType("sglang.srt.managers.scheduler")  # imports it by name, as SGLang's scheduler does
+    scheduler.release_kv_cache = release_kv_cache
+    mods["sglang.srt.managers.scheduler"] = scheduler
     status_mod, status_qual, _ = plugin.CONTRACT["status_hooks"][0]
     mods[status_mod] = types.ModuleType(status_mod)
     setattr(mods[status_mod], status_qual.split(".")[0], Controller)
@@ -874,10 +901,15 @@ def test_plugin_hooks_through_the_real_hook_registry(sglang_src, monkeypatch, tm
     try:
         targets = plugin.register_hooks(hr.HookRegistry, hr.HookType, status_target=(status_mod, status_qual))
         hr.HookRegistry.apply_hooks()
-        assert set(targets) <= hr.HookRegistry._patched and len(targets) == 5
+        assert set(targets) <= hr.HookRegistry._patched and len(targets) == 6
         # the radix-cache match of an eyas request is capped at 0; any other request keeps SGLang's cap
         assert Req(make_rid(9, "cap"))._compute_max_prefix_len(9) == 0 and Req("x")._compute_max_prefix_len(9) == 8
         assert st.counts["prefix_caps"] == 1  # what the client's probe reads to know the cap is in effect
+        # a finished eyas request is released without a radix-cache insert, through the scheduler's own binding
+        # too; any other request is inserted as SGLang does
+        scheduler.release_kv_cache(Req(make_rid(9, "rel")), None)
+        mods[release_mod].release_kv_cache(Req("x"), None)
+        assert inserted == [(make_rid(9, "rel"), False), ("x", True)] and st.counts["insert_skips"] == 1
         runner = ModelRunner()
         assert runner.init_attention_backends() == "backends"  # BEFORE hook ran, original still runs
         assert st.enabled and runner.model.model.layers_to_capture == [2, 4, 5]

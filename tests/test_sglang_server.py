@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from eyas.errors import EyasError
+from eyas.sglang import plugin
 from eyas.sglang.server import preflight
 from tests.sglang_helpers import (
     LAYERS,
@@ -59,7 +60,7 @@ def test_preflight_refuses_a_plugin_blind_to_graph_replay_unless_the_graph_is_of
         srv.server_info = lambda: old_plugin(disable_prefill_cuda_graph=True)
         assert preflight(srv.url, LAYERS).status["plugin_version"] == "1"
         srv.server_info = info
-        assert preflight(srv.url, LAYERS).status["plugin_version"] == "3"
+        assert preflight(srv.url, LAYERS).status["plugin_version"] == plugin.PLUGIN_VERSION
 
 
 def test_preflight_and_verify_server_refuse_prefill_cp_and_a_piecewise_prefill_graph(tiny_target_dir, tmp_path):

@@ -44,6 +44,12 @@ Hooks (sglang.srt.plugins.hook_registry.HookRegistry):
         computes the whole prompt, so the forward holds every row (the cap SGLang itself applies to a request
         asking for every prompt token's logprob, without computing and sending those logprobs). The
         client's `--sglang-cache-bypass plugin` (its choice when the status says `prefix_cap`).
+    BEFORE release_kv_cache (sglang.srt.mem_cache.common)   marks a finished eyas request
+        `skip_radix_cache_insert` (SGLang's own flag, honoured there by every supported release): its KV is freed,
+        not inserted into the radix cache. The prompt is never matched (the cap above), so inserting it would only
+        cost the scheduler the insertion and, once the cache is full, an eviction for every later request, and it
+        would push other requests' cached prefixes out. Only the release is marked: chunked prefill, which caches
+        a request's earlier chunks on the way, is left as it is.
     AFTER get_internal_state (SchedulerInternalStateController from 0.5.22, Scheduler before)   adds
         "eyas_capture" (layer ids, dump dir, model, counters) to /server_info, which the client checks.
 
@@ -98,7 +104,7 @@ SUPPORTED_VERSIONS = (
     "0.5.23",
 )
 SUPPORTED_RANGE = ">=0.5.15,<0.6"
-PLUGIN_VERSION = "3"
+PLUGIN_VERSION = "4"
 WRITER_THREADS = 4  # dump writers per writing rank (safetensors serialisation + tmpfs copy)
 ENTRY_POINT_GROUP = "sglang.srt.plugins"
 
@@ -116,6 +122,7 @@ CONTRACT: dict[str, Any] = {
             ("self", "input_ids", "hidden_states", "lm_head", "logits_metadata", "aux_hidden_states"),
         ),
         "prefix_cap": ("sglang.srt.managers.schedule_batch", "Req._compute_max_prefix_len", ("self", "input_len")),
+        "release": ("sglang.srt.mem_cache.common", "release_kv_cache", ("req", "tree_cache")),
     },
     # The status hook moved in 0.5.22: the first of these that exists is used.
     "status_hooks": (
@@ -312,10 +319,14 @@ def check_contract_in_source(root) -> list[str]:
         problems += [f"{mod}.{name}.{m} not defined" for m in members if member(cls, m) is None]
 
     def method_problem(mod: str, qual: str, want_params) -> str | None:
-        cls_name, meth = qual.split(".")
-        if (cls := top(mod, cls_name)) is None:
+        """Why the method (Class.name) or module function (name) `qual` of `mod` falls short; None if it does not."""
+        cls_name, _, meth = qual.rpartition(".")
+        if not cls_name:
+            fn = top(mod, meth)  # a missing one is said there, in the words returned below
+        elif (cls := top(mod, cls_name)) is None:
             return f"{mod}.{cls_name} not defined"
-        fn = member(cls, meth)
+        else:
+            fn = member(cls, meth)
         if not isinstance(fn, ast.FunctionDef):
             return f"{mod}.{qual} not defined"
         missing = [p for p in want_params if p not in params(fn)]
@@ -426,6 +437,7 @@ class _State:
             "unmatched_forwards": 0,
             "rid_less_forwards": 0,
             "prefix_caps": 0,  # eyas requests whose radix-cache match _on_max_prefix_len capped at 0
+            "insert_skips": 0,  # finished eyas requests released without a radix-cache insert (_on_release)
         }
 
     def is_writer(self) -> bool:
@@ -449,6 +461,7 @@ class _State:
                 "last_error": self.last_error,
                 "pending": len(self.core.pending_rids()),
                 "prefix_cap": True,  # an eyas request's radix-cache match is capped at 0 (_on_max_prefix_len)
+                "skip_insert": True,  # and its prompt is not inserted into the cache when it ends (_on_release)
             },
         )
 
@@ -821,6 +834,18 @@ def _on_max_prefix_len(result, req=None, *args, **kwargs):
     return 0
 
 
+def _on_release(req=None, *args, **kwargs):
+    """BEFORE release_kv_cache: a finished eyas request's KV is freed without a radix-cache insert (SGLang's
+    `skip_radix_cache_insert`); any other request is left alone."""
+    if parse_rid(getattr(req, "rid", None)) is None:
+        return None
+    req.skip_radix_cache_insert = True
+    st = _STATE
+    if st is not None:
+        st.counts["insert_skips"] += 1
+    return None
+
+
 def _on_internal_state(result, *args, **kwargs):
     """AFTER get_internal_state: add the plugin's status to /server_info."""
     st = _STATE
@@ -843,6 +868,7 @@ def register_hooks(registry, hook_type, *, status_target: tuple[str, str] | None
         ("live_batch", _on_model_runner_forward, hook_type.BEFORE),
         ("logits", _on_logits, hook_type.BEFORE),
         ("prefix_cap", _on_max_prefix_len, hook_type.AFTER),
+        ("release", _on_release, hook_type.BEFORE),
     ):
         registry.register(hook_target(key), fn, kind)
         targets.append(hook_target(key))

@@ -179,6 +179,7 @@ class HookType(enum.Enum):
 
 LIVE_BATCH_TARGET, LOGITS_TARGET = eyas_plugin.hook_target("live_batch"), eyas_plugin.hook_target("logits")
 PREFIX_CAP_TARGET = eyas_plugin.hook_target("prefix_cap")
+RELEASE_TARGET = eyas_plugin.hook_target("release")
 STATUS_TARGET = eyas_plugin.CONTRACT["status_hooks"][0][:2]  # SGLang 0.5.22+ (STANDIN_VERSION)
 STATUS_HOOK = ".".join(STATUS_TARGET)
 
@@ -291,6 +292,7 @@ class _Req:
     prefix: int = 0  # tokens matched in the radix cache
     computed: int = 0  # positions computed so far (absolute)
     result: dict[str, Any] | None = None
+    skip_radix_cache_insert: bool = False  # SGLang's flag: released without a radix-cache insert
 
     def _compute_max_prefix_len(self, input_len: int) -> int:
         """SGLang's Req._compute_max_prefix_len: at most L-1, at most logprob_start_len when logprobs are asked for."""
@@ -682,7 +684,9 @@ class StandinServer:
                 continue
             final_last = final[[p[0] for p in pieces].index(r)][-1]
             next_id = int(torch.argmax(self.model.lm_head(final_last)))
-            if not self.cfg.disable_radix_cache:
+            if self.cfg.plugin:  # SGLang's release_kv_cache, which the plugin's BEFORE hook may flag
+                self.hooks.before(RELEASE_TARGET, self.states[0], r, None)
+            if not self.cfg.disable_radix_cache and not r.skip_radix_cache_insert:
                 self.radix.append((r.salt, list(r.ids)))
             r.result = {
                 "text": "",
