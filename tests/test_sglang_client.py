@@ -382,6 +382,19 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
                     procs=procs,
                 )
             assert not (tmp_path / f"s{procs}").exists()
+        # a target whose model type transformers does not know: its identity is hashed without importing
+        # transformers, and the check after the opening refuses it, leaving nothing
+        import json
+        import shutil
+
+        monkeypatch.setattr("eyas.target.tokenizer_hash", real_hash)
+        bogus = tmp_path / "bogus_target"
+        shutil.copytree(tiny_target_dir, bogus)
+        config = json.loads((bogus / "config.json").read_text())
+        (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
+        with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
+            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "sb", LAYERS, target=bogus)
+        assert not (tmp_path / "sb").exists()
     assert list((tmp_path / "dumps").iterdir()) == []
 
 

@@ -90,8 +90,9 @@ def default_target_dir() -> Path:
     return out
 
 
-def resolve_target(target: str | os.PathLike) -> Path:
-    """'default' -> the cached SmolLM2 directory; anything else must be a local HF model directory."""
+def resolve_target(target: str | os.PathLike, *, known_type: bool = True) -> Path:
+    """'default' -> the cached SmolLM2 directory; anything else must be a local HF model directory. `known_type`
+    False leaves out whether transformers knows its model_type (that check imports transformers: seconds)."""
     if str(target) == DEFAULT_TARGET:
         return default_target_dir()
     path = Path(target).expanduser()
@@ -99,12 +100,13 @@ def resolve_target(target: str | os.PathLike) -> Path:
         raise EyasError(f"target `{target}` is not a directory: pass a local Hugging Face model directory or `default`")
     if not (path / "config.json").is_file():
         raise EyasError(f"target `{path}` has no config.json: it is not a Hugging Face model directory")
-    check_target_config(path)
+    check_target_config(path, known_type=known_type)
     return path
 
 
-def check_target_config(path: Path) -> dict:
-    """The target's config.json must be a JSON object whose model_type this transformers knows."""
+def check_target_config(path: Path, *, known_type: bool = True) -> dict:
+    """The target's config.json must be a JSON object with a model_type (with `known_type`: one this transformers
+    knows)."""
     import json
 
     from eyas.common import read_text_file
@@ -119,7 +121,7 @@ def check_target_config(path: Path) -> dict:
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise EyasError(f"target config {cfg_path} has no `model_type`; it is not a Hugging Face model config")
-    if "auto_map" not in cfg:  # custom-code models name their own classes
+    if known_type and "auto_map" not in cfg:  # custom-code models name their own classes
         from transformers import CONFIG_MAPPING
 
         if model_type not in CONFIG_MAPPING:

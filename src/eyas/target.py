@@ -107,7 +107,7 @@ def model_identity(path: str | Path) -> dict[str, Any]:
     """
     from eyas.defaults import resolve_target
 
-    path = resolve_target(path)
+    path = resolve_target(path, known_type=False)  # hashes only: loading the model is where its type must be known
     config_bytes = (path / "config.json").read_bytes()
     h = hashlib.sha256()
     sampled = hashlib.sha256()

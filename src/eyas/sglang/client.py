@@ -423,11 +423,16 @@ def open_store(
 
 
 def check_tokenizer(prepared, target: str | Path | None, laps: _Laps) -> None:
-    """Refuse data tokenised by another tokenizer than the target's (nothing to compare without a target)."""
-    if target is None or prepared.tokenizer_hash is None:
+    """Refuse a target whose model type transformers does not know, and data tokenised by another tokenizer than
+    the target's (nothing to check without a target). Seconds: the first load imports transformers' tokenizers."""
+    if target is None:
         return
+    from eyas.defaults import resolve_target
     from eyas.target import load_tokenizer, tokenizer_hash
 
+    resolve_target(target)
+    if prepared.tokenizer_hash is None:
+        return
     tok_hash = tokenizer_hash(load_tokenizer(target))
     laps.lap("tokenizer")
     if prepared.tokenizer_hash != tok_hash:
