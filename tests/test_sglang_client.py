@@ -333,28 +333,39 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
             capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "s", LAYERS, target=tiny_target_dir)
         assert not (tmp_path / "s").exists()
         monkeypatch.setattr(client, "open_store", real_open)
-        # the tokenizer check (seconds on a real target) runs once the store is open, the samples' rows going into
-        # it meanwhile; data tokenised by another tokenizer stops the capture with its own error, samples written
-        # before the check ended or not, and nothing is left of the store
-        import eyas.target
-        from eyas.store.writer import StoreWriter
+    assert list((tmp_path / "dumps").iterdir()) == []
 
-        real_add, real_hash, added, seen = StoreWriter.add_encoded, eyas.target.tokenizer_hash, [], []
 
-        def counting_add(self, sample):
-            added.append(sample.id)
-            return real_add(self, sample)
+def test_the_tokenizer_check_runs_after_the_opening_and_its_refusal_leaves_no_store(
+    tiny_target_dir, tiny_model, sglang_prepared, tmp_path, monkeypatch
+):
+    # the tokenizer check (seconds on a real target) runs once the store is open, the samples' rows going into it
+    # meanwhile; data tokenised by another tokenizer stops the capture with its own error, samples written before
+    # the check ended or not, and nothing is left of the store
+    import json
+    import shutil
+    import time
 
-        def slow_hash(wrong: bool):
-            def tokenizer_hash(tok):
-                deadline = time.monotonic() + 20
-                while len(added) < 2 and time.monotonic() < deadline:
-                    time.sleep(0.01)
-                seen.append(len(added))  # samples stored while the check ran
-                return "f" * 64 if wrong else real_hash(tok)
+    import eyas.target
+    from eyas.store.writer import StoreWriter
 
-            return tokenizer_hash
+    real_add, real_hash, added, seen = StoreWriter.add_encoded, eyas.target.tokenizer_hash, [], []
 
+    def counting_add(self, sample):
+        added.append(sample.id)
+        return real_add(self, sample)
+
+    def slow_hash(wrong: bool):
+        def tokenizer_hash(tok):
+            deadline = time.monotonic() + 20
+            while len(added) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            seen.append(len(added))  # samples stored while the check ran
+            return "f" * 64 if wrong else real_hash(tok)
+
+        return tokenizer_hash
+
+    with serve(tiny_target_dir, tmp_path) as srv:
         monkeypatch.setattr(StoreWriter, "add_encoded", counting_add)
         monkeypatch.setattr(eyas.target, "tokenizer_hash", slow_hash(wrong=True))
         with pytest.raises(EyasError, match="another tokenizer"):
@@ -384,9 +395,6 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
             assert not (tmp_path / f"s{procs}").exists()
         # a target whose model type transformers does not know: its identity is hashed without importing
         # transformers, and the check after the opening refuses it, leaving nothing
-        import json
-        import shutil
-
         monkeypatch.setattr("eyas.target.tokenizer_hash", real_hash)
         bogus = tmp_path / "bogus_target"
         shutil.copytree(tiny_target_dir, bogus)
