@@ -116,10 +116,10 @@ def capture_from_sglang(
             sending={sp.ids[i] for i in todo},
             calibration=calibration_kw,
         )
-    tally = Tally(retries=sum(p.retries for p in probes))
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
     loop_t0, loop_cpu0 = time.time(), time.process_time()
+    tally = Tally(retries=sum(p.retries for p in probes), t0=loop_t0)  # its timeline counts the loop's seconds
     phases = {"setup": loop_t0 - t0}
     intra_op = torch.get_num_threads()
     try:
@@ -430,10 +430,10 @@ def check_tokenizer(prepared, target: str | Path | None, laps: _Laps) -> None:
     from eyas.defaults import resolve_target
     from eyas.target import load_tokenizer, tokenizer_hash
 
-    resolve_target(target)
     if prepared.tokenizer_hash is None:
+        resolve_target(target)  # the model-type check alone
         return
-    tok_hash = tokenizer_hash(load_tokenizer(target))
+    tok_hash = tokenizer_hash(load_tokenizer(target))  # load_tokenizer resolves the target, model type checked
     laps.lap("tokenizer")
     if prepared.tokenizer_hash != tok_hash:
         raise EyasError(

@@ -84,8 +84,9 @@ class Tally:
     )
     """Seconds summed over samples, per part of a sample's way (`gate`: waiting for a slot at a server)."""
     t0: float = field(default_factory=time.time)
+    """When the loop began (time.time())."""
     stored_by_s: list[int] = field(default_factory=list)
-    """Tokens stored in each second since `t0` (the loop's start): where the loop stalled."""
+    """Tokens stored in each second since `t0`: where the loop stalled."""
 
     def timeline(self, buckets: int = 120) -> dict[str, Any]:
         """`stored_by_s` in at most `buckets` buckets of whole seconds (a long capture's summary stays short)."""
