@@ -34,6 +34,7 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--store-dir /dev/shm/store41` takes the disk out (its write rate is measured first either way);
 `--concurrency N` sets the requests in flight for the prefill and the capture alike (16);
 `--also-concurrency 32,64` then measures the prefill and a capture of `--prefill-samples` again at each;
+`--also-dtype fp8` and `--also-shm` the same pair with the store in fp8 and in /dev/shm (the disk out: keys `..._shm`);
 `--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
 capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt);
 and the capture's client (`client-gil`: only the thread holding its GIL, so a busy share is the GIL's).
@@ -89,6 +90,7 @@ VPY = ROOT / "venv" / "bin" / "python"
 PY_SPY = ROOT / "py-spy"
 STAGE_A, STAGE_B, STAGE_C = (REPO / ".stage" / f"serve-{x}" for x in "abc")
 BASE_PORT, SPEC_PORT = 30001, 30000
+SHM = Path("/dev/shm/eyas-stage")  # `store --also-shm`: stores in memory, the disk out
 WAIT_SNAPSHOT_S = 240  # --snapshot: the longest wait for the recipe's first checkpoint
 # chain settings first (the eval comparison is on 7/1/8), then trees SGLang accepts
 SETTINGS = ["7/1/8", "3/1/4", "5/4/8", "5/1/6", "6/8/32"]
@@ -916,6 +918,8 @@ def store_run(a) -> None:
     store = Path(a.store_dir) if a.store_dir else STORE
     R["store_dir"] = str(store)
     R["disk_write_MBps"] = step("disk write rate", lambda: disk_write_rate(store.parent))
+    if a.also_shm:
+        R["shm_write_MBps"] = step("shm write rate", lambda: disk_write_rate(SHM))
     step("wait for install", wait_install)
     srv = Server(CAPTURE_PORT, "capture", capture=True, mem=0.5, extra=tuple(a.server_args.split()))
     R["server_args"] = a.server_args
@@ -969,15 +973,20 @@ def store_run(a) -> None:
         )
         # the same pair with each other --procs, then at more requests in flight with each, into stores
         # thrown away
-        pairs = [(c, p, "bf16") for p in a.procs[1:]] + [(n, p, "bf16") for n in a.also_concurrency for p in a.procs]
-        pairs += [(c, a.procs[0], d) for d in a.also_dtype]  # the store's bytes halved (fp8): is the disk the bound?
-        for n, p, d in pairs:
+        pairs = [(c, p, "bf16", "") for p in a.procs[1:]]
+        pairs += [(n, p, "bf16", "") for n in a.also_concurrency for p in a.procs]
+        pairs += [
+            (c, a.procs[0], d, "") for d in a.also_dtype
+        ]  # the store's bytes halved (fp8): is the disk the bound?
+        pairs += [(c, a.procs[0], d, "_shm") for d in (["bf16"] + a.also_dtype if a.also_shm else [])]  # disk out
+        for n, p, d, where in pairs:
             name = f"c{n}" + (f"_p{p}" if len(a.procs) > 1 or d != "bf16" else "") + (f"_{d}" if d != "bf16" else "")
+            name += where
             pre_n = step(
                 f"prefill at {n} in flight ({name})",
                 lambda n=n: prefill_rate(srv.url, prepared, bypass=bypass, n=a.prefill_samples, concurrency=n),
             )
-            extra = store.parent / f"{store.name}-{name}"
+            extra = (SHM if where else store.parent) / f"{store.name}-{name}"
             cap_n = step(
                 f"capture at {n} in flight, {p} check processes",
                 lambda n=n, p=p, d=d, extra=extra, name=name: capture(
@@ -1036,7 +1045,8 @@ def store_run(a) -> None:
         where.update({k: v for k, v in R.items() if k.startswith("in_flight_mean_")})
         keys = ("sglang_capture_vs_prefill", "sglang_capture_loop_vs_prefill", "sglang_verify_false_alarms")
         keys += tuple(sorted(k for k in R if k.startswith("sglang_capture_loop_vs_prefill_")))
-        print(json.dumps({**{k: R.get(k) for k in keys}, "disk_write_MBps": R.get("disk_write_MBps"), **where}))
+        rates = {k: R.get(k) for k in ("disk_write_MBps", "shm_write_MBps")}
+        print(json.dumps({**{k: R.get(k) for k in keys}, **rates, **where}))
         for name, threads in (R.get("profile") or {}).items():  # where the server's threads spent the time
             for key, t in threads.items():
                 print(f"{name:8s} {key:60s} busy {t['busy']:.3f}  eyas {t['eyas_share']:.3f}  {t['top'][:2]}")
@@ -1253,6 +1263,12 @@ def main() -> None:
         type=float,
         default=10.0,
         help="py-spy on the capture server during the prefill and the capture, this long (0: off; staged by `a`)",
+    )
+    st.add_argument(
+        "--also-shm",
+        action="store_true",
+        help="after the capture, the prefill and a capture of --prefill-samples into /dev/shm (the disk out), in bf16 "
+        "and each --also-dtype",
     )
     st.add_argument("--inprocess-samples", type=int, default=1000)
     st.add_argument("--serve", default="7/1/8,3/1/4", help="settings to serve the trained drafter with ('' = none)")
