@@ -22,6 +22,16 @@ def _fresh_kernel_checks():
     kernels.forget()
 
 
+@pytest.fixture(autouse=True)
+def _tokenizer_hash_in_process(request, monkeypatch):
+    """The SGLang capture's tokenizer check in this process (a child's start costs seconds, and a test's stand-ins
+    for eyas.target reach no child); tests marked `tokenizer_child` keep the child process."""
+    if request.node.get_closest_marker("tokenizer_child") is None:
+        from eyas.sglang import client
+
+        monkeypatch.setattr(client, "target_tokenizer_hash", client.tokenizer_hash_of)
+
+
 @pytest.fixture
 def one_torch_thread():
     """Tiny matmuls on a 2-core machine: a second OpenMP thread only adds spin-wait stalls."""

@@ -406,6 +406,27 @@ def test_the_tokenizer_check_runs_after_the_opening_and_its_refusal_leaves_no_st
     assert list((tmp_path / "dumps").iterdir()) == []
 
 
+@pytest.mark.tokenizer_child
+def test_the_tokenizer_hash_comes_from_a_child_process_with_its_refusals(tiny_target_dir, tmp_path):
+    # loading the tokenizer imports transformers, which would hold the capture loop's GIL for seconds: a child
+    # process computes the hash; it must be the same hash, and a refusal there must reach the capture as it is
+    import json
+    import shutil
+
+    import eyas.target
+    from eyas.sglang import client
+
+    assert client.target_tokenizer_hash is not client.tokenizer_hash_of  # the marker kept the child
+    want = eyas.target.tokenizer_hash(eyas.target.load_tokenizer(tiny_target_dir))
+    assert client.target_tokenizer_hash(tiny_target_dir) == want
+    bogus = tmp_path / "bogus_target"
+    shutil.copytree(tiny_target_dir, bogus)
+    config = json.loads((bogus / "config.json").read_text())
+    (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
+    with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
+        client.target_tokenizer_hash(bogus)
+
+
 def test_samples_another_capture_committed_meanwhile_are_refused_without_waiting_for_the_tokenizer(
     tiny_target_dir, sglang_prepared, tmp_path, monkeypatch
 ):

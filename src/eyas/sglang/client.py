@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import multiprocessing
 import os
 import shutil
 import time
@@ -422,18 +423,30 @@ def open_store(
     return writer
 
 
+def target_tokenizer_hash(target: str | Path) -> str:
+    """The target's tokenizer hash, from a child process: loading a tokenizer first imports transformers, seconds of
+    Python holding the GIL, and in the capture's process every row the loop stores would wait behind it."""
+    with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return pool.submit(tokenizer_hash_of, str(target)).result()
+
+
+def tokenizer_hash_of(target: str | Path) -> str:
+    from eyas.target import load_tokenizer, tokenizer_hash
+
+    return tokenizer_hash(load_tokenizer(target))
+
+
 def check_tokenizer(prepared, target: str | Path | None, laps: _Laps) -> None:
     """Refuse a target whose model type transformers does not know, and data tokenised by another tokenizer than
     the target's (nothing to check without a target). Seconds: the first load imports transformers' tokenizers."""
     if target is None:
         return
     from eyas.defaults import resolve_target
-    from eyas.target import load_tokenizer, tokenizer_hash
 
     if prepared.tokenizer_hash is None:
         resolve_target(target)  # the model-type check alone
         return
-    tok_hash = tokenizer_hash(load_tokenizer(target))  # load_tokenizer resolves the target, model type checked
+    tok_hash = target_tokenizer_hash(target)  # load_tokenizer resolves the target, model type checked
     laps.lap("tokenizer")
     if prepared.tokenizer_hash != tok_hash:
         raise EyasError(
