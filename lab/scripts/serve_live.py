@@ -793,9 +793,9 @@ def profile_server(pid: int | None, name: str, *, seconds: float, delay: float =
         with open(Q / f"pyspy-{name}.err", "w") as err:
             subprocess.run([str(c) for c in cmd], stdout=err, stderr=err, check=False, timeout=seconds + 60)
 
-    th = threading.Thread(target=record, daemon=True)
-    if seconds > 0 and PY_SPY.exists():
-        th.start()
+    # off (or no py-spy): a thread that returns at once, so that callers join() it alike
+    th = threading.Thread(target=record if seconds > 0 and PY_SPY.exists() else lambda: None, daemon=True)
+    th.start()
     return th
 
 
