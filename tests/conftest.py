@@ -23,13 +23,13 @@ def _fresh_kernel_checks():
 
 
 @pytest.fixture(autouse=True)
-def _tokenizer_hash_in_process(request, monkeypatch):
-    """The SGLang capture's tokenizer check in this process (a child's start costs seconds, and a test's stand-ins
-    for eyas.target reach no child); tests marked `tokenizer_child` keep the child process."""
-    if request.node.get_closest_marker("tokenizer_child") is None:
-        from eyas.sglang import client
+def _capture_child_in_a_thread(request, monkeypatch):
+    """The SGLang capture's transformers work (eyas.sglang.apart) on a thread of the test's process: a child's start
+    costs seconds, and a test's stand-ins for eyas code reach no child. Tests marked `capture_child` keep the child."""
+    if request.node.get_closest_marker("capture_child") is None:
+        from eyas.sglang import apart
 
-        monkeypatch.setattr(client, "target_tokenizer_hash", client.tokenizer_hash_of)
+        monkeypatch.setattr(apart, "started_in_process", apart.started_in_thread)
 
 
 @pytest.fixture

@@ -406,25 +406,35 @@ def test_the_tokenizer_check_runs_after_the_opening_and_its_refusal_leaves_no_st
     assert list((tmp_path / "dumps").iterdir()) == []
 
 
-@pytest.mark.tokenizer_child
-def test_the_tokenizer_hash_comes_from_a_child_process_with_its_refusals(tiny_target_dir, tmp_path):
-    # loading the tokenizer imports transformers, which would hold the capture loop's GIL for seconds: a child
-    # process computes the hash; it must be the same hash, and a refusal there must reach the capture as it is
+@pytest.mark.capture_child
+def test_the_transformers_work_runs_in_a_child_process_and_its_refusals_reach_the_capture(
+    tiny_target_dir, tiny_model, sglang_prepared, tmp_path
+):
+    # importing transformers, the tokenizer and the reference model would hold the capture loop's GIL for seconds:
+    # a spawned child does them (the tokenizer check, the reference, the calibration) and a refusal there must
+    # reach the capture as it is
     import json
     import shutil
 
-    import eyas.target
-    from eyas.sglang import client
+    from eyas.sglang import apart
+    from eyas.store.reader import StoreReader
 
-    assert client.target_tokenizer_hash is not client.tokenizer_hash_of  # the marker kept the child
-    want = eyas.target.tokenizer_hash(eyas.target.load_tokenizer(tiny_target_dir))
-    assert client.target_tokenizer_hash(tiny_target_dir) == want
-    bogus = tmp_path / "bogus_target"
-    shutil.copytree(tiny_target_dir, bogus)
-    config = json.loads((bogus / "config.json").read_text())
-    (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
-    with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
-        client.target_tokenizer_hash(bogus)
+    assert apart.started_in_process is not apart.started_in_thread  # the marker kept the child
+    with serve(tiny_target_dir, tmp_path) as srv:
+        out = capture_from_sglang(
+            [srv.url], sglang_prepared, "train", tmp_path / "store", LAYERS, target=tiny_target_dir, calibrate=2
+        )
+        assert out["store_complete"] and out["engine_numerics"]["n_samples"] == 2
+        assert StoreReader(tmp_path / "store").manifest["engine_numerics"]["n_samples"] == 2
+        assert {"tokenizer", "reference"} <= set(out["beside_loop_seconds"])
+        bogus = tmp_path / "bogus_target"
+        shutil.copytree(tiny_target_dir, bogus)
+        config = json.loads((bogus / "config.json").read_text())
+        (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
+        with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
+            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "sb", LAYERS, target=bogus)
+        assert not (tmp_path / "sb").exists()
+    check_store_against_reference(tmp_path / "store", sglang_prepared, tiny_model)
 
 
 def test_samples_another_capture_committed_meanwhile_are_refused_without_waiting_for_the_tokenizer(

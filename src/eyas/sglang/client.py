@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
-import multiprocessing
 import os
 import shutil
 import time
@@ -32,6 +31,7 @@ import torch
 
 from eyas.common import log, progress
 from eyas.errors import EyasError
+from eyas.sglang.apart import Apart
 from eyas.sglang.core import CONVENTION, parse_rid, sglang_layer_ids
 from eyas.sglang.request import Outcome, probe
 from eyas.sglang.sender import StateBudget, Tally, default_memory_bytes, send_all, short_switch_interval
@@ -101,9 +101,10 @@ def capture_from_sglang(
     todo = _samples_to_capture(sp, n_total, Path(out_store), plans, layer_ids)
     # the workers' imports and the first samples pass beside the store's opening; a failure before the loop ends them
     workers = Workers.start(procs, concurrency, len(plans), budget, row_bytes, sp.lengths)
+    apart = Apart()  # the transformers work (the target may be the served model's, known once the store opens)
     engine = {"backend": "sglang", "sglang_version": plans[0].version, "server_dtype": probes[0].dump_dtype}
     calibration_kw = {"calibrate": calibrate, "device": device, "engine": engine}
-    with closed_on_error(workers):
+    with closed_on_error(workers, apart):
         store = _OpeningStore(
             Path(out_store),
             ds,
@@ -116,6 +117,7 @@ def capture_from_sglang(
             limit=limit,
             sending={sp.ids[i] for i in todo},
             calibration=calibration_kw,
+            apart=apart,
         )
     bar = progress(sum(int(sp.lengths[i]) for i in todo), "capture (sglang)", unit="tok")
     ok = False
@@ -147,7 +149,7 @@ def capture_from_sglang(
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         # ok only after the calibration: one that fails leaves the store unfinished, and the same command retries it
-        calibration = _calibrate(writer, Path(out_store), sp, target, store.reference, **calibration_kw)
+        calibration = _calibrate(writer, Path(out_store), sp, target, store, **calibration_kw)
         phases["calibrate"] = time.time() - loop_t0 - loop_s
         ok = True
     finally:
@@ -423,30 +425,15 @@ def open_store(
     return writer
 
 
-def target_tokenizer_hash(target: str | Path) -> str:
-    """The target's tokenizer hash, from a child process: loading a tokenizer first imports transformers, seconds of
-    Python holding the GIL, and in the capture's process every row the loop stores would wait behind it."""
-    with cf.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return pool.submit(tokenizer_hash_of, str(target)).result()
-
-
-def tokenizer_hash_of(target: str | Path) -> str:
-    from eyas.target import load_tokenizer, tokenizer_hash
-
-    return tokenizer_hash(load_tokenizer(target))
-
-
-def check_tokenizer(prepared, target: str | Path | None, laps: _Laps) -> None:
+def check_tokenizer(prepared, target: str | Path | None, laps: _Laps, apart: Apart) -> None:
     """Refuse a target whose model type transformers does not know, and data tokenised by another tokenizer than
-    the target's (nothing to check without a target). Seconds: the first load imports transformers' tokenizers."""
+    the target's (nothing to check without a target), in the child `apart` (seconds: it imports transformers)."""
     if target is None:
         return
-    from eyas.defaults import resolve_target
-
     if prepared.tokenizer_hash is None:
-        resolve_target(target)  # the model-type check alone
+        apart.call("check_model_type", target=str(target)).result()
         return
-    tok_hash = target_tokenizer_hash(target)  # load_tokenizer resolves the target, model type checked
+    tok_hash = apart.call("tokenizer_hash", target=str(target)).result()  # the model type checked too
     laps.lap("tokenizer")
     if prepared.tokenizer_hash != tok_hash:
         raise EyasError(
@@ -469,17 +456,21 @@ def _samples_to_capture(split, n_total: int, out_store: Path, plans: Sequence[Se
 
 class _OpeningStore:
     """The store, opened (`_open_capture_store`, its arguments) on a thread of its own while the first samples go
-    out, then the tokenizer checked (`check_tokenizer`) on the same thread: the target's identity, the manifest and
-    the tokenizer cost the loop nothing. `add_encoded` waits for the opening only, so the samples sent meanwhile
+    out, then the tokenizer checked (`check_tokenizer`) and the calibration's reference loaded, both in the child
+    `apart` (eyas.sglang.apart): the target's identity, the manifest, the tokenizer and the
+    reference cost the loop nothing. `add_encoded` waits for the opening only, so the samples sent meanwhile
     wait within the memory budget (StateBudget); the writer commits nothing until the tokenizer check has passed,
     and a failed check stops the capture at the next sample. `result` gives (writer, target) once both have ended
     or raises why not; `close` closes the store (removes it when the check refused a store this run created).
     `encode` turns a sample's states into the stored rows, by the spec alone."""
 
-    def __init__(self, out_store: Path, prepared, plans, probes, *, layer_ids, dtype: str, calibration, **kw):
+    def __init__(
+        self, out_store: Path, prepared, plans, probes, *, layer_ids, dtype: str, calibration, apart: Apart, **kw
+    ):
         hidden = int(probes[0].hidden_LSD.shape[2])
         self.encode = SampleEncoder(StoreSpec(aux_layer_ids=list(layer_ids), hidden_size=hidden, dtype=dtype))
         self.laps = _Laps(time.time())
+        self.apart = apart
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-capture-open-store")
         self._tokenizer: cf.Future = cf.Future()
         self._future = pool.submit(
@@ -503,26 +494,23 @@ class _OpeningStore:
         if not self._tokenizer.set_running_or_notify_cancel():
             return
         try:
-            check_tokenizer(prepared, self._future.result()[1], self.laps)
+            check_tokenizer(prepared, self._future.result()[1], self.laps, self.apart)
         except BaseException as exc:  # the opening's own failure too: nothing may be committed then either
             self._tokenizer.set_exception(exc)
         else:
             self._tokenizer.set_result(None)
 
-    def _load_reference(self, *, calibrate: int, device: str, engine: dict[str, Any]):
-        """The calibration's reference model, loaded (on `device`) beside the loop; None where none is needed."""
+    def _load_reference(self, *, calibrate: int, device: str, engine: dict[str, Any]) -> None:
+        """The calibration's reference model, loaded (on `device`) in the child beside the loop, where one is needed."""
         writer, target = self.result()
-        if _calibration_skipped(writer.manifest, target, calibrate=calibrate, engine=engine) is not None:
-            return None
-        from eyas.store.verify import _load_reference_target
-
-        model = _load_reference_target(writer.manifest, str(target), device)
+        if _calibration_skipped(writer.manifest, target, calibrate=calibrate, engine=engine):
+            return
+        self.apart.call("load_reference", manifest=writer.manifest, target=str(target), device=device).result()
         self.laps.lap("reference")
-        return model
 
-    def reference(self):
-        """The reference model (waits for its loading; raises why it failed)."""
-        return self._reference.result()
+    def reference_loaded(self) -> None:
+        """Waits for the reference's loading; raises why it failed."""
+        self._reference.result()
 
     def result(self):
         self._tokenizer.result()
@@ -535,15 +523,18 @@ class _OpeningStore:
 
     def close(self, *, complete: bool):
         """(writer, its closing manifest) once the opening and the check have ended; (None, {}) when either failed.
-        A reference model not loading yet is not loaded (the capture ended before it was needed)."""
+        A reference model not loading yet is not loaded (the capture ended before it was needed); the child ends."""
         self._reference.cancel()
-        if self._future.exception() is not None:
-            return None, {}
-        writer = self._future.result()[0]
-        if self._tokenizer.exception() is not None:
-            writer.discard()
-            return None, {}
-        return writer, writer.close(complete=complete)
+        try:
+            if self._future.exception() is not None:
+                return None, {}
+            writer = self._future.result()[0]
+            if self._tokenizer.exception() is not None:
+                writer.discard()
+                return None, {}
+            return writer, writer.close(complete=complete)
+        finally:
+            self.apart.close()
 
 
 def _capture_loop(plans, split, todo, writer, tally, bar, *, workers, **sender_kw):
@@ -649,12 +640,10 @@ def _calibration_skipped(manifest: dict[str, Any], target, *, calibrate: int, en
     return None
 
 
-def _calibrate(
-    writer, out_store: Path, split, target, reference, *, calibrate: int, device: str, engine: dict[str, Any]
-) -> dict[str, Any]:
+def _calibrate(writer, out_store: Path, split, target, store, *, calibrate: int, device: str, engine: dict[str, Any]):
     """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows.
-    `reference`: a callable giving verify's reference model, loaded beside the loop (_OpeningStore)."""
-    from eyas.store.numerics import calibrate_store, calibration_problem
+    `store`: the _OpeningStore, whose child holds verify's reference model, loaded beside the loop."""
+    from eyas.store.numerics import calibration_problem
 
     manifest = writer.manifest
     if (skipped := _calibration_skipped(manifest, target, calibrate=calibrate, engine=engine)) is not None:
@@ -666,9 +655,9 @@ def _calibrate(
         f"eyas capture (sglang): calibrating the engine's numbers on {min(calibrate, len(manifest['samples']))} stored "
         f"samples against the reference on {device} (--sglang-calibrate 0 skips it)"
     )
-    rec = calibrate_store(
-        out_store, split, str(target), device=device, samples=calibrate, engine=engine, model=reference()
-    )
+    store.reference_loaded()
+    kw = {"store": str(out_store), "prepared": str(split.root), "split": split.name, "target": str(target)}
+    rec = store.apart.call("calibrate", **kw, device=device, samples=calibrate, engine=engine).result()
     writer.set_field("engine_numerics", rec)
     problem = calibration_problem(manifest, rec)
     high = rec["per_layer"][str(max(manifest["aux_layer_ids"]))]

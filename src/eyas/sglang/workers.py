@@ -185,11 +185,13 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def closed_on_error(workers: Workers | None):
-    """Ends `workers` when the block raises (the capture's own clean-up comes after it)."""
+def closed_on_error(*started):
+    """Closes each of `started` (Workers, an Apart; None: nothing) when the block raises (the capture's own clean-up
+    comes after it)."""
     try:
         yield
     except BaseException:
-        if workers is not None:
-            workers.close()
+        for thing in started:
+            if thing is not None:
+                thing.close()
         raise
