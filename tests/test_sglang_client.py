@@ -406,6 +406,65 @@ def test_the_tokenizer_check_runs_after_the_opening_and_its_refusal_leaves_no_st
     assert list((tmp_path / "dumps").iterdir()) == []
 
 
+def test_the_calibration_starts_beside_the_loop_once_enough_samples_are_committed(
+    tiny_target_dir, sglang_prepared, tmp_path, monkeypatch
+):
+    # the engine's numbers are recomputed while the rest is still being captured (its seconds then leave the
+    # command's); the record is the same kind and verify still holds the store to it
+    import functools
+    import time
+
+    import eyas.store.writer
+    from eyas.sglang import apart
+    from eyas.store.reader import StoreReader
+    from eyas.store.verify import verify_store
+
+    writer_cls = eyas.store.writer.StoreWriter
+    monkeypatch.setattr(eyas.store.writer, "StoreWriter", functools.partial(writer_cls, shard_bytes=1))  # commits
+    committed_then, loaded, added = [], threading.Event(), []  # come during the loop: a shard per sample
+    real_calibrate, real_load, real_add = apart.OPS["calibrate"], apart.OPS["load_reference"], writer_cls.add_encoded
+
+    def calibrate(state, **kw):
+        committed_then.append(len(StoreReader(kw["store"]).manifest["samples"]))
+        return real_calibrate(state, **kw)
+
+    def load_reference(state, **kw):
+        real_load(state, **kw)
+        loaded.set()
+
+    def add_encoded(self, sample):  # the loop is held until the reference is loaded, then until the calibration
+        added.append(sample.id)  # started: it must start while samples are left, however fast the stand-in is
+        if len(added) == 3:
+            assert loaded.wait(30)
+            time.sleep(0.5)  # the loading Future settles
+        if len(added) == 5:
+            deadline = time.monotonic() + 30
+            while not committed_then and time.monotonic() < deadline:
+                time.sleep(0.01)
+        return real_add(self, sample)
+
+    monkeypatch.setitem(apart.OPS, "calibrate", calibrate)
+    monkeypatch.setitem(apart.OPS, "load_reference", load_reference)
+    monkeypatch.setattr(writer_cls, "add_encoded", add_encoded)
+    with serve(tiny_target_dir, tmp_path) as srv:
+        out = capture_from_sglang(
+            [srv.url],
+            sglang_prepared,
+            "train",
+            tmp_path / "store",
+            LAYERS,
+            target=tiny_target_dir,
+            calibrate=2,
+            concurrency=1,
+        )
+    assert len(committed_then) == 1 and 2 <= committed_then[0] <= 4  # started with samples left to send
+    assert out["store_complete"] and out["engine_numerics"]["n_samples"] == 2
+    rec = StoreReader(tmp_path / "store").manifest["engine_numerics"]
+    assert rec["n_samples"] == 2 and rec["engine"]["backend"] == "sglang"
+    s = verify_store(tmp_path / "store", numbers=3, invariants=False)
+    assert s["ok"] and s["numbers"]["engine_limits"]["source"] == "calibration"
+
+
 @pytest.mark.capture_child
 def test_the_transformers_work_runs_in_a_child_process_and_its_refusals_reach_the_capture(
     tiny_target_dir, tiny_model, sglang_prepared, tmp_path

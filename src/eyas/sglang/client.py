@@ -149,7 +149,7 @@ def capture_from_sglang(
         loop_s = time.time() - loop_t0
         phases["loop"], phases["loop_cpu"] = loop_s, time.process_time() - loop_cpu0
         # ok only after the calibration: one that fails leaves the store unfinished, and the same command retries it
-        calibration = _calibrate(writer, Path(out_store), sp, target, store, **calibration_kw)
+        calibration = _calibrate(writer, target, store, calibrate=calibrate, engine=engine)
         phases["calibrate"] = time.time() - loop_t0 - loop_s
         ok = True
     finally:
@@ -460,9 +460,11 @@ class _OpeningStore:
     `apart` (eyas.sglang.apart): the target's identity, the manifest, the tokenizer and the
     reference cost the loop nothing. `add_encoded` waits for the opening only, so the samples sent meanwhile
     wait within the memory budget (StateBudget); the writer commits nothing until the tokenizer check has passed,
-    and a failed check stops the capture at the next sample. `result` gives (writer, target) once both have ended
-    or raises why not; `close` closes the store (removes it when the check refused a store this run created).
-    `encode` turns a sample's states into the stored rows, by the spec alone."""
+    and a failed check stops the capture at the next sample. Once the reference is loaded and `calibrate` samples
+    are committed, `add_encoded` starts the calibration in the child too, beside the rest of the loop
+    (`calibration`). `result` gives (writer, target) once both have ended or raises why not; `close` closes the
+    store (removes it when the check refused a store this run created). `encode` turns a sample's states into the
+    stored rows, by the spec alone."""
 
     def __init__(
         self, out_store: Path, prepared, plans, probes, *, layer_ids, dtype: str, calibration, apart: Apart, **kw
@@ -471,6 +473,13 @@ class _OpeningStore:
         self.encode = SampleEncoder(StoreSpec(aux_layer_ids=list(layer_ids), hidden_size=hidden, dtype=dtype))
         self.laps = _Laps(time.time())
         self.apart = apart
+        self._calibrate_kw = {
+            **calibration,
+            "store": str(out_store),
+            "prepared": str(prepared.root),
+            "split": kw["split"],
+        }
+        self._calibration: cf.Future | None = None
         pool = cf.ThreadPoolExecutor(max_workers=1, thread_name_prefix="eyas-capture-open-store")
         self._tokenizer: cf.Future = cf.Future()
         self._future = pool.submit(
@@ -500,13 +509,15 @@ class _OpeningStore:
         else:
             self._tokenizer.set_result(None)
 
-    def _load_reference(self, *, calibrate: int, device: str, engine: dict[str, Any]) -> None:
-        """The calibration's reference model, loaded (on `device`) in the child beside the loop, where one is needed."""
+    def _load_reference(self, *, calibrate: int, device: str, engine: dict[str, Any]) -> bool:
+        """The calibration's reference model, loaded (on `device`) in the child beside the loop, where one is needed
+        (then True)."""
         writer, target = self.result()
         if _calibration_skipped(writer.manifest, target, calibrate=calibrate, engine=engine):
-            return
+            return False
         self.apart.call("load_reference", manifest=writer.manifest, target=str(target), device=device).result()
         self.laps.lap("reference")
+        return True
 
     def reference_loaded(self) -> None:
         """Waits for the reference's loading; raises why it failed."""
@@ -519,7 +530,31 @@ class _OpeningStore:
     def add_encoded(self, sample) -> None:
         if self._tokenizer.done():
             self._tokenizer.result()  # a refused tokenizer stops the capture at once
-        self._future.result()[0].add_encoded(sample)
+        writer = self._future.result()[0]
+        writer.add_encoded(sample)
+        if (
+            self._calibration is None
+            and self._reference.done()
+            and self._reference.exception() is None
+            and self._reference.result()
+            and len(writer.manifest["samples"]) >= self._calibrate_kw["calibrate"]
+        ):
+            self.calibration()  # enough committed: the reference recomputes them beside the loop
+
+    def calibration(self) -> cf.Future:
+        """The calibration in the child (eyas.store.numerics.calibrate_store on the samples committed when it
+        starts), started now unless add_encoded did; call only where one is due (_calibration_skipped)."""
+        if self._calibration is None:
+            writer, target = self.result()
+            kw = self._calibrate_kw
+            n = min(kw["calibrate"], len(writer.manifest["samples"]))
+            log(
+                f"eyas capture (sglang): calibrating the engine's numbers on {n} stored samples against the "
+                f"reference on {kw['device']} (--sglang-calibrate 0 skips it)"
+            )
+            kw = {k: v for k, v in kw.items() if k != "calibrate"}
+            self._calibration = self.apart.call("calibrate", **kw, target=str(target), samples=n)
+        return self._calibration
 
     def close(self, *, complete: bool):
         """(writer, its closing manifest) once the opening and the check have ended; (None, {}) when either failed.
@@ -640,9 +675,9 @@ def _calibration_skipped(manifest: dict[str, Any], target, *, calibrate: int, en
     return None
 
 
-def _calibrate(writer, out_store: Path, split, target, store, *, calibrate: int, device: str, engine: dict[str, Any]):
+def _calibrate(writer, target, store, *, calibrate: int, engine: dict[str, Any]):
     """Record the engine's numerics in the store (see capture_from_sglang); returns what the summary shows.
-    `store`: the _OpeningStore, whose child holds verify's reference model, loaded beside the loop."""
+    `store`: the _OpeningStore, whose child holds verify's reference model and may have calibrated already."""
     from eyas.store.numerics import calibration_problem
 
     manifest = writer.manifest
@@ -651,13 +686,8 @@ def _calibrate(writer, out_store: Path, split, target, store, *, calibrate: int,
     writer.commit()  # the reference reads what the store holds, as verify will
     if not manifest["samples"]:
         return {"skipped": "no committed samples"}
-    log(
-        f"eyas capture (sglang): calibrating the engine's numbers on {min(calibrate, len(manifest['samples']))} stored "
-        f"samples against the reference on {device} (--sglang-calibrate 0 skips it)"
-    )
     store.reference_loaded()
-    kw = {"store": str(out_store), "prepared": str(split.root), "split": split.name, "target": str(target)}
-    rec = store.apart.call("calibrate", **kw, device=device, samples=calibrate, engine=engine).result()
+    rec = store.calibration().result()  # started beside the loop once enough samples were committed, or now
     writer.set_field("engine_numerics", rec)
     problem = calibration_problem(manifest, rec)
     high = rec["per_layer"][str(max(manifest["aux_layer_ids"]))]
