@@ -36,7 +36,8 @@ runs verify N times); the capture server starts as soon as SGLang is installed, 
 `--also-concurrency 32,64` then measures the prefill and a capture of `--prefill-samples` again at each;
 `--also-dtype fp8` and `--also-shm` the same pair with the store in fp8 and in /dev/shm (the disk out: keys `..._shm`);
 `--profile-seconds N` (10) records the capture server with py-spy (staged by `a`) during the prefill and the
-capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt);
+capture: each thread's busy share and its share in eyas code (the summary's `profile`, stacks in q/pyspy-*.txt),
+and with `--gil` (`prefill-gil`, `capture-gil`: a thread's share is how long it held its process's GIL);
 and the capture's client (`client-gil`: only the thread holding its GIL, so a busy share is the GIL's).
 `--no-plain` skips the prefill without bypass (not part of the ratio); `--procs 0,4` gives the main
 capture `--sglang-procs 0`, then measures a prefill and a capture with 4 (keys `..._c16_p4`), and runs every
@@ -934,11 +935,13 @@ def store_run(a) -> None:
         c = a.concurrency  # requests in flight, the same for the prefill and the capture
         step("warm-up prefill", lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=64, concurrency=c))
         prof = profile_server(srv.proc.pid, "prefill", seconds=a.profile_seconds)
+        prof_gil = profile_server(srv.proc.pid, "prefill-gil", seconds=a.profile_seconds, gil=True)
         R["prefill_same_bypass"] = step(  # the capture's own samples: the cache fills as the capture's does
             "prefill, no dumps (capture's bypass)",
             lambda: prefill_rate(srv.url, prepared, bypass=bypass, n=a.samples, concurrency=c),
         )
         prof.join()
+        prof_gil.join()
         if not a.no_plain and bypass not in ("plugin", "none"):  # those send the plain requests already
             R["prefill_plain"] = step(
                 "prefill, no dumps, no bypass",
@@ -958,14 +961,16 @@ def store_run(a) -> None:
             return out
 
         prof = profile_server(srv.proc.pid, "capture", seconds=a.profile_seconds, delay=15.0)  # past the set-up
+        # which of the server's threads hold its processes' GILs (the scheduler's beside the plugin's dump writers)
+        prof_gil = profile_server(srv.proc.pid, "capture-gil", seconds=a.profile_seconds, delay=15.0, gil=True)
         # the client too: which of its threads hold the GIL, and how much of the time one does
         prof_client = profile_server(None, "client-gil", seconds=a.profile_seconds, delay=15.0, gil=True)
         step("eyas capture --backend sglang", lambda: capture(store, a.samples, c, "capture"))
-        prof.join()
-        prof_client.join()
+        for p in (prof, prof_gil, prof_client):
+            p.join()
         R["profile"] = {
             name: profile_summary(Q / f"pyspy-{name}.txt", a.profile_seconds)
-            for name in ("prefill", "capture", "client-gil")
+            for name in ("prefill", "prefill-gil", "capture", "capture-gil", "client-gil")
             if (Q / f"pyspy-{name}.txt").exists()
         }
         R["prefill_same_bypass_after"] = step(
