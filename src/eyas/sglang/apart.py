@@ -1,10 +1,9 @@
 """The SGLang capture's transformers work, in a child process of its own (`Apart`).
 
-Importing transformers, loading the target's tokenizer and loading the calibration's reference model are seconds of
-Python holding the GIL. Beside the capture's loop in one process, every row the loop stores waits behind them: live,
-the loop stored next to nothing while they ran, first the tokenizer check, then (with the check moved out) the
-reference's load. The child runs them one request at a time, in order, and keeps the reference model loaded between
-requests, so the calibration after the loop starts at once.
+Importing transformers, loading the target's tokenizer and the calibration's reference model are seconds of Python
+holding the GIL: beside the capture's loop in its process, every row the loop stores would wait behind them. The
+child runs them one request at a time, in order, and keeps the reference model loaded between requests, so the
+calibration needs no load of its own.
 
 `Apart()` spawns the child (a forked copy of a threaded process can deadlock); `call(name, **kw)` gives a Future of
 `OPS[name](state, **kw)` run there (its exception is the Future's); `close()` ends it. `started_in_thread` runs the
@@ -15,6 +14,7 @@ this process reach no child).
 from __future__ import annotations
 
 import concurrent.futures as cf
+import pickle
 import queue
 import threading
 from collections.abc import Callable
@@ -75,9 +75,10 @@ def serve(tasks, results) -> None:
         except BaseException as exc:  # noqa: BLE001 (handed to the caller, who raises it)
             answer = ("error", exc)
         try:
-            results.put(answer)
+            pickle.dumps(answer)  # as the queue will, on a thread of its own that would drop it silently
         except Exception as exc:  # an answer that does not pickle: its kind and text still reach the caller
-            results.put(("error", RuntimeError(f"{name}: {type(answer[1]).__name__}: {answer[1]}; ({exc})")))
+            answer = ("error", RuntimeError(f"{name}: {type(answer[1]).__name__}: {answer[1]} ({exc})"))
+        results.put(answer)
 
 
 def started_in_process():
