@@ -119,16 +119,17 @@ class Apart:
             except queue.Empty:
                 if not self._worker.is_alive():
                     code = getattr(self._worker, "exitcode", None)
-                    raise RuntimeError(f"the capture's child process for {name} ended (exit {code})") from None
+                    raise RuntimeError(
+                        f"the capture's child process for {name} ended (exit {code}; its error is in the log above; "
+                        "a script that captures must start under `if __name__ == '__main__':`, which the spawned "
+                        "child imports it past)"
+                    ) from None
         if status == "error":
             raise value
         return value
 
     def close(self) -> None:
-        """End the child: calls not begun are dropped; one running is waited for a few seconds, then stopped."""
+        """End the child without waiting for it: calls not begun are dropped; it ends after the one running, if any
+        (a daemon: never after this process)."""
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._tasks.put(_STOP)
-        self._worker.join(timeout=5)
-        if self._worker.is_alive() and hasattr(self._worker, "terminate"):
-            self._worker.terminate()
-            self._worker.join(timeout=30)
