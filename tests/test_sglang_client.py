@@ -336,14 +336,27 @@ def test_the_store_opens_beside_the_first_samples_and_its_refusal_stops_the_capt
     assert list((tmp_path / "dumps").iterdir()) == []
 
 
+def refused_for_its_model_type(url, tiny_target_dir, sglang_prepared, tmp_path) -> None:
+    """A copy of the tiny target of a model type transformers does not know: the capture refuses it and leaves no
+    store."""
+    import json
+    import shutil
+
+    bogus = tmp_path / "bogus_target"
+    shutil.copytree(tiny_target_dir, bogus)
+    config = json.loads((bogus / "config.json").read_text())
+    (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
+    with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
+        capture_from_sglang([url], sglang_prepared, "train", tmp_path / "sb", LAYERS, target=bogus)
+    assert not (tmp_path / "sb").exists()
+
+
 def test_the_tokenizer_check_runs_after_the_opening_and_its_refusal_leaves_no_store(
     tiny_target_dir, tiny_model, sglang_prepared, tmp_path, monkeypatch
 ):
     # the tokenizer check (seconds on a real target) runs once the store is open, the samples' rows going into it
     # meanwhile; data tokenised by another tokenizer stops the capture with its own error, samples written before
     # the check ended or not, and nothing is left of the store
-    import json
-    import shutil
     import time
 
     import eyas.target
@@ -396,13 +409,7 @@ def test_the_tokenizer_check_runs_after_the_opening_and_its_refusal_leaves_no_st
         # a target whose model type transformers does not know: its identity is hashed without importing
         # transformers, and the check after the opening refuses it, leaving nothing
         monkeypatch.setattr("eyas.target.tokenizer_hash", real_hash)
-        bogus = tmp_path / "bogus_target"
-        shutil.copytree(tiny_target_dir, bogus)
-        config = json.loads((bogus / "config.json").read_text())
-        (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
-        with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
-            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "sb", LAYERS, target=bogus)
-        assert not (tmp_path / "sb").exists()
+        refused_for_its_model_type(srv.url, tiny_target_dir, sglang_prepared, tmp_path)
     assert list((tmp_path / "dumps").iterdir()) == []
 
 
@@ -472,8 +479,6 @@ def test_the_transformers_work_runs_in_a_child_process_and_its_refusals_reach_th
     # importing transformers, the tokenizer and the reference model would hold the capture loop's GIL for seconds:
     # a spawned child does them (the tokenizer check, the reference, the calibration) and a refusal there must
     # reach the capture as it is
-    import json
-    import shutil
 
     from eyas.sglang import apart
     from eyas.store.reader import StoreReader
@@ -486,13 +491,7 @@ def test_the_transformers_work_runs_in_a_child_process_and_its_refusals_reach_th
         assert out["store_complete"] and out["engine_numerics"]["n_samples"] == 2
         assert StoreReader(tmp_path / "store").manifest["engine_numerics"]["n_samples"] == 2
         assert {"tokenizer", "reference"} <= set(out["beside_loop_seconds"])
-        bogus = tmp_path / "bogus_target"
-        shutil.copytree(tiny_target_dir, bogus)
-        config = json.loads((bogus / "config.json").read_text())
-        (bogus / "config.json").write_text(json.dumps({**config, "model_type": "bogus_arch"}))
-        with pytest.raises(EyasError, match="model_type 'bogus_arch' is unknown"):
-            capture_from_sglang([srv.url], sglang_prepared, "train", tmp_path / "sb", LAYERS, target=bogus)
-        assert not (tmp_path / "sb").exists()
+        refused_for_its_model_type(srv.url, tiny_target_dir, sglang_prepared, tmp_path)
     check_store_against_reference(tmp_path / "store", sglang_prepared, tiny_model)
 
 
