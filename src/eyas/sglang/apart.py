@@ -121,8 +121,8 @@ class Apart:
                     code = getattr(self._worker, "exitcode", None)
                     raise RuntimeError(
                         f"the capture's child process for {name} ended (exit {code}; its error is in the log above; "
-                        "a script that captures must start under `if __name__ == '__main__':`, which the spawned "
-                        "child imports it past)"
+                        "a script that captures must run under `if __name__ == '__main__':`, since the spawned child "
+                        "imports that script)"
                     ) from None
         if status == "error":
             raise value
