@@ -22,21 +22,35 @@ detached (setsid) and `wait` polls. The device commands use `python3` from the r
   device:  serve_live.py a               carry .stage/serve-a
            serve_live.py b --no-recipe   carry .stage/serve-b   (the target converted, the chats unpacked)
            recipe_arms.py start --seeds 1 --arms default,eagle31 [--set section.key=value ...] [--parallel P] [--gpus N|IDS]
+                                         [--base-archive /root/eyas-stage/arms-base]
                                          (detached: regenerate + prepare once into arms/base, then every run in its
                                          own workdir seeded with base's regenerate/ and prepared/, seed-major: all
                                          arms of one seed before the next seed)
            recipe_arms.py wait --timeout 540              (polls, prints the table; repeat, back to back)
-           recipe_arms.py wait --timeout 480 --collect    ($OUT: arms.json, arms.txt, arms.tgz of logs and
-                                                          reports; the last call of the session)
+           recipe_arms.py wait --timeout 480 --collect [--with-base]   ($OUT: arms.json, arms.txt, arms.tgz of logs
+                                                          and reports; the last call of the session)
   here:    python lab/scripts/recipe_arms.py table FILE [FILE ...]   (one table over several sessions' arms.json)
   device:  recipe_arms.py stop           (ends the driver's process group, by the id `start` recorded)
 
-Plan the device minutes: a session's machine goes back after 30 minutes held, its start included; staging,
-the regeneration and prepare take a few minutes, and one full training plus eval most of a quarter hour
-(recipes/README.md and the ledger give the recipe's wall time). So a session fits about two full runs: three seeds
-of two arms take three sessions (seed 1, then `--seeds 2`, then `--seeds 3`; the greedy regeneration is redone each
-time), or shorten every arm alike with `--set train.steps=...`. `--parallel 2` trains two runs at once on the one
-GPU (the table's tok/s shows whether they slow each other down; GPU memory holds each online run's state cache).
+Plan the device minutes: a session's machine goes back after 30 minutes held, its start included. Staging (two
+calls), the recipe's base and one full run (the ledger's `recipe_wall_s` row gives its stages) leave too little
+for a second run, so a session holds one full run, or two where the base's regeneration is carried instead of
+redone and the first run evaluates beside the second's training:
+- `--overlap` (the default): a run's pipeline goes in two parts, `--until train` and then the rest, and the next
+  run trains on the GPU while the last one evaluates (eval is mostly the target's own answers through
+  `generate`, little GPU). `--no-overlap` runs each pipeline alone, for a run's own wall time: an overlapped
+  run's eval, and the next run's training rate, share the GPU for that minute.
+- `wait --collect --with-base` also packs the base's regeneration (regenerate/ without run/: the chats it
+  selected and its stage record) into $OUT as base-regenerate.tar.xz.NN (at most 15 MiB each). Copy them here
+  into .stage/arms-base and carry that folder with a later session's call `a` (64 MiB in all with serve-a; copy it
+  to /root/eyas-stage there, as the tree's copy may not outlast the call); `start --base-archive
+  /root/eyas-stage/arms-base` puts them back before the driver starts, and the base's pipeline skips
+  the regeneration (same options, same fingerprint: the target and chats staged at the same paths) and prepares
+  again. The driver's log says whether it skipped.
+Three seeds of two arms take three sessions that way (seed 1, then `--seeds 2`, then `--seeds 3`), or shorten
+every arm alike with `--set train.steps=...` (a proxy: the learning rate's schedule is compressed with it).
+`--parallel 2` trains two runs at once on the one GPU (the table's tok/s shows whether they slow each other
+down; GPU memory must hold each online run's state cache, which on one H100 it does not for the recipe).
 On a machine of several GPUs (the nvidia-h200-x2, -x4, -x8 kinds), `--gpus N` gives each run a GPU of its own
 (CUDA_VISIBLE_DEVICES; the base's regeneration runs on the first), N runs at once: three seeds of two arms in one
 session on x8 (`--arms default,lk31 --seeds 1,2,3 --gpus 6`), at the staging cost of one. GPU ids (`--gpus 1,`)
@@ -79,7 +93,9 @@ import statistics
 import subprocess
 import sys
 import tarfile
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -106,6 +122,7 @@ MORE_STEPS = 3600
 # top_p 0.95 cuts the tail where a 135M target derails into text that greedy decoding (MT-bench eval) never reaches
 SAMPLES, SAMPLE_TEMPERATURE, SAMPLE_TOP_P = 1, 0.7, 0.95
 SHARED_STAGES = ("regenerate", "prepared")
+TRAIN_PART = "pipeline-train.json"  # an --overlap run's first part (regenerate .. train)
 
 
 def log(msg: str) -> None:
@@ -201,9 +218,9 @@ def seed_workdir(base: Path, run: Path) -> None:
 # ----------------------------------------------------------------------------- the driver (detached)
 
 
-def run_logged(cmd: list[str], log_file: Path, *, gpu: int | None = None) -> int:
+def run_logged(cmd: list[str], log_file: Path, *, gpu: int | None = None, append: bool = False) -> int:
     log(f"$ {' '.join(cmd)}  (log {log_file}{'' if gpu is None else f', GPU {gpu}'})")
-    with open(log_file, "w") as f:
+    with open(log_file, "a" if append else "w") as f:
         return subprocess.run(
             cmd, env=env(gpu), cwd=REPO, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, check=False
         ).returncode
@@ -240,7 +257,12 @@ def sampled_base(a, w: Path, base: Path) -> Path | None:
     return out
 
 
-def one_run(a, arm: str, seed: int, base: Path, w: Path, *, gpu: int | None = None) -> dict[str, Any]:
+def one_run(
+    a, arm: str, seed: int, base: Path, w: Path, *, gpu: int | None = None, trained: Callable[[], None] = lambda: None
+) -> dict[str, Any]:
+    """One run's pipeline. With `a.overlap` it goes in two parts, `--until train` and then the rest (eval and
+    export, the training skipped as complete): `trained()` is called between them, so the next run may train on the
+    GPU while this one evaluates (its first part's pipeline.json is kept as pipeline-train.json)."""
     name = run_name(arm, seed)
     run = w / name
     seed_workdir(base, run)
@@ -248,7 +270,17 @@ def one_run(a, arm: str, seed: int, base: Path, w: Path, *, gpu: int | None = No
     cmd = pipeline_command(ARMS[arm][0], Path(a.recipe), run, sets)
     rec = {"name": name, "arm": arm, "seed": seed, "command": cmd, "gpu": gpu, "started": time.time()}
     (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
-    rc = run_logged(cmd, w / f"{name}.log", gpu=gpu)
+    log_file = w / f"{name}.log"
+    if getattr(a, "overlap", False):
+        cut = pipeline_command(ARMS[arm][0], Path(a.recipe), run, sets, until="train")
+        rc = run_logged(cut, log_file, gpu=gpu)
+        if (run / "pipeline.json").is_file():
+            (run / "pipeline.json").replace(run / TRAIN_PART)
+        trained()
+        if rc == 0:
+            rc = run_logged(cmd, log_file, gpu=gpu, append=True)
+    else:
+        rc = run_logged(cmd, log_file, gpu=gpu)
     rec.update(rc=rc, seconds=round(time.time() - rec["started"], 1))
     (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
     log(f"{name}: exit {rc} after {rec['seconds']} s")
@@ -291,21 +323,33 @@ def drive(a) -> int:
     if rc:
         log(f"the base pipeline (regenerate + prepare) failed with exit {rc}: {w / 'base.log'}")
         return rc
+    try:
+        done = json.loads((base / "pipeline.json").read_text())["stages"]
+        log("base: " + ", ".join(f"{k} {v.get('status')} ({v.get('seconds')} s)" for k, v in done.items()))
+    except (OSError, ValueError, KeyError):
+        pass
     bases = dict.fromkeys(a.arms, base)
     if "sampled" in bases:  # before any run: its regenerations would share the GPU with a training
         bases["sampled"] = sampled_base(a, w, base)
     runs = [r for r in plan(a.arms, a.seeds) if bases[r[0]] is not None]
     slots = gpu_slots(a.gpus, a.parallel)
 
-    def placed(r):  # the next free slot's GPU for the run's whole pipeline, then the slot goes back
-        gpu = slots.get()
-        try:
-            return one_run(a, r[0], r[1], bases[r[0]], w, gpu=gpu)
-        finally:
-            slots.put(gpu)
+    def placed(r, gpu):  # the slot's GPU until the run has trained (--overlap) or ended, then the slot goes back
+        given = threading.Event()
 
-    with concurrent.futures.ThreadPoolExecutor(max_workers=slots.qsize()) as pool:
-        recs = list(pool.map(placed, runs))
+        def give_back():
+            if not given.is_set():
+                given.set()
+                slots.put(gpu)
+
+        try:
+            return one_run(a, r[0], r[1], bases[r[0]], w, gpu=gpu, trained=give_back)
+        finally:
+            give_back()
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(runs))) as pool:
+        futures = [pool.submit(placed, r, slots.get()) for r in runs]  # slots taken here: runs start in plan order
+        recs = [f.result() for f in futures]
     print(format_table(gather(w)))
     return int(any(r["rc"] for r in recs) or None in bases.values())
 
@@ -371,6 +415,9 @@ def gather(w: Path) -> list[dict[str, Any]]:
         pj = run / "pipeline.json"
         if pj.is_file() and rec.get("rc") == 0:
             p = json.loads(pj.read_text())
+            if (run / TRAIN_PART).is_file():  # an --overlap run: the stages its first part ran, as they ran there
+                first = json.loads((run / TRAIN_PART).read_text())["stages"]
+                p["stages"].update({k: v for k, v in first.items() if v.get("status") != "skipped"})
             tr, ev = p["stages"].get("train", {}), p["stages"].get("eval", {})
             row.update(
                 tau_chain=p.get("tau_chain"),
@@ -465,10 +512,13 @@ def start(a) -> None:
         except ProcessLookupError:
             pass
     rc_file.unlink(missing_ok=True)
+    if a.base_archive is not None:
+        unpack_base(a.base_archive, p["w"] / "base")
     cmd = [
         sys.executable,
         __file__,
         "drive",
+        "--overlap" if a.overlap else "--no-overlap",
         "--root",
         str(a.root),
         "--recipe",
@@ -534,6 +584,60 @@ def wait(a) -> None:
     )
     if a.collect:
         collect(p, runs, table)
+    if a.with_base:
+        pack_base(p["w"] / "base", Path(os.environ.get("OUT", "/tmp/out")))
+
+
+BASE_ARCHIVE = "base-regenerate.tar.xz"
+BASE_PART_BYTES = 15 << 20  # a file that comes back from a device call holds at most 16 MiB
+
+
+def pack_base(base: Path, out: Path) -> list[Path]:
+    """The base's finished regeneration (regenerate/ without run/) as BASE_ARCHIVE in parts of at most
+    BASE_PART_BYTES (`.00`, `.01`, ...) under `out`: carried to a later session's device, `start --base-archive`
+    puts it back and that session's base skips the regeneration."""
+    if not (base / "regenerate" / "stage.json").is_file() or not (base / "regenerate" / "chats.jsonl").is_file():
+        log(f"{base / 'regenerate'}: no finished regeneration to pack")
+        return []
+    out.mkdir(parents=True, exist_ok=True)
+    whole = out / BASE_ARCHIVE
+    subprocess.run(
+        ["bash", "-c", f"tar -C '{base}' --exclude=regenerate/run -cf - regenerate | xz -T0 -6 > '{whole}'"],
+        check=True,
+    )
+    parts = []
+    with open(whole, "rb") as f:
+        while chunk := f.read(BASE_PART_BYTES):
+            parts.append(out / f"{BASE_ARCHIVE}.{len(parts):02d}")
+            parts[-1].write_bytes(chunk)
+    whole.unlink()
+    log(f"packed {base / 'regenerate'} into {', '.join(x.name for x in parts)}")
+    return parts
+
+
+def unpack_base(folder: Path, base: Path) -> bool:
+    """Put a carried BASE_ARCHIVE (its parts in `folder`) back as base/regenerate, unless base already has a
+    finished one; True when it did."""
+    if (base / "regenerate" / "stage.json").is_file():
+        log(f"{base / 'regenerate'} is there already: the carried archive is not used")
+        return False
+    parts = sorted(folder.glob(f"{BASE_ARCHIVE}.[0-9][0-9]"))
+    if not parts:
+        raise SystemExit(f"--base-archive {folder}: no {BASE_ARCHIVE}.NN parts there")
+    base.mkdir(parents=True, exist_ok=True)
+    joined = base.parent / BASE_ARCHIVE
+    with open(joined, "wb") as f:
+        for part in parts:
+            f.write(part.read_bytes())
+    try:
+        with tarfile.open(joined, "r:xz") as tar:
+            if any(not m.name.startswith("regenerate/") and m.name != "regenerate" for m in tar.getmembers()):
+                raise SystemExit(f"--base-archive {folder}: holds more than a regenerate/ folder")
+            tar.extractall(base, filter="data")
+    finally:
+        joined.unlink()
+    log(f"unpacked {len(parts)} part(s) of {BASE_ARCHIVE} into {base / 'regenerate'}")
+    return True
 
 
 def collect(p: dict[str, Path], runs: list[dict[str, Any]], table: str) -> None:
@@ -557,6 +661,7 @@ def collect(p: dict[str, Path], runs: list[dict[str, Any]], table: str) -> None:
     w = p["w"]
     keep = (
         "pipeline.json",
+        TRAIN_PART,
         "arm.json",
         "stage.json",
         "report.json",
@@ -626,6 +731,14 @@ def main(argv: list[str] | None = None) -> None:
     sub = ap.add_subparsers(dest="command", required=True)
     for name in ("start", "drive"):
         s = sub.add_parser(name, help="run the arms detached" if name == "start" else "(what start runs detached)")
+        if name == "start":
+            s.add_argument(
+                "--base-archive",
+                type=Path,
+                default=None,
+                help=f"a folder holding {BASE_ARCHIVE}.NN from an earlier session's `wait --collect --with-base`: "
+                "the base's regeneration is put back from it, not redone",
+            )
         s.add_argument("--arms", type=_arms, default=["default", "eagle31"], help="comma-separated: " + ", ".join(ARMS))
         s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
         s.add_argument("--parallel", type=int, default=1, help="runs training at once on each GPU")
@@ -640,6 +753,13 @@ def main(argv: list[str] | None = None) -> None:
         s.add_argument("--sample-temperature", type=float, default=SAMPLE_TEMPERATURE, help="of the sampled answers")
         s.add_argument("--sample-top-p", type=float, default=SAMPLE_TOP_P, help="of the sampled answers")
         s.add_argument("--set", action="append", default=[], help="section.key=value for every run (repeatable)")
+        s.add_argument(
+            "--overlap",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="a run's eval and export beside the next run's training (--no-overlap: each run alone, for its wall "
+            "time)",
+        )
         s.add_argument("--recipe", default=str(RECIPE))
         s.add_argument("--root", default=str(DEFAULT_ROOT))
         s.add_argument(
@@ -660,6 +780,11 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument("--timeout", type=float, default=540)
     w.add_argument("--tail", type=int, default=2000)
     w.add_argument("--collect", action="store_true")
+    w.add_argument(
+        "--with-base",
+        action="store_true",
+        help=f"also pack the base's regeneration into $OUT ({BASE_ARCHIVE}.NN) for a later session's --base-archive",
+    )
     w.add_argument("--root", default=str(DEFAULT_ROOT))
     st = sub.add_parser("stop")
     st.add_argument("--root", default=str(DEFAULT_ROOT))

@@ -94,7 +94,7 @@ def test_runs_spread_over_gpus_one_per_gpu_at_a_time(tmp_path, monkeypatch):
 
     lock, busy, seen, base_gpu = threading.Lock(), set(), [], []
 
-    def fake_run(a, arm, seed, base, w, *, gpu=None):
+    def fake_run(a, arm, seed, base, w, *, gpu=None, trained=None):
         with lock:
             assert gpu not in busy, f"GPU {gpu} given to two runs at once"
             busy.add(gpu)
@@ -123,6 +123,124 @@ def test_runs_spread_over_gpus_one_per_gpu_at_a_time(tmp_path, monkeypatch):
     assert base_gpu == [1] and len(seen) == 6 and sorted(set(seen)) == [1, 3]
     with pytest.raises(SystemExit):
         ra.main(["start", "--arms", "default", "--gpus", "0", "--root", str(tmp_path)])
+
+
+def test_overlap_trains_the_next_run_while_this_one_evaluates(tmp_path, monkeypatch):
+    """--overlap on one GPU: a run's slot goes back once it has trained, so the next run trains while it evaluates;
+    two runs never train at once, and the runs take the slot in plan order."""
+    import threading
+    import time
+
+    lock, training, events = threading.Lock(), [], []
+
+    def fake_run(a, arm, seed, base, w, *, gpu=None, trained=lambda: None):
+        name = f"{arm}-s{seed}"
+        with lock:
+            assert not training, f"{name} trains beside {training}"
+            training.append(name)
+            events.append(("train", name))
+        time.sleep(0.05)
+        with lock:
+            training.clear()
+        trained()
+        with lock:
+            events.append(("eval", name))
+        time.sleep(0.2)  # the evaluation, longer than a training here
+        with lock:
+            events.append(("done", name))
+        return {"rc": 0}
+
+    monkeypatch.setattr(ra, "one_run", fake_run)
+    monkeypatch.setattr(ra, "run_logged", lambda cmd, log, gpu=None: 0)
+    monkeypatch.setattr(ra, "gather", lambda w: [])
+    a = ra.argparse.Namespace(
+        root=str(tmp_path), recipe=str(SMOKE), arms=["default", "eagle31"], seeds=[1, 2], gpus=None, parallel=1
+    )
+    a.__dict__.update(target="", source="", prompts="", set=[], overlap=True)
+    assert ra.drive(a) == 0
+    names = ["default-s1", "eagle31-s1", "default-s2", "eagle31-s2"]
+    assert [n for e, n in events if e == "train"] == names
+    for this, after in zip(names, names[1:]):  # each evaluation but the last beside the next run's training
+        assert events.index(("eval", this)) < events.index(("train", after)) < events.index(("done", this))
+
+
+def test_an_overlapped_run_trains_first_then_evaluates_and_reports_both_parts(tmp_path, monkeypatch):
+    """one_run --overlap: `--until train`, then the slot given back, then the whole pipeline (which skips the
+    training) appending to the same log; gather reads the training from the first part's pipeline-train.json."""
+    calls = []
+
+    def fake_logged(cmd, log_file, *, gpu=None, append=False):
+        run = Path(cmd[cmd.index("--workdir") + 1])
+        first = "--until" in cmd
+        calls.append(("until train" if first else "rest", append, len(events)))
+        train = {"status": "ran", "seconds": 600.0, "steps": 2400, "tokens_per_s": 250000.0}
+        stages = {"regenerate": {"status": "skipped"}, "prepare": {"status": "skipped"}}
+        if first:
+            stages["train"] = train
+        else:
+            stages.update(
+                train={**train, "status": "skipped", "seconds": 0.0},
+                eval={"status": "ran", "seconds": 80.0},
+                export={"status": "ran"},
+            )
+        doc = {"tau_chain": 2.5 if not first else None, "tau_tree": 3.5 if not first else None, "stages": stages}
+        (run / "pipeline.json").write_text(json.dumps(doc))
+        log_file.write_text(log_file.read_text() + cmd[-1] if append and log_file.exists() else cmd[-1])
+        return 0
+
+    events = []
+    monkeypatch.setattr(ra, "run_logged", fake_logged)
+    w, base = tmp_path / "arms", tmp_path / "arms" / "base"
+    for stage in ra.SHARED_STAGES:
+        (base / stage).mkdir(parents=True)
+        (base / stage / "stage.json").write_text("{}")
+    a = ra.argparse.Namespace(target="", source="", prompts="", set=[], more_steps=10, recipe=str(SMOKE), overlap=True)
+    rec = ra.one_run(a, "default", 3, base, w, trained=lambda: events.append("trained"))
+    assert rec["rc"] == 0 and events == ["trained"]
+    assert calls == [("until train", False, 0), ("rest", True, 1)]  # the slot went back between the two
+    run = w / "default-s3"
+    assert (run / ra.TRAIN_PART).is_file()
+    (row,) = ra.gather(w)
+    assert row["train_s"] == 600.0 and row["eval_s"] == 80.0 and row["tau_chain"] == 2.5
+    assert sorted(row["skipped"]) == ["prepare", "regenerate"]
+
+
+def test_the_base_regeneration_goes_to_a_later_session_in_parts(tmp_path, monkeypatch):
+    """wait --with-base packs base/regenerate (not its run/) into parts small enough to come back from a device
+    call; start --base-archive puts it back once, and refuses an archive holding anything else."""
+    import os
+
+    base = tmp_path / "arms" / "base"
+    (base / "regenerate" / "run").mkdir(parents=True)
+    (base / "regenerate" / "stage.json").write_text('{"status": "complete"}')
+    chats = os.urandom(3000).hex()  # incompressible: several parts
+    (base / "regenerate" / "chats.jsonl").write_text(chats)
+    (base / "regenerate" / "run" / "done.jsonl").write_text("the whole regeneration")
+    monkeypatch.setattr(ra, "BASE_PART_BYTES", 2048)
+    out = tmp_path / "out"
+    parts = ra.pack_base(base, out)
+    assert len(parts) >= 2 and all(p.stat().st_size <= 2048 for p in parts)
+    assert sorted(x.name for x in out.iterdir()) == [p.name for p in parts]
+
+    later = tmp_path / "later" / "base"
+    assert ra.unpack_base(out, later)
+    assert (later / "regenerate" / "chats.jsonl").read_text() == chats
+    assert (later / "regenerate" / "stage.json").is_file() and not (later / "regenerate" / "run").exists()
+    assert not ra.unpack_base(out, later)  # a finished regeneration there already: left alone
+    assert not list(later.parent.glob("*.tar.xz"))
+
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (tmp_path / "prepared").mkdir()
+    (tmp_path / "prepared" / "meta.json").write_text("{}")
+    with tarfile.open(bad / ra.BASE_ARCHIVE, "w:xz") as tar:
+        tar.add(tmp_path / "prepared", arcname="prepared")
+    (bad / ra.BASE_ARCHIVE).rename(bad / f"{ra.BASE_ARCHIVE}.00")
+    with pytest.raises(SystemExit, match="more than a regenerate"):
+        ra.unpack_base(bad, tmp_path / "other" / "base")
+    with pytest.raises(SystemExit, match="no base-regenerate"):
+        ra.unpack_base(tmp_path / "prepared", tmp_path / "third" / "base")
+    assert ra.pack_base(tmp_path / "nothing", out) == []
 
 
 def test_arm_sets_that_touch_shared_stages_are_refused(monkeypatch):
