@@ -1,7 +1,8 @@
 """Eval speed and acceptance: MT-bench (80 questions x 2 turns) on SmolLM2, generation vs replay time.
 
 One run does what `eyas eval` does and reports where the time goes:
-  generation_s       the target's greedy answers (batched Hugging Face generate, 2 turns)
+  generation_s       the target's greedy answers (eval's path: the static-cache engine where it supports the
+                     target, else batched Hugging Face generate; 2 turns)
   target_features_s  one target forward over every (prompt + answer) for the aux features
   replay_chain_s     replayed chain drafting (k tokens per round), all sequences in lock step
   replay_tree_s      replayed EAGLE-2 tree drafting (top-k / depth / tokens)
@@ -17,6 +18,11 @@ GPU (about 1 minute on one H200; the goal is < 2 minutes for all 160 sequences a
 CPU check (a few sequences, short answers):
 
     PYTHONPATH=src python benchmarks/eval_bench.py --limit 2 --max-new-tokens 32
+
+With --compare-generate the same prompts (every turn's, as eval rendered them) are answered again through
+Hugging Face `generate` (eval's fallback, one batch of --gen-batch-size), and the drafter replayed on those
+answers too: hf_generation_s, the fraction of answers with identical ids, the mean share of each answer that
+matches before the first difference, and tau on the fallback's answers (hf_tau_chain, hf_tau_tree).
 
 Progress goes to stderr; a table and, as the LAST stdout line, one JSON document of the figures.
 """
@@ -87,6 +93,60 @@ def reference_check(cfg, records, report, n: int) -> dict:
     return out
 
 
+def compare_generate(cfg, records, report) -> dict:
+    """The fallback's greedy answers to eval's own prompts, against eval's, and the replay on them."""
+    import torch
+
+    from eyas.dtypes import resolve_device_dtype
+    from eyas.specdec.generate import Sequence, eos_ids_of, hf_greedy_generate
+    from eyas.specdec.run import load_drafter_for, mode_summary, replay_sequences
+    from eyas.target import load_target, load_tokenizer
+
+    device, dtype = resolve_device_dtype(cfg.device, cfg.model_dtype)
+    target = load_target(cfg.target, device=device, dtype=dtype)
+    tokenizer = load_tokenizer(cfg.target)
+    eos = eos_ids_of(target, tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
+    prompts = [r["prompt_ids"] for r in records]
+    t0 = time.perf_counter()
+    hf = hf_greedy_generate(
+        target, prompts, max_new_tokens=cfg.max_new_tokens, eos_ids=eos, pad_id=pad, batch_size=cfg.gen_batch_size
+    )
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - t0
+    ours = [r["generated_ids"] for r in records]
+
+    def matching(a: list[int], b: list[int]) -> float:
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        return n / max(len(a), len(b), 1)
+
+    _, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
+    seqs = [
+        Sequence(id=str(r["id"]), turn=r["turn"], prompt_ids=r["prompt_ids"], generated_ids=g)
+        for r, g in zip(records, hf)
+    ]
+    modes = cfg.modes()
+    rounds = replay_sequences(
+        target,
+        drafter,
+        seqs,
+        layer_ids=report["drafter"]["aux_layer_ids"],
+        modes=modes,
+        replay_tokens=cfg.replay_tokens,
+        timings={},
+    )
+    out = {
+        "hf_generation_s": round(seconds, 3),
+        "hf_generated_tokens": sum(map(len, hf)),
+        "answers_identical": round(sum(a == b for a, b in zip(hf, ours)) / len(ours), 4),
+        "answers_matching_share": round(sum(matching(a, b) for a, b in zip(hf, ours)) / len(ours), 4),
+    }
+    for name, tree in modes.items():
+        out[f"hf_tau_{name}"] = mode_summary(name, tree, rounds[name], seqs)["acceptance_length"]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument(
@@ -106,6 +166,11 @@ def main() -> None:
     ap.add_argument("--replay-tokens", type=int, default=131072)
     ap.add_argument("--seed", type=int, default=0, help="seed of the random drafter")
     ap.add_argument("--out", default=None, help="also write the eval report here")
+    ap.add_argument(
+        "--compare-generate",
+        action="store_true",
+        help="answer the same prompts through Hugging Face generate too and replay on those answers (see above)",
+    )
     ap.add_argument(
         "--reference-check",
         type=int,
@@ -146,6 +211,7 @@ def main() -> None:
         report, records = run_eval(cfg)
         total = time.perf_counter() - t0
         check = reference_check(cfg, records, report, args.reference_check) if args.reference_check else None
+        versus = compare_generate(cfg, records, report) if args.compare_generate else {}
         if args.out:
             from eyas.common import atomic_directory
             from eyas.specdec.report import write_report
@@ -185,6 +251,7 @@ def main() -> None:
         "chain": modes.get("chain", {}).get("settings"),
         "tree": modes.get("tree", {}).get("settings"),
         "reference_check": check,
+        **versus,
     }
     print(f"{'stage':<22}{'seconds':>10}")
     for key in ("load_s", "generation_s", "target_features_s", "replay_chain_s", "replay_tree_s", "eval_s", "total_s"):
@@ -196,6 +263,12 @@ def main() -> None:
                 f"tau {name:<18}{figures[f'tau_{name}']:10.3f}   ({figures[name]}, {figures[f'rounds_{name}']} rounds)"
             )
     print(f"{figures['sequences']} sequences, {figures['generated_tokens']} generated tokens")
+    if versus:
+        print(
+            f"generate (fallback): {versus['hf_generation_s']:.2f} s, answers identical {versus['answers_identical']}, "
+            f"matching share {versus['answers_matching_share']}, tau chain {versus.get('hf_tau_chain')} / tree "
+            f"{versus.get('hf_tau_tree')}"
+        )
     if check:
         for name, c in check.items():
             print(

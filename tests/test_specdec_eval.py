@@ -267,9 +267,34 @@ def test_greedy_generation_moves_its_progress_every_decode_step(tiny_target_dir,
     monkeypatch.setattr(generate, "progress", lambda total, *a, **kw: totals.append(total) or Bar())
     model = load_target(tiny_target_dir)
     prompts = [[1, 5, 9], [1, 7], [1, 2, 3, 4]]
-    out = generate.greedy_generate(model, prompts, max_new_tokens=6, eos_ids={0}, pad_id=0, batch_size=2)
+    out = generate.hf_greedy_generate(model, prompts, max_new_tokens=6, eos_ids={0}, pad_id=0, batch_size=2)
     assert len(out) == 3 and totals == [3 * 6]
     assert sum(updates) == 3 * 6 and len(updates) >= 2 * 3  # every step of each of the two batches
+    updates.clear()
+    out = generate.greedy_generate(model, prompts, max_new_tokens=6, eos_ids={0}, pad_id=0, batch_size=2)
+    assert len(out) == 3 and totals == [3 * 6] * 2
+    assert sum(updates) == 3 * 6 and len(updates) == 3  # the static engine: once per answer
+
+
+def test_eval_answers_from_the_static_engine_are_generates_greedy_answers(tiny_target_dir):
+    """The static-cache engine (the default where it supports the target) gives Hugging Face generate's greedy
+    continuations in float32, EOS kept and nothing after it, in input order, at a batch smaller than the prompts."""
+    import torch
+
+    from eyas.regen.static_lm import unsupported_reason
+    from eyas.specdec import generate
+    from eyas.target import load_target
+
+    model = load_target(tiny_target_dir)
+    assert unsupported_reason(model, 64) is None  # so greedy_generate takes the engine
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 49152, (n,), generator=g).tolist() for n in (5, 17, 2, 9, 30)]
+    ref = generate.hf_greedy_generate(model, prompts, max_new_tokens=12, eos_ids=set(), pad_id=2, batch_size=8)
+    stop = {ref[1][4], ref[3][0]}  # ids the target does produce: some answers end early, on different ids
+    ref = generate.hf_greedy_generate(model, prompts, max_new_tokens=12, eos_ids=stop, pad_id=2, batch_size=8)
+    out = generate.greedy_generate(model, prompts, max_new_tokens=12, eos_ids=stop, pad_id=2, batch_size=2)
+    assert out == ref
+    assert any(len(x) < 12 and x[-1] in stop for x in out) and any(len(x) == 12 for x in out)
 
 
 def test_cpu_sizes_name_limit_only_where_the_prompts_hold_more():

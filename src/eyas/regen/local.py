@@ -69,9 +69,11 @@ class _Prepared:
 
 
 class _LocalBase:
-    def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int):
+    def __init__(self, model, tokenizer, *, sampling: Sampling, max_len: int, stop: list[int] | None = None):
+        """`stop`: the end-of-answer ids, where the caller knows them (else the model's and tokenizer's); an engine
+        given no tokenizer answers only prompts already rendered (StaticEngine.answer_ids)."""
         self.model, self.tokenizer, self.sampling, self.max_len = model, tokenizer, sampling, max_len
-        self.stop = stop_ids(model, tokenizer)
+        self.stop = sorted(stop) if stop is not None else stop_ids(model, tokenizer)
         self.device = next(model.parameters()).device
         self.new_tokens = 0
         self.requests = 0
@@ -102,9 +104,15 @@ class _LocalBase:
         body = tokens[:-1] if ended else tokens
         self.new_tokens += len(tokens)
         self.requests += 1
-        text = self.tokenizer.decode(body, skip_special_tokens=True)
+        text = self.tokenizer.decode(body, skip_special_tokens=True) if self.tokenizer is not None else ""
         return Result(
-            p.req.key, text=text, prompt_tokens=len(p.ids), new_tokens=len(tokens), truncated=not ended, token_ids=body
+            p.req.key,
+            text=text,
+            prompt_tokens=len(p.ids),
+            new_tokens=len(tokens),
+            truncated=not ended,
+            token_ids=body,
+            end_id=tokens[-1] if ended else None,
         )
 
 
@@ -128,8 +136,9 @@ class StaticEngine(_LocalBase):
         prefetch: int | None = None,
         attention: str = "auto",
         prefill: str = "auto",
+        stop: list[int] | None = None,
     ):
-        super().__init__(model, tokenizer, sampling=sampling, max_len=max_len)
+        super().__init__(model, tokenizer, sampling=sampling, max_len=max_len, stop=stop)
         on_cuda = self.device.type == "cuda"
         # The cache length is rounded up to a multiple of 64 so every attention span keeps the key
         # axis aligned for the fused kernels; answers still end within max_len (see _admit).
@@ -350,6 +359,30 @@ class StaticEngine(_LocalBase):
                 finished.extend((host.pop(r), row_out[: ngen[r]]) for r, row_out in zip(rows, out))
             t["decode"] += (t1 - t0) + (clock() - t2)
             t["host_overlapped"] += t2 - t1
+
+    def answer_ids(self, prompts: list[list[int]], limit: int, *, answered: Deliver | None = None) -> list[list[int]]:
+        """Answers to prompts already rendered (ids), in input order, each ending with its end-of-answer id where
+        one ended it; at most `limit` tokens, which must fit within max_len after every prompt. `answered` sees
+        each Result as it comes back (progress)."""
+        if any(len(ids) + limit > self.max_len for ids in prompts):
+            raise ValueError(
+                f"a prompt of {max(map(len, prompts))} tokens + {limit} new exceeds max_len {self.max_len}"
+            )
+        out: list[list[int] | None] = [None] * len(prompts)
+
+        def deliver(res: Result) -> None:
+            out[res.key[0]] = res.token_ids + ([res.end_id] if res.end_id is not None else [])
+            if answered is not None:
+                answered(res)
+
+        self.pending = [
+            _Prepared(Request(key=(i, 0), messages=[], max_new_tokens=limit, seed=0), list(ids), limit)
+            for i, ids in enumerate(prompts)
+        ]
+        self.run(lambda n: [], deliver)
+        if any(x is None for x in out):
+            raise RuntimeError("the static engine returned fewer answers than it was given prompts")
+        return out  # type: ignore[return-value]
 
     def _span_for(self, host: dict[int, _Prepared]) -> int:
         """The smallest captured span covering every active row for the next sync_every steps (SDPA

@@ -44,6 +44,8 @@ class Result:
     detail: str = ""
     token_ids: list[int] = field(default_factory=list)
     """Generated ids without the end-of-turn token (local engines only; kept for parity checks)."""
+    end_id: int | None = None
+    """The end-of-turn id that ended the answer (local engines; None when the answer was cut at its limit)."""
 
 
 Pull = Callable[[int], list[Request]]

@@ -5,9 +5,10 @@ target's OWN first answer, so each question yields two sequences. A prompts file
 per line: {"id": ..., "turns": ["first user message", "follow-up", ...]} (turns answered in order,
 like MT-bench) or {"id": ..., "prompt": "one user message"}.
 
-Generation is Hugging Face `generate` at temperature 0 on left-padded batches sorted by length (its
-cost is per step, not per row, so large batches are nearly free). A continuation ends after the first
-EOS token (kept) or at max_new_tokens.
+Generation is greedy through the regeneration's static-cache engine (eyas/regen/local.py: a full batch
+kept full, CUDA graphs on a GPU) where it supports the target, else Hugging Face `generate` on
+left-padded batches sorted by length. A continuation ends after the first EOS token (kept) or at
+max_new_tokens.
 """
 
 from __future__ import annotations
@@ -111,7 +112,40 @@ def check_fits(seq: Sequence, *, max_new_tokens: int, context: int) -> None:
 def greedy_generate(
     model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int
 ) -> list[list[int]]:
-    """Greedy continuations (EOS kept, nothing after it) for each prompt, in input order."""
+    """Greedy continuations (EOS kept, nothing after it) for each prompt, in input order: the static-cache
+    engine where it supports the target (per-step cost of `generate` is host time), else `generate`."""
+    from eyas.regen.local import StaticEngine
+    from eyas.regen.sampling import Sampling
+    from eyas.regen.static_lm import unsupported_reason
+
+    if not prompts:
+        return []
+    max_len = max(map(len, prompts)) + max_new_tokens
+    if unsupported_reason(model, max_len) is not None:
+        return hf_greedy_generate(
+            model, prompts, max_new_tokens=max_new_tokens, eos_ids=eos_ids, pad_id=pad_id, batch_size=batch_size
+        )
+    bar = progress(len(prompts) * max_new_tokens, "generate", "tok")  # an upper bound, as below
+    engine = StaticEngine(
+        model,
+        None,
+        sampling=Sampling(),
+        max_len=max_len,
+        batch=min(batch_size, len(prompts)),
+        max_new_tokens=max_new_tokens,
+        stop=sorted(eos_ids),
+    )
+    try:
+        return engine.answer_ids(prompts, max_new_tokens, answered=lambda res: bar.update(max_new_tokens))
+    finally:
+        bar.close()
+
+
+@torch.no_grad()
+def hf_greedy_generate(
+    model, prompts: list[list[int]], *, max_new_tokens: int, eos_ids: set[int], pad_id: int, batch_size: int
+) -> list[list[int]]:
+    """greedy_generate through Hugging Face `generate` (targets the static-cache engine does not support)."""
     from transformers import GenerationConfig
 
     device = next(model.parameters()).device
