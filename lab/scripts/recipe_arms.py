@@ -15,7 +15,8 @@ Arms (each a full `eyas pipeline recipes/smollm2-gpu.toml` from the same prepare
 
 One device session, calls chained BACK TO BACK: the machine is given back about 30 s after a call ends, and
 everything on it (the staged target, every run) goes with it. A call runs at most 10 minutes, so the runs go
-detached (setsid) and `wait` polls. The device commands use `python3` from the repository root.
+detached (setsid) and `wait` polls. The device commands use `python3` from the repository root; the driver and
+its pipelines run from a copy of src, lab and recipes (ROOT/q/repo), as every call rewrites the working tree.
 
   here:    python lab/scripts/serve_live.py stage       (.stage/serve-a and -b: the target's GGUF in halves, MT-bench,
                                                          the chats; each call carries at most 64 MiB)
@@ -134,10 +135,10 @@ def paths(root: Path) -> dict[str, Path]:
     return {"s": root / "s", "smol": root / "smol", "q": root / "q", "w": root / "arms"}
 
 
-def env(gpu: int | None = None) -> dict[str, str]:
-    """This checkout's eyas first on the path; with `gpu`, that GPU alone visible (it is the run's cuda:0)."""
+def env(gpu: int | None = None, *, repo: Path = REPO) -> dict[str, str]:
+    """`repo`'s eyas first on the path; with `gpu`, that GPU alone visible (it is the run's cuda:0)."""
     pp = os.environ.get("PYTHONPATH")
-    out = {**os.environ, "PYTHONPATH": f"{REPO / 'src'}{os.pathsep + pp if pp else ''}", "PYTHONUNBUFFERED": "1"}
+    out = {**os.environ, "PYTHONPATH": f"{repo / 'src'}{os.pathsep + pp if pp else ''}", "PYTHONUNBUFFERED": "1"}
     if gpu is not None:
         out["CUDA_VISIBLE_DEVICES"] = str(gpu)
     return out
@@ -500,6 +501,20 @@ def format_table(runs: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
+def copy_tree(dest: Path) -> Path:
+    """A copy of what the driver and its pipelines import and read (src, lab, recipes), made afresh: a device call
+    rewrites the repository's working tree, and a process starting to import from it at that moment fails."""
+    shutil.rmtree(dest, ignore_errors=True)
+    dest.mkdir(parents=True)
+    for name in ("src", "lab", "recipes", "pyproject.toml"):
+        src = REPO / name
+        if src.is_dir():
+            shutil.copytree(src, dest / name, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
+        elif src.is_file():
+            shutil.copy2(src, dest / name)
+    return dest
+
+
 def start(a) -> None:
     p = paths(Path(a.root))
     q = p["q"]
@@ -514,15 +529,19 @@ def start(a) -> None:
     rc_file.unlink(missing_ok=True)
     if a.base_archive is not None:
         unpack_base(a.base_archive, p["w"] / "base")
+    copy = copy_tree(q / "repo")
+    recipe = Path(a.recipe).resolve()
+    if recipe.is_relative_to(REPO):
+        recipe = copy / recipe.relative_to(REPO)
     cmd = [
         sys.executable,
-        __file__,
+        str(copy / Path(__file__).resolve().relative_to(REPO)),
         "drive",
         "--overlap" if a.overlap else "--no-overlap",
         "--root",
         str(a.root),
         "--recipe",
-        str(a.recipe),
+        str(recipe),
         "--arms",
         ",".join(a.arms),
         "--seeds",
@@ -547,8 +566,8 @@ def start(a) -> None:
     line = " ".join(f"'{c}'" for c in cmd)
     proc = subprocess.Popen(
         ["bash", "-c", f"{line} > {q}/arms.log 2>&1; echo $? > {rc_file}"],
-        env=env(),
-        cwd=REPO,
+        env=env(repo=copy),
+        cwd=copy,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

@@ -374,6 +374,11 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
     with pytest.raises(SystemExit, match="a driver is running"):
         ra.main(["start", "--arms", "default", *common])
     ra.main(["wait", "--root", str(tmp_path / "root"), "--timeout", "500", "--collect"])
+    copy = tmp_path / "root" / "q" / "repo"  # the driver and its pipelines ran from a copy of the tree
+    assert (copy / "src" / "eyas" / "pipeline.py").is_file() and (copy / "lab" / "variants" / "eagle31.py").is_file()
+    assert (
+        f"{copy}/lab/variants/eagle31.py pipeline {copy}/recipes/" in (tmp_path / "root" / "q" / "arms.log").read_text()
+    )
     last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert last["done"] and last["rc"] == "0" and last["finished"] == 2, last
     doc = json.loads((tmp_path / "out" / "arms.json").read_text())
