@@ -42,12 +42,14 @@ redone and the first run evaluates beside the second's training:
   `generate`, little GPU). `--no-overlap` runs each pipeline alone, for a run's own wall time: an overlapped
   run's eval, and the next run's training rate, share the GPU for that minute.
 - `wait --collect --with-base` also packs the base's regeneration (regenerate/ without run/: the chats it
-  selected and its stage record) into $OUT as base-regenerate.tar.xz.NN (at most 15 MiB each). Copy them here
-  into .stage/arms-base and carry that folder with a later session's call `a` (64 MiB in all with serve-a; copy it
-  to /root/eyas-stage there, as the tree's copy may not outlast the call); `start --base-archive
-  /root/eyas-stage/arms-base` puts them back before the driver starts, and the base's pipeline skips
-  the regeneration (same options, same fingerprint: the target and chats staged at the same paths) and prepares
-  again. The driver's log says whether it skipped.
+  selected and its stage record) and the compile caches (torch.compile's and Triton's, which the driver keeps
+  under ROOT/cache: a fresh machine's first training spends its first step compiling) into $OUT as
+  base-regenerate.tar.xz.NN and compile-caches.tar.xz.NN (at most 15 MiB each). Copy them here into
+  .stage/arms-base and carry that folder with a later session's call `a` (64 MiB in all with serve-a; copy it to
+  /root/eyas-stage there, as the tree's copy may not outlast the call); `start --base-archive
+  /root/eyas-stage/arms-base` puts them back before the driver starts, and the base's pipeline skips the
+  regeneration (same options, same fingerprint: the target and chats staged at the same paths) and prepares
+  again. The driver's log says whether it skipped. A run on warm caches is not a fresh machine's wall time.
 Three seeds of two arms take three sessions that way (seed 1, then `--seeds 2`, then `--seeds 3`), or shorten
 every arm alike with `--set train.steps=...` (a proxy: the learning rate's schedule is compressed with it).
 `--parallel 2` trains two runs at once on the one GPU (the table's tok/s shows whether they slow each other
@@ -501,6 +503,14 @@ def format_table(runs: list[dict[str, Any]]) -> str:
 # ----------------------------------------------------------------------------- commands
 
 
+def cache_env(root: Path) -> dict[str, str]:
+    """torch.compile's and Triton's caches under ROOT (the driver's environment, so every run's), where
+    `wait --with-base` packs them from; a path the environment sets already is kept."""
+    cache = root / CARRIED["compile-caches.tar.xz"][1]
+    pairs = (("TORCHINDUCTOR_CACHE_DIR", "inductor"), ("TRITON_CACHE_DIR", "triton"))
+    return {var: os.environ.get(var) or str(cache / sub) for var, sub in pairs}
+
+
 def copy_tree(dest: Path) -> Path:
     """A copy of what the driver and its pipelines import and read (src, lab, recipes), made afresh: a device call
     rewrites the repository's working tree, and a process starting to import from it at that moment fails."""
@@ -528,7 +538,9 @@ def start(a) -> None:
             pass
     rc_file.unlink(missing_ok=True)
     if a.base_archive is not None:
-        unpack_base(a.base_archive, p["w"] / "base")
+        used = [name for name in CARRIED if unpack(a.base_archive, Path(a.root), name)]
+        if not used and not any(a.base_archive.glob("*.[0-9][0-9]")):
+            raise SystemExit(f"--base-archive {a.base_archive}: none of {', '.join(CARRIED)} (as NAME.NN) there")
     copy = copy_tree(q / "repo")
     recipe = Path(a.recipe).resolve()
     if recipe.is_relative_to(REPO):
@@ -566,7 +578,7 @@ def start(a) -> None:
     line = " ".join(f"'{c}'" for c in cmd)
     proc = subprocess.Popen(
         ["bash", "-c", f"{line} > {q}/arms.log 2>&1; echo $? > {rc_file}"],
-        env=env(repo=copy),
+        env={**env(repo=copy), **cache_env(Path(a.root))},
         cwd=copy,
         stdin=subprocess.DEVNULL,
         stdout=subprocess.DEVNULL,
@@ -604,58 +616,70 @@ def wait(a) -> None:
     if a.collect:
         collect(p, runs, table)
     if a.with_base:
-        pack_base(p["w"] / "base", Path(os.environ.get("OUT", "/tmp/out")))
+        for name in CARRIED:
+            pack(Path(a.root), name, Path(os.environ.get("OUT", "/tmp/out")))
 
 
-BASE_ARCHIVE = "base-regenerate.tar.xz"
-BASE_PART_BYTES = 15 << 20  # a file that comes back from a device call holds at most 16 MiB
+PART_BYTES = 15 << 20  # a file that comes back from a device call holds at most 16 MiB
+CARRIED = {  # archive -> (its folder under ROOT, the one member it holds there, a path under it left out)
+    "base-regenerate.tar.xz": ("arms/base", "regenerate", "regenerate/run"),  # the base's selected chats + record
+    "compile-caches.tar.xz": (".", "cache", None),  # torch.compile's and Triton's caches (drive sets their paths)
+}
 
 
-def pack_base(base: Path, out: Path) -> list[Path]:
-    """The base's finished regeneration (regenerate/ without run/) as BASE_ARCHIVE in parts of at most
-    BASE_PART_BYTES (`.00`, `.01`, ...) under `out`: carried to a later session's device, `start --base-archive`
-    puts it back and that session's base skips the regeneration."""
-    if not (base / "regenerate" / "stage.json").is_file() or not (base / "regenerate" / "chats.jsonl").is_file():
-        log(f"{base / 'regenerate'}: no finished regeneration to pack")
+def _ready(name: str, where: Path) -> bool:
+    member = where / CARRIED[name][1]
+    if name.startswith("base-"):  # a finished regeneration: its record and the chats it selected
+        return (member / "stage.json").is_file() and (member / "chats.jsonl").is_file()
+    return member.is_dir() and any(member.iterdir())
+
+
+def pack(root: Path, name: str, out: Path) -> list[Path]:
+    """CARRIED[name] from `root` as NAME.00, NAME.01, ... under `out`, each at most PART_BYTES: carried to a later
+    session's device, `start --base-archive` puts it back there (the base's regeneration is then not redone, and
+    the first training's compilation finds its kernels)."""
+    folder, member, left_out = CARRIED[name]
+    where = root / folder
+    if not _ready(name, where):
+        log(f"{where / member}: nothing to pack into {name}")
         return []
     out.mkdir(parents=True, exist_ok=True)
-    whole = out / BASE_ARCHIVE
-    subprocess.run(
-        ["bash", "-c", f"tar -C '{base}' --exclude=regenerate/run -cf - regenerate | xz -T0 -6 > '{whole}'"],
-        check=True,
-    )
+    whole = out / name
+    exclude = f"--exclude='{left_out}' " if left_out else ""
+    subprocess.run(["bash", "-c", f"tar -C '{where}' {exclude}-cf - '{member}' | xz -T0 -6 > '{whole}'"], check=True)
     parts = []
     with open(whole, "rb") as f:
-        while chunk := f.read(BASE_PART_BYTES):
-            parts.append(out / f"{BASE_ARCHIVE}.{len(parts):02d}")
+        while chunk := f.read(PART_BYTES):
+            parts.append(out / f"{name}.{len(parts):02d}")
             parts[-1].write_bytes(chunk)
     whole.unlink()
-    log(f"packed {base / 'regenerate'} into {', '.join(x.name for x in parts)}")
+    log(f"packed {where / member} into {', '.join(x.name for x in parts)}")
     return parts
 
 
-def unpack_base(folder: Path, base: Path) -> bool:
-    """Put a carried BASE_ARCHIVE (its parts in `folder`) back as base/regenerate, unless base already has a
-    finished one; True when it did."""
-    if (base / "regenerate" / "stage.json").is_file():
-        log(f"{base / 'regenerate'} is there already: the carried archive is not used")
+def unpack(folder: Path, root: Path, name: str) -> bool:
+    """Put CARRIED[name] back under `root` from its parts in `folder`, unless a finished one is there already;
+    True when it did. An archive holding anything but its member is refused."""
+    where, member = root / CARRIED[name][0], CARRIED[name][1]
+    if _ready(name, where):
+        log(f"{where / member} is there already: the carried {name} is not used")
         return False
-    parts = sorted(folder.glob(f"{BASE_ARCHIVE}.[0-9][0-9]"))
+    parts = sorted(folder.glob(f"{name}.[0-9][0-9]"))
     if not parts:
-        raise SystemExit(f"--base-archive {folder}: no {BASE_ARCHIVE}.NN parts there")
-    base.mkdir(parents=True, exist_ok=True)
-    joined = base.parent / BASE_ARCHIVE
+        return False
+    where.mkdir(parents=True, exist_ok=True)
+    joined = where / f".{name}"
     with open(joined, "wb") as f:
         for part in parts:
             f.write(part.read_bytes())
     try:
         with tarfile.open(joined, "r:xz") as tar:
-            if any(not m.name.startswith("regenerate/") and m.name != "regenerate" for m in tar.getmembers()):
-                raise SystemExit(f"--base-archive {folder}: holds more than a regenerate/ folder")
-            tar.extractall(base, filter="data")
+            if any(m.name != member and not m.name.startswith(member + "/") for m in tar.getmembers()):
+                raise SystemExit(f"--base-archive {folder}: {name} holds more than {member}/")
+            tar.extractall(where, filter="data")
     finally:
         joined.unlink()
-    log(f"unpacked {len(parts)} part(s) of {BASE_ARCHIVE} into {base / 'regenerate'}")
+    log(f"unpacked {len(parts)} part(s) of {name} into {where / member}")
     return True
 
 
@@ -755,8 +779,8 @@ def main(argv: list[str] | None = None) -> None:
                 "--base-archive",
                 type=Path,
                 default=None,
-                help=f"a folder holding {BASE_ARCHIVE}.NN from an earlier session's `wait --collect --with-base`: "
-                "the base's regeneration is put back from it, not redone",
+                help="a folder holding the parts of an earlier session's `wait --collect --with-base`: the base's "
+                "regeneration (not redone) and the compile caches are put back from it",
             )
         s.add_argument("--arms", type=_arms, default=["default", "eagle31"], help="comma-separated: " + ", ".join(ARMS))
         s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
@@ -802,7 +826,8 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument(
         "--with-base",
         action="store_true",
-        help=f"also pack the base's regeneration into $OUT ({BASE_ARCHIVE}.NN) for a later session's --base-archive",
+        help="also pack the base's regeneration and the compile caches into $OUT (" + ", ".join(CARRIED) + ", as "
+        "NAME.NN) for a later session's --base-archive",
     )
     w.add_argument("--root", default=str(DEFAULT_ROOT))
     st = sub.add_parser("stop")

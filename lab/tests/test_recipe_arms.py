@@ -205,42 +205,51 @@ def test_an_overlapped_run_trains_first_then_evaluates_and_reports_both_parts(tm
     assert sorted(row["skipped"]) == ["prepare", "regenerate"]
 
 
-def test_the_base_regeneration_goes_to_a_later_session_in_parts(tmp_path, monkeypatch):
-    """wait --with-base packs base/regenerate (not its run/) into parts small enough to come back from a device
-    call; start --base-archive puts it back once, and refuses an archive holding anything else."""
+def test_the_base_regeneration_and_caches_go_to_a_later_session_in_parts(tmp_path, monkeypatch):
+    """wait --with-base packs base/regenerate (not its run/) and the compile caches into parts small enough to
+    come back from a device call; start --base-archive puts each back once, and refuses an archive holding
+    anything else."""
     import os
 
-    base = tmp_path / "arms" / "base"
+    root = tmp_path / "root"
+    base = root / "arms" / "base"
     (base / "regenerate" / "run").mkdir(parents=True)
     (base / "regenerate" / "stage.json").write_text('{"status": "complete"}')
     chats = os.urandom(3000).hex()  # incompressible: several parts
     (base / "regenerate" / "chats.jsonl").write_text(chats)
     (base / "regenerate" / "run" / "done.jsonl").write_text("the whole regeneration")
-    monkeypatch.setattr(ra, "BASE_PART_BYTES", 2048)
+    (root / "cache" / "triton" / "k1").mkdir(parents=True)
+    (root / "cache" / "triton" / "k1" / "kernel.cubin").write_bytes(b"\x7fELF")
+    monkeypatch.setattr(ra, "PART_BYTES", 2048)
     out = tmp_path / "out"
-    parts = ra.pack_base(base, out)
-    assert len(parts) >= 2 and all(p.stat().st_size <= 2048 for p in parts)
-    assert sorted(x.name for x in out.iterdir()) == [p.name for p in parts]
+    parts = [x for name in ra.CARRIED for x in ra.pack(root, name, out)]
+    assert len(parts) >= 3 and all(p.stat().st_size <= 2048 for p in parts)
+    assert sorted(x.name for x in out.iterdir()) == sorted(p.name for p in parts)
+    assert {p.name.rsplit(".", 1)[0] for p in parts} == set(ra.CARRIED)
 
-    later = tmp_path / "later" / "base"
-    assert ra.unpack_base(out, later)
-    assert (later / "regenerate" / "chats.jsonl").read_text() == chats
-    assert (later / "regenerate" / "stage.json").is_file() and not (later / "regenerate" / "run").exists()
-    assert not ra.unpack_base(out, later)  # a finished regeneration there already: left alone
-    assert not list(later.parent.glob("*.tar.xz"))
+    later = tmp_path / "later"
+    assert all(ra.unpack(out, later, name) for name in ra.CARRIED)
+    got = later / "arms" / "base" / "regenerate"
+    assert (got / "chats.jsonl").read_text() == chats and (got / "stage.json").is_file()
+    assert not (got / "run").exists()
+    assert (later / "cache" / "triton" / "k1" / "kernel.cubin").read_bytes() == b"\x7fELF"
+    assert not any(ra.unpack(out, later, name) for name in ra.CARRIED)  # there already: left alone
+    assert not list(later.rglob(".*.tar.xz"))
+    env = ra.cache_env(later)
+    assert env["TRITON_CACHE_DIR"] in (str(later / "cache" / "triton"), os.environ.get("TRITON_CACHE_DIR"))
 
     bad = tmp_path / "bad"
     bad.mkdir()
     (tmp_path / "prepared").mkdir()
     (tmp_path / "prepared" / "meta.json").write_text("{}")
-    with tarfile.open(bad / ra.BASE_ARCHIVE, "w:xz") as tar:
+    name = "base-regenerate.tar.xz"
+    with tarfile.open(bad / name, "w:xz") as tar:
         tar.add(tmp_path / "prepared", arcname="prepared")
-    (bad / ra.BASE_ARCHIVE).rename(bad / f"{ra.BASE_ARCHIVE}.00")
-    with pytest.raises(SystemExit, match="more than a regenerate"):
-        ra.unpack_base(bad, tmp_path / "other" / "base")
-    with pytest.raises(SystemExit, match="no base-regenerate"):
-        ra.unpack_base(tmp_path / "prepared", tmp_path / "third" / "base")
-    assert ra.pack_base(tmp_path / "nothing", out) == []
+    (bad / name).rename(bad / f"{name}.00")
+    with pytest.raises(SystemExit, match="holds more than regenerate/"):
+        ra.unpack(bad, tmp_path / "other", name)
+    assert not ra.unpack(tmp_path / "prepared", tmp_path / "third", name)  # no parts: nothing put back
+    assert ra.pack(tmp_path / "nothing", name, out) == []
 
 
 def test_arm_sets_that_touch_shared_stages_are_refused(monkeypatch):
