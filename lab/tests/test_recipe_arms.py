@@ -407,3 +407,16 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
     assert "eagle31-s4.log" in names and "eagle31-s4/pipeline.json" in names
     assert not [n for n in names if n.endswith(".safetensors")]
     ra.main(["stop", "--root", str(tmp_path / "root")])  # the driver has ended: nothing to stop
+
+    # a later session: the base's regeneration carried over (wait --with-base -> start --base-archive) is skipped
+    carried = tmp_path / "carried"
+    monkeypatch.setenv("OUT", str(carried))
+    ra.main(["wait", "--root", str(tmp_path / "root"), "--timeout", "1", "--with-base"])
+    assert (carried / "base-regenerate.tar.xz.00").is_file()
+    common[1] = str(tmp_path / "later")
+    ra.main(["start", "--arms", "default", "--seeds", "5", "--base-archive", str(carried), *common])
+    ra.main(["wait", "--root", str(tmp_path / "later"), "--timeout", "500"])
+    last = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert last["done"] and last["rc"] == "0" and last["finished"] == 1, last
+    base = json.loads((tmp_path / "later" / "arms" / "base" / "pipeline.json").read_text())["stages"]
+    assert base["regenerate"]["status"] == "skipped" and base["prepare"]["status"] == "ran"
