@@ -621,6 +621,7 @@ def wait(a) -> None:
 
 
 PART_BYTES = 15 << 20  # a file that comes back from a device call holds at most 16 MiB
+OUT_BYTES = 60 << 20  # and all of them together at most 64 MiB (arms.tgz and the table beside the parts)
 CARRIED = {  # archive -> (its folder under ROOT, the one member it holds there, a path under it left out)
     "base-regenerate.tar.xz": ("arms/base", "regenerate", "regenerate/run"),  # the base's selected chats + record
     "compile-caches.tar.xz": (".", "cache", None),  # torch.compile's and Triton's caches (drive sets their paths)
@@ -647,6 +648,14 @@ def pack(root: Path, name: str, out: Path) -> list[Path]:
     whole = out / name
     exclude = f"--exclude='{left_out}' " if left_out else ""
     subprocess.run(["bash", "-c", f"tar -C '{where}' {exclude}-cf - '{member}' | xz -T0 -6 > '{whole}'"], check=True)
+    already = sum(f.stat().st_size for f in out.iterdir() if f.is_file() and f != whole)
+    if already + whole.stat().st_size > OUT_BYTES:  # it would not come back: leave it out, say so
+        log(
+            f"{name}: {whole.stat().st_size >> 20} MiB beside {already >> 20} MiB in {out} would pass what a call "
+            "brings back; not packed"
+        )
+        whole.unlink()
+        return []
     parts = []
     with open(whole, "rb") as f:
         while chunk := f.read(PART_BYTES):

@@ -250,6 +250,9 @@ def test_the_base_regeneration_and_caches_go_to_a_later_session_in_parts(tmp_pat
         ra.unpack(bad, tmp_path / "other", name)
     assert not ra.unpack(tmp_path / "prepared", tmp_path / "third", name)  # no parts: nothing put back
     assert ra.pack(tmp_path / "nothing", name, out) == []
+    monkeypatch.setattr(ra, "OUT_BYTES", 4096)  # more than a call brings back: left out, nothing half-written
+    before = sorted(x.name for x in out.iterdir())
+    assert ra.pack(root, name, out) == [] and sorted(x.name for x in out.iterdir()) == before
 
 
 def test_arm_sets_that_touch_shared_stages_are_refused(monkeypatch):
