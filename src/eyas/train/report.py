@@ -32,6 +32,7 @@ class Reporter:
         )  # a finished run's rerun reports its figures
         self.last: dict[str, Any] = done_last or {}
         self.t_last = self.t_run
+        self.t_first: float | None = None  # when this run's first step ended (it compiles: the eta leaves it out)
 
     def begin(self) -> None:
         """The clock of the first step's `step_s` starts here, once the loop is ready to queue it."""
@@ -62,7 +63,10 @@ class Reporter:
         self.target_run += target_s
         wall = now - self.t_run
         rate = self.tok_run / wall
-        eta = (total - step - 1) * wall / (step + 1 - self.start)
+        if self.t_first is None:
+            self.t_first, eta = now, None
+        else:
+            eta = (total - step - 1) * (now - self.t_first) / (step - self.start)
         self.last = last = {
             "step": step + 1,
             "loss": loss_v,
@@ -87,7 +91,7 @@ class Reporter:
             log(
                 f"step {step + 1:05d}/{total:05d} | loss {loss_v:.3f} | acc {accs} | {fmt_rate(rate)} tok/s "
                 f"({fmt_rate(last['supervised_tokens_per_s'])} supervised) | useful {last['useful_fraction']:.2f}"
-                f"{extra} | eta {fmt_eta(eta)}"
+                f"{extra} | eta {'-' if eta is None else fmt_eta(eta)}"
             )
         return bool(stopping)
 
