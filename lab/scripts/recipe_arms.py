@@ -38,8 +38,8 @@ calls), the recipe's base and one full run (the ledger's `recipe_wall_s` row giv
 for a second run, so a session holds one full run, or two where the base's regeneration is carried instead of
 redone and the first run evaluates beside the second's training:
 - `--overlap` (the default): a run's pipeline goes in two parts, `--until train` and then the rest, and the next
-  run trains on the GPU while the last one evaluates (eval is mostly the target's own answers through
-  `generate`, little GPU). `--no-overlap` runs each pipeline alone, for a run's own wall time: an overlapped
+  run trains on the GPU while the last one evaluates (the target's answers at a small batch and the replay: a
+  minute or so, little of the GPU). `--no-overlap` runs each pipeline alone, for a run's own wall time: an overlapped
   run's eval, and the next run's training rate, share the GPU for that minute.
 - `wait --collect --with-base` also packs the base's regeneration (regenerate/ without run/: the chats it
   selected and its stage record) and the compile caches (torch.compile's and Triton's, which the driver keeps
@@ -622,16 +622,17 @@ def wait(a) -> None:
 
 PART_BYTES = 15 << 20  # a file that comes back from a device call holds at most 16 MiB
 OUT_BYTES = 60 << 20  # and all of them together at most 64 MiB (arms.tgz and the table beside the parts)
-CARRIED = {  # archive -> (its folder under ROOT, the one member it holds there, a path under it left out)
-    "base-regenerate.tar.xz": ("arms/base", "regenerate", "regenerate/run"),  # the base's selected chats + record
-    "compile-caches.tar.xz": (".", "cache", None),  # torch.compile's and Triton's caches (drive sets their paths)
+CARRIED = {  # archive -> (its folder under ROOT, the one member it holds there, a path under it left out, the files
+    # that make the member finished: none = any file)
+    "base-regenerate.tar.xz": ("arms/base", "regenerate", "regenerate/run", ("stage.json", "chats.jsonl")),
+    "compile-caches.tar.xz": (".", "cache", None, ()),  # torch.compile's and Triton's caches (cache_env's paths)
 }
 
 
 def _ready(name: str, where: Path) -> bool:
-    member = where / CARRIED[name][1]
-    if name.startswith("base-"):  # a finished regeneration: its record and the chats it selected
-        return (member / "stage.json").is_file() and (member / "chats.jsonl").is_file()
+    member, needs = where / CARRIED[name][1], CARRIED[name][3]
+    if needs:
+        return all((member / f).is_file() for f in needs)
     return member.is_dir() and any(member.iterdir())
 
 
@@ -639,7 +640,7 @@ def pack(root: Path, name: str, out: Path) -> list[Path]:
     """CARRIED[name] from `root` as NAME.00, NAME.01, ... under `out`, each at most PART_BYTES: carried to a later
     session's device, `start --base-archive` puts it back there (the base's regeneration is then not redone, and
     the first training's compilation finds its kernels)."""
-    folder, member, left_out = CARRIED[name]
+    folder, member, left_out, _ = CARRIED[name]
     where = root / folder
     if not _ready(name, where):
         log(f"{where / member}: nothing to pack into {name}")
