@@ -318,3 +318,37 @@ def test_an_export_killed_mid_way_is_redone_not_refused(tmp_path):
     (export / "notes").mkdir()
     with pytest.raises(EyasError, match="was not written by `eyas pipeline`"):
         claim("export", export)
+
+
+def test_the_eval_fingerprint_follows_the_recorded_answers_not_their_path(tmp_path):
+    """[eval] answers: the prompts and answers enter eval's fingerprint, so a copy elsewhere or other acceptance
+    counts beside them rerun nothing and another answer reruns eval; left unset, eval's fingerprint is the one
+    computed before the option existed (older workdirs still skip)."""
+    import dataclasses
+    import hashlib
+
+    from eyas.config_checks import inputs_made_later
+    from eyas.pipeline import NOT_IN_FINGERPRINT, _jsonable, fingerprint
+    from eyas.specdec.run import EvalConfig
+
+    def answers(name: str, *, generated=(3, 4), accepted=(1,)) -> Path:
+        row = {"id": "a", "turn": 1, "prompt_ids": [1, 2], "generated_ids": list(generated), "accepted_chain": accepted}
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "sequences.jsonl").write_text(json.dumps(row) + "\n")
+        return tmp_path / name
+
+    def fp(where: Path | None) -> str:
+        with inputs_made_later():
+            cfg = EvalConfig(drafter=tmp_path / "d", answers=where)
+        return fingerprint("eval", cfg, "input", auto={"drafter"})
+
+    first = fp(answers("a"))
+    assert fp(answers("copy")) == first and fp(answers("counts", accepted=[2])) == first
+    assert fp(answers("other", generated=[3, 5])) != first
+    with inputs_made_later():
+        cfg = EvalConfig(drafter=tmp_path / "d")
+    opts = {
+        k: v for k, v in dataclasses.asdict(cfg).items() if k not in NOT_IN_FINGERPRINT["eval"] | {"drafter", "answers"}
+    }
+    before = {"stage": "eval", "options": _jsonable(opts), "input": "input"}
+    assert fp(None) == hashlib.sha256(json.dumps(before, sort_keys=True).encode()).hexdigest()

@@ -302,3 +302,79 @@ def test_cpu_sizes_name_limit_only_where_the_prompts_hold_more():
 
     assert cpu_sized(80) == {"limit": 4, "max_new_tokens": 48}  # MT-bench's 80 questions
     assert cpu_sized(3) == {"max_new_tokens": 48}  # a short prompts file: --limit would change nothing
+
+
+ANSWER_OPTS = ["--max-new-tokens", 6, "--chain-k", 3, "--tree-topk", 3, "--tree-depth", 3, "--tree-tokens", 8]
+
+
+def test_eval_on_recorded_answers_replays_them_without_generating(tiny_target_dir, tmp_path, prompts_file, monkeypatch):
+    """--answers: the same drafter on an earlier eval's answers gives that eval's records and tau; another drafter is
+    replayed on the same answers; a lower --limit takes the first conversations'; the target generates nothing."""
+    first = _make_drafter(tiny_target_dir, tmp_path / "d0")
+    common = ["--target", tiny_target_dir, "--prompts", prompts_file, *ANSWER_OPTS]
+    res, made = _run("--drafter", first, "--out", tmp_path / "a", *common)
+    assert res.exit_code == 0, res.output
+    from eyas.specdec import generate
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("the target generated answers although --answers was given")
+
+    monkeypatch.setattr(generate, "greedy_generate", no_generation)
+    res, again = _run("--drafter", first, "--out", tmp_path / "b", "--answers", tmp_path / "a", *common)
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "b" / "sequences.jsonl").read_text() == (tmp_path / "a" / "sequences.jsonl").read_text()
+    assert (again["tau_chain"], again["tau_tree"]) == (made["tau_chain"], made["tau_tree"])
+    assert "generation_s" in made["timings"] and "generation_s" not in again["timings"]
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["generation"]["answers"]["source"] == str((tmp_path / "a").resolve())
+    assert report["generation"]["answers"]["device"] == "cpu"
+
+    other = _make_drafter(tiny_target_dir, tmp_path / "d1", seed=1)
+    res, _ = _run("--drafter", other, "--out", tmp_path / "c", "--answers", tmp_path / "a", *common, "--limit", 1)
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(line) for line in (tmp_path / "c" / "sequences.jsonl").read_text().splitlines()]
+    first_rows = [json.loads(line) for line in (tmp_path / "a" / "sequences.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "a"]  # the first conversation's two turns
+    assert [r["generated_ids"] for r in rows] == [r["generated_ids"] for r in first_rows if r["id"] == "a"]
+
+
+def test_eval_refuses_recorded_answers_that_do_not_belong(
+    tiny_target_dir, tmp_path, prompts_file, smol_tokenizer, monkeypatch
+):
+    """Each mismatch is a one-line error (exit 2) before the target loads: another --max-new-tokens, prompts the
+    answers do not hold, a prompt that renders otherwise, a cut sequences.jsonl, another target's answers."""
+    import shutil
+
+    from conftest import make_tiny_target
+
+    src = _make_drafter(tiny_target_dir, tmp_path / "d")
+    res, _ = _run(
+        "--drafter", src, "--target", tiny_target_dir, "--prompts", prompts_file, "--out", tmp_path / "a", *ANSWER_OPTS
+    )
+    assert res.exit_code == 0, res.output
+    import eyas.target
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target loaded before the answers were checked")
+
+    monkeypatch.setattr(eyas.target, "load_target", no_load)
+    more = tmp_path / "more.jsonl"
+    more.write_text(prompts_file.read_text() + json.dumps({"id": "z", "prompt": "And 3+3?"}) + "\n")
+    reworded = tmp_path / "reworded.jsonl"
+    reworded.write_text(prompts_file.read_text().replace("Shorter, please.", "Longer, please."))
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "a", cut)
+    (cut / "sequences.jsonl").write_text("".join((cut / "sequences.jsonl").read_text().splitlines(True)[:-1]))
+    other = make_tiny_target(tmp_path / "other", smol_tokenizer, seed=1)
+    cases = [
+        (tiny_target_dir, prompts_file, tmp_path / "a", ["--max-new-tokens", 5], "generated with --max-new-tokens 6"),
+        (tiny_target_dir, more, tmp_path / "a", [], "no answer to prompt z turn 1"),
+        (tiny_target_dir, reworded, tmp_path / "a", [], "prompt a turn 2 renders to other ids"),
+        (tiny_target_dir, prompts_file, cut, [], "holds 2 distinct answers, its report.json 3"),
+        (other, prompts_file, tmp_path / "a", [], "(their weights differ)"),
+    ]
+    for n, (target, prompts, answers, extra, said) in enumerate(cases):
+        args = ["--drafter", src, "--target", target, "--prompts", prompts, "--answers", answers, *ANSWER_OPTS, *extra]
+        res, _ = _run(*args, "--allow-other-target", "--out", tmp_path / f"o{n}")
+        assert res.exit_code == 2 and said in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not (tmp_path / f"o{n}").exists()

@@ -340,6 +340,12 @@ def fingerprint(stage: str, cfg: Any, input_fp: str | None, *, auto: set[str] = 
     """sha256 of the options that decide the stage's result plus its input's fingerprint."""
     skip = NOT_IN_FINGERPRINT.get(stage, set()) | set(auto)
     opts = {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
+    if stage == "eval" and opts.get("answers") is None:
+        opts.pop("answers", None)  # unset: out, so fingerprints from before the option existed still match
+    elif stage == "eval":  # the recorded answers decide the result, not the path they are read from
+        from eyas.specdec.answers import answers_digest
+
+        opts["answers"] = answers_digest(Path(opts["answers"])) or opts["answers"]
     blob = json.dumps({"stage": stage, "options": _jsonable(opts), "input": input_fp}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 

@@ -13,6 +13,7 @@ max_new_tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -217,20 +218,12 @@ def generate_conversations(
         raise EyasError("the target defines no eos_token_id; cannot tell where an answer ends")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else min(eos)
     context = context_length(model)
-    history: list[list[dict[str, str]]] = [[] for _ in convs]
-    seqs: list[Sequence] = []
-    for turn in range(max(len(c.turns) for c in convs)):
-        live = [i for i, c in enumerate(convs) if turn < len(c.turns)]
-        batch = []
-        for i in live:
-            history[i].append({"role": "user", "content": convs[i].turns[turn]})
-            seq = Sequence(
-                id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]), category=convs[i].category
-            )
+
+    def answer(batch: list[Sequence]) -> list[list[int]]:
+        for seq in batch:
             check_fits(seq, max_new_tokens=max_new_tokens, context=context)
-            batch.append(seq)
-        log(f"eval: generating turn {turn + 1} for {len(batch)} prompts ({max_new_tokens} new tokens max)")
-        answers = greedy_generate(
+        log(f"eval: generating turn {batch[0].turn} for {len(batch)} prompts ({max_new_tokens} new tokens max)")
+        return greedy_generate(
             model,
             [s.prompt_ids for s in batch],
             max_new_tokens=max_new_tokens,
@@ -238,7 +231,28 @@ def generate_conversations(
             pad_id=pad,
             batch_size=batch_size,
         )
-        for i, seq, ans in zip(live, batch, answers):
+
+    return conversation_turns(tokenizer, convs, answer)
+
+
+def conversation_turns(
+    tokenizer, convs: list[Conversation], answer: Callable[[list[Sequence]], list[list[int]]]
+) -> list[Sequence]:
+    """Every turn of every conversation, turn by turn: `answer` gets one turn's prompts of all conversations that
+    have it and returns their answers; turn n+1 is rendered after the decoded answer to turn n."""
+    history: list[list[dict[str, str]]] = [[] for _ in convs]
+    seqs: list[Sequence] = []
+    for turn in range(max(len(c.turns) for c in convs)):
+        live = [i for i, c in enumerate(convs) if turn < len(c.turns)]
+        batch = []
+        for i in live:
+            history[i].append({"role": "user", "content": convs[i].turns[turn]})
+            batch.append(
+                Sequence(
+                    id=convs[i].id, turn=turn + 1, prompt_ids=render(tokenizer, history[i]), category=convs[i].category
+                )
+            )
+        for i, seq, ans in zip(live, batch, answer(batch), strict=True):
             seq.generated_ids = ans
             history[i].append({"role": "assistant", "content": tokenizer.decode(ans, skip_special_tokens=True)})
         seqs += batch

@@ -1,9 +1,9 @@
 """`eyas eval` end to end: greedy target answers, target features, replayed chain and tree decoding, report.
 
 Stages, each timed: (1) load the target and the drafter (any layout) and check they belong together;
-(2) generate the target's greedy answers to every turn, batched; (3) per batch of sequences (sorted by
-length, up to --replay-tokens tokens), one target forward for the aux features, then the replay of
-every drafting mode; (4) metrics and the report.
+(2) generate the target's greedy answers to every turn, batched (or read an earlier evaluation's: --answers,
+eyas/specdec/answers.py); (3) per batch of sequences (sorted by length, up to --replay-tokens tokens), one
+target forward for the aux features, then the replay of every drafting mode; (4) metrics and the report.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ class EvalConfig:
     """Tokens (sequences x padded length) per replay batch; lower it if memory runs out."""
     allow_other_target: bool = False
     """Evaluate an eyas drafter against a target other than the one it was trained for (a deliberate transfer)."""
+    answers: Path | None = None
+    """An earlier `eyas eval` --out directory: replay on the target answers it recorded instead of generating them
+    (drafters compared on the same answers): the same target, prompts and --max-new-tokens, a --limit up to its own."""
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -85,6 +88,10 @@ class EvalConfig:
         check_device(self.device)
         if self.prompts != "mtbench" and not Path(self.prompts).is_file():
             raise EyasError(f"--prompts {self.prompts}: not a file and not 'mtbench'")
+        if self.answers is not None:
+            self.answers = Path(self.answers)
+            if not self.answers.is_dir():
+                raise EyasError(f"--answers {self.answers}: not a directory (expected an `eyas eval` --out directory)")
         from eyas.config_checks import input_must_exist
 
         if not input_must_exist():  # `eyas pipeline`: the drafter is trained by an earlier stage
@@ -209,7 +216,8 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run everything; returns (report, per-sequence records). Writes nothing."""
     from eyas.defaults import resolve_target
     from eyas.drafter.reader import check_drafter_dir
-    from eyas.specdec.generate import generate_conversations, load_prompts
+    from eyas.specdec.answers import answer_from, check_same_target, read_answers
+    from eyas.specdec.generate import conversation_turns, generate_conversations, load_prompts
     from eyas.target import (
         CONVENTION,
         check_drafter_target,
@@ -225,10 +233,14 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     t0 = time.perf_counter()
     convs = load_prompts(cfg.prompts, limit=cfg.limit)  # a bad prompts file fails before any model loads
     check_drafter_dir(cfg.drafter)  # and so does a drafter without a usable config or weights
+    recorded = read_answers(cfg.answers, max_new_tokens=cfg.max_new_tokens) if cfg.answers else None
     warn_gpu_sized(cfg, device, command="eval", shorter=cpu_sized(len(convs)))
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
     check_drafter_target(cfg.drafter, target_path, tok_hash=tokenizer_hash(tokenizer), allow=cfg.allow_other_target)
+    if recorded:  # every mismatch of the recorded answers fails here, before the target loads
+        check_same_target(recorded, target_path, tok_hash=tokenizer_hash(tokenizer))
+        seqs = conversation_turns(tokenizer, convs, answer_from(recorded))
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
     # NaN/Inf weights would draft garbage that is never accepted: tau 1.000 that looks like a result
@@ -250,13 +262,15 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     )
 
     t0 = time.perf_counter()
-    seqs = generate_conversations(
-        target, tokenizer, convs, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size
-    )
-    _sync(device)
-    timings["generation_s"] = time.perf_counter() - t0
+    if not recorded:
+        seqs = generate_conversations(
+            target, tokenizer, convs, max_new_tokens=cfg.max_new_tokens, batch_size=cfg.gen_batch_size
+        )
+        _sync(device)
+        timings["generation_s"] = time.perf_counter() - t0
     generated = sum(len(s.generated_ids) for s in seqs)
-    log(f"eval: generated {generated} tokens for {len(seqs)} sequences in {timings['generation_s']:.1f}s")
+    made = f"read from --answers {cfg.answers}" if recorded else f"generated in {timings['generation_s']:.1f}s"
+    log(f"eval: {generated} answer tokens for {len(seqs)} sequences, {made}")
 
     t0 = time.perf_counter()
     rounds = replay_sequences(
@@ -315,6 +329,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             "prompt_tokens": sum(len(s.prompt_ids) for s in seqs),
             "generated_tokens": generated,
             "ended_with_eos": sum(1 for s in seqs if s.generated_ids and s.generated_ids[-1] in eos),
+            "answers": recorded.provenance() if recorded else None,
         },
         "modes": summaries,
         "definitions": DEFINITIONS,
