@@ -42,14 +42,20 @@ redone and the first run evaluates beside the second's training:
   minute or so, little of the GPU). `--no-overlap` runs each pipeline alone, for a run's own wall time: an overlapped
   run's eval, and the next run's training rate, share the GPU for that minute.
 - `wait --collect --with-base` also packs the base's regeneration (regenerate/ without run/: the chats it
-  selected and its stage record) and the compile caches (torch.compile's and Triton's, which the driver keeps
-  under ROOT/cache: a fresh machine's first training spends its first step compiling) into $OUT as
-  base-regenerate.tar.xz.NN and compile-caches.tar.xz.NN (at most 15 MiB each). Copy them here into
+  selected and its stage record), the session's answers (below) and the compile caches (torch.compile's and
+  Triton's, which the driver keeps under ROOT/cache: a fresh machine's first training spends its first step
+  compiling) into $OUT as base-regenerate.tar.xz.NN, eval-answers.tar.xz.NN and compile-caches.tar.xz.NN (at
+  most 15 MiB each). Copy them here into
   .stage/arms-base and carry that folder with a later session's call `a` (64 MiB in all with serve-a; copy it to
   /root/eyas-stage there, as the tree's copy may not outlast the call); `start --base-archive
   /root/eyas-stage/arms-base` puts them back before the driver starts, and the base's pipeline skips the
   regeneration (same options, same fingerprint: the target and chats staged at the same paths) and prepares
   again. The driver's log says whether it skipped. A run on warm caches is not a fresh machine's wall time.
+- `--answers` (the default): every run's eval replays on one set of the target's MT-bench answers (`eyas eval
+  --answers`), so runs, and sessions that carry the set (eval-answers.tar.xz, packed with the base), differ by
+  their drafters alone (bf16 answers can differ between processes) and later runs skip the generation. The first
+  planned run generates them; the others' evals wait for it. The table's note names each run's answers by digest.
+  `--no-answers`: each run generates its own.
 Three seeds of two arms take three sessions that way (seed 1, then `--seeds 2`, then `--seeds 3`), or shorten
 every arm alike with `--set train.steps=...` (a proxy: the learning rate's schedule is compressed with it).
 `--parallel 2` trains two runs at once on the one GPU (the table's tok/s shows whether they slow each other
@@ -106,6 +112,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampled_data  # noqa: E402 (the script beside this one: the sampled arm's merge)
 
 REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(1, str(REPO / "src"))  # eyas, where the device runs this script from the tree without installing it
 RECIPE = REPO / "recipes" / "smollm2-gpu.toml"
 VARIANTS_DIR = REPO / "lab" / "variants"
 DEFAULT_ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))  # serve_live.py's ROOT
@@ -260,18 +267,55 @@ def sampled_base(a, w: Path, base: Path) -> Path | None:
     return out
 
 
+ANSWERS = "answers"  # under ROOT/arms: the session's one set of the target's MT-bench answers (an eval report)
+ANSWERS_LOCK = threading.Lock()
+
+
+def shared_answers(a, w: Path, name: str) -> list[str]:
+    """`eval.answers` for a run's eval with `a.answers`: every run replays on the same target answers, so runs
+    differ by their drafters alone. Where the session has none yet (none carried), the first planned run makes
+    them: the others' evals wait until it has ended (drive sets `a.answers_made`); if it failed, each of them
+    generates its own and the first to finish provides the rest."""
+    if not getattr(a, "answers", False):
+        return []
+    made = getattr(a, "answers_made", None)
+    if made is not None and not made.is_set() and name != a.answers_maker and not _ready("eval-answers.tar.xz", w):
+        log(f"{name}: its eval waits for {a.answers_maker}'s answers")
+        made.wait()
+    if _ready("eval-answers.tar.xz", w):
+        return [f"eval.answers={json.dumps(str(w / ANSWERS))}"]
+    return []
+
+
+def keep_answers(a, w: Path, run: Path) -> None:
+    """The first finished run's eval report becomes the session's answers (written whole, then renamed)."""
+    with ANSWERS_LOCK:
+        if not getattr(a, "answers", False) or _ready("eval-answers.tar.xz", w):
+            return
+        if not all((run / "eval" / f).is_file() for f in CARRIED["eval-answers.tar.xz"][3]):
+            return
+        tmp = w / f".{ANSWERS}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        for f in CARRIED["eval-answers.tar.xz"][3]:
+            shutil.copy2(run / "eval" / f, tmp / f)
+        tmp.rename(w / ANSWERS)
+        log(f"{run.name}'s answers are the session's: later runs replay on them ({w / ANSWERS})")
+
+
 def one_run(
     a, arm: str, seed: int, base: Path, w: Path, *, gpu: int | None = None, trained: Callable[[], None] = lambda: None
 ) -> dict[str, Any]:
     """One run's pipeline. With `a.overlap` it goes in two parts, `--until train` and then the rest (eval and
     export, the training skipped as complete): `trained()` is called between them, so the next run may train on the
-    GPU while this one evaluates (its first part's pipeline.json is kept as pipeline-train.json)."""
+    GPU while this one evaluates (its first part's pipeline.json is kept as pipeline-train.json). Its eval replays
+    on the session's answers where they are there when it starts (shared_answers)."""
     name = run_name(arm, seed)
     run = w / name
     seed_workdir(base, run)
     sets = [*common_sets(a), f"train.seed={seed}", *arm_sets(arm, more_steps=a.more_steps)]
-    cmd = pipeline_command(ARMS[arm][0], Path(a.recipe), run, sets)
-    rec = {"name": name, "arm": arm, "seed": seed, "command": cmd, "gpu": gpu, "started": time.time()}
+    rec = {"name": name, "arm": arm, "seed": seed, "gpu": gpu, "started": time.time()}
+    rec["command"] = pipeline_command(ARMS[arm][0], Path(a.recipe), run, sets)  # eval's answers decided later
     (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
     log_file = w / f"{name}.log"
     if getattr(a, "overlap", False):
@@ -280,10 +324,14 @@ def one_run(
         if (run / "pipeline.json").is_file():
             (run / "pipeline.json").replace(run / TRAIN_PART)
         trained()
-        if rc == 0:
-            rc = run_logged(cmd, log_file, gpu=gpu, append=True)
+        if rc == 0:  # a failed training waits for no answers
+            rec["command"] = pipeline_command(ARMS[arm][0], Path(a.recipe), run, [*sets, *shared_answers(a, w, name)])
+            rc = run_logged(rec["command"], log_file, gpu=gpu, append=True)
     else:
-        rc = run_logged(cmd, log_file, gpu=gpu)
+        rec["command"] = pipeline_command(ARMS[arm][0], Path(a.recipe), run, [*sets, *shared_answers(a, w, name)])
+        rc = run_logged(rec["command"], log_file, gpu=gpu)
+    if rc == 0:
+        keep_answers(a, w, run)
     rec.update(rc=rc, seconds=round(time.time() - rec["started"], 1))
     (run / "arm.json").write_text(json.dumps(rec, indent=1) + "\n")
     log(f"{name}: exit {rc} after {rec['seconds']} s")
@@ -336,6 +384,7 @@ def drive(a) -> int:
         bases["sampled"] = sampled_base(a, w, base)
     runs = [r for r in plan(a.arms, a.seeds) if bases[r[0]] is not None]
     slots = gpu_slots(a.gpus, a.parallel)
+    a.answers_made, a.answers_maker = threading.Event(), run_name(*runs[0]) if runs else None
 
     def placed(r, gpu):  # the slot's GPU until the run has trained (--overlap) or ended, then the slot goes back
         given = threading.Event()
@@ -349,6 +398,8 @@ def drive(a) -> int:
             return one_run(a, r[0], r[1], bases[r[0]], w, gpu=gpu, trained=give_back)
         finally:
             give_back()
+            if r == runs[0]:  # the session's answers are made, or will not be by this run (shared_answers)
+                a.answers_made.set()
 
     with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, len(runs))) as pool:
         futures = [pool.submit(placed, r, slots.get()) for r in runs]  # slots taken here: runs start in plan order
@@ -432,6 +483,7 @@ def gather(w: Path) -> list[dict[str, Any]]:
                 eval_s=ev.get("seconds"),
                 train_samples=p["stages"].get("prepare", {}).get("train_samples"),
                 state_cache=state_cache(w / f"{rec['name']}.log"),
+                answers=answers_of(run),
                 skipped=[s for s, r in p["stages"].items() if r.get("status") == "skipped"],
             )
             variants = ARMS.get(rec["arm"], ((), []))[0]
@@ -441,6 +493,21 @@ def gather(w: Path) -> list[dict[str, Any]]:
             row["progress"] = "failed" if rec.get("rc") else progress(run)
         out.append(row)
     return out
+
+
+def answers_of(run: Path) -> str | None:
+    """The answers the run's eval replayed on, by their digest's first 12 characters (runs that show the same
+    replayed on the same answers), with " own" where the run generated them."""
+    from eyas.specdec.answers import answers_digest
+
+    try:
+        recorded = json.loads((run / "eval" / "report.json").read_text())["generation"].get("answers")
+    except (OSError, ValueError, KeyError):
+        return None
+    if recorded:
+        return recorded["digest"][:12]
+    own = answers_digest(run / "eval")
+    return f"{own[:12]} own" if own else None
 
 
 def _num(x, digits=4) -> str:
@@ -475,6 +542,8 @@ def format_table(runs: list[dict[str, Any]]) -> str:
             note += " state cache did not fit"
         if r.get("skipped") and set(r["skipped"]) != {"regenerate", "prepare"}:
             note += f" skipped {r['skipped']}"
+        if r.get("answers"):
+            note += f" answers {r['answers']}"
         lines.append(
             f"{r['name']:<16} {_num(r.get('tau_chain')):>9} {_num(r.get('tau_tree')):>9} "
             f"{r.get('steps') or '-':>6} {_num(r.get('train_s'), 0):>8} {_num(r.get('tokens_per_s'), 0):>9} "
@@ -550,6 +619,7 @@ def start(a) -> None:
         str(copy / Path(__file__).resolve().relative_to(REPO)),
         "drive",
         "--overlap" if a.overlap else "--no-overlap",
+        "--answers" if a.answers else "--no-answers",
         "--root",
         str(a.root),
         "--recipe",
@@ -625,8 +695,9 @@ OUT_BYTES = 60 << 20  # and all of them together at most 64 MiB (arms.tgz and th
 CARRIED = {  # archive -> (its folder under ROOT, the one member it holds there, a path under it left out, the files
     # that make the member finished: none = any file)
     "base-regenerate.tar.xz": ("arms/base", "regenerate", "regenerate/run", ("stage.json", "chats.jsonl")),
+    "eval-answers.tar.xz": ("arms", ANSWERS, None, ("report.json", "sequences.jsonl")),  # keep_answers's copy
     "compile-caches.tar.xz": (".", "cache", None, ()),  # torch.compile's and Triton's caches (cache_env's paths)
-}
+}  # packed in this order: the largest, the caches, last (left out where $OUT would pass what comes back)
 
 
 def _ready(name: str, where: Path) -> bool:
@@ -790,7 +861,7 @@ def main(argv: list[str] | None = None) -> None:
                 type=Path,
                 default=None,
                 help="a folder holding the parts of an earlier session's `wait --collect --with-base`: the base's "
-                "regeneration (not redone) and the compile caches are put back from it",
+                "regeneration (not redone), the compile caches and the session's answers are put back from it",
             )
         s.add_argument("--arms", type=_arms, default=["default", "eagle31"], help="comma-separated: " + ", ".join(ARMS))
         s.add_argument("--seeds", type=_ints, default=[1], help="train.seed of each run, comma-separated")
@@ -812,6 +883,13 @@ def main(argv: list[str] | None = None) -> None:
             default=True,
             help="a run's eval and export beside the next run's training (--no-overlap: each run alone, for its wall "
             "time)",
+        )
+        s.add_argument(
+            "--answers",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="every run's eval replays on the session's one set of target answers (carried by --base-archive, or "
+            "the first finished run's; --no-answers: each run generates its own)",
         )
         s.add_argument("--recipe", default=str(RECIPE))
         s.add_argument("--root", default=str(DEFAULT_ROOT))
@@ -836,8 +914,9 @@ def main(argv: list[str] | None = None) -> None:
     w.add_argument(
         "--with-base",
         action="store_true",
-        help="also pack the base's regeneration and the compile caches into $OUT (" + ", ".join(CARRIED) + ", as "
-        "NAME.NN) for a later session's --base-archive",
+        help="also pack the base's regeneration, the compile caches and the session's answers into $OUT ("
+        + ", ".join(CARRIED)
+        + ", as NAME.NN) for a later session's --base-archive",
     )
     w.add_argument("--root", default=str(DEFAULT_ROOT))
     st = sub.add_parser("stop")

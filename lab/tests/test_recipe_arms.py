@@ -206,9 +206,9 @@ def test_an_overlapped_run_trains_first_then_evaluates_and_reports_both_parts(tm
 
 
 def test_the_base_regeneration_and_caches_go_to_a_later_session_in_parts(tmp_path, monkeypatch):
-    """wait --with-base packs base/regenerate (not its run/) and the compile caches into parts small enough to
-    come back from a device call; start --base-archive puts each back once, and refuses an archive holding
-    anything else."""
+    """wait --with-base packs base/regenerate (not its run/), the session's answers and the compile caches into parts
+    small enough to come back from a device call; start --base-archive puts each back once, and refuses an archive
+    holding anything else."""
     import os
 
     root = tmp_path / "root"
@@ -218,6 +218,9 @@ def test_the_base_regeneration_and_caches_go_to_a_later_session_in_parts(tmp_pat
     chats = os.urandom(3000).hex()  # incompressible: several parts
     (base / "regenerate" / "chats.jsonl").write_text(chats)
     (base / "regenerate" / "run" / "done.jsonl").write_text("the whole regeneration")
+    (root / "arms" / "answers").mkdir(parents=True)
+    for name in ("report.json", "sequences.jsonl"):
+        (root / "arms" / "answers" / name).write_text(name)
     (root / "cache" / "triton" / "k1").mkdir(parents=True)
     (root / "cache" / "triton" / "k1" / "kernel.cubin").write_bytes(b"\x7fELF")
     monkeypatch.setattr(ra, "PART_BYTES", 2048)
@@ -233,6 +236,7 @@ def test_the_base_regeneration_and_caches_go_to_a_later_session_in_parts(tmp_pat
     assert (got / "chats.jsonl").read_text() == chats and (got / "stage.json").is_file()
     assert not (got / "run").exists()
     assert (later / "cache" / "triton" / "k1" / "kernel.cubin").read_bytes() == b"\x7fELF"
+    assert (later / "arms" / "answers" / "sequences.jsonl").read_text() == "sequences.jsonl"
     assert not any(ra.unpack(out, later, name) for name in ra.CARRIED)  # there already: left alone
     assert not list(later.rglob(".*.tar.xz"))
     env = ra.cache_env(later)
@@ -404,6 +408,8 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
             and sorted(r["skipped"]) == ["prepare", "regenerate"]
         )
     assert runs["eagle31-s4"]["variant"] == "ok" and "variant" not in runs["default-s4"]
+    made = runs["default-s4"]["answers"]  # the first run generated the session's answers, the second replayed them
+    assert made.endswith(" own") and runs["eagle31-s4"]["answers"] == made.split()[0]
     assert "eagle31-s4" in (tmp_path / "out" / "arms.txt").read_text()
     with tarfile.open(tmp_path / "out" / "arms.tgz") as tar:
         names = tar.getnames()
@@ -415,7 +421,7 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
     carried = tmp_path / "carried"
     monkeypatch.setenv("OUT", str(carried))
     ra.main(["wait", "--root", str(tmp_path / "root"), "--timeout", "1", "--with-base"])
-    assert (carried / "base-regenerate.tar.xz.00").is_file()
+    assert (carried / "base-regenerate.tar.xz.00").is_file() and (carried / "eval-answers.tar.xz.00").is_file()
     common[1] = str(tmp_path / "later")
     ra.main(["start", "--arms", "default", "--seeds", "5", "--base-archive", str(carried), *common])
     ra.main(["wait", "--root", str(tmp_path / "later"), "--timeout", "500"])
@@ -423,3 +429,35 @@ def test_a_detached_session_runs_both_arms_on_one_preparation(tmp_path, tiny_tar
     assert last["done"] and last["rc"] == "0" and last["finished"] == 1, last
     base = json.loads((tmp_path / "later" / "arms" / "base" / "pipeline.json").read_text())["stages"]
     assert base["regenerate"]["status"] == "skipped" and base["prepare"]["status"] == "ran"
+    (later,) = ra.gather(tmp_path / "later" / "arms")
+    assert later["answers"] == made.split()[0]  # the carried answers: no run of that session generated its own
+
+
+def test_later_runs_wait_for_the_first_runs_answers_and_replay_on_them(tmp_path):
+    """--answers: the first planned run's eval makes the session's answers and starts at once; another run's eval
+    waits until the first run has ended, then replays on them; where the first run failed it generates its own."""
+    import threading
+
+    w = tmp_path / "arms"
+    run = w / "default-s1"
+    (run / "eval").mkdir(parents=True)
+    a = ra.argparse.Namespace(answers=True, answers_made=threading.Event(), answers_maker="default-s1")
+    assert ra.shared_answers(a, w, "default-s1") == []  # the maker does not wait
+    got = []
+    other = threading.Thread(target=lambda: got.append(ra.shared_answers(a, w, "eagle31-s1")))
+    other.start()
+    other.join(0.3)
+    assert other.is_alive() and not got  # waiting for the maker
+    for name in ("report.json", "sequences.jsonl"):
+        (run / "eval" / name).write_text(name)
+    ra.keep_answers(a, w, run)
+    a.answers_made.set()
+    other.join(5)
+    assert got == [[f'eval.answers="{w / "answers"}"']]
+    assert (w / "answers" / "sequences.jsonl").read_text() == "sequences.jsonl"
+
+    failed = ra.argparse.Namespace(answers=True, answers_made=threading.Event(), answers_maker="default-s1")
+    failed.answers_made.set()
+    assert ra.shared_answers(failed, tmp_path / "empty", "eagle31-s1") == []  # the maker ended without answers
+    off = ra.argparse.Namespace(answers=False)
+    assert ra.shared_answers(off, w, "eagle31-s1") == []

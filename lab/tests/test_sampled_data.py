@@ -139,5 +139,8 @@ def test_a_session_trains_the_sampled_arm_on_the_merged_data(tmp_path, tiny_targ
     assert epochs["sampled-s4"] > epochs["default-s4"]  # its training read the merged split
     ids = {n: json.loads((w / n / "prepared" / "eval.ids.json").read_text()) for n in runs}
     assert ids["sampled-s4"] == ids["default-s4"]  # the held-out split is the default arm's
+    replayed = _options(w / "sampled-s4", "eval").pop("answers")  # the first run's answers, the session's
+    assert replayed == str(w / "answers") and _options(w / "default-s4", "eval").get("answers") is None
     for stage in ("train", "eval", "export"):
-        assert _options(w / "sampled-s4", stage) == _options(w / "default-s4", stage), stage
+        ours, theirs = ({k: v for k, v in _options(w / n, stage).items() if k != "answers"} for n in runs)
+        assert ours == theirs, stage
