@@ -16,8 +16,10 @@ commands use `python3` from the repository root.
            serve_live.py install  carry .stage/serve-c     (unpack, install SGLang, then a speculative server with
                                                            the tiny drafter; a missing module is installed from the
                                                            spare wheels and the start retried; --no-smoke skips it)
-           serve_live.py sweep --detach [--snapshot]       (waits for the recipe, or with --snapshot stops it at
-                                                           its first checkpoint and exports that; then eval on the
+           serve_live.py sweep --detach [--snapshot | --drafter DIR]
+                                                           (waits for the recipe, or with --snapshot stops it at
+                                                           its first checkpoint and exports that, or serves DIR (a
+                                                           recipe_arms run's export/sglang); then eval on the
                                                            export, the plain server, each SGLang setting with
                                                            `eyas bench-serve` against the plain one, and
                                                            `eyas regenerate` through the plain server and in-process)
@@ -589,7 +591,9 @@ def sweep(a) -> None:
     env = eyas_env()
     export = W / "export" / "sglang"
     results = {"settings": {}, "limit": a.limit}
-    if a.snapshot:  # the recipe's newest checkpoint, the recipe stopped: its drafter exported as it is
+    if a.drafter:  # another run's SGLang export (e.g. recipe_arms's ROOT/arms/default-s1/export/sglang)
+        export, results["drafter"] = Path(a.drafter), str(a.drafter)
+    elif a.snapshot:  # the recipe's newest checkpoint, the recipe stopped: its drafter exported as it is
         export = snapshot(results, env)
     else:
         while not (Q / "recipe.rc").exists() and (Q / "recipe.log").exists():  # started with the recipe running
@@ -1225,6 +1229,12 @@ def main() -> None:
     sw.add_argument("--concurrency", default="1,16")
     sw.add_argument("--regen-limit", type=int, default=2000)
     sw.add_argument("--snapshot", action="store_true", help="stop the recipe and serve its newest checkpoint")
+    sw.add_argument(
+        "--drafter",
+        default=None,
+        help="the SGLang export to serve instead of the recipe's (a recipe_arms run's export/sglang); with "
+        "CUDA_VISIBLE_DEVICES=N the servers use GPU N (a GPU no run trains on)",
+    )
     st = sub.add_parser("store", help="issue 41: capture from SGLang, verify x3, train offline, eval, serve")
     st.add_argument("--detach", action="store_true")
     st.add_argument("--samples", type=int, default=6000, help="train samples captured (all of 6,000 records)")
