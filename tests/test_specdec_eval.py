@@ -327,6 +327,8 @@ def test_eval_on_recorded_answers_replays_them_without_generating(tiny_target_di
     assert "generation_s" in made["timings"] and "generation_s" not in again["timings"]
     report = json.loads((tmp_path / "b" / "report.json").read_text())
     assert report["generation"]["answers"]["source"] == str((tmp_path / "a").resolve())
+    generated = json.loads((tmp_path / "a" / "report.json").read_text())["generation"]
+    assert generated["answers"] is None and generated["answers_digest"] == report["generation"]["answers_digest"]
     assert report["generation"]["answers"]["device"] == "cpu"
 
     other = _make_drafter(tiny_target_dir, tmp_path / "d1", seed=1)

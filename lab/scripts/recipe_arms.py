@@ -112,7 +112,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import sampled_data  # noqa: E402 (the script beside this one: the sampled arm's merge)
 
 REPO = Path(__file__).resolve().parents[2]
-sys.path.insert(1, str(REPO / "src"))  # eyas, where the device runs this script from the tree without installing it
 RECIPE = REPO / "recipes" / "smollm2-gpu.toml"
 VARIANTS_DIR = REPO / "lab" / "variants"
 DEFAULT_ROOT = Path(os.environ.get("EYAS_DEVICE_STAGE", "/root/eyas-stage"))  # serve_live.py's ROOT
@@ -496,18 +495,13 @@ def gather(w: Path) -> list[dict[str, Any]]:
 
 
 def answers_of(run: Path) -> str | None:
-    """The answers the run's eval replayed on, by their digest's first 12 characters (runs that show the same
-    replayed on the same answers), with " own" where the run generated them."""
-    from eyas.specdec.answers import answers_digest
-
+    """The answers the run's eval replayed on, by the first 12 characters of the digest its report records (runs
+    that show the same replayed on the same answers), with " own" where the run generated them."""
     try:
-        recorded = json.loads((run / "eval" / "report.json").read_text())["generation"].get("answers")
-    except (OSError, ValueError, KeyError):
+        gen = json.loads((run / "eval" / "report.json").read_text())["generation"]
+        return gen["answers_digest"][:12] + ("" if gen.get("answers") else " own")
+    except (OSError, ValueError, KeyError, TypeError):
         return None
-    if recorded:
-        return recorded["digest"][:12]
-    own = answers_digest(run / "eval")
-    return f"{own[:12]} own" if own else None
 
 
 def _num(x, digits=4) -> str:

@@ -136,6 +136,11 @@ IDENTITY_PARTS = (
 )
 
 
+def identity_differences(recorded: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    """The IDENTITY_PARTS, by name, on which two target identities differ (a part either lacks is not compared)."""
+    return [what for key, what in IDENTITY_PARTS if recorded.get(key) and now.get(key) and recorded[key] != now[key]]
+
+
 def check_drafter_target(
     drafter: str | Path,
     target: str | Path,
@@ -143,10 +148,12 @@ def check_drafter_target(
     tok_hash: str | None = None,
     allow: bool = False,
     option: str = "--target",
+    identity: dict[str, Any] | None = None,
 ) -> None:
     """Refuse `target` when it is not the target the eyas drafter at `drafter` was trained for (the identity its
     config.json records: config, weight files, sampled weight bytes, tokenizer), before any model loads; with
-    `allow` (a deliberate transfer) say so and go on. Drafters of other layouts record no target: nothing to compare."""
+    `allow` (a deliberate transfer) say so and go on. Drafters of other layouts record no target: nothing to compare.
+    `identity`: model_identity(target), where the caller has it already."""
     from eyas.common import log
 
     try:
@@ -156,10 +163,10 @@ def check_drafter_target(
     if not isinstance(recorded, dict) or not recorded:
         return
     try:
-        now = {**model_identity(target), "tokenizer_hash": tok_hash}
+        now = {**(identity or model_identity(target)), "tokenizer_hash": tok_hash}
     except EyasError:  # not a model directory (a verifier's bare config): nothing to compare; loading it says more
         return
-    differ = [what for key, what in IDENTITY_PARTS if recorded.get(key) and now.get(key) and recorded[key] != now[key]]
+    differ = identity_differences(recorded, now)
     if not differ:
         return
     said = (

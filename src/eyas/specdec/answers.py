@@ -29,20 +29,13 @@ class RecordedAnswers:
     """An earlier evaluation's answers, by (conversation id, turn)."""
 
     source: Path
-    digest: str
-    """answers_digest of them: equal for the same prompts and answers, whatever else the file holds."""
     report: dict[str, Any]
     answers: dict[tuple[str, int], Sequence]
 
     def provenance(self) -> dict[str, Any]:
-        """What the new report records of them: where from, their checksum, and how they were made."""
+        """What the new report records of them: where from and how they were made."""
         settings = self.report.get("settings", {})
-        return {
-            "source": str(self.source.resolve()),
-            "digest": self.digest,
-            "device": settings.get("device"),
-            "dtype": settings.get("dtype"),
-        }
+        return {"source": str(self.source.resolve()), "device": settings.get("device"), "dtype": settings.get("dtype")}
 
 
 def read_answers(directory: str | Path, *, max_new_tokens: int) -> RecordedAnswers:
@@ -77,10 +70,11 @@ def read_answers(directory: str | Path, *, max_new_tokens: int) -> RecordedAnswe
             f"{where}: sequences.jsonl holds {len(answers)} distinct answers, its report.json {expected}: "
             "the file was cut or edited; run that evaluation again"
         )
-    return RecordedAnswers(directory, _digest(answers.values()), report, answers)
+    return RecordedAnswers(directory, report, answers)
 
 
-def _digest(seqs) -> str:
+def digest(seqs) -> str:
+    """sha256 of the prompts and answers of `seqs` (whatever their order): equal for the same answer set."""
     rows = sorted([s.id, s.turn, s.prompt_ids, s.generated_ids] for s in seqs)
     return hashlib.sha256(json.dumps(rows).encode()).hexdigest()
 
@@ -91,7 +85,7 @@ def answers_digest(directory: Path) -> str | None:
     try:
         lines = (Path(directory) / "sequences.jsonl").read_text().splitlines()
         seqs = (_sequence(line, max_new_tokens=1 << 30, where="") for line in lines)
-        return _digest({(s.id, s.turn): s for s in seqs}.values())
+        return digest({(s.id, s.turn): s for s in seqs}.values())
     except (OSError, ValueError, EyasError):
         return None
 
@@ -108,13 +102,12 @@ def _sequence(line: str, *, max_new_tokens: int, where: str) -> Sequence:
     return seq
 
 
-def check_same_target(rec: RecordedAnswers, target_path: Path, *, tok_hash: str) -> None:
-    """Refuse answers another target gave (config, weight files, sampled weights or tokenizer differ)."""
-    from eyas.target import IDENTITY_PARTS, model_identity
+def check_same_target(rec: RecordedAnswers, now: dict[str, Any], *, target_path: Path) -> None:
+    """Refuse answers another target gave: `now` is the target's model_identity with its tokenizer_hash."""
+    from eyas.target import identity_differences
 
     then = {**rec.report.get("target", {}), "tokenizer_hash": rec.report.get("tokenizer_sha256")}
-    now = {**model_identity(target_path), "tokenizer_hash": tok_hash}
-    differ = [what for key, what in IDENTITY_PARTS if then.get(key) != now.get(key)]
+    differ = identity_differences(then, now)
     if differ:
         raise EyasError(
             f"--answers {rec.source}: answered by target {then.get('path')}, not --target {target_path} (their "

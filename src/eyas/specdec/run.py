@@ -216,7 +216,7 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Run everything; returns (report, per-sequence records). Writes nothing."""
     from eyas.defaults import resolve_target
     from eyas.drafter.reader import check_drafter_dir
-    from eyas.specdec.answers import answer_from, check_same_target, read_answers
+    from eyas.specdec.answers import answer_from, check_same_target, digest as answers_digest, read_answers
     from eyas.specdec.generate import conversation_turns, generate_conversations, load_prompts
     from eyas.target import (
         CONVENTION,
@@ -237,9 +237,10 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     warn_gpu_sized(cfg, device, command="eval", shorter=cpu_sized(len(convs)))
     target_path = resolve_target(cfg.target)
     tokenizer = load_tokenizer(target_path)
-    check_drafter_target(cfg.drafter, target_path, tok_hash=tokenizer_hash(tokenizer), allow=cfg.allow_other_target)
+    tok_hash, identity = tokenizer_hash(tokenizer), model_identity(target_path)  # each once: seconds for a big target
+    check_drafter_target(cfg.drafter, target_path, tok_hash=tok_hash, allow=cfg.allow_other_target, identity=identity)
     if recorded:  # every mismatch of the recorded answers fails here, before the target loads
-        check_same_target(recorded, target_path, tok_hash=tokenizer_hash(tokenizer))
+        check_same_target(recorded, {**identity, "tokenizer_hash": tok_hash}, target_path=target_path)
         seqs = conversation_turns(tokenizer, convs, answer_from(recorded))
     target = load_target(target_path, device=device, dtype=dtype)
     ckpt, drafter = load_drafter_for(target, Path(cfg.drafter), device=device, dtype=dtype)
@@ -319,8 +320,8 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             "source_layer_ids": ckpt.provenance.layer_ids,
             "spec": spec.to_dict(),
         },
-        "target": model_identity(target_path),
-        "tokenizer_sha256": tokenizer_hash(tokenizer),
+        "target": identity,
+        "tokenizer_sha256": tok_hash,
         "prompts": {"source": cfg.prompts, "conversations": len(convs), "limit": cfg.limit},
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(cfg).items()}
         | {"device": str(device), "dtype": str(dtype).replace("torch.", ""), "temperature": 0},
@@ -329,7 +330,8 @@ def run_eval(cfg: EvalConfig) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             "prompt_tokens": sum(len(s.prompt_ids) for s in seqs),
             "generated_tokens": generated,
             "ended_with_eos": sum(1 for s in seqs if s.generated_ids and s.generated_ids[-1] in eos),
-            "answers": recorded.provenance() if recorded else None,
+            "answers": recorded.provenance() if recorded else None,  # None: generated here
+            "answers_digest": answers_digest(seqs),
         },
         "modes": summaries,
         "definitions": DEFINITIONS,
